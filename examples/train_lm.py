@@ -1,0 +1,495 @@
+"""Train a small Llama-style byte-level language model with functional_train.
+
+The model is an ordinary ``nn.Module`` (RMSNorm, rotary embeddings, causal attention through
+``F.scaled_dot_product_attention``, SwiGLU MLP). Training is functional: the parameters are a plain
+``dict`` of tensors, the loss is computed with ``torch.func.functional_call``, gradients with
+``grad_and_value`` and the update with a pure functional_train chain::
+
+    tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(clip), ft.adamw(schedule, weight_decay=wd)),
+                        every_k=accum)
+    updates, state = tx.update(grads, state, params, mesh=mesh)
+    params = ft.apply_updates(params, updates)
+
+Under ``torchrun`` the same script runs data parallel x tensor parallel on CPU (gloo): the model is
+sharded with ``parallelize_module`` (q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms
+and the LM head stay replicated plain tensors), each data-parallel rank takes its contiguous slice
+of the global batch, and the optimizer chain reduces gradients over the ``dp`` mesh axis itself.
+Given the same ``--seed`` and global batch, one process and N processes train the same model (up to
+floating point reduction order).
+
+Data: bytes (vocabulary 256) of real text. By default the Python standard library's own ``*.py``
+sources (``sysconfig.get_paths()["stdlib"]``, third-party ``site-packages`` excluded), read in
+sorted order up to ``--max-bytes``; ``--data PATH`` takes a text file or a directory instead. The
+last ``--val-fraction`` of the bytes is held out; the validation loss is the mean next-byte
+cross-entropy (nats per byte) over ``--eval-windows`` fixed, evenly spaced windows of it.
+
+Usage::
+
+    python examples/train_lm.py                                   # defaults: ~5 min on 2 CPU cores
+    python examples/train_lm.py --steps 3 --eval-every 0 --out /tmp/run1
+    torchrun --standalone --nproc-per-node 4 examples/train_lm.py # dp=2 x tp=2 on gloo
+    torchrun --standalone --nproc-per-node 4 examples/train_lm.py --dp 1 --tp 4
+
+Outputs (``--out DIR``, default ``runs/<timestamp>``): ``metrics.json`` (per-step loss, gradient
+norm, learning rate and throughput, validation losses and the summary), ``loss.png`` and
+``params.pt`` (the final unsharded parameters, a flat name -> tensor dict). The last line printed
+on stdout is the summary as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import functional_train as ft
+
+VOCAB = 256  # byte-level tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned gain (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0):
+    """cos/sin tables of shape (seq_len, head_dim) for rotate-half rotary embeddings."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate (B, H, T, head_dim) queries or keys by position."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary position embeddings.
+
+    Under tensor parallelism wq/wk/wv are column-sharded, so each rank holds n_heads // tp heads;
+    the local head count is read off the local output shape, never from the configuration.
+    """
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.wq = nn.Linear(d_model, d_model, bias=False)
+        self.wk = nn.Linear(d_model, d_model, bias=False)
+        self.wv = nn.Linear(d_model, d_model, bias=False)
+        self.wo = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, local heads, T, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    """w_down(silu(w_gate x) * w_up x)."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, d_ff, bias=False)
+        self.w_up = nn.Linear(d_model, d_ff, bias=False)
+        self.w_down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, d_ff: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(d_model)
+        self.attn = Attention(d_model, n_heads)
+        self.mlp_norm = RMSNorm(d_model)
+        self.mlp = SwiGLU(d_model, d_ff)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Pre-norm Llama-style decoder over bytes; forward(tokens (B, T)) -> logits (B, T, 256)."""
+
+    def __init__(self, d_model: int, n_layers: int, n_heads: int, d_ff: int, max_seq_len: int):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.layers = nn.ModuleList(Block(d_model, n_heads, d_ff) for _ in range(n_layers))
+        self.norm = RMSNorm(d_model)
+        self.lm_head = nn.Linear(d_model, VOCAB, bias=False)
+        cos, sin = rotary_tables(max_seq_len, d_model // n_heads)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights(n_layers)
+
+    def _init_weights(self, n_layers: int):
+        # GPT-2 style: N(0, 0.02), residual output projections scaled down by depth.
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w_down.weight")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, tokens):
+        T = tokens.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def tensor_parallel_plan(n_layers: int) -> dict:
+    """q/k/v/gate/up column-wise, o/down row-wise; everything else stays replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(n_layers):
+        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.wo", "mlp.w_down"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients
+# --------------------------------------------------------------------------------------------------
+
+
+def grad_and_value(loss_fn):
+    """``torch.func.grad_and_value(loss_fn)`` (argnums=0, dict params) built on ``torch.autograd``.
+
+    Why: under ``parallelize_module`` the forward goes through DTensor's ``from_local`` /
+    ``to_local``, which are ``autograd.Function``s without ``setup_context``; functorch transforms
+    refuse them ("In order to use an autograd.Function with functorch transforms ... must override
+    setup_context"). Ordinary reverse-mode autograd over ``functional_call`` computes the same
+    gradients, so the multi-process path uses this instead. Returns ``(grads, loss)`` with
+    ``grads`` a dict shaped like ``params``; neither argument is modified.
+    """
+
+    def wrapped(params, *args, **kwargs):
+        with torch.enable_grad():
+            leaves = {k: p.detach().requires_grad_(True) for k, p in params.items()}
+            loss = loss_fn(leaves, *args, **kwargs)
+            grads = torch.autograd.grad(loss, list(leaves.values()))
+        return dict(zip(leaves.keys(), grads)), loss.detach()
+
+    return wrapped
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+
+
+def list_files(path: str | None) -> list[str]:
+    """Files to read, in deterministic (sorted) order."""
+    if path is None:
+        root = sysconfig.get_paths()["stdlib"]
+        files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+        # site-packages / dist-packages hold third-party code that differs between machines.
+        files = [f for f in files if not {"site-packages", "dist-packages"} & set(f.split(os.sep))]
+        return sorted(files)
+    if os.path.isdir(path):
+        files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        return sorted(f for f in files if os.path.isfile(f))
+    if os.path.isfile(path):
+        return [path]
+    raise FileNotFoundError(f"--data {path!r} is neither a file nor a directory")
+
+
+def load_bytes(path: str | None, max_bytes: int) -> torch.Tensor:
+    """Concatenate the files' bytes (up to max_bytes, 0 = no cap) into a uint8 tensor."""
+    chunks, total = [], 0
+    for f in list_files(path):
+        with open(f, "rb") as fh:
+            data = fh.read()
+        if max_bytes and total + len(data) > max_bytes:
+            data = data[: max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+        if max_bytes and total >= max_bytes:
+            break
+    data = b"".join(chunks)
+    if not data:
+        raise ValueError(f"no data found under {path or 'the Python standard library'}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int):
+    """Inputs and next-byte targets, (len(starts), seq_len) int64 each."""
+    idx = starts[:, None] + torch.arange(seq_len + 1)
+    chunk = data[idx].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=int, default=256, help="residual stream width")
+    g.add_argument("--n-layers", type=int, default=4, help="number of transformer blocks")
+    g.add_argument("--n-heads", type=int, default=4, help="attention heads (divisible by --tp)")
+    g.add_argument("--d-ff", type=int, default=0,
+                   help="SwiGLU hidden width; 0 = 8/3 * d-model rounded up to a multiple of 64")
+    g.add_argument("--seq-len", type=int, default=256, help="context length in bytes")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=600, help="optimizer steps")
+    g.add_argument("--batch", type=int, default=32, help="global batch: sequences per optimizer step")
+    g.add_argument("--accum", type=int, default=1,
+                   help="micro-steps per optimizer step (the global batch is split into this many)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
+    g.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled (AdamW) weight decay")
+    g.add_argument("--seed", type=int, default=0, help="seeds initialisation and batch sampling")
+    g = p.add_argument_group("data and evaluation")
+    g.add_argument("--data", default=None,
+                   help="text file or directory (all files under it, sorted); "
+                        "default: the Python standard library sources")
+    g.add_argument("--max-bytes", type=int, default=8_000_000, help="read at most this many bytes (0 = all)")
+    g.add_argument("--val-fraction", type=float, default=0.05, help="held-out tail of the data")
+    g.add_argument("--eval-every", type=int, default=0,
+                   help="also evaluate every N steps (0 = only at the end)")
+    g.add_argument("--eval-windows", type=int, default=128, help="number of fixed validation windows")
+    g = p.add_argument_group("parallelism and output")
+    g.add_argument("--dp", type=int, default=0, help="data-parallel size (0 = world size // tp)")
+    g.add_argument("--tp", type=int, default=0,
+                   help="tensor-parallel size (0 = 2 if the world size is even, else 1)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch threads per process (0 = all cores in one process, 1 under torchrun)")
+    g.add_argument("--out", default=None, help="output directory (default runs/<timestamp>)")
+    return p.parse_args(argv)
+
+
+def setup_parallel(args):
+    """Returns (world_size, rank, device_mesh or None); device_mesh has dims ("dp", "tp")."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        if args.dp not in (0, 1) or args.tp not in (0, 1):
+            raise SystemExit("--dp/--tp > 1 need several processes (launch with torchrun)")
+        args.dp, args.tp = 1, 1
+        return 1, 0, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tp = args.tp or (2 if world % 2 == 0 else 1)
+    dp = args.dp or world // tp
+    if dp * tp != world:
+        raise SystemExit(f"--dp {dp} x --tp {tp} != world size {world}")
+    args.dp, args.tp = dp, tp
+    return world, rank, init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def check_sizes(args):
+    if args.d_ff == 0:
+        args.d_ff = 64 * math.ceil(8 * args.d_model / 3 / 64)
+    if args.d_model % args.n_heads or (args.d_model // args.n_heads) % 2:
+        raise SystemExit("--d-model must be a multiple of --n-heads with an even head size")
+    if args.n_heads % args.tp or args.d_ff % args.tp:
+        raise SystemExit(f"--n-heads {args.n_heads} and --d-ff {args.d_ff} must be divisible by --tp {args.tp}")
+    if args.batch % (args.dp * args.accum):
+        raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp} x --accum {args.accum}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world, rank, device_mesh = setup_parallel(args)
+    check_sizes(args)
+    torch.set_num_threads(args.threads or (len(os.sched_getaffinity(0)) if world == 1 else 1))
+    is_main = rank == 0
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if is_main else (lambda *a: None)
+
+    # ---- data: identical on every rank -----------------------------------------------------------
+    data = load_bytes(args.data, args.max_bytes)
+    n_val = max(int(len(data) * args.val_fraction), args.seq_len + 1)
+    train_data, val_data = data[:-n_val], data[-n_val:]
+    if len(train_data) <= args.seq_len + 1:
+        raise SystemExit("not enough data for one training window")
+    val_starts = torch.linspace(0, len(val_data) - args.seq_len - 1, args.eval_windows).long()
+    log(f"data: {len(train_data):,} train bytes, {len(val_data):,} validation bytes")
+
+    # ---- model: the full model initialised identically everywhere, then sharded -------------------
+    torch.manual_seed(args.seed)
+    model = Transformer(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len)
+    mesh, dp_rank, dp_group = None, 0, None
+    if device_mesh is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if args.tp > 1:
+            parallelize_module(model, device_mesh["tp"], tensor_parallel_plan(args.n_layers))
+        mesh = ft.Mesh(device_mesh, data_axis="dp")
+        dp_rank = device_mesh.get_local_rank("dp")
+        dp_group = device_mesh.get_group("dp")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    n_params = sum(p.numel() for p in params.values())  # global numel, DTensors included
+    log(f"model: {n_params / 1e6:.2f}M parameters; world {world}"
+        + (f" = dp {args.dp} x tp {args.tp}" if world > 1 else ""))
+
+    def loss_fn(params, x, y):
+        logits = torch.func.functional_call(model, params, (x,))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+    # torch.func.grad_and_value cannot see through DTensor (see grad_and_value above).
+    grad_fn = torch.func.grad_and_value(loss_fn) if world == 1 else grad_and_value(loss_fn)
+
+    def dp_mean(t):
+        if dp_group is not None and args.dp > 1:
+            t = t.clone()
+            dist.all_reduce(t, group=dp_group)
+            t /= args.dp
+        return t
+
+    @torch.no_grad()
+    def evaluate(params):
+        # dp ranks split the fixed windows; tp ranks of a group evaluate the same ones.
+        per_rank = math.ceil(len(val_starts) / args.dp)
+        mine = val_starts[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        total = torch.zeros((), dtype=torch.float64)
+        for chunk in mine.split(32):
+            x, y = windows(val_data, chunk, args.seq_len)
+            logits = torch.func.functional_call(model, params, (x,))
+            total += F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum").double()
+        if dp_group is not None and args.dp > 1:
+            dist.all_reduce(total, group=dp_group)
+        return (total / (len(val_starts) * args.seq_len)).item()
+
+    # ---- optimizer --------------------------------------------------------------------------------
+    schedule = ft.schedules.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=args.lr, warmup_steps=args.warmup, decay_steps=args.steps,
+        end_value=args.lr * 0.1)
+    tx = ft.multi_steps(
+        ft.chain(ft.clip_by_global_norm(args.clip), ft.adamw(schedule, weight_decay=args.weight_decay)),
+        every_k=args.accum)
+    state = tx.init(params)
+
+    # ---- training loop ----------------------------------------------------------------------------
+    from tqdm import tqdm
+
+    batch_gen = torch.Generator().manual_seed(args.seed + 1)  # same global batches on every rank
+    local_batch = args.batch // args.dp
+    micro = local_batch // args.accum
+    tokens_per_step = args.batch * args.seq_len
+    history, val_history = [], []
+    train_time = 0.0
+    t_start = time.perf_counter()
+    bar = tqdm(range(args.steps), disable=not is_main, desc="train", dynamic_ncols=True)
+    for step in bar:
+        starts = torch.randint(0, len(train_data) - args.seq_len - 1, (args.batch,), generator=batch_gen)
+        starts = starts[dp_rank * local_batch: (dp_rank + 1) * local_batch]  # this dp rank's slice
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros(())
+        for m in range(args.accum):
+            x, y = windows(train_data, starts[m * micro: (m + 1) * micro], args.seq_len)
+            grads, loss = grad_fn(params, x, y)
+            updates, state = tx.update(grads, state, params, mesh=mesh)
+            params = ft.apply_updates(params, updates)
+            loss_sum += loss.detach()
+        loss = dp_mean(loss_sum / args.accum).item()  # mean over the global batch
+        dt = time.perf_counter() - t0
+        train_time += dt
+        assert bool(ft.has_updated(state)), "multi_steps did not apply an update on the last micro-step"
+        grad_norm = float(ft.tree_get(state, "global_norm"))
+        lr = float(schedule(torch.tensor(step)))
+        history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                        "tokens_per_s": tokens_per_step / dt, "time_s": time.perf_counter() - t_start})
+        bar.set_postfix(loss=f"{loss:.3f}", gnorm=f"{grad_norm:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            val_history.append({"step": step + 1, "val_loss": evaluate(params)})
+            bar.write(f"step {step + 1}: val loss {val_history[-1]['val_loss']:.4f}", file=sys.stderr)
+    bar.close()
+    val_loss = evaluate(params)
+    val_history.append({"step": args.steps, "val_loss": val_loss})
+    wall = time.perf_counter() - t_start
+
+    # ---- outputs ----------------------------------------------------------------------------------
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in params.items()}
+    summary = {
+        "initial_loss": history[0]["loss"] if history else None,
+        "final_loss": history[-1]["loss"] if history else None,
+        "val_loss": val_loss,
+        "steps": args.steps,
+        "tokens": args.steps * tokens_per_step,
+        "tokens_per_s": args.steps * tokens_per_step / train_time if train_time else None,
+        "train_time_s": train_time,
+        "wall_time_s": wall,
+        "n_params": n_params,
+        "world_size": world,
+        "mesh": {"dp": args.dp, "tp": args.tp} if world > 1 else None,
+        "out": None,
+    }
+    if is_main:
+        out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        os.makedirs(out, exist_ok=True)
+        summary["out"] = os.path.abspath(out)
+        torch.save(full, os.path.join(out, "params.pt"))
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump({"args": vars(args), "steps": history, "val": val_history, "summary": summary}, f, indent=1)
+        plot(history, val_history, os.path.join(out, "loss.png"))
+        print(json.dumps(summary), flush=True)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def plot(history, val_history, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8, label="train")
+    ax.plot([v["step"] for v in val_history], [v["val_loss"] for v in val_history], "o-", label="validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats / byte)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""functional_train: pure, composable gradient transformations for PyTorch.
+
+The same chain runs in one process on plain tensors and across tensor x data x pipeline x expert
+parallel meshes on DTensors, with the same numbers. See DESIGN.md and the README.
+"""
+
+from . import schedules
+from .accumulation import MultiStepsState, has_updated, multi_steps
+from .base import EmptyState, GradientTransformation, chain, identity, named_chain
+from .clipping import ClipByGlobalNormState, clip, clip_by_global_norm, global_norm
+from .mesh import Mesh
+from .optimizers import adam, adamw, sgd
+from .transforms import (ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState,
+                         add_decayed_weights, scale, scale_by_adam, scale_by_learning_rate, trace)
+from .tree import tree_get
+from .update import apply_updates
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # base
+    "GradientTransformation", "EmptyState", "identity", "chain", "named_chain", "apply_updates",
+    "Mesh", "tree_get",
+    # clipping
+    "clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm",
+    # accumulation
+    "multi_steps", "MultiStepsState", "has_updated",
+    # transforms
+    "scale", "scale_by_learning_rate", "ScaleByScheduleState", "add_decayed_weights", "trace",
+    "TraceState", "scale_by_adam", "ScaleByAdamState", "ScaleByAmsgradState",
+    # optimizers
+    "sgd", "adam", "adamw",
+    # modules
+    "schedules",
+]

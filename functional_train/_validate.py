@@ -1,0 +1,40 @@
+"""Hyper-parameter checks shared by every transform (clear ValueError/TypeError messages)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def number(name: str, value: Any, *, where: str, low: float | None = None,
+           high: float | None = None, low_open: bool = False, high_open: bool = False) -> float:
+    """Check ``value`` is a real number within the given bounds; return it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: {name} must be a real number, got {type(value).__name__}")
+    v = float(value)
+    if math.isnan(v):
+        raise ValueError(f"{where}: {name} must not be NaN")
+    if low is not None and (v < low or (low_open and v == low)):
+        raise ValueError(f"{where}: {name} must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and (v > high or (high_open and v == high)):
+        raise ValueError(f"{where}: {name} must be {'<' if high_open else '<='} {high}, got {value}")
+    return v
+
+
+def learning_rate(value: Any, *, where: str):
+    """A non-negative float, or a schedule (callable of the step count)."""
+    if callable(value):
+        return value
+    return number("learning_rate", value, where=where, low=0.0)
+
+
+def beta(name: str, value: Any, *, where: str) -> float:
+    return number(name, value, where=where, low=0.0, high=1.0, high_open=True)
+
+
+def integer(name: str, value: Any, *, where: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{where}: {name} must be >= {low}, got {value}")
+    return value

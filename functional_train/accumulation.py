@@ -1,0 +1,142 @@
+"""Gradient accumulation: the functional ``no_sync`` (Colossal-AI seed 002)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import optree
+import torch
+
+from . import _validate as V
+from .base import GradientTransformation
+from .sharding import spec_of, to_local, wrap
+from .tree import flatten_as, format_path, tree_unflatten, tree_zeros_like
+
+__all__ = ["multi_steps", "MultiStepsState", "has_updated"]
+
+
+class MultiStepsState(NamedTuple):
+    """State of :func:`multi_steps`.
+
+    Attributes:
+        mini_step: micro-steps since the last inner update, in ``[0, every_k)`` (int64, 0-dim,
+            always on the CPU: reading it is the one host read of the library, and it needs no
+            device synchronisation).
+        gradient_step: number of inner updates so far (int64, 0-dim).
+        inner_state: the inner transform's state, untouched by non-final micro-steps.
+        acc_grads: running sum of the micro-step gradients, params-shaped, *unreduced* (each
+            rank's own contribution; ``Partial`` DTensor gradients keep their placements).
+    """
+
+    mini_step: torch.Tensor
+    gradient_step: torch.Tensor
+    inner_state: Any
+    acc_grads: Any
+
+
+def multi_steps(inner: GradientTransformation, every_k: int, *,
+                acc_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+    """Accumulate gradients over ``every_k`` micro-steps, then apply ``inner`` once (optax
+    ``MultiSteps`` semantics).
+
+    Micro-steps ``1 .. every_k-1`` add the gradient to a local accumulator and return zero updates
+    (placements of the parameters); they run no inner compute and issue **no collective**, even
+    when gradients are unreduced over ``Mesh.data_axis`` or ``Partial`` (the functional
+    ``booster.no_sync``). Micro-step ``every_k`` feeds the mean of the ``every_k`` gradients to
+    ``inner``, which reduces it once. So ``multi_steps(adam, k)`` over ``k`` micro-batches of size
+    ``b`` equals ``adam`` over the batch of ``k*b`` for a mean loss.
+
+    Args:
+        inner: the transform to apply every ``every_k`` micro-steps.
+        every_k: >= 1.
+        acc_dtype: accumulator dtype (float32 by default; ``None``: the params').
+
+    State: :class:`MultiStepsState`. Use :func:`has_updated` to tell real steps apart.
+
+    Raises:
+        ValueError: ``every_k < 1``; at update, a state from another transform, or gradients whose
+            tree differs from ``params``.
+        TypeError: ``inner`` is not a GradientTransformation.
+    """
+    every_k = V.integer("every_k", every_k, where="multi_steps", low=1)
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"multi_steps: inner must be a GradientTransformation, got {type(inner).__name__}")
+
+    def init_fn(params):
+        return MultiStepsState(
+            mini_step=torch.zeros((), dtype=torch.int64, device="cpu"),
+            gradient_step=torch.zeros((), dtype=torch.int64, device="cpu"),
+            inner_state=inner.init(params),
+            acc_grads=tree_zeros_like(params, acc_dtype),
+        )
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if not isinstance(state, MultiStepsState):
+            raise ValueError(f"multi_steps: expected a MultiStepsState from multi_steps.init, "
+                             f"got {type(state).__name__}")
+        paths_raw, g, treedef = optree.tree_flatten_with_path(updates, none_is_leaf=True)
+        acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
+        p = None if params is None else flatten_as(params, treedef, "params", "the updates")
+        for i, (x, a) in enumerate(zip(g, acc)):
+            if x is not None and a is not None and tuple(x.shape) != tuple(a.shape):
+                raise ValueError(f"multi_steps: update leaf '{format_path(paths_raw[i])}' has shape "
+                                 f"{tuple(x.shape)}, expected {tuple(a.shape)}")
+        k = int(state.mini_step)  # CPU counter: a host read without device synchronisation
+        active = [i for i, x in enumerate(g) if x is not None and acc[i] is not None]
+        gl = [to_local(g[i]) for i in active]
+        al = [to_local(acc[i]) for i in active]
+        if k == 0:  # the accumulator takes the gradients' placements (Partial stays Partial)
+            summed = [x.to(a.dtype) for x, a in zip(gl, al)]
+            specs = [spec_of(g[i]) for i in active]
+        else:
+            summed = torch._foreach_add(al, [x.to(a.dtype) for x, a in zip(gl, al)])
+            specs = [spec_of(acc[i]) for i in active]
+        new_acc = list(acc)
+        if k + 1 < every_k:
+            for i, s, spec in zip(active, summed, specs):
+                new_acc[i] = wrap(s, spec)
+            ref = g if p is None else p
+            zeros = [None if x is None or r is None else
+                     wrap(torch.zeros_like(to_local(r), dtype=to_local(x).dtype), spec_of(r))
+                     for x, r in zip(g, ref)]
+            return tree_unflatten(treedef, zeros), MultiStepsState(
+                state.mini_step + 1, state.gradient_step, state.inner_state,
+                tree_unflatten(treedef, new_acc))
+        mean = torch._foreach_div(summed, float(every_k)) if summed else []
+        grads = list(g)
+        for i, m, spec in zip(active, mean, specs):
+            grads[i] = wrap(m, spec)
+            new_acc[i] = wrap(torch.zeros_like(m), spec)
+        new_updates, inner_state = inner.update(tree_unflatten(treedef, grads), state.inner_state,
+                                                params, mesh=mesh, **extra)
+        return new_updates, MultiStepsState(
+            torch.zeros_like(state.mini_step), state.gradient_step + 1, inner_state,
+            tree_unflatten(treedef, new_acc))
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def has_updated(state: Any) -> torch.Tensor:
+    """Whether the last update of a :func:`multi_steps` transform was a real (inner) step.
+
+    ``state`` is a :class:`MultiStepsState` or any tree holding exactly one. Returns a 0-dim bool
+    tensor.
+
+    Raises:
+        ValueError: no MultiStepsState in ``state``.
+    """
+    found = _find(state)
+    if found is None:
+        raise ValueError("has_updated: no MultiStepsState in the given state")
+    return torch.logical_and(found.mini_step == 0, found.gradient_step > 0)
+
+
+def _find(node: Any) -> Optional[MultiStepsState]:
+    if isinstance(node, MultiStepsState):
+        return node
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
+    for c in children:
+        r = _find(c)
+        if r is not None:
+            return r
+    return None

@@ -1,0 +1,123 @@
+"""Gradient clipping that stays right under tensor, pipeline, expert and data parallelism.
+
+Colossal-AI's ``clip_grad_by_value`` / ``clip_grad_by_norm`` (seeds 000/001) as pure transforms.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import _validate as V
+from .base import EmptyState, GradientTransformation
+from .sharding import prepare
+from .tree import first_device
+
+__all__ = ["clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm"]
+
+
+def clip(max_delta: float) -> GradientTransformation:
+    """Clamp every element of the updates to ``[-max_delta, max_delta]``.
+
+    Same as ``torch.nn.utils.clip_grad_value_`` and Colossal-AI's ``clip_grad_by_value``.
+    Elementwise, so it needs no communication beyond reducing unreduced gradients. No state.
+
+    Raises:
+        ValueError: ``max_delta <= 0``.
+    """
+    max_delta = V.number("max_delta", max_delta, where="clip", low=0.0, low_open=True)
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if not isinstance(state, EmptyState):
+            raise ValueError(f"clip: expected EmptyState, got {type(state).__name__}")
+        b = prepare(updates, params, mesh, name="clip")
+        g = [b.locals[i] for i in b.active]
+        out = torch._foreach_clamp_max(torch._foreach_clamp_min(g, -max_delta), max_delta) if g else []
+        return b.rebuild_active(out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """State of :func:`clip_by_global_norm`: ``global_norm``, the pre-clip norm of the last
+    update (0-dim float32), kept so training loops can log it without recomputing it."""
+
+    global_norm: torch.Tensor
+
+
+def _local_norm_terms(b, norm_type: float):
+    """Per-leaf local terms and the kind of their reduction ('sum' of |g|^p, or 'max')."""
+    g = [b.locals[i] for i in b.active]
+    if math.isinf(norm_type):
+        # _foreach_norm has no identity for inf on empty shards (uneven sharding): pad one zero.
+        return [torch.cat([x.reshape(-1), x.new_zeros(1)]).abs().max() for x in g], "max"
+    norms = torch._foreach_norm(g, norm_type) if g else []
+    if norm_type == 2.0:
+        return [n.to(torch.float32).square() for n in norms], "sum"
+    return [n.to(torch.float32).pow(norm_type) for n in norms], "sum"
+
+
+def global_norm_of(b, norm_type: float = 2.0) -> torch.Tensor:
+    """The p-norm of a prepared tree over every leaf of every rank (ONE all-reduce)."""
+    terms, kind = _local_norm_terms(b, norm_type)
+    if kind == "max":
+        return b.global_max(terms, b.active)
+    total = b.global_sum(terms, b.active)
+    return total.sqrt() if norm_type == 2.0 else total.pow(1.0 / norm_type)
+
+
+def global_norm(updates, *, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
+    """The global p-norm of a tree of (possibly sharded, possibly unreduced) gradients.
+
+    Every element of every leaf on every rank is counted once: shards add, replicas count once,
+    pipeline stages and experts add. Returns a 0-dim float32 tensor (a plain tensor, the same
+    value on every rank).
+    """
+    b = prepare(updates, None, mesh, name="global_norm")
+    return global_norm_of(b, norm_type)
+
+
+def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTransformation:
+    """Scale the updates so that their global p-norm is at most ``max_norm``.
+
+    ``total = (sum over every element of every leaf of every rank, counted once, |g|^p)^(1/p)``
+    (max for ``p = inf``); ``g <- g * min(1, max_norm / (total + 1e-6))``: the unsharded
+    ``torch.nn.utils.clip_grad_norm_`` and Colossal-AI's ``clip_grad_by_norm``, but exact under
+    TP (shards add), PP (stages add), MoE (experts add over ``Mesh.expert_axis``) and DP (replicas
+    count once). One scalar all-reduce over the whole mesh per update, whatever the number of
+    leaves and meshes.
+
+    Args:
+        max_norm: > 0.
+        norm_type: p > 0, or ``float('inf')``.
+
+    State: :class:`ClipByGlobalNormState` with the pre-clip norm.
+
+    Raises:
+        ValueError: ``max_norm <= 0`` or ``norm_type <= 0``; at update, a state from another
+            transform.
+    """
+    max_norm = V.number("max_norm", max_norm, where="clip_by_global_norm", low=0.0, low_open=True)
+    norm_type = V.number("norm_type", norm_type, where="clip_by_global_norm", low=0.0, low_open=True)
+
+    def init_fn(params):
+        return ClipByGlobalNormState(torch.zeros((), dtype=torch.float32, device=first_device(params)))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if not isinstance(state, ClipByGlobalNormState):
+            raise ValueError("clip_by_global_norm: expected a ClipByGlobalNormState, "
+                             f"got {type(state).__name__}")
+        b = prepare(updates, params, mesh, name="clip_by_global_norm")
+        total = global_norm_of(b, norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        g = [b.locals[i] for i in b.active]
+        out = torch._foreach_mul(g, coef) if g else []
+        return b.rebuild_active(out), ClipByGlobalNormState(total.to(state.global_norm.dtype))
+
+    return GradientTransformation(init_fn, update_fn)

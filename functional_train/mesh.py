@@ -1,0 +1,104 @@
+"""The mesh descriptor: which device-mesh dims split, replicate or separate each leaf.
+
+A leaf's own DTensor placements say how it is spread over the mesh dims it lives on. The
+descriptor adds what placements cannot say: which mesh dim carries data parallel replicas whose
+gradients are still unreduced, which one separates pipeline stages, and which one separates
+experts (see DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Mesh"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mesh:
+    """Describes the device mesh a gradient tree lives on.
+
+    Args:
+        device_mesh: the whole ``torch.distributed.DeviceMesh`` (every dim named). DTensor leaves
+            must live on it or on a sub-mesh of it (``device_mesh["tp"]``). ``None`` means one
+            process, unless DTensor leaves bring their own mesh.
+        data_axis: name of the data parallel mesh dim. Gradients of leaves that are neither
+            sharded nor partial over it (plain tensors, DTensors on a sub-mesh without it) are
+            per-replica contributions and are averaged over it (DDP semantics) by the first
+            transform that needs their value.
+        pipeline_axis: name of the pipeline mesh dim: ranks along it hold different leaves, so
+            global quantities (the clipping norm) sum over it.
+        expert_axis: name of the expert parallel mesh dim.
+        is_expert: ``is_expert(path) -> bool`` on dotted leaf paths (``layers.3.moe.w1``): leaves
+            it marks differ per rank along ``expert_axis``; the others are replicated over it.
+
+    Every other mesh dim that does not split a leaf holds replicas of it.
+
+    Raises:
+        ValueError: an axis name not among ``device_mesh.mesh_dim_names``, an axis without a
+            ``device_mesh``, two roles on one dim, or ``is_expert`` without ``expert_axis``.
+        TypeError: ``device_mesh`` is not a ``DeviceMesh`` or ``is_expert`` is not callable.
+    """
+
+    device_mesh: Optional[DeviceMesh] = None
+    data_axis: Optional[str] = None
+    pipeline_axis: Optional[str] = None
+    expert_axis: Optional[str] = None
+    is_expert: Optional[Callable[[str], bool]] = None
+
+    def __post_init__(self) -> None:
+        axes = {"data_axis": self.data_axis, "pipeline_axis": self.pipeline_axis,
+                "expert_axis": self.expert_axis}
+        if self.device_mesh is not None and not isinstance(self.device_mesh, DeviceMesh):
+            raise TypeError(f"Mesh: device_mesh must be a DeviceMesh, got {type(self.device_mesh).__name__}")
+        if self.is_expert is not None and not callable(self.is_expert):
+            raise TypeError("Mesh: is_expert must be a callable path -> bool")
+        if self.is_expert is not None and self.expert_axis is None:
+            raise ValueError("Mesh: is_expert is given but expert_axis is None")
+        names = tuple(self.device_mesh.mesh_dim_names or ()) if self.device_mesh is not None else ()
+        used: dict[str, str] = {}
+        for role, name in axes.items():
+            if name is None:
+                continue
+            if self.device_mesh is None:
+                raise ValueError(f"Mesh: {role}={name!r} needs a device_mesh")
+            if name not in names:
+                raise ValueError(
+                    f"Mesh: {role}={name!r} is not a dim of the device mesh (dims: {names})")
+            if name in used:
+                raise ValueError(f"Mesh: {role} and {used[name]} both name mesh dim {name!r}")
+            used[name] = role
+        if self.device_mesh is not None and self.device_mesh.ndim > 1 and len(names) != self.device_mesh.ndim:
+            raise ValueError("Mesh: every dim of a multi-dimensional device_mesh must be named")
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        if self.device_mesh is None:
+            return ()
+        return tuple(self.device_mesh.mesh_dim_names or (f"dim{i}" for i in range(self.device_mesh.ndim)))
+
+    def dim(self, name: str) -> int:
+        """Index of the mesh dim called ``name``."""
+        return self.dim_names.index(name)
+
+    def size(self, name: str) -> int:
+        return self.device_mesh.size(self.dim(name))
+
+    @property
+    def pending_data_reduction(self) -> bool:
+        """True while plain-tensor gradients are per-replica contributions over ``data_axis``."""
+        return self.data_axis is not None and self.size(self.data_axis) > 1
+
+    def reduced(self) -> "Mesh":
+        """The descriptor of the same mesh once gradients have been averaged over ``data_axis``."""
+        if self.data_axis is None:
+            return self
+        return dataclasses.replace(self, data_axis=None)
+
+    def __repr__(self) -> str:
+        shape = None if self.device_mesh is None else dict(zip(self.dim_names, self.device_mesh.shape))
+        return (f"Mesh({shape}, data_axis={self.data_axis!r}, pipeline_axis={self.pipeline_axis!r}, "
+                f"expert_axis={self.expert_axis!r})")

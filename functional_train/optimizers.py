@@ -1,0 +1,88 @@
+"""User-facing optimizers: chains of primitives equal to their torch.optim namesakes."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _validate as V
+from .base import GradientTransformation, chain
+from .transforms import (ScalarOrSchedule, add_decayed_weights, scale, scale_by_adam,
+                         scale_by_learning_rate, trace)
+
+__all__ = ["sgd", "adam", "adamw"]
+
+
+def _maybe_maximize(maximize: bool, txs):
+    return [scale(-1.0), *txs] if maximize else list(txs)
+
+
+def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+        weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+        accumulator_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+    """``torch.optim.SGD`` as a chain, same arguments and defaults.
+
+    ``g <- -g`` if maximize; ``g <- g + weight_decay * param``; momentum as :func:`trace`
+    (dampening, nesterov); ``param <- param - lr * g``.
+
+    Raises:
+        ValueError: negative ``learning_rate``, ``momentum`` or ``weight_decay``; nesterov without
+            momentum or with dampening.
+    """
+    V.learning_rate(learning_rate, where="sgd")
+    V.number("momentum", momentum, where="sgd", low=0.0)
+    V.number("weight_decay", weight_decay, where="sgd", low=0.0)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("sgd: nesterov momentum requires momentum > 0 and dampening == 0")
+    txs = [add_decayed_weights(weight_decay)] if weight_decay else []
+    if momentum:
+        txs.append(trace(momentum, nesterov=nesterov, dampening=dampening,
+                         accumulator_dtype=accumulator_dtype))
+    txs.append(scale_by_learning_rate(learning_rate))
+    return chain(*_maybe_maximize(maximize, txs))
+
+
+def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
+         eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
+         maximize: bool = False, decoupled_weight_decay: bool = False,
+         mu_dtype: Optional[torch.dtype] = torch.float32,
+         nu_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+    """``torch.optim.Adam`` as a chain, same arguments and defaults (``betas=(b1, b2)``).
+
+    ``weight_decay`` is L2 added to the gradient before the moments, or AdamW's decoupled decay
+    with ``decoupled_weight_decay=True`` (as in torch).
+
+    Raises:
+        ValueError: out-of-range hyper-parameters.
+    """
+    V.learning_rate(learning_rate, where="adam")
+    V.number("weight_decay", weight_decay, where="adam", low=0.0)
+    if decoupled_weight_decay:
+        return adamw(learning_rate, b1, b2, eps, weight_decay, amsgrad, maximize=maximize,
+                     mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+    txs = [add_decayed_weights(weight_decay)] if weight_decay else []
+    txs += [scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+            scale_by_learning_rate(learning_rate)]
+    return chain(*_maybe_maximize(maximize, txs))
+
+
+def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+          maximize: bool = False, mu_dtype: Optional[torch.dtype] = torch.float32,
+          nu_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+    """``torch.optim.AdamW`` as a chain, same arguments and defaults (``betas=(b1, b2)``).
+
+    ``param <- param - lr * (adam_update + weight_decay * param)``: torch's decoupled decay
+    ``param * (1 - lr * weight_decay)`` (Loshchilov & Hutter 2019).
+
+    Raises:
+        ValueError: out-of-range hyper-parameters.
+    """
+    V.learning_rate(learning_rate, where="adamw")
+    V.number("weight_decay", weight_decay, where="adamw", low=0.0)
+    txs = [scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype)]
+    if weight_decay:
+        txs.append(add_decayed_weights(weight_decay))
+    txs.append(scale_by_learning_rate(learning_rate))
+    return chain(*_maybe_maximize(maximize, txs))

@@ -1,0 +1,426 @@
+"""The sharding engine: local views, rewrapping, batched global reductions, materialisation.
+
+Arithmetic runs on local shards (``DTensor.to_local()``); results are rewrapped with
+``DTensor.from_local(..., run_check=False, shape=..., stride=...)`` in the parameter's placements.
+Every collective is issued here, through ``torch.distributed._functional_collectives`` (traceable
+by torch.compile), and batched: the partial results of one kind for all leaves are flattened into
+one buffer and reduced by one collective per process group.
+
+Reductions are derived from placements plus the :class:`~functional_train.Mesh` descriptor
+(DESIGN.md section 3):
+
+* a sum over a whole leaf counts replicas once: each rank weighs its local partial sum by
+  ``1 / (number of ranks holding the same shard)``, and one all-reduce over the whole mesh adds
+  the weighted contributions of every leaf, shard, pipeline stage and expert;
+* unreduced gradients (plain tensors over the data axis: mean; ``Partial`` placements: as the
+  placement says) are reduced by :func:`materialize` into the placements of the parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .mesh import Mesh
+from .tree import flatten_as, format_path, tree_flatten, tree_unflatten
+
+import optree
+
+__all__ = [
+    "Spec",
+    "spec_of",
+    "to_local",
+    "wrap",
+    "World",
+    "Prepared",
+    "prepare",
+    "materialize",
+    "all_reduce_buckets",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# local views and rewrapping
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """How a DTensor leaf is spread: its mesh, placements, global shape and global stride."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    shape: torch.Size
+    stride: tuple
+
+
+def spec_of(x: Any) -> Optional[Spec]:
+    """The :class:`Spec` of a DTensor, ``None`` for a plain tensor or ``None``."""
+    if isinstance(x, DTensor):
+        return Spec(x.device_mesh, tuple(x.placements), x.shape, tuple(x.stride()))
+    return None
+
+
+def to_local(x: Any) -> Any:
+    """The local shard of a DTensor (no copy); plain tensors and ``None`` are returned as is."""
+    if isinstance(x, DTensor):
+        return x.to_local()
+    return x
+
+
+def wrap(local: Any, spec: Optional[Spec]) -> Any:
+    """Rewrap a local shard in ``spec`` (no communication, no check); identity for ``spec=None``."""
+    if spec is None or local is None:
+        return local
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
+                              shape=spec.shape, stride=spec.stride)
+
+
+# ---------------------------------------------------------------------------------------------
+# the world: the whole mesh a tree lives on
+# ---------------------------------------------------------------------------------------------
+_FLAT_CACHE: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
+
+
+def _flat_group(device_mesh: DeviceMesh):
+    """A functional-collective group spanning every rank of ``device_mesh``."""
+    if device_mesh.ndim == 1:
+        return (device_mesh, 0)
+    key = id(device_mesh)
+    hit = _FLAT_CACHE.get(key)
+    if hit is None or hit[0] is not device_mesh:
+        hit = (device_mesh, device_mesh._flatten())
+        _FLAT_CACHE[key] = hit
+    return (hit[1], 0)
+
+
+class World:
+    """The whole device mesh of one update call and the roles of its dims for each leaf.
+
+    Built from the :class:`Mesh` descriptor, or, with ``mesh=None``, from the DTensor leaves
+    themselves (they must share one root mesh).
+    """
+
+    def __init__(self, mesh: Optional[Mesh], leaves: Sequence[Any], paths: Sequence[str]):
+        if mesh is not None and mesh.device_mesh is not None:
+            self.mesh = mesh
+        else:
+            self.mesh = self._derive(leaves, paths)
+        self.device_mesh: Optional[DeviceMesh] = self.mesh.device_mesh
+        self.names = self.mesh.dim_names
+        self.shape = tuple(self.device_mesh.shape) if self.device_mesh is not None else ()
+        self._pp = self._dim_or_none(self.mesh.pipeline_axis)
+        self._ep = self._dim_or_none(self.mesh.expert_axis)
+        self._dp = self._dim_or_none(self.mesh.data_axis)
+
+    def _dim_or_none(self, name):
+        return None if name is None else self.names.index(name)
+
+    @staticmethod
+    def _derive(leaves, paths) -> Mesh:
+        root = None
+        for x, p in zip(leaves, paths):
+            if isinstance(x, DTensor):
+                r = x.device_mesh._get_root_mesh()
+                if root is None:
+                    root, root_path = r, p
+                elif r is not root:
+                    raise ValueError(
+                        f"leaf '{p}' is a DTensor on {r}, but leaf '{root_path}' is on {root}; "
+                        "DTensors on different meshes need mesh=ft.Mesh(device_mesh) naming the "
+                        "mesh that holds both")
+        return Mesh(root)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def leaf_dims(self, x: Any, path: str) -> tuple[int, ...]:
+        """World dim index of each mesh dim of DTensor ``x``.
+
+        Raises:
+            ValueError: ``x`` lives on a mesh that is not the world mesh or a sub-mesh of it.
+        """
+        m = x.device_mesh
+        if self.device_mesh is None:
+            raise ValueError(f"leaf '{path}' is a DTensor but mesh has no device_mesh")
+        if m is self.device_mesh:
+            return tuple(range(self.device_mesh.ndim))
+        names = m.mesh_dim_names
+        ok = names is not None and all(n in self.names for n in names)
+        if ok:
+            dims = tuple(self.names.index(n) for n in names)
+            ok = all(m.size(i) == self.shape[d] for i, d in enumerate(dims))
+            ok = ok and (m._get_root_mesh() is self.device_mesh
+                         or m.device_type == self.device_mesh.device_type)
+        if not ok:
+            raise ValueError(
+                f"leaf '{path}' is a DTensor on {m}, which is not part of the mesh {self.mesh!r}; "
+                "expected the mesh itself or a sub-mesh of it (device_mesh['name'])")
+        return dims
+
+    def replicas(self, x: Any, path: str) -> int:
+        """How many ranks hold the same local values of leaf ``x`` (materialised, not Partial)."""
+        if self.device_mesh is None:
+            return 1
+        split = set()
+        if isinstance(x, DTensor):
+            for d, p in zip(self.leaf_dims(x, path), x.placements):
+                if isinstance(p, Shard):
+                    split.add(d)
+                elif isinstance(p, Partial):
+                    raise ValueError(f"leaf '{path}' is still Partial; materialize it first")
+        if self._pp is not None:
+            split.add(self._pp)
+        if self._ep is not None and self.mesh.is_expert is not None and self.mesh.is_expert(path):
+            split.add(self._ep)
+        return math.prod(s for d, s in enumerate(self.shape) if d not in split)
+
+    def world_group(self):
+        return _flat_group(self.device_mesh)
+
+    def dim_group(self, dim: int):
+        return (self.device_mesh, dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# batched collectives
+# ---------------------------------------------------------------------------------------------
+def _group_key(group) -> Any:
+    mesh, dim = group
+    return mesh.get_group(dim)
+
+
+def all_reduce_buckets(items: Sequence[tuple[torch.Tensor, Any, str]]) -> list[torch.Tensor]:
+    """All-reduce many tensors with one collective per (process group, op, dtype).
+
+    Args:
+        items: ``(tensor, group, op)`` with ``group`` a ``(DeviceMesh, dim)`` pair and ``op`` one
+            of ``"sum"``, ``"avg"``, ``"max"``, ``"min"``. Tensors may have any shape; tensors of
+            one bucket must have the same number of elements on every rank of the group.
+
+    Returns:
+        the reduced tensors, in the order given (new tensors; inputs are not modified).
+    """
+    buckets: dict[Any, list[int]] = defaultdict(list)
+    for i, (t, group, op) in enumerate(items):
+        buckets[(_group_key(group), op, t.dtype)].append(i)
+    out: list[Optional[torch.Tensor]] = [None] * len(items)
+    for (_, op, _), idx in buckets.items():
+        group = items[idx[0]][1]
+        tensors = [items[i][0] for i in idx]
+        if len(tensors) == 1:
+            flat = tensors[0].reshape(-1)
+        else:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        red = funcol.wait_tensor(funcol.all_reduce(flat, op, group))
+        if len(tensors) == 1:
+            out[idx[0]] = red.view(tensors[0].shape)
+            continue
+        parts = torch.split(red, [t.numel() for t in tensors])
+        for i, t, part in zip(idx, tensors, parts):
+            out[i] = part.view(t.shape)
+    return out  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# materialisation of unreduced gradients
+# ---------------------------------------------------------------------------------------------
+def _unreduced_over_data(world: World, x: Any, path: str) -> bool:
+    if world._dp is None:
+        return False
+    if isinstance(x, DTensor):
+        return world._dp not in world.leaf_dims(x, path)
+    return True
+
+
+def materialize(grads: list, params: Optional[list], paths: Sequence[str],
+                mesh: Optional[Mesh], world: World) -> list:
+    """Reduce unreduced gradients into the placements of their parameters.
+
+    * plain tensors and DTensors on a sub-mesh without ``mesh.data_axis``: mean over the data
+      axis (one bucketed all-reduce per dtype);
+    * ``Partial`` placements: reduced as the placement says over its mesh dim (one bucketed
+      all-reduce per process group, op and dtype), becoming ``Replicate``;
+    * then, when the parameter's placements differ from the gradient's (autograd gives a
+      ``Shard(0)`` bias gradient for a ``Replicate`` bias next to a colwise-sharded weight), the
+      gradient is redistributed into the parameter's placements.
+
+    Returns the list of materialised gradients (``None`` leaves stay ``None``).
+    """
+    grads = list(grads)
+    # 1. data axis mean
+    if mesh is not None and mesh.pending_data_reduction:
+        group = world.dim_group(world._dp)
+        idx = [i for i, g in enumerate(grads)
+               if g is not None and _unreduced_over_data(world, g, paths[i])]
+        red = all_reduce_buckets([(to_local(grads[i]), group, "avg") for i in idx])
+        for i, r in zip(idx, red):
+            grads[i] = wrap(r, spec_of(grads[i]))
+    # 2. Partial placements, one round per mesh dim that can still be partial
+    while True:
+        items, where = [], []
+        for i, g in enumerate(grads):
+            if not isinstance(g, DTensor):
+                continue
+            for j, p in enumerate(g.placements):
+                if isinstance(p, Partial):
+                    items.append((to_local(g), (g.device_mesh, j), p.reduce_op))
+                    where.append((i, j))
+                    break
+        if not items:
+            break
+        red = all_reduce_buckets(items)
+        for (i, j), r in zip(where, red):
+            s = spec_of(grads[i])
+            placements = list(s.placements)
+            placements[j] = Replicate()
+            grads[i] = wrap(r, dataclasses.replace(s, placements=tuple(placements)))
+    # 3. placements of the parameter
+    if params is not None:
+        for i, (g, p) in enumerate(zip(grads, params)):
+            if g is None or p is None:
+                continue
+            gd, pd = isinstance(g, DTensor), isinstance(p, DTensor)
+            if gd and pd:
+                if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+                    grads[i] = g.redistribute(p.device_mesh, p.placements)
+            elif gd:
+                grads[i] = g.full_tensor()
+            elif pd:
+                grads[i] = DTensor.from_local(
+                    g, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False
+                ).redistribute(p.device_mesh, p.placements)
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# the prepared view of one update call
+# ---------------------------------------------------------------------------------------------
+class Prepared(NamedTuple):
+    """Flattened, validated and materialised inputs of one ``update`` call.
+
+    Attributes:
+        treedef: structure of the updates (``None`` leaves included).
+        paths: dotted leaf paths.
+        updates: materialised update leaves (DTensor / Tensor / ``None``).
+        locals: their local shards (``None`` for ``None`` leaves).
+        specs: their :class:`Spec` (``None`` for plain tensors).
+        params: local shards of the parameters, or ``None`` when no params were given.
+        active: indices of the non-``None`` update leaves.
+        world: the :class:`World` of the call.
+        mesh: the descriptor after materialisation (data axis reduced).
+    """
+
+    treedef: Any
+    paths: list
+    updates: list
+    locals: list
+    specs: list
+    params: Optional[list]
+    active: list
+    world: World
+    mesh: Optional[Mesh]
+
+    def rebuild(self, new_locals: Sequence[Any]) -> Any:
+        """Unflatten ``new_locals`` (one per leaf, ``None`` allowed) rewrapped in ``specs``."""
+        return tree_unflatten(self.treedef, [wrap(l, s) for l, s in zip(new_locals, self.specs)])
+
+    def rebuild_active(self, active_locals: Sequence[Any]) -> Any:
+        """Like :meth:`rebuild` from values for the ``active`` leaves only (others stay ``None``)."""
+        full: list = [None] * len(self.locals)
+        for i, v in zip(self.active, active_locals):
+            full[i] = v
+        return self.rebuild(full)
+
+    def state_locals(self, tree: Any, what: str) -> list:
+        """Local shards of a params-shaped state tree, checked against the updates' structure."""
+        return [to_local(x) for x in flatten_as(tree, self.treedef, what, "the updates")]
+
+    def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
+        """A params-shaped state tree with the ``active`` leaves replaced by rewrapped locals."""
+        old = flatten_as(tree, self.treedef, what, "the updates")
+        leaves = list(old)
+        for i, v in zip(self.active, new_active):
+            leaves[i] = wrap(v, spec_of(old[i]))
+        return tree_unflatten(self.treedef, leaves)
+
+    def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+        """Sum over every rank of per-leaf local sums, each element counted once (ONE all-reduce)."""
+        return _global_reduce(self.world, local_sums, [self.updates[i] for i in indices],
+                              [self.paths[i] for i in indices], "sum")
+
+    def global_max(self, local_maxes: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+        """Max over every rank of per-leaf local maxima (ONE all-reduce)."""
+        return _global_reduce(self.world, local_maxes, [self.updates[i] for i in indices],
+                              [self.paths[i] for i in indices], "max")
+
+
+def _global_reduce(world: World, values, leaves, paths, op: str) -> torch.Tensor:
+    if len(values) == 0:
+        return torch.zeros((), dtype=torch.float32)
+    vals = torch.stack([v.to(torch.float32) for v in values])
+    if op == "sum":
+        weights = [1.0 / world.replicas(x, p) for x, p in zip(leaves, paths)]
+        if any(w != 1.0 for w in weights):
+            vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
+        total = vals.sum()
+    else:
+        total = vals.max()
+    if world.device_mesh is None or world.size == 1:
+        return total
+    return funcol.wait_tensor(funcol.all_reduce(total, op, world.world_group()))
+
+
+def _check_leaf(path: str, u: Any, p: Any) -> None:
+    if u is not None and not isinstance(u, torch.Tensor):
+        raise TypeError(f"update leaf '{path}' must be a torch.Tensor, DTensor or None, "
+                        f"got {type(u).__name__}")
+    if p is not None and not isinstance(p, torch.Tensor):
+        raise TypeError(f"params leaf '{path}' must be a torch.Tensor, DTensor or None, "
+                        f"got {type(p).__name__}")
+    if u is not None and p is not None and tuple(u.shape) != tuple(p.shape):
+        raise ValueError(f"update leaf '{path}' has shape {tuple(u.shape)}, "
+                         f"expected the parameter's shape {tuple(p.shape)}")
+
+
+def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: bool = False,
+            name: str = "transform") -> Prepared:
+    """Flatten, validate and materialise the inputs of one ``update`` call.
+
+    Raises:
+        ValueError: ``params`` does not have the structure of ``updates``, a leaf's shape differs
+            from its parameter's, a DTensor lives on a mesh that is not part of ``mesh``, or
+            ``need_params`` and ``params`` is ``None``.
+        TypeError: a leaf is not a tensor, or ``mesh`` is not a :class:`Mesh`.
+    """
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"{name}: mesh must be a functional_train.Mesh or None, "
+                        f"got {type(mesh).__name__}")
+    paths_raw, leaves, treedef = optree.tree_flatten_with_path(updates, none_is_leaf=True)
+    paths = [format_path(p) for p in paths_raw]
+    if params is None:
+        if need_params:
+            raise ValueError(f"{name} needs params: call update(updates, state, params)")
+        pleaves = None
+    else:
+        pleaves = flatten_as(params, treedef, "params", "the updates")
+    for i, u in enumerate(leaves):
+        _check_leaf(paths[i], u, None if pleaves is None else pleaves[i])
+    world = World(mesh, [x for x in (pleaves or leaves)] + list(leaves),
+                  list(paths) + list(paths))
+    for x, p in zip(leaves, paths):
+        if isinstance(x, DTensor):
+            world.leaf_dims(x, p)
+    leaves = materialize(leaves, pleaves, paths, mesh, world)
+    specs = [spec_of(x) for x in leaves]
+    locs = [to_local(x) for x in leaves]
+    plocs = None if pleaves is None else [to_local(x) for x in pleaves]
+    active = [i for i, x in enumerate(leaves) if x is not None]
+    return Prepared(treedef, paths, leaves, locs, specs, plocs, active, world,
+                    None if mesh is None else mesh.reduced())

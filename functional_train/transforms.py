@@ -1,0 +1,286 @@
+"""Elementwise transforms: scale, learning rate, weight decay, momentum, Adam.
+
+Each ``update`` flattens its trees once, reduces unreduced gradients (see
+:func:`functional_train.sharding.prepare`), and computes on lists of local shards with
+``torch._foreach_*`` ops. Moments are kept in float32 by default (``*_dtype`` lowers them) and
+have the placements of their parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import torch
+
+from . import _validate as V
+from .base import EmptyState, GradientTransformation
+from .sharding import prepare
+from .tree import first_device, tree_zeros_like
+
+__all__ = [
+    "scale",
+    "scale_by_learning_rate",
+    "ScaleByScheduleState",
+    "add_decayed_weights",
+    "trace",
+    "TraceState",
+    "scale_by_adam",
+    "ScaleByAdamState",
+    "ScaleByAmsgradState",
+]
+
+Schedule = Callable[[torch.Tensor], Any]
+ScalarOrSchedule = Union[float, Schedule]
+
+
+def zero_count(params: Any) -> torch.Tensor:
+    """A 0-dim int64 step counter on the device of the first tensor leaf of ``params``."""
+    return torch.zeros((), dtype=torch.int64, device=first_device(params))
+
+
+def _check_state(state: Any, cls: type, name: str) -> None:
+    if not isinstance(state, cls):
+        raise ValueError(f"{name}: expected a {cls.__name__} from {name}.init, "
+                         f"got {type(state).__name__}")
+
+
+def _cast_like(xs, likes):
+    return [x if x.dtype == l.dtype else x.to(l.dtype) for x, l in zip(xs, likes)]
+
+
+def _to(xs, dtype):
+    return [x if x.dtype == dtype else x.to(dtype) for x in xs]
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiply updates by the constant ``step_size`` (optax ``scale``). No state."""
+    step_size = V.number("step_size", step_size, where="scale")
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, EmptyState, "scale")
+        b = prepare(updates, params, mesh, name="scale")
+        g = [b.locals[i] for i in b.active]
+        return b.rebuild_active(torch._foreach_mul(g, step_size)), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_learning_rate` with a schedule: ``count`` (int64, 0-dim)."""
+
+    count: torch.Tensor
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True
+                           ) -> GradientTransformation:
+    """Scale updates by ``-learning_rate`` (``+`` with ``flip_sign=False``).
+
+    Args:
+        learning_rate: a float >= 0, or a schedule ``fn(count) -> lr`` evaluated on the number of
+            previous updates (0 on the first update, optax semantics; ``count`` is a 0-dim int64
+            tensor, so the schedule must use tensor ops, see :mod:`functional_train.schedules`).
+        flip_sign: descend (the default) rather than ascend.
+
+    State: ``EmptyState`` for a float, :class:`ScaleByScheduleState` for a schedule.
+
+    Raises:
+        ValueError: a negative learning rate.
+    """
+    lr = V.learning_rate(learning_rate, where="scale_by_learning_rate")
+    sign = -1.0 if flip_sign else 1.0
+    if not callable(lr):
+        step = sign * lr
+
+        def init_const(params):
+            del params
+            return EmptyState()
+
+        def update_const(updates, state, params=None, *, mesh=None, **extra):
+            _check_state(state, EmptyState, "scale_by_learning_rate")
+            b = prepare(updates, params, mesh, name="scale_by_learning_rate")
+            g = [b.locals[i] for i in b.active]
+            return b.rebuild_active(torch._foreach_mul(g, step)), state
+
+        return GradientTransformation(init_const, update_const)
+
+    def init_fn(params):
+        return ScaleByScheduleState(zero_count(params))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, ScaleByScheduleState, "scale_by_learning_rate")
+        b = prepare(updates, params, mesh, name="scale_by_learning_rate")
+        g = [b.locals[i] for i in b.active]
+        value = torch.as_tensor(lr(state.count), dtype=torch.float64) * sign
+        out = [x * value.to(x.dtype) for x in g] if g else []
+        return b.rebuild_active(out), ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+    """Add ``weight_decay * param`` to the updates (L2 / decoupled decay, optax semantics).
+
+    Needs ``params`` at update. Placed before :func:`scale_by_adam` it is ``torch.optim.Adam``'s
+    ``weight_decay`` (L2 on the gradient); placed after it and before the learning rate it is
+    AdamW's decoupled decay ``lr * weight_decay * param``. No state.
+
+    Raises:
+        ValueError: ``weight_decay < 0``; at update, ``params`` missing.
+    """
+    wd = V.number("weight_decay", weight_decay, where="add_decayed_weights", low=0.0)
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, EmptyState, "add_decayed_weights")
+        b = prepare(updates, params, mesh, need_params=True, name="add_decayed_weights")
+        g = [b.locals[i] for i in b.active]
+        if wd == 0.0:
+            return b.rebuild_active(g), state
+        p = _cast_like([b.params[i] for i in b.active], g)
+        return b.rebuild_active(torch._foreach_add(g, p, alpha=wd)), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class TraceState(NamedTuple):
+    """State of :func:`trace`: ``count`` (int64, 0-dim) and ``trace`` (params-shaped)."""
+
+    count: torch.Tensor
+    trace: Any
+
+
+def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
+          accumulator_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+    """Momentum, as ``torch.optim.SGD`` computes it.
+
+    ``buf_1 = g``; ``buf_t = decay * buf_{t-1} + (1 - dampening) * g``; the update is ``buf_t``,
+    or ``g + decay * buf_t`` with ``nesterov``. With ``dampening=0`` this is optax ``trace``.
+
+    Args:
+        decay: momentum factor in [0, 1).
+        nesterov: Nesterov momentum (needs ``dampening == 0``, like torch).
+        dampening: dampening in [0, 1].
+        accumulator_dtype: dtype of the buffer (float32 by default; ``None``: the params').
+
+    Raises:
+        ValueError: out-of-range hyper-parameters.
+    """
+    decay = V.number("decay", decay, where="trace", low=0.0)
+    dampening = V.number("dampening", dampening, where="trace", low=0.0, high=1.0)
+    if nesterov and (decay <= 0 or dampening != 0):
+        raise ValueError("trace: nesterov momentum requires decay > 0 and dampening == 0")
+
+    def init_fn(params):
+        return TraceState(zero_count(params), tree_zeros_like(params, accumulator_dtype))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, TraceState, "trace")
+        b = prepare(updates, params, mesh, name="trace")
+        g = [b.locals[i] for i in b.active]
+        tr_all = b.state_locals(state.trace, "TraceState.trace")
+        tr = [tr_all[i] for i in b.active]
+        g32 = _cast_like(g, tr)
+        new = torch._foreach_mul(tr, decay)
+        torch._foreach_add_(new, g32, alpha=1.0 - dampening)
+        if dampening != 0.0:
+            first = state.count == 0
+            new = [torch.where(first, x, n) for x, n in zip(g32, new)]
+        out = torch._foreach_add(g32, new, alpha=decay) if nesterov else new
+        return (b.rebuild_active(_cast_like(out, g)),
+                TraceState(state.count + 1, b.state_tree(state.trace, "TraceState.trace", new)))
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`: ``count`` (int64, 0-dim), moments ``mu``, ``nu``
+    (params-shaped, float32 by default, placements of the parameter)."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class ScaleByAmsgradState(NamedTuple):
+    """State of :func:`scale_by_adam` with ``amsgrad=True``: adds ``nu_max``."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+    nu_max: Any
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                  amsgrad: bool = False, mu_dtype: Optional[torch.dtype] = torch.float32,
+                  nu_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+    """Adam's scaling (Kingma & Ba 2015), exactly as ``torch.optim.Adam`` computes it.
+
+    ``mu = b1 mu + (1-b1) g``, ``nu = b2 nu + (1-b2) g^2``, t counted from 1;
+    update = ``(mu / (1 - b1^t)) / (sqrt(nu) / sqrt(1 - b2^t) + eps)`` (with ``nu`` replaced by
+    its running maximum under ``amsgrad``). Multiply by ``-lr`` afterwards
+    (:func:`scale_by_learning_rate`).
+
+    Args:
+        b1, b2: decay rates in [0, 1). eps: > 0 (added outside the square root, like torch).
+        amsgrad: keep the maximum of ``nu`` (torch's ``amsgrad``).
+        mu_dtype, nu_dtype: moment dtypes (float32 by default; ``None`` means the params').
+
+    Raises:
+        ValueError: out-of-range hyper-parameters; at update, a state from another transform.
+    """
+    b1 = V.beta("b1", b1, where="scale_by_adam")
+    b2 = V.beta("b2", b2, where="scale_by_adam")
+    eps = V.number("eps", eps, where="scale_by_adam", low=0.0)
+
+    def init_fn(params):
+        mu = tree_zeros_like(params, mu_dtype)
+        nu = tree_zeros_like(params, nu_dtype)
+        if amsgrad:
+            return ScaleByAmsgradState(zero_count(params), mu, nu, tree_zeros_like(params, nu_dtype))
+        return ScaleByAdamState(zero_count(params), mu, nu)
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, ScaleByAmsgradState if amsgrad else ScaleByAdamState, "scale_by_adam")
+        b = prepare(updates, params, mesh, name="scale_by_adam")
+        act = b.active
+        g = [b.locals[i] for i in act]
+        mu_all = b.state_locals(state.mu, "ScaleByAdamState.mu")
+        nu_all = b.state_locals(state.nu, "ScaleByAdamState.nu")
+        mu = [mu_all[i] for i in act]
+        nu = [nu_all[i] for i in act]
+        count = state.count + 1
+        t = count.to(torch.float64)
+        bc1 = 1.0 - torch.pow(b1, t)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        mu = torch._foreach_lerp(mu, _cast_like(g, mu), 1.0 - b1)
+        gn = _cast_like(g, nu)
+        nu = torch._foreach_mul(nu, b2)
+        torch._foreach_addcmul_(nu, gn, gn, value=1.0 - b2)
+        if amsgrad:
+            nm_all = b.state_locals(state.nu_max, "ScaleByAmsgradState.nu_max")
+            nu_max = torch._foreach_maximum([nm_all[i] for i in act], nu)
+            second = nu_max
+        else:
+            second = nu
+        denom = torch._foreach_sqrt(second)
+        torch._foreach_div_(denom, bc2_sqrt.to(torch.float32))
+        torch._foreach_add_(denom, eps)
+        out = torch._foreach_div(_to(mu, denom[0].dtype) if denom else mu, denom)
+        torch._foreach_div_(out, bc1.to(torch.float32))
+        new_mu = b.state_tree(state.mu, "ScaleByAdamState.mu", mu)
+        new_nu = b.state_tree(state.nu, "ScaleByAdamState.nu", nu)
+        if amsgrad:
+            new_state = ScaleByAmsgradState(count, new_mu, new_nu, b.state_tree(
+                state.nu_max, "ScaleByAmsgradState.nu_max", nu_max))
+        else:
+            new_state = ScaleByAdamState(count, new_mu, new_nu)
+        return b.rebuild_active(_cast_like(out, g)), new_state
+
+    return GradientTransformation(init_fn, update_fn)

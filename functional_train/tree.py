@@ -1,0 +1,142 @@
+"""Pytree helpers on top of optree.
+
+Every tree in functional_train is flattened with ``none_is_leaf=True`` so that a ``None`` gradient
+(a frozen parameter) keeps its place next to the parameter it belongs to. Tensors and DTensors are
+leaves. Paths are rendered as dotted strings (``layers.0.attn.wq``) in error messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+__all__ = [
+    "tree_flatten",
+    "tree_unflatten",
+    "tree_paths",
+    "tree_zeros_like",
+    "tree_cast",
+    "tree_get",
+    "format_path",
+]
+
+PyTree = Any
+
+
+def tree_flatten(tree: PyTree):
+    """Flatten ``tree`` keeping ``None`` leaves; returns ``(leaves, treedef)``."""
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def tree_unflatten(treedef, leaves: Sequence[Any]) -> PyTree:
+    """Inverse of :func:`tree_flatten`."""
+    return optree.tree_unflatten(treedef, list(leaves))
+
+
+def format_path(path: tuple) -> str:
+    """Render an optree path tuple as a dotted string; the root is ``<root>``."""
+    return ".".join(str(p) for p in path) if path else "<root>"
+
+
+def tree_paths(tree: PyTree) -> list[str]:
+    """Dotted paths of the leaves of ``tree`` (``None`` leaves included), in flatten order."""
+    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    return [format_path(p) for p in paths]
+
+
+def _first_mismatch(expected: PyTree, got: PyTree) -> str:
+    """A human readable description of where two trees first differ."""
+    ep, _, _ = optree.tree_flatten_with_path(expected, none_is_leaf=True)
+    gp, _, _ = optree.tree_flatten_with_path(got, none_is_leaf=True)
+    es, gs = [format_path(p) for p in ep], [format_path(p) for p in gp]
+    for a, b in zip(es, gs):
+        if a != b:
+            return f"expected a leaf at '{a}', found '{b}'"
+    if len(es) > len(gs):
+        return f"missing leaf '{es[len(gs)]}' ({len(es)} leaves expected, {len(gs)} given)"
+    if len(gs) > len(es):
+        return f"unexpected leaf '{gs[len(es)]}' ({len(es)} leaves expected, {len(gs)} given)"
+    return "same leaf paths but different container types"
+
+
+def flatten_as(tree: PyTree, treedef, what: str, reference: str = "params") -> list:
+    """Flatten ``tree`` and check it has the structure ``treedef``.
+
+    Raises:
+        ValueError: naming the first leaf path where ``tree`` differs from ``reference``.
+    """
+    leaves, td = tree_flatten(tree)
+    if td != treedef:
+        expected = tree_unflatten(treedef, [0] * treedef.num_leaves)
+        raise ValueError(
+            f"{what} does not have the structure of {reference}: "
+            f"{_first_mismatch(expected, tree)}"
+        )
+    return leaves
+
+
+def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
+    """Zeros shaped like every tensor leaf (DTensors keep mesh and placements); ``None`` stays."""
+    return optree.tree_map(
+        lambda x: None if x is None else torch.zeros_like(x, dtype=dtype), tree, none_is_leaf=True
+    )
+
+
+def first_device(tree: PyTree) -> torch.device:
+    """Device of the first tensor leaf of ``tree`` (CPU when there is none)."""
+    leaves, _ = tree_flatten(tree)
+    return next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
+    """Cast every floating tensor leaf to ``dtype`` (no-op for ``None`` dtype or ``None`` leaves)."""
+    if dtype is None:
+        return tree
+    return optree.tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        tree,
+        none_is_leaf=True,
+    )
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def tree_get(tree: PyTree, key: str, default: Any = None) -> Any:
+    """Find the field named ``key`` in the NamedTuple states nested in ``tree`` (optax ``tree_get``).
+
+    Example: ``ft.tree_get(state, "global_norm")`` returns the pre-clip norm kept by
+    ``clip_by_global_norm`` wherever it sits in a chain / ``multi_steps`` state.
+
+    Returns ``default`` when no field has that name.
+
+    Raises:
+        KeyError: if several states have a field named ``key`` (the value would be ambiguous).
+    """
+    found: list = []
+
+    def visit(node: Any) -> None:
+        if _is_namedtuple(node):
+            if key in node._fields:
+                found.append(getattr(node, key))
+            for child in node:
+                visit(child)
+        elif isinstance(node, (list, tuple)):
+            for child in node:
+                visit(child)
+        elif isinstance(node, dict):
+            for child in node.values():
+                visit(child)
+
+    visit(tree)
+    if len(found) > 1:
+        raise KeyError(f"tree_get: {len(found)} states have a field named {key!r}; it is ambiguous")
+    return found[0] if found else default
+
+
+def tree_map(fn: Callable, tree: PyTree, *rests: PyTree) -> PyTree:
+    """``optree.tree_map`` with ``None`` leaves passed to ``fn``."""
+    return optree.tree_map(fn, tree, *rests, none_is_leaf=True)
