@@ -1,0 +1,121 @@
+"""One-process SPMD simulation helpers (LocalTensorMode + the fake process group)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Any, Callable, Iterator
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["simulate", "per_rank", "local_tensor", "on_rank", "gather", "count_collectives"]
+
+
+@contextlib.contextmanager
+def simulate(world_size: int) -> Iterator[Any]:
+    """Simulate ``world_size`` ranks in this process.
+
+    Initialises the ``fake`` process group with ``world_size`` ranks (re-initialising it when a
+    group of another size exists) and enters ``LocalTensorMode``: inside, every tensor op runs
+    once per simulated rank and collectives compute their exact results. Yields the mode.
+
+    Raises:
+        RuntimeError: a real (non-fake) process group is already initialised.
+    """
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise RuntimeError("simulate: a real process group is initialised; use real ranks")
+        if dist.get_world_size() != world_size:
+            dist.destroy_process_group()
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=world_size)
+    with LocalTensorMode(frozenset(range(world_size))) as mode:
+        yield mode
+
+
+def local_tensor(values: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A simulated tensor holding ``values[r]`` on rank ``r`` (use inside :func:`simulate`)."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return LocalTensor({r: v.detach().clone() for r, v in values.items()})
+
+
+def per_rank(world_size: int, fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """A simulated tensor whose value on rank ``r`` is ``fn(r)`` (shapes must agree)."""
+    return local_tensor({r: fn(r) for r in range(world_size)})
+
+
+def on_rank(x: Any, rank: int = 0) -> Any:
+    """The plain tensor that rank ``rank`` holds (identity for plain tensors and non-tensors)."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(x, LocalTensor):
+        return x._local_tensors[rank]
+    return x
+
+
+def gather(tree: Any, rank: int = 0) -> Any:
+    """Full, plain tensors of a tree: DTensors are gathered (``full_tensor``), simulated tensors
+    are read on ``rank``. Non-tensor leaves are returned unchanged."""
+
+    def one(x):
+        if isinstance(x, DTensor):
+            x = x.full_tensor()
+        return on_rank(x, rank)
+
+    return optree.tree_map(one, tree, none_is_leaf=True)
+
+
+class _CollectiveCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ns = func.namespace
+        name = func.overloadpacket.__name__
+        if (ns in ("_c10d_functional", "c10d_functional", "c10d") and "wait" not in name
+                and not name.startswith("_")):
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CollectiveCounts:
+    """Result of :func:`count_collectives`: ``counts`` by op name and ``total``."""
+
+    def __init__(self, counter: _CollectiveCounter):
+        self._c = counter
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(self._c.counts)
+
+    @property
+    def total(self) -> int:
+        return sum(self._c.counts.values())
+
+    def __repr__(self) -> str:
+        return f"CollectiveCounts(total={self.total}, counts={self.counts})"
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CollectiveCounts]:
+    """Count the collectives issued inside the block, by kind (``all_reduce``,
+    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...). Works in simulation and on
+    real process groups (functional and c10d collectives; waits are not counted).
+
+    Example::
+
+        with count_collectives() as c:
+            tx.update(grads, state, params, mesh=mesh)
+        assert c.total == 1 and c.counts == {"all_reduce": 1}
+    """
+    counter = _CollectiveCounter()
+    with counter:
+        yield CollectiveCounts(counter)
