@@ -1,0 +1,68 @@
+"""Worker for tests/test_gloo.py: the core transforms on real gloo collectives (4 ranks).
+
+Each rank builds the same reference problem, runs the chain sharded over a dp=2 x tp=2 mesh with
+per-replica gradients, and rank 0 writes the gathered results to ``out`` for the test to compare
+against the one-process run.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import functional_train as ft
+from functional_train.testing import count_collectives
+
+
+def problem(steps=4):
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g),
+              "n": torch.randn(3, generator=g)}
+    grads = [[{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(2)]
+             for _ in range(steps)]
+    return params, grads
+
+
+def make_tx():
+    return ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)), 2)
+
+
+def main(rank, world, init_file, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    dp_rank = mesh.get_local_rank("dp")
+    params, grads = problem()
+    place = {"w": [Shard(0)], "b": [Shard(0)], "n": [Replicate()]}
+    dparams = {k: distribute_tensor(v, tp, place[k]) for k, v in params.items()}
+    tx = make_tx()
+    state = tx.init(dparams)
+    fmesh = ft.Mesh(mesh, data_axis="dp")
+    counts = []
+    for step in grads:
+        g = step[dp_rank]
+        dg = {
+            # this dp replica's contribution, sharded over tp
+            "w": distribute_tensor(g["w"], tp, [Shard(0)]),
+            # unreduced over tp as well: each tp rank holds half of the replica's value
+            "b": DTensor.from_local(g["b"] / 2, tp, [Partial()], run_check=False),
+            # a Shard(0) gradient for a Replicate parameter
+            "n": distribute_tensor(g["n"], tp, [Shard(0)]),
+        }
+        with count_collectives() as c:
+            updates, state = tx.update(dg, state, dparams, mesh=fmesh)
+        counts.append(c.counts)
+        assert all(updates[k].placements == dparams[k].placements for k in params), updates
+        dparams = ft.apply_updates(dparams, updates)
+    full = {k: v.full_tensor() for k, v in dparams.items()}
+    norm = ft.tree_get(state, "global_norm")
+    if rank == 0:
+        torch.save({"params": full, "norm": norm, "counts": counts}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
