@@ -285,7 +285,7 @@ def parse_args(argv=None):
     g.add_argument("--data", default=None,
                    help="text file or directory (all files under it, sorted); "
                         "default: the Python standard library sources")
-    g.add_argument("--max-bytes", type=int, default=8_000_000, help="read at most this many bytes (0 = all)")
+    g.add_argument("--max-bytes", type=int, default=0, help="read at most this many bytes (0 = all)")
     g.add_argument("--val-fraction", type=float, default=0.05, help="held-out tail of the data")
     g.add_argument("--eval-every", type=int, default=0,
                    help="also evaluate every N steps (0 = only at the end)")

@@ -21,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
+import optree
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,8 +31,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .mesh import Mesh
 from .tree import flatten_as, format_path, tree_flatten, tree_unflatten
-
-import optree
 
 __all__ = [
     "Spec",
@@ -302,12 +301,12 @@ def materialize(grads: list, params: Optional[list], paths: Sequence[str],
 # ---------------------------------------------------------------------------------------------
 # the prepared view of one update call
 # ---------------------------------------------------------------------------------------------
-class Prepared(NamedTuple):
+class Prepared:
     """Flattened, validated and materialised inputs of one ``update`` call.
 
     Attributes:
         treedef: structure of the updates (``None`` leaves included).
-        paths: dotted leaf paths.
+        paths: dotted leaf paths (computed on first use).
         updates: materialised update leaves (DTensor / Tensor / ``None``).
         locals: their local shards (``None`` for ``None`` leaves).
         specs: their :class:`Spec` (``None`` for plain tensors).
@@ -317,15 +316,19 @@ class Prepared(NamedTuple):
         mesh: the descriptor after materialisation (data axis reduced).
     """
 
-    treedef: Any
-    paths: list
-    updates: list
-    locals: list
-    specs: list
-    params: Optional[list]
-    active: list
-    world: World
-    mesh: Optional[Mesh]
+    __slots__ = ("treedef", "_tree", "_paths", "updates", "locals", "specs", "params", "active",
+                 "world", "mesh")
+
+    def __init__(self, treedef, tree, paths, updates, locals_, specs, params, active, world, mesh):
+        self.treedef, self._tree, self._paths = treedef, tree, paths
+        self.updates, self.locals, self.specs, self.params = updates, locals_, specs, params
+        self.active, self.world, self.mesh = active, world, mesh
+
+    @property
+    def paths(self) -> list:
+        if self._paths is None:
+            self._paths = leaf_paths(self._tree)
+        return self._paths
 
     def rebuild(self, new_locals: Sequence[Any]) -> Any:
         """Unflatten ``new_locals`` (one per leaf, ``None`` allowed) rewrapped in ``specs``."""
@@ -352,28 +355,34 @@ class Prepared(NamedTuple):
 
     def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Sum over every rank of per-leaf local sums, each element counted once (ONE all-reduce)."""
-        return _global_reduce(self.world, local_sums, [self.updates[i] for i in indices],
-                              [self.paths[i] for i in indices], "sum")
+        return _global_reduce(self, local_sums, indices, "sum")
 
     def global_max(self, local_maxes: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Max over every rank of per-leaf local maxima (ONE all-reduce)."""
-        return _global_reduce(self.world, local_maxes, [self.updates[i] for i in indices],
-                              [self.paths[i] for i in indices], "max")
+        return _global_reduce(self, local_maxes, indices, "max")
 
 
-def _global_reduce(world: World, values, leaves, paths, op: str) -> torch.Tensor:
+def leaf_paths(tree: Any) -> list:
+    """Dotted paths of the leaves of ``tree`` (``None`` leaves included)."""
+    paths_raw, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    return [format_path(p) for p in paths_raw]
+
+
+def _global_reduce(b: Prepared, values, indices, op: str) -> torch.Tensor:
+    world = b.world
     if len(values) == 0:
         return torch.zeros((), dtype=torch.float32)
     vals = torch.stack([v.to(torch.float32) for v in values])
+    if world.device_mesh is None or world.size == 1:
+        return vals.sum() if op == "sum" else vals.max()
     if op == "sum":
-        weights = [1.0 / world.replicas(x, p) for x, p in zip(leaves, paths)]
+        paths = b.paths
+        weights = [1.0 / world.replicas(b.updates[i], paths[i]) for i in indices]
         if any(w != 1.0 for w in weights):
             vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
         total = vals.sum()
     else:
         total = vals.max()
-    if world.device_mesh is None or world.size == 1:
-        return total
     return funcol.wait_tensor(funcol.all_reduce(total, op, world.world_group()))
 
 
@@ -389,6 +398,16 @@ def _check_leaf(path: str, u: Any, p: Any) -> None:
                          f"expected the parameter's shape {tuple(p.shape)}")
 
 
+_NO_WORLD = None
+
+
+def _trivial_world() -> "World":
+    global _NO_WORLD
+    if _NO_WORLD is None:
+        _NO_WORLD = World(None, [], [])
+    return _NO_WORLD
+
+
 def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: bool = False,
             name: str = "transform") -> Prepared:
     """Flatten, validate and materialise the inputs of one ``update`` call.
@@ -402,18 +421,31 @@ def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: boo
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"{name}: mesh must be a functional_train.Mesh or None, "
                         f"got {type(mesh).__name__}")
-    paths_raw, leaves, treedef = optree.tree_flatten_with_path(updates, none_is_leaf=True)
-    paths = [format_path(p) for p in paths_raw]
+    leaves, treedef = tree_flatten(updates)
     if params is None:
         if need_params:
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
         pleaves = None
     else:
         pleaves = flatten_as(params, treedef, "params", "the updates")
+    any_dtensor = False
     for i, u in enumerate(leaves):
-        _check_leaf(paths[i], u, None if pleaves is None else pleaves[i])
-    world = World(mesh, [x for x in (pleaves or leaves)] + list(leaves),
-                  list(paths) + list(paths))
+        p = None if pleaves is None else pleaves[i]
+        if u is None:
+            continue
+        if not isinstance(u, torch.Tensor) or (p is not None and (
+                not isinstance(p, torch.Tensor) or u.shape != p.shape)):
+            _check_leaf(leaf_paths(updates)[i], u, p)
+        if isinstance(u, DTensor) or isinstance(p, DTensor):
+            any_dtensor = True
+    if pleaves is not None and not any_dtensor:
+        any_dtensor = any(isinstance(p, DTensor) for p in pleaves)
+    if not any_dtensor and (mesh is None or mesh.device_mesh is None):
+        active = [i for i, x in enumerate(leaves) if x is not None]
+        return Prepared(treedef, updates, None, leaves, leaves, [None] * len(leaves), pleaves,
+                        active, _trivial_world(), mesh)
+    paths = leaf_paths(updates)
+    world = World(mesh, list(pleaves or []) + list(leaves), list(paths) * (2 if pleaves else 1))
     for x, p in zip(leaves, paths):
         if isinstance(x, DTensor):
             world.leaf_dims(x, p)
@@ -422,5 +454,5 @@ def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: boo
     locs = [to_local(x) for x in leaves]
     plocs = None if pleaves is None else [to_local(x) for x in pleaves]
     active = [i for i, x in enumerate(leaves) if x is not None]
-    return Prepared(treedef, paths, leaves, locs, specs, plocs, active, world,
+    return Prepared(treedef, updates, paths, leaves, locs, specs, plocs, active, world,
                     None if mesh is None else mesh.reduced())

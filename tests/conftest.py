@@ -1,0 +1,30 @@
+"""Shared pytest configuration: hypothesis profiles.
+
+Profiles (select with the ``HYPOTHESIS_PROFILE`` environment variable):
+
+* ``ci`` (the default): few examples, deterministic (``derandomize``), no deadline, so the whole
+  suite stays fast and reproducible on a small CPU machine;
+* ``dev``: many more examples, random seeds, for local bug hunting
+  (``HYPOTHESIS_PROFILE=dev python -m pytest tests/test_sharded_equivalence.py``).
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=200,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
