@@ -9,8 +9,9 @@ import torch
 
 from . import _validate as V
 from .base import GradientTransformation
+from .mesh import Mesh
 from .sharding import spec_of, to_local, wrap
-from .tree import flatten_as, format_path, tree_unflatten, tree_zeros_like
+from .tree import flatten_as, format_path, state_zeros_like, tree_unflatten
 
 __all__ = ["multi_steps", "MultiStepsState", "has_updated"]
 
@@ -35,7 +36,7 @@ class MultiStepsState(NamedTuple):
 
 
 def multi_steps(inner: GradientTransformation, every_k: int, *,
-                acc_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+                acc_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
     """Accumulate gradients over ``every_k`` micro-steps, then apply ``inner`` once (optax
     ``MultiSteps`` semantics).
 
@@ -49,7 +50,7 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
     Args:
         inner: the transform to apply every ``every_k`` micro-steps.
         every_k: >= 1.
-        acc_dtype: accumulator dtype (float32 by default; ``None``: the params').
+        acc_dtype: accumulator dtype (default ``None``: float32, or the params' dtype when wider).
 
     State: :class:`MultiStepsState`. Use :func:`has_updated` to tell real steps apart.
 
@@ -67,13 +68,16 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
             mini_step=torch.zeros((), dtype=torch.int64, device="cpu"),
             gradient_step=torch.zeros((), dtype=torch.int64, device="cpu"),
             inner_state=inner.init(params),
-            acc_grads=tree_zeros_like(params, acc_dtype),
+            acc_grads=state_zeros_like(params, acc_dtype),
         )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, MultiStepsState):
             raise ValueError(f"multi_steps: expected a MultiStepsState from multi_steps.init, "
                              f"got {type(state).__name__}")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"multi_steps: mesh must be a functional_train.Mesh or None, "
+                            f"got {type(mesh).__name__}")
         paths_raw, g, treedef = optree.tree_flatten_with_path(updates, none_is_leaf=True)
         acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
         p = None if params is None else flatten_as(params, treedef, "params", "the updates")
@@ -86,7 +90,7 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
         gl = [to_local(g[i]) for i in active]
         al = [to_local(acc[i]) for i in active]
         if k == 0:  # the accumulator takes the gradients' placements (Partial stays Partial)
-            summed = [x.to(a.dtype) for x, a in zip(gl, al)]
+            summed = [x.to(a.dtype, copy=True) for x, a in zip(gl, al)]
             specs = [spec_of(g[i]) for i in active]
         else:
             summed = torch._foreach_add(al, [x.to(a.dtype) for x, a in zip(gl, al)])

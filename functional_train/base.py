@@ -101,8 +101,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, tuple) or len(state) != len(transforms) or hasattr(state, "_fields"):
+            got = (f"a tuple of {len(state)}" if isinstance(state, tuple) and not hasattr(state, "_fields")
+                   else f"a {type(state).__name__}")
             raise ValueError(f"chain: expected a tuple of {len(transforms)} states from chain.init, "
-                             f"got {type(state).__name__}")
+                             f"got {got}")
         updates, new_states = _run_sequence(transforms, state, updates, params, mesh, extra)
         return updates, tuple(new_states)
 

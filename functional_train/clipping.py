@@ -79,6 +79,7 @@ def global_norm(updates, *, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
     pipeline stages and experts add. Returns a 0-dim float32 tensor (a plain tensor, the same
     value on every rank).
     """
+    norm_type = V.number("norm_type", norm_type, where="global_norm", low=0.0, low_open=True)
     b = prepare(updates, None, mesh, name="global_norm")
     return global_norm_of(b, norm_type)
 

@@ -20,7 +20,7 @@ def _maybe_maximize(maximize: bool, txs):
 
 def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
         weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-        accumulator_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+        accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
     """``torch.optim.SGD`` as a chain, same arguments and defaults.
 
     ``g <- -g`` if maximize; ``g <- g + weight_decay * param``; momentum as :func:`trace`
@@ -46,8 +46,8 @@ def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening
 def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
          maximize: bool = False, decoupled_weight_decay: bool = False,
-         mu_dtype: Optional[torch.dtype] = torch.float32,
-         nu_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+         mu_dtype: Optional[torch.dtype] = None,
+         nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
     """``torch.optim.Adam`` as a chain, same arguments and defaults (``betas=(b1, b2)``).
 
     ``weight_decay`` is L2 added to the gradient before the moments, or AdamW's decoupled decay
@@ -69,8 +69,8 @@ def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
 
 def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-          maximize: bool = False, mu_dtype: Optional[torch.dtype] = torch.float32,
-          nu_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+          maximize: bool = False, mu_dtype: Optional[torch.dtype] = None,
+          nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
     """``torch.optim.AdamW`` as a chain, same arguments and defaults (``betas=(b1, b2)``).
 
     ``param <- param - lr * (adam_update + weight_decay * param)``: torch's decoupled decay

@@ -342,8 +342,20 @@ class Prepared:
         return self.rebuild(full)
 
     def state_locals(self, tree: Any, what: str) -> list:
-        """Local shards of a params-shaped state tree, checked against the updates' structure."""
-        return [to_local(x) for x in flatten_as(tree, self.treedef, what, "the updates")]
+        """Local shards of a params-shaped state tree, checked against the updates' structure
+        and, leaf by leaf, their shapes.
+
+        Raises:
+            ValueError: naming the leaf path whose structure or shape differs.
+        """
+        leaves = flatten_as(tree, self.treedef, what, "the updates")
+        for i in self.active:
+            x = leaves[i]
+            if x is not None and x.shape != self.updates[i].shape:
+                raise ValueError(f"update leaf '{self.paths[i]}' has shape "
+                                 f"{tuple(self.updates[i].shape)}, but its {what} leaf has shape "
+                                 f"{tuple(x.shape)} (the parameter's)")
+        return [to_local(x) for x in leaves]
 
     def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
         """A params-shaped state tree with the ``active`` leaves replaced by rewrapped locals."""
@@ -421,13 +433,14 @@ def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: boo
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"{name}: mesh must be a functional_train.Mesh or None, "
                         f"got {type(mesh).__name__}")
-    leaves, treedef = tree_flatten(updates)
     if params is None:
         if need_params:
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
+        leaves, treedef = tree_flatten(updates)
         pleaves = None
     else:
-        pleaves = flatten_as(params, treedef, "params", "the updates")
+        pleaves, treedef = tree_flatten(params)
+        leaves = flatten_as(updates, treedef, "updates", "params", params)
     any_dtensor = False
     for i, u in enumerate(leaves):
         p = None if pleaves is None else pleaves[i]

@@ -2,7 +2,7 @@
 
 Each ``update`` flattens its trees once, reduces unreduced gradients (see
 :func:`functional_train.sharding.prepare`), and computes on lists of local shards with
-``torch._foreach_*`` ops. Moments are kept in float32 by default (``*_dtype`` lowers them) and
+``torch._foreach_*`` ops. Moments are kept in float32 by default (float64 for float64 params; ``*_dtype`` sets them) and
 have the placements of their parameter.
 """
 
@@ -15,7 +15,7 @@ import torch
 from . import _validate as V
 from .base import EmptyState, GradientTransformation
 from .sharding import prepare
-from .tree import first_device, tree_zeros_like
+from .tree import first_device, state_zeros_like
 
 __all__ = [
     "scale",
@@ -40,7 +40,7 @@ def zero_count(params: Any) -> torch.Tensor:
 
 def _check_state(state: Any, cls: type, name: str) -> None:
     if not isinstance(state, cls):
-        raise ValueError(f"{name}: expected a {cls.__name__} from {name}.init, "
+        raise ValueError(f"{name}: expected the {cls.__name__} from {name}.init, "
                          f"got {type(state).__name__}")
 
 
@@ -157,7 +157,7 @@ class TraceState(NamedTuple):
 
 
 def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
-          accumulator_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+          accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
     """Momentum, as ``torch.optim.SGD`` computes it.
 
     ``buf_1 = g``; ``buf_t = decay * buf_{t-1} + (1 - dampening) * g``; the update is ``buf_t``,
@@ -167,7 +167,7 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
         decay: momentum factor in [0, 1).
         nesterov: Nesterov momentum (needs ``dampening == 0``, like torch).
         dampening: dampening in [0, 1].
-        accumulator_dtype: dtype of the buffer (float32 by default; ``None``: the params').
+        accumulator_dtype: dtype of the buffer (default ``None``: float32, or the params' dtype when wider).
 
     Raises:
         ValueError: out-of-range hyper-parameters.
@@ -178,7 +178,7 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
         raise ValueError("trace: nesterov momentum requires decay > 0 and dampening == 0")
 
     def init_fn(params):
-        return TraceState(zero_count(params), tree_zeros_like(params, accumulator_dtype))
+        return TraceState(zero_count(params), state_zeros_like(params, accumulator_dtype))
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, TraceState, "trace")
@@ -218,8 +218,8 @@ class ScaleByAmsgradState(NamedTuple):
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-                  amsgrad: bool = False, mu_dtype: Optional[torch.dtype] = torch.float32,
-                  nu_dtype: Optional[torch.dtype] = torch.float32) -> GradientTransformation:
+                  amsgrad: bool = False, mu_dtype: Optional[torch.dtype] = None,
+                  nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
     """Adam's scaling (Kingma & Ba 2015), exactly as ``torch.optim.Adam`` computes it.
 
     ``mu = b1 mu + (1-b1) g``, ``nu = b2 nu + (1-b2) g^2``, t counted from 1;
@@ -230,7 +230,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     Args:
         b1, b2: decay rates in [0, 1). eps: > 0 (added outside the square root, like torch).
         amsgrad: keep the maximum of ``nu`` (torch's ``amsgrad``).
-        mu_dtype, nu_dtype: moment dtypes (float32 by default; ``None`` means the params').
+        mu_dtype, nu_dtype: moment dtypes (default ``None``: float32, or the params' dtype when wider).
 
     Raises:
         ValueError: out-of-range hyper-parameters; at update, a state from another transform.
@@ -240,10 +240,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     eps = V.number("eps", eps, where="scale_by_adam", low=0.0)
 
     def init_fn(params):
-        mu = tree_zeros_like(params, mu_dtype)
-        nu = tree_zeros_like(params, nu_dtype)
+        mu = state_zeros_like(params, mu_dtype)
+        nu = state_zeros_like(params, nu_dtype)
         if amsgrad:
-            return ScaleByAmsgradState(zero_count(params), mu, nu, tree_zeros_like(params, nu_dtype))
+            return ScaleByAmsgradState(zero_count(params), mu, nu, state_zeros_like(params, nu_dtype))
         return ScaleByAdamState(zero_count(params), mu, nu)
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):

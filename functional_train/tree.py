@@ -17,6 +17,8 @@ __all__ = [
     "tree_unflatten",
     "tree_paths",
     "tree_zeros_like",
+    "state_zeros_like",
+    "state_dtype",
     "tree_cast",
     "tree_get",
     "format_path",
@@ -47,21 +49,24 @@ def tree_paths(tree: PyTree) -> list[str]:
 
 
 def _first_mismatch(expected: PyTree, got: PyTree) -> str:
-    """A human readable description of where two trees first differ."""
+    """A human readable description of where ``got`` first differs from ``expected``."""
     ep, _, _ = optree.tree_flatten_with_path(expected, none_is_leaf=True)
     gp, _, _ = optree.tree_flatten_with_path(got, none_is_leaf=True)
     es, gs = [format_path(p) for p in ep], [format_path(p) for p in gp]
+    missing = [p for p in es if p not in set(gs)]
+    extra = [p for p in gs if p not in set(es)]
+    if missing:
+        return f"leaf '{missing[0]}' is missing ({len(es)} leaves expected, {len(gs)} given)"
+    if extra:
+        return f"leaf '{extra[0]}' is unexpected ({len(es)} leaves expected, {len(gs)} given)"
     for a, b in zip(es, gs):
         if a != b:
-            return f"expected a leaf at '{a}', found '{b}'"
-    if len(es) > len(gs):
-        return f"missing leaf '{es[len(gs)]}' ({len(es)} leaves expected, {len(gs)} given)"
-    if len(gs) > len(es):
-        return f"unexpected leaf '{gs[len(es)]}' ({len(es)} leaves expected, {len(gs)} given)"
+            return f"expected leaf '{a}' where '{b}' is"
     return "same leaf paths but different container types"
 
 
-def flatten_as(tree: PyTree, treedef, what: str, reference: str = "params") -> list:
+def flatten_as(tree: PyTree, treedef, what: str, reference: str = "params",
+               reference_tree: PyTree = None) -> list:
     """Flatten ``tree`` and check it has the structure ``treedef``.
 
     Raises:
@@ -69,7 +74,8 @@ def flatten_as(tree: PyTree, treedef, what: str, reference: str = "params") -> l
     """
     leaves, td = tree_flatten(tree)
     if td != treedef:
-        expected = tree_unflatten(treedef, [0] * treedef.num_leaves)
+        expected = (reference_tree if reference_tree is not None
+                    else tree_unflatten(treedef, [0] * treedef.num_leaves))
         raise ValueError(
             f"{what} does not have the structure of {reference}: "
             f"{_first_mismatch(expected, tree)}"
@@ -82,6 +88,24 @@ def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
     return optree.tree_map(
         lambda x: None if x is None else torch.zeros_like(x, dtype=dtype), tree, none_is_leaf=True
     )
+
+
+def state_dtype(param_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    """dtype of an optimizer state leaf: ``requested``, or by default (``None``) float32, or the
+    parameter's dtype when it is a wider float (float64). Non-float params keep their dtype."""
+    if requested is not None:
+        return requested
+    if not param_dtype.is_floating_point:
+        return param_dtype
+    return torch.promote_types(param_dtype, torch.float32)
+
+
+def state_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
+    """Zeros shaped like every tensor leaf in the state dtype :func:`state_dtype` (DTensors keep
+    mesh and placements); ``None`` stays ``None``."""
+    return optree.tree_map(
+        lambda x: None if x is None else torch.zeros_like(x, dtype=state_dtype(x.dtype, dtype)),
+        tree, none_is_leaf=True)
 
 
 def first_device(tree: PyTree) -> torch.device:

@@ -395,14 +395,25 @@ def test_bf16_sgd_momentum_trace_float32_matches_torch_fp32():
     assert_leaves_close(tr.trace, [s["momentum_buffer"] for s in tstates])
 
 
-@pytest.mark.parametrize("make", [lambda: ft.adam(mu_dtype=torch.bfloat16, nu_dtype=None),
-                                  lambda: ft.adamw(mu_dtype=None, nu_dtype=torch.bfloat16)])
+@pytest.mark.parametrize("make", [lambda: ft.adam(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
+                                  lambda: ft.adamw(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)])
 def test_lowered_state_dtypes(make):
     params = make_params(torch.bfloat16)
     grads = make_grads(params, steps=2)
     _, state = run_ours(make(), params, grads)
     st = one_state(state, ft.ScaleByAdamState)
     assert all(x.dtype == torch.bfloat16 for x in leaves(st.mu) + leaves(st.nu))
+
+
+@pytest.mark.parametrize("param_dtype, state_dtype", [(torch.bfloat16, torch.float32),
+                                                      (torch.float32, torch.float32),
+                                                      (torch.float64, torch.float64)])
+def test_default_state_dtype_is_float32_or_wider(param_dtype, state_dtype):
+    params = make_params(param_dtype)
+    grads = make_grads(params, steps=2)
+    _, state = run_ours(ft.adam(), params, grads)
+    st = one_state(state, ft.ScaleByAdamState)
+    assert all(x.dtype == state_dtype for x in leaves(st.mu) + leaves(st.nu))
 
 
 # ---------------------------------------------------------------------------------------------
