@@ -84,6 +84,7 @@ def wrap(local: Any, spec: Optional[Spec]) -> Any:
 # the world: the whole mesh a tree lives on
 # ---------------------------------------------------------------------------------------------
 _FLAT_CACHE: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
+_SUB_CACHE: dict[tuple, tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 def _flat_group(device_mesh: DeviceMesh):
@@ -179,6 +180,27 @@ class World:
         if self._ep is not None and self.mesh.is_expert is not None and self.mesh.is_expert(path):
             split.add(self._ep)
         return math.prod(s for d, s in enumerate(self.shape) if d not in split)
+
+    def shard_group(self, x: Any, path: str, tensor_dims: Sequence[int]):
+        """The group of the mesh dims that shard any of ``tensor_dims`` of leaf ``x``, or
+        ``None`` when the leaf is whole on every rank along them."""
+        if not isinstance(x, DTensor):
+            return None
+        ndim = x.ndim
+        want = {d % ndim for d in tensor_dims} if ndim else set()
+        dims = sorted({w for w, p in zip(self.leaf_dims(x, path), x.placements)
+                       if isinstance(p, Shard) and p.dim % ndim in want})
+        if not dims:
+            return None
+        if len(dims) == 1:
+            return (self.device_mesh, dims[0])
+        key = (id(self.device_mesh), tuple(dims))
+        hit = _SUB_CACHE.get(key)
+        if hit is None or hit[0] is not self.device_mesh:
+            sub = self.device_mesh[tuple(self.names[d] for d in dims)]
+            hit = (self.device_mesh, sub._flatten())
+            _SUB_CACHE[key] = hit
+        return (hit[1], 0)
 
     def world_group(self):
         return _flat_group(self.device_mesh)
@@ -364,6 +386,34 @@ class Prepared:
         for i, v in zip(self.active, new_active):
             leaves[i] = wrap(v, spec_of(old[i]))
         return tree_unflatten(self.treedef, leaves)
+
+    def leaf_sums(self, items: Sequence[tuple[int, torch.Tensor, Sequence[int]]],
+                  op: str = "sum") -> list:
+        """Complete per-leaf reductions that were computed over the local shard.
+
+        Args:
+            items: ``(leaf index, local partial result, tensor dims reduced locally)``; the
+                partial result is all-reduced over the mesh dims that shard any of those tensor
+                dims of that leaf (replicas are never added, pipeline stages and experts never
+                mixed), so it becomes the reduction over the global tensor.
+            op: ``"sum"`` or ``"max"``.
+
+        Returns the completed results in order: one collective per distinct set of mesh dims
+        (per dtype), whatever the number of leaves.
+        """
+        out: list = [None] * len(items)
+        batch = []
+        where = []
+        for n, (i, t, dims) in enumerate(items):
+            group = self.world.shard_group(self.updates[i], self.paths[i], dims)
+            if group is None:
+                out[n] = t
+            else:
+                batch.append((t, group, op))
+                where.append(n)
+        for n, r in zip(where, all_reduce_buckets(batch)):
+            out[n] = r
+        return out
 
     def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Sum over every rank of per-leaf local sums, each element counted once (ONE all-reduce)."""
