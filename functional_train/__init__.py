@@ -8,6 +8,8 @@ from . import schedules
 from .accumulation import MultiStepsState, has_updated, multi_steps
 from .base import EmptyState, GradientTransformation, chain, identity, named_chain
 from .clipping import ClipByGlobalNormState, clip, clip_by_global_norm, global_norm
+from .factored import (EmaState, ScaleByFactoredRmsState, adafactor, clip_by_block_rms, ema,
+                       relative_step_schedule, scale_by_factored_rms, scale_by_param_block_rms)
 from .mesh import Mesh
 from .optimizers import adam, adamw, sgd
 from .transforms import (ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState,
@@ -28,8 +30,11 @@ __all__ = [
     # transforms
     "scale", "scale_by_learning_rate", "ScaleByScheduleState", "add_decayed_weights", "trace",
     "TraceState", "scale_by_adam", "ScaleByAdamState", "ScaleByAmsgradState",
+    # factored second moments (Adafactor)
+    "scale_by_factored_rms", "ScaleByFactoredRmsState", "clip_by_block_rms",
+    "scale_by_param_block_rms", "relative_step_schedule", "ema", "EmaState",
     # optimizers
-    "sgd", "adam", "adamw",
+    "sgd", "adam", "adamw", "adafactor",
     # modules
     "schedules",
 ]

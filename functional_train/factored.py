@@ -1,0 +1,668 @@
+"""Factored second moments and the block-RMS transforms of Adafactor (Shazeer & Stern 2018).
+
+Adafactor as composable primitives, exact under sharding:
+
+* :func:`scale_by_factored_rms` - the factored (row x column) second-moment estimate;
+* :func:`clip_by_block_rms` - ``u / max(1, RMS(u) / threshold)`` per leaf;
+* :func:`scale_by_param_block_rms` - ``u * max(min_scale, RMS(param))`` per leaf;
+* :func:`relative_step_schedule` - Adafactor's ``min(1e-2, 1/sqrt(t))`` step size;
+* :func:`ema` - exponential moving average of the updates (Adafactor's ``beta1``);
+* :func:`adafactor` - the chain equal to ``transformers.optimization.Adafactor``.
+
+Every statistic is computed over the GLOBAL tensor: means over a sharded dim are local sums
+completed by :meth:`~functional_train.sharding.Prepared.leaf_sums` (an all-reduce over exactly the
+mesh dims that shard that dim; replicas are never added) and divided by the global size of the
+dim. Collectives are batched: one :meth:`leaf_sums` call per transform and update, i.e. one
+all-reduce per distinct set of sharding mesh dims, whatever the number of leaves. Colossal-AI's
+``DistributedAdaFactor`` (seed 003) computes its column statistics from the local rows only
+under ZeRO and never refreshes its parameter RMS; these are exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from . import _validate as V
+from .base import EmptyState, GradientTransformation, chain
+from .sharding import Prepared, prepare, spec_of, to_local
+from .transforms import (ScalarOrSchedule, _check_state, add_decayed_weights, scale,
+                         scale_by_learning_rate, zero_count)
+from .tree import flatten_as, state_dtype, state_zeros_like, tree_paths, tree_unflatten
+
+__all__ = [
+    "scale_by_factored_rms",
+    "ScaleByFactoredRmsState",
+    "clip_by_block_rms",
+    "scale_by_param_block_rms",
+    "relative_step_schedule",
+    "ema",
+    "EmaState",
+    "adafactor",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# state construction: row / column statistics with derived placements
+# ---------------------------------------------------------------------------------------------
+def _contiguous_stride(shape: Sequence[int]) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def _reduced_placements(x: DTensor, dim: int, path: str) -> list:
+    """Placements of ``x`` reduced over tensor dim ``dim`` (the dim disappears): a ``Shard`` on
+    ``dim`` becomes ``Replicate``, a ``Shard`` on a later dim moves one dim down."""
+    nd = x.ndim
+    dim %= nd
+    out = []
+    for p in x.placements:
+        if isinstance(p, Partial):
+            raise ValueError(f"parameter '{path}' is Partial; optimizer states need parameters "
+                             "in Shard/Replicate placements")
+        if isinstance(p, Shard):
+            d = p.dim % nd
+            if d == dim:
+                out.append(Replicate())
+            else:
+                out.append(Shard(d if d < dim else d - 1))
+        else:
+            out.append(Replicate())
+    return out
+
+
+def _zeros_reduced(x: Any, dim: int, dtype: torch.dtype, path: str) -> Any:
+    """Zeros shaped like ``x`` without tensor dim ``dim``: for a DTensor, a DTensor of global
+    shape ``x.shape`` minus ``dim``, sharded like ``x`` over the remaining dims (no
+    communication; the local shard is built from the local shard of ``x``, uneven shards
+    included)."""
+    if isinstance(x, DTensor):
+        local = x.to_local()
+        z = local.narrow(dim, 0, 0).sum(dim, dtype=dtype)
+        shape = list(x.shape)
+        del shape[dim % x.ndim]
+        return DTensor.from_local(z, x.device_mesh, _reduced_placements(x, dim, path),
+                                  run_check=False, shape=torch.Size(shape),
+                                  stride=_contiguous_stride(shape))
+    return x.narrow(dim, 0, 0).sum(dim, dtype=dtype)
+
+
+def _placeholder(x: Any, dtype: torch.dtype) -> Any:
+    """A 0-element state entry (shape ``(0,)``) for a statistic a leaf does not use; replicated
+    on the leaf's mesh for DTensor leaves."""
+    if isinstance(x, DTensor):
+        z = torch.zeros((0,), dtype=dtype, device=x.device)
+        return DTensor.from_local(z, x.device_mesh, [Replicate()] * x.device_mesh.ndim,
+                                  run_check=False, shape=torch.Size([0]), stride=(1,))
+    return torch.zeros((0,), dtype=dtype, device=x.device)
+
+
+def _is_factored(shape: Sequence[int], min_dim: int) -> bool:
+    return len(shape) >= 2 and min(shape[-2], shape[-1]) >= min_dim
+
+
+def _state_leaves(b: Prepared, tree: Any, what: str, expected: dict,
+                  used: Sequence[int]) -> tuple[list, dict]:
+    """Flatten a per-leaf state tree (structure of the updates), check the shapes of the active
+    leaves against ``expected[i]`` and return ``(leaves, {i: local shard for i in used})``."""
+    leaves = flatten_as(tree, b.treedef, what, "the updates")
+    for i, shape in expected.items():
+        x = leaves[i]
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{what}: leaf '{b.paths[i]}' has shape {got}, expected "
+                             f"{tuple(shape)} for a parameter of shape "
+                             f"{tuple(b.updates[i].shape)}")
+    return leaves, {i: to_local(leaves[i]) for i in used}
+
+
+def _new_state_tree(b: Prepared, leaves: list, new_locals: dict) -> Any:
+    """``leaves`` with the entries in ``new_locals`` (index -> local shard) rewrapped in the
+    spec of the old entry; other entries are kept as they are (same objects)."""
+    out = list(leaves)
+    for i, loc in new_locals.items():
+        s = spec_of(leaves[i])
+        out[i] = loc if s is None else DTensor.from_local(
+            loc, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
+    return tree_unflatten(b.treedef, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the factored second moment (reusable by CAME's confidence statistics)
+# ---------------------------------------------------------------------------------------------
+def _factored_ema(b: Prepared,
+                  items: Sequence[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
+                  beta: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Exact factored moving averages of per-leaf squared quantities, one ``leaf_sums`` call.
+
+    Args:
+        items: ``(leaf index, S, R_old, C_old)`` with ``S`` the local shard of a non-negative
+            leaf-shaped quantity (``g^2 + eps``), ``R_old`` / ``C_old`` the local shards of its
+            row (``shape[:-1]``) and column (``shape[:-2] + shape[-1:]``) statistics.
+        beta: 0-dim decay (a tensor; float64 is fine, each statistic keeps its dtype).
+
+    Returns, per item, ``(R, C, F)``: ``R = beta R_old + (1-beta) mean_{-1}(S)``,
+    ``C = beta C_old + (1-beta) mean_{-2}(S)`` and the local shard of the leaf-shaped factor
+    ``F = rsqrt(R / mean_{-1}(R))[..., None] * rsqrt(C)[..., None, :]``, every mean over the
+    global tensor.
+
+    ``mean_{-1}(R)`` needs no second round of communication:
+    ``sum_rows R = beta sum_rows R_old + (1-beta) sum_{rows, cols}(S) / n_cols``, and both sums
+    are partial sums completed in the same batched call as the row and column sums (reduced over
+    the mesh dims that shard the rows, resp. the rows or the columns).
+    """
+    if not items:
+        return []
+    reqs = []
+    for i, s, r_old, _ in items:
+        row = s.sum(-1)                       # partial over local columns
+        reqs.append((i, row, (-1,)))
+        reqs.append((i, s.sum(-2), (-2,)))    # partial over local rows
+        reqs.append((i, r_old.sum(-1), (-2,)))  # sum_rows R_old: partial over local rows
+        reqs.append((i, row.sum(-1), (-2, -1)))  # sum of S over the local block
+    red = b.leaf_sums(reqs)
+    one_minus = 1.0 - beta
+    out = []
+    for k, (i, s, r_old, c_old) in enumerate(items):
+        row_sum, col_sum, r_old_sum, s_sum = red[4 * k: 4 * k + 4]
+        shape = b.updates[i].shape
+        n_rows, n_cols = int(shape[-2]), int(shape[-1])
+        r = r_old * beta + (row_sum / n_cols) * one_minus
+        c = c_old * beta + (col_sum / n_rows) * one_minus
+        r_mean = (r_old_sum * beta + (s_sum / n_cols) * one_minus) / n_rows
+        f = torch.rsqrt(r / r_mean.unsqueeze(-1)).unsqueeze(-1) * torch.rsqrt(c).unsqueeze(-2)
+        out.append((r, c, f))
+    return out
+
+
+class ScaleByFactoredRmsState(NamedTuple):
+    """State of :func:`scale_by_factored_rms`.
+
+    Fields (``v_row``, ``v_col``, ``v`` are trees with the structure of the params, one entry
+    per leaf, float32 by default, see ``v_dtype``):
+
+    * ``count``: number of previous updates (int64, 0-dim);
+    * ``v_row``: for a factored leaf of shape ``(..., n, m)``, the row statistic ``R`` of shape
+      ``(..., n)`` (HF ``exp_avg_sq_row``); for a DTensor leaf a DTensor placed like the rows:
+      ``Shard(d)`` kept for ``d < ndim - 1``, a ``Shard`` of the last dim becomes ``Replicate``.
+      For a non-factored leaf: a 0-element placeholder of shape ``(0,)`` (``Replicate`` on the
+      leaf's mesh for DTensor leaves).
+    * ``v_col``: for a factored leaf the column statistic ``C`` of shape ``(..., m)``
+      (HF ``exp_avg_sq_col``), placed like the columns: a ``Shard`` of dim ``-2`` becomes
+      ``Replicate``, ``Shard(ndim - 1)`` becomes ``Shard(ndim - 2)`` (C's last dim), batch dims
+      are kept. Placeholder for non-factored leaves.
+    * ``v``: for a non-factored leaf (0-D / 1-D, or below ``min_dim_size_to_factor``) the full
+      second moment ``V`` (params-shaped, the parameter's placements; HF ``exp_avg_sq``);
+      placeholder for factored leaves.
+
+    Placeholders are never modified: the same objects are returned in the new state.
+    """
+
+    count: torch.Tensor
+    v_row: Any
+    v_col: Any
+    v: Any
+
+
+def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
+                          beta2: Optional[float] = None, min_dim_size_to_factor: int = 0,
+                          v_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+    """Adafactor's factored second-moment scaling, exactly as HF ``Adafactor`` computes it.
+
+    With ``t = count + 1`` (1 on the first update) and ``b2t = 1 - t^decay_rate`` (or the
+    constant ``beta2``), for every leaf ``g``:
+
+    * ``G = g^2 + eps``;
+    * factored leaves (``ndim >= 2`` and both of the last two dims ``>= min_dim_size_to_factor``),
+      of shape ``(..., n, m)``: ``R <- b2t R + (1 - b2t) mean_{-1}(G)`` (shape ``(..., n)``),
+      ``C <- b2t C + (1 - b2t) mean_{-2}(G)`` (shape ``(..., m)``),
+      ``u = g * rsqrt(R / mean_{-1}(R))[..., None] * rsqrt(C)[..., None, :]``;
+    * other leaves: ``V <- b2t V + (1 - b2t) G``, ``u = g * rsqrt(V)``.
+
+    The update ``u`` has the dtype and placements of ``g``; statistics are computed in the state
+    dtype. Under sharding every mean is over the global tensor (local sum, ``leaf_sums`` over
+    the mesh dims that shard the reduced dim, division by the global size); uneven shards and
+    empty local shards are fine.
+
+    Communication per update: one batched ``leaf_sums`` call, i.e. one all-reduce per distinct
+    set of mesh dims that shard the rows, the columns, or the rows or columns of a factored
+    leaf (at most ``2^k - 1`` on a k-dim mesh; e.g. 1 for a tree tensor-parallel over one mesh
+    dim), whatever the number of leaves. ``mean_{-1}(R)`` is completed in the same call (see
+    :func:`_factored_ema`). Non-factored leaves need no communication.
+
+    Args:
+        decay_rate: exponent of the relative-step decay ``b2t = 1 - t^decay_rate``; HF's sign
+            convention (``<= 0``; the default ``-0.8`` is HF's and the paper's).
+        eps: ``eps1`` added to ``g^2`` (>= 0; default ``1e-30`` as HF).
+        beta2: a constant decay in [0, 1) used instead of ``b2t`` (CAME's ``beta2``); ``None``
+            (default) for Adafactor's ``b2t``.
+        min_dim_size_to_factor: factor a leaf only if its last two dims both have at least this
+            size (default 0: every leaf with ``ndim >= 2``, as HF).
+        v_dtype: dtype of ``R``, ``C``, ``V`` (default ``None``: float32, or the params' dtype
+            when wider).
+
+    State: :class:`ScaleByFactoredRmsState`.
+
+    Raises:
+        ValueError: ``decay_rate > 0``, ``eps < 0``, ``beta2`` outside [0, 1), negative
+            ``min_dim_size_to_factor``; at update, a state from another transform or for
+            other parameters (naming the leaf), a ``Partial`` parameter at init.
+
+    Reference: Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory
+    Cost", Algorithms 4/5; ``transformers.optimization.Adafactor``.
+    """
+    where = "scale_by_factored_rms"
+    decay_rate = V.number("decay_rate", decay_rate, where=where, high=0.0)
+    eps = V.number("eps", eps, where=where, low=0.0)
+    if beta2 is not None:
+        beta2 = V.beta("beta2", beta2, where=where)
+    min_dim = V.integer("min_dim_size_to_factor", min_dim_size_to_factor, where=where, low=0)
+
+    def init_fn(params):
+        leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
+        paths = None
+        rows, cols, vs = [], [], []
+        for k, x in enumerate(leaves):
+            if x is None:
+                rows.append(None), cols.append(None), vs.append(None)
+                continue
+            dt = state_dtype(x.dtype, v_dtype)
+            if _is_factored(x.shape, min_dim):
+                if paths is None:
+                    paths = tree_paths(params)
+                rows.append(_zeros_reduced(x, -1, dt, paths[k]))
+                cols.append(_zeros_reduced(x, -2, dt, paths[k]))
+                vs.append(_placeholder(x, dt))
+            else:
+                rows.append(_placeholder(x, dt))
+                cols.append(_placeholder(x, dt))
+                vs.append(state_zeros_like(x, v_dtype))
+        return ScaleByFactoredRmsState(zero_count(params), optree.tree_unflatten(treedef, rows),
+                                       optree.tree_unflatten(treedef, cols),
+                                       optree.tree_unflatten(treedef, vs))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, ScaleByFactoredRmsState, where)
+        b = prepare(updates, params, mesh, name=where)
+        fac = [i for i in b.active if _is_factored(b.updates[i].shape, min_dim)]
+        fset = set(fac)
+        dense = [i for i in b.active if i not in fset]
+        empty = (0,)
+        e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in b.active}
+        e_col = {i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset
+                     else empty) for i in b.active}
+        e_v = {i: (empty if i in fset else tuple(b.updates[i].shape)) for i in b.active}
+        row_leaves, row_loc = _state_leaves(b, state.v_row, f"{where}: v_row", e_row, fac)
+        col_leaves, col_loc = _state_leaves(b, state.v_col, f"{where}: v_col", e_col, fac)
+        v_leaves, v_loc = _state_leaves(b, state.v, f"{where}: v", e_v, dense)
+        count = state.count + 1
+        if beta2 is None:
+            b2 = 1.0 - torch.pow(count.to(torch.float64), decay_rate)
+        else:
+            b2 = torch.full((), beta2, dtype=torch.float64, device=count.device)
+        out: list = [None] * len(b.locals)
+        new_row, new_col, new_v = {}, {}, {}
+        # factored leaves: one batched leaf_sums for all of them
+        items = []
+        for i in fac:
+            g = b.locals[i]
+            sd = row_loc[i].dtype
+            gs = g.to(sd)
+            items.append((i, gs * gs + eps, row_loc[i], col_loc[i]))
+        for (i, _, _, _), (r, c, f) in zip(items, _factored_ema(b, items, b2)):
+            g = b.locals[i]
+            new_row[i], new_col[i] = r, c
+            out[i] = f.mul_(g.to(f.dtype)).to(g.dtype)  # f is a fresh buffer
+        # other leaves: elementwise, foreach
+        if dense:
+            g = [b.locals[i] for i in dense]
+            v_old = [v_loc[i] for i in dense]
+            gs = [x.to(v.dtype) for x, v in zip(g, v_old)]
+            gsq = torch._foreach_mul(gs, gs)
+            torch._foreach_add_(gsq, eps)
+            torch._foreach_mul_(gsq, 1.0 - b2)  # a float64 0-dim scalar keeps each dtype
+            v_new = torch._foreach_mul(v_old, b2)
+            torch._foreach_add_(v_new, gsq)
+            u = torch._foreach_rsqrt(v_new)
+            torch._foreach_mul_(u, gs)
+            for i, x, vn, gi in zip(dense, u, v_new, g):
+                new_v[i] = vn
+                out[i] = x.to(gi.dtype)
+        new_state = ScaleByFactoredRmsState(
+            count, _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col),
+            _new_state_tree(b, v_leaves, new_v))
+        return b.rebuild(out), new_state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# block RMS: clipping the updates, scaling by the parameters
+# ---------------------------------------------------------------------------------------------
+def _block_rms(b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]) -> list:
+    """Per-leaf RMS over the GLOBAL leaf (0-dim tensors, float32 for low-precision leaves,
+    float64 for float64 ones): local sums of squares completed by ONE ``leaf_totals``
+    all-reduce for all leaves, divided by the global numel."""
+    if not idx:
+        return []
+    locs = list(locs)
+    low = [k for k, x in enumerate(locs) if torch.finfo(x.dtype).bits < 32]
+    if not low:
+        norms = list(torch._foreach_norm(locs, 2))
+    else:  # bf16 / fp16: accumulate and return in float32 (HF upcasts before its RMS)
+        lows = set(low)
+        high = [k for k in range(len(locs)) if k not in lows]
+        norms = [None] * len(locs)
+        for k, n in zip(high, torch._foreach_norm([locs[k] for k in high], 2) if high else []):
+            norms[k] = n
+        for k, n in zip(low, torch._foreach_norm([locs[k] for k in low], 2, dtype=torch.float32)):
+            norms[k] = n
+    sq = torch._foreach_mul(norms, norms)
+    tot = b.leaf_totals(list(zip(idx, sq)))
+    ms = [t / max(b.updates[i].numel(), 1) for i, t in zip(idx, tot)]
+    return torch._foreach_sqrt(ms)
+
+
+def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
+    """Scale each leaf so that its RMS is at most ``threshold``:
+    ``u <- u / max(1, RMS(u) / threshold)``, ``RMS(u) = sqrt(sum(u^2) / numel)`` over the
+    GLOBAL leaf (Adafactor's update clipping ``d``, HF ``clip_threshold``; optax
+    ``clip_by_block_rms``).
+
+    Communication per update: one batched ``leaf_sums`` (one all-reduce of per-leaf scalars per
+    distinct set of mesh dims that shard a leaf; 1 when every sharded leaf is sharded over the
+    same mesh dims), whatever the number of leaves. No state.
+
+    Args:
+        threshold: > 0.
+
+    Raises:
+        ValueError: ``threshold <= 0``; at update, a state from another transform.
+    """
+    where = "clip_by_block_rms"
+    threshold = V.number("threshold", threshold, where=where, low=0.0, low_open=True)
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, EmptyState, where)
+        b = prepare(updates, params, mesh, name=where)
+        g = [b.locals[i] for i in b.active]
+        if not g:
+            return b.rebuild_active([]), state
+        rms = _block_rms(b, g, b.active)
+        den = torch._foreach_div(rms, threshold)
+        torch._foreach_clamp_min_(den, 1.0)
+        out = [x / d.to(x.dtype) for x, d in zip(g, den)]
+        return b.rebuild_active(out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
+    """Scale each leaf by the RMS of its parameter: ``u <- u * max(min_scale, RMS(param))``,
+    RMS over the GLOBAL parameter (Adafactor's relative step size ``scale_parameter``, with
+    ``min_scale`` = HF's ``eps[1]``; optax ``scale_by_param_block_rms``).
+
+    The RMS is of the parameters passed to ``update`` (the values before this step), recomputed
+    every update. Communication per update: one batched ``leaf_sums`` (see
+    :func:`clip_by_block_rms`). No state.
+
+    Args:
+        min_scale: >= 0 (default ``1e-3``, HF's ``eps[1]``).
+
+    Raises:
+        ValueError: ``min_scale < 0``; at update, ``params`` missing or a state from another
+            transform.
+    """
+    where = "scale_by_param_block_rms"
+    min_scale = V.number("min_scale", min_scale, where=where, low=0.0)
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, EmptyState, where)
+        b = prepare(updates, params, mesh, need_params=True, name=where)
+        g = [b.locals[i] for i in b.active]
+        if not g:
+            return b.rebuild_active([]), state
+        rms = _block_rms(b, [b.params[i] for i in b.active], b.active)
+        torch._foreach_clamp_min_(rms, min_scale)
+        out = [x * s.to(x.dtype) for x, s in zip(g, rms)]
+        return b.rebuild_active(out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# step size, momentum
+# ---------------------------------------------------------------------------------------------
+def relative_step_schedule(warmup_init: bool = False):
+    """Adafactor's relative step size as a schedule of the update count.
+
+    ``rho(count) = min(1e-6 * t if warmup_init else 1e-2, 1 / sqrt(t))`` with ``t = count + 1``
+    (``count`` = number of previous updates, 0 on the first, as
+    :func:`~functional_train.scale_by_learning_rate` passes it). Accepts an int or a 0-dim
+    integer tensor; returns a 0-dim float64 tensor (tensor ops only, no host sync).
+
+    Reference: HF ``Adafactor._get_lr`` (``relative_step=True``).
+    """
+    if not isinstance(warmup_init, bool):
+        raise TypeError(f"relative_step_schedule: warmup_init must be a bool, "
+                        f"got {type(warmup_init).__name__}")
+
+    def schedule(count):
+        t = torch.as_tensor(count).to(torch.float64) + 1.0
+        min_step = 1e-6 * t if warmup_init else torch.full_like(t, 1e-2)
+        return torch.minimum(min_step, torch.rsqrt(t))
+
+    return schedule
+
+
+class EmaState(NamedTuple):
+    """State of :func:`ema`: ``count`` (int64, 0-dim) and ``ema`` (params-shaped, the
+    parameter's placements, float32 by default)."""
+
+    count: torch.Tensor
+    ema: Any
+
+
+def ema(decay: float, debias: bool = False, *,
+        accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+    """Exponential moving average of the updates: ``m <- decay m + (1 - decay) u``; the update
+    is ``m``, or ``m / (1 - decay^t)`` with ``debias`` (t counted from 1).
+
+    optax ``ema`` semantics, but ``debias`` defaults to ``False`` (Adafactor's ``beta1``
+    momentum, HF ``exp_avg``, is not debiased). Elementwise: no communication.
+
+    Args:
+        decay: in [0, 1).
+        debias: divide by ``1 - decay^t``.
+        accumulator_dtype: dtype of ``m`` (default ``None``: float32, or the params' dtype when
+            wider).
+
+    Raises:
+        ValueError: ``decay`` outside [0, 1); at update, a state from another transform.
+    """
+    where = "ema"
+    decay = V.beta("decay", decay, where=where)
+
+    def init_fn(params):
+        return EmaState(zero_count(params), state_zeros_like(params, accumulator_dtype))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, EmaState, where)
+        b = prepare(updates, params, mesh, name=where)
+        g = [b.locals[i] for i in b.active]
+        m_all = b.state_locals(state.ema, "EmaState.ema")
+        m = [m_all[i] for i in b.active]
+        count = state.count + 1
+        if not g:
+            return b.rebuild_active([]), EmaState(count, state.ema)
+        gm = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(g, m)]
+        new = torch._foreach_lerp(m, gm, 1.0 - decay)
+        out = new
+        if debias:
+            bc = 1.0 - torch.pow(decay, count.to(torch.float64))
+            out = torch._foreach_div(new, bc.to(new[0].dtype))
+        out = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(out, g)]
+        return b.rebuild_active(out), EmaState(count, b.state_tree(state.ema, "EmaState.ema", new))
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# the alias
+# ---------------------------------------------------------------------------------------------
+class _StepSizeDecayState(NamedTuple):
+    count: torch.Tensor
+
+
+def _add_step_size_decayed_weights(weight_decay: float, rho, scale_parameter: bool,
+                                   min_scale: float) -> GradientTransformation:
+    """Private: ``u <- u + weight_decay * alpha_t * param`` with Adafactor's step size
+    ``alpha_t = rho(count) * (max(min_scale, RMS(param)) if scale_parameter else 1)``.
+
+    Needed after the ``beta1`` momentum, where HF's weight decay ``theta <- theta - wd alpha_t
+    theta`` cannot be folded into the momentum's input. Recomputes ``RMS(param)`` (one batched
+    ``leaf_sums``) when ``scale_parameter``.
+    """
+    where = "adafactor"
+
+    def init_fn(params):
+        return _StepSizeDecayState(zero_count(params))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, _StepSizeDecayState, where)
+        b = prepare(updates, params, mesh, need_params=True, name=where)
+        g = [b.locals[i] for i in b.active]
+        if not g:
+            return b.rebuild_active([]), _StepSizeDecayState(state.count + 1)
+        p = [b.params[i] for i in b.active]
+        lr = torch.as_tensor(rho(state.count), dtype=torch.float64)
+        if scale_parameter:
+            rms = _block_rms(b, p, b.active)
+            torch._foreach_clamp_min_(rms, min_scale)
+            coef = [(s.to(torch.float64) * lr * weight_decay) for s in rms]
+        else:
+            coef = [lr * weight_decay] * len(g)
+        out = [x + y.to(x.dtype) * c.to(x.dtype) for x, y, c in zip(g, p, coef)]
+        return b.rebuild_active(out), _StepSizeDecayState(state.count + 1)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
+              eps: tuple[float, float] = (1e-30, 1e-3), clip_threshold: float = 1.0,
+              decay_rate: float = -0.8, beta1: Optional[float] = None, weight_decay: float = 0.0,
+              scale_parameter: bool = True, relative_step: bool = True,
+              warmup_init: bool = False) -> GradientTransformation:
+    """``transformers.optimization.Adafactor`` as a chain: same arguments, defaults and numbers.
+
+    With ``t`` the step (1 on the first update) and per leaf:
+
+    * ``rho_t = min(1e-6 t if warmup_init else 1e-2, 1/sqrt(t))`` if ``relative_step`` else
+      ``learning_rate`` (a float, or a schedule of the update count);
+    * ``alpha_t = rho_t * max(eps[1], RMS(theta))`` if ``scale_parameter`` else ``rho_t``;
+    * ``u`` = :func:`scale_by_factored_rms` ``(decay_rate, eps[0])`` of ``g``;
+    * ``u <- u / max(1, RMS(u) / clip_threshold)`` (:func:`clip_by_block_rms`); ``u <- alpha_t u``;
+    * with ``beta1``: ``m <- beta1 m + (1 - beta1) u``, ``u <- m`` (:func:`ema`);
+    * ``theta <- theta - weight_decay * alpha_t * theta - u``.
+
+    The chain: ``scale_by_factored_rms``, ``clip_by_block_rms``, then without ``beta1``
+    ``add_decayed_weights(weight_decay)`` (``alpha_t (u + wd theta)`` is HF's update),
+    ``scale_by_param_block_rms(eps[1])`` and ``scale_by_learning_rate(rho)``; with ``beta1``
+    ``scale_by_param_block_rms``, ``scale_by_learning_rate(rho, flip_sign=False)``, ``ema(beta1)``,
+    a private transform adding ``weight_decay * alpha_t * theta`` (HF decays with ``alpha_t``
+    after the momentum) and ``scale(-1)``. All RMS are over the global tensors; every statistic is
+    exact under sharding.
+
+    Needs ``params`` at update when ``scale_parameter`` or ``weight_decay``. Communication per
+    update (all-reduces; ``k`` = the number of distinct sets of sharding mesh dims, see
+    :func:`scale_by_factored_rms`, :func:`clip_by_block_rms`): that of
+    ``scale_by_factored_rms`` + ``clip_by_block_rms`` + ``scale_by_param_block_rms`` (if
+    ``scale_parameter``) + one more RMS(param) (if ``beta1`` and ``weight_decay`` and
+    ``scale_parameter``); independent of the number of leaves. For one tensor-parallel mesh dim
+    with a default ``adafactor()``: 3.
+
+    Args:
+        learning_rate: HF ``lr``; must be ``None`` with ``relative_step=True`` and > 0 (or a
+            schedule) with ``relative_step=False``.
+        eps: ``(eps1, eps2)``: added to ``g^2``; lower bound of the parameter scale.
+        clip_threshold: > 0, the update clipping threshold ``d``.
+        decay_rate: <= 0, ``b2t = 1 - t^decay_rate``.
+        beta1: first-moment decay in [0, 1), or ``None`` (no first moment, HF default).
+        weight_decay: >= 0, decoupled decay scaled by ``alpha_t``.
+        scale_parameter, relative_step, warmup_init: as HF.
+
+    State: a tuple of the chain's states (``ScaleByFactoredRmsState`` first; ``EmaState`` holds
+    HF's ``exp_avg``).
+
+    Raises:
+        ValueError: ``learning_rate`` given with ``relative_step=True`` ("Cannot combine manual
+            lr and relative_step=True", as HF); ``learning_rate`` missing or <= 0 with
+            ``relative_step=False``; ``warmup_init=True`` without ``relative_step``;
+            out-of-range ``eps``, ``clip_threshold``, ``decay_rate``, ``beta1``,
+            ``weight_decay``.
+        TypeError: ``eps`` is not a pair of numbers, or a flag is not a bool.
+
+    Reference: Shazeer & Stern 2018; ``transformers.optimization.Adafactor`` (which
+    Colossal-AI's ``DistributedAdaFactor`` copies).
+    """
+    where = "adafactor"
+    for name, flag in (("scale_parameter", scale_parameter), ("relative_step", relative_step),
+                       ("warmup_init", warmup_init)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{where}: {name} must be a bool, got {type(flag).__name__}")
+    if learning_rate is not None and relative_step:
+        raise ValueError(f"{where}: cannot combine a manual learning_rate with "
+                         "relative_step=True; pass relative_step=False to use learning_rate")
+    if warmup_init and not relative_step:
+        raise ValueError(f"{where}: warmup_init=True requires relative_step=True")
+    if not relative_step:
+        if learning_rate is None:
+            raise ValueError(f"{where}: learning_rate is required when relative_step=False")
+        if not callable(learning_rate):
+            V.number("learning_rate", learning_rate, where=where, low=0.0, low_open=True)
+    if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
+        raise TypeError(f"{where}: eps must be a pair (eps1, eps2), got {eps!r}")
+    eps1 = V.number("eps[0]", eps[0], where=where, low=0.0)
+    eps2 = V.number("eps[1]", eps[1], where=where, low=0.0)
+    clip_threshold = V.number("clip_threshold", clip_threshold, where=where, low=0.0,
+                              low_open=True)
+    decay_rate = V.number("decay_rate", decay_rate, where=where, high=0.0)
+    if beta1 is not None:
+        beta1 = V.beta("beta1", beta1, where=where)
+    weight_decay = V.number("weight_decay", weight_decay, where=where, low=0.0)
+
+    if relative_step:
+        rho = relative_step_schedule(warmup_init)
+    else:
+        rho = learning_rate
+    txs = [scale_by_factored_rms(decay_rate, eps1), clip_by_block_rms(clip_threshold)]
+    if beta1 is None:
+        if weight_decay:
+            txs.append(add_decayed_weights(weight_decay))
+        if scale_parameter:
+            txs.append(scale_by_param_block_rms(eps2))
+        txs.append(scale_by_learning_rate(rho))
+    else:
+        if scale_parameter:
+            txs.append(scale_by_param_block_rms(eps2))
+        txs.append(scale_by_learning_rate(rho, flip_sign=False))
+        txs.append(ema(beta1))
+        if weight_decay:
+            rho_fn = rho if callable(rho) else (lambda count, _v=float(rho): _v)
+            txs.append(_add_step_size_decayed_weights(weight_decay, rho_fn, scale_parameter, eps2))
+        txs.append(scale(-1.0))
+    return chain(*txs)
