@@ -28,10 +28,7 @@ from functional_train.factored import (EmaState, ScaleByFactoredRmsState, adafac
                                        scale_by_factored_rms, scale_by_param_block_rms)
 from functional_train.testing import count_collectives, on_rank, per_rank, simulate
 
-try:  # the reference (a test-only dependency); the other tests run without it
-    from transformers.optimization import Adafactor as HFAdafactor
-except ImportError:  # pragma: no cover
-    HFAdafactor = None
+from transformers.optimization import Adafactor as HFAdafactor  # the reference (test extra)
 
 SHAPES = {"w": (6, 5), "b": (7,), "t": (3, 4, 5), "row": (1, 8), "s": ()}
 
@@ -77,7 +74,6 @@ def _close(got, want, rtol, atol, what):
 # =============================================================================================
 # 1. against transformers' Adafactor
 # =============================================================================================
-@pytest.mark.skipif(HFAdafactor is None, reason="transformers is not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name,kw", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_matches_transformers_adafactor(name, kw, dtype):
