@@ -8,7 +8,7 @@ import optree
 import torch
 
 from . import _validate as V
-from .base import GradientTransformation
+from .base import GradientTransformation, passes_unreduced
 from .mesh import Mesh
 from .sharding import spec_of, to_local, wrap
 from .tree import flatten_as, format_path, state_zeros_like, tree_unflatten
@@ -117,6 +117,8 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
             torch.zeros_like(state.mini_step), state.gradient_step + 1, inner_state,
             tree_unflatten(treedef, new_acc))
 
+    # what comes out is what inner returns: still unreduced if inner passes unreduced values on
+    update_fn.passes_unreduced = passes_unreduced(inner)  # type: ignore[attr-defined]
     return GradientTransformation(init_fn, update_fn)
 
 

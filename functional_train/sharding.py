@@ -104,20 +104,47 @@ def wrap(local: Any, spec: Optional[Spec]) -> Any:
 # ---------------------------------------------------------------------------------------------
 # the world: the whole mesh a tree lives on
 # ---------------------------------------------------------------------------------------------
-_FLAT_CACHE: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
-_SUB_CACHE: dict[tuple, tuple[DeviceMesh, DeviceMesh]] = {}
+_PRIVATE: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
+_GROUPS: dict[tuple, Any] = {}
+
+
+def _private_root(device_mesh: DeviceMesh) -> DeviceMesh:
+    """A private copy of the root mesh of ``device_mesh`` (same layout, same names).
+
+    Multi-dim groups are made by flattening this copy, never the user's mesh: once a user's mesh
+    has a flattened child, torch 2.13 redistributes nested uneven ``Shard`` placements on it with
+    wrong chunk sizes (pytorch/pytorch PR 194457), which would corrupt the user's own
+    ``full_tensor()`` calls."""
+    root = device_mesh._get_root_mesh()
+    hit = _PRIVATE.get(id(root))
+    if hit is None or hit[0] is not root:
+        copy = DeviceMesh(root.device_type, root.mesh.clone(), mesh_dim_names=root.mesh_dim_names)
+        hit = (root, copy)
+        _PRIVATE[id(root)] = hit
+    return hit[1]
+
+
+def _names_group(device_mesh: DeviceMesh, names: tuple):
+    """A functional-collective group over the dims ``names`` of ``device_mesh``."""
+    if len(names) == 1:
+        return (device_mesh, device_mesh.mesh_dim_names.index(names[0]))
+    key = (id(device_mesh), names)
+    hit = _GROUPS.get(key)
+    if hit is None or hit[0] is not device_mesh:
+        private = _private_root(device_mesh)
+        sub = private if tuple(private.mesh_dim_names) == names else private[names]
+        hit = (device_mesh, (sub._flatten(), 0))
+        _GROUPS[key] = hit
+    return hit[1]
 
 
 def _flat_group(device_mesh: DeviceMesh):
     """A functional-collective group spanning every rank of ``device_mesh``."""
     if device_mesh.ndim == 1:
         return (device_mesh, 0)
-    key = id(device_mesh)
-    hit = _FLAT_CACHE.get(key)
-    if hit is None or hit[0] is not device_mesh:
-        hit = (device_mesh, device_mesh._flatten())
-        _FLAT_CACHE[key] = hit
-    return (hit[1], 0)
+    if device_mesh.mesh_dim_names is None:
+        raise ValueError("functional_train needs the dims of a multi-dimensional mesh named")
+    return _names_group(device_mesh, tuple(device_mesh.mesh_dim_names))
 
 
 class World:
@@ -224,13 +251,7 @@ class World:
             return (self.device_mesh, dims[0])
         if len(dims) == self.device_mesh.ndim:
             return self.world_group()
-        key = (id(self.device_mesh), tuple(dims))
-        hit = _SUB_CACHE.get(key)
-        if hit is None or hit[0] is not self.device_mesh:
-            sub = self.device_mesh[tuple(self.names[d] for d in dims)]
-            hit = (self.device_mesh, sub._flatten())
-            _SUB_CACHE[key] = hit
-        return (hit[1], 0)
+        return _names_group(self.device_mesh, tuple(self.names[d] for d in dims))
 
     def separating_dims(self) -> set:
         """World dims along which ranks hold different leaves (pipeline, expert)."""

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
-    max_examples=12,
+    max_examples=15,
     deadline=None,
     derandomize=True,
     print_blob=True,

@@ -1,0 +1,227 @@
+"""Collective counts: O(1) collectives per update, whatever the number of leaves (DESIGN.md 3).
+
+* ``clip_by_global_norm`` over a whole tree of DTensors with mixed placements is ONE scalar
+  all-reduce;
+* elementwise optimizers (``adamw``) on already-reduced gradients issue none;
+* ``multi_steps(chain(clip_by_global_norm, adamw), k)`` with gradients unreduced over the data
+  axis is the functional ``no_sync``: the non-final micro-steps issue no collective and leave
+  the inner state alone, the final one issues exactly one bucketed data-axis mean for all leaves
+  plus the norm's scalar.
+
+Runs in one process on a simulated 2x2 mesh (``functional_train.testing.simulate``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import functional_train as ft
+from functional_train.testing import count_collectives, on_rank, per_rank, simulate
+
+WORLD = 4
+
+# (mesh: "full" | a sub-mesh dim name | "plain", placements, shape): every kind of leaf of a
+# 2 x 2 ("dp", "tp") mesh, uneven and empty shards included
+_KINDS = [
+    ("full", (Shard(0), Shard(1)), (5, 3)),
+    ("full", (Shard(0), Shard(0)), (7,)),
+    ("full", (Replicate(), Shard(-1)), (2, 3)),
+    ("full", (Replicate(), Replicate()), (3,)),
+    ("tp", (Shard(0),), (1, 4)),
+    ("tp", (Replicate(),), (2, 2)),
+    ("dp", (Shard(1),), (2, 5)),
+    ("plain", None, (3,)),
+]
+
+
+def _replicated(x):
+    return per_rank(WORLD, lambda r: x)
+
+
+def _leaf(m, kind, value):
+    home, pl, _ = kind
+    if home == "plain":
+        return _replicated(value)
+    dm = m if home == "full" else m[home]
+    return distribute_tensor(_replicated(value), dm, list(pl), src_data_rank=None)
+
+
+def _values(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(_KINDS[i % len(_KINDS)][2], generator=gen) for i in range(n)]
+
+
+def _tree(m, values):
+    return {f"l{i:02d}": _leaf(m, _KINDS[i % len(_KINDS)], v) for i, v in enumerate(values)}
+
+
+def _mesh():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _locals(tree):
+    """Every rank's local values of a tree (plain tensors), for before/after comparisons."""
+    out = []
+    for x in optree.tree_leaves(tree, none_is_leaf=True):
+        if x is None:
+            out.append(None)
+            continue
+        loc = x._local_tensor if isinstance(x, DTensor) else x
+        out.append([on_rank(loc, r).clone() for r in range(WORLD)])
+    return out
+
+
+@pytest.mark.parametrize("explicit_mesh", [True, False])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_by_global_norm_is_one_all_reduce_for_50_leaves(norm_type, explicit_mesh):
+    vals = _values(50)
+    want = torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in vals]), norm_type)
+    with simulate(WORLD):
+        m = _mesh()
+        grads = _tree(m, vals)
+        tx = ft.clip_by_global_norm(1.0, norm_type=norm_type)
+        state = tx.init(grads)
+        with count_collectives() as c:
+            _, state = tx.update(grads, state, grads, mesh=ft.Mesh(m) if explicit_mesh else None)
+        norms = [on_rank(state.global_norm, r) for r in range(WORLD)]
+    assert c.counts == {"all_reduce": 1}, c
+    for r in range(WORLD):
+        torch.testing.assert_close(norms[r], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh_kind", ["none", "mesh", "data_axis_reduced"])
+def test_adamw_issues_no_collective_on_reduced_grads(mesh_kind):
+    """Reduced gradients: DTensors (any placements, on the mesh or a sub-mesh) and replicated
+    plain tensors without a data axis; with ``data_axis="dp"``, DTensors on the whole mesh
+    (their placement over dp says they are already reduced: FSDP-style ``Shard`` or
+    ``Replicate``)."""
+    n = 8
+    with simulate(WORLD):
+        m = _mesh()
+        if mesh_kind == "data_axis_reduced":
+            kinds = [k for k in _KINDS if k[0] == "full"]
+            gen = torch.Generator().manual_seed(1)
+            vals = [torch.randn(kinds[i % len(kinds)][2], generator=gen) for i in range(n)]
+            params = {f"l{i}": _leaf(m, kinds[i % len(kinds)], v) for i, v in enumerate(vals)}
+            grads = {k: _leaf(m, kinds[i % len(kinds)], v * 0.1)
+                     for i, (k, v) in enumerate(zip(params, vals))}
+            mesh = ft.Mesh(m, data_axis="dp")
+        else:
+            params = _tree(m, _values(n, seed=1))
+            grads = _tree(m, _values(n, seed=2))
+            mesh = None if mesh_kind == "none" else ft.Mesh(m)
+        tx = ft.adamw(1e-2, weight_decay=0.1, amsgrad=True)
+        state = tx.init(params)
+        with count_collectives() as c:
+            u, state = tx.update(grads, state, params, mesh=mesh)
+            ft.apply_updates(params, u)
+    assert c.total == 0, c
+
+
+def _unreduced_grads(m, n, with_partial=False):
+    """Per-dp-rank contributions: plain tensors and DTensors on the tp sub-mesh (unreduced over
+    dp), optionally Partial over tp as well (then one contribution per rank)."""
+    gen = torch.Generator().manual_seed(3)
+    kinds = [("plain", None, (3,)), ("tp", (Shard(0),), (5, 2)), ("tp", (Replicate(),), (2,)),
+             ("tp", (Shard(-1),), (2, 1))]
+    if with_partial:
+        kinds.append(("tp_partial", (Partial(),), (3, 2)))
+    out = {}
+    for i in range(n):
+        home, pl, shape = kinds[i % len(kinds)]
+        contrib = [torch.randn(shape, generator=gen) for _ in range(WORLD)]
+        if home == "plain":
+            out[f"l{i:02d}"] = per_rank(WORLD, lambda r: contrib[r // 2])
+        elif home == "tp_partial":
+            full = torch.empty(shape)
+            out[f"l{i:02d}"] = DTensor.from_local(per_rank(WORLD, lambda r: contrib[r]), m["tp"],
+                                                  [Partial()], run_check=False,
+                                                  shape=full.shape, stride=full.stride())
+        else:
+            out[f"l{i:02d}"] = distribute_tensor(per_rank(WORLD, lambda r: contrib[r // 2]), m["tp"],
+                                                 list(pl), src_data_rank=None)
+    return out, kinds
+
+
+def _params_like(m, n, kinds):
+    gen = torch.Generator().manual_seed(5)
+    out = {}
+    for i in range(n):
+        home, pl, shape = kinds[i % len(kinds)]
+        v = torch.randn(shape, generator=gen)
+        if home == "plain":
+            out[f"l{i:02d}"] = _replicated(v)
+        elif home == "tp_partial":
+            out[f"l{i:02d}"] = distribute_tensor(_replicated(v), m["tp"], [Replicate()],
+                                                 src_data_rank=None)
+        else:
+            out[f"l{i:02d}"] = distribute_tensor(_replicated(v), m["tp"], list(pl),
+                                                 src_data_rank=None)
+    return out
+
+
+@pytest.mark.parametrize("n_leaves", [3, 30])
+def test_multi_steps_no_sync_then_two_all_reduces(n_leaves):
+    k = 4
+    with simulate(WORLD):
+        m = _mesh()
+        mesh = ft.Mesh(m, data_axis="dp")
+        grads, kinds = _unreduced_grads(m, n_leaves)  # the same micro-batch gradients each time
+        params = _params_like(m, n_leaves, kinds)
+        tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1)), k)
+        state = tx.init(params)
+        counts = []
+        for step in range(k):
+            inner_before = _locals(state.inner_state)
+            with count_collectives() as c:
+                u, state = tx.update(grads, state, params, mesh=mesh)
+            counts.append(c.counts)
+            final = (step + 1) % k == 0
+            assert bool(on_rank(ft.has_updated(state), 0)) == final
+            if not final:
+                assert _same(_locals(state.inner_state), inner_before), (
+                    f"micro-step {step}: inner_state changed")
+                for x in optree.tree_leaves(u):
+                    loc = x._local_tensor if isinstance(x, DTensor) else x
+                    assert all(torch.count_nonzero(on_rank(loc, r)) == 0 for r in range(WORLD))
+    for step, cnt in enumerate(counts):
+        if (step + 1) % k:
+            assert cnt == {}, f"micro-step {step}: {cnt}"
+        else:
+            assert cnt == {"all_reduce": 2}, f"final micro-step {step}: {cnt}"
+
+
+def _same(a, b) -> bool:
+    return all((x is None and y is None) or all(torch.equal(p, q) for p, q in zip(x, y))
+               for x, y in zip(a, b))
+
+
+def test_multi_steps_count_does_not_grow_with_leaves_with_partial_grads():
+    """With ``Partial`` (over tp) gradients next to the data-axis ones, the final micro-step's
+    count is the same for 5 and 10 leaves (one bucket per process group), and the non-final
+    micro-steps still issue nothing."""
+    k = 2
+    per_n = {}
+    for n in (5, 10):
+        with simulate(WORLD):
+            m = _mesh()
+            mesh = ft.Mesh(m, data_axis="dp")
+            grads, kinds = _unreduced_grads(m, n, with_partial=True)
+            params = _params_like(m, n, kinds)
+            tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), k)
+            state = tx.init(params)
+            counts = []
+            for step in range(k):
+                with count_collectives() as c:
+                    _, state = tx.update(grads, state, params, mesh=mesh)
+                counts.append(c.counts)
+        per_n[n] = counts
+    assert per_n[5][0] == per_n[10][0] == {}
+    assert per_n[5][1] == per_n[10][1], per_n
+    assert per_n[5][1] == {"all_reduce": 3}, per_n  # dp mean + tp Partial sum + norm
