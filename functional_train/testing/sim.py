@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["simulate", "per_rank", "local_tensor", "on_rank", "gather", "count_collectives"]
+__all__ = ["simulate", "per_rank", "replicated", "local_tensor", "on_rank", "gather",
+           "count_collectives"]
 
 
 @contextlib.contextmanager
@@ -44,6 +45,16 @@ def local_tensor(values: dict[int, torch.Tensor]) -> torch.Tensor:
     from torch.distributed._local_tensor import LocalTensor
 
     return LocalTensor({r: v.detach().clone() for r, v in values.items()})
+
+
+def replicated(world_size: int, x: torch.Tensor) -> torch.Tensor:
+    """A simulated tensor holding a copy of ``x`` on every rank.
+
+    Inside :func:`simulate`, build every input from simulated tensors (this, :func:`per_rank`,
+    ``distribute_tensor``, or factory functions called inside the block): a plain tensor made
+    outside it and mixed in-place with simulated ones is updated once per simulated rank.
+    """
+    return local_tensor({r: x for r in range(world_size)})
 
 
 def per_rank(world_size: int, fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
