@@ -53,7 +53,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-import functional_train as ft
+try:
+    import functional_train as ft
+except ImportError:  # a source checkout without `pip install -e .`: use the package beside examples/
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import functional_train as ft
 
 VOCAB = 256  # byte-level tokens
 
@@ -265,7 +269,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=int, default=256, help="residual stream width")
+    g.add_argument("--d-model", type=int, default=128, help="residual stream width")
     g.add_argument("--n-layers", type=int, default=4, help="number of transformer blocks")
     g.add_argument("--n-heads", type=int, default=4, help="attention heads (divisible by --tp)")
     g.add_argument("--d-ff", type=int, default=0,
@@ -277,7 +281,8 @@ def parse_args(argv=None):
     g.add_argument("--accum", type=int, default=1,
                    help="micro-steps per optimizer step (the global batch is split into this many)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
+    g.add_argument("--warmup", type=int, default=50,
+                   help="linear warmup steps (at most half of --steps, so short runs still train)")
     g.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled (AdamW) weight decay")
     g.add_argument("--seed", type=int, default=0, help="seeds initialisation and batch sampling")
@@ -287,9 +292,10 @@ def parse_args(argv=None):
                         "default: the Python standard library sources")
     g.add_argument("--max-bytes", type=int, default=0, help="read at most this many bytes (0 = all)")
     g.add_argument("--val-fraction", type=float, default=0.05, help="held-out tail of the data")
-    g.add_argument("--eval-every", type=int, default=0,
+    g.add_argument("--eval-every", type=int, default=100,
                    help="also evaluate every N steps (0 = only at the end)")
-    g.add_argument("--eval-windows", type=int, default=128, help="number of fixed validation windows")
+    g.add_argument("--eval-windows", type=int, default=128,
+                   help="number of fixed, evenly spaced validation windows of --seq-len bytes")
     g = p.add_argument_group("parallelism and output")
     g.add_argument("--dp", type=int, default=0, help="data-parallel size (0 = world size // tp)")
     g.add_argument("--tp", type=int, default=0,
@@ -327,6 +333,8 @@ def check_sizes(args):
         raise SystemExit("--d-model must be a multiple of --n-heads with an even head size")
     if args.n_heads % args.tp or args.d_ff % args.tp:
         raise SystemExit(f"--n-heads {args.n_heads} and --d-ff {args.d_ff} must be divisible by --tp {args.tp}")
+    if args.steps < 1 or args.eval_windows < 1:
+        raise SystemExit("--steps and --eval-windows must be at least 1")
     if args.batch % (args.dp * args.accum):
         raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp} x --accum {args.accum}")
 
@@ -394,8 +402,9 @@ def main(argv=None):
         return (total / (len(val_starts) * args.seq_len)).item()
 
     # ---- optimizer --------------------------------------------------------------------------------
+    warmup = min(args.warmup, args.steps // 2)
     schedule = ft.schedules.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=args.lr, warmup_steps=args.warmup, decay_steps=args.steps,
+        init_value=0.0, peak_value=args.lr, warmup_steps=warmup, decay_steps=args.steps,
         end_value=args.lr * 0.1)
     tx = ft.multi_steps(
         ft.chain(ft.clip_by_global_norm(args.clip), ft.adamw(schedule, weight_decay=args.weight_decay)),
@@ -435,7 +444,8 @@ def main(argv=None):
         bar.set_postfix(loss=f"{loss:.3f}", gnorm=f"{grad_norm:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             val_history.append({"step": step + 1, "val_loss": evaluate(params)})
-            bar.write(f"step {step + 1}: val loss {val_history[-1]['val_loss']:.4f}", file=sys.stderr)
+            if is_main:
+                bar.write(f"step {step + 1}: val loss {val_history[-1]['val_loss']:.4f}", file=sys.stderr)
     bar.close()
     val_loss = evaluate(params)
     val_history.append({"step": args.steps, "val_loss": val_loss})
