@@ -367,3 +367,44 @@ def test_device_mesh_passed_as_mesh(dp_mesh):
     p = params()
     with pytest.raises(TypeError, match=r"mesh must be a functional_train\.Mesh.*DeviceMesh"):
         tx.update(grads(), tx.init(p), p, mesh=dp_mesh)
+
+
+@pytest.fixture
+def two_meshes():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from functional_train.testing import simulate
+
+    was_initialized = dist.is_initialized()
+    with simulate(4):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        other = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        yield world, other
+    if not was_initialized and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("make", [lambda: ft.clip_by_global_norm(1.0), lambda: ft.adamw(1e-2),
+                                  lambda: ft.multi_steps(ft.sgd(0.1), 1)],
+                         ids=["clip_by_global_norm", "adamw", "multi_steps"])
+def test_dtensor_on_a_mesh_that_is_not_part_of_mesh(two_meshes, make):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world, other = two_meshes
+    p = {"a": distribute_tensor(torch.ones(4, 2), world, [Shard(0), Shard(1)]),
+         "moe": {"w": distribute_tensor(torch.ones(8, 2), other, [Shard(0)])}}
+    g = {k: v for k, v in p.items()}
+    tx = make()
+    with pytest.raises(ValueError, match=r"'moe\.w'.*not part of the mesh"):
+        tx.update(g, tx.init(p), p, mesh=ft.Mesh(world, data_axis="dp"))
+
+
+def test_dtensors_on_different_meshes_without_mesh(two_meshes):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world, other = two_meshes
+    p = {"a": distribute_tensor(torch.ones(4, 2), world, [Shard(0), Shard(1)]),
+         "b": distribute_tensor(torch.ones(8, 2), other, [Shard(0)])}
+    tx = ft.clip_by_global_norm(1.0)
+    with pytest.raises(ValueError, match=r"'b' is a DTensor on .*different meshes need mesh="):
+        tx.update(p, tx.init(p), p)
