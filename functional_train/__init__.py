@@ -11,9 +11,10 @@ from .clipping import ClipByGlobalNormState, clip, clip_by_global_norm, global_n
 from .factored import (EmaState, ScaleByFactoredRmsState, adafactor, clip_by_block_rms, ema,
                        relative_step_schedule, scale_by_factored_rms, scale_by_param_block_rms)
 from .mesh import Mesh
-from .optimizers import adam, adamw, sgd
+from .optimizers import adam, adamw, lamb, sgd
 from .transforms import (ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState,
-                         add_decayed_weights, scale, scale_by_adam, scale_by_learning_rate, trace)
+                         add_decayed_weights, scale, scale_by_adam, scale_by_learning_rate,
+                         scale_by_trust_ratio, trace)
 from .tree import tree_get
 from .update import apply_updates
 
@@ -30,11 +31,12 @@ __all__ = [
     # transforms
     "scale", "scale_by_learning_rate", "ScaleByScheduleState", "add_decayed_weights", "trace",
     "TraceState", "scale_by_adam", "ScaleByAdamState", "ScaleByAmsgradState",
+    "scale_by_trust_ratio",
     # factored second moments (Adafactor)
     "scale_by_factored_rms", "ScaleByFactoredRmsState", "clip_by_block_rms",
     "scale_by_param_block_rms", "relative_step_schedule", "ema", "EmaState",
     # optimizers
-    "sgd", "adam", "adamw", "adafactor",
+    "sgd", "adam", "adamw", "adafactor", "lamb",
     # modules
     "schedules",
 ]

@@ -9,9 +9,9 @@ import torch
 from . import _validate as V
 from .base import GradientTransformation, chain
 from .transforms import (ScalarOrSchedule, add_decayed_weights, scale, scale_by_adam,
-                         scale_by_learning_rate, trace)
+                         scale_by_learning_rate, scale_by_trust_ratio, trace)
 
-__all__ = ["sgd", "adam", "adamw"]
+__all__ = ["sgd", "adam", "adamw", "lamb"]
 
 
 def _maybe_maximize(maximize: bool, txs):
@@ -86,3 +86,28 @@ def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0
         txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))
     return chain(*_maybe_maximize(maximize, txs))
+
+
+def lamb(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
+         eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True, *,
+         mu_dtype: Optional[torch.dtype] = None,
+         nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+    """LAMB (You et al. 2019), as REFERENCES.md states it and optax ``lamb`` computes it.
+
+    ``m, v`` Adam moments (bias-corrected when ``bias_correction``);
+    ``r = m / (sqrt(v) + eps) + weight_decay * param``; ``trust = ||param|| / ||r||`` per leaf over
+    the global tensor (1 if either is 0); ``param <- param - lr * trust * r``. Defaults are
+    Colossal-AI's / the reference's: ``lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0``.
+    Under sharding the norms of every leaf take ONE all-reduce per update.
+
+    Raises:
+        ValueError: out-of-range hyper-parameters.
+    """
+    V.learning_rate(learning_rate, where="lamb")
+    V.number("weight_decay", weight_decay, where="lamb", low=0.0)
+    txs = [scale_by_adam(b1, b2, eps, bias_correction=bias_correction, mu_dtype=mu_dtype,
+                         nu_dtype=nu_dtype)]
+    if weight_decay:
+        txs.append(add_decayed_weights(weight_decay))
+    txs += [scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
+    return chain(*txs)

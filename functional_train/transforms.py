@@ -27,6 +27,7 @@ __all__ = [
     "scale_by_adam",
     "ScaleByAdamState",
     "ScaleByAmsgradState",
+    "scale_by_trust_ratio",
 ]
 
 Schedule = Callable[[torch.Tensor], Any]
@@ -218,7 +219,7 @@ class ScaleByAmsgradState(NamedTuple):
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-                  amsgrad: bool = False, mu_dtype: Optional[torch.dtype] = None,
+                  amsgrad: bool = False, bias_correction: bool = True, mu_dtype: Optional[torch.dtype] = None,
                   nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
     """Adam's scaling (Kingma & Ba 2015), exactly as ``torch.optim.Adam`` computes it.
 
@@ -230,6 +231,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     Args:
         b1, b2: decay rates in [0, 1). eps: > 0 (added outside the square root, like torch).
         amsgrad: keep the maximum of ``nu`` (torch's ``amsgrad``).
+        bias_correction: divide by ``1 - b^t`` (the default); ``False`` uses the raw moments
+            (LAMB's ``bias_correction=False``).
         mu_dtype, nu_dtype: moment dtypes (default ``None``: float32, or the params' dtype when wider).
 
     Raises:
@@ -257,8 +260,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         nu = [nu_all[i] for i in act]
         count = state.count + 1
         t = count.to(torch.float64)
-        bc1 = 1.0 - torch.pow(b1, t)
-        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        if bias_correction:
+            bc1 = 1.0 - torch.pow(b1, t)
+            bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        else:
+            bc1 = bc2_sqrt = torch.ones((), dtype=torch.float64, device=t.device)
         mu = torch._foreach_lerp(mu, _cast_like(g, mu), 1.0 - b1)
         gn = _cast_like(g, nu)
         nu = torch._foreach_mul(nu, b2)
@@ -270,10 +276,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         else:
             second = nu
         denom = torch._foreach_sqrt(second)
-        torch._foreach_div_(denom, bc2_sqrt.to(torch.float32))
+        torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, eps)
         out = torch._foreach_div(_to(mu, denom[0].dtype) if denom else mu, denom)
-        torch._foreach_div_(out, bc1.to(torch.float32))
+        torch._foreach_div_(out, bc1)
         new_mu = b.state_tree(state.mu, "ScaleByAdamState.mu", mu)
         new_nu = b.state_tree(state.nu, "ScaleByAdamState.nu", nu)
         if amsgrad:
@@ -282,5 +288,50 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         else:
             new_state = ScaleByAdamState(count, new_mu, new_nu)
         return b.rebuild_active(_cast_like(out, g)), new_state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
+                         eps: float = 0.0) -> GradientTransformation:
+    """Scale each leaf's update by its trust ratio ``||param|| / ||update||`` (LARS / LAMB, You
+    et al. 2019; optax ``scale_by_trust_ratio``).
+
+    ``ratio = trust_coefficient * max(||param||, min_norm) / (max(||update||, min_norm) + eps)``,
+    replaced by 1 when either norm is 0. Norms are over the GLOBAL leaf (shards add, replicas
+    count once): the local sums of squares of every leaf's parameter and update are completed
+    by ONE all-reduce per update, whatever the number of leaves. Needs ``params``. No state.
+
+    Raises:
+        ValueError: negative ``min_norm`` / ``eps``, ``trust_coefficient <= 0``; at update,
+            ``params`` missing.
+    """
+    where = "scale_by_trust_ratio"
+    min_norm = V.number("min_norm", min_norm, where=where, low=0.0)
+    trust_coefficient = V.number("trust_coefficient", trust_coefficient, where=where, low=0.0,
+                                 low_open=True)
+    eps = V.number("eps", eps, where=where, low=0.0)
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, EmptyState, where)
+        b = prepare(updates, params, mesh, need_params=True, name=where)
+        act = b.active
+        if not act:
+            return b.rebuild_active([]), state
+        g = [b.locals[i] for i in act]
+        p = [b.params[i] for i in act]
+        sq = [n.to(torch.promote_types(n.dtype, torch.float32)).square()
+              for n in torch._foreach_norm(p + g, 2)]
+        totals = b.leaf_totals(list(zip(act + act, sq)))
+        pn = torch.stack(totals[:len(act)]).sqrt().clamp(min=min_norm)
+        un = torch.stack(totals[len(act):]).sqrt().clamp(min=min_norm)
+        ratio = trust_coefficient * pn / (un + eps)
+        ratio = torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
+        out = [x * r.to(x.dtype) for x, r in zip(g, ratio.unbind())]
+        return b.rebuild_active(out), state
 
     return GradientTransformation(init_fn, update_fn)
