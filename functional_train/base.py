@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 __all__ = [
     "GradientTransformation",
@@ -141,20 +141,4 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         return updates, dict(zip(names, new_states))
 
     update_fn.passes_unreduced = all(passes_unreduced(t) for t in txs)  # type: ignore[attr-defined]
-    return GradientTransformation(init_fn, update_fn)
-
-
-def stateless(fn: Callable) -> GradientTransformation:
-    """A transform from ``fn(updates, params, mesh) -> updates`` with an :class:`EmptyState`."""
-
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        del extra
-        if not isinstance(state, EmptyState):
-            raise ValueError(f"expected EmptyState, got {type(state).__name__}")
-        return fn(updates, params, mesh), state
-
     return GradientTransformation(init_fn, update_fn)

@@ -11,8 +11,9 @@ from typing import NamedTuple
 import torch
 
 from . import _validate as V
-from .base import EmptyState, GradientTransformation
+from .base import GradientTransformation
 from .sharding import prepare
+from .transforms import stateless
 from .tree import first_device
 
 __all__ = ["clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm"]
@@ -29,19 +30,11 @@ def clip(max_delta: float) -> GradientTransformation:
     """
     max_delta = V.number("max_delta", max_delta, where="clip", low=0.0, low_open=True)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        if not isinstance(state, EmptyState):
-            raise ValueError(f"clip: expected EmptyState, got {type(state).__name__}")
-        b = prepare(updates, params, mesh, name="clip")
+    def clamp(b):
         g = [b.locals[i] for i in b.active]
-        out = torch._foreach_clamp_max(torch._foreach_clamp_min(g, -max_delta), max_delta) if g else []
-        return b.rebuild_active(out), state
+        return torch._foreach_clamp_max(torch._foreach_clamp_min(g, -max_delta), max_delta)
 
-    return GradientTransformation(init_fn, update_fn)
+    return stateless("clip", clamp)
 
 
 class ClipByGlobalNormState(NamedTuple):

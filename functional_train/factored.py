@@ -27,10 +27,10 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
-from .base import EmptyState, GradientTransformation, chain
+from .base import GradientTransformation, chain
 from .sharding import Prepared, prepare, spec_of, to_local
 from .transforms import (ScalarOrSchedule, _check_state, add_decayed_weights, scale,
-                         scale_by_learning_rate, zero_count)
+                         scale_by_learning_rate, stateless, zero_count)
 from .tree import flatten_as, state_dtype, state_zeros_like, tree_paths, tree_unflatten
 
 __all__ = [
@@ -388,23 +388,13 @@ def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
     where = "clip_by_block_rms"
     threshold = V.number("threshold", threshold, where=where, low=0.0, low_open=True)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, EmptyState, where)
-        b = prepare(updates, params, mesh, name=where)
+    def clip_rms(b):
         g = [b.locals[i] for i in b.active]
-        if not g:
-            return b.rebuild_active([]), state
-        rms = _block_rms(b, g, b.active)
-        den = torch._foreach_div(rms, threshold)
+        den = torch._foreach_div(_block_rms(b, g, b.active), threshold)
         torch._foreach_clamp_min_(den, 1.0)
-        out = [x / d.to(x.dtype) for x, d in zip(g, den)]
-        return b.rebuild_active(out), state
+        return [x / d.to(x.dtype) for x, d in zip(g, den)]
 
-    return GradientTransformation(init_fn, update_fn)
+    return stateless(where, clip_rms)
 
 
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
@@ -426,22 +416,12 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     where = "scale_by_param_block_rms"
     min_scale = V.number("min_scale", min_scale, where=where, low=0.0)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, EmptyState, where)
-        b = prepare(updates, params, mesh, need_params=True, name=where)
-        g = [b.locals[i] for i in b.active]
-        if not g:
-            return b.rebuild_active([]), state
+    def scale_rms(b):
         rms = _block_rms(b, [b.params[i] for i in b.active], b.active)
         torch._foreach_clamp_min_(rms, min_scale)
-        out = [x * s.to(x.dtype) for x, s in zip(g, rms)]
-        return b.rebuild_active(out), state
+        return [b.locals[i] * s.to(b.locals[i].dtype) for i, s in zip(b.active, rms)]
 
-    return GradientTransformation(init_fn, update_fn)
+    return stateless(where, scale_rms, need_params=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,6 +45,26 @@ def _check_state(state: Any, cls: type, name: str) -> None:
                          f"got {type(state).__name__}")
 
 
+def stateless(name: str, fn, *, need_params: bool = False) -> GradientTransformation:
+    """A transform with an :class:`EmptyState` whose update is ``fn(prepared) -> new locals of
+    the active leaves`` (``fn`` is not called when no leaf is active)."""
+
+    def init_fn(params):
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, EmptyState, name)
+        b = prepare(updates, params, mesh, need_params=need_params, name=name)
+        return b.rebuild_active(fn(b) if b.active else []), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _active_locals(b) -> list:
+    return [b.locals[i] for i in b.active]
+
+
 def _cast_like(xs, likes):
     return [x if x.dtype == l.dtype else x.to(l.dtype) for x, l in zip(xs, likes)]
 
@@ -56,18 +76,7 @@ def _to(xs, dtype):
 def scale(step_size: float) -> GradientTransformation:
     """Multiply updates by the constant ``step_size`` (optax ``scale``). No state."""
     step_size = V.number("step_size", step_size, where="scale")
-
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, EmptyState, "scale")
-        b = prepare(updates, params, mesh, name="scale")
-        g = [b.locals[i] for i in b.active]
-        return b.rebuild_active(torch._foreach_mul(g, step_size)), state
-
-    return GradientTransformation(init_fn, update_fn)
+    return stateless("scale", lambda b: torch._foreach_mul(_active_locals(b), step_size))
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -95,18 +104,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     sign = -1.0 if flip_sign else 1.0
     if not callable(lr):
         step = sign * lr
-
-        def init_const(params):
-            del params
-            return EmptyState()
-
-        def update_const(updates, state, params=None, *, mesh=None, **extra):
-            _check_state(state, EmptyState, "scale_by_learning_rate")
-            b = prepare(updates, params, mesh, name="scale_by_learning_rate")
-            g = [b.locals[i] for i in b.active]
-            return b.rebuild_active(torch._foreach_mul(g, step)), state
-
-        return GradientTransformation(init_const, update_const)
+        return stateless("scale_by_learning_rate",
+                         lambda b: torch._foreach_mul(_active_locals(b), step))
 
     def init_fn(params):
         return ScaleByScheduleState(zero_count(params))
@@ -134,20 +133,13 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     """
     wd = V.number("weight_decay", weight_decay, where="add_decayed_weights", low=0.0)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, EmptyState, "add_decayed_weights")
-        b = prepare(updates, params, mesh, need_params=True, name="add_decayed_weights")
-        g = [b.locals[i] for i in b.active]
+    def decay(b):
+        g = _active_locals(b)
         if wd == 0.0:
-            return b.rebuild_active(g), state
-        p = _cast_like([b.params[i] for i in b.active], g)
-        return b.rebuild_active(torch._foreach_add(g, p, alpha=wd)), state
+            return g
+        return torch._foreach_add(g, _cast_like([b.params[i] for i in b.active], g), alpha=wd)
 
-    return GradientTransformation(init_fn, update_fn)
+    return stateless("add_decayed_weights", decay, need_params=True)
 
 
 class TraceState(NamedTuple):
@@ -312,17 +304,9 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
                                  low_open=True)
     eps = V.number("eps", eps, where=where, low=0.0)
 
-    def init_fn(params):
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, EmptyState, where)
-        b = prepare(updates, params, mesh, need_params=True, name=where)
+    def trust(b):
         act = b.active
-        if not act:
-            return b.rebuild_active([]), state
-        g = [b.locals[i] for i in act]
+        g = _active_locals(b)
         p = [b.params[i] for i in act]
         sq = [n.to(torch.promote_types(n.dtype, torch.float32)).square()
               for n in torch._foreach_norm(p + g, 2)]
@@ -331,7 +315,6 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
         un = torch.stack(totals[len(act):]).sqrt().clamp(min=min_norm)
         ratio = trust_coefficient * pn / (un + eps)
         ratio = torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
-        out = [x * r.to(x.dtype) for x, r in zip(g, ratio.unbind())]
-        return b.rebuild_active(out), state
+        return [x * r.to(x.dtype) for x, r in zip(g, ratio.unbind())]
 
-    return GradientTransformation(init_fn, update_fn)
+    return stateless(where, trust, need_params=True)
