@@ -7,6 +7,8 @@ parallel meshes on DTensors, with the same numbers. See DESIGN.md and the README
 from . import schedules
 from .accumulation import MultiStepsState, has_updated, multi_steps
 from .base import EmptyState, GradientTransformation, chain, identity, named_chain
+from .combine import MaskedState, PartitionState, masked, partition
+from .came import ScaleByCameState, came, scale_by_came
 from .clipping import ClipByGlobalNormState, clip, clip_by_global_norm, global_norm
 from .factored import (EmaState, ScaleByFactoredRmsState, adafactor, clip_by_block_rms, ema,
                        relative_step_schedule, scale_by_factored_rms, scale_by_param_block_rms)
@@ -23,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     # base
     "GradientTransformation", "EmptyState", "identity", "chain", "named_chain", "apply_updates",
-    "Mesh", "tree_get",
+    "Mesh", "tree_get", "partition", "PartitionState", "masked", "MaskedState",
     # clipping
     "clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm",
     # accumulation
@@ -35,8 +37,10 @@ __all__ = [
     # factored second moments (Adafactor)
     "scale_by_factored_rms", "ScaleByFactoredRmsState", "clip_by_block_rms",
     "scale_by_param_block_rms", "relative_step_schedule", "ema", "EmaState",
+    # CAME
+    "scale_by_came", "ScaleByCameState",
     # optimizers
-    "sgd", "adam", "adamw", "adafactor", "lamb",
+    "sgd", "adam", "adamw", "adafactor", "lamb", "came",
     # modules
     "schedules",
 ]

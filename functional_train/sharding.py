@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 import optree
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -104,47 +105,21 @@ def wrap(local: Any, spec: Optional[Spec]) -> Any:
 # ---------------------------------------------------------------------------------------------
 # the world: the whole mesh a tree lives on
 # ---------------------------------------------------------------------------------------------
-_PRIVATE: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
-_GROUPS: dict[tuple, Any] = {}
+def _groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
+    """Functional-collective groups whose successive all-reduces reduce over the mesh dims
+    ``dims``: the default (world) process group when they span every rank of the job, else one
+    ``(device_mesh, dim)`` group per dim (sum, avg, max and min compose dim by dim).
 
-
-def _private_root(device_mesh: DeviceMesh) -> DeviceMesh:
-    """A private copy of the root mesh of ``device_mesh`` (same layout, same names).
-
-    Multi-dim groups are made by flattening this copy, never the user's mesh: once a user's mesh
-    has a flattened child, torch 2.13 redistributes nested uneven ``Shard`` placements on it with
-    wrong chunk sizes (pytorch/pytorch PR 194457), which would corrupt the user's own
-    ``full_tensor()`` calls."""
-    root = device_mesh._get_root_mesh()
-    hit = _PRIVATE.get(id(root))
-    if hit is None or hit[0] is not root:
-        copy = DeviceMesh(root.device_type, root.mesh.clone(), mesh_dim_names=root.mesh_dim_names)
-        hit = (root, copy)
-        _PRIVATE[id(root)] = hit
-    return hit[1]
-
-
-def _names_group(device_mesh: DeviceMesh, names: tuple):
-    """A functional-collective group over the dims ``names`` of ``device_mesh``."""
-    if len(names) == 1:
-        return (device_mesh, device_mesh.mesh_dim_names.index(names[0]))
-    key = (id(device_mesh), names)
-    hit = _GROUPS.get(key)
-    if hit is None or hit[0] is not device_mesh:
-        private = _private_root(device_mesh)
-        sub = private if tuple(private.mesh_dim_names) == names else private[names]
-        hit = (device_mesh, (sub._flatten(), 0))
-        _GROUPS[key] = hit
-    return hit[1]
-
-
-def _flat_group(device_mesh: DeviceMesh):
-    """A functional-collective group spanning every rank of ``device_mesh``."""
-    if device_mesh.ndim == 1:
-        return (device_mesh, 0)
-    if device_mesh.mesh_dim_names is None:
-        raise ValueError("functional_train needs the dims of a multi-dimensional mesh named")
-    return _names_group(device_mesh, tuple(device_mesh.mesh_dim_names))
+    The user's mesh is never flattened: once a mesh has a flattened child, torch 2.13
+    redistributes nested uneven ``Shard`` placements on it with wrong chunk sizes (pytorch PR
+    194457), and flattened meshes outlive the process group they were made on."""
+    dims = sorted(dims)
+    if len(dims) == 1:
+        return ((device_mesh, dims[0]),)
+    size = math.prod(device_mesh.size(d) for d in dims)
+    if dist.is_initialized() and size == dist.get_world_size():
+        return (dist.group.WORLD,)
+    return tuple((device_mesh, d) for d in dims)
 
 
 class World:
@@ -243,41 +218,43 @@ class World:
         return self.group_of(dims)
 
     def group_of(self, dims: Sequence[int]):
-        """A functional-collective group over the world mesh dims ``dims`` (``None`` if empty)."""
-        dims = sorted(dims)
+        """The groups (see :func:`_groups_over`) reducing over the world mesh dims ``dims``;
+        ``None`` if ``dims`` is empty."""
         if not dims:
             return None
-        if len(dims) == 1:
-            return (self.device_mesh, dims[0])
-        if len(dims) == self.device_mesh.ndim:
-            return self.world_group()
-        return _names_group(self.device_mesh, tuple(self.names[d] for d in dims))
+        return _groups_over(self.device_mesh, dims)
 
     def separating_dims(self) -> set:
         """World dims along which ranks hold different leaves (pipeline, expert)."""
         return {d for d in (self._pp, self._ep) if d is not None}
 
     def world_group(self):
-        return _flat_group(self.device_mesh)
+        return _groups_over(self.device_mesh, range(self.device_mesh.ndim))
 
     def dim_group(self, dim: int):
-        return (self.device_mesh, dim)
+        return ((self.device_mesh, dim),)
 
 
 # ---------------------------------------------------------------------------------------------
 # batched collectives
 # ---------------------------------------------------------------------------------------------
-def _group_key(group) -> Any:
-    mesh, dim = group
-    return mesh.get_group(dim)
+def _group_key(groups: tuple) -> Any:
+    return tuple(g if isinstance(g, dist.ProcessGroup) else g[0].get_group(g[1]) for g in groups)
+
+
+def _all_reduce(t: torch.Tensor, op: str, groups: tuple) -> torch.Tensor:
+    """All-reduce ``t`` over ``groups`` in succession (see :func:`_groups_over`)."""
+    for g in groups:
+        t = funcol.wait_tensor(funcol.all_reduce(t, op, g))
+    return t
 
 
 def all_reduce_buckets(items: Sequence[tuple[torch.Tensor, Any, str]]) -> list[torch.Tensor]:
     """All-reduce many tensors with one collective per (process group, op, dtype).
 
     Args:
-        items: ``(tensor, group, op)`` with ``group`` a ``(DeviceMesh, dim)`` pair and ``op`` one
-            of ``"sum"``, ``"avg"``, ``"max"``, ``"min"``. Tensors may have any shape; tensors of
+        items: ``(tensor, groups, op)`` with ``groups`` a tuple of ``(DeviceMesh, dim)`` pairs
+            or process groups to reduce over in succession, and ``op`` one of ``"sum"``, ``"avg"``, ``"max"``, ``"min"``. Tensors may have any shape; tensors of
             one bucket must have the same number of elements on every rank of the group.
 
     Returns:
@@ -294,7 +271,7 @@ def all_reduce_buckets(items: Sequence[tuple[torch.Tensor, Any, str]]) -> list[t
             flat = tensors[0].reshape(-1)
         else:
             flat = torch.cat([t.reshape(-1) for t in tensors])
-        red = funcol.wait_tensor(funcol.all_reduce(flat, op, group))
+        red = _all_reduce(flat, op, group)
         if len(tensors) == 1:
             out[idx[0]] = red.view(tensors[0].shape)
             continue
@@ -346,7 +323,7 @@ def materialize(grads: list, params: Optional[list], paths: Sequence[str],
                 continue
             for j, p in enumerate(g.placements):
                 if isinstance(p, Partial):
-                    items.append((to_local(g), (g.device_mesh, j), p.reduce_op))
+                    items.append((to_local(g), ((g.device_mesh, j),), p.reduce_op))
                     where.append((i, j))
                     break
         if not items:
@@ -496,7 +473,7 @@ class Prepared:
         weights = [1.0 / world.replicas(self.updates[i], paths[i], dims) for i, _ in items]
         if any(w != 1.0 for w in weights):
             vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
-        red = funcol.wait_tensor(funcol.all_reduce(vals, "sum", group))
+        red = _all_reduce(vals, "sum", group)
         return list(red.unbind())
 
     def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
@@ -521,15 +498,19 @@ def _global_reduce(b: Prepared, values, indices, op: str) -> torch.Tensor:
     vals = torch.stack([v.to(torch.float32) for v in values])
     if world.device_mesh is None or world.size == 1:
         return vals.sum() if op == "sum" else vals.max()
+    paths = b.paths
+    replicas = [world.replicas(b.updates[i], paths[i]) for i in indices]
+    if all(r == world.size for r in replicas):
+        # every leaf is whole on every rank: the local result is already the global one
+        return vals.sum() if op == "sum" else vals.max()
     if op == "sum":
-        paths = b.paths
-        weights = [1.0 / world.replicas(b.updates[i], paths[i]) for i in indices]
-        if any(w != 1.0 for w in weights):
+        if any(r != 1 for r in replicas):
+            weights = [1.0 / r for r in replicas]
             vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
         total = vals.sum()
     else:
         total = vals.max()
-    return funcol.wait_tensor(funcol.all_reduce(total, op, world.world_group()))
+    return _all_reduce(total, op, world.world_group())
 
 
 def _check_leaf(path: str, u: Any, p: Any) -> None:

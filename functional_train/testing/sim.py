@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import optree
 import torch
@@ -14,6 +14,29 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["simulate", "per_rank", "replicated", "local_tensor", "on_rank", "gather",
            "count_collectives"]
+
+
+def _forget_old_groups() -> None:
+    """Drop torch's cached redistribution plans: they are keyed by mesh layout (equal meshes of
+    a destroyed process group hit them) and hold meshes of that group, whose names no longer
+    resolve (torch 2.13)."""
+    try:
+        from torch.distributed.tensor import _redistribute
+    except ImportError:  # pragma: no cover
+        return
+    cache = getattr(_redistribute, "_planner_cache", None)
+    if isinstance(cache, dict):
+        cache.clear()
+    infos = getattr(_redistribute, "_gen_transform_infos", None)  # @cache'd, holds meshes
+    if hasattr(infos, "cache_clear"):
+        infos.cache_clear()
+    try:  # the sharding propagation cache returns specs (with their meshes) by layout too
+        from torch.distributed.tensor import DTensor
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        prop.propagate_op_sharding.cache_clear()
+    except (ImportError, AttributeError):  # pragma: no cover
+        pass
 
 
 @contextlib.contextmanager
@@ -35,6 +58,7 @@ def simulate(world_size: int) -> Iterator[Any]:
         if dist.get_world_size() != world_size:
             dist.destroy_process_group()
     if not dist.is_initialized():
+        _forget_old_groups()
         dist.init_process_group("fake", rank=0, world_size=world_size)
     with LocalTensorMode(frozenset(range(world_size))) as mode:
         yield mode
@@ -71,13 +95,43 @@ def on_rank(x: Any, rank: int = 0) -> Any:
     return x
 
 
+def _assemble(x: DTensor) -> Optional[torch.Tensor]:
+    """The global tensor of a simulated DTensor, assembled from every rank's shard by its
+    placements (no collective, no DTensor redistribution); ``None`` when ``x`` is not simulated
+    or has ``Partial`` placements."""
+    from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
+    from torch.distributed.tensor import Partial, Shard
+
+    local = x._local_tensor
+    if not isinstance(local, LocalTensor) or any(isinstance(p, Partial) for p in x.placements):
+        return None
+    mesh = x.device_mesh
+    with maybe_disable_local_tensor_mode():
+        layout = mesh.mesh.clone()
+        out = torch.zeros(x.shape, dtype=x.dtype)
+        for r, shard in local._local_tensors.items():
+            coord = [int(c) for c in (layout == r).nonzero()[0]]
+            start, size = [0] * x.ndim, list(x.shape)
+            for i, p in enumerate(x.placements):
+                if isinstance(p, Shard):
+                    d = p.dim % x.ndim
+                    n, off = Shard.local_shard_size_and_offset(size[d], mesh.size(i), coord[i])
+                    start[d] += off
+                    size[d] = n
+            region = tuple(slice(a, a + n) for a, n in zip(start, size))
+            out[region] = shard
+    return out
+
+
 def gather(tree: Any, rank: int = 0) -> Any:
-    """Full, plain tensors of a tree: DTensors are gathered (``full_tensor``), simulated tensors
-    are read on ``rank``. Non-tensor leaves are returned unchanged."""
+    """Full, plain tensors of a tree: simulated DTensors are assembled from every rank's shard
+    (without DTensor redistribution), other DTensors gathered with ``full_tensor``, simulated
+    tensors read on ``rank``. Non-tensor leaves are returned unchanged."""
 
     def one(x):
         if isinstance(x, DTensor):
-            x = x.full_tensor()
+            full = _assemble(x)
+            x = x.full_tensor() if full is None else full
         return on_rank(x, rank)
 
     return optree.tree_map(one, tree, none_is_leaf=True)

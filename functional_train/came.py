@@ -1,0 +1,224 @@
+"""CAME: Confidence-guided Adaptive Memory Efficient optimization (Luo et al. 2023).
+
+* :func:`scale_by_came` - CAME's update direction (factored Adafactor second moment with a
+  constant ``beta2``, block-RMS clipping, momentum, factored confidence statistics);
+* :func:`came` - the alias equal to ``came_pytorch.CAME``.
+
+Built on the factored machinery of :mod:`functional_train.factored`: every mean is over the
+GLOBAL tensor under sharding, and communication is batched (a constant number of all-reduces per
+update, whatever the number of leaves). Colossal-AI's ``DistributedCAME`` aliases the confidence
+statistics to the squared-gradient statistics from step 2 on and scales its 1-D momentum by the
+learning rate in place; this module does neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import optree
+import torch
+
+from . import _validate as V
+from .base import GradientTransformation, chain
+from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _is_factored,
+                       _new_state_tree, _placeholder, _state_leaves, _zeros_reduced,
+                       scale_by_factored_rms)
+from .sharding import prepare
+from .transforms import (ScalarOrSchedule, _check_state, add_decayed_weights,
+                         scale_by_learning_rate)
+from .tree import state_dtype, state_zeros_like, tree_paths
+
+__all__ = ["scale_by_came", "ScaleByCameState", "came"]
+
+
+class ScaleByCameState(NamedTuple):
+    """State of :func:`scale_by_came`.
+
+    Per-leaf trees with the structure of the params (float32, or the params' dtype when wider):
+
+    * ``count``: number of previous updates (int64, 0-dim);
+    * ``v_row``, ``v_col``, ``v``: the second-moment statistics, exactly as
+      :class:`~functional_train.ScaleByFactoredRmsState` (``exp_avg_sq_row``,
+      ``exp_avg_sq_col`` for leaves with ``ndim >= 2``, ``exp_avg_sq`` for the others;
+      0-element placeholders for the unused ones);
+    * ``exp_avg``: the momentum ``m`` (params-shaped, the parameter's placements);
+    * ``res_row``, ``res_col``: the confidence statistics ``R'``, ``C'`` of leaves with
+      ``ndim >= 2`` (``exp_avg_res_row`` of shape ``(..., n)``, ``exp_avg_res_col`` of shape
+      ``(..., m)``; placed like ``v_row`` / ``v_col``), placeholders of shape ``(0,)`` for
+      0-D / 1-D leaves.
+    """
+
+    count: torch.Tensor
+    v_row: Any
+    v_col: Any
+    v: Any
+    exp_avg: Any
+    res_row: Any
+    res_col: Any
+
+
+def _pair_or_triple(name: str, value: Any, n: int, where: str) -> tuple:
+    if not (isinstance(value, (tuple, list)) and len(value) == n):
+        raise TypeError(f"{where}: {name} must be a tuple of {n} numbers, got {value!r}")
+    return tuple(value)
+
+
+def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
+                  eps: Sequence[float] = (1e-30, 1e-16),
+                  clip_threshold: float = 1.0) -> GradientTransformation:
+    """CAME's confidence-guided update direction, exactly as ``came_pytorch.CAME`` computes it
+    (without learning rate and weight decay, see :func:`came`).
+
+    For every leaf ``g`` (``b1, b2, b3 = betas``, ``eps1, eps2 = eps``):
+
+    * ``u`` = :func:`~functional_train.scale_by_factored_rms` ``(eps=eps1, beta2=b2)`` of ``g``
+      (factored for ``ndim >= 2``, a full second moment otherwise);
+    * ``u <- u / max(1, RMS(u) / clip_threshold)`` (RMS over the global leaf);
+    * ``m <- b1 m + (1 - b1) u``;
+    * ``ndim >= 2``: ``U = (u - m)^2 + eps2``, ``R' <- b3 R' + (1 - b3) mean_{-1}(U)``,
+      ``C' <- b3 C' + (1 - b3) mean_{-2}(U)``, update
+      ``m * rsqrt(R' / mean_{-1}(R'))[..., None] * rsqrt(C')[..., None, :]``;
+    * 0-D / 1-D: the update is ``m``.
+
+    The update has the dtype and placements of ``g``; statistics are in the state dtype.
+
+    Communication per update: that of ``scale_by_factored_rms`` (one all-reduce per distinct set
+    of sharding mesh dims of the factored leaves, ``k``), one for the RMS clipping (per-leaf sums
+    of all leaves together), and ``k`` again for the confidence statistics: ``2k + 1`` when some
+    leaf is sharded, whatever the number of leaves (3 for tensor parallelism over one mesh dim).
+
+    Args:
+        betas: ``(b1, b2, b3)``, each in [0, 1).
+        eps: ``(eps1, eps2)``, each >= 0.
+        clip_threshold: > 0.
+
+    State: :class:`ScaleByCameState`.
+
+    Raises:
+        TypeError: ``betas`` not a triple or ``eps`` not a pair of numbers.
+        ValueError: out-of-range values; at update, a state from another transform or for other
+            parameters (naming the leaf).
+
+    Reference: Luo et al. 2023, "CAME: Confidence-guided Adaptive Memory Efficient
+    Optimization"; ``came_pytorch.CAME``.
+    """
+    where = "scale_by_came"
+    betas = _pair_or_triple("betas", betas, 3, where)
+    eps = _pair_or_triple("eps", eps, 2, where)
+    b1 = V.beta("betas[0]", betas[0], where=where)
+    b2 = V.beta("betas[1]", betas[1], where=where)
+    b3 = V.beta("betas[2]", betas[2], where=where)
+    eps1 = V.number("eps[0]", eps[0], where=where, low=0.0)
+    eps2 = V.number("eps[1]", eps[1], where=where, low=0.0)
+    clip_threshold = V.number("clip_threshold", clip_threshold, where=where, low=0.0,
+                              low_open=True)
+    second = scale_by_factored_rms(eps=eps1, beta2=b2)
+
+    def init_fn(params):
+        s = second.init(params)
+        leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
+        paths = None
+        rows, cols = [], []
+        for k, x in enumerate(leaves):
+            if x is None:
+                rows.append(None), cols.append(None)
+                continue
+            dt = state_dtype(x.dtype, None)
+            if _is_factored(x.shape, 0):
+                if paths is None:
+                    paths = tree_paths(params)
+                rows.append(_zeros_reduced(x, -1, dt, paths[k]))
+                cols.append(_zeros_reduced(x, -2, dt, paths[k]))
+            else:
+                rows.append(_placeholder(x, dt))
+                cols.append(_placeholder(x, dt))
+        return ScaleByCameState(s.count, s.v_row, s.v_col, s.v, state_zeros_like(params),
+                                optree.tree_unflatten(treedef, rows),
+                                optree.tree_unflatten(treedef, cols))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, ScaleByCameState, where)
+        # 1. u: the factored second moment (materialises unreduced gradients)
+        u_tree, s = second.update(
+            updates, ScaleByFactoredRmsState(state.count, state.v_row, state.v_col, state.v),
+            params, mesh=mesh)
+        b = prepare(u_tree, params, None if mesh is None else mesh.reduced(), name=where)
+        m_all = b.state_locals(state.exp_avg, "ScaleByCameState.exp_avg")
+        fac = [i for i in b.active if _is_factored(b.updates[i].shape, 0)]
+        empty = (0,)
+        fset = set(fac)
+        e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in b.active}
+        e_col = {i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset
+                     else empty) for i in b.active}
+        row_leaves, row_loc = _state_leaves(b, state.res_row, f"{where}: res_row", e_row, fac)
+        col_leaves, col_loc = _state_leaves(b, state.res_col, f"{where}: res_col", e_col, fac)
+        if not b.active:
+            return b.rebuild_active([]), ScaleByCameState(
+                s.count, s.v_row, s.v_col, s.v, state.exp_avg, state.res_row, state.res_col)
+        act = b.active
+        m_old = [m_all[i] for i in act]
+        u = [b.locals[i] if b.locals[i].dtype == m.dtype else b.locals[i].to(m.dtype)
+             for i, m in zip(act, m_old)]
+        # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves
+        den = torch._foreach_div(_block_rms(b, u, act), clip_threshold)
+        torch._foreach_clamp_min_(den, 1.0)
+        u = [x / d.to(x.dtype) for x, d in zip(u, den)]
+        # 3. momentum (as came_pytorch: m * b1 + (1 - b1) * u)
+        m_new = torch._foreach_mul(m_old, b1)
+        torch._foreach_add_(m_new, u, alpha=1.0 - b1)
+        pos = {i: k for k, i in enumerate(act)}
+        out: list = [None] * len(b.locals)
+        for i, m in zip(act, m_new):  # 1-D / 0-D leaves: a copy of m (never the state itself)
+            out[i] = m.to(b.locals[i].dtype, copy=True)
+        # 4. confidence statistics of the factored leaves: one batched leaf_sums
+        items = []
+        for i in fac:
+            k = pos[i]
+            sd = row_loc[i].dtype
+            res = (u[k].to(sd) - m_new[k].to(sd)).square_().add_(eps2)
+            items.append((i, res, row_loc[i], col_loc[i]))
+        beta3 = torch.full((), b3, dtype=torch.float64, device=state.count.device)
+        new_row, new_col = {}, {}
+        for (i, _, _, _), (r, c, f) in zip(items, _factored_ema(b, items, beta3)):
+            new_row[i], new_col[i] = r, c
+            m = m_new[pos[i]]
+            out[i] = f.mul_(m.to(f.dtype)).to(b.locals[i].dtype)
+        new_state = ScaleByCameState(
+            s.count, s.v_row, s.v_col, s.v,
+            b.state_tree(state.exp_avg, "ScaleByCameState.exp_avg", m_new),
+            _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col))
+        return b.rebuild(out), new_state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 0.9999),
+         eps: Sequence[float] = (1e-30, 1e-16), clip_threshold: float = 1.0,
+         weight_decay: float = 0.0) -> GradientTransformation:
+    """``came_pytorch.CAME`` as a chain: same arguments, defaults and numbers.
+
+    ``theta <- theta - lr * weight_decay * theta - lr * update`` with ``update`` from
+    :func:`scale_by_came`; the chain is ``scale_by_came``, ``add_decayed_weights(weight_decay)``
+    (when non-zero) and ``scale_by_learning_rate(learning_rate)``. Needs ``params`` at update
+    when ``weight_decay``. Communication: that of :func:`scale_by_came`.
+
+    Args:
+        learning_rate: > 0 (required, as ``came_pytorch``), or a schedule of the update count.
+        betas, eps, clip_threshold: see :func:`scale_by_came`.
+        weight_decay: >= 0.
+
+    Raises:
+        ValueError: ``learning_rate`` missing or <= 0, out-of-range hyper-parameters.
+        TypeError: ``betas`` / ``eps`` of the wrong length.
+    """
+    where = "came"
+    if learning_rate is None:
+        raise ValueError(f"{where}: learning_rate is required")
+    if not callable(learning_rate):
+        V.number("learning_rate", learning_rate, where=where, low=0.0, low_open=True)
+    weight_decay = V.number("weight_decay", weight_decay, where=where, low=0.0)
+    txs = [scale_by_came(betas, eps, clip_threshold)]
+    if weight_decay:
+        txs.append(add_decayed_weights(weight_decay))
+    txs.append(scale_by_learning_rate(learning_rate))
+    return chain(*txs)

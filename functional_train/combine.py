@@ -1,0 +1,153 @@
+"""Combinators that give different leaves different transforms: ``partition`` and ``masked``
+(optax semantics). Leaves a transform does not own hold no state in it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Union
+
+from .base import GradientTransformation
+from .sharding import prepare
+from .tree import flatten_as, tree_flatten, tree_paths, tree_unflatten
+
+__all__ = ["partition", "PartitionState", "masked", "MaskedState"]
+
+PyTree = Any
+
+
+class PartitionState(NamedTuple):
+    """State of :func:`partition`: ``inner_states``, a dict ``label -> state`` of each
+    transform, initialised on its own leaves only (the others are ``None`` in it)."""
+
+    inner_states: dict
+
+
+class MaskedState(NamedTuple):
+    """State of :func:`masked`: the inner state over the masked-in leaves only."""
+
+    inner_state: Any
+
+
+def _resolve(spec, params: PyTree, what: str) -> list:
+    """Per-leaf values of a labels/mask tree (or of ``spec(params)`` for a callable)."""
+    tree = spec(params) if callable(spec) else spec
+    _, treedef = tree_flatten(params)
+    return flatten_as(tree, treedef, what, "params", params)
+
+
+def _select(leaves: list, keep: list) -> list:
+    return [x if k else None for x, k in zip(leaves, keep)]
+
+
+def _materialized(updates, params, mesh, name):
+    """Reduce unreduced gradients once for every leaf, so each inner transform sees reduced ones."""
+    b = prepare(updates, params, mesh, name=name)
+    return b.rebuild(b.locals), b.mesh, b.treedef
+
+
+def partition(transforms: Mapping[str, GradientTransformation],
+              param_labels: Union[PyTree, Callable[[PyTree], PyTree]]) -> GradientTransformation:
+    """Apply ``transforms[label]`` to the leaves labelled ``label`` (optax ``partition``).
+
+    Args:
+        transforms: ``label -> transform``.
+        param_labels: a tree of labels with the structure of the params, or a function
+            ``params -> labels tree``. Every label must name a transform.
+
+    Unreduced gradients are reduced once for all leaves before the inner transforms run. Global
+    quantities an inner transform computes (e.g. ``clip_by_global_norm``) are over its own
+    leaves only. Each inner transform's state covers its own leaves (``None`` elsewhere).
+
+    Raises:
+        ValueError: a leaf label with no transform (naming the leaf path), a labels tree whose
+            structure differs from the params.
+        TypeError: a value of ``transforms`` is not a GradientTransformation.
+    """
+    for label, tx in transforms.items():
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"partition: transforms[{label!r}] must be a GradientTransformation")
+    names = list(transforms)
+
+    def labels_of(params):
+        labels = _resolve(param_labels, params, "param_labels")
+        paths = None
+        for i, lab in enumerate(labels):
+            if lab not in transforms:
+                paths = paths or tree_paths(params)
+                raise ValueError(f"partition: leaf '{paths[i]}' has label {lab!r}, which names no "
+                                 f"transform (labels: {names})")
+        return labels
+
+    def init_fn(params):
+        leaves, treedef = tree_flatten(params)
+        labels = labels_of(params)
+        return PartitionState({
+            n: transforms[n].init(tree_unflatten(treedef, _select(leaves, [l == n for l in labels])))
+            for n in names})
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if not isinstance(state, PartitionState) or list(state.inner_states) != names:
+            raise ValueError(f"partition: expected a PartitionState with labels {names}")
+        if params is None:
+            raise ValueError("partition needs params: call update(updates, state, params)")
+        updates, mesh, treedef = _materialized(updates, params, mesh, "partition")
+        labels = labels_of(params)
+        u_leaves = tree_flatten(updates)[0]
+        p_leaves = tree_flatten(params)[0]
+        out = list(u_leaves)
+        new_states = {}
+        for n in names:
+            keep = [l == n for l in labels]
+            new, new_states[n] = transforms[n].update(
+                tree_unflatten(treedef, _select(u_leaves, keep)), state.inner_states[n],
+                tree_unflatten(treedef, _select(p_leaves, keep)), mesh=mesh, **extra)
+            for i, (k, x) in enumerate(zip(keep, tree_flatten(new)[0])):
+                if k:
+                    out[i] = x
+        return tree_unflatten(treedef, out), PartitionState(new_states)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def masked(inner: GradientTransformation,
+           mask: Union[PyTree, Callable[[PyTree], PyTree]]) -> GradientTransformation:
+    """Apply ``inner`` to the leaves where ``mask`` is True; the others pass through unchanged
+    (optax ``masked``) and hold no state in ``inner``.
+
+    Args:
+        inner: the transform for the masked-in leaves.
+        mask: a tree of bools with the structure of the params, or ``params -> mask tree``.
+
+    Raises:
+        ValueError: a mask whose structure differs from the params (naming the leaf path).
+        TypeError: ``inner`` is not a GradientTransformation, or a mask leaf is not a bool.
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError("masked: inner must be a GradientTransformation")
+
+    def keep_of(params):
+        keep = _resolve(mask, params, "mask")
+        for i, k in enumerate(keep):
+            if not isinstance(k, bool):
+                raise TypeError(f"masked: mask leaf '{tree_paths(params)[i]}' must be a bool, "
+                                f"got {type(k).__name__}")
+        return keep
+
+    def init_fn(params):
+        leaves, treedef = tree_flatten(params)
+        return MaskedState(inner.init(tree_unflatten(treedef, _select(leaves, keep_of(params)))))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if not isinstance(state, MaskedState):
+            raise ValueError(f"masked: expected a MaskedState, got {type(state).__name__}")
+        if params is None:
+            raise ValueError("masked needs params: call update(updates, state, params)")
+        updates, mesh, treedef = _materialized(updates, params, mesh, "masked")
+        keep = keep_of(params)
+        u_leaves = tree_flatten(updates)[0]
+        new, inner_state = inner.update(
+            tree_unflatten(treedef, _select(u_leaves, keep)), state.inner_state,
+            tree_unflatten(treedef, _select(tree_flatten(params)[0], keep)), mesh=mesh, **extra)
+        out = [x if k else u for x, u, k in zip(tree_flatten(new)[0], u_leaves, keep)]
+        return tree_unflatten(treedef, out), MaskedState(inner_state)
+
+    return GradientTransformation(init_fn, update_fn)
