@@ -20,7 +20,7 @@ import optree
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import functional_train as ft
 from functional_train.factored import (EmaState, ScaleByFactoredRmsState, adafactor,
@@ -218,38 +218,9 @@ def test_factored_rms_constant_beta2_and_min_dim():
 # =============================================================================================
 # 3. sharded == unsharded (simulation)
 # =============================================================================================
-def _replicated(x):
-    return per_rank(torch.distributed.get_world_size(), lambda r: x)
+from _layouts import LEAVES_2, LEAVES_2x2, R, S0, S1, S2  # noqa: E402
+from _layouts import shard as _shard  # noqa: E402
 
-
-def _shard(x, mesh, placements):
-    if placements is None:
-        return _replicated(x)
-    return distribute_tensor(_replicated(x), mesh, list(placements), src_data_rank=None)
-
-
-S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
-
-# (shape, placements) per leaf; sizes do not divide the mesh; (1, 3) and (2,) give empty shards
-LEAVES_2x2 = {
-    "a": ((5, 7), [S0, S1]),
-    "b": ((5, 7), [R, S1]),
-    "c": ((5, 7), [S1, S1]),      # nested sharding of the columns
-    "d": ((5, 7), [S0, R]),
-    "e": ((3, 5, 6), [S0, S1]),   # batch dim and rows sharded
-    "f": ((3, 5, 6), [S2, S1]),   # columns and rows sharded
-    "g": ((9,), [S0, R]),
-    "h": ((2,), [S0, S0]),        # empty shards
-    "i": ((1, 3), [S0, S1]),      # empty row shards
-    "j": ((4, 3), None),          # plain tensor
-}
-LEAVES_2 = {
-    "a": ((5, 7), [S0]),
-    "b": ((5, 7), [S1]),
-    "e": ((3, 5, 6), [S2]),
-    "g": ((9,), [S0]),
-    "h": ((4, 1), [S1]),
-}
 
 SHARDED_CONFIGS = [
     ("default", {}),

@@ -1,0 +1,41 @@
+"""Leaf layouts shared by the sharded-vs-unsharded tests of the factored optimizers: sizes that
+do not divide the mesh, empty shards, nested sharding, a plain-tensor leaf."""
+
+import torch
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from functional_train.testing import per_rank
+
+
+def replicated(x):
+    return per_rank(torch.distributed.get_world_size(), lambda r: x)
+
+
+def shard(x, mesh, placements):
+    if placements is None:
+        return replicated(x)
+    return distribute_tensor(replicated(x), mesh, list(placements), src_data_rank=None)
+
+
+S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
+
+# (shape, placements) per leaf; sizes do not divide the mesh; (1, 3) and (2,) give empty shards
+LEAVES_2x2 = {
+    "a": ((5, 7), [S0, S1]),
+    "b": ((5, 7), [R, S1]),
+    "c": ((5, 7), [S1, S1]),      # nested sharding of the columns
+    "d": ((5, 7), [S0, R]),
+    "e": ((3, 5, 6), [S0, S1]),   # batch dim and rows sharded
+    "f": ((3, 5, 6), [S2, S1]),   # columns and rows sharded
+    "g": ((9,), [S0, R]),
+    "h": ((2,), [S0, S0]),        # empty shards
+    "i": ((1, 3), [S0, S1]),      # empty row shards
+    "j": ((4, 3), None),          # plain tensor
+}
+LEAVES_2 = {
+    "a": ((5, 7), [S0]),
+    "b": ((5, 7), [S1]),
+    "e": ((3, 5, 6), [S2]),
+    "g": ((9,), [S0]),
+    "h": ((4, 1), [S1]),
+}
