@@ -25,7 +25,7 @@ cross-entropy (nats per byte) over ``--eval-windows`` fixed, evenly spaced windo
 
 Usage::
 
-    python examples/train_lm.py                                   # defaults: ~5 min on 2 CPU cores
+    python examples/train_lm.py     # defaults: ~4.5 min on 2 idle CPU cores, val loss ~1.33 nats/byte
     python examples/train_lm.py --steps 3 --eval-every 0 --out /tmp/run1
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py # dp=2 x tp=2 on gloo
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --dp 1 --tp 4
