@@ -1,10 +1,13 @@
 """Leaf layouts shared by the sharded-vs-unsharded tests of the factored optimizers: sizes that
 do not divide the mesh, empty shards, nested sharding, a plain-tensor leaf."""
 
+import math
+
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from functional_train.testing import per_rank
+from functional_train.testing import count_collectives, per_rank, simulate
 
 
 def replicated(x):
@@ -39,3 +42,27 @@ LEAVES_2 = {
     "g": ((9,), [S0]),
     "h": ((4, 1), [S1]),
 }
+
+
+# (shape, placements) cycled to build trees of any size for the collective-count tests
+MIXED = [((5, 7), [S0, S1]), ((5, 7), [R, S1]), ((5, 7), [S1, S1]), ((5, 7), [S0, R]),
+         ((3, 5, 6), [S0, S1]), ((9,), [S0, R]), ((6, 4), [R, R]), ((4,), [R, S0]),
+         ((3, 5, 6), [S2, S1]), ((7, 3), [S0, S1])]
+
+
+def update_collectives(make_tx, n_leaves, mesh_shape=(2, 2), names=("dp", "tp"), mixed=MIXED):
+    """The collectives one ``make_tx().update`` issues on an ``n_leaves`` tree of ``mixed``
+    layouts over a simulated mesh."""
+    with simulate(math.prod(mesh_shape)):
+        m = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        spec = [mixed[i % len(mixed)] for i in range(n_leaves)]
+        gen = torch.Generator().manual_seed(0)
+        params = {f"l{i}": shard(torch.randn(s, generator=gen), m, pl)
+                  for i, (s, pl) in enumerate(spec)}
+        grads = {k: shard(torch.randn(v.shape, generator=gen), m, list(v.placements))
+                 for k, v in params.items()}
+        tx = make_tx()
+        state = tx.init(params)
+        with count_collectives() as c:
+            tx.update(grads, state, params)
+    return c.counts

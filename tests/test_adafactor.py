@@ -26,7 +26,7 @@ import functional_train as ft
 from functional_train.factored import (EmaState, ScaleByFactoredRmsState, adafactor,
                                        clip_by_block_rms, ema, relative_step_schedule,
                                        scale_by_factored_rms, scale_by_param_block_rms)
-from functional_train.testing import count_collectives, on_rank, per_rank, simulate
+from functional_train.testing import on_rank, per_rank, simulate
 
 from transformers.optimization import Adafactor as HFAdafactor  # the reference (test extra)
 
@@ -219,6 +219,7 @@ def test_factored_rms_constant_beta2_and_min_dim():
 # 3. sharded == unsharded (simulation)
 # =============================================================================================
 from _layouts import LEAVES_2, LEAVES_2x2, R, S0, S1, S2  # noqa: E402
+from _layouts import MIXED, update_collectives  # noqa: E402
 from _layouts import shard as _shard  # noqa: E402
 
 
@@ -411,25 +412,11 @@ def test_sharded_primitives_2x2():
 # =============================================================================================
 # 4. collective counts
 # =============================================================================================
-_MIXED = [((5, 7), [S0, S1]), ((5, 7), [R, S1]), ((5, 7), [S1, S1]), ((5, 7), [S0, R]),
-          ((3, 5, 6), [S0, S1]), ((9,), [S0, R]), ((6, 4), [R, R]), ((4,), [R, S0]),
-          ((3, 5, 6), [S2, S1]), ((7, 3), [S0, S1])]
+_MIXED = MIXED
 
 
 def _count(n_leaves, kw, mesh_shape=(2, 2), names=("dp", "tp"), mixed=_MIXED):
-    with simulate(math.prod(mesh_shape)):
-        m = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        spec = [mixed[i % len(mixed)] for i in range(n_leaves)]
-        gen = torch.Generator().manual_seed(0)
-        params = {f"l{i}": _shard(torch.randn(s, generator=gen), m, pl)
-                  for i, (s, pl) in enumerate(spec)}
-        grads = {k: _shard(torch.randn(v.shape, generator=gen), m, list(v.placements))
-                 for k, v in params.items()}
-        tx = _alias(kw)
-        state = tx.init(params)
-        with count_collectives() as c:
-            tx.update(grads, state, params)
-    return c.counts
+    return update_collectives(lambda: _alias(kw), n_leaves, mesh_shape, names, mixed)
 
 
 def test_collectives_constant_in_the_number_of_leaves():

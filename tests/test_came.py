@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import functional_train as ft
 from functional_train.came import ScaleByCameState, came, scale_by_came
-from functional_train.testing import count_collectives, on_rank, per_rank, simulate
+from functional_train.testing import on_rank, per_rank, simulate
 
 from came_pytorch import CAME as RefCAME  # the reference
 
@@ -171,6 +171,7 @@ def test_learning_rate_schedule():
 # 2. sharded == unsharded (simulation)
 # =============================================================================================
 from _layouts import LEAVES_2, LEAVES_2x2, R, S0, S1, S2  # noqa: E402
+from _layouts import MIXED, update_collectives  # noqa: E402
 from _layouts import shard as _shard  # noqa: E402
 
 
@@ -319,25 +320,11 @@ def test_data_axis_and_sub_mesh_leaves():
 # =============================================================================================
 # 3. collective counts
 # =============================================================================================
-_MIXED = [((5, 7), [S0, S1]), ((5, 7), [R, S1]), ((5, 7), [S1, S1]), ((5, 7), [S0, R]),
-          ((3, 5, 6), [S0, S1]), ((9,), [S0, R]), ((6, 4), [R, R]), ((4,), [R, S0]),
-          ((3, 5, 6), [S2, S1]), ((7, 3), [S0, S1])]
+_MIXED = MIXED
 
 
 def _count(n_leaves, kw, mesh_shape=(2, 2), names=("dp", "tp"), mixed=_MIXED):
-    with simulate(math.prod(mesh_shape)):
-        m = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        spec = [mixed[i % len(mixed)] for i in range(n_leaves)]
-        gen = torch.Generator().manual_seed(0)
-        params = {f"l{i}": _shard(torch.randn(s, generator=gen), m, pl)
-                  for i, (s, pl) in enumerate(spec)}
-        grads = {k: _shard(torch.randn(v.shape, generator=gen), m, list(v.placements))
-                 for k, v in params.items()}
-        tx = _alias(kw)
-        state = tx.init(params)
-        with count_collectives() as c:
-            tx.update(grads, state, params)
-    return c.counts
+    return update_collectives(lambda: _alias(kw), n_leaves, mesh_shape, names, mixed)
 
 
 def test_collectives_constant_in_the_number_of_leaves():
