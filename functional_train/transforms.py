@@ -211,7 +211,8 @@ class ScaleByAmsgradState(NamedTuple):
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-                  amsgrad: bool = False, bias_correction: bool = True, mu_dtype: Optional[torch.dtype] = None,
+                  amsgrad: bool = False, bias_correction: bool = True,
+                  eps_before_correction: bool = False, mu_dtype: Optional[torch.dtype] = None,
                   nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
     """Adam's scaling (Kingma & Ba 2015), exactly as ``torch.optim.Adam`` computes it.
 
@@ -225,6 +226,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         amsgrad: keep the maximum of ``nu`` (torch's ``amsgrad``).
         bias_correction: divide by ``1 - b^t`` (the default); ``False`` uses the raw moments
             (LAMB's ``bias_correction=False``).
+        eps_before_correction: add ``eps`` to ``sqrt(nu)`` before the bias correction, as
+            HF transformers' / galore-torch's AdamW do: update =
+            ``sqrt(1 - b2^t) / (1 - b1^t) * mu / (sqrt(nu) + eps)``. Default ``False`` (torch).
         mu_dtype, nu_dtype: moment dtypes (default ``None``: float32, or the params' dtype when wider).
 
     Raises:
@@ -268,10 +272,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         else:
             second = nu
         denom = torch._foreach_sqrt(second)
-        torch._foreach_div_(denom, bc2_sqrt)
-        torch._foreach_add_(denom, eps)
-        out = torch._foreach_div(_to(mu, denom[0].dtype) if denom else mu, denom)
-        torch._foreach_div_(out, bc1)
+        if eps_before_correction:
+            torch._foreach_add_(denom, eps)
+            out = torch._foreach_div(_to(mu, denom[0].dtype) if denom else mu, denom)
+            torch._foreach_mul_(out, bc2_sqrt / bc1)
+        else:
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, eps)
+            out = torch._foreach_div(_to(mu, denom[0].dtype) if denom else mu, denom)
+            torch._foreach_div_(out, bc1)
         new_mu = b.state_tree(state.mu, "ScaleByAdamState.mu", mu)
         new_nu = b.state_tree(state.nu, "ScaleByAdamState.nu", nu)
         if amsgrad:
