@@ -19,6 +19,7 @@ from .transforms import (ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleS
                          scale_by_trust_ratio, trace)
 from .tree import tree_get
 from .update import apply_updates
+from .zero import ZeroRedundancyState, zero_redundancy
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,8 @@ __all__ = [
     "clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm",
     # accumulation
     "multi_steps", "MultiStepsState", "has_updated",
+    # ZeRO
+    "zero_redundancy", "ZeroRedundancyState",
     # transforms
     "scale", "scale_by_learning_rate", "ScaleByScheduleState", "add_decayed_weights", "trace",
     "TraceState", "scale_by_adam", "ScaleByAdamState", "ScaleByAmsgradState",

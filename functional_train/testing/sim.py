@@ -106,11 +106,17 @@ def _assemble(x: DTensor) -> Optional[torch.Tensor]:
     if not isinstance(local, LocalTensor) or any(isinstance(p, Partial) for p in x.placements):
         return None
     mesh = x.device_mesh
+    root = mesh._get_root_mesh()
+    # a sub-mesh (root["tp"]) lists only this rank's slice: take coordinates from the root
+    names = mesh.mesh_dim_names
+    dims = ([root.mesh_dim_names.index(n) for n in names] if root is not mesh and names
+            else list(range(mesh.ndim)))
     with maybe_disable_local_tensor_mode():
-        layout = mesh.mesh.clone()
+        layout = root.mesh.clone()
         out = torch.zeros(x.shape, dtype=x.dtype)
         for r, shard in local._local_tensors.items():
-            coord = [int(c) for c in (layout == r).nonzero()[0]]
+            full = [int(c) for c in (layout == r).nonzero()[0]]
+            coord = [full[d] for d in dims]
             start, size = [0] * x.ndim, list(x.shape)
             for i, p in enumerate(x.placements):
                 if isinstance(p, Shard):

@@ -1,0 +1,387 @@
+"""ZeRO-1/2 as a transform: the inner state sharded over the data axis (Rajbhandari et al. 2020).
+
+``zero_redundancy(inner, axis="dp")`` runs ``inner`` on a *zero view* of every leaf: the leaf's
+own layout (its tensor parallel placements) plus ``Shard(d)`` over the data axis on a tensor dim
+``d`` that no other mesh dim shards. The gradients enter the view by one bucketed
+reduce-scatter over the data axis (the data parallel mean and the sharding in one collective),
+``inner`` sees DTensors sharded over the data axis (so its state, built from the zero view of
+the parameters, holds 1/dp of each leaf per rank, and its global statistics stay exact: they are
+over the global tensor whatever the placements), and its updates leave the view by one bucketed
+all-gather back into the parameters' placements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .base import GradientTransformation
+from .mesh import Mesh
+from .sharding import (Spec, World, all_reduce_buckets, leaf_paths, materialize, spec_of,
+                       to_local, wrap)
+from .tree import flatten_as, tree_flatten, tree_unflatten
+
+__all__ = ["zero_redundancy", "ZeroRedundancyState"]
+
+
+class ZeroRedundancyState(NamedTuple):
+    """State of :func:`zero_redundancy`: the inner transform's state, built from the zero view of
+    the parameters (DTensors sharded over the data axis on top of the parameters' placements)."""
+
+    inner_state: Any
+
+
+# ---------------------------------------------------------------------------------------------
+# per-rank helpers (a plain call on a real process group, one call per rank under simulation)
+# ---------------------------------------------------------------------------------------------
+def _per_rank(tensors: Sequence[torch.Tensor], fn) -> torch.Tensor:
+    """``fn(rank, [this rank's tensors])``: one call on a real process group (or one process);
+    under ``LocalTensorMode`` one call per simulated rank on its local values."""
+    from torch.distributed import _local_tensor as lt
+    import torch.distributed as dist
+
+    mode = lt.enabled_local_tensor_mode()
+    if mode is None:
+        return fn(dist.get_rank() if dist.is_initialized() else 0, list(tensors))
+    out = {}
+    with mode.disable():
+        for r in mode.ranks:
+            out[r] = fn(r, [t._local_tensors[r] if isinstance(t, lt.LocalTensor) else t
+                            for t in tensors])
+    return lt.LocalTensor(out)
+
+
+def _chunk(n: int, parts: int, j: int) -> tuple[int, int]:
+    """``(offset, size)`` of chunk ``j`` of a dim of size ``n`` split in ``parts`` (torch.chunk)."""
+    cs = -(-n // parts) if parts else 0
+    start = min(j * cs, n)
+    return start, max(0, min(n, start + cs) - start)
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """Where one leaf lives in the zero view.
+
+    ``dim``: the tensor dim sharded over the data axis (``None``: the leaf is left as it is,
+    because it is already sharded over the data axis, or no dim is free); ``spec``: the zero
+    view's layout; ``size``: the leaf's (local, = global) size along ``dim``; ``coord``: global
+    rank -> coordinate along the data axis."""
+
+    dim: Optional[int]
+    spec: Optional[Spec]
+    size: int = 0
+    parts: int = 1
+    coord: Optional[dict] = None
+
+    def chunk(self, rank: int) -> tuple[int, int]:
+        return _chunk(self.size, self.parts, self.coord[rank])
+
+    def slice(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a full (along ``dim``) local tensor; no communication."""
+        if self.dim is None:
+            return local
+        d = self.dim
+        return _per_rank([local], lambda r, t: t[0].narrow(d, *self.chunk(r)).contiguous())
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def _root_of(mesh: Optional[Mesh], leaves: Sequence[Any], device_mesh: Optional[DeviceMesh]):
+    if mesh is not None and mesh.device_mesh is not None:
+        return mesh.device_mesh
+    for x in leaves:
+        if isinstance(x, DTensor):
+            return x.device_mesh._get_root_mesh()
+    return device_mesh
+
+
+def _views(leaves: Sequence[Any], paths: Sequence[str], root: Optional[DeviceMesh],
+           axis: str) -> list:
+    """The zero view of each leaf (``None`` for ``None`` leaves)."""
+    if root is None:
+        return [None if x is None else _View(None, spec_of(x)) for x in leaves]
+    names = tuple(root.mesh_dim_names or ())
+    if axis not in names:
+        raise ValueError(f"zero_redundancy: axis={axis!r} is not a dim of the device mesh "
+                         f"(dims: {names})")
+    a = names.index(axis)
+    parts = root.size(a)
+    ranks = root.mesh
+    coord = {int(r): int(c) for r, c in zip(ranks.reshape(-1).tolist(),
+                                            torch.arange(ranks.numel()).view(ranks.shape)
+                                            .div(math.prod(ranks.shape[a + 1:]), rounding_mode="floor")
+                                            .remainder(parts).reshape(-1).tolist())}
+    out = []
+    for x, path in zip(leaves, paths):
+        if x is None:
+            out.append(None)
+            continue
+        if isinstance(x, DTensor):
+            m = x.device_mesh
+            lnames = tuple(m.mesh_dim_names or ())
+            if m._get_root_mesh() is not root and m is not root and not set(lnames) <= set(names):
+                raise ValueError(f"zero_redundancy: leaf '{path}' is a DTensor on {m}, which is "
+                                 f"not part of the mesh {root}")
+            by_name = dict(zip(lnames, x.placements))
+            if isinstance(by_name.get(axis), Shard):  # already sharded over the data axis (FSDP)
+                out.append(_View(None, spec_of(x)))
+                continue
+            taken = {p.dim % x.ndim for p in x.placements if isinstance(p, Shard)}
+        else:
+            by_name, taken = {}, set()
+        free = [d for d in range(x.ndim) if d not in taken and x.shape[d] > 1]
+        if not free or parts == 1:
+            out.append(_View(None, spec_of(x)))
+            continue
+        big = [d for d in free if x.shape[d] >= parts]
+        dim = big[0] if big else max(free, key=lambda d: x.shape[d])
+        vnames = tuple(n for n in names if n in by_name or n == axis)
+        vmesh = root if len(vnames) == root.ndim else root[vnames]
+        placements = tuple(Shard(dim) if n == axis else by_name[n] for n in vnames)
+        stride = tuple(x.stride()) if isinstance(x, DTensor) else _contiguous_stride(x.shape)
+        out.append(_View(dim, Spec(vmesh, placements, x.shape, stride), x.shape[dim], parts,
+                         coord))
+    return out
+
+
+def _rest(shape, dim: int) -> tuple:
+    return tuple(shape[:dim]) + tuple(shape[dim + 1:])
+
+
+def _enter(locals_: Sequence[torch.Tensor], views: Sequence[_View], ops: Sequence[str],
+           group) -> list:
+    """Reduce-scatter full local tensors into their chunks: ONE collective per (op, dtype).
+
+    Local shapes may differ between tensor parallel ranks (uneven shards), never between the
+    ranks of one data parallel group, so buffers are built and split rank by rank."""
+    out: list = [None] * len(locals_)
+    buckets: dict = {}
+    for i, (t, op) in enumerate(zip(locals_, ops)):
+        buckets.setdefault((op, t.dtype), []).append(i)
+    for (op, _), idx in buckets.items():
+        vs = [views[i] for i in idx]
+
+        def pack(r, ts, vs=vs):
+            rows = []
+            for t, v in zip(ts, vs):
+                cs = -(-v.size // v.parts)
+                x = t.movedim(v.dim, 0)
+                pad = v.parts * cs - v.size
+                if pad:
+                    x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+                rows.append(x.reshape(v.parts, -1))
+            return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)).reshape(-1)
+
+        ts = [locals_[i] for i in idx]
+        buf = _per_rank(ts, pack)
+        red = funcol.wait_tensor(funcol.reduce_scatter_single(buf, op, 0, group))
+        for k, i in enumerate(idx):
+
+            def take(r, xs, k=k, vs=vs):
+                f, ts_r = xs[0], xs[1:]
+                offset = 0
+                for t, v in zip(ts_r[:k], vs[:k]):
+                    offset += -(-v.size // v.parts) * math.prod(_rest(t.shape, v.dim))
+                v = vs[k]
+                rest = _rest(ts_r[k].shape, v.dim)
+                _, n = v.chunk(r)
+                piece = f[offset:offset + n * math.prod(rest)]
+                return piece.reshape(n, *rest).movedim(0, v.dim).contiguous()
+
+            out[i] = _per_rank([red] + ts[:k + 1], take)
+    return out
+
+
+def _leave(chunks: Sequence[torch.Tensor], views: Sequence[_View], group) -> list:
+    """All-gather chunks back into full local tensors: ONE collective per dtype."""
+    out: list = [None] * len(chunks)
+    buckets: dict = {}
+    for i, t in enumerate(chunks):
+        buckets.setdefault(t.dtype, []).append(i)
+    for _, idx in buckets.items():
+        vs = [views[i] for i in idx]
+        ts = [chunks[i] for i in idx]
+
+        def pack(r, cs_, vs=vs):
+            flats = []
+            for c, v in zip(cs_, vs):
+                width = -(-v.size // v.parts) * math.prod(_rest(c.shape, v.dim))
+                f = c.movedim(v.dim, 0).reshape(-1)
+                flats.append(torch.cat([f, f.new_zeros(width - f.numel())])
+                             if f.numel() < width else f)
+            return flats[0] if len(flats) == 1 else torch.cat(flats)
+
+        buf = _per_rank(ts, pack)
+        parts = vs[0].parts
+        full = funcol.wait_tensor(funcol.all_gather_single(buf, 0, group))
+        for k, i in enumerate(idx):
+
+            def unpack(r, xs, k=k, vs=vs):
+                f, cs_ = xs[0].view(parts, -1), xs[1:]
+                offset = 0
+                for c, v in zip(cs_[:k], vs[:k]):
+                    offset += -(-v.size // v.parts) * math.prod(_rest(c.shape, v.dim))
+                v = vs[k]
+                rest = _rest(cs_[k].shape, v.dim)
+                cs = -(-v.size // v.parts)
+                part = f[:, offset:offset + cs * math.prod(rest)]
+                return part.reshape(parts * cs, *rest)[:v.size].movedim(0, v.dim).contiguous()
+
+            out[i] = _per_rank([full] + ts[:k + 1], unpack)
+    return out
+
+
+def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
+                    device_mesh: Optional[DeviceMesh] = None) -> GradientTransformation:
+    """ZeRO-1/2 for any inner transform: its state sharded over the data parallel mesh dim.
+
+    Every leaf is given a *zero view*: its own placements (tensor parallel ``Shard`` /
+    ``Replicate`` on the mesh dims it lives on) plus ``Shard(d)`` over ``axis`` on the first
+    tensor dim ``d`` that no other mesh dim shards and whose size is at least the data parallel
+    size (else the largest such dim); uneven sizes follow ``torch.chunk``, as DTensor does.
+    Leaves already sharded over ``axis`` (FSDP / ZeRO-3 parameters) keep their placements, and
+    leaves with no free dim of size > 1 (a 0-dim scale, a bias already split by tensor
+    parallelism) stay whole over ``axis``: their state is replicated there.
+
+    Per update:
+
+    1. gradients still unreduced over ``axis`` (plain tensors and DTensors without ``axis``
+       when ``Mesh.data_axis == axis``; ``Partial`` over ``axis``) are averaged (``Partial``:
+       reduced as it says) AND scattered into the zero view by ONE bucketed reduce-scatter per
+       (op, dtype) over ``axis``; reduced gradients are sliced locally (no communication);
+       ``Partial`` placements over other dims are reduced first, as every transform does;
+    2. ``inner`` runs on the zero views of gradients and parameters with a descriptor whose
+       data axis is reduced, so its state (``inner.init`` of the zero view of the parameters)
+       holds 1/dp of each leaf per rank as DTensors with the global shapes, and its statistics
+       are those of the global tensors (sharded == unsharded);
+    3. the updates are all-gathered back into the parameters' placements by ONE bucketed
+       all-gather per dtype over ``axis``.
+
+    Leaves that stay whole over ``axis`` are averaged by one bucketed all-reduce instead. With
+    one process, or no mesh with ``axis``, this is ``inner`` (numbers are the same).
+
+    Args:
+        inner: any transform (``adamw``, ``adafactor``, ``chain(clip_by_global_norm, ...)``).
+        axis: name of the data parallel mesh dim (default ``"dp"``).
+        device_mesh: the whole device mesh; needed only when no parameter is a DTensor (pure
+            data parallelism on plain tensors), otherwise the parameters' root mesh is used.
+
+    State: :class:`ZeroRedundancyState` holding ``inner``'s state over the zero view.
+
+    Raises:
+        TypeError: ``inner`` is not a GradientTransformation.
+        ValueError: ``axis`` is not a dim of the mesh; at update, a state from another transform.
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"zero_redundancy: inner must be a GradientTransformation, "
+                        f"got {type(inner).__name__}")
+    if not isinstance(axis, str):
+        raise TypeError(f"zero_redundancy: axis must be a mesh dim name (str), got {axis!r}")
+    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"zero_redundancy: device_mesh must be a DeviceMesh, "
+                        f"got {type(device_mesh).__name__}")
+
+    def view_tree(tree, views):
+        leaves, treedef = tree_flatten(tree)
+        return tree_unflatten(treedef, [None if x is None else wrap(v.slice(to_local(x)), v.spec)
+                                        for x, v in zip(leaves, views)])
+
+    def init_fn(params):
+        leaves, _ = tree_flatten(params)
+        root = _root_of(None, leaves, device_mesh)
+        views = _views(leaves, leaf_paths(params), root, axis)
+        return ZeroRedundancyState(inner.init(view_tree(params, views)))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if not isinstance(state, ZeroRedundancyState):
+            raise ValueError(f"zero_redundancy: expected a ZeroRedundancyState from "
+                             f"zero_redundancy.init, got {type(state).__name__}")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"zero_redundancy: mesh must be a functional_train.Mesh or None, "
+                            f"got {type(mesh).__name__}")
+        g, treedef = tree_flatten(updates)
+        p = None if params is None else flatten_as(params, treedef, "params", "the updates")
+        paths = leaf_paths(updates)
+        root = _root_of(mesh, list(p or []) + list(g), device_mesh)
+        if root is not None and axis not in (root.mesh_dim_names or ()):
+            _views([], [], root, axis)  # raises: the mesh has no such dim
+        if root is None or root.size(root.mesh_dim_names.index(axis)) == 1:
+            new, inner_state = inner.update(updates, state.inner_state, params, mesh=mesh,
+                                            **extra)
+            return new, ZeroRedundancyState(inner_state)
+        if mesh is None or mesh.device_mesh is None:
+            mesh = Mesh(root, data_axis=None if mesh is None else mesh.data_axis)
+        world = World(mesh, list(p or []) + list(g), paths * (2 if p is not None else 1))
+        a = root.mesh_dim_names.index(axis)
+        pending = mesh.data_axis == axis and root.size(a) > 1
+        # which gradients are still each rank's own contribution over the data axis, and how
+        # they add up; Partial-over-axis leaves are relabelled Replicate until step 1
+        ops: list = [None] * len(g)
+        g = list(g)
+        for i, x in enumerate(g):
+            if x is None:
+                continue
+            if isinstance(x, DTensor):
+                lnames = tuple(x.device_mesh.mesh_dim_names or ())
+                if axis in lnames:
+                    j = lnames.index(axis)
+                    pl = x.placements[j]
+                    if isinstance(pl, Partial):
+                        s = spec_of(x)
+                        new_pl = list(s.placements)
+                        new_pl[j] = Replicate()
+                        g[i] = wrap(to_local(x), dataclasses.replace(s, placements=tuple(new_pl)))
+                        ops[i] = pl.reduce_op
+                    continue
+            if pending:
+                ops[i] = "avg"
+        rest = dataclasses.replace(mesh, data_axis=None if mesh.data_axis == axis
+                                   else mesh.data_axis)
+        g = materialize(g, p, paths, rest, World(rest, list(p or []) + list(g),
+                                                 paths * (2 if p is not None else 1)))
+        layout = p if p is not None else g
+        views = _views(layout, paths, root, axis)
+        group = (root, a)
+        # 1. into the zero view
+        locs = [to_local(x) for x in g]
+        sc = [i for i, x in enumerate(g) if x is not None and ops[i] and views[i].dim is not None]
+        whole = [i for i, x in enumerate(g) if x is not None and ops[i] and views[i].dim is None]
+        zg: list = [None] * len(g)
+        for i, r in zip(sc, _enter([locs[i] for i in sc], [views[i] for i in sc],
+                                   [ops[i] for i in sc], group)):
+            zg[i] = r
+        red = all_reduce_buckets([(locs[i], (group,), ops[i]) for i in whole])
+        for i, r in zip(whole, red):
+            zg[i] = r
+        for i, x in enumerate(g):
+            if x is not None and not ops[i]:
+                zg[i] = views[i].slice(locs[i])
+        zgrads = tree_unflatten(treedef, [None if z is None else wrap(z, v.spec)
+                                          for z, v in zip(zg, views)])
+        zparams = None if params is None else view_tree(params, views)
+        # 2. the inner transform on the shards
+        new, inner_state = inner.update(zgrads, state.inner_state, zparams, mesh=rest, **extra)
+        # 3. out of the zero view
+        nl = flatten_as(new, treedef, "zero_redundancy's inner updates", "the updates")
+        out = [to_local(x) for x in nl]
+        ga = [i for i, x in enumerate(nl) if x is not None and views[i].dim is not None]
+        for i, r in zip(ga, _leave([out[i] for i in ga], [views[i] for i in ga], group)):
+            out[i] = r
+        specs = [None if x is None else spec_of(x) for x in layout]
+        return tree_unflatten(treedef, [None if o is None else wrap(o, s)
+                                        for o, s in zip(out, specs)]), \
+            ZeroRedundancyState(inner_state)
+
+    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,71 @@
+"""Worker for tests/test_gloo.py: every optimizer alias under ZeRO over dp=2 with tp=2, on real
+gloo collectives (4 ranks). Rank 0 writes the gathered parameters and the collective counts."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import functional_train as ft
+from functional_train.testing import count_collectives
+
+PLACE = {"wq": [Shard(0)], "wo": [Shard(1)], "b": [Shard(0)], "n": [Replicate()], "e": None}
+
+
+def aliases():
+    out = {
+        "adamw": lambda: ft.adamw(1e-2, weight_decay=0.1),
+        "adafactor": lambda: ft.adafactor(beta1=0.9),
+        "came": lambda: ft.came(1e-2),
+        "lamb": lambda: ft.lamb(1e-2),
+    }
+    if hasattr(ft, "galore_adamw"):
+        out["galore_adamw"] = lambda: ft.galore_adamw(1e-2, rank=2, update_proj_gap=2)
+    return out
+
+
+def problem(steps=3):
+    g = torch.Generator().manual_seed(0)
+    params = {"wq": torch.randn(6, 5, generator=g), "wo": torch.randn(5, 7, generator=g),
+              "b": torch.randn(7, generator=g), "n": torch.randn(5, generator=g),
+              "e": torch.randn(9, 4, generator=g)}
+    grads = [[{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(2)]
+             for _ in range(steps)]
+    return params, grads
+
+
+def main(rank, world, init_file, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    dp_rank = mesh.get_local_rank("dp")
+    fmesh = ft.Mesh(mesh, data_axis="dp")
+    params, grads = problem()
+
+    def place(x, k):
+        return x.clone() if PLACE[k] is None else distribute_tensor(x, tp, PLACE[k])
+
+    results = {}
+    for name, make in aliases().items():
+        p = {k: place(v, k) for k, v in params.items()}
+        tx = ft.zero_redundancy(make())
+        state = tx.init(p)
+        counts = []
+        for step in grads:
+            g = {k: place(v, k) for k, v in step[dp_rank].items()}  # this replica's gradient
+            with count_collectives() as c:
+                updates, state = tx.update(g, state, p, mesh=fmesh)
+            counts.append(c.counts)
+            p = ft.apply_updates(p, updates)
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in p.items()}
+        results[name] = {"params": full, "counts": counts}
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
