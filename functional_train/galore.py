@@ -1,0 +1,689 @@
+"""GaLore (Zhao et al. 2024): gradient low-rank projection as composable transforms, exact under
+sharding.
+
+* :func:`galore` wraps any inner transform: every 2-D update leaf is projected onto a rank-``r``
+  subspace of its gradient (refreshed from an SVD every ``update_proj_gap`` steps), the inner
+  transform runs on the projected gradient, and its result is projected back and scaled;
+* :func:`galore_adamw` is the chain equal to ``galore_torch.GaLoreAdamW`` (HF AdamW heritage);
+* :func:`galore_param_labels` builds its labels from dotted parameter paths as Colossal-AI's
+  ``get_galore_param_groups`` builds its parameter groups.
+
+Reference: Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank
+Projection"; ``galore_torch.GaLoreAdamW`` and ``galore_torch.galore_projector.GaLoreProjector``
+(galore-torch 1.0), the semantics followed here.
+
+Sharding (DESIGN.md section 3). A 2-D DTensor leaf ``g`` of global shape ``(m, n)`` is projected
+on its local shard:
+
+* the projector ``P`` is the same on every rank: a replicated DTensor of its global shape in the
+  state (so checkpoints reshard), computed on a refresh step from the SVD of the GLOBAL gradient.
+  Only leaves with a ``Shard`` placement are gathered for it (one bucketed all-gather per mesh dim
+  that shards them); replicated leaves and plain tensors need no communication;
+* ``R = g P^T`` (``P`` of shape ``(r, n)``) or ``R = P^T g`` (``P`` of shape ``(m, r)``) contracts
+  one tensor dim of ``g``. The other dim keeps its placement, so ``R`` is a DTensor with the
+  leaf's placements, the contracted dim's ``Shard`` replaced by ``Replicate``. When the
+  contracted dim is sharded the local product (the local shard times the matching slice of
+  ``P``) is a partial sum, completed by ONE bucketed all-reduce for all such leaves
+  (:meth:`~functional_train.sharding.Prepared.leaf_sums`);
+* the back-projection ``R P`` / ``P R`` is local: the output dim that ``P`` brings back gets
+  the slice of the replicated ``P`` that matches the local shard of the leaf.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from . import _validate as V
+from .base import GradientTransformation, chain
+from .combine import partition
+from .sharding import Prepared, Spec, prepare, spec_of, to_local, wrap
+from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, scale_by_adam,
+                         scale_by_learning_rate, stateless)
+from .tree import flatten_as, tree_flatten, tree_paths, tree_unflatten
+
+try:  # run a rank-dependent function once per simulated rank (LocalTensorMode); else plain call
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor as _per_rank
+except ImportError:  # pragma: no cover - older torch: no simulation, plain calls
+    def _per_rank(fn):
+        return fn
+
+__all__ = [
+    "galore",
+    "GaLoreState",
+    "galore_adamw",
+    "galore_param_labels",
+    "PROJ_TYPES",
+]
+
+PyTree = Any
+
+PROJ_TYPES = ("std", "reverse_std", "left", "right")
+_RIGHT, _LEFT = "right", "left"
+
+
+class GaLoreState(NamedTuple):
+    """State of :func:`galore`.
+
+    Attributes:
+        count: number of previous updates (int64, 0-dim, always on the CPU: the refresh decision
+            ``count % update_proj_gap == 0`` is read on the host, like
+            :class:`~functional_train.MultiStepsState`'s ``mini_step``; reading a CPU tensor needs
+            no device synchronisation).
+        projectors: params-shaped tree. For a projected leaf of global shape ``(m, n)``, its
+            orthonormal projector in float32 (the SVD's own precision): ``Vh[:r]`` of shape
+            ``(r, n)`` for a right projection, ``U[:, :r]`` of shape ``(m, r)`` for a left one,
+            with ``r = min(rank, m, n)``; zeros until the first update. For a DTensor leaf a
+            DTensor of that global shape, ``Replicate`` on every dim of the leaf's mesh.
+            ``None`` for leaves that are not projected.
+        inner_state: the inner transform's state, initialised on the projected shapes (see
+            :func:`galore`) and kept across refreshes, as galore-torch keeps its moments.
+    """
+
+    count: torch.Tensor
+    projectors: Any
+    inner_state: Any
+
+
+# ---------------------------------------------------------------------------------------------
+# geometry: which side a leaf is projected on, shapes and placements
+# ---------------------------------------------------------------------------------------------
+def _is_projected(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.ndim == 2 and min(x.shape) > 0
+
+
+def _side(shape: Sequence[int], proj_type: str) -> str:
+    """``"right"`` (``R = g P^T``, ``P = Vh[:r]``) or ``"left"`` (``R = P^T g``, ``P = U[:, :r]``),
+    as galore-torch's ``GaLoreProjector.project`` chooses it."""
+    m, n = int(shape[0]), int(shape[1])
+    if proj_type == "std":
+        return _RIGHT if m >= n else _LEFT
+    if proj_type == "reverse_std":
+        return _LEFT if m >= n else _RIGHT
+    return proj_type
+
+
+def _contracted(side: str) -> int:
+    """The tensor dim of the leaf that the projection sums over."""
+    return 1 if side == _RIGHT else 0
+
+
+def _proj_shape(shape: Sequence[int], side: str, rank: int) -> tuple[int, int]:
+    m, n = int(shape[0]), int(shape[1])
+    r = min(rank, m, n)
+    return (r, n) if side == _RIGHT else (m, r)
+
+
+def _low_rank_shape(shape: Sequence[int], side: str, rank: int) -> tuple[int, int]:
+    m, n = int(shape[0]), int(shape[1])
+    r = min(rank, m, n)
+    return (m, r) if side == _RIGHT else (r, n)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def _check_placements(spec: Spec, path: str) -> None:
+    for p in spec.placements:
+        if isinstance(p, Partial):
+            raise ValueError(f"galore: parameter '{path}' is Partial; GaLore needs parameters in "
+                             "Shard/Replicate placements")
+        if isinstance(p, Shard) and type(p) is not Shard:
+            raise ValueError(f"galore: leaf '{path}' has placement {p!r}; only Shard and "
+                             "Replicate placements are supported on projected (2-D) leaves")
+
+
+def _low_rank_spec(spec: Spec, side: str, rank: int) -> Spec:
+    """Layout of ``R``: the leaf's placements with the contracted dim's ``Shard`` replaced by
+    ``Replicate``; global shape ``(m, r)`` or ``(r, n)``."""
+    c = _contracted(side)
+    pl = tuple(Replicate() if isinstance(p, Shard) and p.dim % 2 == c
+               else (Shard(p.dim % 2) if isinstance(p, Shard) else p) for p in spec.placements)
+    shape = _low_rank_shape(spec.shape, side, rank)
+    return Spec(spec.mesh, pl, torch.Size(shape), _contiguous_stride(shape))
+
+
+def _proj_spec(spec: Spec, side: str, rank: int) -> Spec:
+    """Layout of the projector in the state: replicated, global shape."""
+    shape = _proj_shape(spec.shape, side, rank)
+    return Spec(spec.mesh, (Replicate(),) * spec.mesh.ndim, torch.Size(shape),
+                _contiguous_stride(shape))
+
+
+def _slice_placements(spec: Spec, side: str) -> tuple:
+    """Placements under which the local part of the projector is the slice that matches the
+    local shard of the leaf along the contracted dim (``P``'s dim ``c`` is the leaf's dim ``c``)."""
+    c = _contracted(side)
+    return tuple(Shard(c) if isinstance(p, Shard) and p.dim % 2 == c else Replicate()
+                 for p in spec.placements)
+
+
+def _is_sharded(spec: Optional[Spec], dim: Optional[int] = None) -> bool:
+    if spec is None:
+        return False
+    return any(isinstance(p, Shard) and (dim is None or p.dim % len(spec.shape) == dim)
+               for p in spec.placements)
+
+
+# ---------------------------------------------------------------------------------------------
+# rank-dependent local blocks (run once per simulated rank under LocalTensorMode)
+# ---------------------------------------------------------------------------------------------
+def _region(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int],
+            coord: Sequence[int]) -> tuple[list, list]:
+    """``(starts, lengths)`` of the block of a global tensor that mesh coordinate ``coord`` holds
+    (torch's nested chunking: mesh dims left to right, ``torch.chunk`` sizes, trailing chunks
+    possibly empty)."""
+    nd = len(shape)
+    starts, lens = [0] * nd, [int(s) for s in shape]
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d = p.dim % nd
+            n = lens[d]
+            chunk = -(-n // int(mesh_shape[i]))
+            st = min(int(coord[i]) * chunk, n)
+            starts[d] += st
+            lens[d] = min(st + chunk, n) - st
+    return starts, lens
+
+
+@_per_rank
+def _narrow_block(full: torch.Tensor, shape: tuple, placements: tuple, mesh_shape: tuple,
+                  coord: list) -> torch.Tensor:
+    starts, lens = _region(shape, placements, mesh_shape, coord)
+    x = full
+    for d, (st, ln) in enumerate(zip(starts, lens)):
+        if ln != shape[d]:
+            x = x.narrow(d, st, ln)
+    return x
+
+
+def _local_part(full: torch.Tensor, mesh, placements: Sequence) -> torch.Tensor:
+    """The block of the (replicated) global tensor ``full`` that this rank holds under
+    ``placements`` on ``mesh`` (a view; no communication)."""
+    if not any(isinstance(p, Shard) for p in placements):
+        return full
+    return _narrow_block(full, tuple(int(s) for s in full.shape), tuple(placements),
+                         tuple(int(s) for s in mesh.shape), list(mesh.get_coordinate()))
+
+
+@_per_rank
+def _padded_flat(x: torch.Tensor, n: int) -> torch.Tensor:
+    flat = x.reshape(-1)
+    if flat.numel() == n:
+        return flat
+    return torch.cat([flat, flat.new_zeros(n - flat.numel())])
+
+
+@_per_rank
+def _low_rank_zeros(x: torch.Tensor, side: str, r: int) -> torch.Tensor:
+    shape = (x.shape[0], r) if side == _RIGHT else (r, x.shape[1])
+    return torch.zeros(shape, dtype=x.dtype, device=x.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# the refresh: global gradients of sharded leaves, SVD
+# ---------------------------------------------------------------------------------------------
+def _gather_global(b: Prepared, idx: Sequence[int]) -> dict:
+    """Global tensors of the sharded DTensor leaves ``idx`` (the same on every rank).
+
+    Each rank pads its flattened local shard to the largest shard's size; leaves sharded over
+    the same process groups (and of one dtype) share one buffer, gathered by one all-gather per
+    sharding mesh dim; every rank then assembles the global tensors from the blocks of all the
+    members (whose regions are known from the placements alone).
+    """
+    buckets: dict = defaultdict(list)
+    for i in idx:
+        s = b.specs[i]
+        dims = tuple(j for j, p in enumerate(s.placements) if isinstance(p, Shard))
+        key = (tuple(s.mesh.get_group(j) for j in dims), b.locals[i].dtype)
+        buckets[key].append((i, dims))
+    out = {}
+    for items in buckets.values():
+        s0 = b.specs[items[0][0]]
+        dims0 = items[0][1]
+        sizes = [s0.mesh.size(j) for j in dims0]
+        flats, offsets, total = [], [], 0
+        for i, _ in items:
+            s = b.specs[i]
+            _, lens = _region(s.shape, s.placements, s.mesh.shape, [0] * s.mesh.ndim)
+            numel = math.prod(lens)
+            flats.append(_padded_flat(b.locals[i], numel))
+            offsets.append(total)
+            total += numel
+        buf = flats[0] if len(flats) == 1 else torch.cat(flats)
+        for j in dims0:  # block index of member c: c[0] + sizes[0] * (c[1] + sizes[1] * ...)
+            buf = funcol.wait_tensor(funcol.all_gather_single(buf, 0, (s0.mesh, j)))
+        for (i, dims), off in zip(items, offsets):
+            s = b.specs[i]
+            full = buf.new_empty(tuple(s.shape))
+            for c in itertools.product(*(range(k) for k in sizes)):
+                coord = [0] * s.mesh.ndim
+                block, stride = 0, 1
+                for j, cj, k in zip(dims, c, sizes):
+                    coord[j] = cj
+                    block += cj * stride
+                    stride *= k
+                starts, lens = _region(s.shape, s.placements, s.mesh.shape, coord)
+                numel = math.prod(lens)
+                if numel == 0:
+                    continue
+                start = block * total + off
+                piece = buf[start:start + numel].view(lens)
+                full[tuple(slice(a, a + n) for a, n in zip(starts, lens))] = piece
+            out[i] = full
+    return out
+
+
+def _orthogonal(full: torch.Tensor, side: str, rank: int) -> torch.Tensor:
+    """galore-torch's ``get_orthogonal_matrix``: SVD of the gradient in float32;
+    ``Vh[:r]`` (right) or ``U[:, :r]`` (left), kept in float32 (galore-torch casts it to the
+    gradient's dtype, which :func:`galore` does at use, with the same values)."""
+    U, _, Vh = torch.linalg.svd(full.to(torch.float32), full_matrices=False)
+    return (Vh[:rank, :] if side == _RIGHT else U[:, :rank]).contiguous()
+
+
+def _project(g: torch.Tensor, p: torch.Tensor, side: str) -> torch.Tensor:
+    p = p.to(g.dtype)
+    return g @ p.T if side == _RIGHT else p.T @ g
+
+
+def _project_back(r: torch.Tensor, p: torch.Tensor, side: str) -> torch.Tensor:
+    p = p.to(r.dtype)
+    return r @ p if side == _RIGHT else p @ r
+
+
+# ---------------------------------------------------------------------------------------------
+# galore
+# ---------------------------------------------------------------------------------------------
+def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
+           scale: float = 0.25, proj_type: str = "std") -> GradientTransformation:
+    """GaLore's gradient low-rank projection around ``inner`` (Zhao et al. 2024), exactly as
+    galore-torch's ``GaLoreProjector`` computes it.
+
+    For every 2-D update leaf ``g`` of global shape ``(m, n)`` (both dims > 0), with
+    ``r = min(rank, m, n)`` and ``t`` the update number (1 on the first update):
+
+    * on refresh steps ``t = 1, T+1, 2T+1, ...`` (``T = update_proj_gap``; galore-torch checks
+      ``step % T == 0`` before its increment) the projector is recomputed from the SVD
+      ``U, s, Vh = svd(g)`` of the GLOBAL gradient in float32: ``P = Vh[:r]`` (``r x n``) for a
+      right projection, ``P = U[:, :r]`` (``m x r``) for a left one;
+    * the side: ``proj_type="std"``: right if ``m >= n`` else left (project the smaller dim);
+      ``"reverse_std"``: the opposite; ``"left"`` / ``"right"``: always that side;
+    * ``R = g P^T`` (``m x r``, right) or ``R = P^T g`` (``r x n``, left), in ``g``'s dtype
+      (``P`` cast to it, as galore-torch does);
+    * ``inner`` runs on ``R`` (its state has the projected shapes and is kept across refreshes,
+      like galore-torch's moments); its output ``N`` is projected back,
+      ``u = scale * (N P)`` (right) or ``u = scale * (P N)`` (left), in ``N``'s dtype.
+
+    The side of the back-projection is the side of the projection. (galore-torch re-derives it
+    from the shape of ``N``; for ``"reverse_std"`` on a wide ``m < n`` leaf with ``rank >= m``
+    it then multiplies on the wrong side and raises; here that case is well defined.)
+
+    Other leaves (non-2-D, or with an empty dim) go to ``inner`` unprojected; ``None`` leaves
+    (frozen parameters) pass through untouched and keep their projector; an update where every
+    leaf is ``None`` returns the state unchanged (no step counted). ``inner`` is called
+    with ``params=None``: it has no parameter in the projected space, so transforms that need
+    params (weight decay, parameter scaling) belong outside ``galore`` (see
+    :func:`galore_adamw`). The refresh counter is global (galore-torch counts per parameter; the
+    two differ only for parameters whose gradient is sometimes ``None``).
+
+    Sharding: updates are materialised first (:func:`~functional_train.sharding.prepare`:
+    unreduced gradients over ``Mesh.data_axis`` or ``Partial`` are reduced, and redistributed
+    into the parameters' placements when ``params`` is given; without ``params`` the gradients
+    must already be in the placements the state was initialised for). For a DTensor leaf
+    (``Shard`` / ``Replicate`` placements, uneven shards fine), ``R`` is handed to ``inner`` as a
+    DTensor of global shape ``(m, r)`` / ``(r, n)`` whose placements are the leaf's with the
+    contracted dim's ``Shard`` replaced by ``Replicate`` (right: dim 1 contracted; left: dim 0);
+    the inner state is initialised in that layout; the update keeps the leaf's placements. The
+    SVD runs on every rank on the same gathered gradient (deterministic, so every rank gets the
+    same projector).
+
+    Collectives per update issued by ``galore`` itself (``inner`` adds its own):
+
+    * refresh steps: no all-reduce; the 2-D leaves with any ``Shard`` placement are gathered:
+      one all-gather per sharding mesh dim for each distinct set of sharding process groups
+      (and dtype), whatever the number of leaves. Replicated leaves and plain tensors: none.
+      The projection of a gathered leaf is then computed from its global gradient;
+    * other steps: no SVD and no gather. Zero collectives when no contracted dim is sharded,
+      else ONE bucketed all-reduce completing the local partial products for all leaves whose
+      contracted dim is sharded, per distinct set of mesh dims sharding it (and dtype; a set of
+      several, but not all, mesh dims reduces over them one after the other).
+
+    Args:
+        inner: the transform run on the projected gradients (e.g. ``scale_by_adam``).
+        rank: projection rank ``r`` (>= 1; ``min(rank, m, n)`` is used per leaf).
+        update_proj_gap: ``T``, steps between projector refreshes (>= 1, default 200).
+        scale: GaLore's scale ``alpha`` multiplying the back-projected update (default 0.25).
+        proj_type: ``"std"`` (default), ``"reverse_std"``, ``"left"`` or ``"right"``
+            (galore-torch's ``"full"`` two-sided projection is not offered).
+
+    State: :class:`GaLoreState`.
+
+    Raises:
+        ValueError: ``rank < 1``, ``update_proj_gap < 1`` or an unknown ``proj_type`` (naming
+            the argument); at init, a ``Partial`` or strided-shard parameter; at update, a state
+            from another transform or for other parameters (naming the leaf).
+        TypeError: ``inner`` is not a GradientTransformation, ``rank`` / ``update_proj_gap``
+            not ints, ``scale`` not a real number.
+    """
+    where = "galore"
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"{where}: inner must be a GradientTransformation, "
+                        f"got {type(inner).__name__}")
+    rank = V.integer("rank", rank, where=where, low=1)
+    gap = V.integer("update_proj_gap", update_proj_gap, where=where, low=1)
+    scale = V.number("scale", scale, where=where)
+    if proj_type not in PROJ_TYPES:
+        raise ValueError(f"{where}: proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
+
+    def init_fn(params):
+        leaves, treedef = tree_flatten(params)
+        paths = None
+        projs, low = [], []
+        for k, x in enumerate(leaves):
+            if not _is_projected(x):
+                projs.append(None)
+                low.append(x)
+                continue
+            side = _side(x.shape, proj_type)
+            pshape = _proj_shape(x.shape, side, rank)
+            r = _low_rank_shape(x.shape, side, rank)[1 if side == _RIGHT else 0]
+            s = spec_of(x)
+            local = to_local(x)
+            z = torch.zeros(pshape, dtype=torch.float32, device=local.device)
+            if s is None:
+                projs.append(z)
+                low.append(_low_rank_zeros(local, side, r))
+                continue
+            if paths is None:
+                paths = tree_paths(params)
+            _check_placements(s, paths[k])
+            projs.append(wrap(z, _proj_spec(s, side, rank)))
+            low.append(wrap(_low_rank_zeros(local, side, r), _low_rank_spec(s, side, rank)))
+        return GaLoreState(torch.zeros((), dtype=torch.int64, device="cpu"),
+                           tree_unflatten(treedef, projs),
+                           inner.init(tree_unflatten(treedef, low)))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, GaLoreState, where)
+        b = prepare(updates, params, mesh, name=where)
+        if not b.active:  # every leaf frozen: nothing to project, no step taken
+            return updates, state
+        old = flatten_as(state.projectors, b.treedef, "GaLoreState.projectors", "the updates")
+        proj = []  # (leaf index, side)
+        for i in b.active:
+            g, p = b.updates[i], old[i]
+            if not _is_projected(g):
+                if p is not None:
+                    raise ValueError(f"{where}: update leaf '{b.paths[i]}' has shape "
+                                     f"{tuple(g.shape)}, but the state holds a projector for it "
+                                     "(a state for other parameters?)")
+                continue
+            side = _side(g.shape, proj_type)
+            want = _proj_shape(g.shape, side, rank)
+            if p is None or tuple(p.shape) != want:
+                got = "none" if p is None else f"one of shape {tuple(p.shape)}"
+                raise ValueError(f"{where}: update leaf '{b.paths[i]}' of shape "
+                                 f"{tuple(g.shape)} needs a projector of shape {want}, the "
+                                 f"state holds {got} (a state for other parameters?)")
+            proj.append((i, side))
+        refresh = int(state.count) % gap == 0  # CPU counter: a host read without device sync
+        p_full = {i: to_local(old[i]) for i, _ in proj}
+        new_proj = list(old)
+        full = {}
+        if refresh and proj:
+            full = _gather_global(b, [i for i, _ in proj if _is_sharded(b.specs[i])])
+            for i, side in proj:
+                p_full[i] = _orthogonal(full.get(i, b.locals[i]), side, rank)
+                new_proj[i] = wrap(p_full[i], spec_of(old[i]))
+        # projection: local products, partial sums completed by one bucketed all-reduce
+        low: dict = {}
+        p_slice: dict = {}
+        partial = []
+        for i, side in proj:
+            s = b.specs[i]
+            c = _contracted(side)
+            if s is not None and _is_sharded(s, c):
+                p_slice[i] = _local_part(p_full[i], s.mesh, _slice_placements(s, side))
+            else:
+                p_slice[i] = p_full[i]
+            if i in full:  # refresh of a sharded leaf: from its global gradient, no all-reduce
+                rs = _low_rank_spec(s, side, rank)
+                low[i] = _local_part(_project(full[i], p_full[i], side), s.mesh, rs.placements)
+            elif s is not None and _is_sharded(s, c):
+                partial.append((i, _project(b.locals[i], p_slice[i], side), (c,)))
+            else:
+                low[i] = _project(b.locals[i], p_slice[i], side)
+        for (i, _, _), r in zip(partial, b.leaf_sums(partial)):
+            low[i] = r
+        inner_in = [None] * len(b.locals)
+        for i in b.active:
+            inner_in[i] = b.updates[i]
+        for i, side in proj:
+            s = b.specs[i]
+            inner_in[i] = low[i] if s is None else wrap(low[i], _low_rank_spec(s, side, rank))
+        inner_out, inner_state = inner.update(tree_unflatten(b.treedef, inner_in),
+                                              state.inner_state, None, mesh=b.mesh, **extra)
+        out = flatten_as(inner_out, b.treedef, f"{where}: the inner transform's updates",
+                         "the updates")
+        out = list(out)
+        for i, side in proj:
+            u = _project_back(to_local(out[i]), p_slice[i], side)
+            out[i] = wrap(u.mul_(scale) if scale != 1.0 else u, b.specs[i])
+        return tree_unflatten(b.treedef, out), GaLoreState(
+            state.count + 1, tree_unflatten(b.treedef, new_proj), inner_state)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# galore_adamw
+# ---------------------------------------------------------------------------------------------
+def _decay_after_update(learning_rate: ScalarOrSchedule,
+                        weight_decay: float) -> GradientTransformation:
+    """HF AdamW's decoupled weight decay, applied to the already-updated parameter
+    (``p <- p - lr * wd * p`` after ``p <- p + u``): ``u <- u - lr * wd * (param + u)``.
+
+    ``learning_rate`` is a float or a schedule of the number of previous updates, as in
+    :func:`~functional_train.scale_by_learning_rate` (put the two at the same place of a chain
+    and they see the same learning rate). Needs params. State: ``EmptyState`` for a float,
+    :class:`~functional_train.ScaleByScheduleState` for a schedule.
+    """
+    where = "galore_adamw weight decay"
+
+    def decay(us, ps, c):
+        s = torch._foreach_add(us, [p.to(u.dtype) for p, u in zip(ps, us)])
+        if isinstance(c, torch.Tensor):
+            s = [x * (-c).to(x.dtype) for x in s]
+        else:
+            torch._foreach_mul_(s, -c)
+        torch._foreach_add_(s, us)
+        return s
+
+    if not callable(learning_rate):
+        c = float(learning_rate) * weight_decay
+        return stateless(where, lambda b: decay([b.locals[i] for i in b.active],
+                                                [b.params[i] for i in b.active], c),
+                         need_params=True)
+
+    def init_fn(params):
+        return ScaleByScheduleState(torch.zeros((), dtype=torch.int64,
+                                                device=_first_device(params)))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, ScaleByScheduleState, where)
+        b = prepare(updates, params, mesh, need_params=True, name=where)
+        c = torch.as_tensor(learning_rate(state.count), dtype=torch.float64) * weight_decay
+        out = decay([b.locals[i] for i in b.active], [b.params[i] for i in b.active], c) \
+            if b.active else []
+        return b.rebuild_active(out), ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _first_device(tree: PyTree) -> torch.device:
+    leaves, _ = tree_flatten(tree)
+    return next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+_LABELS = ("galore", "decay", "no_decay")
+
+
+def _canonical_labels(labels: Union[None, PyTree, Callable[[PyTree], PyTree]]):
+    """``params -> labels tree`` over ``_LABELS``: ``"galore"`` and ``"no_decay"`` kept, every
+    other label ``"decay"``; with ``labels=None`` every 2-D leaf is ``"galore"``."""
+
+    def fn(params):
+        leaves, treedef = tree_flatten(params)
+        if labels is None:
+            out = ["galore" if _is_projected(x) else "decay" for x in leaves]
+        else:
+            tree = labels(params) if callable(labels) else labels
+            given = flatten_as(tree, treedef, "galore_adamw: labels", "params", params)
+            out = []
+            for k, lab in enumerate(given):
+                if not isinstance(lab, str):
+                    raise TypeError(f"galore_adamw: label of leaf '{tree_paths(params)[k]}' must "
+                                    f"be a str, got {type(lab).__name__}")
+                out.append(lab if lab in ("galore", "no_decay") else "decay")
+        return tree_unflatten(treedef, out)
+
+    return fn
+
+
+def _hf_adam(b1: float, b2: float, eps: float) -> GradientTransformation:
+    """The Adam scaling of HF / galore-torch AdamW (eps added to sqrt(v) before the bias
+    correction, bias correction on). The one place galore_adamw builds it."""
+    return scale_by_adam(b1, b2, eps, eps_before_correction=True)
+
+
+def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
+                 eps: float = 1e-6, weight_decay: float = 0.0, *, rank: int = 128,
+                 update_proj_gap: int = 200, scale: float = 0.25, proj_type: str = "std",
+                 labels: Union[None, PyTree, Callable[[PyTree], PyTree]] = None
+                 ) -> GradientTransformation:
+    """``galore_torch.GaLoreAdamW`` as a chain (HF ``AdamW`` heritage, ``correct_bias=True``).
+
+    Per leaf labelled ``"galore"`` (2-D; see :func:`galore` for the projection), with
+    ``t`` counted from 1 and ``R`` the projected gradient:
+
+    * ``m <- b1 m + (1-b1) R``, ``v <- b2 v + (1-b2) R^2`` (kept across projector refreshes);
+    * ``N = sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)`` (eps before the bias
+      correction, as HF);
+    * ``p <- p - lr * scale * project_back(N)``;
+    * then the decoupled decay on the UPDATED parameter: ``p <- p - lr * weight_decay * p``.
+
+    Every other leaf gets the same AdamW without projection; leaves labelled ``"no_decay"`` get
+    no weight decay. As an update: ``u = -lr * u_adam``, then ``u <- u - lr * wd * (p + u)``.
+
+    Args:
+        learning_rate: a float >= 0 or a schedule of the number of previous updates (see
+            :func:`~functional_train.scale_by_learning_rate`); the weight decay uses the same
+            ``lr`` (galore-torch: ``group["lr"]``). Default 1e-3.
+        b1, b2: Adam decay rates in [0, 1) (galore-torch ``betas``, default (0.9, 0.999)).
+        eps: > 0 added to ``sqrt(v)`` (default 1e-6, HF's).
+        weight_decay: >= 0 (default 0.0).
+        rank, update_proj_gap, scale, proj_type: GaLore's, see :func:`galore` (defaults 128,
+            200, 0.25, ``"std"``).
+        labels: a tree of strings with the structure of the params, or ``params -> tree``:
+            ``"galore"`` for the leaves GaLore projects (2-D ones; a non-2-D leaf labelled
+            ``"galore"`` gets plain AdamW with weight decay), ``"no_decay"`` for plain AdamW
+            without weight decay, any other string for plain AdamW with weight decay (e.g.
+            ``"decay"``). :func:`galore_param_labels` builds these from parameter names as
+            Colossal-AI's ``get_galore_param_groups`` does. Default ``None``: every 2-D leaf
+            ``"galore"``, every other leaf plain AdamW with weight decay.
+
+    State: a :class:`~functional_train.PartitionState` with the labels ``"galore"``,
+    ``"decay"`` (and ``"no_decay"`` when ``labels`` is given), each a chain state; the GaLore
+    one is ``(GaLoreState, ...)`` whose ``inner_state`` is the ``ScaleByAdamState`` over the
+    projected shapes (galore-torch's ``exp_avg`` / ``exp_avg_sq``).
+
+    Collectives: those of :func:`galore` (Adam, the learning rate and the decay are local).
+
+    Raises:
+        ValueError: out-of-range hyper-parameters (naming the argument); at update, a labels
+            tree whose structure differs from the params.
+        TypeError: a non-string label.
+    """
+    where = "galore_adamw"
+    lr = V.learning_rate(learning_rate, where=where)
+    wd = V.number("weight_decay", weight_decay, where=where, low=0.0)
+    _hf_adam(b1, b2, eps)  # validates b1, b2, eps now
+
+    def tail(decayed: bool) -> list:
+        txs = [scale_by_learning_rate(lr)]
+        if decayed and wd > 0.0:
+            txs.append(_decay_after_update(lr, wd))
+        return txs
+
+    transforms = {
+        "galore": chain(galore(_hf_adam(b1, b2, eps), rank, update_proj_gap, scale, proj_type),
+                        *tail(True)),
+        "decay": chain(_hf_adam(b1, b2, eps), *tail(True)),
+    }
+    if labels is not None:
+        transforms["no_decay"] = chain(_hf_adam(b1, b2, eps), *tail(False))
+    return partition({k: _skip_when_empty(t) for k, t in transforms.items()},
+                     _canonical_labels(labels))
+
+
+def _skip_when_empty(tx: GradientTransformation) -> GradientTransformation:
+    """``tx``, except that an update whose leaves are all ``None`` (a label with no leaf, or
+    every leaf frozen) returns them and the state unchanged (``scale_by_adam`` cannot run on an
+    empty list of leaves)."""
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if all(x is None for x in tree_flatten(updates)[0]):
+            return updates, state
+        return tx.update(updates, state, params, mesh=mesh, **extra)
+
+    return GradientTransformation(tx.init, update_fn)
+
+
+def galore_param_labels(params: PyTree,
+                        no_decay: Sequence[str] = ("bias", "LayerNorm.weight", "norm")) -> PyTree:
+    """Labels for :func:`galore_adamw` from dotted parameter paths, as Colossal-AI's
+    ``get_galore_param_groups`` (``colossalai/nn/optimizer/galore.py``) groups parameters.
+
+    Per leaf, by its dotted path (``layers.0.attn.wq.weight``; a flat dict of
+    ``model.named_parameters()`` has those paths as keys):
+
+    * ``"no_decay"`` if any string of ``no_decay`` is a substring of the path (Colossal-AI's
+      weight-decay-free group; never projected);
+    * else ``"galore"`` for a 2-D tensor (Colossal-AI's GaLore group, with weight decay);
+    * else ``"decay"`` (plain AdamW with weight decay).
+
+    Args:
+        params: the parameter tree (``None`` leaves are labelled by path like others).
+        no_decay: substrings marking weight-decay-free parameters. Colossal-AI uses
+            ``("bias", "LayerNorm.weight")``; the default adds ``"norm"`` for Llama-style names
+            (``input_layernorm.weight``, ``norm.weight``). Matching is case-sensitive.
+
+    Returns a tree of strings with the structure of ``params``.
+
+    Raises:
+        TypeError: ``no_decay`` is a single string rather than a sequence of strings.
+    """
+    if isinstance(no_decay, str) or not all(isinstance(s, str) for s in no_decay):
+        raise TypeError("galore_param_labels: no_decay must be a sequence of strings")
+    leaves, treedef = tree_flatten(params)
+    out = []
+    for path, x in zip(tree_paths(params), leaves):
+        if any(nd in path for nd in no_decay):
+            out.append("no_decay")
+        elif isinstance(x, torch.Tensor) and x.ndim == 2:
+            out.append("galore")
+        else:
+            out.append("decay")
+    return tree_unflatten(treedef, out)
