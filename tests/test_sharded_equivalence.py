@@ -5,12 +5,14 @@ The same transform chain run on DTensors over a simulated device mesh (one proce
 the numbers it gives on plain tensors with ``mesh=None``: the updates of every step, the states
 (gathered) and the final parameters.
 
-Hypothesis draws the mesh (``(2,)``, ``(4,)``, ``(2, 2)``), the pytree (0-D to 3-D leaves whose
-sizes mostly do not divide the mesh, down to sizes smaller than it so that some ranks hold
-EMPTY shards), per-leaf placements (``Shard(0)``, ``Shard(1)``, ``Shard(-1)``, ``Replicate()``
-and, on the 2-D mesh, every pair of them, nested ``[Shard(0), Shard(0)]`` included), the
-hyper-parameters and the transform itself (every public transform, and random compositions of
-them with ``chain`` / ``named_chain`` / ``multi_steps``).
+Section 1 uses the public toolkit (``functional_train.testing.sharded_cases`` and
+``assert_sharded_equivalent``): hypothesis draws the mesh (``(2,)``, ``(4,)``, ``(2, 2)``), the
+pytree (0-D to 3-D leaves whose sizes mostly do not divide the mesh, down to sizes smaller than
+it so that some ranks hold EMPTY shards), per-leaf placements (``Shard(d)`` on any dim,
+``Shard(-1)``, ``Replicate()`` and, on the 2-D mesh, every pair of them, nested
+``[Shard(0), Shard(0)]`` included), full-rank and rank-1 gradients, the hyper-parameters and the
+transform itself (every public transform, and random compositions of them with ``chain`` /
+``named_chain`` / ``multi_steps``).
 
 Further sections check the mesh roles that placements cannot express: the pipeline axis (stages
 hold different leaves), the expert axis (experts differ per rank), the data axis (per-replica
@@ -18,8 +20,9 @@ contributions are averaged; ``Partial`` gradients are summed; gradients come out
 parameter's placements), and all of them at once on a (pp, dp, ep, tp) mesh.
 
 Sharded results are checked rank by rank: every rank's local shard against the slice of the
-unsharded reference that its placements say it holds (computed here, not with DTensor's
-``full_tensor``), so replicas are checked one by one as well.
+unsharded reference that its placements say it holds (computed from the placements, not with
+DTensor's ``full_tensor``), so replicas are checked one by one as well (the harness in section
+1; ``rank_views`` / ``assert_tree_close`` below for the meshes it cannot express).
 
 Transforms are drawn as plain *descriptors* (nested tuples) so that a failing example prints
 readably and can be rebuilt identically for the unsharded reference and the sharded run.
@@ -41,7 +44,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import functional_train as ft
 from functional_train.base import passes_unreduced
-from functional_train.testing import count_collectives, on_rank, per_rank, simulate
+from functional_train.testing import (assert_sharded_equivalent, count_collectives, on_rank,
+                                      per_rank, sharded_cases, simulate)
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -146,27 +150,6 @@ def assert_tree_close(got, want, what: str) -> None:
             torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where}: {m}")
         else:
             assert torch.equal(g, w), f"{where}: {g} != {w}"
-
-
-def local_snapshot(tree, world: int) -> list:
-    """Copies of every rank's local values of a tree (to check inputs are not mutated)."""
-    out = []
-    for x in optree.tree_leaves(tree, none_is_leaf=True):
-        if x is None:
-            out.append(None)
-            continue
-        loc = x._local_tensor if isinstance(x, DTensor) else x
-        out.append([on_rank(loc, r).detach().clone() for r in range(world)])
-    return out
-
-
-def assert_unchanged(tree, snapshot, world: int, what: str) -> None:
-    now = local_snapshot(tree, world)
-    for i, (a, b) in enumerate(zip(now, snapshot)):
-        if a is None:
-            continue
-        for r in range(world):
-            assert torch.equal(a[r], b[r]), f"{what}: leaf {i} was modified in place on rank {r}"
 
 
 def assert_placements_like(updates, params, what: str) -> None:
@@ -369,32 +352,17 @@ def _placement_choices(ndim: int) -> list:
     return out
 
 
-@st.composite
-def leaf_specs(draw, mesh_shape):
-    """``(shape, placements or None)``: 0-D to 3-D, sizes mostly not divisible by the mesh, often
-    smaller than it (empty shards); ``None`` placements: a plain, replicated tensor."""
-    ndim = draw(st.sampled_from([1, 2, 3, 1, 2, 0]))
-    sizes = [1, 2, 3, 5, 7] if ndim < 3 else [1, 2, 3]
-    shape = tuple(draw(st.sampled_from(sizes)) for _ in range(ndim))
-    if ndim == 0:  # a scalar leaf: plain or replicated
-        return shape, draw(st.sampled_from([None, tuple(Replicate() for _ in mesh_shape)]))
-    if draw(st.integers(0, 5)) == 0:
-        return shape, None
-    pl = tuple(draw(st.sampled_from(_placement_choices(ndim))) for _ in mesh_shape)
-    return shape, pl
-
-
-@st.composite
-def cases(draw, mesh_shapes=MESH_SHAPES, max_leaves=3, frozen=True):
-    mesh_shape = draw(st.sampled_from(mesh_shapes))
-    n = draw(st.integers(1, max_leaves))
-    leaves = tuple(draw(leaf_specs(mesh_shape)) for _ in range(n))
-    # a frozen parameter (None gradient) now and then, never the only leaf
-    frozen_leaf = draw(st.integers(1, n - 1)) if frozen and n > 1 and draw(st.integers(0, 4)) == 0 else None
-    return dict(mesh_shape=mesh_shape, leaves=leaves, frozen=frozen_leaf,
-                steps=draw(st.integers(3, 4)), seed=draw(st.integers(0, 2**16)),
-                grad_scale=draw(st.sampled_from([0.01, 1.0, 10.0])),
-                explicit_mesh=draw(st.booleans()))
+def cases(mesh_shapes=MESH_SHAPES, max_leaves=3, frozen=True):
+    """Problems for :func:`assert_sharded_equivalent` from the public strategy
+    (:func:`functional_train.testing.sharded_cases`): 0-D to 3-D leaves (1-D and 2-D ones twice
+    as often) whose sizes mostly do not divide the mesh, often smaller than it (empty shards);
+    every placement pair on the 2-D mesh (nested ``[Shard(0), Shard(0)]``, ``Shard(-1)``
+    included); a plain leaf now and then; a frozen leaf (``None`` gradients) now and then, never
+    the only one; full-rank or rank-1 gradients at three scales; 3 or 4 steps."""
+    return sharded_cases(mesh_shapes=st.sampled_from(mesh_shapes), max_leaves=max_leaves,
+                         ndims=(1, 2, 3, 1, 2, 0), sizes=(1, 2, 3, 5, 7), max_numel=49,
+                         steps=st.integers(3, 4), grad_scale=st.sampled_from([0.01, 1.0, 10.0]),
+                         frozen=frozen, plain=0.17)
 
 
 def nest(leaves: list) -> Any:
@@ -405,15 +373,6 @@ def nest(leaves: list) -> Any:
     if len(leaves) > 2:
         tree["blk"]["seq"] = list(leaves[2:])
     return tree
-
-
-def make_values(case):
-    """Plain params and per-step gradients (generated outside the simulation)."""
-    gen = torch.Generator().manual_seed(case["seed"])
-    params = [torch.randn(s, generator=gen) for s, _ in case["leaves"]]
-    grads = [[None if i == case["frozen"] else torch.randn(s, generator=gen) * case["grad_scale"]
-              for i, (s, _) in enumerate(case["leaves"])] for _ in range(case["steps"])]
-    return params, grads
 
 
 def make_mesh(shape, names=None):
@@ -445,12 +404,12 @@ def _events(case) -> None:
     """Label the example (``--hypothesis-show-statistics`` shows how often each case came up)."""
     if not currently_in_test_context():
         return
-    event(f"mesh {case['mesh_shape']}")
-    for shape, pl in case["leaves"]:
+    event(f"mesh {case.mesh_shape}")
+    for _, shape, _, pl in case.leaves:
         if pl is None:
             event("plain leaf")
             continue
-        sharded = [(shape[p.dim % len(shape)], n) for p, n in zip(pl, case["mesh_shape"])
+        sharded = [(shape[p.dim % len(shape)], n) for p, n in zip(pl, case.mesh_shape)
                    if isinstance(p, Shard)]
         if len(sharded) == 2 and pl[0] == pl[1]:
             event("nested sharding of one dim")
@@ -458,50 +417,30 @@ def _events(case) -> None:
             event("uneven shards")
         if any(size < n for size, n in sharded):
             event("empty shards")
-    if case["frozen"] is not None:
+    if case.frozen is not None:
         event("frozen leaf (None gradient)")
+    event(f"gradient rank {case.grad_rank or 'full'}")
 
 
-def check_equivalence(case, desc) -> None:
+def check_equivalence(case, desc, explicit_mesh: bool) -> None:
+    """The public harness: updates, states and params of every step, rank by rank (each rank's
+    shard against its slice of the unsharded values), updates and params in the parameters'
+    placements, no tree modified in place."""
     _events(case)
-    world = math.prod(case["mesh_shape"])
-    params, grads = make_values(case)
-    ref_ups, ref_states, ref_params = run_steps(build(desc), nest(params),
-                                                [nest(g) for g in grads], None)
-    with simulate(world):
-        m = make_mesh(case["mesh_shape"])
-        pls = [pl for _, pl in case["leaves"]]
-        dparams = nest([shard(p, m, pl) for p, pl in zip(params, pls)])
-        dgrads = [nest([shard(x, m, pl) for x, pl in zip(g, pls)]) for g in grads]
-        snap_p, snap_g = local_snapshot(dparams, world), [local_snapshot(g, world) for g in dgrads]
-        mesh = ft.Mesh(m) if case["explicit_mesh"] else None
-        ups, states, out = run_steps(build(desc), dparams, dgrads, mesh)
-        for t, u in enumerate(ups):
-            assert_placements_like(u, dparams, f"step {t} updates")
-        assert_placements_like(out, dparams, "final params")
-        assert_unchanged(dparams, snap_p, world, "params")
-        for g, s in zip(dgrads, snap_g):
-            assert_unchanged(g, s, world, "grads")
-        got_ups = [rank_views(u, world) for u in ups]
-        got_states = [rank_views(s, world) for s in states]
-        got_params = rank_views(out, world)
-    for r in range(world):
-        for t in range(case["steps"]):
-            assert_tree_close(got_ups[t][r], ref_ups[t], f"rank {r} step {t} updates")
-            assert_tree_close(got_states[t][r], ref_states[t], f"rank {r} step {t} state")
-        assert_tree_close(got_params[r], ref_params, f"rank {r} final params")
+    assert_sharded_equivalent(build(desc), explicit_mesh=explicit_mesh, rtol=RTOL, atol=ATOL,
+                              **case)
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
-@given(case=cases(), data=st.data())
-def test_transform_sharded_equals_unsharded(kind, case, data):
-    check_equivalence(case, data.draw(tx_of(kind), label="transform"))
+@given(case=cases(), explicit_mesh=st.booleans(), data=st.data())
+def test_transform_sharded_equals_unsharded(kind, case, explicit_mesh, data):
+    check_equivalence(case, data.draw(tx_of(kind), label="transform"), explicit_mesh)
 
 
-@given(case=cases(max_leaves=4), desc=any_tx(depth=3))
-def test_random_compositions_sharded_equal_unsharded(case, desc):
+@given(case=cases(max_leaves=4), explicit_mesh=st.booleans(), desc=any_tx(depth=3))
+def test_random_compositions_sharded_equal_unsharded(case, explicit_mesh, desc):
     note(f"transform: {desc}")
-    check_equivalence(case, desc)
+    check_equivalence(case, desc, explicit_mesh)
 
 
 # The edge cases named in the design, for every kind, deterministically: a size smaller than the
@@ -549,9 +488,13 @@ def _edge_desc(kind: str):
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_uneven_and_empty_shards(kind, mesh_shape):
-    case = dict(mesh_shape=mesh_shape, leaves=_EDGE_LEAVES[mesh_shape], frozen=None, steps=4,
-                seed=7, grad_scale=1.0, explicit_mesh=len(mesh_shape) == 2)
-    check_equivalence(case, _edge_desc(kind))
+    leaves = _EDGE_LEAVES[mesh_shape]
+    gen = torch.Generator().manual_seed(7)
+    params = nest([torch.randn(s, generator=gen) for s, _ in leaves])
+    grads = [nest([torch.randn(s, generator=gen) for s, _ in leaves]) for _ in range(4)]
+    assert_sharded_equivalent(build(_edge_desc(kind)), params, grads, mesh_shape=mesh_shape,
+                              placements=nest([pl for _, pl in leaves]), rtol=RTOL, atol=ATOL,
+                              explicit_mesh=len(mesh_shape) == 2)
 
 
 def test_global_norm_function_matches_unsharded():
