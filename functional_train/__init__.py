@@ -12,6 +12,7 @@ from .came import ScaleByCameState, came, scale_by_came
 from .clipping import ClipByGlobalNormState, clip, clip_by_global_norm, global_norm
 from .factored import (EmaState, ScaleByFactoredRmsState, adafactor, clip_by_block_rms, ema,
                        relative_step_schedule, scale_by_factored_rms, scale_by_param_block_rms)
+from .galore import GaLoreState, galore, galore_adamw, galore_param_labels
 from .mesh import Mesh
 from .optimizers import adam, adamw, lamb, sgd
 from .transforms import (ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState,
@@ -42,6 +43,8 @@ __all__ = [
     "scale_by_param_block_rms", "relative_step_schedule", "ema", "EmaState",
     # CAME
     "scale_by_came", "ScaleByCameState",
+    # GaLore
+    "galore", "GaLoreState", "galore_adamw", "galore_param_labels",
     # optimizers
     "sgd", "adam", "adamw", "adafactor", "lamb", "came",
     # modules

@@ -82,10 +82,10 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
 
     The update has the dtype and placements of ``g``; statistics are in the state dtype.
 
-    Communication per update: that of ``scale_by_factored_rms`` (one all-reduce per distinct set
-    of sharding mesh dims of the factored leaves, ``k``), one for the RMS clipping (per-leaf sums
-    of all leaves together), and ``k`` again for the confidence statistics: ``2k + 1`` when some
-    leaf is sharded, whatever the number of leaves (3 for tensor parallelism over one mesh dim).
+    Communication per update: that of ``scale_by_factored_rms`` (ONE all-reduce for the factored
+    statistics of every sharded leaf), one for the RMS clipping (per-leaf sums of all leaves
+    together), and one for the confidence statistics: 3 when some leaf is sharded, whatever the
+    number of leaves and their placements.
 
     Args:
         betas: ``(b1, b2, b3)``, each in [0, 1).

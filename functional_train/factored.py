@@ -10,16 +10,18 @@ Adafactor as composable primitives, exact under sharding:
 * :func:`adafactor` - the chain equal to ``transformers.optimization.Adafactor``.
 
 Every statistic is computed over the GLOBAL tensor: means over a sharded dim are local sums
-completed by :meth:`~functional_train.sharding.Prepared.leaf_sums` (an all-reduce over exactly the
-mesh dims that shard that dim; replicas are never added) and divided by the global size of the
-dim. Collectives are batched: one :meth:`leaf_sums` call per transform and update, i.e. one
-all-reduce per distinct set of sharding mesh dims, whatever the number of leaves. Colossal-AI's
+completed by :meth:`~functional_train.sharding.Prepared.leaf_sums` (each rank writes its partial
+sums at their global offsets into buffers holding the whole statistics; replicas are weighed so
+they count once) and divided by the global size of the dim. Collectives are batched: one
+:meth:`leaf_sums` call per transform and update, i.e. ONE all-reduce for the statistics of every
+leaf, whatever the number of leaves and their placements. Colossal-AI's
 ``DistributedAdaFactor`` (seed 003) computes its column statistics from the local rows only
 under ZeRO and never refreshes its parameter RMS; these are exact.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
@@ -136,6 +138,15 @@ def _new_state_tree(b: Prepared, leaves: list, new_locals: dict) -> Any:
 # ---------------------------------------------------------------------------------------------
 # the factored second moment (reusable by CAME's confidence statistics)
 # ---------------------------------------------------------------------------------------------
+def _shards_of(x: Any, dim: int) -> int:
+    """How many shards the mesh dims splitting tensor dim ``dim`` of ``x`` cut it into."""
+    if not isinstance(x, DTensor):
+        return 1
+    dim %= x.ndim
+    return math.prod(x.device_mesh.size(m) for m, p in enumerate(x.placements)
+                     if isinstance(p, Shard) and p.dim % x.ndim == dim)
+
+
 def _factored_ema(b: Prepared,
                   items: Sequence[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
                   beta: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -160,22 +171,27 @@ def _factored_ema(b: Prepared,
     if not items:
         return []
     reqs = []
+    one_minus = 1.0 - beta
     for i, s, r_old, _ in items:
+        x = b.updates[i]
+        n_cols = int(x.shape[-1])
         row = s.sum(-1)                       # partial over local columns
         reqs.append((i, row, (-1,)))
         reqs.append((i, s.sum(-2), (-2,)))    # partial over local rows
-        reqs.append((i, r_old.sum(-1), (-2,)))  # sum_rows R_old: partial over local rows
-        reqs.append((i, row.sum(-1), (-2, -1)))  # sum of S over the local block
+        # sum_rows R_new = beta sum_rows R_old + (1-beta) sum(S) / n_cols, one partial sum over
+        # the local block: R_old is the same on every column shard, so it is divided by their
+        # number before the sum over rows AND columns adds it up again
+        total = r_old.sum(-1) * (beta / _shards_of(x, -1)) + row.sum(-1) * (one_minus / n_cols)
+        reqs.append((i, total.to(row.dtype), (-2, -1)))
     red = b.leaf_sums(reqs)
-    one_minus = 1.0 - beta
     out = []
     for k, (i, s, r_old, c_old) in enumerate(items):
-        row_sum, col_sum, r_old_sum, s_sum = red[4 * k: 4 * k + 4]
+        row_sum, col_sum, r_total = red[3 * k: 3 * k + 3]
         shape = b.updates[i].shape
         n_rows, n_cols = int(shape[-2]), int(shape[-1])
         r = r_old * beta + (row_sum / n_cols) * one_minus
         c = c_old * beta + (col_sum / n_rows) * one_minus
-        r_mean = (r_old_sum * beta + (s_sum / n_cols) * one_minus) / n_rows
+        r_mean = r_total / n_rows
         f = torch.rsqrt(r / r_mean.unsqueeze(-1)).unsqueeze(-1) * torch.rsqrt(c).unsqueeze(-2)
         out.append((r, c, f))
     return out
@@ -230,11 +246,10 @@ def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
     the mesh dims that shard the reduced dim, division by the global size); uneven shards and
     empty local shards are fine.
 
-    Communication per update: one batched ``leaf_sums`` call, i.e. one all-reduce per distinct
-    set of mesh dims that shard the rows, the columns, or the rows or columns of a factored
-    leaf (at most ``2^k - 1`` on a k-dim mesh; e.g. 1 for a tree tensor-parallel over one mesh
-    dim), whatever the number of leaves. ``mean_{-1}(R)`` is completed in the same call (see
-    :func:`_factored_ema`). Non-factored leaves need no communication.
+    Communication per update: one batched ``leaf_sums`` call, i.e. ONE all-reduce (per state
+    dtype) for the row, column and total statistics of every sharded factored leaf, whatever
+    the number of leaves and their placements. ``mean_{-1}(R)`` is completed in the same call
+    (see :func:`_factored_ema`). Non-factored leaves need no communication.
 
     Args:
         decay_rate: exponent of the relative-step decay ``b2t = 1 - t^decay_rate``; HF's sign
@@ -375,9 +390,8 @@ def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
     GLOBAL leaf (Adafactor's update clipping ``d``, HF ``clip_threshold``; optax
     ``clip_by_block_rms``).
 
-    Communication per update: one batched ``leaf_sums`` (one all-reduce of per-leaf scalars per
-    distinct set of mesh dims that shard a leaf; 1 when every sharded leaf is sharded over the
-    same mesh dims), whatever the number of leaves. No state.
+    Communication per update: one batched ``leaf_sums``: ONE all-reduce of the per-leaf sums of
+    every sharded leaf, whatever the number of leaves. No state.
 
     Args:
         threshold: > 0.
@@ -568,12 +582,11 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
     exact under sharding.
 
     Needs ``params`` at update when ``scale_parameter`` or ``weight_decay``. Communication per
-    update (all-reduces; ``k`` = the number of distinct sets of sharding mesh dims, see
-    :func:`scale_by_factored_rms`, :func:`clip_by_block_rms`): that of
-    ``scale_by_factored_rms`` + ``clip_by_block_rms`` + ``scale_by_param_block_rms`` (if
-    ``scale_parameter``) + one more RMS(param) (if ``beta1`` and ``weight_decay`` and
-    ``scale_parameter``); independent of the number of leaves. For one tensor-parallel mesh dim
-    with a default ``adafactor()``: 3.
+    update, whatever the number of leaves and their placements: one all-reduce for the
+    factored statistics of every leaf (:func:`scale_by_factored_rms`), one for the RMS of every
+    update (:func:`clip_by_block_rms`), one for the RMS of every parameter
+    (:func:`scale_by_param_block_rms`, if ``scale_parameter``), and one more RMS(param) (if
+    ``beta1`` and ``weight_decay`` and ``scale_parameter``): 3 for a default ``adafactor()``.
 
     Args:
         learning_rate: HF ``lr``; must be ``None`` with ``relative_step=True`` and > 0 (or a

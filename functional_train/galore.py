@@ -356,9 +356,9 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
       (and dtype), whatever the number of leaves. Replicated leaves and plain tensors: none.
       The projection of a gathered leaf is then computed from its global gradient;
     * other steps: no SVD and no gather. Zero collectives when no contracted dim is sharded,
-      else ONE bucketed all-reduce completing the local partial products for all leaves whose
-      contracted dim is sharded, per distinct set of mesh dims sharding it (and dtype; a set of
-      several, but not all, mesh dims reduces over them one after the other).
+      else ONE all-reduce (per dtype) completing the local partial products of every leaf whose
+      contracted dim is sharded, whatever its mesh dims (each rank writes its partial
+      ``R`` at its global offsets, see :meth:`~functional_train.sharding.Prepared.leaf_sums`).
 
     Args:
         inner: the transform run on the projected gradients (e.g. ``scale_by_adam``).

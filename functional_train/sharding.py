@@ -19,6 +19,7 @@ Reductions are derived from placements plus the :class:`~functional_train.Mesh` 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import defaultdict
 from typing import Any, Optional, Sequence
@@ -425,26 +426,90 @@ class Prepared:
 
         Args:
             items: ``(leaf index, local partial result, tensor dims reduced locally)``; the
-                partial result is all-reduced over the mesh dims that shard any of those tensor
-                dims of that leaf (replicas are never added, pipeline stages and experts never
-                mixed), so it becomes the reduction over the global tensor.
+                partial result becomes the reduction over the global tensor (replicas are never
+                added, pipeline stages and experts never mixed).
             op: ``"sum"`` or ``"max"``.
 
-        Returns the completed results in order: one collective per distinct set of mesh dims
-        (per dtype), whatever the number of leaves.
+        A partial result shaped like the leaf's local shard without the reduced dims (a row
+        sum, a column sum, a total) is written at its global offsets into a buffer holding the
+        whole statistic of its leaf (zeros, ``-inf`` for max, elsewhere; sums weighed by
+        ``1 / replicas``), and ONE all-reduce per dtype over every mesh dim but the pipeline
+        and expert ones completes the statistics of every leaf at once, whatever their meshes
+        and placements; each rank then reads its own region back. Partial results of another
+        shape are all-reduced over the mesh dims that shard any of the reduced dims of their
+        leaf, one collective per distinct set of mesh dims. Leaves whole along the reduced dims
+        need nothing.
+
+        Returns the completed results, in order (the inputs are not modified).
         """
         out: list = [None] * len(items)
-        batch = []
-        where = []
+        batch, where, scatter = [], [], []
         for n, (i, t, dims) in enumerate(items):
-            group = self.world.shard_group(self.updates[i], self.paths[i], dims)
+            x = self.updates[i]
+            group = self.world.shard_group(x, self.paths[i], dims)
             if group is None:
                 out[n] = t
+            elif _statistic_shape(x, t, dims) is not None:
+                scatter.append(n)
             else:
                 batch.append((t, group, op))
                 where.append(n)
         for n, r in zip(where, all_reduce_buckets(batch)):
             out[n] = r
+        if scatter:
+            for n, r in zip(scatter, self._scatter_reduce([items[n] for n in scatter], op)):
+                out[n] = r
+        return out
+
+    def _scatter_reduce(self, items, op: str) -> list:
+        """Whole-statistic buffers of ``items`` completed by one all-reduce per dtype."""
+        world = self.world
+        dims = set(range(world.device_mesh.ndim)) - world.separating_dims()
+        group = world.group_of(dims)
+        root = world.device_mesh
+        layout = root.mesh.reshape(-1).tolist()
+        coords = dict(zip(layout, itertools.product(*(range(s) for s in root.mesh.shape))))
+        out: list = [None] * len(items)
+        by_dtype: dict = defaultdict(list)
+        for k, (_, t, _) in enumerate(items):
+            by_dtype[t.dtype].append(k)
+        fill = 0.0 if op == "sum" else -math.inf
+        for dtype, ks in by_dtype.items():
+            metas = []
+            for k in ks:
+                i, t, red = items[k]
+                x = self.updates[i]
+                nd = x.ndim
+                red = {d % nd for d in red}
+                if t.ndim == nd:  # reduced dims kept (at any size): taken whole
+                    keep = [None if d in red else d for d in range(nd)]
+                else:
+                    keep = [d for d in range(nd) if d not in red]
+                w = 1.0 if op == "max" else 1.0 / world.replicas(x, self.paths[i], dims)
+                metas.append((x, self.world.leaf_dims(x, self.paths[i]), keep, w,
+                              _statistic_shape(x, t, red)))
+
+            def pack(r, ts, metas=metas):
+                parts = []
+                for t, (x, ldims, keep, w, gshape) in zip(ts, metas):
+                    buf = torch.full(gshape, fill, dtype=t.dtype, device=t.device)
+                    region = _region(x, [coords[r][d] for d in ldims], keep)
+                    buf[region] = t * w if w != 1.0 else t
+                    parts.append(buf.reshape(-1))
+                return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+            local = per_rank([items[k][1] for k in ks], pack)
+            red = _all_reduce(local, op, group)
+            sizes = [math.prod(m[4]) for m in metas]
+            for j, k in enumerate(ks):
+
+                def unpack(r, ts, j=j, metas=metas, sizes=sizes):
+                    x, ldims, keep, _, gshape = metas[j]
+                    off = sum(sizes[:j])
+                    whole = ts[0][off:off + sizes[j]].view(gshape)
+                    return whole[_region(x, [coords[r][d] for d in ldims], keep)].contiguous()
+
+                out[k] = per_rank([red], unpack)
         return out
 
     def leaf_totals(self, items: Sequence[tuple[int, torch.Tensor]]) -> list:
@@ -483,6 +548,63 @@ class Prepared:
     def global_max(self, local_maxes: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Max over every rank of per-leaf local maxima (ONE all-reduce)."""
         return _global_reduce(self, local_maxes, indices, "max")
+
+
+def _statistic_shape(x: Any, t: torch.Tensor, dims: Sequence[int]) -> Optional[list]:
+    """The global shape of the statistic ``t`` of DTensor ``x`` reduced locally over ``dims``, or
+    ``None`` when ``t`` is not one.
+
+    ``t`` is a statistic when it is shaped like the local shard of ``x`` with ``dims`` removed
+    (a row sum), or with ``dims`` kept at any size that no mesh dim splits (a projection onto
+    ``r`` directions, a ``keepdim`` sum); the other dims are the leaf's local ones."""
+    if not isinstance(x, DTensor):
+        return None
+    nd = x.ndim
+    red = {d % nd for d in dims} if nd else set()
+    loc = x._local_tensor.shape if not torch.compiler.is_compiling() else x.to_local().shape
+    if t.ndim == nd - len(red):
+        want = [loc[d] for d in range(nd) if d not in red]
+        if all(a is b or a == b for a, b in zip(t.shape, want)):
+            return [x.shape[d] for d in range(nd) if d not in red]
+        return None
+    if t.ndim == nd and all(t.shape[d] is loc[d] or t.shape[d] == loc[d]
+                            for d in range(nd) if d not in red):
+        return [t.shape[d] if d in red else x.shape[d] for d in range(nd)]
+    return None
+
+
+def _region(x: DTensor, coord: Sequence[int], keep: Sequence[Optional[int]]) -> tuple:
+    """The slices of the rank at mesh coordinate ``coord`` (one per dim of ``x``'s mesh) in a
+    statistic of ``x`` whose dims are the tensor dims ``keep`` of ``x`` (``None``: a dim no
+    mesh dim splits; taken whole). Nested shards in mesh-dim order, uneven sizes as
+    ``torch.chunk``, like DTensor."""
+    start = [0] * x.ndim
+    size = list(x.shape)
+    for mdim, p in enumerate(x.placements):
+        if isinstance(p, Shard):
+            d = p.dim % x.ndim
+            cs = -(-size[d] // x.device_mesh.size(mdim))
+            off = min(coord[mdim] * cs, size[d])
+            size[d] = max(0, min(size[d], off + cs) - off)
+            start[d] += off
+    return tuple(slice(None) if d is None else slice(start[d], start[d] + size[d]) for d in keep)
+
+
+def per_rank(tensors: Sequence[torch.Tensor], fn) -> torch.Tensor:
+    """``fn(rank, [this rank's tensors]) -> tensor`` for rank-dependent work (offsets into a
+    global buffer): one call on a real process group or in one process; under
+    ``LocalTensorMode`` one call per simulated rank on its local values."""
+    from torch.distributed import _local_tensor as lt
+
+    mode = lt.enabled_local_tensor_mode()
+    if mode is None:
+        return fn(dist.get_rank() if dist.is_initialized() else 0, list(tensors))
+    out = {}
+    with mode.disable():
+        for r in mode.ranks:
+            out[r] = fn(r, [t._local_tensors[r] if isinstance(t, lt.LocalTensor) else t
+                            for t in tensors])
+    return lt.LocalTensor(out)
 
 
 def leaf_paths(tree: Any) -> list:

@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .base import GradientTransformation
 from .mesh import Mesh
-from .sharding import (Spec, World, all_reduce_buckets, leaf_paths, materialize, spec_of,
-                       to_local, wrap)
+from .sharding import (Spec, World, all_reduce_buckets, leaf_paths, materialize, per_rank,
+                       spec_of, to_local, wrap)
 from .tree import flatten_as, tree_flatten, tree_unflatten
 
 __all__ = ["zero_redundancy", "ZeroRedundancyState"]
@@ -40,23 +40,6 @@ class ZeroRedundancyState(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 # per-rank helpers (a plain call on a real process group, one call per rank under simulation)
 # ---------------------------------------------------------------------------------------------
-def _per_rank(tensors: Sequence[torch.Tensor], fn) -> torch.Tensor:
-    """``fn(rank, [this rank's tensors])``: one call on a real process group (or one process);
-    under ``LocalTensorMode`` one call per simulated rank on its local values."""
-    from torch.distributed import _local_tensor as lt
-    import torch.distributed as dist
-
-    mode = lt.enabled_local_tensor_mode()
-    if mode is None:
-        return fn(dist.get_rank() if dist.is_initialized() else 0, list(tensors))
-    out = {}
-    with mode.disable():
-        for r in mode.ranks:
-            out[r] = fn(r, [t._local_tensors[r] if isinstance(t, lt.LocalTensor) else t
-                            for t in tensors])
-    return lt.LocalTensor(out)
-
-
 def _chunk(n: int, parts: int, j: int) -> tuple[int, int]:
     """``(offset, size)`` of chunk ``j`` of a dim of size ``n`` split in ``parts`` (torch.chunk)."""
     cs = -(-n // parts) if parts else 0
@@ -87,7 +70,7 @@ class _View:
         if self.dim is None:
             return local
         d = self.dim
-        return _per_rank([local], lambda r, t: t[0].narrow(d, *self.chunk(r)).contiguous())
+        return per_rank([local], lambda r, t: t[0].narrow(d, *self.chunk(r)).contiguous())
 
 
 def _contiguous_stride(shape) -> tuple:
@@ -185,7 +168,7 @@ def _enter(locals_: Sequence[torch.Tensor], views: Sequence[_View], ops: Sequenc
             return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)).reshape(-1)
 
         ts = [locals_[i] for i in idx]
-        buf = _per_rank(ts, pack)
+        buf = per_rank(ts, pack)
         red = funcol.wait_tensor(funcol.reduce_scatter_single(buf, op, 0, group))
         for k, i in enumerate(idx):
 
@@ -200,7 +183,7 @@ def _enter(locals_: Sequence[torch.Tensor], views: Sequence[_View], ops: Sequenc
                 piece = f[offset:offset + n * math.prod(rest)]
                 return piece.reshape(n, *rest).movedim(0, v.dim).contiguous()
 
-            out[i] = _per_rank([red] + ts[:k + 1], take)
+            out[i] = per_rank([red] + ts[:k + 1], take)
     return out
 
 
@@ -223,7 +206,7 @@ def _leave(chunks: Sequence[torch.Tensor], views: Sequence[_View], group) -> lis
                              if f.numel() < width else f)
             return flats[0] if len(flats) == 1 else torch.cat(flats)
 
-        buf = _per_rank(ts, pack)
+        buf = per_rank(ts, pack)
         parts = vs[0].parts
         full = funcol.wait_tensor(funcol.all_gather_single(buf, 0, group))
         for k, i in enumerate(idx):
@@ -239,7 +222,7 @@ def _leave(chunks: Sequence[torch.Tensor], views: Sequence[_View], group) -> lis
                 part = f[:, offset:offset + cs * math.prod(rest)]
                 return part.reshape(parts * cs, *rest)[:v.size].movedim(0, v.dim).contiguous()
 
-            out[i] = _per_rank([full] + ts[:k + 1], unpack)
+            out[i] = per_rank([full] + ts[:k + 1], unpack)
     return out
 
 

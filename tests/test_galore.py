@@ -439,8 +439,9 @@ def test_collectives_2x2_constant_in_the_number_of_leaves():
     """2x2 mesh, the mixed layouts: refresh gathers over (dp, tp) for [S0, S1] and [S1, S1]
     leaves (2 all-gathers), tp for [R, S1] (1) and dp for [S0, R] (1): 4; other steps: the
     contracted dims are sharded over {dp} ((5, 7) left-projected, rows on dp) and {tp} ((7, 3)
-    right-projected, columns on tp): 2 all-reduces. 10 leaves or 20."""
-    want = [{"all_gather_into_tensor": 4}, {"all_reduce": 2}]
+    right-projected, columns on tp), and ONE all-reduce completes every partial projection
+    (written at its global offsets, see Prepared.leaf_sums). 10 leaves or 20."""
+    want = [{"all_gather_into_tensor": 4}, {"all_reduce": 1}]
     assert _step_collectives(MIXED, (2, 2), ("dp", "tp")) == want
     assert _step_collectives(MIXED * 2, (2, 2), ("dp", "tp")) == want
 
