@@ -47,22 +47,29 @@ def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
          eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
          maximize: bool = False, decoupled_weight_decay: bool = False,
          mu_dtype: Optional[torch.dtype] = None,
-         nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+         nu_dtype: Optional[torch.dtype] = None, optim_bits: int = 32,
+         min_8bit_size: int = 4096, block_size: int = 256) -> GradientTransformation:
     """``torch.optim.Adam`` as a chain, same arguments and defaults (``betas=(b1, b2)``).
 
     ``weight_decay`` is L2 added to the gradient before the moments, or AdamW's decoupled decay
     with ``decoupled_weight_decay=True`` (as in torch).
+
+    ``optim_bits=8`` keeps the moments of leaves of at least ``min_8bit_size`` elements
+    block-wise quantised to 8 bits, blocks of ``block_size`` along the last dim (bitsandbytes'
+    ``Adam8bit``; see :func:`~functional_train.scale_by_adam`).
 
     Raises:
         ValueError: out-of-range hyper-parameters.
     """
     V.learning_rate(learning_rate, where="adam")
     V.number("weight_decay", weight_decay, where="adam", low=0.0)
+    q = dict(optim_bits=optim_bits, min_8bit_size=min_8bit_size, block_size=block_size)
     if decoupled_weight_decay:
         return adamw(learning_rate, b1, b2, eps, weight_decay, amsgrad, maximize=maximize,
-                     mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+                     mu_dtype=mu_dtype, nu_dtype=nu_dtype, **q)
     txs = [add_decayed_weights(weight_decay)] if weight_decay else []
-    txs += [scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+    txs += [scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                          **q),
             scale_by_learning_rate(learning_rate)]
     return chain(*_maybe_maximize(maximize, txs))
 
@@ -70,18 +77,25 @@ def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
 def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
           maximize: bool = False, mu_dtype: Optional[torch.dtype] = None,
-          nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+          nu_dtype: Optional[torch.dtype] = None, optim_bits: int = 32,
+          min_8bit_size: int = 4096, block_size: int = 256) -> GradientTransformation:
     """``torch.optim.AdamW`` as a chain, same arguments and defaults (``betas=(b1, b2)``).
 
     ``param <- param - lr * (adam_update + weight_decay * param)``: torch's decoupled decay
     ``param * (1 - lr * weight_decay)`` (Loshchilov & Hutter 2019).
+
+    ``optim_bits=8`` keeps the moments of leaves of at least ``min_8bit_size`` elements
+    block-wise quantised to 8 bits, blocks of ``block_size`` along the last dim (bitsandbytes'
+    ``AdamW8bit``; see :func:`~functional_train.scale_by_adam`).
 
     Raises:
         ValueError: out-of-range hyper-parameters.
     """
     V.learning_rate(learning_rate, where="adamw")
     V.number("weight_decay", weight_decay, where="adamw", low=0.0)
-    txs = [scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype)]
+    txs = [scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                         optim_bits=optim_bits, min_8bit_size=min_8bit_size,
+                         block_size=block_size)]
     if weight_decay:
         txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))

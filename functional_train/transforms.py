@@ -13,7 +13,9 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 
 from . import _validate as V
+from . import quantization as Q
 from .base import EmptyState, GradientTransformation
+from .quantization import ScaleByAdam8bitState
 from .sharding import prepare
 from .tree import first_device, state_zeros_like
 
@@ -213,7 +215,8 @@ class ScaleByAmsgradState(NamedTuple):
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                   amsgrad: bool = False, bias_correction: bool = True,
                   eps_before_correction: bool = False, mu_dtype: Optional[torch.dtype] = None,
-                  nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+                  nu_dtype: Optional[torch.dtype] = None, optim_bits: int = 32,
+                  min_8bit_size: int = 4096, block_size: int = 256) -> GradientTransformation:
     """Adam's scaling (Kingma & Ba 2015), exactly as ``torch.optim.Adam`` computes it.
 
     ``mu = b1 mu + (1-b1) g``, ``nu = b2 nu + (1-b2) g^2``, t counted from 1;
@@ -230,15 +233,48 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             HF transformers' / galore-torch's AdamW do: update =
             ``sqrt(1 - b2^t) / (1 - b1^t) * mu / (sqrt(nu) + eps)``. Default ``False`` (torch).
         mu_dtype, nu_dtype: moment dtypes (default ``None``: float32, or the params' dtype when wider).
+        optim_bits: 32 (the default) keeps float moments (:class:`ScaleByAdamState`); 8 keeps
+            the moments of every floating leaf whose GLOBAL numel is at least ``min_8bit_size``
+            block-wise quantised to 8 bits (Dettmers et al. 2022, bitsandbytes ``Adam8bit``):
+            uint8 codes of the dynamic map (signed for ``mu``, unsigned for ``nu``) and one
+            float32 absmax per block of ``block_size`` elements along the last dim of each row
+            (see :mod:`functional_train.quantization`). Each update dequantises the moments,
+            runs the float update above on them (the update uses the unquantised new moments)
+            and requantises them with the new block maxima (nearest code). Smaller leaves keep
+            float moments (``mu_dtype`` / ``nu_dtype``). State:
+            :class:`~functional_train.quantization.ScaleByAdam8bitState`, about a quarter of
+            the float32 state. Exact under sharding: blocks are over the global tensor, and
+            blocks that straddle shards of a sharded last dim get their maxima from one
+            bucketed max all-reduce per update and group of mesh dims sharding last dims (none
+            when no quantised leaf shards its last dim). Not supported with ``amsgrad``.
+        min_8bit_size: with ``optim_bits=8``, the smallest global numel quantised (>= 0;
+            bitsandbytes' default 4096).
+        block_size: with ``optim_bits=8``, elements per block along the last dim (> 0; 256
+            like bitsandbytes' blockwise optimizers).
 
     Raises:
-        ValueError: out-of-range hyper-parameters; at update, a state from another transform.
+        ValueError: out-of-range hyper-parameters (``optim_bits`` not 8 or 32,
+            ``block_size <= 0``, ``min_8bit_size < 0``, ``amsgrad`` with ``optim_bits=8``); at
+            update, a state from another transform or configuration.
     """
     b1 = V.beta("b1", b1, where="scale_by_adam")
     b2 = V.beta("b2", b2, where="scale_by_adam")
     eps = V.number("eps", eps, where="scale_by_adam", low=0.0)
+    if isinstance(optim_bits, bool) or optim_bits not in (8, 32):
+        raise ValueError(f"scale_by_adam: optim_bits must be 8 or 32, got {optim_bits!r}")
+    block_size = V.integer("block_size", block_size, where="scale_by_adam", low=1)
+    min_8bit_size = V.integer("min_8bit_size", min_8bit_size, where="scale_by_adam", low=0)
+    eight_bit = optim_bits == 8
+    if eight_bit and amsgrad:
+        raise ValueError("scale_by_adam: amsgrad is not supported with optim_bits=8 "
+                         "(bitsandbytes' 8-bit Adam has no amsgrad either)")
+    state_cls = (ScaleByAdam8bitState if eight_bit
+                 else ScaleByAmsgradState if amsgrad else ScaleByAdamState)
 
     def init_fn(params):
+        if eight_bit:
+            return Q.init_8bit(params, zero_count(params), block_size, min_8bit_size, mu_dtype,
+                               nu_dtype)
         mu = state_zeros_like(params, mu_dtype)
         nu = state_zeros_like(params, nu_dtype)
         if amsgrad:
@@ -246,14 +282,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         return ScaleByAdamState(zero_count(params), mu, nu)
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, ScaleByAmsgradState if amsgrad else ScaleByAdamState, "scale_by_adam")
+        _check_state(state, state_cls, "scale_by_adam")
         b = prepare(updates, params, mesh, name="scale_by_adam")
         act = b.active
         g = [b.locals[i] for i in act]
-        mu_all = b.state_locals(state.mu, "ScaleByAdamState.mu")
-        nu_all = b.state_locals(state.nu, "ScaleByAdamState.nu")
-        mu = [mu_all[i] for i in act]
-        nu = [nu_all[i] for i in act]
+        if eight_bit:
+            mu, nu, deq = Q.dequantize_state(b, state, block_size, min_8bit_size)
+        else:
+            mu_all = b.state_locals(state.mu, "ScaleByAdamState.mu")
+            nu_all = b.state_locals(state.nu, "ScaleByAdamState.nu")
+            mu = [mu_all[i] for i in act]
+            nu = [nu_all[i] for i in act]
         count = state.count + 1
         t = count.to(torch.float64)
         if bias_correction:
@@ -281,6 +320,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             torch._foreach_add_(denom, eps)
             out = torch._foreach_div(_to(mu, denom[0].dtype) if denom else mu, denom)
             torch._foreach_div_(out, bc1)
+        if eight_bit:
+            return b.rebuild_active(_cast_like(out, g)), Q.quantize_state(b, state, count, mu,
+                                                                          nu, deq)
         new_mu = b.state_tree(state.mu, "ScaleByAdamState.mu", mu)
         new_nu = b.state_tree(state.nu, "ScaleByAdamState.nu", nu)
         if amsgrad:
