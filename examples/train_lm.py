@@ -265,6 +265,51 @@ def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int):
 # --------------------------------------------------------------------------------------------------
 
 
+# optimizer -> default peak learning rate on this model (short sweeps at the default size)
+OPTIMIZERS = {"adamw": 3e-3, "adafactor": 3e-3, "came": 3e-3, "lamb": 5e-2, "galore": 1e-2}
+
+
+def build_optimizer(name: str, lr, weight_decay: float, params: dict, *, eight_bit: bool = False,
+                    galore_rank: int = 32, galore_gap: int = 50) -> "ft.GradientTransformation":
+    """The ``--optimizer`` transform (``lr``: a float or a schedule).
+
+    adamw: ``ft.adamw``; adafactor: ``ft.adafactor`` with an explicit lr (no relative step, no
+    parameter scaling); came: ``ft.came``; lamb: ``ft.lamb``; galore: ``ft.galore_adamw`` on the
+    2-D weights that ``ft.galore_param_labels`` selects (embeddings and the LM head included),
+    plain AdamW on the rest, no decay on norms. ``eight_bit``: 8-bit block-wise Adam moments
+    (adamw and galore only).
+    """
+    bits = {"optim_bits": 8} if eight_bit else {}
+    if eight_bit and name not in ("adamw", "galore"):
+        raise SystemExit(f"--8bit applies to adamw and galore, not {name}")
+    if name == "adamw":
+        return ft.adamw(lr, weight_decay=weight_decay, **bits)
+    if name == "adafactor":
+        return ft.adafactor(lr, relative_step=False, scale_parameter=False,
+                            weight_decay=weight_decay)
+    if name == "came":
+        return ft.came(lr, weight_decay=weight_decay)
+    if name == "lamb":
+        return ft.lamb(lr, weight_decay=weight_decay)
+    if name == "galore":
+        return ft.galore_adamw(lr, weight_decay=weight_decay, rank=galore_rank,
+                               update_proj_gap=galore_gap, labels=ft.galore_param_labels(params),
+                               **bits)
+    raise SystemExit(f"unknown optimizer {name!r}")
+
+
+def state_bytes(state) -> int:
+    """Bytes of optimizer state held by this rank (local shards of DTensors)."""
+    import optree
+
+    total = 0
+    for x in optree.tree_leaves(state):
+        if isinstance(x, torch.Tensor):
+            t = x.to_local() if isinstance(x, DTensor) else x
+            total += t.numel() * t.element_size()
+    return total
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -280,7 +325,16 @@ def parse_args(argv=None):
     g.add_argument("--batch", type=int, default=32, help="global batch: sequences per optimizer step")
     g.add_argument("--accum", type=int, default=1,
                    help="micro-steps per optimizer step (the global batch is split into this many)")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
+                   help="the optimizer after clipping (see build_optimizer)")
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: per optimizer, see OPTIMIZERS)")
+    g.add_argument("--zero", action="store_true",
+                   help="ZeRO-1/2: ft.zero_redundancy over the dp axis (optimizer state 1/dp)")
+    g.add_argument("--8bit", dest="eight_bit", action="store_true",
+                   help="8-bit block-wise Adam moments (adamw, galore; leaves >= 4096 elements)")
+    g.add_argument("--galore-rank", type=int, default=32, help="GaLore projection rank")
+    g.add_argument("--galore-gap", type=int, default=50, help="GaLore update_proj_gap")
     g.add_argument("--warmup", type=int, default=50,
                    help="linear warmup steps (at most half of --steps, so short runs still train)")
     g.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm")
@@ -327,6 +381,8 @@ def setup_parallel(args):
 
 
 def check_sizes(args):
+    if args.lr is None:
+        args.lr = OPTIMIZERS[args.optimizer]
     if args.d_ff == 0:
         args.d_ff = 64 * math.ceil(8 * args.d_model / 3 / 64)
     if args.d_model % args.n_heads or (args.d_model // args.n_heads) % 2:
@@ -406,9 +462,13 @@ def main(argv=None):
     schedule = ft.schedules.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=args.lr, warmup_steps=warmup, decay_steps=args.steps,
         end_value=args.lr * 0.1)
-    tx = ft.multi_steps(
-        ft.chain(ft.clip_by_global_norm(args.clip), ft.adamw(schedule, weight_decay=args.weight_decay)),
-        every_k=args.accum)
+    opt = build_optimizer(args.optimizer, schedule, args.weight_decay, params,
+                          eight_bit=args.eight_bit, galore_rank=args.galore_rank,
+                          galore_gap=args.galore_gap)
+    tx = ft.chain(ft.clip_by_global_norm(args.clip), opt)
+    if args.zero:  # clipping runs on the dp shards too: one scalar all-reduce either way
+        tx = ft.zero_redundancy(tx, axis="dp")
+    tx = ft.multi_steps(tx, every_k=args.accum)
     state = tx.init(params)
 
     # ---- training loop ----------------------------------------------------------------------------
@@ -465,6 +525,10 @@ def main(argv=None):
         "n_params": n_params,
         "world_size": world,
         "mesh": {"dp": args.dp, "tp": args.tp} if world > 1 else None,
+        "optimizer": args.optimizer,
+        "zero": args.zero,
+        "8bit": args.eight_bit,
+        "state_bytes_per_rank": state_bytes(state),
         "out": None,
     }
     if is_main:
