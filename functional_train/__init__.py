@@ -15,6 +15,8 @@ from .factored import (EmaState, ScaleByFactoredRmsState, adafactor, clip_by_blo
 from .galore import GaLoreState, galore, galore_adamw, galore_param_labels
 from .mesh import Mesh
 from .optimizers import adam, adamw, lamb, sgd
+from .quantization import (ScaleByAdam8bitState, create_dynamic_map, dequantize_blockwise,
+                           quantize_blockwise)
 from .transforms import (ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState,
                          add_decayed_weights, scale, scale_by_adam, scale_by_learning_rate,
                          scale_by_trust_ratio, trace)
@@ -38,6 +40,8 @@ __all__ = [
     "scale", "scale_by_learning_rate", "ScaleByScheduleState", "add_decayed_weights", "trace",
     "TraceState", "scale_by_adam", "ScaleByAdamState", "ScaleByAmsgradState",
     "scale_by_trust_ratio",
+    # 8-bit block-wise states (bitsandbytes style)
+    "ScaleByAdam8bitState", "create_dynamic_map", "quantize_blockwise", "dequantize_blockwise",
     # factored second moments (Adafactor)
     "scale_by_factored_rms", "ScaleByFactoredRmsState", "clip_by_block_rms",
     "scale_by_param_block_rms", "relative_step_schedule", "ema", "EmaState",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import optree
 import torch
 
 from . import _validate as V
@@ -39,7 +40,8 @@ def clip(max_delta: float) -> GradientTransformation:
 
 class ClipByGlobalNormState(NamedTuple):
     """State of :func:`clip_by_global_norm`: ``global_norm``, the pre-clip norm of the last
-    update (0-dim float32), kept so training loops can log it without recomputing it."""
+    update (0-dim float32, float64 for float64 params), kept so training loops can log it
+    without recomputing it."""
 
     global_norm: torch.Tensor
 
@@ -52,8 +54,13 @@ def _local_norm_terms(b, norm_type: float):
         return [torch.cat([x.reshape(-1), x.new_zeros(1)]).abs().max() for x in g], "max"
     norms = torch._foreach_norm(g, norm_type) if g else []
     if norm_type == 2.0:
-        return [n.to(torch.float32).square() for n in norms], "sum"
-    return [n.to(torch.float32).pow(norm_type) for n in norms], "sum"
+        return [n.to(_wide(n.dtype)).square() for n in norms], "sum"
+    return [n.to(_wide(n.dtype)).pow(norm_type) for n in norms], "sum"
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 leaves: norms are accumulated at least in float32."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def global_norm_of(b, norm_type: float = 2.0) -> torch.Tensor:
@@ -69,7 +76,8 @@ def global_norm(updates, *, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
     """The global p-norm of a tree of (possibly sharded, possibly unreduced) gradients.
 
     Every element of every leaf on every rank is counted once: shards add, replicas count once,
-    pipeline stages and experts add. Returns a 0-dim float32 tensor (a plain tensor, the same
+    pipeline stages and experts add. Returns a 0-dim float32 tensor (float64 when a leaf is
+    float64; a plain tensor, the same
     value on every rank).
     """
     norm_type = V.number("norm_type", norm_type, where="global_norm", low=0.0, low_open=True)
@@ -101,7 +109,10 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
     norm_type = V.number("norm_type", norm_type, where="clip_by_global_norm", low=0.0, low_open=True)
 
     def init_fn(params):
-        return ClipByGlobalNormState(torch.zeros((), dtype=torch.float32, device=first_device(params)))
+        leaves = [x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)]
+        dtype = (torch.float64 if any(x.dtype == torch.float64 for x in leaves)
+                 else torch.float32)
+        return ClipByGlobalNormState(torch.zeros((), dtype=dtype, device=first_device(params)))
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, ClipByGlobalNormState):

@@ -562,17 +562,20 @@ def _canonical_labels(labels: Union[None, PyTree, Callable[[PyTree], PyTree]]):
     return fn
 
 
-def _hf_adam(b1: float, b2: float, eps: float) -> GradientTransformation:
+def _hf_adam(b1: float, b2: float, eps: float, optim_bits: int = 32,
+             min_8bit_size: int = 4096) -> GradientTransformation:
     """The Adam scaling of HF / galore-torch AdamW (eps added to sqrt(v) before the bias
-    correction, bias correction on). The one place galore_adamw builds it."""
-    return scale_by_adam(b1, b2, eps, eps_before_correction=True)
+    correction, bias correction on), with 32- or 8-bit moments. The one place galore_adamw
+    builds it."""
+    return scale_by_adam(b1, b2, eps, eps_before_correction=True, optim_bits=optim_bits,
+                         min_8bit_size=min_8bit_size)
 
 
 def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-6, weight_decay: float = 0.0, *, rank: int = 128,
                  update_proj_gap: int = 200, scale: float = 0.25, proj_type: str = "std",
-                 labels: Union[None, PyTree, Callable[[PyTree], PyTree]] = None
-                 ) -> GradientTransformation:
+                 labels: Union[None, PyTree, Callable[[PyTree], PyTree]] = None,
+                 optim_bits: int = 32, min_8bit_size: int = 4096) -> GradientTransformation:
     """``galore_torch.GaLoreAdamW`` as a chain (HF ``AdamW`` heritage, ``correct_bias=True``).
 
     Per leaf labelled ``"galore"`` (2-D; see :func:`galore` for the projection), with
@@ -603,6 +606,10 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
             ``"decay"``). :func:`galore_param_labels` builds these from parameter names as
             Colossal-AI's ``get_galore_param_groups`` does. Default ``None``: every 2-D leaf
             ``"galore"``, every other leaf plain AdamW with weight decay.
+        optim_bits: 32 (default) or 8: block-wise 8-bit Adam moments (the seed's 8-bit GaLore;
+            see :func:`~functional_train.scale_by_adam`) for the leaves whose Adam state has at
+            least ``min_8bit_size`` elements (the projected ``R`` for GaLore leaves, default
+            4096 like bitsandbytes).
 
     State: a :class:`~functional_train.PartitionState` with the labels ``"galore"``,
     ``"decay"`` (and ``"no_decay"`` when ``labels`` is given), each a chain state; the GaLore
@@ -619,7 +626,7 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
     where = "galore_adamw"
     lr = V.learning_rate(learning_rate, where=where)
     wd = V.number("weight_decay", weight_decay, where=where, low=0.0)
-    _hf_adam(b1, b2, eps)  # validates b1, b2, eps now
+    _hf_adam(b1, b2, eps, optim_bits, min_8bit_size)  # validates them now
 
     def tail(decayed: bool) -> list:
         txs = [scale_by_learning_rate(lr)]
@@ -628,12 +635,13 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
         return txs
 
     transforms = {
-        "galore": chain(galore(_hf_adam(b1, b2, eps), rank, update_proj_gap, scale, proj_type),
+        "galore": chain(galore(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size), rank, update_proj_gap, scale, proj_type),
                         *tail(True)),
-        "decay": chain(_hf_adam(b1, b2, eps), *tail(True)),
+        "decay": chain(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size), *tail(True)),
     }
     if labels is not None:
-        transforms["no_decay"] = chain(_hf_adam(b1, b2, eps), *tail(False))
+        transforms["no_decay"] = chain(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size),
+                                       *tail(False))
     return partition({k: _skip_when_empty(t) for k, t in transforms.items()},
                      _canonical_labels(labels))
 

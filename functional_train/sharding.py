@@ -617,7 +617,8 @@ def _global_reduce(b: Prepared, values, indices, op: str) -> torch.Tensor:
     world = b.world
     if len(values) == 0:
         return torch.zeros((), dtype=torch.float32)
-    vals = torch.stack([v.to(torch.float32) for v in values])
+    dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
+    vals = torch.stack([v.to(dtype) for v in values])
     if world.device_mesh is None or world.size == 1:
         return vals.sum() if op == "sum" else vals.max()
     paths = b.paths

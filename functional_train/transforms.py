@@ -285,6 +285,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         _check_state(state, state_cls, "scale_by_adam")
         b = prepare(updates, params, mesh, name="scale_by_adam")
         act = b.active
+        if not act:  # every leaf None (frozen): nothing to scale, moments unchanged
+            return b.rebuild(b.locals), state._replace(count=state.count + 1)
         g = [b.locals[i] for i in act]
         if eight_bit:
             mu, nu, deq = Q.dequantize_state(b, state, block_size, min_8bit_size)

@@ -70,6 +70,10 @@ def test_zero_aliases_tp2_dp2_match_one_process(tmp_path):
         for k in params:
             torch.testing.assert_close(res[name]["params"][k], params[k], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name} {k}: {m}")
-        for c in res[name]["counts"]:
-            assert c.get("reduce_scatter_tensor") == 1 and c.get("all_gather_into_tensor") == 1, (
-                name, c)
+        for step, c in enumerate(res[name]["counts"]):
+            assert c.get("reduce_scatter_tensor") == 1, (name, c)
+            gathers = c.get("all_gather_into_tensor")
+            if name == "galore_adamw" and step % 2 == 0:  # a projector refresh (gap 2)
+                assert gathers > 1, (name, step, c)  # + the refresh's gathers of sharded leaves
+            else:
+                assert gathers == 1, (name, step, c)
