@@ -13,8 +13,9 @@ Blocks are defined over the GLOBAL tensor, along its last dim: a leaf of shape `
 ``ceil(n / block_size)`` blocks per row (row-major; 1-D and 0-dim leaves are one row). Sharding of
 the leading dims therefore keeps every block whole on one rank. When the last dim is sharded
 (``Shard(-1)``, uneven or nested), a block can straddle ranks: every rank computes the partial
-absmax of the blocks its shard touches, and ONE bucketed max all-reduce over the mesh dims that
-shard the last dim completes them for every such leaf. The codes are then bitwise those of the
+absmax of the blocks its shard touches, and ONE max all-reduce completes them for every such
+leaf (each rank writes its partial maxima at their global offsets, see
+:meth:`~functional_train.sharding.Prepared.leaf_sums`). The codes are then bitwise those of the
 unsharded tensor. (bitsandbytes blocks the flattened tensor; for a last dim that is a multiple
 of ``block_size``, and for 1-D leaves, the two blockings coincide.)
 
@@ -517,8 +518,7 @@ def quantize_state(b: Prepared, state: ScaleByAdam8bitState, count: torch.Tensor
 
     Communication: the partial block maxima of every quantised leaf whose last dim is sharded
     (``mu`` and ``nu``) are completed by ONE :meth:`Prepared.leaf_sums` call (``op="max"``
-    over the last dim): one bucketed all-reduce per group of mesh dims sharding last dims (at
-    most); none when no quantised leaf has its last dim sharded.
+    over the last dim): ONE all-reduce; none when no quantised leaf has its last dim sharded.
     """
     act = b.active
     qset = set(deq.qpos)
@@ -533,7 +533,7 @@ def quantize_state(b: Prepared, state: ScaleByAdam8bitState, count: torch.Tensor
             for _, _, _, v in items]
     absx = torch._foreach_abs(vals) if vals else []
     absmax = [lay.partial_absmax(a) for (_, lay, _, _), a in zip(items, absx)]
-    # 2. complete the maxima of blocks that straddle shards: one bucketed all-reduce per group
+    # 2. complete the maxima of blocks that straddle shards: one all-reduce for all leaves
     sharded = [n for n, (_, lay, _, _) in enumerate(items) if lay.sharded]
     if sharded:
         done = b.leaf_sums([(items[n][0], absmax[n], (-1,)) for n in sharded], op="max")

@@ -244,9 +244,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             float moments (``mu_dtype`` / ``nu_dtype``). State:
             :class:`~functional_train.quantization.ScaleByAdam8bitState`, about a quarter of
             the float32 state. Exact under sharding: blocks are over the global tensor, and
-            blocks that straddle shards of a sharded last dim get their maxima from one
-            bucketed max all-reduce per update and group of mesh dims sharding last dims (none
-            when no quantised leaf shards its last dim). Not supported with ``amsgrad``.
+            blocks that straddle shards of a sharded last dim get their maxima from ONE max
+            all-reduce per update for all leaves (none when no quantised leaf shards its last
+            dim). Not supported with ``amsgrad``.
         min_8bit_size: with ``optim_bits=8``, the smallest global numel quantised (>= 0;
             bitsandbytes' default 4096).
         block_size: with ``optim_bits=8``, elements per block along the last dim (> 0; 256
