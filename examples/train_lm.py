@@ -5,8 +5,9 @@ The model is an ordinary ``nn.Module`` (RMSNorm, rotary embeddings, causal atten
 ``dict`` of tensors, the loss is computed with ``torch.func.functional_call``, gradients with
 ``grad_and_value`` and the update with a pure functional_train chain::
 
-    tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(clip), ft.adamw(schedule, weight_decay=wd)),
-                        every_k=accum)
+    tx = ft.chain(ft.clip_by_global_norm(clip), ft.adamw(schedule, weight_decay=wd))
+    tx = ft.zero_redundancy(tx, axis="dp")          # --zero: optimizer state sharded over dp
+    tx = ft.multi_steps(tx, every_k=accum)          # --accum > 1
     updates, state = tx.update(grads, state, params, mesh=mesh)
     params = ft.apply_updates(params, updates)
 
@@ -23,12 +24,18 @@ sorted order up to ``--max-bytes``; ``--data PATH`` takes a text file or a direc
 last ``--val-fraction`` of the bytes is held out; the validation loss is the mean next-byte
 cross-entropy (nats per byte) over ``--eval-windows`` fixed, evenly spaced windows of it.
 
+``--optimizer {adamw,adafactor,came,lamb,galore}`` picks the optimizer after clipping (see
+``build_optimizer``; ``--lr`` defaults per optimizer), ``--8bit`` gives adamw / galore 8-bit
+block-wise moments.
+
 Usage::
 
     python examples/train_lm.py     # defaults: ~4.5 min on 2 idle CPU cores, val loss ~1.33 nats/byte
     python examples/train_lm.py --steps 3 --eval-every 0 --out /tmp/run1
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py # dp=2 x tp=2 on gloo
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --dp 1 --tp 4
+    torchrun --standalone --nproc-per-node 4 examples/train_lm.py --optimizer adafactor --zero
+    python examples/train_lm.py --steps 200 --8bit  # 8-bit AdamW moments
 
 Outputs (``--out DIR``, default ``runs/<timestamp>``): ``metrics.json`` (per-step loss, gradient
 norm, learning rate and throughput, validation losses and the summary), ``loss.png`` and
@@ -468,7 +475,8 @@ def main(argv=None):
     tx = ft.chain(ft.clip_by_global_norm(args.clip), opt)
     if args.zero:  # clipping runs on the dp shards too: one scalar all-reduce either way
         tx = ft.zero_redundancy(tx, axis="dp")
-    tx = ft.multi_steps(tx, every_k=args.accum)
+    if args.accum > 1:  # (with one micro-step its accumulator would only cost memory)
+        tx = ft.multi_steps(tx, every_k=args.accum)
     state = tx.init(params)
 
     # ---- training loop ----------------------------------------------------------------------------
@@ -496,7 +504,8 @@ def main(argv=None):
         loss = dp_mean(loss_sum / args.accum).item()  # mean over the global batch
         dt = time.perf_counter() - t0
         train_time += dt
-        assert bool(ft.has_updated(state)), "multi_steps did not apply an update on the last micro-step"
+        if args.accum > 1:
+            assert bool(ft.has_updated(state)), "multi_steps did not update on the last micro-step"
         grad_norm = float(ft.tree_get(state, "global_norm"))
         lr = float(schedule(torch.tensor(step)))
         history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr,
