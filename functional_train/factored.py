@@ -33,7 +33,8 @@ from .base import GradientTransformation, chain
 from .sharding import Prepared, prepare, spec_of, to_local
 from .transforms import (ScalarOrSchedule, _check_state, add_decayed_weights, scale,
                          scale_by_learning_rate, stateless, zero_count)
-from .tree import flatten_as, state_dtype, state_zeros_like, tree_paths, tree_unflatten
+from .tree import (contiguous_stride, flatten_as, state_dtype, state_zeros_like, tree_paths,
+                   tree_unflatten)
 
 __all__ = [
     "scale_by_factored_rms",
@@ -50,14 +51,6 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # state construction: row / column statistics with derived placements
 # ---------------------------------------------------------------------------------------------
-def _contiguous_stride(shape: Sequence[int]) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
-
-
 def _reduced_placements(x: DTensor, dim: int, path: str) -> list:
     """Placements of ``x`` reduced over tensor dim ``dim`` (the dim disappears): a ``Shard`` on
     ``dim`` becomes ``Replicate``, a ``Shard`` on a later dim moves one dim down."""
@@ -91,7 +84,7 @@ def _zeros_reduced(x: Any, dim: int, dtype: torch.dtype, path: str) -> Any:
         del shape[dim % x.ndim]
         return DTensor.from_local(z, x.device_mesh, _reduced_placements(x, dim, path),
                                   run_check=False, shape=torch.Size(shape),
-                                  stride=_contiguous_stride(shape))
+                                  stride=contiguous_stride(shape))
     return x.narrow(dim, 0, 0).sum(dim, dtype=dtype)
 
 

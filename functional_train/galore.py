@@ -46,7 +46,7 @@ from .combine import partition
 from .sharding import Prepared, Spec, prepare, spec_of, to_local, wrap
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, scale_by_adam,
                          scale_by_learning_rate, stateless)
-from .tree import flatten_as, tree_flatten, tree_paths, tree_unflatten
+from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
 
 try:  # run a rank-dependent function once per simulated rank (LocalTensorMode); else plain call
     from torch.distributed._local_tensor import maybe_run_for_local_tensor as _per_rank
@@ -126,14 +126,6 @@ def _low_rank_shape(shape: Sequence[int], side: str, rank: int) -> tuple[int, in
     return (m, r) if side == _RIGHT else (r, n)
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
-
-
 def _check_placements(spec: Spec, path: str) -> None:
     for p in spec.placements:
         if isinstance(p, Partial):
@@ -151,14 +143,14 @@ def _low_rank_spec(spec: Spec, side: str, rank: int) -> Spec:
     pl = tuple(Replicate() if isinstance(p, Shard) and p.dim % 2 == c
                else (Shard(p.dim % 2) if isinstance(p, Shard) else p) for p in spec.placements)
     shape = _low_rank_shape(spec.shape, side, rank)
-    return Spec(spec.mesh, pl, torch.Size(shape), _contiguous_stride(shape))
+    return Spec(spec.mesh, pl, torch.Size(shape), contiguous_stride(shape))
 
 
 def _proj_spec(spec: Spec, side: str, rank: int) -> Spec:
     """Layout of the projector in the state: replicated, global shape."""
     shape = _proj_shape(spec.shape, side, rank)
     return Spec(spec.mesh, (Replicate(),) * spec.mesh.ndim, torch.Size(shape),
-                _contiguous_stride(shape))
+                contiguous_stride(shape))
 
 
 def _slice_placements(spec: Spec, side: str) -> tuple:

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .sharding import Prepared, Spec, spec_of, to_local, wrap
-from .tree import flatten_as, state_dtype, tree_flatten, tree_paths, tree_unflatten
+from .tree import (contiguous_stride, flatten_as, state_dtype, tree_flatten, tree_paths,
+                   tree_unflatten)
 
 __all__ = [
     "create_dynamic_map",
@@ -363,14 +364,6 @@ def is_quantized(x: Any, min_8bit_size: int) -> bool:
             and x.numel() >= min_8bit_size)
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
-
-
 def _absmax_spec(s: Spec, block_size: int, where: str) -> Spec:
     """The spec of the absmax of a DTensor of spec ``s``: leading-dim placements kept, a
     ``Shard`` of the last dim replaced by ``Replicate``."""
@@ -385,7 +378,7 @@ def _absmax_spec(s: Spec, block_size: int, where: str) -> Spec:
         else:
             placements.append(p)
     shape = _absmax_shape(s.shape, block_size)
-    return Spec(s.mesh, tuple(placements), torch.Size(shape), _contiguous_stride(shape))
+    return Spec(s.mesh, tuple(placements), torch.Size(shape), contiguous_stride(shape))
 
 
 def _zero_codes(x: Any, zero: int) -> Any:

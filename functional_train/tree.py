@@ -22,6 +22,7 @@ __all__ = [
     "tree_cast",
     "tree_get",
     "format_path",
+    "contiguous_stride",
 ]
 
 PyTree = Any
@@ -88,6 +89,15 @@ def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
     return optree.tree_map(
         lambda x: None if x is None else torch.zeros_like(x, dtype=dtype), tree, none_is_leaf=True
     )
+
+
+def contiguous_stride(shape) -> tuple:
+    """The strides of a contiguous (row-major) tensor of ``shape`` (as ``torch.empty(shape)``)."""
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(stride))
 
 
 def state_dtype(param_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:

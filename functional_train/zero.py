@@ -25,7 +25,7 @@ from .base import GradientTransformation
 from .mesh import Mesh
 from .sharding import (Spec, World, all_reduce_buckets, leaf_paths, materialize, per_rank,
                        spec_of, to_local, wrap)
-from .tree import flatten_as, tree_flatten, tree_unflatten
+from .tree import contiguous_stride, flatten_as, tree_flatten, tree_unflatten
 
 __all__ = ["zero_redundancy", "ZeroRedundancyState"]
 
@@ -71,14 +71,6 @@ class _View:
             return local
         d = self.dim
         return per_rank([local], lambda r, t: t[0].narrow(d, *self.chunk(r)).contiguous())
-
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
 
 
 def _root_of(mesh: Optional[Mesh], leaves: Sequence[Any], device_mesh: Optional[DeviceMesh]):
@@ -133,7 +125,7 @@ def _views(leaves: Sequence[Any], paths: Sequence[str], root: Optional[DeviceMes
         vnames = tuple(n for n in names if n in by_name or n == axis)
         vmesh = root if len(vnames) == root.ndim else root[vnames]
         placements = tuple(Shard(dim) if n == axis else by_name[n] for n in vnames)
-        stride = tuple(x.stride()) if isinstance(x, DTensor) else _contiguous_stride(x.shape)
+        stride = tuple(x.stride()) if isinstance(x, DTensor) else contiguous_stride(x.shape)
         out.append(_View(dim, Spec(vmesh, placements, x.shape, stride), x.shape[dim], parts,
                          coord))
     return out
@@ -306,7 +298,6 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
             return new, ZeroRedundancyState(inner_state)
         if mesh is None or mesh.device_mesh is None:
             mesh = Mesh(root, data_axis=None if mesh is None else mesh.data_axis)
-        world = World(mesh, list(p or []) + list(g), paths * (2 if p is not None else 1))
         a = root.mesh_dim_names.index(axis)
         pending = mesh.data_axis == axis and root.size(a) > 1
         # which gradients are still each rank's own contribution over the data axis, and how

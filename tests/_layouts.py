@@ -1,9 +1,12 @@
-"""Leaf layouts shared by the sharded-vs-unsharded tests of the factored optimizers: sizes that
-do not divide the mesh, empty shards, nested sharding, a plain-tensor leaf."""
+"""Leaf layouts and helpers shared by the optimizer tests: sizes that do not divide the mesh,
+empty shards, nested sharding, a plain-tensor leaf; problem values, a run loop, a tolerance
+check."""
 
 import math
 
 import torch
+
+import functional_train as ft
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -66,3 +69,32 @@ def update_collectives(make_tx, n_leaves, mesh_shape=(2, 2), names=("dp", "tp"),
         with count_collectives() as c:
             tx.update(grads, state, params)
     return c.counts
+
+
+def values(shapes, steps, dtype, seed=0):
+    """Parameters and ``steps`` gradient trees of the given shapes (full-rank random values)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
+             for _ in range(steps)]
+    return params, grads
+
+
+def run_steps(tx, params, grads, mesh=None):
+    """``init``, then ``update`` + ``apply_updates`` per gradient tree: (updates, state, params)."""
+    state = tx.init(params)
+    ups, p = [], params
+    for g in grads:
+        u, state = tx.update(g, state, p, mesh=mesh)
+        ups.append(u)
+        p = ft.apply_updates(p, u)
+    return ups, state, p
+
+
+def close(got, want, rtol, atol, what):
+    """``max |got - want| <= atol + rtol * max |want|``, naming ``what`` on failure."""
+    got, want = got.detach().to(torch.float64), want.detach().to(torch.float64)
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    tol = atol + rtol * (want.abs().max().item() if want.numel() else 0.0)
+    assert err <= tol, f"{what}: max abs err {err:.3e} > {tol:.3e}"

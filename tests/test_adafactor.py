@@ -55,20 +55,8 @@ def _alias(kw):
     return adafactor(lr, **kw)
 
 
-def _values(shapes, steps, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-             for _ in range(steps)]
-    return params, grads
 
 
-def _close(got, want, rtol, atol, what):
-    got, want = got.detach().to(torch.float64), want.detach().to(torch.float64)
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = (got - want).abs().max().item() if got.numel() else 0.0
-    tol = atol + rtol * (want.abs().max().item() if want.numel() else 0.0)
-    assert err <= tol, f"{what}: max abs err {err:.3e} > {tol:.3e}"
 
 
 # =============================================================================================
@@ -219,6 +207,7 @@ def test_factored_rms_constant_beta2_and_min_dim():
 # 3. sharded == unsharded (simulation)
 # =============================================================================================
 from _layouts import LEAVES_2, LEAVES_2x2, R, S0, S1, S2  # noqa: E402
+from _layouts import close as _close, run_steps as _run, values as _values  # noqa: E402
 from _layouts import MIXED, update_collectives  # noqa: E402
 from _layouts import shard as _shard  # noqa: E402
 
@@ -243,15 +232,6 @@ def _row_col_placements(pl, ndim):
     return rows, cols
 
 
-def _run(tx, params, grads, mesh=None):
-    state = tx.init(params)
-    ups = []
-    p = params
-    for g in grads:
-        u, state = tx.update(g, state, p, mesh=mesh)
-        ups.append(u)
-        p = ft.apply_updates(p, u)
-    return ups, state, p
 
 
 def _shard_index(x: DTensor, r: int) -> tuple:

@@ -37,36 +37,17 @@ with warnings.catch_warnings():  # galore-torch imports bitsandbytes, which warn
     from galore_torch import GaLoreAdamW  # the reference (test extra)
 
 from _layouts import LEAVES_2, LEAVES_2x2, MIXED, R, S0, S1  # noqa: E402
+from _layouts import close as _close, run_steps as _run, values as _values  # noqa: E402
 from _layouts import shard as _shard  # noqa: E402
 
 SHAPES = {"tall": (8, 5), "wide": (4, 9), "square": (6, 6), "bias": (7,)}
 GALORE_KEYS = ("tall", "wide", "square")
 
 
-def _values(shapes, steps, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-             for _ in range(steps)]
-    return params, grads
 
 
-def _close(got, want, rtol, atol, what):
-    got, want = got.detach().to(torch.float64), want.detach().to(torch.float64)
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    err = (got - want).abs().max().item() if got.numel() else 0.0
-    tol = atol + rtol * (want.abs().max().item() if want.numel() else 0.0)
-    assert err <= tol, f"{what}: max abs err {err:.3e} > {tol:.3e}"
 
 
-def _run(tx, params, grads, mesh=None):
-    state = tx.init(params)
-    ups, p = [], params
-    for g in grads:
-        u, state = tx.update(g, state, p, mesh=mesh)
-        ups.append(u)
-        p = ft.apply_updates(p, u)
-    return ups, state, p
 
 
 def _galore_state(state) -> GaLoreState:

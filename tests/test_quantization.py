@@ -34,6 +34,7 @@ from functional_train.transforms import ScaleByAdamState, scale_by_adam
 from functional_train.tree import tree_paths
 
 from _layouts import R, S0, S1, S2, shard, update_collectives
+from _layouts import run_steps as _run  # noqa: E402
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import bitsandbytes as bnb  # noqa: E402  (the reference, a test extra)
@@ -159,14 +160,6 @@ def _values(shapes, steps, seed=0, dtype=torch.float32):
     return params, grads
 
 
-def _run(tx, params, grads, mesh=None):
-    state = tx.init(params)
-    ups, p = [], params
-    for g in grads:
-        u, state = tx.update(g, state, p, mesh=mesh)
-        ups.append(u)
-        p = ft.apply_updates(p, u)
-    return ups, state, p
 
 
 class _Ref8bit:
