@@ -15,6 +15,11 @@ import _gloo_worker as worker  # noqa: E402
 
 
 def _spawn(world, tmp_path, module):
+    return torch.load(_spawn_raw(world, tmp_path, module))
+
+
+def _spawn_raw(world, tmp_path, module):
+    """Run ``module`` on ``world`` gloo ranks; returns the ``out`` path it was given."""
     init_file = tmp_path / "init"
     out = tmp_path / "out.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
@@ -29,7 +34,7 @@ def _spawn(world, tmp_path, module):
         logs.append(stdout.decode(errors="replace"))
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
-    return torch.load(out)
+    return out
 
 
 def test_dp_tp_chain_matches_one_process(tmp_path):
