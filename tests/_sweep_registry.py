@@ -1,0 +1,262 @@
+"""The registry of ``tests/test_sweep.py``: every public name of ``functional_train``, either
+swept (``FACTORIES``: a zero-argument builder with small, sensible hyper-parameters) or excluded
+with a reason (``EXCLUDED``). ``test_sweep.test_registry_covers_every_public_name`` fails as soon
+as a name of ``functional_train.__all__`` is in neither table (or in both), so a new public
+transform is swept once it is registered here, and cannot be forgotten.
+
+Besides the builders:
+
+* ``VARIANTS``: further configurations of a registered transform that take other code paths
+  (``name[variant]``), swept like the others;
+* ``NOT_APPLICABLE``: ``(transform, property) -> reason`` for the properties that do not apply
+  to a transform by design (the test is skipped with that reason);
+* ``HOST_COUNTER_READS``: the transforms allowed to read a documented CPU step counter on the
+  host in ``update`` (the only exception to the no-host-synchronisation property);
+* ``COMPILE_GRAPH_BREAKS``: transforms compiled with ``fullgraph=False`` (none so far);
+* ``KNOWN_BUGS``: ``(transform, property) -> reason`` of library bugs the sweep found; those
+  cases are ``xfail(strict=True)``, so fixing the bug makes the suite fail until the entry is
+  removed here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import optree
+
+import functional_train as ft
+
+# the properties of test_sweep.py (test function name without "test_" -> property)
+PROPERTIES = (
+    "sharded",               # sharded == unsharded, hypothesis-drawn meshes / placements / trees
+    "sharded_data_axis",     # sharded == unsharded with a data axis and Partial gradients
+    "purity",                # params, grads and state are bitwise unchanged by update
+    "state_structure",       # treedef / shapes / dtypes / devices: init == after updates
+    "state_placements",      # the same for a simulated sharded run, placements included
+    "chain",                 # chain(clip_by_global_norm, T) == clip, then T
+    "named_chain",           # named_chain(("clip", ...), ("tx", T)) == clip, then T
+    "multi_steps",           # multi_steps(T, 2) == T on the mean of two micro-gradients
+    "zero_redundancy",       # zero_redundancy(T) in one process == T
+    "zero_redundancy_dp",    # zero_redundancy(T) on a simulated dp x tp mesh == T unsharded
+    "partition",             # partition({"a": T, "b": sgd}) == T on the "a" leaves
+    "masked",                # masked(T, mask) == T on the masked-in leaves, others unchanged
+    "none_leaves",           # a None gradient leaf passes through; the others are unaffected
+    "bf16_states",           # bf16 params: floating states are float32 (init and after updates)
+    "bf16_close",            # bf16 run within bf16 tolerance of the float32 run
+    "update_dtype",          # the updates have the gradients' dtype (bf16 in, bf16 out)
+    "update_dtype_f64",      # the same for float64
+    "no_host_sync",          # no aten._local_scalar_dense / aten.item in update
+    "compile",               # torch.compile(update, fullgraph=True) == eager
+    "step_counter",          # int64 counters go past 2**31 - 1 without overflow
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# builders
+# ---------------------------------------------------------------------------------------------
+def by_ndim(two_d, other) -> Callable:
+    """A labels function for ``partition`` / a mask function for ``masked`` that works on any
+    params tree (the sharded property draws arbitrary ones): ``two_d`` for leaves of 2 or more
+    dims, ``other`` for the rest, ``None`` leaves included (a partition or mask inside another
+    one sees the leaves it does not own as ``None``, and its labels must still name a
+    transform)."""
+
+    def labels(params):
+        return optree.tree_map(lambda x: two_d if x is not None and x.ndim >= 2 else other,
+                               params, none_is_leaf=True)
+
+    return labels
+
+
+def _warmup_cosine():
+    return ft.schedules.warmup_cosine_decay_schedule(0.0, 0.1, 1, 10)
+
+
+FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
+    # base combinators
+    "identity": lambda: ft.identity(),
+    "chain": lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1)),
+    "named_chain": lambda: ft.named_chain(("clip", ft.clip(0.5)),
+                                          ("opt", ft.sgd(0.1, momentum=0.9))),
+    "partition": lambda: ft.partition({"a": ft.adamw(1e-2), "b": ft.sgd(0.1)},
+                                      by_ndim("a", "b")),
+    "masked": lambda: ft.masked(ft.adamw(1e-2), by_ndim(True, False)),
+    # clipping
+    "clip": lambda: ft.clip(0.5),
+    "clip_by_global_norm": lambda: ft.clip_by_global_norm(1.0),
+    # accumulation, ZeRO
+    "multi_steps": lambda: ft.multi_steps(ft.adamw(1e-2), every_k=2),
+    "zero_redundancy": lambda: ft.zero_redundancy(ft.adamw(1e-2), axis="dp"),
+    # elementwise transforms
+    "scale": lambda: ft.scale(-0.5),
+    "scale_by_learning_rate": lambda: ft.scale_by_learning_rate(_warmup_cosine()),
+    "add_decayed_weights": lambda: ft.add_decayed_weights(0.1),
+    "trace": lambda: ft.trace(0.9, nesterov=True),
+    "scale_by_adam": lambda: ft.scale_by_adam(),
+    "scale_by_trust_ratio": lambda: ft.scale_by_trust_ratio(),
+    # factored (Adafactor), CAME
+    "scale_by_factored_rms": lambda: ft.scale_by_factored_rms(),
+    "clip_by_block_rms": lambda: ft.clip_by_block_rms(0.5),
+    "scale_by_param_block_rms": lambda: ft.scale_by_param_block_rms(1e-2),
+    "ema": lambda: ft.ema(0.9, debias=True),
+    "scale_by_came": lambda: ft.scale_by_came(),
+    # GaLore: small rank and a refresh every other step, so the 3-step runs refresh twice
+    "galore": lambda: ft.galore(ft.adam(1e-2), rank=2, update_proj_gap=2),
+    "galore_adamw": lambda: ft.galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2),
+    # optimizers
+    "sgd": lambda: ft.sgd(0.1, momentum=0.9, weight_decay=0.1),
+    "adam": lambda: ft.adam(1e-2, weight_decay=0.1, amsgrad=True),
+    "adamw": lambda: ft.adamw(1e-2, weight_decay=0.1),
+    "adafactor": lambda: ft.adafactor(beta1=0.9, weight_decay=0.1),
+    "lamb": lambda: ft.lamb(1e-2, weight_decay=0.1),
+    "came": lambda: ft.came(1e-2, weight_decay=0.1),
+}
+
+# other configurations that take other code paths: "name[variant]" -> builder
+VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
+    # a constant learning rate: the stateless branch
+    "scale_by_learning_rate[float]": lambda: ft.scale_by_learning_rate(0.1),
+    # HF defaults: relative step, parameter scaling, no momentum
+    "adafactor[default]": lambda: ft.adafactor(),
+    # 8-bit block-wise quantised moments: every leaf quantised (min_8bit_size=0), blocks of 2
+    # elements so that the tiny test leaves have several blocks per row
+    "adamw[8bit]": lambda: ft.adamw(1e-2, weight_decay=0.1, optim_bits=8, min_8bit_size=0,
+                                    block_size=2),
+    "galore_adamw[8bit]": lambda: ft.galore_adamw(1e-2, weight_decay=0.1, rank=2,
+                                                  update_proj_gap=2, optim_bits=8,
+                                                  min_8bit_size=0),
+}
+
+EXCLUDED: dict[str, str] = {
+    "GradientTransformation": "the (init, update) NamedTuple type itself",
+    "EmptyState": "a state type (checked through the transforms that return it)",
+    "PartitionState": "a state type",
+    "MaskedState": "a state type",
+    "ClipByGlobalNormState": "a state type",
+    "MultiStepsState": "a state type",
+    "ZeroRedundancyState": "a state type",
+    "ScaleByScheduleState": "a state type",
+    "TraceState": "a state type",
+    "ScaleByAdamState": "a state type",
+    "ScaleByAmsgradState": "a state type (adam's amsgrad=True entry returns it)",
+    "ScaleByFactoredRmsState": "a state type",
+    "EmaState": "a state type",
+    "ScaleByCameState": "a state type",
+    "GaLoreState": "a state type",
+    "ScaleByAdam8bitState": "a state type (adamw[8bit] and galore_adamw[8bit] return it)",
+    "create_dynamic_map": "builds the 8-bit code map (a tensor), not a transform (swept through "
+                          "the [8bit] variants)",
+    "quantize_blockwise": "a tensor -> (codes, absmax) helper, not a transform",
+    "dequantize_blockwise": "a (codes, absmax) -> tensor helper, not a transform",
+    "Mesh": "the mesh descriptor, an argument of update, not a transform",
+    "apply_updates": "params + updates, not a transform (used by every property that steps)",
+    "tree_get": "a state-inspection helper, not a transform",
+    "has_updated": "reads a MultiStepsState, not a transform",
+    "global_norm": "a function of a gradient tree returning a tensor, not a transform "
+                   "(swept through clip_by_global_norm)",
+    "galore_param_labels": "builds galore_adamw's labels tree, not a transform",
+    "relative_step_schedule": "a schedule (count -> step size), not a transform (swept through "
+                              "adafactor[default])",
+    "schedules": "the module of learning-rate schedules (swept through scale_by_learning_rate)",
+}
+
+
+def all_entries() -> dict[str, Callable[[], ft.GradientTransformation]]:
+    return {**FACTORIES, **VARIANTS}
+
+
+def base_name(entry: str) -> str:
+    return entry.split("[", 1)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# exceptions by design
+# ---------------------------------------------------------------------------------------------
+NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    ("identity", "sharded_data_axis"): (
+        "identity passes gradients that are unreduced over the data axis on unreduced, by "
+        "design (passes_unreduced): each replica's contribution is its correct output"),
+}
+
+# Transforms whose update may read a documented CPU step counter on the host (a 0-dim int64 CPU
+# tensor: no device synchronisation). The no-host-sync property allows exactly those reads:
+# `aten._local_scalar_dense` of the very MultiStepsState.mini_step / GaLoreState.count tensors
+# found in the input state, and nothing else.
+HOST_COUNTER_READS: dict[str, str] = {
+    "multi_steps": "MultiStepsState.mini_step decides on the host whether the micro-step is the "
+                   "final one (documented in multi_steps' state docstring)",
+    "galore": "GaLoreState.count decides on the host whether the projector is refreshed "
+              "(documented in GaLoreState's docstring)",
+    "galore_adamw": "a galore chain: GaLoreState.count, as galore",
+}
+
+# Transforms that torch.compile only with graph breaks (compiled with fullgraph=False; the
+# compile property still requires eager's numbers): none so far, every transform that compiles
+# at all traces as ONE graph.
+COMPILE_GRAPH_BREAKS: dict[str, str] = {}
+
+# ---------------------------------------------------------------------------------------------
+# library bugs found by the sweep: xfail(strict=True) until fixed
+# ---------------------------------------------------------------------------------------------
+# scale_by_factored_rms (so adafactor, scale_by_came, came): the second moment V of a 0-dim leaf
+# is float32 after init and float64 after the first update (bf16 params too). In the dense branch
+# of update_fn, torch._foreach_mul_(gsq, 1.0 - b2) and torch._foreach_mul(v_old, b2) multiply by
+# b2, a 0-dim float64 tensor: two 0-dim operands promote by dtype (the comment "a float64 0-dim
+# scalar keeps each dtype" holds only for leaves of 1 or more dims).
+_FACTORED_0DIM = ("0-dim leaf: scale_by_factored_rms' V turns float32 -> float64 at the first "
+                  "update (foreach mul by the 0-dim float64 b2 promotes 0-dim operands)")
+# clip_by_global_norm: torch._foreach_mul(g, coef), coef the 0-dim float32 clipping coefficient,
+# promotes a 0-dim bf16 gradient to float32 (clipping.py, update_fn).
+_CLIP_0DIM = ("0-dim bf16 gradient: clip_by_global_norm returns a float32 update (foreach mul "
+              "by the 0-dim float32 coefficient promotes 0-dim operands)")
+# multi_steps: the final micro-step hands inner the mean gradient in the accumulator dtype
+# (float32; accumulation.py, grads[i] = wrap(m, spec)) and returns inner's updates as they come,
+# so bf16 gradients get float32 updates on final micro-steps and bf16 zeros on the others.
+_MULTI_STEPS_DTYPE = ("bf16 gradients: multi_steps returns float32 updates on final "
+                      "micro-steps (inner runs on the float32 accumulator mean), bf16 zeros on "
+                      "the others")
+# torch.compile (dynamo, torch 2.13, with or without fullgraph) cannot trace optree flattening /
+# unflattening of trees whose leaves are all strings, bools or None when they are built or passed
+# in the traced code: fullgraph=True raises torch._dynamo.exc.Unsupported "Unexpected type in
+# sourceless builder" (optree.registry.DictMetaData); fullgraph=False raises ValueError "...
+# does not have the structure of params: same leaf paths but different container types"
+# (tree.flatten_as) or "length mismatch: [2, 5]" (tree_unflatten). Hit by:
+# * partition / masked: labels_of / keep_of evaluate param_labels / mask on the params and
+#   flatten the result inside update;
+# * galore_adamw: a partition whose default labels function (galore._canonical_labels) builds a
+#   string tree with tree_unflatten inside update (InternalTorchDynamoError: length mismatch);
+# * adamw[8bit]: ScaleByAdam8bitState.mu / .nu are all-None dicts when every leaf is quantised,
+#   flattened by quantization.dequantize_state (Prepared.state_locals) inside update.
+_COMPILE_LABELS = ("torch.compile fails: the labels / mask tree (non-tensor leaves) is built "
+                   "and flattened inside update, which dynamo's optree support cannot trace")
+_COMPILE_GALORE_ADAMW = ("torch.compile fails: its partition's default labels function "
+                         "unflattens a tree of strings inside update (dynamo: length mismatch)")
+_COMPILE_8BIT = ("torch.compile fails: ScaleByAdam8bitState.mu/.nu are all-None dicts, "
+                 "flattened inside update, which dynamo's optree support cannot trace")
+
+# zero_redundancy with every parameter a plain tensor and no device_mesh= at construction: init
+# finds no mesh (no DTensor leaf) and builds the inner state on the whole leaves, but update gets
+# the mesh from Mesh(device_mesh) and hands inner the dp-sharded zero views: a RuntimeError
+# "The size of tensor a (3) must match the size of tensor b (2)" for leaves of size >= 3, and
+# silently wrong states (and then updates) for a leaf of size 2 (the 1-element shard broadcasts
+# against the 2-element moment). Init and update must agree on the zero view (or update must
+# raise a clear error naming device_mesh).
+_ZERO_PLAIN = ("all-plain params, no device_mesh=: init builds the inner state on whole "
+               "leaves, update (mesh from Mesh(device_mesh)) feeds inner dp-sharded views: "
+               "size-mismatch RuntimeError, or wrong states for a 2-element leaf")
+
+KNOWN_BUGS: dict[tuple[str, str], str] = {
+    ("zero_redundancy", "sharded"): _ZERO_PLAIN,
+    **{(name, prop): _FACTORED_0DIM
+       for name in ("scale_by_factored_rms", "adafactor", "adafactor[default]", "scale_by_came",
+                    "came")
+       for prop in ("state_structure", "state_placements", "bf16_states")},
+    ("clip_by_global_norm", "update_dtype"): _CLIP_0DIM,
+    ("chain", "update_dtype"): "chain(clip_by_global_norm, adamw): " + _CLIP_0DIM,
+    ("multi_steps", "update_dtype"): _MULTI_STEPS_DTYPE,
+    ("partition", "compile"): _COMPILE_LABELS,
+    ("masked", "compile"): _COMPILE_LABELS,
+    ("galore_adamw", "compile"): _COMPILE_GALORE_ADAMW,
+    ("galore_adamw[8bit]", "compile"): _COMPILE_GALORE_ADAMW,
+    ("adamw[8bit]", "compile"): _COMPILE_8BIT,
+}

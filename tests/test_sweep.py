@@ -1,0 +1,828 @@
+"""The sweep: every public transform and alias through the library's common properties.
+
+The transforms come from ``functional_train.__all__`` through the registry
+(``tests/_sweep_registry.py``): every public name is either swept, with a small builder, or
+excluded with a reason, and ``test_registry_covers_every_public_name`` fails for a public name
+in neither table, so a new transform is swept as soon as it exists. Each property is one test
+function parametrised over the registry (``FACTORIES`` and ``VARIANTS``):
+
+* ``sharded``: sharded == unsharded (``assert_sharded_equivalent`` on hypothesis-drawn meshes,
+  placements with uneven and empty shards, pytrees, gradients, 2-3 steps; the harness also
+  checks that no input tree is modified in place, DTensor local shards included), and
+  ``sharded_data_axis``: one deterministic case on a ``("dp", "tp")`` mesh with a data axis,
+  ``Partial`` gradients and a leaf sharded over the data axis;
+* ``purity``: params, gradients and state bitwise unchanged by ``update``;
+* ``state_structure`` / ``state_placements``: the state after updates has the treedef, shapes,
+  dtypes and devices of ``init``'s (and, simulated sharded, the placements and local shapes);
+* composition: inside ``chain``, ``named_chain``, ``multi_steps``, ``zero_redundancy``,
+  ``partition`` and ``masked``, exactly the numbers of the transform alone;
+* ``none_leaves``: a ``None`` gradient leaf comes out ``None`` and the other leaves get what a
+  run without that leaf gives;
+* ``bf16_states`` / ``bf16_close`` / ``update_dtype``: bfloat16 parameters keep float32 states,
+  land within bf16 tolerance of the float32 run, and get bfloat16 updates (``update_dtype_f64``:
+  float64 gradients get float64 updates);
+* ``no_host_sync``: ``update`` issues no ``aten._local_scalar_dense`` / ``aten.item`` (nor the
+  other host-reading ops listed below), except the documented CPU counter reads of the
+  registry's ``HOST_COUNTER_READS``;
+* ``compile``: ``torch.compile(update, fullgraph=True)`` gives eager's updates and states bit
+  for bit (dynamo with the ``eager`` backend: the tracing is what breaks, and inductor is too
+  slow for ~30 transforms on a small CPU machine; ``tests/test_compile.py`` runs a step through
+  inductor; ``FT_SWEEP_COMPILE_BACKEND=aot_eager`` selects that backend here);
+* ``step_counter``: every 0-dim int64 counter set to ``2**31 - 1`` and ``2**31 + 5`` goes up
+  by exactly one, stays int64, and the update stays finite.
+
+Properties that do not apply to a transform by design are skipped with the registry's reason
+(``NOT_APPLICABLE``); library bugs found by the sweep are ``xfail(strict=True)`` with the
+registry's reason (``KNOWN_BUGS``).
+
+Everything runs on tiny trees (a 2-D, a wide 2-D, a 1-D, a 3-D and a 0-dim leaf) for 2-4
+steps, so the module stays fast; the number of hypothesis examples follows the profile of
+``tests/conftest.py`` (3 per transform in ``ci``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import zlib
+from typing import Any, Callable, Optional
+
+import optree
+import pytest
+import torch
+import torch._dynamo
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import functional_train as ft
+from functional_train.testing import (ShardedCase, assert_sharded_equivalent, on_rank,
+                                      replicated, sharded_cases, simulate)
+
+import _sweep_registry as reg  # noqa: E402  (tests/ is on sys.path)
+
+ENTRIES = reg.all_entries()
+# dynamo with the "eager" backend: tracing (graph breaks, guards, recompiles) is what this module
+# checks for every transform; "aot_eager" (functionalisation, decompositions; about twice as slow)
+# also gives eager's numbers bit for bit today: FT_SWEEP_COMPILE_BACKEND=aot_eager runs it
+COMPILE_BACKEND = os.environ.get("FT_SWEEP_COMPILE_BACKEND", "eager")
+S0, S1, R = Shard(0), Shard(1), Replicate()
+
+# the tree every deterministic property runs on: a tall and a wide matrix (GaLore projects
+# them on different sides), a vector, a 3-D leaf and a scalar
+SHAPES = {"w": (4, 3), "m": (3, 5), "v": (5,), "t": (2, 3, 4), "s": ()}
+STEPS = 3
+
+
+def build(name: str) -> ft.GradientTransformation:
+    return ENTRIES[name]()
+
+
+def cases(prop: str) -> list:
+    """The registry's entries as pytest params for ``prop``: skipped where the property does
+    not apply (with the registry's reason), strict xfail where a library bug is known."""
+    assert prop in reg.PROPERTIES, prop
+    out = []
+    for name in ENTRIES:
+        marks = []
+        key = (name, prop)
+        if key in reg.NOT_APPLICABLE:
+            marks.append(pytest.mark.skip(reason=f"not applicable: {reg.NOT_APPLICABLE[key]}"))
+        elif key in reg.KNOWN_BUGS:
+            marks.append(pytest.mark.xfail(strict=True, reason=reg.KNOWN_BUGS[key]))
+        out.append(pytest.param(name, id=name, marks=marks))
+    return out
+
+
+# =============================================================================================
+# helpers
+# =============================================================================================
+def problem(steps: int = STEPS, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+            scale: float = 1.0, shapes: Optional[dict] = None):
+    """``(params, [grads per step])``: standard normal params, full-rank gradients."""
+    shapes = SHAPES if shapes is None else shapes
+    gen = torch.Generator().manual_seed(seed)
+
+    def tree(s=1.0):
+        return {k: (torch.randn(v, generator=gen, dtype=torch.float64) * s).to(dtype)
+                for k, v in shapes.items()}
+
+    return tree(), [tree(scale) for _ in range(steps)]
+
+
+def clone_tree(tree: Any) -> Any:
+    return optree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x,
+                           tree, none_is_leaf=True)
+
+
+def walk(node: Any, path: tuple = ()):
+    """``(dotted path, leaf)`` of a state tree, NamedTuple fields by name."""
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        for f in node._fields:
+            yield from walk(getattr(node, f), path + (f,))
+    elif isinstance(node, (list, tuple)):
+        for i, x in enumerate(node):
+            yield from walk(x, path + (str(i),))
+    elif isinstance(node, dict):
+        for k in sorted(node):  # optree's order: trees built in any key order walk alike
+            yield from walk(node[k], path + (str(k),))
+    else:
+        yield ".".join(path) or "<root>", node
+
+
+def map_state(fn: Callable[[str, Any], Any], node: Any, path: tuple = ()) -> Any:
+    """``walk``'s leaves replaced by ``fn(path, leaf)``, the containers rebuilt."""
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return type(node)(*[map_state(fn, getattr(node, f), path + (f,)) for f in node._fields])
+    if isinstance(node, (list, tuple)):
+        return type(node)(map_state(fn, x, path + (str(i),)) for i, x in enumerate(node))
+    if isinstance(node, dict):
+        return type(node)((k, map_state(fn, x, path + (str(k),))) for k, x in node.items())
+    return fn(".".join(path) or "<root>", node)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def assert_bitwise_unchanged(before: Any, after: Any, what: str) -> None:
+    """Same structure, and every tensor leaf holds the same bits (dtype and shape too)."""
+    assert optree.tree_structure(before, none_is_leaf=True) == optree.tree_structure(
+        after, none_is_leaf=True), f"{what}: the tree structure changed"
+    for (path, b), (_, a) in zip(walk(before), walk(after)):
+        if not isinstance(b, torch.Tensor):
+            continue
+        if isinstance(b, DTensor):
+            b, a = b._local_tensor, a._local_tensor
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}['{path}'] changed metadata"
+        assert torch.equal(_bits(a), _bits(b)), f"{what}['{path}'] was modified in place"
+
+
+def assert_trees_equal(got: Any, want: Any, what: str, *, rtol: float = 0.0,
+                       atol: float = 0.0) -> None:
+    """Same structure (NamedTuple types, dict keys, None leaves), dtypes, shapes and values
+    (exactly by default)."""
+    gt = optree.tree_structure(got, none_is_leaf=True)
+    wt = optree.tree_structure(want, none_is_leaf=True)
+    assert gt == wt, f"{what}: structure differs:\n  got  {gt}\n  want {wt}"
+    for (path, g), (_, w) in zip(walk(got), walk(want)):
+        if w is None or g is None:
+            assert g is None and w is None, f"{what}['{path}']: got {g!r}, want {w!r}"
+            continue
+        if not isinstance(w, torch.Tensor):
+            assert g == w, f"{what}['{path}']: got {g!r}, want {w!r}"
+            continue
+        assert g.dtype == w.dtype, f"{what}['{path}']: dtype {g.dtype}, want {w.dtype}"
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True,
+                                   msg=lambda m: f"{what}['{path}']: {m}")
+
+
+def run(tx, params, grads_per_step, **kw):
+    """``init`` then one ``update`` per step, applying the updates; returns ``(updates per
+    step, states per step, final params)``."""
+    state = tx.init(params)
+    us, states = [], []
+    for g in grads_per_step:
+        u, state = tx.update(g, state, params, **kw)
+        us.append(u)
+        states.append(state)
+        params = ft.apply_updates(params, u)
+    return us, states, params
+
+
+def subtree(tree: dict, keys) -> dict:
+    return {k: tree[k] for k in keys}
+
+
+# =============================================================================================
+# the registry
+# =============================================================================================
+def _returns_transform(obj: Any) -> bool:
+    """Whether ``obj`` is a function annotated to return a ``GradientTransformation``."""
+    if not inspect.isfunction(obj):
+        return False
+    ann = obj.__annotations__.get("return")
+    return "GradientTransformation" in (ann if isinstance(ann, str) else
+                                        getattr(ann, "__name__", ""))
+
+
+def test_registry_covers_every_public_name():
+    """Every name of ``functional_train.__all__`` is swept or excluded with a reason (exactly
+    one of the two), and nothing else is registered."""
+    public = set(ft.__all__)
+    swept, excluded = set(reg.FACTORIES), set(reg.EXCLUDED)
+    missing = sorted(public - swept - excluded)
+    assert not missing, (f"public names neither swept nor excluded: {missing}; add a builder to "
+                         "FACTORIES in tests/_sweep_registry.py (or a reason to EXCLUDED)")
+    both = sorted(swept & excluded)
+    assert not both, f"names both swept and excluded: {both}"
+    stale = sorted((swept | excluded) - public)
+    assert not stale, f"registered names that are not public: {stale}"
+    for name, why in reg.EXCLUDED.items():
+        assert why.strip(), f"EXCLUDED['{name}'] needs a reason"
+
+
+def test_registry_builders_and_exceptions_are_well_formed():
+    for name in ENTRIES:
+        tx = build(name)
+        assert isinstance(tx, ft.GradientTransformation), name
+        assert reg.base_name(name) in reg.FACTORIES, f"variant {name} of an unswept transform"
+    # a function annotated to return a transform cannot hide in EXCLUDED
+    for name in reg.EXCLUDED:
+        assert not _returns_transform(getattr(ft, name)), (
+            f"{name} returns a GradientTransformation: sweep it (FACTORIES), do not exclude it")
+    for name in reg.FACTORIES:
+        assert _returns_transform(getattr(ft, name)), (
+            f"FACTORIES['{name}'] is not a function annotated to return a GradientTransformation")
+    for table in (reg.NOT_APPLICABLE, reg.KNOWN_BUGS):
+        for (name, prop), why in table.items():
+            assert name in ENTRIES and prop in reg.PROPERTIES and why.strip(), (name, prop)
+    assert not set(reg.NOT_APPLICABLE) & set(reg.KNOWN_BUGS)
+    for name in (*reg.HOST_COUNTER_READS, *reg.COMPILE_GRAPH_BREAKS):
+        assert name in ENTRIES, name
+
+
+# =============================================================================================
+# sharded == unsharded
+# =============================================================================================
+SHARDED_TOL = {  # (rtol, atol)
+    "default": (1e-5, 1e-6),
+    # factored statistics are sums in another order under sharding (and the data-axis mean of
+    # Partial contributions), then normalised: a few float32 ulps, amplified over the steps
+    "scale_by_factored_rms": (1e-4, 1e-5),
+    "adafactor": (1e-4, 1e-5),
+    "scale_by_came": (1e-4, 1e-5),
+    "came": (1e-4, 1e-5),
+}
+MESH_NAMES = {1: ("dp",), 2: ("dp", "tp")}  # zero_redundancy shards its state over "dp"
+
+
+def _tol(name: str) -> tuple:
+    return SHARDED_TOL.get(name, SHARDED_TOL.get(reg.base_name(name), SHARDED_TOL["default"]))
+
+
+def _ignore_state(name: str, data_axis: bool):
+    if data_axis and reg.base_name(name) == "multi_steps":
+        # under a data axis the accumulator holds each replica's own (unreduced) contribution,
+        # by design (multi_steps issues no collective on non-final micro-steps)
+        return lambda path: "acc_grads" in path
+    return None
+
+
+def _n_examples() -> int:
+    # a fifth of the profile's examples per transform: 3 in "ci", 40 in "dev"
+    return max(1, settings().max_examples // 5)
+
+
+_SHARDED_CASES = sharded_cases(mesh_shapes=st.sampled_from([(2,), (3,), (2, 2)]),
+                               steps=st.integers(2, 3), max_leaves=3, sizes=(1, 2, 3, 5),
+                               max_numel=30)
+
+
+def _all_plain_case() -> ShardedCase:
+    """An explicit example every transform gets: every leaf a plain tensor (no DTensor to find
+    the mesh from, only the ``Mesh`` passed to update), sizes uneven over the mesh (2,)."""
+    gen = torch.Generator().manual_seed(3)
+
+    def tree():
+        return {"w0": torch.randn(3, generator=gen),
+                "blk": {"w1": torch.randn(2, 3, generator=gen)}}
+
+    return ShardedCase(params=tree(), grads_per_step=[tree(), tree()], mesh_shape=(2,),
+                       placements={"w0": None, "blk": {"w1": None}},
+                       leaves=[("w0", (3,), torch.float32, None),
+                               ("blk.w1", (2, 3), torch.float32, None)],
+                       seed=3, grad_rank=None, grad_scale=1.0, frozen=None)
+
+
+@pytest.mark.parametrize("name", cases("sharded"))
+def test_sharded(name):
+    rtol, atol = _tol(name)
+    expect_failure = (name, "sharded") in reg.KNOWN_BUGS
+
+    @settings(max_examples=_n_examples(), database=None,
+              phases=([Phase.explicit, Phase.generate] if expect_failure else
+                      list(settings().phases)),
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(case=_SHARDED_CASES)
+    @example(case=_all_plain_case())
+    def check(case):
+        assert_sharded_equivalent(build(name), mesh_dim_names=MESH_NAMES[len(case.mesh_shape)],
+                                  rtol=rtol, atol=atol, **case)
+
+    if settings().derandomize:  # reproducible, but a different stream of cases per transform
+        check = hypothesis_seed(zlib.crc32(name.encode()))(check)
+    check()
+
+
+# the data-axis layout on a ("dp", "tp") mesh of 2 x 2: plain leaves (their gradients are
+# per-replica contributions that average to the given gradient), a Partial-over-dp gradient
+# (contributions that sum), a leaf replicated over dp and sharded over tp (uneven), one sharded
+# over both (FSDP-style over dp, Shard(-1) over tp)
+DATA_AXIS_PARAMS = {"w": [R, S0], "m": [R, S1], "v": None, "t": [S0, Shard(-1)], "s": None}
+DATA_AXIS_GRADS = {"w": [R, S0], "m": [Partial(), S1], "v": None, "t": [S0, Shard(-1)],
+                   "s": None}
+
+
+@pytest.mark.parametrize("name", cases("sharded_data_axis"))
+def test_sharded_data_axis(name):
+    rtol, atol = _tol(name)
+    params, grads = problem(3, seed=1)
+    assert_sharded_equivalent(build(name), params, grads, placements=DATA_AXIS_PARAMS,
+                              grad_placements=DATA_AXIS_GRADS, mesh_shape=(2, 2),
+                              mesh_dim_names=("dp", "tp"), data_axis="dp", rtol=rtol, atol=atol,
+                              ignore_state=_ignore_state(name, data_axis=True))
+
+
+# =============================================================================================
+# purity, state structure
+# =============================================================================================
+@pytest.mark.parametrize("name", cases("purity"))
+def test_purity(name):
+    tx = build(name)
+    params, grads = problem()
+    snap = clone_tree(params)
+    state = tx.init(params)
+    assert_bitwise_unchanged(snap, params, "params (after init)")
+    for t, g in enumerate(grads):
+        before = clone_tree((params, g, state))
+        updates, new_state = tx.update(g, state, params)
+        assert_bitwise_unchanged(before[0], params, f"step {t}: params")
+        assert_bitwise_unchanged(before[1], g, f"step {t}: grads")
+        assert_bitwise_unchanged(before[2], state, f"step {t}: state")
+        params, state = ft.apply_updates(params, updates), new_state
+
+
+def _spec(x: Any):
+    if x is None:
+        return None
+    assert isinstance(x, torch.Tensor), f"a state leaf is a {type(x).__name__}, not a tensor"
+    if isinstance(x, DTensor):
+        loc = x._local_tensor
+        world = torch.distributed.get_world_size()
+        return ("DTensor", tuple(x.shape), x.dtype, tuple(x.placements),
+                x.device_mesh.mesh_dim_names, tuple(x.device_mesh.shape),
+                tuple(tuple(on_rank(loc, r).shape) for r in range(world)))
+    return ("Tensor", tuple(x.shape), x.dtype, x.device.type)
+
+
+def assert_same_structure(init: Any, later: Any, what: str) -> None:
+    ti = optree.tree_structure(init, none_is_leaf=True)
+    tl = optree.tree_structure(later, none_is_leaf=True)
+    assert ti == tl, f"{what}: the state structure changed:\n  init  {ti}\n  later {tl}"
+    bad = [f"state['{path}'] was {_spec(a)} after init, is {_spec(b)}"
+           for (path, a), (_, b) in zip(walk(init), walk(later)) if _spec(a) != _spec(b)]
+    assert not bad, f"{what}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("name", cases("state_structure"))
+def test_state_structure(name):
+    tx = build(name)
+    params, grads = problem()
+    init = tx.init(params)
+    _, states, _ = run(tx, params, grads)
+    for t, s in enumerate(states):
+        assert_same_structure(init, s, f"step {t}")
+
+
+# simulated sharded layout for the placements check (mesh 2 x 2, ("dp", "tp")): uneven, nested
+# and plain leaves
+PLACEMENT_LAYOUT = {"w": [S0, S1], "m": [R, S1], "v": [S0, S0], "t": [R, Shard(-1)], "s": None}
+
+
+@pytest.mark.parametrize("name", cases("state_placements"))
+def test_state_placements(name):
+    tx = build(name)
+    params, grads = problem(2)
+    with simulate(4):
+        dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def lay(tree):
+            return {k: replicated(4, x) if PLACEMENT_LAYOUT[k] is None else distribute_tensor(
+                replicated(4, x), dm, PLACEMENT_LAYOUT[k], src_data_rank=None)
+                for k, x in tree.items()}
+
+        dparams = lay(params)
+        init = tx.init(dparams)
+        _, states, _ = run(tx, dparams, [lay(g) for g in grads], mesh=ft.Mesh(dm))
+        for t, s in enumerate(states):
+            assert_same_structure(init, s, f"sharded step {t}")
+
+
+def test_purity_and_structure_checks_catch_bugs():
+    """(the checks work) an update that scales its gradients in place, or that returns a state
+    leaf in another dtype than init's, is caught."""
+    params, grads = problem(1)
+
+    def scales_in_place(updates, state, params=None, **kw):
+        for x in updates.values():
+            x.mul_(0.5)
+        return updates, state
+
+    before = clone_tree(grads[0])
+    scales_in_place(grads[0], None)
+    with pytest.raises(AssertionError, match=r"grads\['m'\] was modified in place"):
+        assert_bitwise_unchanged(before, grads[0], "grads")
+    init_state = ft.TraceState(torch.zeros((), dtype=torch.int64), {"s": torch.zeros(())})
+    later = ft.TraceState(torch.ones((), dtype=torch.int64),
+                          {"s": torch.zeros((), dtype=torch.float64)})
+    with pytest.raises(AssertionError, match=r"state\['trace.s'\] was .*float32.* is .*float64"):
+        assert_same_structure(init_state, later, "step 0")
+
+
+# =============================================================================================
+# composition
+# =============================================================================================
+def _clip_then(tx, params, grads):
+    """The reference of the chain properties: ``clip_by_global_norm(1.0)`` then ``tx``, by
+    hand."""
+    clip = ft.clip_by_global_norm(1.0)
+    sc, st_ = clip.init(params), tx.init(params)
+    out = []
+    for g in grads:
+        c, sc = clip.update(g, sc, params)
+        u, st_ = tx.update(c, st_, params)
+        out.append((u, sc, st_))
+        params = ft.apply_updates(params, u)
+    return out
+
+
+@pytest.mark.parametrize("name", cases("chain"))
+def test_chain(name):
+    params, grads = problem(scale=3.0)  # global norms well above 1: the clip acts
+    want = _clip_then(build(name), params, grads)
+    us, states, _ = run(ft.chain(ft.clip_by_global_norm(1.0), build(name)), params, grads)
+    for t, (u, s, (wu, wsc, wst)) in enumerate(zip(us, states, want)):
+        assert_trees_equal(u, wu, f"step {t}: updates")
+        assert_trees_equal(s, (wsc, wst), f"step {t}: state")
+
+
+@pytest.mark.parametrize("name", cases("named_chain"))
+def test_named_chain(name):
+    params, grads = problem(scale=3.0)
+    want = _clip_then(build(name), params, grads)
+    tx = ft.named_chain(("clip", ft.clip_by_global_norm(1.0)), ("tx", build(name)))
+    us, states, _ = run(tx, params, grads)
+    for t, (u, s, (wu, wsc, wst)) in enumerate(zip(us, states, want)):
+        assert_trees_equal(u, wu, f"step {t}: updates")
+        assert_trees_equal(s, {"clip": wsc, "tx": wst}, f"step {t}: state")
+
+
+@pytest.mark.parametrize("name", cases("multi_steps"))
+def test_multi_steps(name):
+    """``multi_steps(T, 2)`` over 4 micro-steps == ``T`` over the 2 mean gradients; the
+    non-final micro-steps return zeros shaped like the params."""
+    params, micro = problem(4)
+    tx, ms = build(name), ft.multi_steps(build(name), every_k=2)
+    s, ref_s = ms.init(params), tx.init(params)
+    p, ref_p = params, params
+    for k in range(2):
+        g1, g2 = micro[2 * k], micro[2 * k + 1]
+        u1, s = ms.update(g1, s, p)
+        for path, z in walk(u1):
+            assert z is not None and not z.any(), f"micro-step {2 * k}: update['{path}'] != 0"
+            assert z.shape == p[path].shape and z.dtype == g1[path].dtype, path
+        p = ft.apply_updates(p, u1)
+        u2, s = ms.update(g2, s, p)
+        mean = {key: (g1[key] + g2[key]) / 2.0 for key in g1}
+        ref_u, ref_s = tx.update(mean, ref_s, ref_p)
+        assert_trees_equal(u2, ref_u, f"step {k}: updates")
+        assert_trees_equal(s.inner_state, ref_s, f"step {k}: inner state")
+        assert int(s.mini_step) == 0 and int(s.gradient_step) == k + 1
+        p, ref_p = ft.apply_updates(p, u2), ft.apply_updates(ref_p, ref_u)
+
+
+@pytest.mark.parametrize("name", cases("zero_redundancy"))
+def test_zero_redundancy(name):
+    """One process (no mesh): ``zero_redundancy(T)`` is ``T``."""
+    params, grads = problem()
+    want_u, want_s, _ = run(build(name), params, grads)
+    us, states, _ = run(ft.zero_redundancy(build(name)), params, grads)
+    for t in range(len(grads)):
+        assert_trees_equal(us[t], want_u[t], f"step {t}: updates")
+        assert_trees_equal(states[t].inner_state, want_s[t], f"step {t}: inner state")
+
+
+@pytest.mark.parametrize("name", cases("zero_redundancy_dp"))
+def test_zero_redundancy_dp(name):
+    """``zero_redundancy(T)`` on the simulated data-axis layout (``dp`` x ``tp`` = 2 x 2, plain,
+    Partial, tensor parallel and FSDP leaves; see ``test_sharded_data_axis``) == ``T``
+    unsharded: ``T`` runs on the dp-sharded zero views and its state holds 1/dp of each leaf."""
+    rtol, atol = _tol(name)
+    params, grads = problem(2, seed=2)
+    assert_sharded_equivalent(ft.zero_redundancy(build(name)), params, grads,
+                              placements=DATA_AXIS_PARAMS, grad_placements=DATA_AXIS_GRADS,
+                              mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), data_axis="dp",
+                              rtol=rtol, atol=atol, ignore_state=_ignore_state(name, True))
+
+
+# "a": the transform under test (a tall matrix, a vector and the 3-D leaf), "b": sgd
+SPLIT = {"w": "a", "m": "b", "v": "a", "t": "a", "s": "b"}
+A_KEYS = [k for k, v in SPLIT.items() if v == "a"]
+B_KEYS = [k for k, v in SPLIT.items() if v == "b"]
+
+
+@pytest.mark.parametrize("name", cases("partition"))
+def test_partition(name):
+    """``partition({"a": T, "b": sgd})`` == ``T`` on a tree of the "a" leaves only, and sgd on
+    the "b" ones."""
+    params, grads = problem()
+    tx = ft.partition({"a": build(name), "b": ft.sgd(0.1)}, dict(SPLIT))
+    us, _, _ = run(tx, params, grads)
+    ua, _, _ = run(build(name), subtree(params, A_KEYS), [subtree(g, A_KEYS) for g in grads])
+    ub, _, _ = run(ft.sgd(0.1), subtree(params, B_KEYS), [subtree(g, B_KEYS) for g in grads])
+    for t in range(len(grads)):
+        assert_trees_equal(subtree(us[t], A_KEYS), ua[t], f"step {t}: 'a' updates")
+        assert_trees_equal(subtree(us[t], B_KEYS), ub[t], f"step {t}: 'b' updates")
+
+
+@pytest.mark.parametrize("name", cases("masked"))
+def test_masked(name):
+    """``masked(T, mask)`` == ``T`` on a tree of the masked-in leaves; the others pass through
+    unchanged."""
+    params, grads = problem()
+    us, _, _ = run(ft.masked(build(name), {k: v == "a" for k, v in SPLIT.items()}), params,
+                   grads)
+    ua, _, _ = run(build(name), subtree(params, A_KEYS), [subtree(g, A_KEYS) for g in grads])
+    for t in range(len(grads)):
+        assert_trees_equal(subtree(us[t], A_KEYS), ua[t], f"step {t}: masked-in updates")
+        for k in B_KEYS:
+            assert us[t][k] is grads[t][k] or torch.equal(us[t][k], grads[t][k]), k
+
+
+# =============================================================================================
+# None gradient leaves
+# =============================================================================================
+@pytest.mark.parametrize("name", cases("none_leaves"))
+@pytest.mark.parametrize("frozen", ["m", "v"])
+def test_none_leaves(name, frozen):
+    """A frozen parameter (``None`` gradient at every step) gets ``None`` updates, and the other
+    leaves get exactly what a run on the tree without that parameter gives."""
+    params, grads = problem()
+    keep = [k for k in SHAPES if k != frozen]
+    us, _, _ = run(build(name), params, [{**g, frozen: None} for g in grads])
+    want, _, _ = run(build(name), subtree(params, keep), [subtree(g, keep) for g in grads])
+    for t in range(len(grads)):
+        assert us[t][frozen] is None, f"step {t}: the frozen leaf's update is not None"
+        assert_trees_equal(subtree(us[t], keep), want[t], f"step {t}: updates")
+
+
+# =============================================================================================
+# bfloat16
+# =============================================================================================
+# leaves that may legitimately be non-float in a state: int64 counters, uint8 8-bit codes
+STATE_INT_DTYPES = (torch.int64, torch.uint8)
+
+
+def assert_float32_states(state: Any, what: str) -> None:
+    for path, x in walk(state):
+        if x is None:
+            continue
+        if x.dtype.is_floating_point:
+            assert x.dtype == torch.float32, f"{what}: state['{path}'] is {x.dtype}"
+        else:
+            assert x.dtype in STATE_INT_DTYPES, f"{what}: state['{path}'] is {x.dtype}"
+
+
+@pytest.mark.parametrize("name", cases("bf16_states"))
+def test_bf16_states(name):
+    tx = build(name)
+    params, grads = problem(dtype=torch.bfloat16)
+    assert_float32_states(tx.init(params), "init")
+    _, states, _ = run(tx, params, grads)
+    for t, s in enumerate(states):
+        assert_float32_states(s, f"step {t}")
+
+
+# Elementwise ``|bf16 - f32| <= BF16_RTOL |f32| + BF16_ATOL max|f32 leaf|``: each operation done
+# in the gradients' dtype rounds to bf16 (2**-9 relative), a chain of transforms adds them up
+# (rtol), and cancellations (momentum of updates of opposite signs, weight decay added to an
+# update) turn them into errors of the order of the leaf's scale rather than of the element
+# (atol: about one bf16 epsilon, 2**-7, of the leaf's largest value). Measured worst case over
+# the registry: 1.0e-2 of the leaf scale (adafactor's relative step, several bf16 stages).
+BF16_RTOL = 2e-2
+BF16_ATOL = 1.25e-2
+
+
+def _assert_close_bf16(got: Any, want: Any, what: str) -> None:
+    for (path, g), (_, w) in zip(walk(got), walk(want)):
+        if w is None or not w.dtype.is_floating_point or w.numel() == 0:
+            continue
+        w64, g64 = w.detach().double(), g.detach().double()
+        atol = BF16_ATOL * float(w64.abs().max())
+        torch.testing.assert_close(g64, w64, rtol=BF16_RTOL, atol=atol,
+                                   msg=lambda m: f"{what}['{path}']: {m}")
+
+
+@pytest.mark.parametrize("name", cases("bf16_close"))
+def test_bf16_close(name):
+    """bfloat16 params and gradients vs float32 ones holding the same values: the updates (and
+    the float32 states) agree within bf16 tolerance at every step. Both runs see the same
+    gradients and the same parameters up to one bf16 rounding (the float32 run's parameters,
+    rounded), so sign-like optimizers (Adam's first step) see identical signs and the
+    comparison is fair; what differs is the arithmetic done in the gradients' dtype."""
+    tx = build(name)
+    params, grads = problem(dtype=torch.bfloat16)
+    to32 = lambda tree: optree.tree_map(lambda x: x.float(), tree)  # noqa: E731
+    to16 = lambda tree: optree.tree_map(lambda x: x.bfloat16(), tree)  # noqa: E731
+    p32 = to32(params)
+    s32, s16 = tx.init(p32), tx.init(to16(p32))
+    for t, g in enumerate(grads):
+        u32, s32 = tx.update(to32(g), s32, p32)
+        u16, s16 = tx.update(g, s16, to16(p32))
+        _assert_close_bf16(u16, u32, f"step {t}: updates")
+        _assert_close_bf16(s16, s32, f"step {t}: state")
+        p32 = ft.apply_updates(p32, u32)
+
+
+def check_update_dtype(name: str, dtype: torch.dtype) -> None:
+    params, grads = problem(dtype=dtype)
+    us, _, _ = run(build(name), params, grads)
+    for t, u in enumerate(us):
+        for path, x in walk(u):
+            assert x.dtype == dtype and x.shape == params[path].shape, (
+                f"step {t}: update['{path}'] is {x.dtype} {tuple(x.shape)}, the gradient "
+                f"{dtype} {tuple(params[path].shape)}")
+
+
+@pytest.mark.parametrize("name", cases("update_dtype"))
+def test_update_dtype(name):
+    """bf16 gradients get bf16 updates (of their shapes) at every step."""
+    check_update_dtype(name, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", cases("update_dtype_f64"))
+def test_update_dtype_f64(name):
+    """float64 gradients get float64 updates at every step."""
+    check_update_dtype(name, torch.float64)
+
+
+# =============================================================================================
+# no host synchronisation
+# =============================================================================================
+_ATEN = torch.ops.aten
+# ops that read a tensor's value on the host: ``.item()`` / ``int(t)`` / ``bool(t)`` (all of
+# them reach ``_local_scalar_dense``), ``torch.equal`` / ``allclose`` (return a Python bool) and
+# ops whose output shape depends on values (the host waits for the count on an accelerator;
+# boolean-mask indexing, ``x[mask]``, too: see ``NoHostSync``)
+HOST_READS = {_ATEN._local_scalar_dense.default, _ATEN.item.default, _ATEN.equal.default,
+              _ATEN.allclose.default, _ATEN.is_nonzero.default, _ATEN.nonzero.default,
+              _ATEN.masked_select.default}
+
+
+class HostSync(AssertionError):
+    pass
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on every op of ``HOST_READS``, except ``_local_scalar_dense`` of the documented
+    CPU counters passed as ``allowed`` (0-dim int64 CPU tensors, matched by storage)."""
+
+    def __init__(self, allowed=()):
+        super().__init__()
+        self.allowed = [(x.untyped_storage().data_ptr(), x.storage_offset()) for x in allowed]
+        self.allowed_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _ATEN.index.Tensor and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                for i in args[1]):
+            raise HostSync("host synchronisation in update: boolean-mask indexing (the output "
+                           "shape depends on the values)")
+        if func in HOST_READS:
+            x = args[0] if args else None
+            ok = (func is _ATEN._local_scalar_dense.default and isinstance(x, torch.Tensor)
+                  and x.ndim == 0 and x.dtype == torch.int64 and x.device.type == "cpu"
+                  and (x.untyped_storage().data_ptr(), x.storage_offset()) in self.allowed)
+            if not ok:
+                what = (f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
+                        if isinstance(x, torch.Tensor) else repr(x))
+                raise HostSync(f"host synchronisation in update: {func} on {what}")
+            self.allowed_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def documented_host_counters(state: Any) -> list:
+    """The CPU step counters the library documents as read on the host."""
+    out = []
+
+    def visit(node):
+        if isinstance(node, ft.MultiStepsState):
+            out.append(node.mini_step)
+        elif isinstance(node, ft.GaLoreState):
+            out.append(node.count)
+        if isinstance(node, dict):
+            for x in node.values():
+                visit(x)
+        elif isinstance(node, (list, tuple)):
+            for x in node:
+                visit(x)
+
+    visit(state)
+    return out
+
+
+def host_reads_allowed(name: str) -> bool:
+    return reg.base_name(name) in reg.HOST_COUNTER_READS
+
+
+@pytest.mark.parametrize("name", cases("no_host_sync"))
+def test_no_host_sync(name):
+    tx = build(name)
+    params, grads = problem()
+    state = tx.init(params)
+    allowed_reads = 0
+    for g in grads:
+        allowed = documented_host_counters(state) if host_reads_allowed(name) else []
+        with NoHostSync(allowed) as mode:
+            u, state = tx.update(g, state, params)
+        allowed_reads += mode.allowed_reads
+        params = ft.apply_updates(params, u)
+    if host_reads_allowed(name):
+        assert allowed_reads > 0, "the registry allows counter reads this transform never does"
+
+
+def test_no_host_sync_mode_catches_reads():
+    """(the mode works) ``.item()`` / ``int()`` / ``bool()`` / ``torch.equal`` fail, an allowed
+    counter passes, another 0-dim int64 tensor does not."""
+    counter, other = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    x = torch.ones(3)
+    for fn in (lambda: x.sum().item(), lambda: int(other), lambda: bool(x.sum() > 0),
+               lambda: torch.equal(x, x), lambda: x[x > 0]):
+        with pytest.raises(HostSync):
+            with NoHostSync([counter]):
+                fn()
+    with NoHostSync([counter]) as mode:
+        assert int(counter) == 0
+    assert mode.allowed_reads == 1
+
+
+# =============================================================================================
+# torch.compile
+# =============================================================================================
+@pytest.mark.parametrize("name", cases("compile"))
+def test_compile(name):
+    """``torch.compile(update, fullgraph=True)`` (``COMPILE_BACKEND``) gives eager's updates and
+    states, bit for bit, over 3 steps (a GaLore refresh, a plain step and a
+    refresh; a non-final and a final micro-step of multi_steps). The registry's
+    ``COMPILE_GRAPH_BREAKS`` compile with graph breaks (``fullgraph=False``), for the reason
+    given there."""
+    tx = build(name)
+    params, grads = problem()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(tx.update, backend=COMPILE_BACKEND,
+                                 fullgraph=name not in reg.COMPILE_GRAPH_BREAKS)
+        se, sc = tx.init(params), tx.init(params)
+        pe = pc = params
+        for t, g in enumerate(grads):
+            ue, se = tx.update(g, se, pe)
+            uc, sc = compiled(g, sc, pc)
+            assert_trees_equal(uc, ue, f"step {t}: compiled updates")
+            assert_trees_equal(sc, se, f"step {t}: compiled state")
+            pe, pc = ft.apply_updates(pe, ue), ft.apply_updates(pc, uc)
+    finally:
+        torch._dynamo.reset()
+
+
+# =============================================================================================
+# the step counter past 2**31
+# =============================================================================================
+def _is_counter(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.ndim == 0 and x.dtype == torch.int64
+
+
+@pytest.mark.parametrize("name", cases("step_counter"))
+@pytest.mark.parametrize("count", [2**31 - 1, 2**31 + 5], ids=["2^31-1", "2^31+5"])
+def test_step_counter(name, count):
+    """After one real update, every 0-dim int64 counter of the state is set to ``count``
+    (``MultiStepsState.mini_step``, bounded by ``every_k``, is left as it is); the next update
+    moves each of them to ``count + 1`` exactly (``mini_step`` back to 0 on the final
+    micro-step), keeps them int64, and its updates and floating states are finite."""
+    tx = build(name)
+    params, grads = problem(2)
+    state = tx.init(params)
+    _, state = tx.update(grads[0], state, params)
+
+    def is_mini_step(path):
+        return path.endswith("mini_step")
+
+    big = map_state(lambda p, x: torch.full_like(x, count)
+                    if _is_counter(x) and not is_mini_step(p) else x, state)
+    counters = [p for p, x in walk(big) if _is_counter(x) and not is_mini_step(p)]
+    updates, new = tx.update(grads[1], big, params)
+    after = dict(walk(new))
+    for p in counters:
+        x = after[p]
+        assert _is_counter(x), f"state['{p}'] is no longer a 0-dim int64 tensor: {x!r}"
+        assert int(x) == count + 1, f"state['{p}']: {count} -> {int(x)}"
+    for p, x in walk(new):
+        if is_mini_step(p):
+            assert int(x) == 0, f"state['{p}'] = {int(x)} after the final micro-step"
+        elif isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+            assert torch.isfinite(x).all(), f"state['{p}'] is not finite"
+    for p, u in walk(updates):
+        assert torch.isfinite(u).all(), f"update['{p}'] is not finite"
