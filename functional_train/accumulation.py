@@ -113,6 +113,13 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
             new_acc[i] = wrap(torch.zeros_like(m), spec)
         new_updates, inner_state = inner.update(tree_unflatten(treedef, grads), state.inner_state,
                                                 params, mesh=mesh, **extra)
+        # the inner transform saw the accumulator's dtype (float32 for bfloat16 gradients):
+        # return updates in the gradients' dtypes, as the non-final micro-steps do
+        out = flatten_as(new_updates, treedef, "multi_steps' inner updates", "the updates")
+        if any(o is not None and x is not None and o.dtype != x.dtype for o, x in zip(out, g)):
+            new_updates = tree_unflatten(treedef, [
+                o if o is None or x is None or o.dtype == x.dtype else o.to(x.dtype)
+                for o, x in zip(out, g)])
         return new_updates, MultiStepsState(
             torch.zeros_like(state.mini_step), state.gradient_step + 1, inner_state,
             tree_unflatten(treedef, new_acc))

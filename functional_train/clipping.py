@@ -14,7 +14,7 @@ import torch
 from . import _validate as V
 from .base import GradientTransformation
 from .sharding import prepare
-from .transforms import stateless
+from .transforms import _cast_like, stateless
 from .tree import first_device
 
 __all__ = ["clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm"]
@@ -122,7 +122,8 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         total = global_norm_of(b, norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         g = [b.locals[i] for i in b.active]
-        out = torch._foreach_mul(g, coef) if g else []
+        # (the 0-dim float32 coef would promote 0-dim low-precision leaves: keep their dtype)
+        out = _cast_like(torch._foreach_mul(g, coef), g) if g else []
         return b.rebuild_active(out), ClipByGlobalNormState(total.to(state.global_norm.dtype))
 
     return GradientTransformation(init_fn, update_fn)

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from . import _validate as V
 from .base import GradientTransformation, chain
 from .sharding import Prepared, prepare, spec_of, to_local
-from .transforms import (ScalarOrSchedule, _check_state, add_decayed_weights, scale,
+from .transforms import (ScalarOrSchedule, _cast_like, _check_state, add_decayed_weights, scale,
                          scale_by_learning_rate, stateless, zero_count)
 from .tree import (contiguous_stride, flatten_as, state_dtype, state_zeros_like, tree_paths,
                    tree_unflatten)
@@ -335,7 +335,8 @@ def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
             gsq = torch._foreach_mul(gs, gs)
             torch._foreach_add_(gsq, eps)
             torch._foreach_mul_(gsq, 1.0 - b2)  # a float64 0-dim scalar keeps each dtype
-            v_new = torch._foreach_mul(v_old, b2)
+            # (a 0-dim float64 b2 would promote 0-dim leaves to float64: keep the state dtype)
+            v_new = _cast_like(torch._foreach_mul(v_old, b2), v_old)
             torch._foreach_add_(v_new, gsq)
             u = torch._foreach_rsqrt(v_new)
             torch._foreach_mul_(u, gs)

@@ -257,7 +257,9 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
 
     Raises:
         TypeError: ``inner`` is not a GradientTransformation.
-        ValueError: ``axis`` is not a dim of the mesh; at update, a state from another transform.
+        ValueError: ``axis`` is not a dim of the mesh; at update, a state from another
+            transform, or a ``mesh`` with ``axis`` when no parameter is a DTensor and
+            ``device_mesh`` was not given (``init`` could not have sharded the state).
     """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"zero_redundancy: inner must be a GradientTransformation, "
@@ -292,6 +294,12 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
         root = _root_of(mesh, list(p or []) + list(g), device_mesh)
         if root is not None and axis not in (root.mesh_dim_names or ()):
             _views([], [], root, axis)  # raises: the mesh has no such dim
+        if (root is not None and device_mesh is None and root.size(root.mesh_dim_names.index(axis)) > 1
+                and not any(isinstance(x, DTensor) for x in list(p or []) + list(g))):
+            raise ValueError(
+                "zero_redundancy: no parameter is a DTensor, so init could not see the device "
+                f"mesh and built the inner state on whole leaves; pass the mesh at construction: "
+                f"zero_redundancy(inner, axis={axis!r}, device_mesh=...)")
         if root is None or root.size(root.mesh_dim_names.index(axis)) == 1:
             new, inner_state = inner.update(updates, state.inner_state, params, mesh=mesh,
                                             **extra)

@@ -195,26 +195,6 @@ HOST_COUNTER_READS: dict[str, str] = {
 # at all traces as ONE graph.
 COMPILE_GRAPH_BREAKS: dict[str, str] = {}
 
-# ---------------------------------------------------------------------------------------------
-# library bugs found by the sweep: xfail(strict=True) until fixed
-# ---------------------------------------------------------------------------------------------
-# scale_by_factored_rms (so adafactor, scale_by_came, came): the second moment V of a 0-dim leaf
-# is float32 after init and float64 after the first update (bf16 params too). In the dense branch
-# of update_fn, torch._foreach_mul_(gsq, 1.0 - b2) and torch._foreach_mul(v_old, b2) multiply by
-# b2, a 0-dim float64 tensor: two 0-dim operands promote by dtype (the comment "a float64 0-dim
-# scalar keeps each dtype" holds only for leaves of 1 or more dims).
-_FACTORED_0DIM = ("0-dim leaf: scale_by_factored_rms' V turns float32 -> float64 at the first "
-                  "update (foreach mul by the 0-dim float64 b2 promotes 0-dim operands)")
-# clip_by_global_norm: torch._foreach_mul(g, coef), coef the 0-dim float32 clipping coefficient,
-# promotes a 0-dim bf16 gradient to float32 (clipping.py, update_fn).
-_CLIP_0DIM = ("0-dim bf16 gradient: clip_by_global_norm returns a float32 update (foreach mul "
-              "by the 0-dim float32 coefficient promotes 0-dim operands)")
-# multi_steps: the final micro-step hands inner the mean gradient in the accumulator dtype
-# (float32; accumulation.py, grads[i] = wrap(m, spec)) and returns inner's updates as they come,
-# so bf16 gradients get float32 updates on final micro-steps and bf16 zeros on the others.
-_MULTI_STEPS_DTYPE = ("bf16 gradients: multi_steps returns float32 updates on final "
-                      "micro-steps (inner runs on the float32 accumulator mean), bf16 zeros on "
-                      "the others")
 # torch.compile (dynamo, torch 2.13, with or without fullgraph) cannot trace optree flattening /
 # unflattening of trees whose leaves are all strings, bools or None when they are built or passed
 # in the traced code: fullgraph=True raises torch._dynamo.exc.Unsupported "Unexpected type in
@@ -234,26 +214,12 @@ _COMPILE_GALORE_ADAMW = ("torch.compile fails: its partition's default labels fu
 _COMPILE_8BIT = ("torch.compile fails: ScaleByAdam8bitState.mu/.nu are all-None dicts, "
                  "flattened inside update, which dynamo's optree support cannot trace")
 
-# zero_redundancy with every parameter a plain tensor and no device_mesh= at construction: init
-# finds no mesh (no DTensor leaf) and builds the inner state on the whole leaves, but update gets
-# the mesh from Mesh(device_mesh) and hands inner the dp-sharded zero views: a RuntimeError
-# "The size of tensor a (3) must match the size of tensor b (2)" for leaves of size >= 3, and
-# silently wrong states (and then updates) for a leaf of size 2 (the 1-element shard broadcasts
-# against the 2-element moment). Init and update must agree on the zero view (or update must
-# raise a clear error naming device_mesh).
-_ZERO_PLAIN = ("all-plain params, no device_mesh=: init builds the inner state on whole "
-               "leaves, update (mesh from Mesh(device_mesh)) feeds inner dp-sharded views: "
-               "size-mismatch RuntimeError, or wrong states for a 2-element leaf")
+# transforms that need at least one DTensor parameter (or a mesh at construction) to shard: on a
+# tree of plain tensors only, the sharded run must raise a ValueError matching the pattern
+# (zero_redundancy: init sees no mesh, so update refuses to mix a whole-leaf state with shards)
+NEEDS_A_DTENSOR: dict[str, str] = {"zero_redundancy": "pass the mesh at construction"}
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("zero_redundancy", "sharded"): _ZERO_PLAIN,
-    **{(name, prop): _FACTORED_0DIM
-       for name in ("scale_by_factored_rms", "adafactor", "adafactor[default]", "scale_by_came",
-                    "came")
-       for prop in ("state_structure", "state_placements", "bf16_states")},
-    ("clip_by_global_norm", "update_dtype"): _CLIP_0DIM,
-    ("chain", "update_dtype"): "chain(clip_by_global_norm, adamw): " + _CLIP_0DIM,
-    ("multi_steps", "update_dtype"): _MULTI_STEPS_DTYPE,
     ("partition", "compile"): _COMPILE_LABELS,
     ("masked", "compile"): _COMPILE_LABELS,
     ("galore_adamw", "compile"): _COMPILE_GALORE_ADAMW,

@@ -322,3 +322,15 @@ def test_bad_input():
                                     src_data_rank=None)}
         with pytest.raises(ValueError, match="axis='dp' is not a dim of the device mesh"):
             zero_redundancy(ft.adamw()).init(p)
+
+
+def test_plain_params_without_device_mesh_is_a_clear_error():
+    """Plain-tensor parameters give init no mesh: an update on a dp mesh must say so rather than
+    mix a whole-leaf state with dp-sharded views."""
+    with simulate(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        p = {"w": per_rank(2, lambda r: torch.ones(4, 2))}
+        tx = zero_redundancy(ft.adamw())
+        state = tx.init(p)
+        with pytest.raises(ValueError, match="pass the mesh at construction"):
+            tx.update(p, state, p, mesh=ft.Mesh(mesh, data_axis="dp"))
