@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, NamedTuple, Union
 
+import optree
+import torch
+
 from .base import GradientTransformation
 from .sharding import prepare
 from .tree import flatten_as, tree_flatten, tree_paths, tree_unflatten
@@ -32,6 +35,39 @@ def _resolve(spec, params: PyTree, what: str) -> list:
     tree = spec(params) if callable(spec) else spec
     _, treedef = tree_flatten(params)
     return flatten_as(tree, treedef, what, "params", params)
+
+
+class _PerLeaf:
+    """Per-leaf labels (or mask values) of a params tree, resolved eagerly and reused under
+    ``torch.compile``: dynamo cannot flatten trees of strings or bools built in traced code, so
+    the values resolved by ``init`` (or an eager update) are looked up by the params' leaf
+    shapes. Two param trees of the same shapes with different labels make the lookup ambiguous
+    (an error under compile; eager calls are unaffected)."""
+
+    _AMBIGUOUS = object()
+
+    def __init__(self, resolve: Callable[[PyTree], list], name: str):
+        self._resolve, self._name, self._seen = resolve, name, {}
+
+    @staticmethod
+    def _signature(params) -> tuple:
+        return tuple(None if x is None else tuple(x.shape)
+                     for x in optree.tree_leaves(params, none_is_leaf=True))
+
+    def __call__(self, params) -> list:
+        sig = self._signature(params)
+        if torch.compiler.is_compiling():
+            hit = self._seen.get(sig)
+            if hit is None or hit is self._AMBIGUOUS:
+                raise RuntimeError(
+                    f"{self._name}: under torch.compile the labels come from an eager call: "
+                    "call init (or one eager update) on params of these shapes first"
+                    + (" (two param trees of these shapes have different labels)" if hit else ""))
+            return hit
+        values = self._resolve(params)
+        prev = self._seen.get(sig)
+        self._seen[sig] = values if prev is None or prev == values else self._AMBIGUOUS
+        return values
 
 
 def _select(leaves: list, keep: list) -> list:
@@ -67,7 +103,7 @@ def partition(transforms: Mapping[str, GradientTransformation],
             raise TypeError(f"partition: transforms[{label!r}] must be a GradientTransformation")
     names = list(transforms)
 
-    def labels_of(params):
+    def resolve_labels(params):
         labels = _resolve(param_labels, params, "param_labels")
         paths = None
         for i, lab in enumerate(labels):
@@ -76,6 +112,8 @@ def partition(transforms: Mapping[str, GradientTransformation],
                 raise ValueError(f"partition: leaf '{paths[i]}' has label {lab!r}, which names no "
                                  f"transform (labels: {names})")
         return labels
+
+    labels_of = _PerLeaf(resolve_labels, "partition")
 
     def init_fn(params):
         leaves, treedef = tree_flatten(params)
@@ -124,13 +162,15 @@ def masked(inner: GradientTransformation,
     if not isinstance(inner, GradientTransformation):
         raise TypeError("masked: inner must be a GradientTransformation")
 
-    def keep_of(params):
+    def resolve_mask(params):
         keep = _resolve(mask, params, "mask")
         for i, k in enumerate(keep):
             if not isinstance(k, bool):
                 raise TypeError(f"masked: mask leaf '{tree_paths(params)[i]}' must be a bool, "
                                 f"got {type(k).__name__}")
         return keep
+
+    keep_of = _PerLeaf(resolve_mask, "masked")
 
     def init_fn(params):
         leaves, treedef = tree_flatten(params)

@@ -415,6 +415,8 @@ class Prepared:
     def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
         """A params-shaped state tree with the ``active`` leaves replaced by rewrapped locals."""
         old = flatten_as(tree, self.treedef, what, "the updates")
+        if all(x is None for x in old) and all(v is None for v in new_active):
+            return tree  # an all-None field (dynamo cannot rebuild a dict of constants)
         leaves = list(old)
         for i, v in zip(self.active, new_active):
             leaves[i] = wrap(v, spec_of(old[i]))

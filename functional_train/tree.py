@@ -73,6 +73,15 @@ def flatten_as(tree: PyTree, treedef, what: str, reference: str = "params",
     Raises:
         ValueError: naming the first leaf path where ``tree`` differs from ``reference``.
     """
+    if torch.compiler.is_compiling():
+        # dynamo cannot flatten a dict whose values are all constants (an all-None state
+        # field) with optree.tree_flatten, nor compare its treedef with a real one; the
+        # structure was checked by the eager calls (init builds the state), count the leaves
+        leaves = optree.tree_leaves(tree, none_is_leaf=True)
+        if len(leaves) != treedef.num_leaves:
+            raise ValueError(f"{what} has {len(leaves)} leaves, {reference} "
+                             f"{treedef.num_leaves}")
+        return leaves
     leaves, td = tree_flatten(tree)
     if td != treedef:
         expected = (reference_tree if reference_tree is not None

@@ -195,34 +195,9 @@ HOST_COUNTER_READS: dict[str, str] = {
 # at all traces as ONE graph.
 COMPILE_GRAPH_BREAKS: dict[str, str] = {}
 
-# torch.compile (dynamo, torch 2.13, with or without fullgraph) cannot trace optree flattening /
-# unflattening of trees whose leaves are all strings, bools or None when they are built or passed
-# in the traced code: fullgraph=True raises torch._dynamo.exc.Unsupported "Unexpected type in
-# sourceless builder" (optree.registry.DictMetaData); fullgraph=False raises ValueError "...
-# does not have the structure of params: same leaf paths but different container types"
-# (tree.flatten_as) or "length mismatch: [2, 5]" (tree_unflatten). Hit by:
-# * partition / masked: labels_of / keep_of evaluate param_labels / mask on the params and
-#   flatten the result inside update;
-# * galore_adamw: a partition whose default labels function (galore._canonical_labels) builds a
-#   string tree with tree_unflatten inside update (InternalTorchDynamoError: length mismatch);
-# * adamw[8bit]: ScaleByAdam8bitState.mu / .nu are all-None dicts when every leaf is quantised,
-#   flattened by quantization.dequantize_state (Prepared.state_locals) inside update.
-_COMPILE_LABELS = ("torch.compile fails: the labels / mask tree (non-tensor leaves) is built "
-                   "and flattened inside update, which dynamo's optree support cannot trace")
-_COMPILE_GALORE_ADAMW = ("torch.compile fails: its partition's default labels function "
-                         "unflattens a tree of strings inside update (dynamo: length mismatch)")
-_COMPILE_8BIT = ("torch.compile fails: ScaleByAdam8bitState.mu/.nu are all-None dicts, "
-                 "flattened inside update, which dynamo's optree support cannot trace")
-
 # transforms that need at least one DTensor parameter (or a mesh at construction) to shard: on a
 # tree of plain tensors only, the sharded run must raise a ValueError matching the pattern
 # (zero_redundancy: init sees no mesh, so update refuses to mix a whole-leaf state with shards)
 NEEDS_A_DTENSOR: dict[str, str] = {"zero_redundancy": "pass the mesh at construction"}
 
-KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("partition", "compile"): _COMPILE_LABELS,
-    ("masked", "compile"): _COMPILE_LABELS,
-    ("galore_adamw", "compile"): _COMPILE_GALORE_ADAMW,
-    ("galore_adamw[8bit]", "compile"): _COMPILE_GALORE_ADAMW,
-    ("adamw[8bit]", "compile"): _COMPILE_8BIT,
-}
+KNOWN_BUGS: dict[tuple[str, str], str] = {}  # every bug the sweep found is fixed

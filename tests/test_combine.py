@@ -113,3 +113,30 @@ def test_partition_reduces_unreduced_gradients_once():
             torch.testing.assert_close(on_rank(dparams["emb"]["table"], rank),
                                        expected["emb"]["table"])
     assert counts == [{"all_reduce": 1}] * 3
+
+
+def test_partition_and_masked_compile():
+    """Under torch.compile the labels / mask come from the eager init (dynamo cannot flatten
+    trees of strings built in traced code); results equal eager. Two param trees of the same
+    shapes with different labels make the lookup ambiguous: a clear error under compile."""
+    import torch._dynamo
+
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    grads = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    for tx in (ft.partition({"a": ft.adamw(1e-2), "s": ft.sgd(0.1)},
+                            lambda p: {k: "a" if v.ndim == 2 else "s" for k, v in p.items()}),
+               ft.masked(ft.adamw(1e-2), {"w": True, "b": False})):
+        torch._dynamo.reset()
+        state = tx.init(params)
+        want, _ = tx.update(grads, state, params)
+        got, _ = torch.compile(tx.update, backend="eager", fullgraph=True)(grads, state, params)
+        for k in params:
+            torch.testing.assert_close(got[k], want[k])
+    torch._dynamo.reset()
+    tx = ft.partition({"a": ft.adamw(1e-2), "s": ft.sgd(0.1)},
+                      lambda p: {k: "a" if k == "w" else "s" for k in p})
+    tx.init({"w": torch.zeros(3), "z": torch.zeros(3)})        # leaves (w, z): labels (a, s)
+    other = {"b": torch.zeros(3), "w": torch.zeros(3)}         # leaves (b, w): labels (s, a)
+    state = tx.init(other)
+    with pytest.raises(Exception, match="different labels"):
+        torch.compile(tx.update, backend="eager", fullgraph=True)(other, state, other)
