@@ -432,6 +432,30 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     return stateless(where, scale_rms, need_params=True)
 
 
+def _clip_and_scale_by_param_rms(threshold: float, min_scale: float,
+                                 weight_decay: float = 0.0) -> GradientTransformation:
+    """``clip_by_block_rms(threshold)``, ``add_decayed_weights(weight_decay)`` (if non-zero) and
+    ``scale_by_param_block_rms(min_scale)`` in one transform, so that the RMS of every update
+    and of every parameter take ONE all-reduce together (Adafactor's two scalar statistics).
+    Same numbers as the three primitives in sequence."""
+
+    def fused(b):
+        act = b.active
+        g = [b.locals[i] for i in act]
+        p = [b.params[i] for i in act]
+        rms = _block_rms(b, g + p, act + act)
+        den = torch._foreach_div(rms[:len(act)], threshold)
+        torch._foreach_clamp_min_(den, 1.0)
+        out = [x / d.to(x.dtype) for x, d in zip(g, den)]
+        if weight_decay:
+            out = [x + weight_decay * w.to(x.dtype) for x, w in zip(out, p)]
+        scale = rms[len(act):]
+        torch._foreach_clamp_min_(scale, min_scale)
+        return [x * s.to(x.dtype) for x, s in zip(out, scale)]
+
+    return stateless("adafactor", fused, need_params=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # step size, momentum
 # ---------------------------------------------------------------------------------------------
@@ -572,15 +596,16 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
     ``scale_by_param_block_rms(eps[1])`` and ``scale_by_learning_rate(rho)``; with ``beta1``
     ``scale_by_param_block_rms``, ``scale_by_learning_rate(rho, flip_sign=False)``, ``ema(beta1)``,
     a private transform adding ``weight_decay * alpha_t * theta`` (HF decays with ``alpha_t``
-    after the momentum) and ``scale(-1)``. All RMS are over the global tensors; every statistic is
-    exact under sharding.
+    after the momentum) and ``scale(-1)``. With ``scale_parameter`` the clipping, the decay
+    (without ``beta1``) and the parameter scaling are one private stateless transform computing
+    the same numbers, so that both RMS share an all-reduce. All RMS are over the global tensors;
+    every statistic is exact under sharding.
 
     Needs ``params`` at update when ``scale_parameter`` or ``weight_decay``. Communication per
-    update, whatever the number of leaves and their placements: one all-reduce for the
-    factored statistics of every leaf (:func:`scale_by_factored_rms`), one for the RMS of every
-    update (:func:`clip_by_block_rms`), one for the RMS of every parameter
-    (:func:`scale_by_param_block_rms`, if ``scale_parameter``), and one more RMS(param) (if
-    ``beta1`` and ``weight_decay`` and ``scale_parameter``): 3 for a default ``adafactor()``.
+    update, whatever the number of leaves and their placements: ONE all-reduce for the
+    factored statistics of every leaf (:func:`scale_by_factored_rms`) and ONE for the RMS of
+    every update and every parameter: 2 for a default ``adafactor()``; one more RMS(param) with
+    ``beta1`` and ``weight_decay`` and ``scale_parameter`` (the decay after the momentum).
 
     Args:
         learning_rate: HF ``lr``; must be ``None`` with ``relative_step=True`` and > 0 (or a
@@ -636,16 +661,21 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
         rho = relative_step_schedule(warmup_init)
     else:
         rho = learning_rate
-    txs = [scale_by_factored_rms(decay_rate, eps1), clip_by_block_rms(clip_threshold)]
+    txs = [scale_by_factored_rms(decay_rate, eps1)]
+    # with scale_parameter, the RMS of the updates and of the parameters share one all-reduce
     if beta1 is None:
-        if weight_decay:
-            txs.append(add_decayed_weights(weight_decay))
         if scale_parameter:
-            txs.append(scale_by_param_block_rms(eps2))
+            txs.append(_clip_and_scale_by_param_rms(clip_threshold, eps2, weight_decay))
+        else:
+            txs.append(clip_by_block_rms(clip_threshold))
+            if weight_decay:
+                txs.append(add_decayed_weights(weight_decay))
         txs.append(scale_by_learning_rate(rho))
     else:
         if scale_parameter:
-            txs.append(scale_by_param_block_rms(eps2))
+            txs.append(_clip_and_scale_by_param_rms(clip_threshold, eps2))
+        else:
+            txs.append(clip_by_block_rms(clip_threshold))
         txs.append(scale_by_learning_rate(rho, flip_sign=False))
         txs.append(ema(beta1))
         if weight_decay:
