@@ -65,6 +65,7 @@ __all__ = [
 PyTree = Any
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right")
+REFRESH = ("svd", "randomized")
 _RIGHT, _LEFT = "right", "left"
 
 
@@ -285,6 +286,70 @@ def _orthogonal(full: torch.Tensor, side: str, rank: int) -> torch.Tensor:
     return (Vh[:rank, :] if side == _RIGHT else U[:, :rank]).contiguous()
 
 
+def _like_dim(spec: Optional[Spec], dim: int) -> tuple:
+    """Placements under which the local part of a ``(size of dim, k)`` matrix matches the local
+    shard of the leaf along its tensor dim ``dim``."""
+    return tuple(Shard(0) if isinstance(p, Shard) and p.dim % 2 == dim else Replicate()
+                 for p in spec.placements)
+
+
+def _rows_for(x: torch.Tensor, spec: Optional[Spec], dim: int) -> torch.Tensor:
+    """The rows of the replicated matrix ``x`` matching this rank's shard of leaf dim ``dim``."""
+    if spec is None or not _is_sharded(spec, dim):
+        return x
+    return _local_part(x, spec.mesh, _like_dim(spec, dim))
+
+
+def _randomized(b: Prepared, proj: Sequence[tuple[int, str]], rank: int, oversample: int,
+                seed: int) -> dict:
+    """Projectors from a randomized range finder (Halko, Martinsson & Tropp 2011) of the GLOBAL
+    gradients, communicating ``O(k (m + n))`` per leaf (``k = min(r + oversample, m, n)``)
+    instead of gathering ``m n``: two all-reduces for all leaves (``leaf_sums(whole=True)``).
+
+    Right side (``P ~ Vh[:r]``): ``Y = G^T Omega`` (``n x k``, ``Omega`` ``m x k`` Gaussian),
+    ``Q = qr(Y)``, ``B = G Q`` (``m x k``), ``B = U_B S Vh_B``, ``P = (Vh_B Q^T)[:r]``.
+    Left side (``P ~ U[:, :r]``): ``Y = G Omega`` (``m x k``), ``Q = qr(Y)``, ``B = Q^T G``,
+    ``P = (Q U_B)[:, :r]``. ``Omega`` is drawn on the CPU from ``seed`` and the leaf's position,
+    so every rank (and an unsharded run) draws the same; float32 throughout, like the SVD."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    geo = {}
+    for i, side in proj:
+        m, n = (int(d) for d in b.updates[i].shape)
+        r = min(rank, m, n)
+        k = min(r + oversample, m, n)
+        with maybe_disable_local_tensor_mode():
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+            omega = torch.randn((m if side == _RIGHT else n, k), generator=gen)
+        geo[i] = (side, r, omega.to(b.locals[i].device))
+    # round 1: the range Y of G^T (right) or G (left)
+    items = []
+    for i, (side, _, omega) in geo.items():
+        g, s = b.locals[i].to(torch.float32), b.specs[i]
+        if side == _RIGHT:  # (k, n_local) = Omega[rows]^T G, summed over the row shards
+            items.append((i, _rows_for(omega, s, 0).T @ g, (0,)))
+        else:  # (m_local, k) = G Omega[cols], summed over the column shards
+            items.append((i, g @ _rows_for(omega, s, 1), (1,)))
+    ys = b.leaf_sums(items, whole=True)
+    # round 2: B = G Q (right) or Q^T G (left)
+    items, qs = [], {}
+    for (i, (side, _, _)), y in zip(geo.items(), ys):
+        g, s = b.locals[i].to(torch.float32), b.specs[i]
+        q = torch.linalg.qr(y.T if side == _RIGHT else y).Q  # (n, k) or (m, k)
+        qs[i] = q
+        if side == _RIGHT:
+            items.append((i, g @ _rows_for(q, s, 1), (1,)))      # (m_local, k)
+        else:
+            items.append((i, _rows_for(q, s, 0).T @ g, (0,)))    # (k, n_local)
+    bs = b.leaf_sums(items, whole=True)
+    out = {}
+    for (i, (side, r, _)), bm in zip(geo.items(), bs):
+        U, _, Vh = torch.linalg.svd(bm, full_matrices=False)
+        q = qs[i]
+        out[i] = ((Vh @ q.T)[:r] if side == _RIGHT else (q @ U)[:, :r]).contiguous()
+    return out
+
+
 def _project(g: torch.Tensor, p: torch.Tensor, side: str) -> torch.Tensor:
     p = p.to(g.dtype)
     return g @ p.T if side == _RIGHT else p.T @ g
@@ -299,7 +364,8 @@ def _project_back(r: torch.Tensor, p: torch.Tensor, side: str) -> torch.Tensor:
 # galore
 # ---------------------------------------------------------------------------------------------
 def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
-           scale: float = 0.25, proj_type: str = "std") -> GradientTransformation:
+           scale: float = 0.25, proj_type: str = "std", *, refresh: str = "svd",
+           oversample: int = 10, seed: int = 0) -> GradientTransformation:
     """GaLore's gradient low-rank projection around ``inner`` (Zhao et al. 2024), exactly as
     galore-torch's ``GaLoreProjector`` computes it.
 
@@ -359,6 +425,15 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
         scale: GaLore's scale ``alpha`` multiplying the back-projected update (default 0.25).
         proj_type: ``"std"`` (default), ``"reverse_std"``, ``"left"`` or ``"right"``
             (galore-torch's ``"full"`` two-sided projection is not offered).
+        refresh: ``"svd"`` (default: galore-torch's exact SVD of the gathered gradient) or
+            ``"randomized"``: a randomized range finder (Halko et al. 2011) with
+            ``k = min(r + oversample, m, n)`` Gaussian directions drawn from ``seed`` and the
+            step, whose refresh communicates ``O(k (m + n))`` per leaf instead of ``m n``: TWO
+            all-reduces for all leaves and no gather; the projector spans the top-``r``
+            subspace exactly when the gradient's rank is at most ``k``, approximately
+            otherwise. Sharded and unsharded runs draw the same directions (same numbers).
+        oversample: extra directions of the randomized refresh (>= 0, default 10).
+        seed: seed of the randomized refresh (>= 0, default 0).
 
     State: :class:`GaLoreState`.
 
@@ -378,6 +453,11 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
     scale = V.number("scale", scale, where=where)
     if proj_type not in PROJ_TYPES:
         raise ValueError(f"{where}: proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
+    if refresh not in REFRESH:
+        raise ValueError(f"{where}: refresh must be one of {REFRESH}, got {refresh!r}")
+    oversample = V.integer("oversample", oversample, where=where, low=0)
+    seed = V.integer("seed", seed, where=where, low=0)
+    refresh_kind = refresh
 
     def init_fn(params):
         leaves, treedef = tree_flatten(params)
@@ -431,10 +511,16 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
                                  f"state holds {got} (a state for other parameters?)")
             proj.append((i, side))
         refresh = int(state.count) % gap == 0  # CPU counter: a host read without device sync
+        randomized = refresh_kind == "randomized"
         p_full = {i: to_local(old[i]) for i, _ in proj}
         new_proj = list(old)
         full = {}
-        if refresh and proj:
+        if refresh and proj and randomized:
+            for i, p_new in _randomized(b, proj, rank, oversample,
+                                        seed + int(state.count)).items():
+                p_full[i] = p_new
+                new_proj[i] = wrap(p_new, spec_of(old[i]))
+        elif refresh and proj:
             full = _gather_global(b, [i for i, _ in proj if _is_sharded(b.specs[i])])
             for i, side in proj:
                 p_full[i] = _orthogonal(full.get(i, b.locals[i]), side, rank)
@@ -567,7 +653,8 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
                  eps: float = 1e-6, weight_decay: float = 0.0, *, rank: int = 128,
                  update_proj_gap: int = 200, scale: float = 0.25, proj_type: str = "std",
                  labels: Union[None, PyTree, Callable[[PyTree], PyTree]] = None,
-                 optim_bits: int = 32, min_8bit_size: int = 4096) -> GradientTransformation:
+                 optim_bits: int = 32, min_8bit_size: int = 4096,
+                 refresh: str = "svd") -> GradientTransformation:
     """``galore_torch.GaLoreAdamW`` as a chain (HF ``AdamW`` heritage, ``correct_bias=True``).
 
     Per leaf labelled ``"galore"`` (2-D; see :func:`galore` for the projection), with
@@ -602,6 +689,7 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
             see :func:`~functional_train.scale_by_adam`) for the leaves whose Adam state has at
             least ``min_8bit_size`` elements (the projected ``R`` for GaLore leaves, default
             4096 like bitsandbytes).
+        refresh: ``"svd"`` (default, galore-torch's) or ``"randomized"`` (see :func:`galore`).
 
     State: a :class:`~functional_train.PartitionState` with the labels ``"galore"``,
     ``"decay"`` (and ``"no_decay"`` when ``labels`` is given), each a chain state; the GaLore
@@ -627,7 +715,8 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
         return txs
 
     transforms = {
-        "galore": chain(galore(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size), rank, update_proj_gap, scale, proj_type),
+        "galore": chain(galore(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size), rank,
+                               update_proj_gap, scale, proj_type, refresh=refresh),
                         *tail(True)),
         "decay": chain(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size), *tail(True)),
     }

@@ -423,7 +423,7 @@ class Prepared:
         return tree_unflatten(self.treedef, leaves)
 
     def leaf_sums(self, items: Sequence[tuple[int, torch.Tensor, Sequence[int]]],
-                  op: str = "sum") -> list:
+                  op: str = "sum", whole: bool = False) -> list:
         """Complete per-leaf reductions that were computed over the local shard.
 
         Args:
@@ -442,12 +442,28 @@ class Prepared:
         leaf, one collective per distinct set of mesh dims. Leaves whole along the reduced dims
         need nothing.
 
+        With ``whole=True`` every rank gets the WHOLE statistic of each leaf (global shape, e.g.
+        a projection ``G^T Omega`` of a column-sharded ``G`` in full), not its own region: the
+        partial results must then be statistics (shaped as above), and the same one all-reduce
+        (per dtype) serves, since every rank already receives the whole buffer.
+
         Returns the completed results, in order (the inputs are not modified).
         """
         out: list = [None] * len(items)
         batch, where, scatter = [], [], []
         for n, (i, t, dims) in enumerate(items):
             x = self.updates[i]
+            if whole:
+                sharded = isinstance(x, DTensor) and any(isinstance(p, Shard)
+                                                         for p in x.placements)
+                if not sharded:
+                    out[n] = t
+                elif _statistic_shape(x, t, dims) is None:
+                    raise ValueError(f"leaf_sums(whole=True): the partial result for leaf "
+                                     f"'{self.paths[i]}' is not a statistic of its local shard")
+                else:
+                    scatter.append(n)
+                continue
             group = self.world.shard_group(x, self.paths[i], dims)
             if group is None:
                 out[n] = t
@@ -459,11 +475,11 @@ class Prepared:
         for n, r in zip(where, all_reduce_buckets(batch)):
             out[n] = r
         if scatter:
-            for n, r in zip(scatter, self._scatter_reduce([items[n] for n in scatter], op)):
+            for n, r in zip(scatter, self._scatter_reduce([items[n] for n in scatter], op, whole)):
                 out[n] = r
         return out
 
-    def _scatter_reduce(self, items, op: str) -> list:
+    def _scatter_reduce(self, items, op: str, whole: bool = False) -> list:
         """Whole-statistic buffers of ``items`` completed by one all-reduce per dtype."""
         world = self.world
         dims = set(range(world.device_mesh.ndim)) - world.separating_dims()
@@ -501,8 +517,12 @@ class Prepared:
                 return parts[0] if len(parts) == 1 else torch.cat(parts)
 
             local = per_rank([items[k][1] for k in ks], pack)
-            red = _all_reduce(local, op, group)
+            red = _all_reduce(local, op, group) if group is not None else local
             sizes = [math.prod(m[4]) for m in metas]
+            if whole:  # every rank holds every statistic in full: no rank-dependent slicing
+                for j, (k, piece) in enumerate(zip(ks, red.split(sizes))):
+                    out[k] = piece.view(metas[j][4])
+                continue
             for j, k in enumerate(ks):
 
                 def unpack(r, ts, j=j, metas=metas, sizes=sizes):

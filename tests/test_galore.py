@@ -590,3 +590,60 @@ def test_galore_adamw_8bit_moments():
         galore_adamw(1e-2, rank=4, update_proj_gap=3, optim_bits=8, min_8bit_size=8),
         params, grads[:4], mesh_shape=(2, 2), rtol=1e-6, atol=1e-7,
         placements={"w": [S0, S1], "b": [Rep(), S0]})
+
+
+# =============================================================================================
+# the randomized refresh (stretch goal): O(k (m + n)) communication per leaf
+# =============================================================================================
+@pytest.mark.parametrize("shape", [(12, 7), (7, 12)])
+def test_randomized_refresh_recovers_a_low_rank_subspace(shape):
+    """For a gradient of rank <= k the range finder spans exactly the top-r singular subspace:
+    the projector's span equals the SVD's (left and right sides)."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(shape[0], 3, generator=gen) @ torch.randn(3, shape[1], generator=gen)
+    spans = {}
+    for refresh in ("svd", "randomized"):
+        tx = galore(ft.scale_by_adam(), rank=3, update_proj_gap=5, refresh=refresh,
+                    oversample=2)
+        params = {"w": torch.zeros(shape)}
+        _, state = tx.update({"w": g}, tx.init(params), params)
+        p = state.projectors["w"]
+        spans[refresh] = p.T @ p if p.shape[0] == 3 else p @ p.T  # the orthogonal projection
+    torch.testing.assert_close(spans["randomized"], spans["svd"], rtol=0, atol=1e-5)
+
+
+def test_randomized_refresh_sharded_equals_unsharded_and_communicates_less():
+    """2x2 mesh, uneven shards on either dim: the same projectors and updates as one process
+    (the same Gaussian directions); a refresh issues two all-reduces (range, then B) and no
+    all-gather, plus the usual one for the sharded contracted dims."""
+    from functional_train.testing import assert_sharded_equivalent
+
+    gen = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(9, 5, generator=gen), "v": torch.randn(5, 11, generator=gen),
+              "b": torch.randn(5, generator=gen)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+             for _ in range(4)]
+    placements = {"w": [S0, S1], "v": [S1, R], "b": [R, S0]}
+    assert_sharded_equivalent(
+        galore(ft.scale_by_adam(), 2, update_proj_gap=2, refresh="randomized"), params, grads,
+        mesh_shape=(2, 2), placements=placements, rtol=1e-4, atol=1e-5)
+    assert_sharded_equivalent(
+        galore_adamw(1e-2, rank=2, update_proj_gap=2, refresh="randomized"), params, grads,
+        mesh_shape=(2, 2), placements=placements, rtol=1e-4, atol=1e-5)
+    with simulate(4):
+        m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        p = {k: distribute_tensor(per_rank(4, lambda r, v=v: v), m, placements[k],
+                                  src_data_rank=None) for k, v in params.items()}
+        g = {k: distribute_tensor(per_rank(4, lambda r, v=v: v), m, placements[k],
+                                  src_data_rank=None) for k, v in grads[0].items()}
+        tx = galore(ft.scale_by_adam(), 2, update_proj_gap=2, refresh="randomized")
+        with count_collectives() as c:
+            tx.update(g, tx.init(p), p)
+    assert c.counts == {"all_reduce": 3}, c.counts
+
+
+def test_randomized_refresh_bad_input():
+    with pytest.raises(ValueError, match="refresh"):
+        galore(ft.scale_by_adam(), 2, refresh="power")
+    with pytest.raises(ValueError, match="oversample"):
+        galore(ft.scale_by_adam(), 2, refresh="randomized", oversample=-1)
