@@ -129,7 +129,8 @@ def test_property_tests_pass_and_catch_the_local_shard_bug(executed):
     assert "caught: sharded != unsharded: step 0, updates[" in text
     assert "scale_by_rms: 10 drawn cases pass" in text
     assert "scale_by_local_rms fails: sharded != unsharded" in text
-    assert "Falsifying example" in text
+    # hypothesis' note with the shrunk failing case (its wording varies between versions)
+    assert "test_scale_by_local_rms(" in text and "mesh_shape=" in text
 
 
 def test_stored_without_outputs():
