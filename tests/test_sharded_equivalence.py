@@ -31,7 +31,6 @@ readably and can be rebuilt identically for the unsharded reference and the shar
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import optree
 import pytest
@@ -46,6 +45,7 @@ import functional_train as ft
 from functional_train.base import passes_unreduced
 from functional_train.testing import (assert_sharded_equivalent, count_collectives, on_rank,
                                       per_rank, sharded_cases, simulate)
+from functional_train.testing.strategies import _nest
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -365,14 +365,7 @@ def cases(mesh_shapes=MESH_SHAPES, max_leaves=3, frozen=True):
                          frozen=frozen, plain=0.17)
 
 
-def nest(leaves: list) -> Any:
-    """Put a flat list of leaves into a small nested pytree (dict / list)."""
-    tree: dict = {"w0": leaves[0]}
-    if len(leaves) > 1:
-        tree["blk"] = {"w1": leaves[1]}
-    if len(leaves) > 2:
-        tree["blk"]["seq"] = list(leaves[2:])
-    return tree
+nest = _nest  # put a flat list of leaves into a small nested pytree (dict / list)
 
 
 def make_mesh(shape, names=None):

@@ -304,17 +304,11 @@ def pytrees(*, min_leaves: int = 1, max_leaves: int = 4, ndims: Sequence[int] = 
 # whole cases
 # =============================================================================================
 def _describe_placements(pl) -> str:
+    from .equivalence import _one_pl_str as _pl_str
+
     if pl is None:
         return "plain"
     return "[" + ", ".join(_pl_str(p) for p in pl) + "]"
-
-
-def _pl_str(p) -> str:
-    if isinstance(p, Shard):
-        return f"Shard({p.dim})"
-    if isinstance(p, Replicate):
-        return "Replicate()"
-    return repr(p)
 
 
 class ShardedCase(Mapping):
