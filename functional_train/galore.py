@@ -43,7 +43,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from . import _validate as V
 from .base import GradientTransformation, chain
 from .combine import partition
-from .sharding import Prepared, Spec, prepare, spec_of, to_local, wrap
+from .sharding import Prepared, Spec, prepare, shard_region, spec_of, to_local, wrap
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, scale_by_adam,
                          scale_by_learning_rate, stateless)
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
@@ -172,28 +172,10 @@ def _is_sharded(spec: Optional[Spec], dim: Optional[int] = None) -> bool:
 # ---------------------------------------------------------------------------------------------
 # rank-dependent local blocks (run once per simulated rank under LocalTensorMode)
 # ---------------------------------------------------------------------------------------------
-def _region(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int],
-            coord: Sequence[int]) -> tuple[list, list]:
-    """``(starts, lengths)`` of the block of a global tensor that mesh coordinate ``coord`` holds
-    (torch's nested chunking: mesh dims left to right, ``torch.chunk`` sizes, trailing chunks
-    possibly empty)."""
-    nd = len(shape)
-    starts, lens = [0] * nd, [int(s) for s in shape]
-    for i, p in enumerate(placements):
-        if isinstance(p, Shard):
-            d = p.dim % nd
-            n = lens[d]
-            chunk = -(-n // int(mesh_shape[i]))
-            st = min(int(coord[i]) * chunk, n)
-            starts[d] += st
-            lens[d] = min(st + chunk, n) - st
-    return starts, lens
-
-
 @_per_rank
 def _narrow_block(full: torch.Tensor, shape: tuple, placements: tuple, mesh_shape: tuple,
                   coord: list) -> torch.Tensor:
-    starts, lens = _region(shape, placements, mesh_shape, coord)
+    starts, lens = shard_region(shape, placements, mesh_shape, coord)
     x = full
     for d, (st, ln) in enumerate(zip(starts, lens)):
         if ln != shape[d]:
@@ -249,7 +231,7 @@ def _gather_global(b: Prepared, idx: Sequence[int]) -> dict:
         flats, offsets, total = [], [], 0
         for i, _ in items:
             s = b.specs[i]
-            _, lens = _region(s.shape, s.placements, s.mesh.shape, [0] * s.mesh.ndim)
+            _, lens = shard_region(s.shape, s.placements, s.mesh.shape, [0] * s.mesh.ndim)
             numel = math.prod(lens)
             flats.append(_padded_flat(b.locals[i], numel))
             offsets.append(total)
@@ -267,7 +249,7 @@ def _gather_global(b: Prepared, idx: Sequence[int]) -> dict:
                     coord[j] = cj
                     block += cj * stride
                     stride *= k
-                starts, lens = _region(s.shape, s.placements, s.mesh.shape, coord)
+                starts, lens = shard_region(s.shape, s.placements, s.mesh.shape, coord)
                 numel = math.prod(lens)
                 if numel == 0:
                     continue

@@ -595,21 +595,31 @@ def _statistic_shape(x: Any, t: torch.Tensor, dims: Sequence[int]) -> Optional[l
     return None
 
 
+def shard_region(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int],
+                 coord: Sequence[int]) -> tuple[list, list]:
+    """``(starts, lengths)`` of the block of a global tensor of ``shape`` that the rank at mesh
+    coordinate ``coord`` holds under ``placements`` (torch's nested chunking: mesh dims left to
+    right, ``torch.chunk`` sizes, trailing chunks possibly empty)."""
+    nd = len(shape)
+    starts, lens = [0] * nd, [int(s) for s in shape]
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d = p.dim % nd
+            n = lens[d]
+            chunk = -(-n // int(mesh_shape[i]))
+            st = min(int(coord[i]) * chunk, n)
+            starts[d] += st
+            lens[d] = min(st + chunk, n) - st
+    return starts, lens
+
+
 def _region(x: DTensor, coord: Sequence[int], keep: Sequence[Optional[int]]) -> tuple:
     """The slices of the rank at mesh coordinate ``coord`` (one per dim of ``x``'s mesh) in a
     statistic of ``x`` whose dims are the tensor dims ``keep`` of ``x`` (``None``: a dim no
-    mesh dim splits; taken whole). Nested shards in mesh-dim order, uneven sizes as
-    ``torch.chunk``, like DTensor."""
-    start = [0] * x.ndim
-    size = list(x.shape)
-    for mdim, p in enumerate(x.placements):
-        if isinstance(p, Shard):
-            d = p.dim % x.ndim
-            cs = -(-size[d] // x.device_mesh.size(mdim))
-            off = min(coord[mdim] * cs, size[d])
-            size[d] = max(0, min(size[d], off + cs) - off)
-            start[d] += off
-    return tuple(slice(None) if d is None else slice(start[d], start[d] + size[d]) for d in keep)
+    mesh dim splits; taken whole)."""
+    starts, lens = shard_region(x.shape, x.placements, x.device_mesh.shape, coord)
+    return tuple(slice(None) if d is None else slice(starts[d], starts[d] + lens[d])
+                 for d in keep)
 
 
 def per_rank(tensors: Sequence[torch.Tensor], fn) -> torch.Tensor:

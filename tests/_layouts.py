@@ -98,3 +98,22 @@ def close(got, want, rtol, atol, what):
     err = (got - want).abs().max().item() if got.numel() else 0.0
     tol = atol + rtol * (want.abs().max().item() if want.numel() else 0.0)
     assert err <= tol, f"{what}: max abs err {err:.3e} > {tol:.3e}"
+
+
+def run_on_tp_submesh(make, leaves, params, grads, deltas, collect):
+    """``run_steps(make(), ...)`` with every leaf on the ``tp`` sub-mesh of a dp=2 x tp=2 mesh
+    (``leaves``: name -> (shape, placements)) and per-replica gradients ``g + d`` / ``g - d``
+    (their mean over ``Mesh.data_axis`` is ``g``). Returns ``collect(updates, state, params)``,
+    called inside the simulation (gather there)."""
+    with simulate(4):
+        m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        tp = m["tp"]
+
+        def on_tp(values, pl):  # values[dp coordinate]
+            return distribute_tensor(per_rank(4, lambda r: values[r // 2]), tp, pl,
+                                     src_data_rank=None)
+
+        dp = {k: on_tp([params[k]] * 2, pl) for k, (_, pl) in leaves.items()}
+        dg = [{k: on_tp([g[k] + d[k], g[k] - d[k]], pl) for k, (_, pl) in leaves.items()}
+              for g, d in zip(grads, deltas)]
+        return collect(*run_steps(make(), dp, dg, ft.Mesh(m, data_axis="dp")))

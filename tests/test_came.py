@@ -19,11 +19,11 @@ import optree
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 import functional_train as ft
 from functional_train.came import ScaleByCameState, came, scale_by_came
-from functional_train.testing import on_rank, per_rank, simulate
+from functional_train.testing import on_rank, simulate
 
 from came_pytorch import CAME as RefCAME  # the reference
 
@@ -152,6 +152,7 @@ def test_learning_rate_schedule():
 # =============================================================================================
 from _layouts import LEAVES_2, LEAVES_2x2, R, S0, S1, S2  # noqa: E402
 from _layouts import close as _close, run_steps as _run, values as _values  # noqa: E402
+from _layouts import run_on_tp_submesh  # noqa: E402
 from _layouts import MIXED, update_collectives  # noqa: E402
 from _layouts import shard as _shard  # noqa: E402
 
@@ -277,20 +278,9 @@ def test_data_axis_and_sub_mesh_leaves():
     _, deltas = _values(shapes, 2, torch.float32, seed=6)
     kw = CONFIGS[1][1]
     ref_ups, ref_state, ref_p = _run(_alias(kw), params, grads)
-    with simulate(4):
-        m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        tp = m["tp"]
-
-        def on_tp(values, pl):  # values[dp coordinate]
-            return distribute_tensor(per_rank(4, lambda r: values[r // 2]), tp, pl,
-                                     src_data_rank=None)
-
-        dp = {k: on_tp([params[k]] * 2, pl) for k, (_, pl) in leaves.items()}
-        dg = [{k: on_tp([g[k] + d[k], g[k] - d[k]], pl) for k, (_, pl) in leaves.items()}
-              for g, d in zip(grads, deltas)]
-        ups, state, out = _run(_alias(kw), dp, dg, ft.Mesh(m, data_axis="dp"))
-        got_ups = [_per_rank(u, 4) for u in ups]
-        got_state, got_out = _per_rank(state, 4), _per_rank(out, 4)
+    got_ups, got_state, got_out = run_on_tp_submesh(
+        lambda: _alias(kw), leaves, params, grads, deltas,
+        lambda u, st, o: ([_per_rank(x, 4) for x in u], _per_rank(st, 4), _per_rank(o, 4)))
     for k in shapes:
         for t in range(2):
             _close_views(got_ups[t][k], ref_ups[t][k], 1e-5, 1e-7, f"step {t} update {k}")

@@ -38,6 +38,7 @@ with warnings.catch_warnings():  # galore-torch imports bitsandbytes, which warn
 
 from _layouts import LEAVES_2, LEAVES_2x2, MIXED, R, S0, S1  # noqa: E402
 from _layouts import close as _close, run_steps as _run, values as _values  # noqa: E402
+from _layouts import run_on_tp_submesh  # noqa: E402
 from _layouts import shard as _shard  # noqa: E402
 
 SHAPES = {"tall": (8, 5), "wide": (4, 9), "square": (6, 6), "bias": (7,)}
@@ -340,19 +341,8 @@ def test_data_axis_and_sub_mesh_leaves():
     mean = [{k: ((g[k] + d[k]) + (g[k] - d[k])) / 2 for k in shapes}
             for g, d in zip(grads, deltas)]
     ref_ups, ref_state, ref_p = _run(make(), params, mean)
-    with simulate(4):
-        m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        tp = m["tp"]
-
-        def on_tp(values, pl):  # values[dp coordinate]
-            return distribute_tensor(per_rank(4, lambda r: values[r // 2]), tp, pl,
-                                     src_data_rank=None)
-
-        dp = {k: on_tp([params[k]] * 2, pl) for k, (_, pl) in leaves.items()}
-        dg = [{k: on_tp([g[k] + d[k], g[k] - d[k]], pl) for k, (_, pl) in leaves.items()}
-              for g, d in zip(grads, deltas)]
-        ups, state, out = _run(make(), dp, dg, ft.Mesh(m, data_axis="dp"))
-        got_ups, got_state, got_out = gather(ups), gather(state), gather(out)
+    got_ups, got_state, got_out = run_on_tp_submesh(
+        make, leaves, params, grads, deltas, lambda u, st, o: (gather(u), gather(st), gather(o)))
     for k in shapes:
         for t in range(steps):
             _close(got_ups[t][k], ref_ups[t][k], 1e-5, 1e-7, f"step {t} update {k}")
