@@ -91,6 +91,21 @@ def run_steps(tx, params, grads, mesh=None):
     return ups, state, p
 
 
+def run_with_reference(opt, ref_params, tx, params, grads):
+    """Step a reference ``torch.optim``-style ``opt`` over ``ref_params`` (a dict of
+    ``nn.Parameter``) and ``tx`` over ``params`` on the same gradients; returns ``tx``'s final
+    (state, params) (``ref_params`` hold the reference's)."""
+    state = tx.init(params)
+    p = params
+    for g in grads:
+        for k in ref_params:
+            ref_params[k].grad = g[k].clone()
+        opt.step()
+        u, state = tx.update(g, state, p)
+        p = ft.apply_updates(p, u)
+    return state, p
+
+
 def close(got, want, rtol, atol, what):
     """``max |got - want| <= atol + rtol * max |want|``, naming ``what`` on failure."""
     got, want = got.detach().to(torch.float64), want.detach().to(torch.float64)

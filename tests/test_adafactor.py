@@ -70,14 +70,7 @@ def test_matches_transformers_adafactor(name, kw, dtype):
     hp = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
     opt = HFAdafactor(list(hp.values()), **kw)
     tx = _alias(kw)
-    state = tx.init(params)
-    p = params
-    for g in grads:
-        for k in hp:
-            hp[k].grad = g[k].clone()
-        opt.step()
-        u, state = tx.update(g, state, p)
-        p = ft.apply_updates(p, u)
+    state, p = run_with_reference(opt, hp, tx, params, grads)
     rtol = 1e-4 if dtype == torch.float32 else 1e-9
     for k in SHAPES:
         want = hp[k].detach()
@@ -208,6 +201,7 @@ def test_factored_rms_constant_beta2_and_min_dim():
 # =============================================================================================
 from _layouts import LEAVES_2, LEAVES_2x2, R, S0, S1, S2  # noqa: E402
 from _layouts import close as _close, run_steps as _run, values as _values  # noqa: E402
+from _layouts import run_with_reference  # noqa: E402
 from _layouts import run_on_tp_submesh  # noqa: E402
 from _layouts import MIXED, update_collectives  # noqa: E402
 from _layouts import shard as _shard  # noqa: E402

@@ -35,6 +35,7 @@ from functional_train.tree import tree_paths
 
 from _layouts import R, S0, S1, S2, shard, update_collectives
 from _layouts import run_steps as _run  # noqa: E402
+from _layouts import run_with_reference  # noqa: E402
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import bitsandbytes as bnb  # noqa: E402  (the reference, a test extra)
@@ -300,14 +301,7 @@ def test_matches_bitsandbytes_adam8bit(decoupled, rounding, monkeypatch):
     else:
         opt = bnb.optim.Adam8bit(list(tp.values()), lr=1e-2)
         tx = adam(1e-2, optim_bits=8)
-    state = tx.init(params)
-    p = params
-    for g in grads:
-        for k in tp:
-            tp[k].grad = g[k].clone()
-        opt.step()
-        u, state = tx.update(g, state, p)
-        p = ft.apply_updates(p, u)
+    state, p = run_with_reference(opt, tp, tx, params, grads)
     st = state[0]
     assert isinstance(st, ScaleByAdam8bitState)
     for k in shapes:
