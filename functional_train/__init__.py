@@ -20,6 +20,7 @@ from .quantization import (ScaleByAdam8bitState, create_dynamic_map, dequantize_
 from .transforms import (ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState,
                          add_decayed_weights, scale, scale_by_adam, scale_by_learning_rate,
                          scale_by_trust_ratio, trace)
+from .step import step
 from .tree import tree_get
 from .update import apply_updates
 from .zero import ZeroRedundancyState, zero_redundancy
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     # base
     "GradientTransformation", "EmptyState", "identity", "chain", "named_chain", "apply_updates",
-    "Mesh", "tree_get", "partition", "PartitionState", "masked", "MaskedState",
+    "Mesh", "tree_get", "step", "partition", "PartitionState", "masked", "MaskedState",
     # clipping
     "clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm",
     # accumulation

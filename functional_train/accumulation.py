@@ -8,9 +8,9 @@ import optree
 import torch
 
 from . import _validate as V
-from .base import GradientTransformation, passes_unreduced
+from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .mesh import Mesh
-from .sharding import spec_of, to_local, wrap
+from .engine.dtensor import spec_of, to_local, wrap
 from .tree import flatten_as, format_path, state_zeros_like, tree_unflatten
 
 __all__ = ["multi_steps", "MultiStepsState", "has_updated"]
@@ -111,8 +111,9 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
         for i, m, spec in zip(active, mean, specs):
             grads[i] = wrap(m, spec)
             new_acc[i] = wrap(torch.zeros_like(m), spec)
-        new_updates, inner_state = inner.update(tree_unflatten(treedef, grads), state.inner_state,
-                                                params, mesh=mesh, **extra)
+        # a foreign inner transform gets the reduced mean (call_reduced)
+        new_updates, inner_state, _ = call_reduced(inner, tree_unflatten(treedef, grads),
+                                                   state.inner_state, params, mesh, extra)
         # the inner transform saw the accumulator's dtype (float32 for bfloat16 gradients):
         # return updates in the gradients' dtypes, as the non-final micro-steps do
         out = flatten_as(new_updates, treedef, "multi_steps' inner updates", "the updates")
@@ -126,7 +127,7 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
 
     # what comes out is what inner returns: still unreduced if inner passes unreduced values on
     update_fn.passes_unreduced = passes_unreduced(inner)  # type: ignore[attr-defined]
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
 def has_updated(state: Any) -> torch.Tensor:

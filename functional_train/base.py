@@ -11,6 +11,7 @@ __all__ = [
     "chain",
     "named_chain",
     "passes_unreduced",
+    "declare",
 ]
 
 PyTree = Any
@@ -43,6 +44,53 @@ class EmptyState(NamedTuple):
     """The state of a stateless transform."""
 
 
+def declare(update_fn, *, unreduced: bool = True, view: bool = False):
+    """Declare what an ``update`` function accepts, for the combinators (returns ``update_fn``).
+
+    Args:
+        update_fn: the transform's update function.
+        unreduced: it accepts gradients still unreduced over ``Mesh.data_axis`` or ``Partial``
+            (it reduces what it needs itself, through :func:`functional_train.sharding.prepare`).
+            An undeclared transform is foreign: ``chain``, ``named_chain`` and ``multi_steps``
+            reduce unreduced gradients before calling it, so it sees the values it would see in
+            one process.
+        view: it also accepts the :class:`~functional_train.sharding.Prepared` view a chain
+            hands along as ``updates`` (it calls ``prepare`` first, reads values only from
+            ``locals`` / ``params``, and returns ``rebuild(...)`` / ``rebuild_active(...)``).
+    """
+    update_fn.accepts_unreduced = bool(unreduced or view)
+    update_fn.accepts_view = bool(view)
+    return update_fn
+
+
+def accepts_unreduced(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` declared that it reduces unreduced gradients itself (see :func:`declare`)."""
+    return bool(getattr(tx.update, "accepts_unreduced", False))
+
+
+def accepts_view(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` declared that it accepts a chain's prepared view (see :func:`declare`)."""
+    return bool(getattr(tx.update, "accepts_view", False))
+
+
+def call_reduced(tx: GradientTransformation, updates, state, params, mesh, extra):
+    """``tx.update(...)``, with unreduced gradients reduced first when ``tx`` is foreign (has not
+    declared that it accepts them). Returns ``(updates, state, mesh after the call)``."""
+    from .engine.view import Prepared, prepare
+
+    if isinstance(updates, Prepared) and not accepts_view(tx):
+        updates = updates.tree()
+    elif not accepts_unreduced(tx) and not isinstance(updates, Prepared):
+        b = prepare(updates, params, mesh, name="chain")
+        if not b.plan.trivial:
+            updates = b.tree()
+        mesh = b.mesh
+    updates, state = tx.update(updates, state, params, mesh=mesh, **extra)
+    if mesh is not None and not passes_unreduced(tx):
+        mesh = mesh.reduced()
+    return updates, state, mesh
+
+
 def passes_unreduced(tx: GradientTransformation) -> bool:
     """Whether ``tx`` returns gradients still unreduced over the data axis (identity does).
 
@@ -64,7 +112,7 @@ def identity() -> GradientTransformation:
         return updates, state
 
     update_fn.passes_unreduced = True  # type: ignore[attr-defined]
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
 def _check_txs(txs, where: str) -> None:
@@ -75,12 +123,23 @@ def _check_txs(txs, where: str) -> None:
 
 
 def _run_sequence(txs, states, updates, params, mesh, extra):
+    """Run ``txs`` in sequence on local shards: the first transform that accepts a view gets the
+    prepared view (unreduced gradients reduced once, local shards taken once), which travels
+    from primitive to primitive; DTensors are rebuilt once, for what the caller receives, or
+    before a transform that does not accept views. Foreign transforms get reduced trees."""
+    from .engine.view import Prepared, prepare
+
+    given_view = isinstance(updates, Prepared)
     new_states = []
     for tx, s in zip(txs, states):
-        updates, s = tx.update(updates, s, params, mesh=mesh, **extra)
+        if (accepts_view(tx) and not passes_unreduced(tx) and len(txs) > 1
+                and not isinstance(updates, Prepared)):
+            updates = prepare(updates, params, mesh, name="chain", view=True)
+            mesh = updates.mesh
+        updates, s, mesh = call_reduced(tx, updates, s, params, mesh, extra)
         new_states.append(s)
-        if mesh is not None and not passes_unreduced(tx):
-            mesh = mesh.reduced()
+    if isinstance(updates, Prepared) and not given_view:
+        updates = updates.tree()
     return updates, new_states
 
 
@@ -109,7 +168,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_states)
 
     update_fn.passes_unreduced = all(passes_unreduced(t) for t in transforms)  # type: ignore[attr-defined]
-    return GradientTransformation(init_fn, update_fn)
+    update_fn.parts = tuple(transforms)  # type: ignore[attr-defined]
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -141,4 +201,4 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         return updates, dict(zip(names, new_states))
 
     update_fn.passes_unreduced = all(passes_unreduced(t) for t in txs)  # type: ignore[attr-defined]
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))

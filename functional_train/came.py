@@ -19,11 +19,11 @@ import optree
 import torch
 
 from . import _validate as V
-from .base import GradientTransformation, chain
+from .base import GradientTransformation, declare, chain
 from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _is_factored,
                        _new_state_tree, _placeholder, _state_leaves, _zeros_reduced,
                        scale_by_factored_rms)
-from .sharding import prepare
+from .engine.view import prepare
 from .transforms import (ScalarOrSchedule, _check_state, add_decayed_weights,
                          scale_by_learning_rate)
 from .tree import state_dtype, state_zeros_like, tree_paths
@@ -189,7 +189,7 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
             _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col))
         return b.rebuild(out), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
 def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 0.9999),

@@ -12,8 +12,8 @@ import optree
 import torch
 
 from . import _validate as V
-from .base import GradientTransformation
-from .sharding import prepare
+from .base import GradientTransformation, declare
+from .engine.view import prepare
 from .transforms import _cast_like, stateless
 from .tree import first_device
 
@@ -126,4 +126,5 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         out = _cast_like(torch._foreach_mul(g, coef), g) if g else []
         return b.rebuild_active(out), ClipByGlobalNormState(total.to(state.global_norm.dtype))
 
-    return GradientTransformation(init_fn, update_fn)
+    update_fn.fused_clip = (max_norm, norm_type)  # type: ignore[attr-defined]  (ft.step)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))

@@ -8,8 +8,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 import optree
 import torch
 
-from .base import GradientTransformation
-from .sharding import prepare
+from .base import GradientTransformation, declare
+from .engine.view import prepare
 from .tree import flatten_as, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["partition", "PartitionState", "masked", "MaskedState"]
@@ -143,7 +143,7 @@ def partition(transforms: Mapping[str, GradientTransformation],
                     out[i] = x
         return tree_unflatten(treedef, out), PartitionState(new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
 def masked(inner: GradientTransformation,
@@ -190,4 +190,4 @@ def masked(inner: GradientTransformation,
         out = [x if k else u for x, u, k in zip(tree_flatten(new)[0], u_leaves, keep)]
         return tree_unflatten(treedef, out), MaskedState(inner_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))

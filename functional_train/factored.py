@@ -29,8 +29,9 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
-from .base import GradientTransformation, chain
-from .sharding import Prepared, prepare, spec_of, to_local
+from .base import GradientTransformation, declare, chain
+from .engine.dtensor import spec_of, to_local
+from .engine.view import Prepared, prepare
 from .transforms import (ScalarOrSchedule, _cast_like, _check_state, add_decayed_weights, scale,
                          scale_by_learning_rate, stateless, zero_count)
 from .tree import (contiguous_stride, flatten_as, state_dtype, state_zeros_like, tree_paths,
@@ -136,8 +137,8 @@ def _shards_of(x: Any, dim: int) -> int:
     if not isinstance(x, DTensor):
         return 1
     dim %= x.ndim
-    return math.prod(x.device_mesh.size(m) for m, p in enumerate(x.placements)
-                     if isinstance(p, Shard) and p.dim % x.ndim == dim)
+    return math.prod([x.device_mesh.size(m) for m, p in enumerate(x.placements)
+                      if isinstance(p, Shard) and p.dim % x.ndim == dim])
 
 
 def _factored_ema(b: Prepared,
@@ -348,7 +349,7 @@ def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
             _new_state_tree(b, v_leaves, new_v))
         return b.rebuild(out), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,7 +531,7 @@ def ema(decay: float, debias: bool = False, *,
         out = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(out, g)]
         return b.rebuild_active(out), EmaState(count, b.state_tree(state.ema, "EmaState.ema", new))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,7 +572,7 @@ def _add_step_size_decayed_weights(weight_decay: float, rho, scale_parameter: bo
         out = [x + y.to(x.dtype) * c.to(x.dtype) for x, y, c in zip(g, p, coef)]
         return b.rebuild_active(out), _StepSizeDecayState(state.count + 1)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
 def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,

@@ -37,13 +37,15 @@ from collections import defaultdict
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
-from .base import GradientTransformation, chain
+from .base import GradientTransformation, declare, chain
 from .combine import partition
-from .sharding import Prepared, Spec, prepare, shard_region, spec_of, to_local, wrap
+from .engine.collectives import all_gather
+from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
+from .engine.layout import shard_region
+from .engine.view import Prepared, prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, scale_by_adam,
                          scale_by_learning_rate, stateless)
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
@@ -238,7 +240,7 @@ def _gather_global(b: Prepared, idx: Sequence[int]) -> dict:
             total += numel
         buf = flats[0] if len(flats) == 1 else torch.cat(flats)
         for j in dims0:  # block index of member c: c[0] + sizes[0] * (c[1] + sizes[1] * ...)
-            buf = funcol.wait_tensor(funcol.all_gather_single(buf, 0, (s0.mesh, j)))
+            buf = all_gather(buf, (s0.mesh, j))
         for (i, dims), off in zip(items, offsets):
             s = b.specs[i]
             full = buf.new_empty(tuple(s.shape))
@@ -501,12 +503,12 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
             for i, p_new in _randomized(b, proj, rank, oversample,
                                         seed + int(state.count)).items():
                 p_full[i] = p_new
-                new_proj[i] = wrap(p_new, spec_of(old[i]))
+                new_proj[i] = wrap_like(p_new, old[i])
         elif refresh and proj:
             full = _gather_global(b, [i for i, _ in proj if _is_sharded(b.specs[i])])
             for i, side in proj:
                 p_full[i] = _orthogonal(full.get(i, b.locals[i]), side, rank)
-                new_proj[i] = wrap(p_full[i], spec_of(old[i]))
+                new_proj[i] = wrap_like(p_full[i], old[i])
         # projection: local products, partial sums completed by one bucketed all-reduce
         low: dict = {}
         p_slice: dict = {}
@@ -544,7 +546,7 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
         return tree_unflatten(b.treedef, out), GaLoreState(
             state.count + 1, tree_unflatten(b.treedef, new_proj), inner_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,7 +591,7 @@ def _decay_after_update(learning_rate: ScalarOrSchedule,
             if b.active else []
         return b.rebuild_active(out), ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
 def _first_device(tree: PyTree) -> torch.device:
@@ -719,7 +721,7 @@ def _skip_when_empty(tx: GradientTransformation) -> GradientTransformation:
             return updates, state
         return tx.update(updates, state, params, mesh=mesh, **extra)
 
-    return GradientTransformation(tx.init, update_fn)
+    return GradientTransformation(tx.init, declare(update_fn, unreduced=True))
 
 
 def galore_param_labels(params: PyTree,

@@ -96,7 +96,11 @@ class Mesh:
         """The descriptor of the same mesh once gradients have been averaged over ``data_axis``."""
         if self.data_axis is None:
             return self
-        return dataclasses.replace(self, data_axis=None)
+        hit = self.__dict__.get("_reduced")
+        if hit is None:  # one object per descriptor: plans are cached by descriptor identity
+            hit = dataclasses.replace(self, data_axis=None)
+            object.__setattr__(self, "_reduced", hit)
+        return hit
 
     def __repr__(self) -> str:
         shape = None if self.device_mesh is None else dict(zip(self.dim_names, self.device_mesh.shape))

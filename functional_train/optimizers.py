@@ -8,6 +8,7 @@ import torch
 
 from . import _validate as V
 from .base import GradientTransformation, chain
+from .step import FusedAdam, FusedSGD
 from .transforms import (ScalarOrSchedule, add_decayed_weights, scale, scale_by_adam,
                          scale_by_learning_rate, scale_by_trust_ratio, trace)
 
@@ -40,7 +41,24 @@ def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening
         txs.append(trace(momentum, nesterov=nesterov, dampening=dampening,
                          accumulator_dtype=accumulator_dtype))
     txs.append(scale_by_learning_rate(learning_rate))
-    return chain(*_maybe_maximize(maximize, txs))
+    tx = chain(*_maybe_maximize(maximize, txs))
+    if not (momentum and dampening):  # torch's fused kernel starts a damped buffer undamped
+        shift = 1 if maximize else 0
+        tx.update.fused = FusedSGD(  # type: ignore[attr-defined]
+            learning_rate, momentum, weight_decay, nesterov, maximize,
+            shift + len(txs) - 2 if momentum else None, shift + len(txs) - 1)
+    return tx
+
+
+def _fused_adam(tx, decoupled, learning_rate, b1, b2, eps, weight_decay, amsgrad, maximize,
+                optim_bits, n_parts):
+    """Attach what ``ft.step``'s fused kernels need to an Adam chain (32-bit moments only)."""
+    if optim_bits == 32:
+        shift = 1 if maximize else 0
+        adam_index = shift + (1 if (weight_decay and not decoupled) else 0)
+        tx.update.fused = FusedAdam(decoupled, learning_rate, b1, b2, eps,  # type: ignore
+                                    weight_decay, amsgrad, maximize, adam_index, n_parts - 1)
+    return tx
 
 
 def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
@@ -71,7 +89,9 @@ def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
     txs += [scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
                           **q),
             scale_by_learning_rate(learning_rate)]
-    return chain(*_maybe_maximize(maximize, txs))
+    txs = _maybe_maximize(maximize, txs)
+    return _fused_adam(chain(*txs), False, learning_rate, b1, b2, eps, weight_decay, amsgrad,
+                       maximize, optim_bits, len(txs))
 
 
 def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
@@ -99,7 +119,9 @@ def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0
     if weight_decay:
         txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))
-    return chain(*_maybe_maximize(maximize, txs))
+    txs = _maybe_maximize(maximize, txs)
+    return _fused_adam(chain(*txs), True, learning_rate, b1, b2, eps, weight_decay, amsgrad,
+                       maximize, optim_bits, len(txs))
 
 
 def lamb(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,

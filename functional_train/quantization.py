@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .sharding import Prepared, Spec, spec_of, to_local, wrap
+from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
+from .engine.view import Prepared
 from .tree import (contiguous_stride, flatten_as, state_dtype, tree_flatten, tree_paths,
                    tree_unflatten)
 
@@ -384,7 +385,7 @@ def _absmax_spec(s: Spec, block_size: int, where: str) -> Spec:
 def _zero_codes(x: Any, zero: int) -> Any:
     """uint8 codes of zeros shaped and placed like ``x``."""
     local = torch.full_like(to_local(x), zero, dtype=torch.uint8)
-    return wrap(local, spec_of(x))
+    return wrap_like(local, x)
 
 
 def _zero_absmax(x: Any, block_size: int, path: str) -> Any:
@@ -540,8 +541,8 @@ def quantize_state(b: Prepared, state: ScaleByAdam8bitState, count: torch.Tensor
     out = {f: list(v) for f, v in deq.fields.items()}
     for (i, _, (codes_f, abs_f, _), _), c, a in zip(items, codes, absmax):
         old_codes, old_abs = deq.fields[codes_f][i], deq.fields[abs_f][i]
-        out[codes_f][i] = wrap(_from_rows(c, old_codes.ndim), spec_of(old_codes))
-        out[abs_f][i] = wrap(a, spec_of(old_abs))
+        out[codes_f][i] = wrap_like(_from_rows(c, old_codes.ndim), old_codes)
+        out[abs_f][i] = wrap_like(a, old_abs)
     trees = {f: tree_unflatten(b.treedef, v) for f, v in out.items()}
     return ScaleByAdam8bitState(count, mu_new, nu_new, trees["mu_codes"], trees["mu_absmax"],
                                 trees["nu_codes"], trees["nu_absmax"])

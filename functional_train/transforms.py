@@ -14,9 +14,9 @@ import torch
 
 from . import _validate as V
 from . import quantization as Q
-from .base import EmptyState, GradientTransformation
+from .base import EmptyState, GradientTransformation, declare
 from .quantization import ScaleByAdam8bitState
-from .sharding import prepare
+from .engine.view import prepare
 from .tree import first_device, state_zeros_like
 
 __all__ = [
@@ -60,7 +60,7 @@ def stateless(name: str, fn, *, need_params: bool = False) -> GradientTransforma
         b = prepare(updates, params, mesh, need_params=need_params, name=name)
         return b.rebuild_active(fn(b) if b.active else []), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
 def _active_locals(b) -> list:
@@ -120,7 +120,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         out = [x * value.to(x.dtype) for x in g] if g else []
         return b.rebuild_active(out), ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
@@ -191,7 +191,7 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
         return (b.rebuild_active(_cast_like(out, g)),
                 TraceState(state.count + 1, b.state_tree(state.trace, "TraceState.trace", new)))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
 class ScaleByAdamState(NamedTuple):
@@ -334,7 +334,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             new_state = ScaleByAdamState(count, new_mu, new_nu)
         return b.rebuild_active(_cast_like(out, g)), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
 def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,

@@ -17,14 +17,15 @@ import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .base import GradientTransformation
+from .base import GradientTransformation, declare
 from .mesh import Mesh
-from .sharding import (Spec, World, all_reduce_buckets, leaf_paths, materialize, per_rank,
-                       spec_of, to_local, wrap)
+from .engine.collectives import all_gather, all_reduce_buckets, per_rank, reduce_scatter
+from .engine.dtensor import Spec, spec_of, to_local, wrap
+from .engine.plan import plan_for
+from .engine.view import leaf_paths, mesh_coordinates
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_unflatten
 
 __all__ = ["zero_redundancy", "ZeroRedundancyState"]
@@ -93,11 +94,7 @@ def _views(leaves: Sequence[Any], paths: Sequence[str], root: Optional[DeviceMes
                          f"(dims: {names})")
     a = names.index(axis)
     parts = root.size(a)
-    ranks = root.mesh
-    coord = {int(r): int(c) for r, c in zip(ranks.reshape(-1).tolist(),
-                                            torch.arange(ranks.numel()).view(ranks.shape)
-                                            .div(math.prod(ranks.shape[a + 1:]), rounding_mode="floor")
-                                            .remainder(parts).reshape(-1).tolist())}
+    coord = {r: c[a] for r, c in mesh_coordinates(root).items()}  # rank -> index along axis
     out = []
     for x, path in zip(leaves, paths):
         if x is None:
@@ -161,7 +158,7 @@ def _enter(locals_: Sequence[torch.Tensor], views: Sequence[_View], ops: Sequenc
 
         ts = [locals_[i] for i in idx]
         buf = per_rank(ts, pack)
-        red = funcol.wait_tensor(funcol.reduce_scatter_single(buf, op, 0, group))
+        red = reduce_scatter(buf, op, group)
         for k, i in enumerate(idx):
 
             def take(r, xs, k=k, vs=vs):
@@ -200,7 +197,7 @@ def _leave(chunks: Sequence[torch.Tensor], views: Sequence[_View], group) -> lis
 
         buf = per_rank(ts, pack)
         parts = vs[0].parts
-        full = funcol.wait_tensor(funcol.all_gather_single(buf, 0, group))
+        full = all_gather(buf, group)
         for k, i in enumerate(idx):
 
             def unpack(r, xs, k=k, vs=vs):
@@ -331,8 +328,7 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
                 ops[i] = "avg"
         rest = dataclasses.replace(mesh, data_axis=None if mesh.data_axis == axis
                                    else mesh.data_axis)
-        g = materialize(g, p, paths, rest, World(rest, list(p or []) + list(g),
-                                                 paths * (2 if p is not None else 1)))
+        g = plan_for(treedef, g, p, rest).materialize(g, p)
         layout = p if p is not None else g
         views = _views(layout, paths, root, axis)
         group = (root, a)
@@ -366,4 +362,4 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
                                         for o, s in zip(out, specs)]), \
             ZeroRedundancyState(inner_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))

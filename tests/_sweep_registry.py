@@ -48,6 +48,9 @@ PROPERTIES = (
     "no_host_sync",          # no aten._local_scalar_dense / aten.item in update
     "compile",               # torch.compile(update, fullgraph=True) == eager
     "step_counter",          # int64 counters go past 2**31 - 1 without overflow
+    "step",                  # ft.step pure / donated == update + apply_updates; pure is pure
+    "step_sharded",          # ft.step sharded == unsharded (data-axis layout), pure and donated
+    "compile_dtensor",       # torch.compile(ft.step, fullgraph=True) on DTensors, 2 gloo ranks
 )
 
 
@@ -149,6 +152,8 @@ EXCLUDED: dict[str, str] = {
     "quantize_blockwise": "a tensor -> (codes, absmax) helper, not a transform",
     "dequantize_blockwise": "a (codes, absmax) -> tensor helper, not a transform",
     "Mesh": "the mesh descriptor, an argument of update, not a transform",
+    "step": "update + apply_updates as one call, not a transform (swept as the step and "
+            "step_sharded properties of every transform)",
     "apply_updates": "params + updates, not a transform (used by every property that steps)",
     "tree_get": "a state-inspection helper, not a transform",
     "has_updated": "reads a MultiStepsState, not a transform",

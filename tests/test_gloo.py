@@ -18,7 +18,7 @@ def _spawn(world, tmp_path, module):
     return torch.load(_spawn_raw(world, tmp_path, module))
 
 
-def _spawn_raw(world, tmp_path, module):
+def _spawn_raw(world, tmp_path, module, timeout=240):
     """Run ``module`` on ``world`` gloo ranks; returns the ``out`` path it was given."""
     init_file = tmp_path / "init"
     out = tmp_path / "out.pt"
@@ -30,7 +30,7 @@ def _spawn_raw(world, tmp_path, module):
              for r in range(world)]
     logs = []
     for p in procs:
-        stdout, _ = p.communicate(timeout=240)
+        stdout, _ = p.communicate(timeout=timeout)
         logs.append(stdout.decode(errors="replace"))
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]

@@ -29,7 +29,15 @@ function parametrised over the registry (``FACTORIES`` and ``VARIANTS``):
   slow for ~30 transforms on a small CPU machine; ``tests/test_compile.py`` runs a step through
   inductor; ``FT_SWEEP_COMPILE_BACKEND=aot_eager`` selects that backend here);
 * ``step_counter``: every 0-dim int64 counter set to ``2**31 - 1`` and ``2**31 + 5`` goes up
-  by exactly one, stays int64, and the update stays finite.
+  by exactly one, stays int64, and the update stays finite;
+* ``step``: ``ft.step(tx, ...)`` pure and with ``donate=True`` gives the params and states of
+  ``update`` + ``apply_updates`` (to float rounding where a fused kernel runs), and the pure step
+  modifies no input; ``step_sharded``: the same sharded == unsharded check as
+  ``sharded_data_axis`` through ``ft.step``, pure and donated;
+* ``compile_dtensor``: ``torch.compile(ft.step, fullgraph=True)`` on DTensor leaves over 2 real
+  gloo ranks equals the eager step (inductor for the optimizer aliases, dynamo's ``eager``
+  backend for the other transforms; one spawned job for all of them,
+  ``tests/_gloo_compile_worker.py``), and a changing schedule does not recompile.
 
 Properties that do not apply to a transform by design are skipped with the registry's reason
 (``NOT_APPLICABLE``); library bugs found by the sweep are ``xfail(strict=True)`` with the
@@ -838,3 +846,63 @@ def test_step_counter(name, count):
             assert torch.isfinite(x).all(), f"state['{p}'] is not finite"
     for p, u in walk(updates):
         assert torch.isfinite(u).all(), f"update['{p}'] is not finite"
+
+
+# =============================================================================================
+# ft.step
+# =============================================================================================
+STEP_TOL = (2e-5, 1e-6)  # fused kernels: the primitives' numbers to float32 rounding
+
+
+@pytest.mark.parametrize("name", cases("step"))
+def test_step(name):
+    """``ft.step`` (pure and donated) == ``update`` + ``apply_updates``; the pure step leaves
+    params, grads and state bitwise unchanged; the donated one returns the same numbers."""
+    params, grads = problem(scale=3.0)
+    want_u, want_s, _ = run(build(name), params, grads)
+    tx = build(name)
+    p_pure, s_pure = params, tx.init(params)
+    p_don, s_don = clone_tree(params), tx.init(clone_tree(params))
+    p_ref = params
+    for t, g in enumerate(grads):
+        old = (p_pure, g, s_pure)
+        before = clone_tree(old)
+        p_pure, s_pure = ft.step(tx, g, s_pure, p_pure)
+        assert_bitwise_unchanged(before, old, f"step {t}: (params, grads, state)")
+        p_don, s_don = ft.step(tx, clone_tree(g), s_don, p_don, donate=True)
+        p_ref = ft.apply_updates(p_ref, want_u[t])
+        for what, got in (("pure", (p_pure, s_pure)), ("donated", (p_don, s_don))):
+            assert_trees_equal(got[0], p_ref, f"step {t}: {what} params", rtol=STEP_TOL[0],
+                               atol=STEP_TOL[1])
+            assert_trees_equal(got[1], want_s[t], f"step {t}: {what} state", rtol=STEP_TOL[0],
+                               atol=STEP_TOL[1])
+
+
+@pytest.mark.parametrize("name", cases("step_sharded"))
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_step_sharded(name, mode):
+    """``ft.step`` on the simulated data-axis layout (see ``test_sharded_data_axis``) ==
+    ``ft.step`` unsharded, params and states, rank by rank."""
+    rtol, atol = _tol(name)
+    params, grads = problem(2, seed=1)
+    assert_sharded_equivalent(build(name), params, grads, placements=DATA_AXIS_PARAMS,
+                              grad_placements=DATA_AXIS_GRADS, mesh_shape=(2, 2),
+                              mesh_dim_names=("dp", "tp"), data_axis="dp", rtol=rtol, atol=atol,
+                              ignore_state=_ignore_state(name, data_axis=True), step=mode)
+
+
+@pytest.fixture(scope="module")
+def _compiled_on_gloo(tmp_path_factory):
+    """One 2-rank gloo job compiling every transform (see ``tests/_gloo_compile_worker.py``)."""
+    from test_gloo import _spawn_raw
+
+    out = _spawn_raw(2, tmp_path_factory.mktemp("compile"), "_gloo_compile_worker.py",
+                     timeout=900)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("name", cases("compile_dtensor"))
+def test_compile_dtensor(name, _compiled_on_gloo):
+    """``torch.compile(ft.step, fullgraph=True)`` on DTensors (2 gloo ranks) == eager."""
+    assert name in _compiled_on_gloo, sorted(_compiled_on_gloo)
+    assert _compiled_on_gloo[name] is None, _compiled_on_gloo[name]

@@ -513,8 +513,10 @@ class _Record:
 
 
 def _run(tx, params, grads_per_step, mesh, ctx: Optional[_Ranks], update_kwargs: dict,
-         label: str) -> _Record:
+         label: str, use_step: Optional[str] = None) -> _Record:
     """Run every step, recording the trees of every step (see :class:`_Record`)."""
+    from ..step import step as ft_step
+
     rec = _Record(ctx)
     step = None
     try:
@@ -522,6 +524,14 @@ def _run(tx, params, grads_per_step, mesh, ctx: Optional[_Ranks], update_kwargs:
         rec.add("params", None, params)
         rec.add("state", None, state)
         for step, g in enumerate(grads_per_step):
+            if use_step is not None:  # ft.step: no updates to record
+                if use_step == "pure":
+                    rec.add("grads", step, g)
+                params, state = ft_step(tx, g, state, params, mesh=mesh,
+                                        donate=use_step == "donate", **update_kwargs)
+                rec.add("state", step, state)
+                rec.add("params", step, params)
+                continue
             rec.add("grads", step, g)
             updates, state = tx.update(g, state, params, mesh=mesh, **update_kwargs)
             rec.add("updates", step, updates)
@@ -552,12 +562,13 @@ def _compare_runs(ref: _Record, got: _Record, steps: int, mesh_shape, rtol, atol
             return msg
     param_tree = got.get("params", None)
     for t in range(steps):
-        if check_placements:
+        stepped = not any(lb == "updates" for lb, *_ in got.trees)  # ft.step: no updates
+        if check_placements and not stepped:
             msg = _placement_check(f"step {t}, updates", got.get("updates", t), param_tree)
             if msg:
                 return msg
         for key in ("updates", "params", "state"):
-            if key == "state" and not compare_state:
+            if (key == "state" and not compare_state) or (key == "updates" and stepped):
                 continue
             msg = _compare_tree(f"step {t}, {key}", got.get(key, t), ref.get(key, t), *tol,
                                 ignore_state if key == "state" else None)
@@ -606,6 +617,7 @@ def assert_sharded_equivalent(
     check_inputs: bool = True,
     update_kwargs: Optional[dict] = None,
     device_type: Optional[str] = None,
+    step: Optional[str] = None,
 ) -> None:
     """Assert that ``tx`` gives the same numbers on sharded DTensors as on plain tensors.
 
@@ -666,6 +678,10 @@ def assert_sharded_equivalent(
         check_inputs: also require that neither run modifies any tree in place after it was
             created (the grads, the params, the states and updates it returned).
         update_kwargs: extra keyword arguments for every ``tx.update`` call.
+        step: ``None`` (the default) runs ``update`` then ``apply_updates``; ``"pure"`` or
+            ``"donate"`` runs ``ft.step(tx, grads, state, params, mesh=..., donate=...)``
+            instead and compares the params and states (no updates to compare; with
+            ``"donate"`` the inputs a step consumes are not checked for modification).
         device_type: the mesh's device type (default ``"cpu"``; ``"cuda"`` on an nccl process
             group).
 
@@ -725,6 +741,9 @@ def assert_sharded_equivalent(
     if device_type is None:
         device_type = "cuda" if real and dist.get_backend() == "nccl" else "cpu"
     update_kwargs = dict(update_kwargs or {})
+    if step not in (None, "pure", "donate"):
+        raise ValueError(f"assert_sharded_equivalent: step must be None, 'pure' or 'donate', "
+                         f"got {step!r}")
 
     # inputs
     paths, pleaves, treedef = _flatten(params)
@@ -755,7 +774,7 @@ def assert_sharded_equivalent(
     # the unsharded reference, on copies (a transform modifying its inputs is reported, and
     # must not spoil the inputs of the sharded run)
     ref = _run(tx, _clone_tree(params), [_clone_tree(g) for g in grads_per_step], None, None,
-               update_kwargs, "unsharded")
+               update_kwargs, "unsharded", step)
 
     ctx = _Ranks(simulated=not real, mesh_shape=mesh_shape, device_type=device_type)
     # which mesh dims each gradient leaf is unreduced over, with its spreads, made here, outside
@@ -784,10 +803,10 @@ def assert_sharded_equivalent(
             for x, pl, unreduced in zip(leaves, gpl, unreduced_per_step[t])])
             for t, leaves in enumerate(grad_leaves)]
         mesh = (Mesh(ctx.mesh, data_axis=data_axis) if explicit_mesh else None)
-        return _run(tx, dparams, dgrads, mesh, ctx, update_kwargs, "sharded")
+        return _run(tx, dparams, dgrads, mesh, ctx, update_kwargs, "sharded", step)
 
     args = (len(grads_per_step), mesh_shape, rtol, atol, equal_nan, compare_state, ignore_state,
-            check_placements, check_inputs)
+            check_placements, check_inputs and step != "donate")
     if real:
         got = sharded_run()
         msg = _compare_runs(ref, got, *args)

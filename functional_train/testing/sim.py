@@ -30,6 +30,10 @@ def _forget_old_groups() -> None:
     infos = getattr(_redistribute, "_gen_transform_infos", None)  # @cache'd, holds meshes
     if hasattr(infos, "cache_clear"):
         infos.cache_clear()
+    from ..engine import dtensor as _dt, plan as _plan  # this library's layout caches
+
+    _dt.cache_clear()
+    _plan.cache_clear()
     try:  # the sharding propagation cache returns specs (with their meshes) by layout too
         from torch.distributed.tensor import DTensor
 

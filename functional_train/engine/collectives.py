@@ -1,0 +1,109 @@
+"""Every collective the library issues, through ``torch.distributed._functional_collectives``
+(traceable by torch.compile), batched: the tensors of one kind for all leaves are flattened into
+one buffer and reduced by one collective per process group, op and dtype.
+
+Process groups are named as tuples of groups to reduce over in succession: ``(DeviceMesh, dim)``
+pairs, or the default (world) process group (see :func:`groups_over`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["groups_over", "all_reduce", "all_reduce_buckets", "reduce_scatter", "all_gather",
+           "per_rank"]
+
+
+def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
+    """Functional-collective groups whose successive all-reduces reduce over the mesh dims
+    ``dims``: the default (world) process group when they span every rank of the job, else one
+    ``(device_mesh, dim)`` group per dim (sum, avg, max and min compose dim by dim).
+
+    The user's mesh is never flattened: once a mesh has a flattened child, torch 2.13
+    redistributes nested uneven ``Shard`` placements on it with wrong chunk sizes (pytorch PR
+    194457), and flattened meshes outlive the process group they were made on."""
+    dims = sorted(dims)
+    if len(dims) == 1:
+        return ((device_mesh, dims[0]),)
+    size = math.prod([device_mesh.size(d) for d in dims])
+    if dist.is_initialized() and size == dist.get_world_size():
+        return (dist.group.WORLD,)
+    return tuple((device_mesh, d) for d in dims)
+
+
+def _group_key(groups: tuple) -> Any:
+    return tuple(g if isinstance(g, dist.ProcessGroup) else g[0].get_group(g[1]) for g in groups)
+
+
+def all_reduce(t: torch.Tensor, op: str, groups: tuple) -> torch.Tensor:
+    """All-reduce ``t`` over ``groups`` in succession (see :func:`groups_over`); a new tensor."""
+    for g in groups:
+        t = funcol.wait_tensor(funcol.all_reduce(t, op, g))
+    return t
+
+
+def all_reduce_buckets(items: Sequence[tuple[torch.Tensor, Any, str]]) -> list[torch.Tensor]:
+    """All-reduce many tensors with one collective per (process group, op, dtype).
+
+    Args:
+        items: ``(tensor, groups, op)`` with ``groups`` a tuple of ``(DeviceMesh, dim)`` pairs
+            or process groups to reduce over in succession, and ``op`` one of ``"sum"``,
+            ``"avg"``, ``"max"``, ``"min"``. Tensors may have any shape; tensors of one bucket
+            must have the same number of elements on every rank of the group.
+
+    Returns:
+        the reduced tensors, in the order given (new tensors; inputs are not modified).
+    """
+    buckets: dict[Any, list[int]] = defaultdict(list)
+    for i, (t, group, op) in enumerate(items):
+        buckets[(_group_key(group), op, t.dtype)].append(i)
+    out: list[Optional[torch.Tensor]] = [None] * len(items)
+    for (_, op, _), idx in buckets.items():
+        group = items[idx[0]][1]
+        tensors = [items[i][0] for i in idx]
+        if len(tensors) == 1:
+            flat = tensors[0].reshape(-1)
+        else:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        red = all_reduce(flat, op, group)
+        if len(tensors) == 1:
+            out[idx[0]] = red.view(tensors[0].shape)
+            continue
+        parts = torch.split(red, [t.numel() for t in tensors])
+        for i, t, part in zip(idx, tensors, parts):
+            out[i] = part.view(t.shape)
+    return out  # type: ignore[return-value]
+
+
+def reduce_scatter(buf: torch.Tensor, op: str, group) -> torch.Tensor:
+    """Reduce-scatter a flat buffer (every rank's block laid out rank by rank along dim 0)."""
+    return funcol.wait_tensor(funcol.reduce_scatter_single(buf, op, 0, group))
+
+
+def all_gather(buf: torch.Tensor, group) -> torch.Tensor:
+    """All-gather a buffer along dim 0 (the ranks' buffers concatenated in rank order)."""
+    return funcol.wait_tensor(funcol.all_gather_single(buf, 0, group))
+
+
+def per_rank(tensors: Sequence[torch.Tensor], fn) -> torch.Tensor:
+    """``fn(rank, [this rank's tensors]) -> tensor`` for rank-dependent work (offsets into a
+    global buffer): one call on a real process group or in one process; under
+    ``LocalTensorMode`` one call per simulated rank on its local values."""
+    from torch.distributed import _local_tensor as lt
+
+    mode = lt.enabled_local_tensor_mode()
+    if mode is None:
+        return fn(dist.get_rank() if dist.is_initialized() else 0, list(tensors))
+    out = {}
+    with mode.disable():
+        for r in mode.ranks:
+            out[r] = fn(r, [t._local_tensors[r] if isinstance(t, lt.LocalTensor) else t
+                            for t in tensors])
+    return lt.LocalTensor(out)

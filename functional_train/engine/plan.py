@@ -1,0 +1,210 @@
+"""The per-layout plan: everything about one ``update`` call that depends only on the layout.
+
+A layout is the tree structure, each leaf's kind (plain tensor, DTensor, ``None``), its mesh,
+placements, global shape, stride and dtype, for the updates and for the params, plus the
+:class:`~functional_train.Mesh` descriptor. The plan of a layout -- leaf paths, the
+:class:`~functional_train.engine.layout.World` of the call, the validation of every leaf, which
+leaves are reduced over the data axis, which ``Partial`` placements are reduced over which mesh
+dims, the specs the materialised gradients have -- is built on the first call and reused: a step
+then only packs, communicates and unpacks (DESIGN.md section 3a).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from ..mesh import Mesh
+from ..tree import format_path
+from .collectives import all_reduce_buckets
+from .dtensor import Spec, spec_of, to_local, wrap, wrap_like
+from .layout import World
+
+__all__ = ["Plan", "plan_for", "cache_clear"]
+
+_PLANS: "OrderedDict[Any, Plan]" = OrderedDict()
+_MAX_PLANS = 64
+
+
+def cache_clear() -> None:
+    """Forget every cached plan (``functional_train.testing.simulate`` calls this)."""
+    _PLANS.clear()
+
+
+def _leaf_key(x: Any) -> Any:
+    if x is None:
+        return None
+    if isinstance(x, DTensor):
+        s = x._spec
+        return (s, id(s.mesh))  # DTensorSpec compares meshes by value; the key holds s alive
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype, x.device)
+    return type(x)
+
+
+def _check_leaf(path: str, u: Any, p: Any) -> None:
+    if u is not None and not isinstance(u, torch.Tensor):
+        raise TypeError(f"update leaf '{path}' must be a torch.Tensor, DTensor or None, "
+                        f"got {type(u).__name__}")
+    if p is not None and not isinstance(p, torch.Tensor):
+        raise TypeError(f"params leaf '{path}' must be a torch.Tensor, DTensor or None, "
+                        f"got {type(p).__name__}")
+    if u is not None and p is not None and tuple(u.shape) != tuple(p.shape):
+        raise ValueError(f"update leaf '{path}' has shape {tuple(u.shape)}, "
+                         f"expected the parameter's shape {tuple(p.shape)}")
+
+
+class Plan:
+    """The plan of one layout (see the module docstring).
+
+    Attributes:
+        treedef: structure of the updates (``None`` leaves included).
+        paths: dotted leaf paths.
+        world: the :class:`World` of the layout.
+        mesh: the descriptor after materialisation (data axis reduced), or ``None``.
+        active: indices of the non-``None`` update leaves.
+        specs: the :class:`Spec` of each materialised update leaf (``None``: plain or absent).
+        data_idx: leaves averaged over the data axis.
+        partial_rounds: per round, ``(leaf index, groups, reduce op)`` of one ``Partial`` mesh dim
+            of each leaf still partial, and the specs after the round.
+        relayout: leaves whose materialised placements differ from their parameter's.
+    """
+
+    __slots__ = ("treedef", "paths", "world", "mesh", "active", "specs", "data_idx",
+                 "partial_rounds", "relayout", "param_specs", "trivial", "memo")
+
+    def __init__(self, treedef, leaves: Sequence[Any], pleaves: Optional[Sequence[Any]],
+                 mesh: Optional[Mesh]):
+        self.treedef = treedef
+        self.memo: dict = {}  # values derived from the layout on first use (replica counts, ...)
+        self.paths = [format_path(p) for p in treedef.paths()]
+        paths = self.paths
+        for i, u in enumerate(leaves):
+            p = None if pleaves is None else pleaves[i]
+            if u is None:
+                if p is not None and not isinstance(p, torch.Tensor):
+                    _check_leaf(paths[i], u, p)
+                continue
+            _check_leaf(paths[i], u, p)
+        self.active = [i for i, x in enumerate(leaves) if x is not None]
+        self.param_specs = None if pleaves is None else [spec_of(p) for p in pleaves]
+        any_dtensor = any(isinstance(x, DTensor) for x in leaves) or (
+            pleaves is not None and any(isinstance(p, DTensor) for p in pleaves))
+        self.trivial = not any_dtensor and (mesh is None or mesh.device_mesh is None)
+        self.data_idx: list = []
+        self.partial_rounds: list = []
+        self.relayout: list = []
+        if self.trivial:
+            self.world = _trivial_world()
+            self.mesh = mesh
+            self.specs = [None] * len(leaves)
+            return
+        world = World(mesh, list(pleaves or []) + list(leaves), list(paths) * (2 if pleaves else 1))
+        for x, p in zip(leaves, paths):
+            if isinstance(x, DTensor):
+                world.leaf_dims(x, p)
+        self.world = world
+        self.mesh = None if mesh is None else mesh.reduced()
+        specs = [spec_of(x) for x in leaves]
+        # 1. the data-axis mean
+        if mesh is not None and mesh.pending_data_reduction:
+            dp = world._dp
+            self.data_idx = [i for i, g in enumerate(leaves) if g is not None and (
+                not isinstance(g, DTensor) or dp not in world.leaf_dims(g, paths[i]))]
+        # 2. Partial placements, one round per mesh dim that can still be partial
+        while True:
+            rnd = []
+            for i, s in enumerate(specs):
+                if s is None:
+                    continue
+                for j, pl in enumerate(s.placements):
+                    if isinstance(pl, Partial):
+                        placements = list(s.placements)
+                        placements[j] = Replicate()
+                        specs[i] = _respec(s, tuple(placements))
+                        rnd.append((i, ((s.mesh, j),), pl.reduce_op, specs[i]))
+                        break
+            if not rnd:
+                break
+            self.partial_rounds.append(rnd)
+        self.specs = specs
+        # 3. the placements of the parameter
+        if pleaves is not None:
+            for i, (s, p) in enumerate(zip(specs, pleaves)):
+                if leaves[i] is None or p is None:
+                    continue
+                ps = self.param_specs[i]
+                if s is None and ps is None:
+                    continue
+                if s is None or ps is None or s.mesh != ps.mesh or s.placements != ps.placements:
+                    self.relayout.append(i)
+                    self.specs[i] = ps
+
+    def materialize(self, leaves: list, pleaves: Optional[list]) -> list:
+        """Reduce unreduced gradients into the placements of their parameters (new list).
+
+        * plain tensors and DTensors on a sub-mesh without ``mesh.data_axis``: mean over the
+          data axis (one bucketed all-reduce per dtype);
+        * ``Partial`` placements: reduced as the placement says over its mesh dim (one bucketed
+          all-reduce per process group, op and dtype), becoming ``Replicate``;
+        * then, when the parameter's placements differ from the gradient's (autograd gives a
+          ``Shard(0)`` bias gradient for a ``Replicate`` bias next to a colwise-sharded
+          weight), the gradient is redistributed into the parameter's placements.
+        """
+        grads = list(leaves)
+        if self.data_idx:
+            group = self.world.dim_group(self.world._dp)
+            red = all_reduce_buckets([(to_local(grads[i]), group, "avg") for i in self.data_idx])
+            for i, r in zip(self.data_idx, red):
+                grads[i] = wrap_like(r, grads[i])
+        for rnd in self.partial_rounds:
+            red = all_reduce_buckets([(to_local(grads[i]), g, op) for i, g, op, _ in rnd])
+            for (i, _, _, s), r in zip(rnd, red):
+                grads[i] = wrap(r, s)
+        for i in self.relayout:
+            g, p = grads[i], pleaves[i]
+            gd, pd = isinstance(g, DTensor), isinstance(p, DTensor)
+            if gd and pd:
+                grads[i] = g.redistribute(p.device_mesh, p.placements)
+            elif gd:
+                grads[i] = g.full_tensor()
+            else:
+                grads[i] = DTensor.from_local(
+                    g, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False
+                ).redistribute(p.device_mesh, p.placements)
+        return grads
+
+
+def _respec(s: Spec, placements: tuple) -> Spec:
+    return dataclasses.replace(s, placements=placements)
+
+
+_NO_WORLD = World(None, [], [])  # made at import: a global set under tracing would recompile
+
+
+def _trivial_world() -> World:
+    return _NO_WORLD
+
+
+def plan_for(treedef, leaves: Sequence[Any], pleaves: Optional[Sequence[Any]],
+             mesh: Optional[Mesh]) -> Plan:
+    """The cached plan of this layout (built on first use; under ``torch.compile`` built anew,
+    since tracing runs once per layout anyway)."""
+    if torch.compiler.is_compiling():
+        return Plan(treedef, leaves, pleaves, mesh)
+    key = (treedef, tuple(_leaf_key(x) for x in leaves),
+           None if pleaves is None else tuple(_leaf_key(x) for x in pleaves), mesh)
+    try:
+        hit = _PLANS.get(key)
+    except TypeError:  # an unhashable leaf: validation raises the clear error
+        return Plan(treedef, leaves, pleaves, mesh)
+    if hit is None:
+        hit = Plan(treedef, leaves, pleaves, mesh)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.popitem(last=False)
+        _PLANS[key] = hit
+    return hit

@@ -1,0 +1,346 @@
+"""The prepared local view of one ``update`` call, which a chain passes from primitive to
+primitive, and :func:`prepare`, which builds it from the plan of the call's layout.
+
+A :class:`Prepared` holds the local shards of the (materialised) updates and of the params, and
+offers the batched global reductions a sharding-aware transform needs (``leaf_totals``,
+``leaf_sums``, ``global_sum``, ``global_max``). Inside a ``chain`` the view travels between the
+primitives that declare they accept it: DTensors are built once, for what the caller receives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from typing import Any, Optional, Sequence
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from ..mesh import Mesh
+from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
+from .collectives import all_reduce, all_reduce_buckets, per_rank
+from .dtensor import spec_of, to_local, wrap, wrap_like
+from .layout import region, statistic_shape
+from .plan import Plan, plan_for
+
+__all__ = ["Prepared", "prepare", "leaf_paths"]
+
+
+class Prepared:
+    """Flattened, validated and materialised inputs of one ``update`` call: the local view.
+
+    Attributes:
+        plan: the :class:`~functional_train.engine.plan.Plan` of the call's layout.
+        treedef: structure of the updates (``None`` leaves included).
+        paths: dotted leaf paths.
+        updates: the materialised update leaves (DTensor / Tensor / ``None``) as they entered
+            (for a view passed along a chain: as they entered the chain). Read their LAYOUT
+            (shape, placements, local shape) from them; read values from ``locals``.
+        locals: the current local shards (``None`` for ``None`` leaves).
+        specs: their :class:`Spec` (``None`` for plain tensors).
+        params: local shards of the parameters, or ``None`` when no params were given.
+        active: indices of the non-``None`` update leaves.
+        world: the :class:`World` of the call.
+        mesh: the descriptor after materialisation (data axis reduced).
+        is_view: whether :meth:`rebuild` returns a view (inside a chain) rather than a tree.
+    """
+
+    __slots__ = ("plan", "treedef", "updates", "locals", "specs", "params", "active", "world",
+                 "mesh", "is_view")
+
+    def __init__(self, plan: Plan, updates, locals_, params, is_view: bool = False):
+        self.plan, self.treedef = plan, plan.treedef
+        self.updates, self.locals, self.params = updates, locals_, params
+        self.specs, self.active, self.world, self.mesh = (plan.specs, plan.active, plan.world,
+                                                          plan.mesh)
+        self.is_view = is_view
+
+    @property
+    def paths(self) -> list:
+        return self.plan.paths
+
+    def with_locals(self, new_locals: Sequence[Any]) -> "Prepared":
+        """The same view with other local values (one per leaf, ``None`` allowed)."""
+        return Prepared(self.plan, self.updates, list(new_locals), self.params, self.is_view)
+
+    def tree(self) -> Any:
+        """The current values as a tree of the caller's kind (DTensors rewrapped in ``specs``)."""
+        return tree_unflatten(self.treedef, [wrap(l, s) for l, s in zip(self.locals, self.specs)])
+
+    def rebuild(self, new_locals: Sequence[Any]) -> Any:
+        """``new_locals`` (one per leaf, ``None`` allowed) as the result of a transform: a view
+        inside a chain (:attr:`is_view`), else a tree rewrapped in ``specs``."""
+        if self.is_view:
+            return self.with_locals(new_locals)
+        return tree_unflatten(self.treedef, [wrap(l, s) for l, s in zip(new_locals, self.specs)])
+
+    def rebuild_active(self, active_locals: Sequence[Any]) -> Any:
+        """Like :meth:`rebuild` from values for the ``active`` leaves only (others stay ``None``)."""
+        full: list = [None] * len(self.locals)
+        for i, v in zip(self.active, active_locals):
+            full[i] = v
+        return self.rebuild(full)
+
+    def replicas(self, i: int, within: Optional[frozenset] = None) -> int:
+        """How many ranks hold the same values of leaf ``i`` (cached in the plan)."""
+        memo = self.plan.memo
+        key = ("replicas", i, within)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = self.world.replicas(self.updates[i], self.paths[i], within)
+        return hit
+
+    def state_locals(self, tree: Any, what: str) -> list:
+        """Local shards of a params-shaped state tree, checked against the updates' structure
+        and, leaf by leaf, their shapes.
+
+        Raises:
+            ValueError: naming the leaf path whose structure or shape differs.
+        """
+        leaves = flatten_as(tree, self.treedef, what, "the updates")
+        for i in self.active:
+            x = leaves[i]
+            if x is not None and x.shape != self.updates[i].shape:
+                raise ValueError(f"update leaf '{self.paths[i]}' has shape "
+                                 f"{tuple(self.updates[i].shape)}, but its {what} leaf has shape "
+                                 f"{tuple(x.shape)} (the parameter's)")
+        return [to_local(x) for x in leaves]
+
+    def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
+        """A params-shaped state tree with the ``active`` leaves replaced by rewrapped locals."""
+        old = flatten_as(tree, self.treedef, what, "the updates")
+        if all(x is None for x in old) and all(v is None for v in new_active):
+            return tree  # an all-None field (dynamo cannot rebuild a dict of constants)
+        leaves = list(old)
+        for i, v in zip(self.active, new_active):
+            leaves[i] = wrap_like(v, old[i])
+        return tree_unflatten(self.treedef, leaves)
+
+    def leaf_sums(self, items: Sequence[tuple[int, torch.Tensor, Sequence[int]]],
+                  op: str = "sum", whole: bool = False) -> list:
+        """Complete per-leaf reductions that were computed over the local shard.
+
+        Args:
+            items: ``(leaf index, local partial result, tensor dims reduced locally)``; the
+                partial result becomes the reduction over the global tensor (replicas are never
+                added, pipeline stages and experts never mixed).
+            op: ``"sum"`` or ``"max"``.
+
+        A partial result shaped like the leaf's local shard without the reduced dims (a row
+        sum, a column sum, a total) is written at its global offsets into a buffer holding the
+        whole statistic of its leaf (zeros, ``-inf`` for max, elsewhere; sums weighed by
+        ``1 / replicas``), and ONE all-reduce per dtype over every mesh dim but the pipeline
+        and expert ones completes the statistics of every leaf at once, whatever their meshes
+        and placements; each rank then reads its own region back. Partial results of another
+        shape are all-reduced over the mesh dims that shard any of the reduced dims of their
+        leaf, one collective per distinct set of mesh dims. Leaves whole along the reduced dims
+        need nothing.
+
+        With ``whole=True`` every rank gets the WHOLE statistic of each leaf (global shape, e.g.
+        a projection ``G^T Omega`` of a column-sharded ``G`` in full), not its own region: the
+        partial results must then be statistics (shaped as above), and the same one all-reduce
+        (per dtype) serves, since every rank already receives the whole buffer.
+
+        Returns the completed results, in order (the inputs are not modified).
+        """
+        out: list = [None] * len(items)
+        batch, where, scatter = [], [], []
+        for n, (i, t, dims) in enumerate(items):
+            x = self.updates[i]
+            if whole:
+                sharded = isinstance(x, DTensor) and any(isinstance(p, Shard)
+                                                         for p in x.placements)
+                if not sharded:
+                    out[n] = t
+                elif statistic_shape(x, t, dims) is None:
+                    raise ValueError(f"leaf_sums(whole=True): the partial result for leaf "
+                                     f"'{self.paths[i]}' is not a statistic of its local shard")
+                else:
+                    scatter.append(n)
+                continue
+            group = self.world.shard_group(x, self.paths[i], dims)
+            if group is None:
+                out[n] = t
+            elif statistic_shape(x, t, dims) is not None:
+                scatter.append(n)
+            else:
+                batch.append((t, group, op))
+                where.append(n)
+        for n, r in zip(where, all_reduce_buckets(batch)):
+            out[n] = r
+        if scatter:
+            for n, r in zip(scatter, self._scatter_reduce([items[n] for n in scatter], op, whole)):
+                out[n] = r
+        return out
+
+    def _scatter_reduce(self, items, op: str, whole: bool = False) -> list:
+        """Whole-statistic buffers of ``items`` completed by one all-reduce per dtype."""
+        world = self.world
+        dims = set(range(world.device_mesh.ndim)) - world.separating_dims()
+        group = world.group_of(dims)
+        root = world.device_mesh
+        coords = mesh_coordinates(root)
+        out: list = [None] * len(items)
+        by_dtype: dict = defaultdict(list)
+        for k, (_, t, _) in enumerate(items):
+            by_dtype[t.dtype].append(k)
+        fill = 0.0 if op == "sum" else -math.inf
+        for dtype, ks in by_dtype.items():
+            metas = []
+            for k in ks:
+                i, t, red = items[k]
+                x = self.updates[i]
+                nd = x.ndim
+                red = {d % nd for d in red}
+                if t.ndim == nd:  # reduced dims kept (at any size): taken whole
+                    keep = [None if d in red else d for d in range(nd)]
+                else:
+                    keep = [d for d in range(nd) if d not in red]
+                w = 1.0 if op == "max" else 1.0 / self.replicas(i, frozenset(dims))
+                metas.append((x, self.world.leaf_dims(x, self.paths[i]), keep, w,
+                              statistic_shape(x, t, red)))
+
+            def pack(r, ts, metas=metas):
+                parts = []
+                for t, (x, ldims, keep, w, gshape) in zip(ts, metas):
+                    buf = torch.full(gshape, fill, dtype=t.dtype, device=t.device)
+                    where = region(x, [coords[r][d] for d in ldims], keep)
+                    buf[where] = t * w if w != 1.0 else t
+                    parts.append(buf.reshape(-1))
+                return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+            local = per_rank([items[k][1] for k in ks], pack)
+            red = all_reduce(local, op, group) if group is not None else local
+            sizes = [math.prod(m[4]) for m in metas]
+            if whole:  # every rank holds every statistic in full: no rank-dependent slicing
+                for j, (k, piece) in enumerate(zip(ks, red.split(sizes))):
+                    out[k] = piece.view(metas[j][4])
+                continue
+            for j, k in enumerate(ks):
+
+                def unpack(r, ts, j=j, metas=metas, sizes=sizes):
+                    x, ldims, keep, _, gshape = metas[j]
+                    off = sum(sizes[:j])
+                    whole = ts[0][off:off + sizes[j]].view(gshape)
+                    return whole[region(x, [coords[r][d] for d in ldims], keep)].contiguous()
+
+                out[k] = per_rank([red], unpack)
+        return out
+
+    def leaf_totals(self, items: Sequence[tuple[int, torch.Tensor]]) -> list:
+        """Complete per-leaf sums over whole leaves with ONE all-reduce for all of them.
+
+        Args:
+            items: ``(leaf index, 0-dim local sum over the leaf's local shard)``.
+
+        Each rank weighs its local sums by ``1 / replicas`` and one all-reduce of the vector of
+        per-leaf sums runs over every mesh dim but the pipeline and expert ones (whose ranks hold
+        different leaves, which must not be mixed). Returns the global per-leaf sums (0-dim
+        float32 tensors, float64 when an input is float64), in order.
+        """
+        if not items:
+            return []
+        dtype = torch.float64 if any(t.dtype == torch.float64 for _, t in items) else torch.float32
+        vals = torch.stack([t.to(dtype) for _, t in items])
+        world = self.world
+        if world.device_mesh is None or world.size == 1:
+            return list(vals.unbind())
+        dims = set(range(world.device_mesh.ndim)) - world.separating_dims()
+        group = world.group_of(dims)
+        if group is None:
+            return list(vals.unbind())
+        weights = [1.0 / self.replicas(i, frozenset(dims)) for i, _ in items]
+        if any(w != 1.0 for w in weights):
+            vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
+        red = all_reduce(vals, "sum", group)
+        return list(red.unbind())
+
+    def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+        """Sum over every rank of per-leaf local sums, each element counted once (ONE all-reduce)."""
+        return _global_reduce(self, local_sums, indices, "sum")
+
+    def global_max(self, local_maxes: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+        """Max over every rank of per-leaf local maxima (ONE all-reduce)."""
+        return _global_reduce(self, local_maxes, indices, "max")
+
+
+def _global_reduce(b: Prepared, values, indices, op: str) -> torch.Tensor:
+    world = b.world
+    if len(values) == 0:
+        return torch.zeros((), dtype=torch.float32)
+    dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
+    vals = torch.stack([v.to(dtype) for v in values])
+    if world.device_mesh is None or world.size == 1:
+        return vals.sum() if op == "sum" else vals.max()
+    replicas = [b.replicas(i) for i in indices]
+    if all(r == world.size for r in replicas):
+        # every leaf is whole on every rank: the local result is already the global one
+        return vals.sum() if op == "sum" else vals.max()
+    if op == "sum":
+        if any(r != 1 for r in replicas):
+            weights = [1.0 / r for r in replicas]
+            vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
+        total = vals.sum()
+    else:
+        total = vals.max()
+    return all_reduce(total, op, world.world_group())
+
+
+
+def mesh_coordinates(root) -> dict:
+    """``rank -> mesh coordinate`` for the ranks of ``root`` (under torch.compile: this rank's
+    only, read from the mesh rather than from its rank tensor, which tracing cannot read)."""
+    if torch.compiler.is_compiling():
+        import torch.distributed as dist
+
+        return {dist.get_rank(): tuple(root.get_coordinate())}
+    layout = root.mesh.reshape(-1).tolist()
+    return dict(zip(layout, itertools.product(*[range(s) for s in root.mesh.shape])))
+
+
+def leaf_paths(tree: Any) -> list:
+    """Dotted paths of the leaves of ``tree`` (``None`` leaves included)."""
+    paths_raw, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    return [format_path(p) for p in paths_raw]
+
+
+def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: bool = False,
+            name: str = "transform", view: bool = False) -> Prepared:
+    """Flatten, validate and materialise the inputs of one ``update`` call.
+
+    ``updates`` may be a tree, or a :class:`Prepared` view handed along by a chain (returned as
+    it is). The layout's :class:`~functional_train.engine.plan.Plan` is built on first use and
+    cached; each call then only flattens, reduces unreduced gradients (one bucketed all-reduce
+    per kind) and takes the local shards. With ``view=True`` the result's :meth:`rebuild`
+    returns views (what a chain does).
+
+    Raises:
+        ValueError: ``params`` does not have the structure of ``updates``, a leaf's shape differs
+            from its parameter's, a DTensor lives on a mesh that is not part of ``mesh``, or
+            ``need_params`` and ``params`` is ``None``.
+        TypeError: a leaf is not a tensor, or ``mesh`` is not a :class:`Mesh`.
+    """
+    if isinstance(updates, Prepared):
+        if need_params and updates.params is None:
+            raise ValueError(f"{name} needs params: call update(updates, state, params)")
+        return updates
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"{name}: mesh must be a functional_train.Mesh or None, "
+                        f"got {type(mesh).__name__}")
+    if params is None:
+        if need_params:
+            raise ValueError(f"{name} needs params: call update(updates, state, params)")
+        leaves, treedef = tree_flatten(updates)
+        pleaves = None
+    else:
+        pleaves, treedef = tree_flatten(params)
+        leaves = flatten_as(updates, treedef, "updates", "params", params)
+    plan = plan_for(treedef, leaves, pleaves, mesh)
+    if plan.trivial:
+        return Prepared(plan, leaves, leaves, pleaves, view)
+    leaves = plan.materialize(leaves, pleaves)
+    locs = [to_local(x) for x in leaves]
+    plocs = None if pleaves is None else [to_local(x) for x in pleaves]
+    return Prepared(plan, leaves, locs, plocs, view)

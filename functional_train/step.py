@@ -1,0 +1,287 @@
+"""``step``: one optimizer step, ``update`` then ``apply_updates``, fused where possible.
+
+The general path runs any transform on the local view (the chain's primitives hand local shards
+along; DTensors are built once, for the new parameters) and adds the updates to the local
+parameter shards. The fused path recognises ``sgd``, ``adam`` and ``adamw`` (32-bit moments),
+alone or after ``clip_by_global_norm``, and runs torch's fused optimizer kernels
+(``torch._fused_sgd_``, ``_fused_adam_``, ``_fused_adamw_``; CPU and CUDA) on the local shards,
+one pass per group of leaves, with the clip factor as the kernel's gradient scale. The numbers
+are those of the primitives up to float rounding, and sharded equals unsharded as for
+``update``: the kernels are elementwise, and the clip norm takes the same one scalar
+all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .base import GradientTransformation, accepts_view
+from .clipping import ClipByGlobalNormState, global_norm_of
+from .engine.dtensor import spec_of, to_local, wrap, wrap_like
+from .engine.view import Prepared, prepare
+from .mesh import Mesh
+from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
+from .tree import flatten_as, tree_flatten, tree_unflatten
+from .update import paired_locals
+
+__all__ = ["step"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedAdam:
+    """What ``adam`` / ``adamw`` computed, for the fused kernels (attached to the alias's
+    chain as ``update.fused``): hyper-parameters and where the moments and the learning-rate
+    state sit in the chain's state tuple."""
+
+    decoupled: bool
+    learning_rate: Union[float, Callable]
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    maximize: bool
+    adam_index: int
+    lr_index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedSGD:
+    """What ``sgd`` computes, for ``torch._fused_sgd_`` (see :class:`FusedAdam`)."""
+
+    learning_rate: Union[float, Callable]
+    momentum: float
+    weight_decay: float
+    nesterov: bool
+    maximize: bool
+    trace_index: Optional[int]
+    lr_index: int
+
+
+def _program(tx: GradientTransformation):
+    """``(clip, fused)`` when ``tx`` is a fusable optimizer, optionally after a
+    ``clip_by_global_norm``: ``clip`` is ``(max_norm, norm_type)`` or ``None``."""
+    fused = getattr(tx.update, "fused", None)
+    if fused is not None:
+        return None, fused
+    parts = getattr(tx.update, "parts", None)
+    if parts is not None and len(parts) == 2:
+        clip = getattr(parts[0].update, "fused_clip", None)
+        fused = getattr(parts[1].update, "fused", None)
+        if clip is not None and fused is not None:
+            return clip, fused
+    return None
+
+
+def _learning_rate(lr, state_count, like: torch.Tensor):
+    if not callable(lr):
+        return lr
+    value = torch.as_tensor(lr(state_count), dtype=torch.float64)
+    return value.to(device=like.device, dtype=like.dtype)
+
+
+def _fusable(ts_lists) -> bool:
+    """Every leaf of every list: one floating (not complex) dtype, the local shape of the first
+    list's leaf, contiguous, one device (the kernels' requirements)."""
+    first = ts_lists[0]
+    dtype, device = first[0].dtype, first[0].device
+    if dtype not in _KERNEL_DTYPES:
+        return False
+    shapes = [x.shape for x in first]
+    for lst in ts_lists:
+        for shape, x in zip(shapes, lst):
+            if x is None or x.dtype != dtype or x.shape != shape or not x.is_contiguous():
+                return False
+    if device.type == "cpu":
+        return all(x.is_cpu for lst in ts_lists for x in lst)
+    return all(x.device == device for lst in ts_lists for x in lst)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
+    """The fused step, or ``None`` when the inputs do not fit the kernels (general path)."""
+    if clip is not None:
+        if not (isinstance(state, tuple) and len(state) == 2
+                and isinstance(state[0], ClipByGlobalNormState)):
+            return None
+        clip_state, opt_state = state
+    else:
+        clip_state, opt_state = None, state
+    if not isinstance(opt_state, tuple) or hasattr(opt_state, "_fields"):
+        return None
+    b = prepare(grads, params, mesh, need_params=True, name="step")
+    act = b.active
+    if not act:
+        return None
+    pl_tree, treedef = tree_flatten(params)
+    g = [b.locals[i] for i in act]
+    p = [b.params[i] for i in act]
+    if isinstance(fused, FusedAdam):
+        st = opt_state[fused.adam_index]
+        if type(st) not in (ScaleByAdamState, ScaleByAmsgradState) or (
+                fused.amsgrad != isinstance(st, ScaleByAmsgradState)):
+            return None
+        fields = ("mu", "nu", "nu_max") if fused.amsgrad else ("mu", "nu")
+    else:
+        st = None if fused.trace_index is None else opt_state[fused.trace_index]
+        if st is not None and not isinstance(st, TraceState):
+            return None
+        fields = () if st is None else ("trace",)
+    trees = {f: flatten_as(getattr(st, f), treedef, f"{type(st).__name__}.{f}", "params")
+             for f in fields}
+    bufs = {f: [to_local(trees[f][i]) for i in act] for f in fields}
+    if not _fusable([p, g, *bufs.values()]):
+        return None
+    lr_state = opt_state[fused.lr_index]
+    count = lr_state.count if isinstance(lr_state, ScaleByScheduleState) else None
+    if callable(fused.learning_rate) and count is None:
+        return None
+    # the clip factor, from the same one scalar all-reduce as clip_by_global_norm
+    coef = None
+    if clip is not None:
+        max_norm, norm_type = clip
+        total = global_norm_of(b, norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        new_clip = ClipByGlobalNormState(total.to(clip_state.global_norm.dtype))
+    with torch.no_grad():
+        if donate:
+            new_p, new_bufs = p, bufs
+            grad_scale = None
+            if coef is not None and p[0].dtype == torch.float64:  # the kernels take a float32
+                torch._foreach_mul_(g, coef)                      # scale: scale in place here
+            elif coef is not None:
+                grad_scale = (1.0 / coef).to(torch.float32)
+            g_in = g  # the kernel writes the unscaled gradients back: grads are donated too
+        else:
+            new_p = [x.clone() for x in p]
+            new_bufs = {f: [x.clone() for x in v] for f, v in bufs.items()}
+            grad_scale = None
+            g_in = g if coef is None else torch._foreach_mul(g, coef.to(g[0].dtype))
+        lr = _learning_rate(fused.learning_rate, count, torch.empty((), dtype=torch.float64,
+                                                                     device=p[0].device))
+        if isinstance(fused, FusedAdam):
+            new_count = st.count + 1
+            steps = [new_count.to(device=p[0].device, dtype=torch.float32)] * len(p)
+            kernel = torch._fused_adamw_ if fused.decoupled else torch._fused_adam_
+            kernel(new_p, g_in, new_bufs["mu"], new_bufs["nu"],
+                   new_bufs.get("nu_max", []), steps, lr=lr, beta1=fused.b1, beta2=fused.b2,
+                   weight_decay=fused.weight_decay, eps=fused.eps, amsgrad=fused.amsgrad,
+                   maximize=fused.maximize, grad_scale=grad_scale)
+        else:
+            new_count = None if st is None else st.count + 1
+            torch._fused_sgd_(new_p, g_in, new_bufs.get("trace", []),
+                              weight_decay=fused.weight_decay, momentum=fused.momentum, lr=lr,
+                              dampening=0.0, nesterov=fused.nesterov, maximize=fused.maximize,
+                              is_first_step=False, grad_scale=grad_scale)
+    # the new trees
+    if donate:
+        out_params = params
+    else:
+        leaves = list(pl_tree)
+        for i, x in zip(act, new_p):
+            leaves[i] = wrap_like(x, pl_tree[i])
+        out_params = tree_unflatten(treedef, leaves)
+    new_fields = {}
+    for f in fields:
+        if donate:
+            new_fields[f] = getattr(st, f)
+            continue
+        leaves = list(trees[f])
+        for i, x in zip(act, new_bufs[f]):
+            leaves[i] = wrap_like(x, trees[f][i])
+        new_fields[f] = tree_unflatten(treedef, leaves)
+    new_opt = list(opt_state)
+    if st is not None:
+        new_opt[fused.adam_index if isinstance(fused, FusedAdam) else fused.trace_index] = \
+            st._replace(count=new_count, **new_fields)
+    if count is not None:
+        new_opt[fused.lr_index] = ScaleByScheduleState(count + 1)
+    new_opt = tuple(new_opt)
+    if clip is not None:
+        return out_params, (new_clip, new_opt)
+    return out_params, new_opt
+
+
+def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
+    """``params + updates`` on local shards; in place into the params' buffers with ``donate``."""
+    if isinstance(updates, Prepared):  # the chain's view: the plan checked the layout
+        pl, treedef = tree_flatten(params)
+        idx = [i for i, (x, u) in enumerate(zip(pl, updates.locals))
+               if x is not None and u is not None]
+        p_loc = [to_local(pl[i]) for i in idx]
+        u_loc = [updates.locals[i] for i in idx]
+    else:
+        treedef, pl, idx, p_loc, u_loc = paired_locals(params, updates)
+    u_loc = [u if u.dtype == x.dtype else u.to(x.dtype) for u, x in zip(u_loc, p_loc)]
+    if not idx:
+        return params
+    with torch.no_grad():
+        if donate:
+            torch._foreach_add_(p_loc, u_loc)
+            return params
+        new = torch._foreach_add(p_loc, u_loc)
+    out = list(pl)
+    for i, n in zip(idx, new):
+        out[i] = wrap_like(n, pl[i])
+    return tree_unflatten(treedef, out)
+
+
+def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTree, *,
+         mesh: Optional[Mesh] = None, donate: bool = False, **extra: Any) -> tuple[PyTree, PyTree]:
+    """One optimizer step: ``updates, state = tx.update(grads, state, params, mesh=mesh)`` then
+    ``params = apply_updates(params, updates)``, fused where possible.
+
+    Args:
+        tx: any transform.
+        grads: the gradients (the tree of ``params``; ``None`` leaves leave their parameter
+            unchanged), plain tensors or DTensors, unreduced over ``mesh.data_axis`` or
+            ``Partial`` as ``update`` accepts them.
+        state: ``tx``'s state.
+        params: the parameters (plain tensors or DTensors; any dtype ``apply_updates`` takes).
+        mesh: the :class:`~functional_train.Mesh` descriptor, as for ``update``.
+        donate: ``False`` (the default): pure, no input is modified. ``True``: the buffers of
+            ``params``, ``state`` AND ``grads`` may be reused for the results (JAX's
+            ``donate_argnums``); the caller must not use the old trees afterwards (in a loop,
+            ``params, state = ft.step(tx, grads, state, params, donate=True)``). Gradients
+            are donated too because the fused kernels unscale them in place (as torch's
+            ``clip_grad_norm_`` scales ``.grad`` in place).
+        extra: passed to ``tx.update``.
+
+    Returns:
+        ``(new_params, new_state)``, the params in their own layout (placements, dtypes).
+
+    Fused path: ``tx`` is ``sgd`` (momentum without dampening), ``adam`` or ``adamw`` (32-bit
+    moments, any ``amsgrad`` / ``maximize`` / weight decay / schedule), or ``chain(
+    clip_by_global_norm(max_norm), one of those)``, and for every leaf the parameter, gradient
+    and moments have one floating dtype and are contiguous: torch's fused kernel runs on the
+    local shards of all leaves in one call, the clip factor as its gradient scale. Otherwise
+    the general path: the transform's primitives on the local view, then one add per leaf.
+    Collectives: those of ``tx.update`` (the fused path issues the same ones).
+
+    Raises:
+        ValueError / TypeError: as ``tx.update`` and ``apply_updates`` do; ``params`` missing.
+    """
+    if params is None:
+        raise ValueError("step needs params: step(tx, grads, state, params)")
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"step: tx must be a GradientTransformation, got {type(tx).__name__}")
+    prog = _program(tx)
+    # under torch.compile the primitives run instead: inductor fuses them into out-of-place
+    # kernels itself, and functionalisation cannot trace the in-place fused kernels
+    if prog is not None and not torch.compiler.is_compiling():
+        out = _run_fused(tx, *prog, grads, state, params, mesh, donate)
+        if out is not None:
+            return out
+    if accepts_view(tx):
+        b = prepare(grads, params, mesh, name="step", view=True)
+        updates, new_state = tx.update(b, state, params, mesh=b.mesh, **extra)
+    else:
+        updates, new_state = tx.update(grads, state, params, mesh=mesh, **extra)
+    return _apply(params, updates, donate), new_state

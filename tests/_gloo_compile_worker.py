@@ -1,0 +1,103 @@
+"""Worker for tests/test_sweep.py::test_compile_dtensor_gloo: every transform of the sweep's
+registry, ``torch.compile(step, fullgraph=True)`` on DTensor leaves over 2 real gloo ranks
+(``Shard(0)`` / ``Shard(1)`` / ``Replicate`` leaves and a plain one, on a mesh dim named
+``dp`` so that ``zero_redundancy`` has its axis), against
+the eager ``ft.step``.
+
+The optimizer aliases compile with inductor; the other transforms with the ``eager`` backend
+(dynamo's tracing is what breaks, and inductor takes ~10-40 s per transform on 2 CPU cores).
+A warmup-cosine schedule's changing learning rate must not recompile (3 steps, one graph).
+Rank 0 writes ``{name: None or an error message}``.
+"""
+
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import functional_train as ft
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+import _sweep_registry as reg  # noqa: E402
+
+# inductor for the user-facing optimizers (and the main job's chain), eager for the rest
+ALIASES = {"sgd", "adam", "adamw", "lamb", "adafactor", "came", "galore_adamw", "adamw[8bit]",
+           "chain"}
+
+
+def problem(mesh):
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": ((6, 4), [Shard(0)]), "m": ((4, 6), [Shard(1)]), "v": ((5,), [Replicate()]),
+              "p": ((3,), None)}
+    params = {k: torch.randn(s, generator=g) for k, (s, _) in shapes.items()}
+    grads = [{k: torch.randn(s, generator=g) for k, (s, _) in shapes.items()} for _ in range(3)]
+
+    def dist_(tree):
+        return {k: v if shapes[k][1] is None else distribute_tensor(v, mesh, shapes[k][1])
+                for k, v in tree.items()}
+
+    return dist_(params), [dist_(t) for t in grads]
+
+
+def check(name, mesh):
+    import torch._dynamo
+
+    tx = reg.all_entries()[name]()
+    params, grads = problem(mesh)
+    fmesh = ft.Mesh(mesh)
+    torch._dynamo.reset()
+    frames = []
+    backend = "inductor" if name in ALIASES else "eager"
+
+    def counting_backend(gm, inputs):
+        frames.append(gm)
+        if backend == "eager":
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, inputs)
+
+    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, mesh=fmesh),
+                         backend=counting_backend,
+                         fullgraph=name not in reg.COMPILE_GRAPH_BREAKS)
+    se = sc = tx.init(params)
+    pe = pc = params
+    for t, g in enumerate(grads):
+        pe, se = ft.step(tx, g, se, pe, mesh=fmesh)
+        pc, sc = step(g, sc, pc)
+        for k in params:
+            a = pc[k].full_tensor() if isinstance(pc[k], DTensor) else pc[k]
+            b = pe[k].full_tensor() if isinstance(pe[k], DTensor) else pe[k]
+            if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+                return f"step {t}, params['{k}']: compiled {a} != eager {b}"
+    # a schedule's changing learning rate is a tensor: one graph for every step (multi_steps
+    # and galore branch on their documented CPU counters: one graph per branch)
+    limit = 2 if reg.base_name(name) in reg.HOST_COUNTER_READS else 1
+    if name in ("scale_by_learning_rate", "chain", "adamw") and len(frames) > limit:
+        return f"{len(frames)} graphs for 3 steps (recompiled)"
+    return None
+
+
+def main(rank, world, init_file, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    names = [n for n in reg.all_entries() if (n, "compile_dtensor") not in reg.NOT_APPLICABLE]
+    result = {}
+    for name in names:
+        try:
+            result[name] = check(name, mesh)
+        except Exception:  # noqa: BLE001  (reported by name to the test)
+            result[name] = traceback.format_exc()[-3000:]
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

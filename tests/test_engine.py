@@ -1,0 +1,130 @@
+"""The engine's shape (DESIGN.md section 3a): a plan per layout, a chain on local shards with
+DTensors built once, eager DTensor construction equal to ``DTensor.from_local``, and ``ft.step``
+taking torch's fused kernels where they apply."""
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import functional_train as ft
+from functional_train.engine import dtensor as engine_dtensor
+from functional_train.engine.view import prepare
+from functional_train.testing import simulate
+from torch.distributed.device_mesh import init_device_mesh
+
+from _layouts import shard  # noqa: E402  (tests/ is on sys.path)
+
+
+def make_mesh(shape, names):
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+
+
+def _tree(mesh, n=6, seed=0):
+    """DTensors made from simulated tensors (not by DTensor ops, whose sharding-propagation
+    cache can hand back an equal-looking mesh of an earlier simulation)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        out[f"w{i}"] = shard(torch.randn(5, 3, generator=gen), mesh, [Shard(i % 2)])
+        out[f"b{i}"] = shard(torch.randn(3, generator=gen), mesh, [Replicate()])
+    return out
+
+
+def test_eager_wrap_equals_from_local():
+    """The eager constructor (``DTensor.__new__`` with a cached spec, no ``__init__``) gives what
+    ``DTensor.from_local`` gives: this fences the private construction path."""
+    with simulate(2):
+        mesh = make_mesh((2,), ("tp",))
+        x = shard(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])
+        local = x._local_tensor * 2
+        got = engine_dtensor.wrap(local, engine_dtensor.spec_of(x))
+        want = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=x.shape,
+                                  stride=x.stride())
+        like = engine_dtensor.wrap_like(local, x)
+        for y in (got, like):
+            assert type(y) is DTensor and not y.requires_grad
+            assert y.placements == want.placements and y.shape == want.shape
+            assert y.stride() == want.stride() and y.dtype == want.dtype
+            assert y._local_tensor is local
+            assert torch.equal(y.full_tensor(), want.full_tensor())
+        half = engine_dtensor.wrap(local.double(), engine_dtensor.spec_of(x))
+        assert half.dtype == torch.float64 and half._spec.tensor_meta.dtype == torch.float64
+
+
+def test_one_plan_per_layout():
+    """The second update of one layout reuses its plan; another layout gets another one."""
+    with simulate(2):
+        mesh = make_mesh((2,), ("tp",))
+        params = _tree(mesh)
+        grads = _tree(mesh, seed=1)
+        a = prepare(grads, params, None)
+        b = prepare(_tree(mesh, seed=2), params, None)
+        assert a.plan is b.plan
+        other = dict(grads, w0=shard(torch.zeros(5, 3), mesh, [Replicate()]))
+        c = prepare(other, params, None)
+        assert c.plan is not a.plan
+        assert c.specs[c.paths.index("w0")].placements == params["w0"].placements  # relaid
+
+
+def test_chain_builds_dtensors_once(monkeypatch):
+    """``chain(clip_by_global_norm, adamw)`` (5 primitives) on n DTensor leaves builds n
+    DTensors for the updates and 2n for the moments, not one per leaf per primitive."""
+    made = []
+    real = engine_dtensor._make
+    monkeypatch.setattr(engine_dtensor, "_make", lambda *a: made.append(1) or real(*a))
+    with simulate(2):
+        mesh = make_mesh((2,), ("tp",))
+        params = _tree(mesh)
+        n = len(params)
+        tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1))
+        state = tx.init(params)
+        grads = _tree(mesh, seed=1)
+        tx.update(grads, state, params)  # the plan and the spec caches are built
+        made.clear()
+        u, state = tx.update(grads, state, params)
+        assert len(made) == 3 * n, len(made)
+        assert all(type(x) is DTensor and x.placements == params[k].placements
+                   for k, x in u.items())
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_step_takes_the_fused_kernel(monkeypatch, donate):
+    """``ft.step(chain(clip_by_global_norm, adamw))`` runs ``torch._fused_adamw_`` once for every
+    leaf; with ``donate=True`` the results live in the params' and moments' own buffers."""
+    calls = []
+    real = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(len(a[0])) or
+                        real(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(3, generator=gen),
+              "frozen": torch.randn(2, generator=gen)}
+    tx = ft.chain(ft.clip_by_global_norm(0.1), ft.adamw(1e-2, weight_decay=0.1))
+    state = tx.init(params)
+    grads = {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(3, generator=gen),
+             "frozen": None}
+    want_u, want_s = tx.update(grads, state, params)
+    want_p = ft.apply_updates(params, want_u)
+    w_buf, mu_buf = params["w"].data_ptr(), state[1][0].mu["w"].data_ptr()
+    new_p, new_s = ft.step(tx, dict(grads), state, params, donate=donate)
+    assert calls == [2]
+    torch.testing.assert_close(new_p, want_p, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(new_s[1][0].mu, want_s[1][0].mu, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(new_s[0].global_norm, want_s[0].global_norm)
+    assert int(new_s[1][0].count) == 1
+    assert new_p["frozen"] is params["frozen"]
+    shared = new_p["w"].data_ptr() == w_buf and new_s[1][0].mu["w"].data_ptr() == mu_buf
+    assert shared == donate
+
+
+def test_step_general_path_for_other_transforms(monkeypatch):
+    """A transform without a fused kernel (lamb; adamw with bfloat16 params, whose moments are
+    float32) takes the general path with the same numbers as update + apply_updates."""
+    monkeypatch.setattr(torch, "_fused_adamw_", None)  # would raise if called
+    gen = torch.Generator().manual_seed(1)
+    for tx, dtype in ((ft.lamb(1e-2), torch.float32), (ft.adamw(1e-2), torch.bfloat16)):
+        params = {"w": torch.randn(4, 3, generator=gen).to(dtype)}
+        grads = {"w": torch.randn(4, 3, generator=gen).to(dtype)}
+        state = tx.init(params)
+        u, s = tx.update(grads, state, params)
+        p, s2 = ft.step(tx, grads, state, params)
+        torch.testing.assert_close(p, ft.apply_updates(params, u), rtol=0, atol=0)
