@@ -8,8 +8,9 @@ The model is an ordinary ``nn.Module`` (RMSNorm, rotary embeddings, causal atten
     tx = ft.chain(ft.clip_by_global_norm(clip), ft.adamw(schedule, weight_decay=wd))
     tx = ft.zero_redundancy(tx, axis="dp")          # --zero: optimizer state sharded over dp
     tx = ft.multi_steps(tx, every_k=accum)          # --accum > 1
-    updates, state = tx.update(grads, state, params, mesh=mesh)
-    params = ft.apply_updates(params, updates)
+    params, state = ft.step(tx, grads, state, params, mesh=mesh, donate=True)
+    # = updates, state = tx.update(grads, state, params, mesh=mesh)
+    #   params = ft.apply_updates(params, updates)       (fused kernels where they apply)
 
 Under ``torchrun`` the same script runs data parallel x tensor parallel on CPU (gloo): the model is
 sharded with ``parallelize_module`` (q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms
@@ -347,6 +348,9 @@ def parse_args(argv=None):
     g.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled (AdamW) weight decay")
     g.add_argument("--seed", type=int, default=0, help="seeds initialisation and batch sampling")
+    g.add_argument("--step", choices=["donate", "pure", "update"], default="donate",
+                   help="optimizer step: ft.step(..., donate=True) (default), ft.step pure, or "
+                        "tx.update + ft.apply_updates")
     g = p.add_argument_group("data and evaluation")
     g.add_argument("--data", default=None,
                    help="text file or directory (all files under it, sorted); "
@@ -498,8 +502,12 @@ def main(argv=None):
         for m in range(args.accum):
             x, y = windows(train_data, starts[m * micro: (m + 1) * micro], args.seq_len)
             grads, loss = grad_fn(params, x, y)
-            updates, state = tx.update(grads, state, params, mesh=mesh)
-            params = ft.apply_updates(params, updates)
+            if args.step == "update":  # the two calls ft.step makes one of
+                updates, state = tx.update(grads, state, params, mesh=mesh)
+                params = ft.apply_updates(params, updates)
+            else:  # fused kernels where they apply; --step donate writes into the old buffers
+                params, state = ft.step(tx, grads, state, params, mesh=mesh,
+                                        donate=args.step == "donate")
             loss_sum += loss.detach()
         loss = dp_mean(loss_sum / args.accum).item()  # mean over the global batch
         dt = time.perf_counter() - t0

@@ -53,6 +53,9 @@ def _local_norm_terms(b, norm_type: float):
         # _foreach_norm has no identity for inf on empty shards (uneven sharding): pad one zero.
         return [torch.cat([x.reshape(-1), x.new_zeros(1)]).abs().max() for x in g], "max"
     norms = torch._foreach_norm(g, norm_type) if g else []
+    if norms and all(n.dtype == norms[0].dtype for n in norms):  # one vector, three ops
+        v = torch.stack(norms).to(_wide(norms[0].dtype))
+        return (v.square() if norm_type == 2.0 else v.pow(norm_type)), "sum"
     if norm_type == 2.0:
         return [n.to(_wide(n.dtype)).square() for n in norms], "sum"
     return [n.to(_wide(n.dtype)).pow(norm_type) for n in norms], "sum"

@@ -20,7 +20,7 @@ import torch
 
 from .base import GradientTransformation, accepts_view
 from .clipping import ClipByGlobalNormState, global_norm_of
-from .engine.dtensor import spec_of, to_local, wrap, wrap_like
+from .engine.dtensor import spec_of, to_local, to_locals, wrap, wrap_like, wraps_like
 from .engine.view import Prepared, prepare
 from .mesh import Mesh
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
@@ -136,7 +136,7 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
         fields = () if st is None else ("trace",)
     trees = {f: flatten_as(getattr(st, f), treedef, f"{type(st).__name__}.{f}", "params")
              for f in fields}
-    bufs = {f: [to_local(trees[f][i]) for i in act] for f in fields}
+    bufs = {f: to_locals([trees[f][i] for i in act]) for f in fields}
     if not _fusable([p, g, *bufs.values()]):
         return None
     lr_state = opt_state[fused.lr_index]
@@ -185,8 +185,8 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
         out_params = params
     else:
         leaves = list(pl_tree)
-        for i, x in zip(act, new_p):
-            leaves[i] = wrap_like(x, pl_tree[i])
+        for i, x in zip(act, wraps_like(new_p, [pl_tree[i] for i in act])):
+            leaves[i] = x
         out_params = tree_unflatten(treedef, leaves)
     new_fields = {}
     for f in fields:
@@ -194,8 +194,8 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
             new_fields[f] = getattr(st, f)
             continue
         leaves = list(trees[f])
-        for i, x in zip(act, new_bufs[f]):
-            leaves[i] = wrap_like(x, trees[f][i])
+        for i, x in zip(act, wraps_like(new_bufs[f], [trees[f][i] for i in act])):
+            leaves[i] = x
         new_fields[f] = tree_unflatten(treedef, leaves)
     new_opt = list(opt_state)
     if st is not None:

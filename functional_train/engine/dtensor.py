@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = ["Spec", "spec_of", "to_local", "wrap", "wrap_like", "cache_clear"]
+__all__ = ["Spec", "spec_of", "to_local", "to_locals", "wrap", "wrap_like", "wraps_like",
+           "cache_clear"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,13 @@ def to_local(x: Any) -> Any:
     return x
 
 
+def to_locals(xs) -> list:
+    """:func:`to_local` of every element of ``xs`` (one compile check for the whole list)."""
+    if torch.compiler.is_compiling():
+        return [x.to_local() if isinstance(x, DTensor) else x for x in xs]
+    return [x._local_tensor if isinstance(x, DTensor) else x for x in xs]
+
+
 def wrap(local: Any, spec: Optional[Spec]) -> Any:
     """Rewrap a local shard in ``spec`` (no communication, no check); identity for ``spec=None``.
 
@@ -118,3 +126,12 @@ def wrap_like(local: Any, like: Any) -> Any:
     if not torch.compiler.is_compiling() and local.dtype == like.dtype:
         return _make(local, like._spec)
     return wrap(local, spec_of(like))
+
+
+def wraps_like(locals_, likes) -> list:
+    """:func:`wrap_like` of every pair (one compile check for the whole list)."""
+    if torch.compiler.is_compiling():
+        return [wrap_like(x, like) for x, like in zip(locals_, likes)]
+    return [x if x is None or not isinstance(like, DTensor) else (
+        _make(x, like._spec) if x.dtype == like.dtype else wrap(x, spec_of(like)))
+        for x, like in zip(locals_, likes)]

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..mesh import Mesh
 from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
 from .collectives import all_reduce, all_reduce_buckets, per_rank
-from .dtensor import spec_of, to_local, wrap, wrap_like
+from .dtensor import spec_of, to_local, to_locals, wrap, wrap_like, wraps_like
 from .layout import region, statistic_shape
 from .plan import Plan, plan_for
 
@@ -106,7 +106,7 @@ class Prepared:
                 raise ValueError(f"update leaf '{self.paths[i]}' has shape "
                                  f"{tuple(self.updates[i].shape)}, but its {what} leaf has shape "
                                  f"{tuple(x.shape)} (the parameter's)")
-        return [to_local(x) for x in leaves]
+        return to_locals(leaves)
 
     def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
         """A params-shaped state tree with the ``active`` leaves replaced by rewrapped locals."""
@@ -114,8 +114,8 @@ class Prepared:
         if all(x is None for x in old) and all(v is None for v in new_active):
             return tree  # an all-None field (dynamo cannot rebuild a dict of constants)
         leaves = list(old)
-        for i, v in zip(self.active, new_active):
-            leaves[i] = wrap_like(v, old[i])
+        for i, v in zip(self.active, wraps_like(new_active, [old[i] for i in self.active])):
+            leaves[i] = v
         return tree_unflatten(self.treedef, leaves)
 
     def leaf_sums(self, items: Sequence[tuple[int, torch.Tensor, Sequence[int]]],
@@ -258,7 +258,8 @@ class Prepared:
         return list(red.unbind())
 
     def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
-        """Sum over every rank of per-leaf local sums, each element counted once (ONE all-reduce)."""
+        """Sum over every rank of per-leaf local sums (0-dim tensors, or one vector of them),
+        each element counted once (ONE all-reduce)."""
         return _global_reduce(self, local_sums, indices, "sum")
 
     def global_max(self, local_maxes: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
@@ -270,18 +271,29 @@ def _global_reduce(b: Prepared, values, indices, op: str) -> torch.Tensor:
     world = b.world
     if len(values) == 0:
         return torch.zeros((), dtype=torch.float32)
-    dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
-    vals = torch.stack([v.to(dtype) for v in values])
+    if isinstance(values, torch.Tensor):  # already one vector of per-leaf values
+        dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+        vals = values.to(dtype)
+    else:
+        dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
+        vals = torch.stack([v.to(dtype) for v in values])
     if world.device_mesh is None or world.size == 1:
         return vals.sum() if op == "sum" else vals.max()
-    replicas = [b.replicas(i) for i in indices]
-    if all(r == world.size for r in replicas):
-        # every leaf is whole on every rank: the local result is already the global one
+    key = ("global", tuple(indices), vals.dtype, vals.device)
+    hit = b.plan.memo.get(key)
+    if hit is None:  # (every leaf whole on every rank?, replica weights or None), per layout
+        replicas = [b.replicas(i) for i in indices]
+        weights = None
+        if any(r != 1 for r in replicas):
+            weights = torch.tensor([1.0 / r for r in replicas], dtype=vals.dtype,
+                                   device=vals.device)
+        hit = b.plan.memo[key] = (all(r == world.size for r in replicas), weights)
+    whole, weights = hit
+    if whole:  # every leaf is whole on every rank: the local result is already the global one
         return vals.sum() if op == "sum" else vals.max()
     if op == "sum":
-        if any(r != 1 for r in replicas):
-            weights = [1.0 / r for r in replicas]
-            vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
+        if weights is not None:
+            vals = vals * weights
         total = vals.sum()
     else:
         total = vals.max()
@@ -341,6 +353,6 @@ def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: boo
     if plan.trivial:
         return Prepared(plan, leaves, leaves, pleaves, view)
     leaves = plan.materialize(leaves, pleaves)
-    locs = [to_local(x) for x in leaves]
-    plocs = None if pleaves is None else [to_local(x) for x in pleaves]
+    locs = to_locals(leaves)
+    plocs = None if pleaves is None else to_locals(pleaves)
     return Prepared(plan, leaves, locs, plocs, view)
