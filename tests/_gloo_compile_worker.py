@@ -10,6 +10,7 @@ A warmup-cosine schedule's changing learning rate must not recompile (3 steps, o
 Rank 0 writes ``{name: None or an error message}``.
 """
 
+import copy
 import sys
 import traceback
 
@@ -36,7 +37,10 @@ def problem(mesh):
     grads = [{k: torch.randn(s, generator=g) for k, (s, _) in shapes.items()} for _ in range(3)]
 
     def dist_(tree):
-        return {k: v if shapes[k][1] is None else distribute_tensor(v, mesh, shapes[k][1])
+        # placements objects of its own for every tree, as autograd gives gradients (a
+        # Replicate() shared by a param and its gradient is an aliasing dynamo guards on)
+        return {k: v if shapes[k][1] is None else
+                distribute_tensor(v, mesh, copy.deepcopy(shapes[k][1]))
                 for k, v in tree.items()}
 
     return dist_(params), [dist_(t) for t in grads]

@@ -140,7 +140,7 @@ class Plan:
                 ps = self.param_specs[i]
                 if s is None and ps is None:
                     continue
-                if s is None or ps is None or s.mesh != ps.mesh or s.placements != ps.placements:
+                if s is None or ps is None or not _same_layout(s, ps):
                     self.relayout.append(i)
                     self.specs[i] = ps
 
@@ -177,6 +177,14 @@ class Plan:
                     g, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False
                 ).redistribute(p.device_mesh, p.placements)
         return grads
+
+
+def _same_layout(a: Spec, b: Spec) -> bool:
+    """Same mesh and placements, compared element by element with ``==`` (a tuple comparison
+    short-cuts identical elements, and dynamo then guards on the placements' identity: a new
+    but equal ``Replicate()`` would recompile a compiled step)."""
+    return (a.mesh == b.mesh and len(a.placements) == len(b.placements)
+            and all([x == y for x, y in zip(a.placements, b.placements)]))
 
 
 def _respec(s: Spec, placements: tuple) -> Spec:
