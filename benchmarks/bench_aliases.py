@@ -73,7 +73,7 @@ import torch
 import functional_train as ft
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import clone_tree, gpt_shapes, make_problem, n_params, run_rounds  # noqa: E402
+from bench_engine import PureLoop, gpt_shapes, make_problem, n_params, run_rounds  # noqa: E402
 
 
 # -- aliases ----------------------------------------------------------------------------------
@@ -168,23 +168,12 @@ class Reference:
         return {k: p.detach() for k, p in self.hp.items()}
 
 
-class FtLoop:
+class FtLoop(PureLoop):
     """``params, state = ft.step(tx, grads, state, params, donate=...)`` as a training loop."""
 
     def __init__(self, name, tx, donate, params0, grads0):
-        self.name, self.tx, self.donate = name, tx, donate
-        self.p = clone_tree(params0)
-        self.s = tx.init(self.p)
-        self.gsrc = grads0
-        self.g = None
-
-    def prepare(self):
-        self.g = None  # free last round's gradients before writing new ones
-        self.g = clone_tree(self.gsrc)
-
-    def step(self):
-        g, self.g = self.g, None
-        self.p, self.s = ft.step(self.tx, g, self.s, self.p, donate=self.donate)
+        super().__init__(name, lambda g, s, p: ft.step(tx, g, s, p, donate=donate), tx,
+                         params0, grads0)
 
     def params(self):
         return self.p

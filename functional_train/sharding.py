@@ -30,7 +30,7 @@ from .base import declare
 from .engine.collectives import all_reduce_buckets, per_rank
 from .engine.dtensor import Spec, spec_of, to_local, wrap
 from .engine.layout import World, region, shard_region, statistic_shape
-from .engine.plan import Plan, plan_for
+from .engine.plan import plan_for
 from .engine.view import Prepared, leaf_paths, prepare
 
 __all__ = ["prepare", "Prepared", "declare", "Spec", "spec_of", "to_local", "wrap", "World",

@@ -20,7 +20,7 @@ import torch
 
 from .base import GradientTransformation, accepts_view
 from .clipping import ClipByGlobalNormState, global_norm_of
-from .engine.dtensor import spec_of, to_local, to_locals, wrap, wrap_like, wraps_like
+from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.view import Prepared, prepare
 from .mesh import Mesh
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState

@@ -7,7 +7,7 @@ from typing import Any
 import optree
 import torch
 
-from .engine.dtensor import spec_of, to_local, wrap, wrap_like
+from .engine.dtensor import spec_of, to_local, wrap_like
 from .tree import flatten_as, tree_flatten, tree_unflatten
 
 __all__ = ["apply_updates"]

@@ -15,7 +15,6 @@ import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -23,6 +22,7 @@ import functional_train as ft
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 import _sweep_registry as reg  # noqa: E402
+from _gloo_common import finish, start  # noqa: E402
 
 # inductor for the user-facing optimizers (and the main job's chain), eager for the rest
 ALIASES = {"sgd", "adam", "adamw", "lamb", "adafactor", "came", "galore_adamw", "adamw[8bit]",
@@ -85,9 +85,8 @@ def check(name, mesh):
     return None
 
 
-def main(rank, world, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+def main():
+    rank, world, out = start()
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     names = [n for n in reg.all_entries() if (n, "compile_dtensor") not in reg.NOT_APPLICABLE]
@@ -97,11 +96,8 @@ def main(rank, world, init_file, out):
             result[name] = check(name, mesh)
         except Exception:  # noqa: BLE001  (reported by name to the test)
             result[name] = traceback.format_exc()[-3000:]
-    if rank == 0:
-        torch.save(result, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, result, out)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main()

@@ -16,6 +16,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import functional_train as ft
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+from _gloo_common import finish, replica_problem, start  # noqa: E402
+
 
 def foreign_sign() -> ft.GradientTransformation:
     """A transform as a user writes it from optax's docs: ``tree_map`` of a nonlinear function
@@ -63,16 +66,11 @@ def compositions():
 
 
 def problem(steps=4):
-    g = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(6, 3, generator=g), "b": torch.randn(5, generator=g),
-              "p": torch.randn(4, generator=g)}
-    grads = [[{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(2)]
-             for _ in range(steps)]
-    return params, grads
+    return replica_problem({"w": (6, 3), "b": (5,), "p": (4,)}, steps)
 
 
-def main(rank, world, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def main():
+    rank, world, out = start()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh["tp"]
     dp_rank = mesh.get_local_rank("dp")
@@ -97,11 +95,8 @@ def main(rank, world, init_file, out):
         every = [None] * world
         dist.all_gather_object(every, full)
         results[name] = every
-    if rank == 0:
-        torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, results, out)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main()

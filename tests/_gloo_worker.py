@@ -15,14 +15,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import functional_train as ft
 from functional_train.testing import count_collectives
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+from _gloo_common import replica_problem  # noqa: E402
+
 
 def problem(steps=4):
-    g = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g),
-              "n": torch.randn(3, generator=g)}
-    grads = [[{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(2)]
-             for _ in range(steps)]
-    return params, grads
+    return replica_problem({"w": (5, 3), "b": (7,), "n": (3,)}, steps)
 
 
 def make_tx():

@@ -11,6 +11,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import functional_train as ft
 from functional_train.testing import count_collectives
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+from _gloo_common import replica_problem  # noqa: E402
+
 PLACE = {"wq": [Shard(0)], "wo": [Shard(1)], "b": [Shard(0)], "n": [Replicate()], "e": None}
 
 
@@ -27,13 +30,8 @@ def aliases():
 
 
 def problem(steps=3):
-    g = torch.Generator().manual_seed(0)
-    params = {"wq": torch.randn(6, 5, generator=g), "wo": torch.randn(5, 7, generator=g),
-              "b": torch.randn(7, generator=g), "n": torch.randn(5, generator=g),
-              "e": torch.randn(9, 4, generator=g)}
-    grads = [[{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(2)]
-             for _ in range(steps)]
-    return params, grads
+    return replica_problem({"wq": (6, 5), "wo": (5, 7), "b": (7,), "n": (5,), "e": (9, 4)},
+                           steps)
 
 
 def main(rank, world, init_file, out):

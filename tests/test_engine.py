@@ -4,7 +4,7 @@ taking torch's fused kernels where they apply."""
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import functional_train as ft
 from functional_train.engine import dtensor as engine_dtensor

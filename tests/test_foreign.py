@@ -9,7 +9,6 @@ would see in one process, and every replica gets the same, right, result.
 import sys
 from pathlib import Path
 
-import optree
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard

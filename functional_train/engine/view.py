@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..mesh import Mesh
 from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
 from .collectives import all_reduce, all_reduce_buckets, per_rank
-from .dtensor import spec_of, to_local, to_locals, wrap, wrap_like, wraps_like
+from .dtensor import to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
 from .plan import Plan, plan_for
 
