@@ -69,9 +69,8 @@ def main(argv=None):
         losses = []
         for it, (x, y) in enumerate(batches(args, dp_rank, dp)):
             grads, loss = grad_fn(params, x, y)
-            with count_collectives() as c:
-                updates, state = tx.update(grads, state, params, mesh=mesh)
-            params = ft.apply_updates(params, updates)
+            with count_collectives() as c:  # update + apply_updates, in place
+                params, state = ft.step(tx, grads, state, params, mesh=mesh, donate=True)
             losses.append(float(lm_mean(loss, device_mesh)))
             if it == 1:
                 counts = c.counts

@@ -51,12 +51,12 @@ def main(argv=None):
     values = []
     for it, (x, y) in enumerate(batches(args, dp_rank, dp)):
         grads, loss = grad_fn(params, x, y)
-        with count_collectives() as c:
-            updates, state = tx.update(grads, state, params, mesh=mesh)
-        params = ft.apply_updates(params, updates)
+        with count_collectives() as c:  # update + apply_updates, in place (donate=True)
+            params, state = ft.step(tx, grads, state, params, mesh=mesh, donate=True)
         loss = lm_mean(loss, device_mesh)
         w = params[name]
-        first = (w.full_tensor() if isinstance(w, DTensor) else w).flatten()[:10]
+        # a copy: the donated step writes into the parameters' buffers
+        first = (w.full_tensor() if isinstance(w, DTensor) else w).flatten()[:10].clone()
         values.append(first)
         if rank == 0:
             step = "update" if bool(ft.has_updated(state)) else "accumulate"

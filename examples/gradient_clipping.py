@@ -54,12 +54,12 @@ def main(argv=None):
         # what a hand-written clip would see on this rank: its local shards only
         naive = torch.sqrt(sum((g.to_local() if isinstance(g, DTensor) else g).float().square().sum()
                                for g in grads.values()))
-        updates, state = tx.update(grads, state, params, mesh=mesh)
+        new_params, state = ft.step(tx, grads, state, params, mesh=mesh)  # pure: grads kept
         before = ft.tree_get(state, "global_norm")
         # the clipped gradients themselves: clip alone on the same (reduced) gradients
         clipped, _ = clip.update(grads, clip.init(params), params, mesh=mesh)
         after = ft.global_norm(clipped, mesh=None if mesh is None else mesh.reduced())
-        params = ft.apply_updates(params, updates)
+        params = new_params
         naive_all = [naive]
         loss = lm_mean(loss, device_mesh)
         if world > 1:
