@@ -326,8 +326,9 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
                     continue
             if pending:
                 ops[i] = "avg"
-        rest = dataclasses.replace(mesh, data_axis=None if mesh.data_axis == axis
-                                   else mesh.data_axis)
+        # the descriptor once the data axis is reduced (one object per descriptor: the plans
+        # of the inner transform's calls are cached by it)
+        rest = mesh.reduced() if mesh.data_axis == axis else mesh
         g = plan_for(treedef, g, p, rest).materialize(g, p)
         layout = p if p is not None else g
         views = _views(layout, paths, root, axis)
