@@ -29,7 +29,7 @@ from __future__ import annotations
 from .base import declare
 from .engine.collectives import all_reduce_buckets, per_rank
 from .engine.dtensor import Spec, spec_of, to_local, wrap
-from .engine.layout import World, region, shard_region, statistic_shape
+from .engine.layout import World, shard_region
 from .engine.plan import plan_for
 from .engine.view import Prepared, leaf_paths, prepare
 
@@ -48,7 +48,3 @@ def materialize(grads: list, params, paths, mesh, world=None) -> list:
     return plan_for(treedef, list(grads), None if params is None else list(params),
                     mesh).materialize(list(grads), None if params is None else list(params))
 
-
-# private names kept for the modules that used them
-_region = region
-_statistic_shape = statistic_shape

@@ -99,7 +99,7 @@ class Plan:
         self.partial_rounds: list = []
         self.relayout: list = []
         if self.trivial:
-            self.world = _trivial_world()
+            self.world = _NO_WORLD
             self.mesh = mesh
             self.specs = [None] * len(leaves)
             return
@@ -192,10 +192,6 @@ def _respec(s: Spec, placements: tuple) -> Spec:
 
 
 _NO_WORLD = World(None, [], [])  # made at import: a global set under tracing would recompile
-
-
-def _trivial_world() -> World:
-    return _NO_WORLD
 
 
 def plan_for(treedef, leaves: Sequence[Any], pleaves: Optional[Sequence[Any]],
