@@ -21,6 +21,7 @@ import torch
 from .base import GradientTransformation, accepts_view
 from .clipping import ClipByGlobalNormState, global_norm_of
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
+from .engine.pool import Pool
 from .engine.view import Prepared, prepare
 from .mesh import Mesh
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
@@ -159,11 +160,28 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
             elif coef is not None:
                 grad_scale = (1.0 / coef).to(torch.float32)
             g_in = g  # the kernel writes the unscaled gradients back: grads are donated too
-        else:
-            new_p = [x.clone() for x in p]
-            new_bufs = {f: [x.clone() for x in v] for f, v in bufs.items()}
-            grad_scale = None
-            g_in = g if coef is None else torch._foreach_mul(g, coef.to(g[0].dtype))
+        else:  # fresh results (pooled on CPU, see engine/pool.py), the kernel in place there
+            pool = b.plan.memo.get("pool")
+            if pool is None:
+                pool = b.plan.memo["pool"] = Pool()
+            new_p = pool.take("params", p)
+            new_bufs = {f: pool.take(f, v) for f, v in bufs.items()}
+            src, dst = list(p), list(new_p)
+            for f in fields:
+                src += bufs[f]
+                dst += new_bufs[f]
+            grad_scale, g_in = None, g
+            if coef is not None:  # a scratch copy of the gradients, unscaled by the kernel
+                g_in = pool.take("grads", g)
+                src += g
+                dst += g_in
+                if p[0].dtype == torch.float64:
+                    coef64 = coef
+                else:
+                    grad_scale = (1.0 / coef).to(torch.float32)
+            torch._foreach_copy_(dst, src)
+            if coef is not None and grad_scale is None:
+                torch._foreach_mul_(g_in, coef64)
         lr = _learning_rate(fused.learning_rate, count, torch.empty((), dtype=torch.float64,
                                                                      device=p[0].device))
         if isinstance(fused, FusedAdam):

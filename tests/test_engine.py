@@ -128,3 +128,32 @@ def test_step_general_path_for_other_transforms(monkeypatch):
         u, s = tx.update(grads, state, params)
         p, s2 = ft.step(tx, grads, state, params)
         torch.testing.assert_close(p, ft.apply_updates(params, u), rtol=0, atol=0)
+
+
+def test_pure_step_reuses_only_dropped_results():
+    """The pure fused step writes its results into pooled CPU buffers: the results of two
+    steps ago, once the caller has dropped them, are reused (no fresh pages per step), and a
+    result the caller still holds -- the tensor itself, a view of it, or its data in another
+    tree -- is never written."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(6, 5), "b": torch.randn(5)}
+    tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1))
+    state = tx.init(params)
+    grads = [{"w": torch.randn(6, 5), "b": torch.randn(5)} for _ in range(6)]
+    ptrs = []
+    for g in grads[:4]:  # a training loop: the old results are dropped
+        params, state = ft.step(tx, g, state, params)
+        ptrs.append(params["w"].data_ptr())
+    assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
+    # the caller keeps results (a view, a copy of the tree): those buffers stay untouched
+    kept_view = params["w"][1:]
+    kept_mu = state[1][0].mu["w"]
+    snapshot = (kept_view.clone(), kept_mu.clone())
+    ref_p, ref_s = params, state
+    for g in grads[4:]:
+        params, state = ft.step(tx, g, state, params)
+        ref_p, ref_s = ft.step(tx, g, ref_s, {k: v.clone() for k, v in ref_p.items()})
+    torch.testing.assert_close(kept_view, snapshot[0], rtol=0, atol=0)
+    torch.testing.assert_close(kept_mu, snapshot[1], rtol=0, atol=0)
+    assert params["w"].data_ptr() not in (kept_view.data_ptr() - 5 * 4, kept_mu.data_ptr())
+    torch.testing.assert_close(params["w"], ref_p["w"], rtol=0, atol=0)

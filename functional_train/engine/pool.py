@@ -1,0 +1,62 @@
+"""Result buffers for the pure step, reused once the caller has dropped them.
+
+A pure step (``ft.step(..., donate=False)``) must write its new parameters and moments into
+fresh memory. On CPU, glibc ``malloc`` hands large freed blocks back to the kernel (``munmap``,
+heap trimming; see ``mallopt(3)``), so fresh result buffers are new pages that the kernel maps and
+zeroes on first touch: on the 13.65 M-parameter tree of ``benchmarks/bench_engine.py`` that is
+about 13,000 page faults and a third of the step's time. CUDA's caching allocator already keeps
+freed blocks; this pool does the same for the buffers of one plan on CPU.
+
+A pooled buffer is handed out as a ``detach()`` alias: a tensor of its own that shares the
+buffer's storage. The storage's use count (``torch._C._storage_Use_Count``) then counts every
+tensor, view, DTensor local shard or C++ reference that can still see the memory, so a buffer is
+reused only when nothing but the pool holds it -- results the caller still holds are never
+written. In a training loop (``params, state = ft.step(...)``) the results of step ``k - 1`` are
+the inputs of step ``k`` and those of step ``k - 2`` are free: the pool keeps at most
+``GENERATIONS`` sets per kind of buffer, so between steps it holds one set the caller has
+dropped (as a caching allocator would), and nothing when the plan is evicted
+(``functional_train.engine.plan.cache_clear``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["Pool", "GENERATIONS"]
+
+GENERATIONS = 2
+
+_use_count = torch._C._storage_Use_Count
+
+
+def _free(buf: torch.Tensor) -> bool:
+    # the temporary UntypedStorage object accounts for one use
+    return _use_count(buf.untyped_storage()._cdata) == 2
+
+
+class Pool:
+    """Sets of result buffers of one plan, by kind (``"params"``, ``"mu"``, ...)."""
+
+    __slots__ = ("sets",)
+
+    def __init__(self):
+        self.sets: dict = {}
+
+    def take(self, kind: str, like: Sequence[torch.Tensor]) -> list:
+        """Fresh tensors with the shapes, dtypes and devices of ``like`` (contiguous), from a
+        pooled set nothing else holds, or newly allocated (and pooled) on CPU. On other devices
+        plain ``torch.empty_like``: their allocators cache already."""
+        if not like or not like[0].is_cpu:
+            return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
+        sets = self.sets.setdefault(kind, [])
+        for bufs in sets:
+            if len(bufs) == len(like) and all(_free(b) for b in bufs) and all(
+                    b.shape == x.shape and b.dtype == x.dtype for b, x in zip(bufs, like)):
+                return [b.detach() for b in bufs]
+        bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
+        sets.append(bufs)
+        if len(sets) > GENERATIONS:
+            del sets[0]
+        return [b.detach() for b in bufs]
