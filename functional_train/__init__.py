@@ -27,6 +27,22 @@ from .zero import ZeroRedundancyState, zero_redundancy
 
 __version__ = "0.1.0"
 
+
+def _register_safe_globals() -> None:
+    """Let plain ``torch.load`` (``weights_only=True``, its default since torch 2.6) read the
+    states ``torch.save`` wrote: every state type of the library is a NamedTuple of tensors,
+    registered with ``torch.serialization.add_safe_globals`` at import."""
+    import torch.serialization
+    from .factored import _StepSizeDecayState
+    torch.serialization.add_safe_globals([
+        EmptyState, MultiStepsState, MaskedState, PartitionState, ScaleByCameState,
+        ClipByGlobalNormState, EmaState, ScaleByFactoredRmsState, _StepSizeDecayState,
+        GaLoreState, ScaleByAdam8bitState, ScaleByAdamState, ScaleByAmsgradState,
+        ScaleByScheduleState, TraceState, ZeroRedundancyState])
+
+
+_register_safe_globals()
+
 __all__ = [
     # base
     "GradientTransformation", "EmptyState", "identity", "chain", "named_chain", "apply_updates",

@@ -6,12 +6,13 @@ from typing import Any, NamedTuple, Optional
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import _validate as V
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .mesh import Mesh
 from .engine.dtensor import spec_of, to_local, wrap
-from .tree import flatten_as, format_path, state_zeros_like, tree_unflatten
+from .tree import flatten_as, format_path, state_zeros_like, tree_flatten, tree_unflatten
 
 __all__ = ["multi_steps", "MultiStepsState", "has_updated"]
 
@@ -26,13 +27,20 @@ class MultiStepsState(NamedTuple):
         gradient_step: number of inner updates so far (int64, 0-dim).
         inner_state: the inner transform's state, untouched by non-final micro-steps.
         acc_grads: running sum of the micro-step gradients, params-shaped, *unreduced* (each
-            rank's own contribution; ``Partial`` DTensor gradients keep their placements).
+            rank's own contribution; ``Partial`` DTensor gradients keep their placements);
+            zeros again when a cycle ends.
+        seen: one flag per leaf of the flattened params tree (``None`` leaves included): 1 if
+            the leaf had a gradient in the current cycle, else 0 (a tuple of 0-dim int64 CPU
+            tensors, read on the host like ``mini_step``): a ``None``
+            gradient is a zero contribution to a leaf that has one, and a leaf without any
+            gradient in the cycle gets a ``None`` gradient in the inner update.
     """
 
     mini_step: torch.Tensor
     gradient_step: torch.Tensor
     inner_state: Any
     acc_grads: Any
+    seen: tuple
 
 
 def multi_steps(inner: GradientTransformation, every_k: int, *,
@@ -47,6 +55,12 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
     ``inner``, which reduces it once. So ``multi_steps(adam, k)`` over ``k`` micro-batches of size
     ``b`` equals ``adam`` over the batch of ``k*b`` for a mean loss.
 
+    ``None`` gradients: a ``None`` gradient is a zero contribution (as an unused parameter's
+    gradient is under DDP's ``no_sync``): a leaf with a gradient on some micro-step of a cycle
+    gets the mean over all ``every_k`` micro-steps on the final one, even when its gradient is
+    ``None`` there; a leaf with no gradient in the whole cycle gets a ``None`` gradient in the
+    inner update (frozen, untouched). The accumulators are cleared at the end of every cycle.
+
     Args:
         inner: the transform to apply every ``every_k`` micro-steps.
         every_k: >= 1.
@@ -55,8 +69,11 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
     State: :class:`MultiStepsState`. Use :func:`has_updated` to tell real steps apart.
 
     Raises:
-        ValueError: ``every_k < 1``; at update, a state from another transform, or gradients whose
-            tree differs from ``params``.
+        ValueError: ``every_k < 1``; at update, a state from another transform, gradients whose
+            tree differs from ``params``, or a leaf whose gradient changes its layout (plain /
+            DTensor, placements) within a cycle.
+        TypeError: at update, a gradient that is not floating point or complex (naming the
+            leaf; give integer and bool parameters a ``None`` gradient).
         TypeError: ``inner`` is not a GradientTransformation.
     """
     every_k = V.integer("every_k", every_k, where="multi_steps", low=1)
@@ -69,6 +86,7 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
             gradient_step=torch.zeros((), dtype=torch.int64, device="cpu"),
             inner_state=inner.init(params),
             acc_grads=state_zeros_like(params, acc_dtype),
+            seen=tuple(_flag(0) for _ in tree_flatten(params)[0]),
         )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
@@ -86,26 +104,63 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
                 raise ValueError(f"multi_steps: update leaf '{format_path(paths_raw[i])}' has shape "
                                  f"{tuple(x.shape)}, expected {tuple(a.shape)}")
         k = int(state.mini_step)  # CPU counter: a host read without device synchronisation
-        active = [i for i, x in enumerate(g) if x is not None and acc[i] is not None]
-        gl = [to_local(g[i]) for i in active]
-        al = [to_local(acc[i]) for i in active]
-        if k == 0:  # the accumulator takes the gradients' placements (Partial stays Partial)
-            summed = [x.to(a.dtype, copy=True) for x, a in zip(gl, al)]
-            specs = [spec_of(g[i]) for i in active]
-        else:
-            summed = torch._foreach_add(al, [x.to(a.dtype) for x, a in zip(gl, al)])
-            specs = [spec_of(acc[i]) for i in active]
+        seen = [int(f) for f in state.seen]  # CPU flags: no device synchronisation either
+        if len(seen) != len(g):
+            raise ValueError(f"multi_steps: MultiStepsState.seen has {len(seen)} flags for "
+                             f"{len(g)} leaves; the state comes from another tree")
+        active, fresh = [], []  # leaves with a gradient now; of those, the first in the cycle
+        for i, x in enumerate(g):
+            if x is None or acc[i] is None:
+                continue
+            path = format_path(paths_raw[i])
+            if not (x.is_floating_point() or x.is_complex()):
+                raise TypeError(f"multi_steps: update leaf '{path}' has dtype {x.dtype}; "
+                                f"gradients must be floating point (give integer or bool "
+                                f"parameters a None gradient)")
+            if seen[i] and spec_of(x) != spec_of(acc[i]):
+                raise ValueError(
+                    f"multi_steps: update leaf '{path}' has the layout {_layout(x)} on this "
+                    f"micro-step but {_layout(acc[i])} on an earlier one of the cycle; the "
+                    f"gradients of one cycle must keep one layout (placements)")
+            active.append(i)
+            if not seen[i]:
+                fresh.append(i)
+        new_seen = list(seen)
+        for i in fresh:
+            new_seen[i] = 1
         new_acc = list(acc)
+        specs = {}
+        # a leaf's first gradient of the cycle: the accumulator takes its placements (Partial
+        # stays Partial); later ones add to it
+        for i in fresh:
+            x = to_local(g[i])
+            new_acc[i] = x.to(to_local(acc[i]).dtype, copy=True)
+            specs[i] = spec_of(g[i])
+        added = [i for i in active if seen[i]]
+        if added:
+            al = [to_local(acc[i]) for i in added]
+            summed = torch._foreach_add(al, [to_local(g[i]).to(a.dtype) for i, a in zip(added, al)])
+            for i, x in zip(added, summed):
+                new_acc[i] = x
+                specs[i] = spec_of(acc[i])
+        for i in active:
+            new_acc[i] = wrap(new_acc[i], specs[i])
         if k + 1 < every_k:
-            for i, s, spec in zip(active, summed, specs):
-                new_acc[i] = wrap(s, spec)
             ref = g if p is None else p
             zeros = [None if x is None or r is None else
                      wrap(torch.zeros_like(to_local(r), dtype=to_local(x).dtype), spec_of(r))
                      for x, r in zip(g, ref)]
             return tree_unflatten(treedef, zeros), MultiStepsState(
                 state.mini_step + 1, state.gradient_step, state.inner_state,
-                tree_unflatten(treedef, new_acc))
+                tree_unflatten(treedef, new_acc),
+                tuple(_flag(1) if not s and n else f
+                      for f, s, n in zip(state.seen, seen, new_seen)))
+        # the final micro-step: every leaf with a gradient in the cycle gets the mean, a
+        # None gradient now counting as zero; the accumulators are cleared
+        cycle = [i for i, f in enumerate(new_seen) if f and acc[i] is not None]
+        summed = [to_local(new_acc[i]) for i in cycle]
+        specs = [spec_of(new_acc[i]) for i in cycle]
+        active = cycle
         mean = torch._foreach_div(summed, float(every_k)) if summed else []
         grads = list(g)
         for i, m, spec in zip(active, mean, specs):
@@ -123,11 +178,22 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
                 for o, x in zip(out, g)])
         return new_updates, MultiStepsState(
             torch.zeros_like(state.mini_step), state.gradient_step + 1, inner_state,
-            tree_unflatten(treedef, new_acc))
+            tree_unflatten(treedef, new_acc),
+            tuple(_flag(0) if v else f for f, v in zip(state.seen, new_seen)))
 
     # what comes out is what inner returns: still unreduced if inner passes unreduced values on
     update_fn.passes_unreduced = passes_unreduced(inner)  # type: ignore[attr-defined]
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
+
+
+def _flag(v: int) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.int64, device="cpu")
+
+
+def _layout(x: Any) -> str:
+    if isinstance(x, DTensor):
+        return f"DTensor{tuple(x.placements)} on mesh {tuple(x.device_mesh.shape)}"
+    return "a plain tensor"
 
 
 def has_updated(state: Any) -> torch.Tensor:

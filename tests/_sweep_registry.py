@@ -32,6 +32,7 @@ PROPERTIES = (
     "sharded_data_axis",     # sharded == unsharded with a data axis and Partial gradients
     "purity",                # params, grads and state are bitwise unchanged by update
     "state_structure",       # treedef / shapes / dtypes / devices: init == after updates
+    "torch_load",            # torch.save / torch.load(weights_only=True) round trip of the state
     "state_placements",      # the same for a simulated sharded run, placements included
     "chain",                 # chain(clip_by_global_norm, T) == clip, then T
     "named_chain",           # named_chain(("clip", ...), ("tx", T)) == clip, then T
@@ -189,7 +190,8 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
 # found in the input state, and nothing else.
 HOST_COUNTER_READS: dict[str, str] = {
     "multi_steps": "MultiStepsState.mini_step decides on the host whether the micro-step is the "
-                   "final one (documented in multi_steps' state docstring)",
+                   "final one, and MultiStepsState.seen which leaves had a gradient in the cycle "
+                   "(documented in multi_steps' state docstring)",
     "galore": "GaLoreState.count decides on the host whether the projector is refreshed "
               "(documented in GaLoreState's docstring)",
     "galore_adamw": "a galore chain: GaLoreState.count, as galore",

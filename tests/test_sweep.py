@@ -408,6 +408,32 @@ def test_state_structure(name):
         assert_same_structure(init, s, f"step {t}")
 
 
+@pytest.mark.parametrize("name", cases("torch_load"))
+def test_torch_load(name, tmp_path):
+    """torch.save of the state after two updates, then plain torch.load (weights_only=True,
+    torch's default): the same types, structure and values, and the loaded state goes on."""
+    tx = build(name)
+    params, grads = problem()
+    _, states, p = run(tx, params, grads[:2])
+    torch.save(states[-1], tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert optree.tree_structure(loaded, none_is_leaf=True) == optree.tree_structure(
+        states[-1], none_is_leaf=True)
+    for a, b in zip(optree.tree_leaves(loaded, none_is_leaf=True),
+                    optree.tree_leaves(states[-1], none_is_leaf=True)):
+        assert type(a) is type(b)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        else:
+            assert a == b
+    assert len(grads) > 2
+    u1, _ = tx.update(grads[2], loaded, p)
+    u2, _ = tx.update(grads[2], states[-1], p)
+    for a, b in zip(optree.tree_leaves(u1, none_is_leaf=True),
+                    optree.tree_leaves(u2, none_is_leaf=True)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 # simulated sharded layout for the placements check (mesh 2 x 2, ("dp", "tp")): uneven, nested
 # and plain leaves
 PLACEMENT_LAYOUT = {"w": [S0, S1], "m": [R, S1], "v": [S0, S0], "t": [R, Shard(-1)], "s": None}
@@ -732,6 +758,7 @@ def documented_host_counters(state: Any) -> list:
     def visit(node):
         if isinstance(node, ft.MultiStepsState):
             out.append(node.mini_step)
+            out.extend(node.seen)
         elif isinstance(node, ft.GaLoreState):
             out.append(node.count)
         if isinstance(node, dict):
@@ -827,8 +854,8 @@ def test_step_counter(name, count):
     state = tx.init(params)
     _, state = tx.update(grads[0], state, params)
 
-    def is_mini_step(path):
-        return path.endswith("mini_step")
+    def is_mini_step(path):  # multi_steps' micro-step counter and per-leaf flags: not counters
+        return path.endswith("mini_step") or "seen" in path.split(".")[-2:]
 
     big = map_state(lambda p, x: torch.full_like(x, count)
                     if _is_counter(x) and not is_mini_step(p) else x, state)
