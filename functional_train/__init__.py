@@ -6,6 +6,7 @@ parallel meshes on DTensors, with the same numbers. See DESIGN.md and the README
 
 from . import schedules
 from .accumulation import MultiStepsState, has_updated, multi_steps
+from .autograd import differentiable, is_differentiable
 from .base import EmptyState, GradientTransformation, chain, identity, named_chain
 from .combine import MaskedState, PartitionState, masked, partition
 from .came import ScaleByCameState, came, scale_by_came
@@ -45,6 +46,8 @@ _register_safe_globals()
 
 __all__ = [
     # base
+    "differentiable",
+    "is_differentiable",
     "GradientTransformation", "EmptyState", "identity", "chain", "named_chain", "apply_updates",
     "Mesh", "tree_get", "step", "partition", "PartitionState", "masked", "MaskedState",
     # clipping

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _validate as V
+from .autograd import detached
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .mesh import Mesh
 from .engine.dtensor import spec_of, to_local, wrap
@@ -97,6 +98,7 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
             raise TypeError(f"multi_steps: mesh must be a functional_train.Mesh or None, "
                             f"got {type(mesh).__name__}")
         paths_raw, g, treedef = optree.tree_flatten_with_path(updates, none_is_leaf=True)
+        g = detached(g)  # no graph into the accumulators (see functional_train.autograd)
         acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
         p = None if params is None else flatten_as(params, treedef, "params", "the updates")
         for i, (x, a) in enumerate(zip(g, acc)):

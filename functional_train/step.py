@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view
 from .clipping import ClipByGlobalNormState, global_norm_of
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
@@ -26,7 +27,7 @@ from .engine.view import Prepared, prepare
 from .mesh import Mesh
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
 from .tree import flatten_as, tree_flatten, tree_unflatten
-from .update import paired_locals
+from .update import apply_updates, paired_locals
 
 __all__ = ["step"]
 
@@ -204,7 +205,7 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     else:
         leaves = list(pl_tree)
         for i, x in zip(act, wraps_like(new_p, [pl_tree[i] for i in act])):
-            leaves[i] = x
+            leaves[i] = requires_grad_like(x, pl_tree[i])
         out_params = tree_unflatten(treedef, leaves)
     new_fields = {}
     for f in fields:
@@ -229,6 +230,8 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
 
 def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
     """``params + updates`` on local shards; in place into the params' buffers with ``donate``."""
+    if is_differentiable():  # recorded for autograd: apply_updates' checked sum
+        return apply_updates(params, updates.tree() if isinstance(updates, Prepared) else updates)
     if isinstance(updates, Prepared):  # the chain's view: the plan checked the layout
         pl, treedef = tree_flatten(params)
         idx = [i for i, (x, u) in enumerate(zip(pl, updates.locals))
@@ -247,7 +250,7 @@ def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
         new = torch._foreach_add(p_loc, u_loc)
     out = list(pl)
     for i, n in zip(idx, new):
-        out[i] = wrap_like(n, pl[i])
+        out[i] = requires_grad_like(wrap_like(n, pl[i]), pl[i])
     return tree_unflatten(treedef, out)
 
 
@@ -293,7 +296,7 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     prog = _program(tx)
     # under torch.compile the primitives run instead: inductor fuses them into out-of-place
     # kernels itself, and functionalisation cannot trace the in-place fused kernels
-    if prog is not None and not torch.compiler.is_compiling():
+    if prog is not None and not torch.compiler.is_compiling() and not is_differentiable():
         out = _run_fused(tx, *prog, grads, state, params, mesh, donate)
         if out is not None:
             return out

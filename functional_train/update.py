@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import optree
 import torch
 
+from .autograd import is_differentiable, requires_grad_like
 from .engine.dtensor import spec_of, to_local, wrap_like
-from .tree import flatten_as, tree_flatten, tree_unflatten
+from .engine.plan import describe
+from .tree import flatten_as, format_path, tree_flatten, tree_unflatten
 
 __all__ = ["apply_updates"]
 
@@ -25,21 +28,37 @@ def paired_locals(params: Any, updates: Any):
     u = flatten_as(updates, treedef, "updates", "params")
     idx = [i for i, (x, d) in enumerate(zip(p, u)) if x is not None and d is not None]
     ul = []
+
+    def path(i):
+        return format_path(optree.tree_flatten_with_path(params, none_is_leaf=True)[0][i])
+
     for i in idx:
-        d = u[i]
-        if tuple(d.shape) != tuple(p[i].shape):
-            path = optree.tree_flatten_with_path(params, none_is_leaf=True)[0][i]
-            raise ValueError(f"apply_updates: update for '{'.'.join(map(str, path))}' has shape "
-                             f"{tuple(d.shape)}, expected {tuple(p[i].shape)}")
-        if spec_of(d) is not None and spec_of(p[i]) is not None and (
-                tuple(d.placements) != tuple(p[i].placements)):
-            d = d.redistribute(p[i].device_mesh, p[i].placements)
+        d, x = u[i], p[i]
+        if tuple(d.shape) != tuple(x.shape):
+            raise ValueError(f"apply_updates: update for '{path(i)}' has shape "
+                             f"{tuple(d.shape)}, expected {tuple(x.shape)}")
+        if not (x.is_floating_point() or x.is_complex()) and (
+                d.is_floating_point() or d.is_complex()):
+            raise TypeError(f"apply_updates: params leaf '{path(i)}' has dtype {x.dtype} but its "
+                            f"update is {d.dtype}; integer and bool parameters cannot take "
+                            f"floating updates (give them a None gradient to freeze them)")
+        sd, sp = spec_of(d), spec_of(x)
+        if (sd is None) != (sp is None) or (sd is not None and sd.mesh != sp.mesh):
+            raise ValueError(f"apply_updates: update for '{path(i)}' is {describe(d)}, but the "
+                             f"parameter is {describe(x)}; an update must have its parameter's "
+                             f"layout (the updates of a transform fed these params have it)")
+        if sd is not None and tuple(d.placements) != tuple(x.placements):
+            d = d.redistribute(x.device_mesh, x.placements)
         ul.append(to_local(d))
     return treedef, p, idx, [to_local(p[i]) for i in idx], ul
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
     """Return ``params + updates`` (new tensors; neither argument is modified).
+
+    Autograd: computed under ``torch.no_grad()``; a parameter that requires grad (an
+    ``nn.Parameter``) gives a new leaf tensor that requires grad, so nothing links the steps.
+    Inside :func:`functional_train.differentiable` the sum is recorded instead (meta-learning).
 
     Updates are cast to each parameter's dtype; ``None`` updates leave the parameter unchanged.
     DTensor parameters are updated on their local shards and keep their placements (the update
@@ -50,8 +69,10 @@ def apply_updates(params: Any, updates: Any) -> Any:
     """
     treedef, p, idx, pl, ul = paired_locals(params, updates)
     ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
-    new = torch._foreach_add(pl, ul) if idx else []
+    record = is_differentiable()
+    with contextlib.nullcontext() if record else torch.no_grad():
+        new = torch._foreach_add(pl, ul) if idx else []
     out = list(p)
     for i, n in zip(idx, new):
-        out[i] = wrap_like(n, p[i])
+        out[i] = wrap_like(n, p[i]) if record else requires_grad_like(wrap_like(n, p[i]), p[i])
     return tree_unflatten(treedef, out)

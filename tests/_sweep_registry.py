@@ -134,6 +134,8 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
 EXCLUDED: dict[str, str] = {
     "GradientTransformation": "the (init, update) NamedTuple type itself",
     "EmptyState": "a state type (checked through the transforms that return it)",
+    "differentiable": "a context manager for autograd (tests/test_unusual_input.py)",
+    "is_differentiable": "its query",
     "PartitionState": "a state type",
     "MaskedState": "a state type",
     "ClipByGlobalNormState": "a state type",

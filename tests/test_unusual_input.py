@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import functional_train as ft
 from functional_train.testing import simulate
@@ -99,3 +99,149 @@ def test_torch_load_multi_steps_state(tmp_path):
     loaded = torch.load(tmp_path / "s.pt")  # weights_only=True, torch's default
     assert type(loaded) is ft.MultiStepsState and int(loaded.mini_step) == 1
     torch.testing.assert_close(loaded.acc_grads["a"], torch.ones(2, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd: nothing recorded by default (torch.optim's differentiable=False); ft.differentiable()
+# records the update for meta-learning
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_step", [False, True], ids=["update+apply", "step"])
+def test_no_graph_in_states_or_params(use_step):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    params = {"w": w}
+    tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(0.1, weight_decay=0.1))
+    state = tx.init(params)
+    for _ in range(3):
+        loss = (params["w"] ** 3).sum()
+        (g,) = torch.autograd.grad(loss, [params["w"]], create_graph=True)
+        assert g.requires_grad
+        if use_step:
+            params, state = ft.step(tx, {"w": g}, state, params)
+        else:
+            u, state = tx.update({"w": g}, state, params)
+            assert u["w"].grad_fn is None
+            params = ft.apply_updates(params, u)
+        for x in (state[1][0].mu["w"], state[1][0].nu["w"], state[0].global_norm):
+            assert x.grad_fn is None and not x.requires_grad
+        new = params["w"]
+        assert new.is_leaf and new.requires_grad and new.grad_fn is None
+    # a plain tensor that does not require grad stays so
+    p2, _ = ft.step(ft.sgd(0.1), {"w": torch.ones(2)}, ft.sgd(0.1).init({"w": torch.zeros(2)}),
+                    {"w": torch.zeros(2)})
+    assert not p2["w"].requires_grad
+
+
+def test_multi_steps_accumulator_holds_no_graph():
+    p = {"w": torch.nn.Parameter(torch.ones(3))}
+    tx = ft.multi_steps(ft.sgd(0.1), 2)
+    g = (p["w"] * 2).sum()
+    (grad,) = torch.autograd.grad(g, [p["w"]], create_graph=True)
+    _, state = tx.update({"w": grad * p["w"]}, tx.init(p), p)
+    assert state.acc_grads["w"].grad_fn is None
+
+
+@pytest.mark.parametrize("use_step", [False, True], ids=["update+apply", "step"])
+def test_differentiable_meta_gradient(use_step):
+    """d loss(p - lr * g) / d lr through one sgd step equals -g . grad loss(p_new)."""
+    torch.manual_seed(0)
+    p0 = torch.randn(3, 2)
+    lr = torch.tensor(0.1, requires_grad=True)
+    target = torch.randn(3, 2)
+
+    def inner_loss(p):
+        return ((p - target) ** 2).sum()
+
+    params = {"w": p0.clone().requires_grad_(True)}
+    (g,) = torch.autograd.grad(inner_loss(params["w"]), [params["w"]])
+    tx = ft.sgd(lambda count: lr)
+    with ft.differentiable():
+        state = tx.init(params)
+        if use_step:
+            new, _ = ft.step(tx, {"w": g}, state, params)
+        else:
+            u, _ = tx.update({"w": g}, state, params)
+            new = ft.apply_updates(params, u)
+    outer = inner_loss(new["w"])
+    (dlr,) = torch.autograd.grad(outer, [lr])
+    p_new = (p0 - 0.1 * g).detach()
+    want = (-g * 2 * (p_new - target)).sum()
+    torch.testing.assert_close(dlr, want)
+    # outside the block, the new parameters carry no graph (a leaf, as the parameter was)
+    u, _ = tx.update({"w": g}, tx.init(params), params)
+    new = ft.apply_updates(params, u)
+    assert new["w"].grad_fn is None and new["w"].is_leaf and new["w"].requires_grad
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts that do not match, integer leaves, None params, Partial params: clear errors naming
+# the leaf and the tree
+# ---------------------------------------------------------------------------------------------
+def test_plain_state_with_sharded_params_raises():
+    with simulate(2):
+        dm = init_device_mesh("cpu", (2,))
+        plain = {"w": torch.ones(4, 3)}
+        tx = ft.adamw(0.1)
+        state = tx.init(plain)
+        p = {"w": distribute_tensor(torch.ones(4, 3), dm, [Shard(0)])}
+        g = {"w": distribute_tensor(torch.ones(4, 3), dm, [Shard(0)])}
+        with pytest.raises(ValueError, match=r"ScaleByAdamState.mu leaf 'w' is a plain tensor.*"
+                                             r"update leaf is a DTensor \(Shard\(dim=0\),\)"):
+            tx.update(g, state, p, mesh=ft.Mesh(dm))
+        with pytest.raises(ValueError, match=r"ScaleByAdamState.mu leaf 'w' is a plain tensor"):
+            ft.step(ft.chain(ft.clip_by_global_norm(1.0), tx), g,
+                    ft.chain(ft.clip_by_global_norm(1.0), tx).init(plain), p, mesh=ft.Mesh(dm))
+
+
+def test_apply_updates_layout_mismatch_raises():
+    with simulate(2):
+        dm = init_device_mesh("cpu", (2,))
+        p = {"w": distribute_tensor(torch.ones(4, 3), dm, [Shard(0)])}
+        with pytest.raises(ValueError, match=r"update for 'w' is a plain tensor, but the "
+                                             r"parameter is a DTensor"):
+            ft.apply_updates(p, {"w": torch.ones(4, 3)})
+        with pytest.raises(ValueError, match=r"update for 'w' is a DTensor.*parameter is a plain"):
+            ft.apply_updates({"w": torch.ones(4, 3)}, p)
+
+
+def test_integer_params_and_gradients_raise():
+    with pytest.raises(TypeError, match=r"params leaf 'n' has dtype torch.int64.*update is "
+                                        r"torch.float32"):
+        ft.apply_updates({"n": torch.tensor(3)}, {"n": torch.tensor(0.7)})
+    assert int(ft.apply_updates({"n": torch.tensor(3)}, {"n": torch.tensor(2)})["n"]) == 5
+    p = {"a": torch.ones(2), "n": torch.zeros(3)}
+    for tx in (ft.adamw(0.1), ft.clip_by_global_norm(1.0), ft.sgd(0.1)):
+        for bad in (torch.ones(3, dtype=torch.int64), torch.ones(3, dtype=torch.bool)):
+            with pytest.raises(TypeError, match=r"update leaf 'n' has dtype torch\.(int64|bool)"):
+                tx.update({"a": torch.ones(2), "n": bad}, tx.init(p), p)
+    with pytest.raises(TypeError, match=r"update leaf 'n' has dtype torch.int64"):
+        ft.global_norm({"n": torch.ones(3, dtype=torch.int64)})
+
+
+def test_none_param_with_gradient_raises():
+    tx = ft.adamw(0.1)
+    p = {"a": torch.ones(2), "b": torch.ones(3)}
+    state = tx.init(p)
+    with pytest.raises(ValueError, match=r"params leaf 'b' is None but its update leaf is not"):
+        tx.update({"a": torch.ones(2), "b": torch.ones(3)}, state, {"a": torch.ones(2), "b": None})
+
+
+def test_partial_params_raise():
+    with simulate(2):
+        dm = init_device_mesh("cpu", (2,))
+        p = {"w": DTensor.from_local(torch.ones(2, 3), dm, [Partial()], run_check=False)}
+        g = {"w": distribute_tensor(torch.ones(2, 3), dm, [Replicate()])}
+        with pytest.raises(ValueError, match=r"params leaf 'w' has Partial placements.*"
+                                             r"Shard or Replicate"):
+            ft.sgd(0.1).update(g, ft.sgd(0.1).init(p), p, mesh=ft.Mesh(dm))
+
+
+def test_other_mesh_error_names_both_trees():
+    with simulate(2):
+        dm1 = init_device_mesh("cpu", (2,))
+        dm2 = init_device_mesh("cpu", (2,))
+        p = {"w": distribute_tensor(torch.ones(4, 3), dm1, [Shard(0)])}
+        g = {"w": distribute_tensor(torch.ones(4, 3), dm2, [Shard(0)])}
+        with pytest.raises(ValueError, match=r"update leaf 'w' is a DTensor on .*but params "
+                                             r"leaf 'w' is on"):
+            ft.sgd(0.1).update(g, ft.sgd(0.1).init(p), p)

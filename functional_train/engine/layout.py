@@ -31,6 +31,7 @@ class World:
     """
 
     def __init__(self, mesh: Optional[Mesh], leaves: Sequence[Any], paths: Sequence[str]):
+        """``paths``: one label per leaf for error messages (``"params leaf 'w'"``)."""
         if mesh is not None and mesh.device_mesh is not None:
             self.mesh = mesh
         else:
@@ -55,7 +56,7 @@ class World:
                     root, root_path = r, p
                 elif r is not root:
                     raise ValueError(
-                        f"leaf '{p}' is a DTensor on {r}, but leaf '{root_path}' is on {root}; "
+                        f"{p} is a DTensor on {r}, but {root_path} is on {root}; "
                         "DTensors on different meshes need mesh=ft.Mesh(device_mesh) naming the "
                         "mesh that holds both")
         return Mesh(root)

@@ -46,16 +46,44 @@ def _leaf_key(x: Any) -> Any:
     return type(x)
 
 
-def _check_leaf(path: str, u: Any, p: Any) -> None:
+def describe(x: Any) -> str:
+    """A leaf's layout in words, for error messages."""
+    if isinstance(x, DTensor):
+        names = x.device_mesh.mesh_dim_names
+        return (f"a DTensor {tuple(x.placements)} on mesh {tuple(x.device_mesh.shape)}"
+                + (f" {names}" if names else ""))
+    if isinstance(x, torch.Tensor):
+        return "a plain tensor"
+    return "None" if x is None else type(x).__name__
+
+
+def _check_leaf(path: str, u: Any, p: Any, has_params: bool) -> None:
     if u is not None and not isinstance(u, torch.Tensor):
         raise TypeError(f"update leaf '{path}' must be a torch.Tensor, DTensor or None, "
                         f"got {type(u).__name__}")
     if p is not None and not isinstance(p, torch.Tensor):
         raise TypeError(f"params leaf '{path}' must be a torch.Tensor, DTensor or None, "
                         f"got {type(p).__name__}")
-    if u is not None and p is not None and tuple(u.shape) != tuple(p.shape):
+    if u is None:
+        return
+    if not (u.is_floating_point() or u.is_complex()):
+        raise TypeError(f"update leaf '{path}' has dtype {u.dtype}; gradients and updates must "
+                        f"be floating point (give integer and bool parameters a None gradient)")
+    if has_params and p is None:
+        raise ValueError(f"params leaf '{path}' is None but its update leaf is not; give a "
+                         f"frozen or absent parameter a None update too")
+    if p is None:
+        return
+    if tuple(u.shape) != tuple(p.shape):
         raise ValueError(f"update leaf '{path}' has shape {tuple(u.shape)}, "
                          f"expected the parameter's shape {tuple(p.shape)}")
+    if isinstance(p, DTensor):
+        if any(isinstance(pl, Partial) for pl in p.placements):
+            raise ValueError(f"params leaf '{path}' has Partial placements {tuple(p.placements)}; "
+                             f"parameters must be Shard or Replicate (only gradients can be "
+                             f"Partial)")
+    # a plain gradient of a DTensor parameter (or the converse) holds the global values:
+    # materialize() relayouts it into the parameter's placements
 
 
 class Plan:
@@ -84,12 +112,7 @@ class Plan:
         self.paths = [format_path(p) for p in treedef.paths()]
         paths = self.paths
         for i, u in enumerate(leaves):
-            p = None if pleaves is None else pleaves[i]
-            if u is None:
-                if p is not None and not isinstance(p, torch.Tensor):
-                    _check_leaf(paths[i], u, p)
-                continue
-            _check_leaf(paths[i], u, p)
+            _check_leaf(paths[i], u, None if pleaves is None else pleaves[i], pleaves is not None)
         self.active = [i for i, x in enumerate(leaves) if x is not None]
         self.param_specs = None if pleaves is None else [spec_of(p) for p in pleaves]
         any_dtensor = any(isinstance(x, DTensor) for x in leaves) or (
@@ -103,7 +126,10 @@ class Plan:
             self.mesh = mesh
             self.specs = [None] * len(leaves)
             return
-        world = World(mesh, list(pleaves or []) + list(leaves), list(paths) * (2 if pleaves else 1))
+        labels = [f"update leaf '{p}'" for p in paths]
+        if pleaves:
+            labels = [f"params leaf '{p}'" for p in paths] + labels
+        world = World(mesh, list(pleaves or []) + list(leaves), labels)
         for x, p in zip(leaves, paths):
             if isinstance(x, DTensor):
                 world.leaf_dims(x, p)

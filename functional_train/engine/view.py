@@ -18,12 +18,13 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from ..autograd import detached
 from ..mesh import Mesh
 from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
 from .collectives import all_reduce, all_reduce_buckets, per_rank
-from .dtensor import to_locals, wrap, wraps_like
+from .dtensor import spec_of, to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
-from .plan import Plan, plan_for
+from .plan import Plan, _same_layout, describe, plan_for
 
 __all__ = ["Prepared", "prepare", "leaf_paths"]
 
@@ -102,10 +103,19 @@ class Prepared:
         leaves = flatten_as(tree, self.treedef, what, "the updates")
         for i in self.active:
             x = leaves[i]
-            if x is not None and x.shape != self.updates[i].shape:
+            if x is None:
+                continue
+            if x.shape != self.updates[i].shape:
                 raise ValueError(f"update leaf '{self.paths[i]}' has shape "
                                  f"{tuple(self.updates[i].shape)}, but its {what} leaf has shape "
                                  f"{tuple(x.shape)} (the parameter's)")
+            s = self.specs[i]
+            if (s is None) == isinstance(x, DTensor) or (
+                    s is not None and not _same_layout(spec_of(x), s)):
+                raise ValueError(
+                    f"{what} leaf '{self.paths[i]}' is {describe(x)}, but the update leaf is "
+                    f"{describe(self.updates[i])} (in the parameter's layout); the state must "
+                    f"come from init on parameters of this layout")
         return to_locals(leaves)
 
     def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
@@ -349,6 +359,9 @@ def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: boo
     else:
         pleaves, treedef = tree_flatten(params)
         leaves = flatten_as(updates, treedef, "updates", "params", params)
+    leaves = detached(leaves)  # no graph into the states (see functional_train.autograd)
+    if pleaves is not None:
+        pleaves = detached(pleaves)
     plan = plan_for(treedef, leaves, pleaves, mesh)
     if plan.trivial:
         return Prepared(plan, leaves, leaves, pleaves, view)

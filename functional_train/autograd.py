@@ -1,0 +1,62 @@
+"""Autograd and the library: nothing is recorded unless asked.
+
+By default, as with ``torch.optim`` (``differentiable=False``), an update records nothing for
+autograd: gradients that require grad (a ``backward(create_graph=True)``) and parameters that
+are ``nn.Parameter`` are read detached, so no state holds a graph, and ``apply_updates`` /
+``step`` compute the new parameters under ``torch.no_grad()`` -- a parameter that required grad
+gives a new *leaf* that requires grad, and no graph grows from step to step.
+
+``with ft.differentiable():`` turns that off inside the block: updates, states and new
+parameters are ordinary functions of their inputs for autograd and ``torch.func`` (meta-learning
+through an optimizer step, learning a learning rate), as ``torch.optim``'s
+``differentiable=True`` does. The library's fused ``ft.step`` kernels are not differentiable;
+inside the block ``ft.step`` takes the general path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["differentiable", "is_differentiable", "detached"]
+
+_MODE = [False]
+
+
+@contextlib.contextmanager
+def differentiable(enabled: bool = True) -> Iterator[None]:
+    """Within the block, updates and ``apply_updates`` / ``step`` are differentiable (see the
+    module docstring). Nests; restores the previous mode on exit. Not thread-local."""
+    prev = _MODE[0]
+    _MODE[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _MODE[0] = prev
+
+
+def is_differentiable() -> bool:
+    """Whether the library records its computations for autograd (inside
+    :func:`differentiable`)."""
+    return _MODE[0]
+
+
+def detached(leaves: list) -> list:
+    """``leaves`` with every tensor that autograd tracks detached, unless differentiable (or grad
+    mode is off, where nothing is recorded anyway). Returns the same list when nothing
+    needs it."""
+    if _MODE[0] or not torch.is_grad_enabled():
+        return leaves
+    if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
+        return leaves
+    return [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in leaves]
+
+
+def requires_grad_like(new: Any, old: Any) -> Any:
+    """``new`` marked as a leaf that requires grad when ``old`` did (outside
+    :func:`differentiable`, new parameters are computed without a graph)."""
+    if isinstance(old, torch.Tensor) and old.requires_grad and not new.requires_grad:
+        new.requires_grad_(True)
+    return new
