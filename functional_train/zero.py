@@ -230,7 +230,9 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
     Per update:
 
     1. gradients still unreduced over ``axis`` (plain tensors and DTensors without ``axis``
-       when ``Mesh.data_axis == axis``; ``Partial`` over ``axis``) are averaged (``Partial``:
+       when ``Mesh.data_axis == axis`` or when ``update`` is given no ``mesh`` -- then the
+       gradients are each rank's own, as in ZeRO-2; a ``Mesh`` without that data axis says
+       they are reduced already; ``Partial`` over ``axis``) are averaged (``Partial``:
        reduced as it says) AND scattered into the zero view by ONE bucketed reduce-scatter per
        (op, dtype) over ``axis``; reduced gradients are sliced locally (no communication);
        ``Partial`` placements over other dims are reduced first, as every transform does;
@@ -278,6 +280,8 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
         views = _views(leaves, leaf_paths(params), root, axis)
         return ZeroRedundancyState(inner.init(view_tree(params, views)))
 
+    own_mesh: dict = {}
+
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, ZeroRedundancyState):
             raise ValueError(f"zero_redundancy: expected a ZeroRedundancyState from "
@@ -301,8 +305,16 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
             new, inner_state = inner.update(updates, state.inner_state, params, mesh=mesh,
                                             **extra)
             return new, ZeroRedundancyState(inner_state)
-        if mesh is None or mesh.device_mesh is None:
-            mesh = Mesh(root, data_axis=None if mesh is None else mesh.data_axis)
+        if mesh is None:
+            # no descriptor: the gradients are each rank's own over the declared axis (ZeRO-2
+            # reduce-scatters them), never taken as replicated -- slicing gradients that differ
+            # per rank would stitch rows of different ranks; one descriptor per root mesh
+            hit = own_mesh.get(id(root))
+            if hit is None or hit[0] is not root:
+                hit = own_mesh[id(root)] = (root, Mesh(root, data_axis=axis))
+            mesh = hit[1]
+        elif mesh.device_mesh is None:
+            mesh = Mesh(root, data_axis=mesh.data_axis)
         a = root.mesh_dim_names.index(axis)
         pending = mesh.data_axis == axis and root.size(a) > 1
         # which gradients are still each rank's own contribution over the data axis, and how

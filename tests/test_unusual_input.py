@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import functional_train as ft
-from functional_train.testing import simulate
+from functional_train.testing.sim import on_rank, per_rank, replicated, simulate
 
 
 def _feed(tx, params, grads_seq):
@@ -245,3 +245,17 @@ def test_other_mesh_error_names_both_trees():
         with pytest.raises(ValueError, match=r"update leaf 'w' is a DTensor on .*but params "
                                              r"leaf 'w' is on"):
             ft.sgd(0.1).update(g, ft.sgd(0.1).init(p), p)
+
+
+def test_zero_redundancy_without_mesh_reduces_over_its_axis():
+    """zero_redundancy(sgd, "dp", device_mesh=dm) updated without mesh= on plain gradients
+    that differ per rank: every rank gets the mean, never rows stitched from different ranks."""
+    with simulate(2):
+        dm = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        params = {"w": replicated(2, torch.zeros(4, 3))}
+        tx = ft.zero_redundancy(ft.sgd(1.0), "dp", device_mesh=dm)
+        state = tx.init(params)
+        g = {"w": per_rank(2, lambda r: torch.full((4, 3), float(r + 1)))}
+        u, _ = tx.update(g, state, params)
+        for r in range(2):
+            torch.testing.assert_close(on_rank(u["w"], r), torch.full((4, 3), -1.5))
