@@ -24,7 +24,7 @@ from .base import GradientTransformation, declare
 from .mesh import Mesh
 from .engine.collectives import all_gather, all_reduce_buckets, per_rank, reduce_scatter
 from .engine.dtensor import Spec, spec_of, to_local, wrap
-from .engine.plan import plan_for
+from .engine.plan import agree_presence, plan_for
 from .engine.view import leaf_paths, mesh_coordinates
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_unflatten
 
@@ -317,6 +317,9 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
             mesh = Mesh(root, data_axis=mesh.data_axis)
         a = root.mesh_dim_names.index(axis)
         pending = mesh.data_axis == axis and root.size(a) > 1
+        if pending and not torch.compiler.is_compiling():
+            # ranks may differ in which gradients are None: agree first (one small all-reduce)
+            g = agree_presence(g, p, treedef, mesh)
         # which gradients are still each rank's own contribution over the data axis, and how
         # they add up; Partial-over-axis leaves are relabelled Replicate until step 1
         ops: list = [None] * len(g)

@@ -259,3 +259,36 @@ def test_zero_redundancy_without_mesh_reduces_over_its_axis():
         u, _ = tx.update(g, state, params)
         for r in range(2):
             torch.testing.assert_close(on_rank(u["w"], r), torch.full((4, 3), -1.5))
+
+
+# ---------------------------------------------------------------------------------------------
+# a gradient None on some data-parallel ranks only: zero in the mean (DDP), never an abort
+# ---------------------------------------------------------------------------------------------
+def test_gloo_none_gradient_on_one_rank(tmp_path):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _gloo_presence_worker as pw
+    from test_gloo import _spawn
+
+    res = _spawn(2, tmp_path, "_gloo_presence_worker.py")
+    params0, grads = pw.problem()
+    makers = dict(pw.transforms(), zero_adamw=lambda: ft.adamw(1e-2))
+    for key, got in res.items():
+        name = key.split("/")[0]
+        tx = makers[name]()
+        p = {k: v.clone() for k, v in params0.items()}
+        state = tx.init(p)
+        for step, sg in enumerate(grads):
+            g = {}
+            for k in ("a", "b"):
+                parts = [pw.grads_of(sg, step, r)[k] for r in range(2)]
+                g[k] = sum(torch.zeros_like(p[k]) if x is None else x for x in parts) / 2
+            g["c"] = None
+            u, state = tx.update(g, state, p)
+            p = ft.apply_updates(p, u)
+        for rank in range(2):
+            for k in pw.SHAPES:
+                torch.testing.assert_close(got[rank][k].reshape(p[k].shape), p[k], rtol=1e-5,
+                                           atol=1e-6, msg=lambda m: f"{key} rank {rank} {k}: {m}")
+        torch.testing.assert_close(got[0]["c"].reshape(2, 2), params0["c"], rtol=0, atol=0)

@@ -24,7 +24,7 @@ from .collectives import all_reduce_buckets
 from .dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .layout import World
 
-__all__ = ["Plan", "plan_for", "cache_clear"]
+__all__ = ["Plan", "plan_for", "cache_clear", "agree_presence"]
 
 _PLANS: "OrderedDict[Any, Plan]" = OrderedDict()
 _MAX_PLANS = 64
@@ -238,3 +238,86 @@ def plan_for(treedef, leaves: Sequence[Any], pleaves: Optional[Sequence[Any]],
             _PLANS.popitem(last=False)
         _PLANS[key] = hit
     return hit
+
+
+def _all_on_data_axis(pleaves: Sequence[Any], axis: str) -> bool:
+    """Every parameter is a DTensor whose mesh has the data axis: their gradients are placed
+    over it (FSDP's reduce-scatter made them), so none is averaged over it by the engine. A
+    property of the parameters, the same on every rank."""
+    for p in pleaves:
+        if p is None:
+            continue
+        if not isinstance(p, DTensor) or axis not in (p.device_mesh.mesh_dim_names or ()):
+            return False
+    return True
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64,
+           torch.complex128)
+
+
+def agree_presence(leaves: list, pleaves: Optional[list], treedef, mesh: Mesh) -> list:
+    """Make every rank of the data axis hold the same gradient leaves (DDP's
+    ``find_unused_parameters``): a leaf whose gradient is ``None`` on some ranks only (a
+    parameter unused on their micro-batch, an expert no token reached) becomes zeros there, so
+    it counts as zero in the data-parallel mean and every rank updates it identically; a leaf
+    ``None`` on every rank stays ``None``.
+
+    One all-reduce (sum) of ``2 n`` int64 over the data axis: per leaf, how many ranks have it,
+    and the sum of a code of its dtype and layout (on CUDA meshes its result is read on the
+    host: one synchronisation, as DDP's ``find_unused_parameters`` has). Without it the
+    bucketed mean would have different sizes on different ranks (gloo aborts, NCCL hangs).
+    Skipped when every parameter is a DTensor placed over the data axis (FSDP-style: nothing
+    is averaged over it here) and under ``torch.compile`` (compiled steps assume every rank has
+    the same gradient leaves).
+
+    Raises (the same error on every rank):
+        ValueError: a leaf present on some ranks only whose zeros cannot be built there: no
+            ``params`` given, a DTensor gradient in placements other than its parameter's
+            (``Partial``), or ranks that disagree on its dtype or layout.
+    """
+    if pleaves is not None and _all_on_data_axis(pleaves, mesh.data_axis):
+        return leaves  # FSDP-style: no gradient is averaged over the data axis here
+    n = len(leaves)
+    codes = []
+    for i, g in enumerate(leaves):
+        if g is None:
+            codes.append((0, 0))
+            continue
+        dt = _DTYPES.index(g.dtype) if g.dtype in _DTYPES else len(_DTYPES)
+        p = None if pleaves is None else pleaves[i]
+        if not isinstance(g, DTensor):
+            lay = 0
+        elif isinstance(p, DTensor) and _same_layout(spec_of(g), spec_of(p)):
+            lay = 1
+        else:
+            lay = 2
+        codes.append((1, 1 + dt * 4 + lay))
+    dm = mesh.device_mesh
+    local = torch.tensor(codes, dtype=torch.int64, device=dm.device_type).reshape(2 * n)
+    total = all_reduce_buckets([(local, ((dm, mesh.dim(mesh.data_axis)),), "sum")])[0]
+    total = total.view(n, 2).tolist()
+    out = list(leaves)
+    dp = mesh.size(mesh.data_axis)
+    for i, (count, code) in enumerate(total):
+        if count in (0, dp) or leaves[i] is not None:
+            continue
+        path = format_path(treedef.paths()[i])
+        if code % count:
+            raise ValueError(f"gradient leaf '{path}' is None on some ranks of the data axis "
+                             f"and has different dtypes or layouts on the others")
+        code = code // count - 1
+        dt, lay = divmod(code, 4)
+        p = None if pleaves is None else pleaves[i]
+        if p is None or lay == 2 or dt >= len(_DTYPES):
+            raise ValueError(
+                f"gradient leaf '{path}' is None on {dp - count} of the {dp} ranks of the data "
+                f"axis only; it can count as zero there only when params are given and the "
+                f"gradient is a plain tensor or a DTensor in its parameter's placements (not "
+                f"Partial): pass zeros on those ranks instead")
+        lp = to_local(p)
+        if lay == 1:  # a DTensor in its parameter's placements: zeros of the local shard
+            out[i] = wrap_like(torch.zeros(lp.shape, dtype=_DTYPES[dt], device=lp.device), p)
+        else:  # a plain gradient holds the global values (of a plain or a DTensor parameter)
+            out[i] = torch.zeros(p.shape, dtype=_DTYPES[dt], device=lp.device)
+    return out

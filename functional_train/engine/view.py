@@ -24,7 +24,7 @@ from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
 from .collectives import all_reduce, all_reduce_buckets, per_rank
 from .dtensor import spec_of, to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
-from .plan import Plan, _same_layout, describe, plan_for
+from .plan import Plan, _same_layout, agree_presence, describe, plan_for
 
 __all__ = ["Prepared", "prepare", "leaf_paths"]
 
@@ -362,6 +362,10 @@ def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: boo
     leaves = detached(leaves)  # no graph into the states (see functional_train.autograd)
     if pleaves is not None:
         pleaves = detached(pleaves)
+    if (mesh is not None and mesh.pending_data_reduction
+            and not torch.compiler.is_compiling()):
+        # ranks may differ in which gradients are None: agree first (one small all-reduce)
+        leaves = agree_presence(leaves, pleaves, treedef, mesh)
     plan = plan_for(treedef, leaves, pleaves, mesh)
     if plan.trivial:
         return Prepared(plan, leaves, leaves, pleaves, view)
