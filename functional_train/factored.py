@@ -32,7 +32,7 @@ from . import _validate as V
 from .base import GradientTransformation, declare, chain
 from .engine.dtensor import spec_of, to_local
 from .engine.view import Prepared, prepare
-from .transforms import (ScalarOrSchedule, _cast_like, _check_state, add_decayed_weights, scale,
+from .transforms import (ScalarOrSchedule, _cast_like, _check_state, reject_complex, add_decayed_weights, scale,
                          scale_by_learning_rate, stateless, zero_count)
 from .tree import (contiguous_stride, flatten_as, state_dtype, state_zeros_like, tree_paths,
                    tree_unflatten)
@@ -299,6 +299,7 @@ def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, ScaleByFactoredRmsState, where)
         b = prepare(updates, params, mesh, name=where)
+        reject_complex(b, where)
         fac = [i for i in b.active if _is_factored(b.updates[i].shape, min_dim)]
         fset = set(fac)
         dense = [i for i in b.active if i not in fset]

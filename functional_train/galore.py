@@ -46,7 +46,7 @@ from .engine.collectives import all_gather
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.layout import shard_region
 from .engine.view import Prepared, prepare
-from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, scale_by_adam,
+from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, reject_complex, scale_by_adam,
                          scale_by_learning_rate, stateless)
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
 
@@ -474,6 +474,7 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, GaLoreState, where)
         b = prepare(updates, params, mesh, name=where)
+        reject_complex(b, where)
         if not b.active:  # every leaf frozen: nothing to project, no step taken
             return updates, state
         old = flatten_as(state.projectors, b.treedef, "GaLoreState.projectors", "the updates")

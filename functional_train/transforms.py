@@ -289,12 +289,18 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             return b.rebuild(b.locals), state._replace(count=state.count + 1)
         g = [b.locals[i] for i in act]
         if eight_bit:
+            reject_complex(b, "scale_by_adam with optim_bits=8")
             mu, nu, deq = Q.dequantize_state(b, state, block_size, min_8bit_size)
         else:
             mu_all = b.state_locals(state.mu, "ScaleByAdamState.mu")
             nu_all = b.state_locals(state.nu, "ScaleByAdamState.nu")
             mu = [mu_all[i] for i in act]
             nu = [nu_all[i] for i in act]
+        # complex leaves: as torch.optim.Adam, real and imaginary parts are separate elements
+        # (view_as_real of the gradient and of both moments, which stay complex)
+        cx = any(x.is_complex() for x in g)
+        if cx:
+            g, mu, nu = _as_real(g), _as_real(mu), _as_real(nu)
         count = state.count + 1
         t = count.to(torch.float64)
         if bias_correction:
@@ -308,7 +314,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         torch._foreach_addcmul_(nu, gn, gn, value=1.0 - b2)
         if amsgrad:
             nm_all = b.state_locals(state.nu_max, "ScaleByAmsgradState.nu_max")
-            nu_max = torch._foreach_maximum([nm_all[i] for i in act], nu)
+            nm = [nm_all[i] for i in act]
+            nu_max = torch._foreach_maximum(_as_real(nm) if cx else nm, nu)
             second = nu_max
         else:
             second = nu
@@ -325,6 +332,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         if eight_bit:
             return b.rebuild_active(_cast_like(out, g)), Q.quantize_state(b, state, count, mu,
                                                                           nu, deq)
+        if cx:
+            like = [b.locals[i] for i in act]
+            mu, nu, out = _as_complex(mu, like), _as_complex(nu, like), _as_complex(out, like)
+            g = like
+            if amsgrad:
+                nu_max = _as_complex(nu_max, like)
         new_mu = b.state_tree(state.mu, "ScaleByAdamState.mu", mu)
         new_nu = b.state_tree(state.nu, "ScaleByAdamState.nu", nu)
         if amsgrad:
@@ -335,6 +348,30 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         return b.rebuild_active(_cast_like(out, g)), new_state
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def _as_real(ts: list) -> list:
+    return [torch.view_as_real(x) if x.is_complex() else x for x in ts]
+
+
+def _as_complex(ts: list, like: list) -> list:
+    """Back to complex where ``like`` (the gradients) is complex."""
+    return [torch.view_as_complex(x) if y.is_complex() and not x.is_complex() else x
+            for x, y in zip(ts, like)]
+
+
+def reject_complex(b, where: str) -> None:
+    """Raise for complex leaves in a transform without a complex definition.
+
+    Raises:
+        TypeError: naming the first complex leaf.
+    """
+    for i in b.active:
+        if b.locals[i].is_complex():
+            raise TypeError(f"{where}: update leaf '{b.paths[i]}' is {b.locals[i].dtype}; "
+                            f"this transform has no complex definition (Adam, AdamW, SGD, "
+                            f"LAMB and the elementwise transforms follow torch.optim on "
+                            f"complex leaves)")
 
 
 def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,

@@ -292,3 +292,54 @@ def test_gloo_none_gradient_on_one_rank(tmp_path):
                 torch.testing.assert_close(got[rank][k].reshape(p[k].shape), p[k], rtol=1e-5,
                                            atol=1e-6, msg=lambda m: f"{key} rank {rank} {k}: {m}")
         torch.testing.assert_close(got[0]["c"].reshape(2, 2), params0["c"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# complex leaves: torch.optim's definition (view_as_real) or a clear error
+# ---------------------------------------------------------------------------------------------
+COMPLEX_REFS = {
+    "adam": (lambda: ft.adam(0.1), lambda p: torch.optim.Adam([p], lr=0.1)),
+    "adam_amsgrad": (lambda: ft.adam(0.1, amsgrad=True, weight_decay=0.1),
+                     lambda p: torch.optim.Adam([p], lr=0.1, amsgrad=True, weight_decay=0.1)),
+    "adamw": (lambda: ft.adamw(0.1, weight_decay=0.1),
+              lambda p: torch.optim.AdamW([p], lr=0.1, weight_decay=0.1)),
+    "sgd_nesterov": (lambda: ft.sgd(0.1, momentum=0.9, nesterov=True),
+                     lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True)),
+}
+
+
+@pytest.mark.parametrize("use_step", [False, True], ids=["update+apply", "step"])
+@pytest.mark.parametrize("name", list(COMPLEX_REFS))
+def test_complex_params_follow_torch_optim(name, use_step):
+    make, ref = COMPLEX_REFS[name]
+    torch.manual_seed(0)
+    p0 = torch.randn(4, 3, dtype=torch.complex64)
+    gs = [torch.randn(4, 3, dtype=torch.complex64) for _ in range(4)]
+    tx = make()
+    params = {"w": p0.clone()}
+    state = tx.init(params)
+    for g in gs:
+        if use_step:
+            params, state = ft.step(tx, {"w": g}, state, params)
+        else:
+            u, state = tx.update({"w": g}, state, params)
+            params = ft.apply_updates(params, u)
+    p = p0.clone().requires_grad_(True)
+    opt = ref(p)
+    for g in gs:
+        p.grad = g.clone()
+        opt.step()
+    assert params["w"].dtype == torch.complex64
+    change = (p.detach() - p0).abs().max()
+    assert (params["w"] - p.detach()).abs().max() <= 1e-5 * change + 1e-6
+
+
+@pytest.mark.parametrize("make", [ft.adafactor, lambda: ft.came(1e-3),
+                                  lambda: ft.galore_adamw(1e-3, rank=1),
+                                  lambda: ft.adamw(1e-3, optim_bits=8, min_8bit_size=0)],
+                         ids=["adafactor", "came", "galore_adamw", "adamw_8bit"])
+def test_complex_params_without_a_definition_raise(make):
+    p = {"z": torch.randn(4, 3, dtype=torch.complex64)}
+    tx = make()
+    with pytest.raises(TypeError, match=r"'z' is torch.complex64; this transform has no complex"):
+        tx.update({"z": torch.randn(4, 3, dtype=torch.complex64)}, tx.init(p), p)
