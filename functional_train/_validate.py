@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
+
+import torch
 
 
 def number(name: str, value: Any, *, where: str, low: float | None = None,
-           high: float | None = None, low_open: bool = False, high_open: bool = False) -> float:
-    """Check ``value`` is a real number within the given bounds; return it as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: {name} must be a real number, got {type(value).__name__}")
+           high: float | None = None, low_open: bool = False, high_open: bool = False,
+           finite: bool = False) -> float:
+    """Check ``value`` is a real number within the given bounds; return it as a float.
+
+    Accepted: ``int``, ``float``, any ``numbers.Real`` (NumPy scalars) and 0-dim real
+    ``torch.Tensor`` (read once, here). ``finite``: reject infinities too.
+    """
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_complex() and (
+            value.dtype != torch.bool):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name} must be a real number (int, float, a NumPy scalar or "
+                        f"a 0-dim real tensor), got {type(value).__name__}")
     v = float(value)
     if math.isnan(v):
         raise ValueError(f"{where}: {name} must not be NaN")
+    if finite and math.isinf(v):
+        raise ValueError(f"{where}: {name} must be finite, got {v}")
     if low is not None and (v < low or (low_open and v == low)):
         raise ValueError(f"{where}: {name} must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and (v > high or (high_open and v == high)):
@@ -22,10 +36,10 @@ def number(name: str, value: Any, *, where: str, low: float | None = None,
 
 
 def learning_rate(value: Any, *, where: str):
-    """A non-negative float, or a schedule (callable of the step count)."""
+    """A non-negative finite number, or a schedule (callable of the step count)."""
     if callable(value):
         return value
-    return number("learning_rate", value, where=where, low=0.0)
+    return number("learning_rate", value, where=where, low=0.0, finite=True)
 
 
 def beta(name: str, value: Any, *, where: str) -> float:

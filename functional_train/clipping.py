@@ -108,7 +108,8 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         ValueError: ``max_norm <= 0`` or ``norm_type <= 0``; at update, a state from another
             transform.
     """
-    max_norm = V.number("max_norm", max_norm, where="clip_by_global_norm", low=0.0, low_open=True)
+    max_norm = V.number("max_norm", max_norm, where="clip_by_global_norm", low=0.0, low_open=True,
+                        finite=True)
     norm_type = V.number("norm_type", norm_type, where="clip_by_global_norm", low=0.0, low_open=True)
 
     def init_fn(params):

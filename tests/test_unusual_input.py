@@ -4,6 +4,8 @@ checkpoints read with plain ``torch.load``."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -343,3 +345,41 @@ def test_complex_params_without_a_definition_raise(make):
     tx = make()
     with pytest.raises(TypeError, match=r"'z' is torch.complex64; this transform has no complex"):
         tx.update({"z": torch.randn(4, 3, dtype=torch.complex64)}, tx.init(p), p)
+
+
+# ---------------------------------------------------------------------------------------------
+# hyper-parameters and the testing harness: what is accepted, what is said
+# ---------------------------------------------------------------------------------------------
+def test_learning_rate_accepts_numpy_scalars_and_0dim_tensors():
+    import numpy as np
+
+    p = {"w": torch.ones(3)}
+    g = {"w": torch.ones(3)}
+    want, _ = ft.sgd(0.5).update(g, ft.sgd(0.5).init(p), p)
+    for lr in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), torch.tensor(0.5).double()):
+        tx = ft.adamw(lr)  # accepted
+        tx = ft.sgd(lr)
+        u, _ = tx.update(g, tx.init(p), p)
+        torch.testing.assert_close(u["w"], want["w"])
+    with pytest.raises(TypeError, match=r"real number \(int, float, a NumPy scalar or a 0-dim"):
+        ft.sgd(torch.ones(2))
+    with pytest.raises(TypeError, match=r"real number"):
+        ft.sgd("0.1")
+
+
+@pytest.mark.parametrize("make", [lambda: ft.sgd(math.inf), lambda: ft.adamw(math.inf),
+                                  lambda: ft.clip_by_global_norm(math.inf)],
+                         ids=["sgd_lr", "adamw_lr", "max_norm"])
+def test_infinite_hyper_parameters_raise(make):
+    with pytest.raises(ValueError, match=r"must be finite, got inf"):
+        make()
+
+
+def test_assert_sharded_equivalent_argument_errors():
+    from functional_train.testing import assert_sharded_equivalent
+
+    p = {"w": torch.ones(4, 2)}
+    with pytest.raises(TypeError, match=r"tx must be a GradientTransformation, got function"):
+        assert_sharded_equivalent(lambda g: g, p, [p], placements={"w": None}, mesh_shape=(2,))
+    with pytest.raises(ValueError, match=r"grads_per_step is empty"):
+        assert_sharded_equivalent(ft.sgd(0.1), p, [], placements={"w": None}, mesh_shape=(2,))

@@ -696,7 +696,8 @@ def assert_sharded_equivalent(
             [1, 3]``.
         ValueError / TypeError: bad arguments (placements that do not fit a leaf or the mesh,
             gradient trees not shaped like ``params``, no ``mesh_shape`` in simulation, a mesh
-            that does not match the real world size, ``data_axis`` not a mesh dim name).
+            that does not match the real world size, ``data_axis`` not a mesh dim name, ``tx``
+            not a transform, an empty ``grads_per_step``).
         RuntimeError: called inside :func:`~functional_train.testing.simulate`.
         Whatever ``tx`` raises, with a note naming the run and the step.
     """
@@ -741,6 +742,13 @@ def assert_sharded_equivalent(
     if device_type is None:
         device_type = "cuda" if real and dist.get_backend() == "nccl" else "cpu"
     update_kwargs = dict(update_kwargs or {})
+    from ..base import GradientTransformation
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"assert_sharded_equivalent: tx must be a GradientTransformation, got "
+                        f"{type(tx).__name__}")
+    if len(grads_per_step) == 0:
+        raise ValueError("assert_sharded_equivalent: grads_per_step is empty; give at least one "
+                         "step's gradients (nothing would be compared)")
     if step not in (None, "pure", "donate"):
         raise ValueError(f"assert_sharded_equivalent: step must be None, 'pure' or 'donate', "
                          f"got {step!r}")
