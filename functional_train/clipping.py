@@ -25,6 +25,9 @@ def clip(max_delta: float) -> GradientTransformation:
 
     Same as ``torch.nn.utils.clip_grad_value_`` and Colossal-AI's ``clip_grad_by_value``.
     Elementwise, so it needs no communication beyond reducing unreduced gradients. No state.
+    Complex leaves: the real and imaginary parts are clamped separately (their
+    ``torch.view_as_real``, as ``torch.optim`` treats complex parameters; torch's
+    ``clip_grad_value_`` itself rejects them).
 
     Raises:
         ValueError: ``max_delta <= 0``.
@@ -33,7 +36,11 @@ def clip(max_delta: float) -> GradientTransformation:
 
     def clamp(b):
         g = [b.locals[i] for i in b.active]
-        return torch._foreach_clamp_max(torch._foreach_clamp_min(g, -max_delta), max_delta)
+        if not any(x.is_complex() for x in g):
+            return torch._foreach_clamp_max(torch._foreach_clamp_min(g, -max_delta), max_delta)
+        r = [torch.view_as_real(x) if x.is_complex() else x for x in g]
+        r = torch._foreach_clamp_max(torch._foreach_clamp_min(r, -max_delta), max_delta)
+        return [torch.view_as_complex(y) if x.is_complex() else y for x, y in zip(g, r)]
 
     return stateless("clip", clamp)
 

@@ -383,3 +383,10 @@ def test_assert_sharded_equivalent_argument_errors():
         assert_sharded_equivalent(lambda g: g, p, [p], placements={"w": None}, mesh_shape=(2,))
     with pytest.raises(ValueError, match=r"grads_per_step is empty"):
         assert_sharded_equivalent(ft.sgd(0.1), p, [], placements={"w": None}, mesh_shape=(2,))
+
+
+def test_complex_clip_clamps_real_and_imaginary_parts():
+    z = torch.tensor([[3.0 + 0.05j, -0.2 - 4.0j]], dtype=torch.complex64)
+    u, _ = ft.clip(0.1).update({"z": z}, ft.clip(0.1).init({"z": z}), {"z": z})
+    torch.testing.assert_close(u["z"], torch.tensor([[0.1 + 0.05j, -0.1 - 0.1j]],
+                                                    dtype=torch.complex64))
