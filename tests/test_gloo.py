@@ -49,11 +49,12 @@ def test_dp_tp_chain_matches_one_process(tmp_path):
     for k in params:
         torch.testing.assert_close(res["params"][k], params[k], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(res["norm"], ft.tree_get(state, "global_norm"), rtol=1e-5, atol=1e-6)
-    # non-final micro-steps: no collective; final: one bucketed data-axis mean (dp group), one
-    # Partial sum (tp group), the Shard(0) -> Replicate gather of "n", and ONE norm all-reduce.
+    # non-final micro-steps: no collective; final: the presence agreement and one bucketed
+    # data-axis mean (dp group), one Partial sum (tp group), the Shard(0) -> Replicate gather of
+    # "n", and ONE norm all-reduce.
     assert res["counts"][0] == {} and res["counts"][2] == {}
     assert res["counts"][1] == res["counts"][3]
-    assert res["counts"][1] == {"all_reduce": 3, "all_gather_into_tensor": 1}, res["counts"]
+    assert res["counts"][1] == {"all_reduce": 4, "all_gather_into_tensor": 1}, res["counts"]
 
 
 def test_zero_aliases_tp2_dp2_match_one_process(tmp_path):
