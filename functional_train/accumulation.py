@@ -6,13 +6,13 @@ from typing import Any, NamedTuple, Optional
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from . import _validate as V
 from .autograd import detached
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .mesh import Mesh
 from .engine.dtensor import spec_of, to_local, wrap
+from .engine.plan import describe
 from .tree import flatten_as, format_path, state_zeros_like, tree_flatten, tree_unflatten
 
 __all__ = ["multi_steps", "MultiStepsState", "has_updated"]
@@ -114,16 +114,16 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
         for i, x in enumerate(g):
             if x is None or acc[i] is None:
                 continue
-            path = format_path(paths_raw[i])
-            if not (x.is_floating_point() or x.is_complex()):
-                raise TypeError(f"multi_steps: update leaf '{path}' has dtype {x.dtype}; "
+            if not (x.dtype.is_floating_point or x.dtype.is_complex):
+                raise TypeError(f"multi_steps: update leaf '{format_path(paths_raw[i])}' has "
+                                f"dtype {x.dtype}; "
                                 f"gradients must be floating point (give integer or bool "
                                 f"parameters a None gradient)")
-            if seen[i] and spec_of(x) != spec_of(acc[i]):
+            if seen[i] and spec_of(x) is not spec_of(acc[i]) and spec_of(x) != spec_of(acc[i]):
                 raise ValueError(
-                    f"multi_steps: update leaf '{path}' has the layout {_layout(x)} on this "
-                    f"micro-step but {_layout(acc[i])} on an earlier one of the cycle; the "
-                    f"gradients of one cycle must keep one layout (placements)")
+                    f"multi_steps: update leaf '{format_path(paths_raw[i])}' has the layout "
+                    f"{describe(x)} on this micro-step but {describe(acc[i])} on an earlier "
+                    f"one of the cycle; the gradients of one cycle must keep one layout")
             active.append(i)
             if not seen[i]:
                 fresh.append(i)
@@ -190,12 +190,6 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
 
 def _flag(v: int) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.int64, device="cpu")
-
-
-def _layout(x: Any) -> str:
-    if isinstance(x, DTensor):
-        return f"DTensor{tuple(x.placements)} on mesh {tuple(x.device_mesh.shape)}"
-    return "a plain tensor"
 
 
 def has_updated(state: Any) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from . import _validate as V
 from .base import GradientTransformation, declare
 from .engine.view import prepare
-from .transforms import _cast_like, stateless
+from .transforms import _as_complex, _as_real, _cast_like, stateless
 from .tree import first_device
 
 __all__ = ["clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm"]
@@ -38,9 +38,8 @@ def clip(max_delta: float) -> GradientTransformation:
         g = [b.locals[i] for i in b.active]
         if not any(x.is_complex() for x in g):
             return torch._foreach_clamp_max(torch._foreach_clamp_min(g, -max_delta), max_delta)
-        r = [torch.view_as_real(x) if x.is_complex() else x for x in g]
-        r = torch._foreach_clamp_max(torch._foreach_clamp_min(r, -max_delta), max_delta)
-        return [torch.view_as_complex(y) if x.is_complex() else y for x, y in zip(g, r)]
+        r = torch._foreach_clamp_max(torch._foreach_clamp_min(_as_real(g), -max_delta), max_delta)
+        return _as_complex(r, g)
 
     return stateless("clip", clamp)
 

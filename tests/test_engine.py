@@ -130,11 +130,15 @@ def test_step_general_path_for_other_transforms(monkeypatch):
         torch.testing.assert_close(p, ft.apply_updates(params, u), rtol=0, atol=0)
 
 
-def test_pure_step_reuses_only_dropped_results():
+def test_pure_step_reuses_only_dropped_results(monkeypatch):
     """The pure fused step writes its results into pooled CPU buffers: the results of two
     steps ago, once the caller has dropped them, are reused (no fresh pages per step), and a
     result the caller still holds -- the tensor itself, a view of it, or its data in another
-    tree -- is never written."""
+    tree -- is never written. (Small leaves are pooled here: the threshold is lowered.)"""
+    from functional_train.engine import pool
+
+    monkeypatch.setattr(pool, "MIN_MEAN_BYTES", 0)
+    ft.engine.plan.cache_clear()
     torch.manual_seed(0)
     params = {"w": torch.randn(6, 5), "b": torch.randn(5)}
     tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1))

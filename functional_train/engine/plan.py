@@ -66,7 +66,7 @@ def _check_leaf(path: str, u: Any, p: Any, has_params: bool) -> None:
                         f"got {type(p).__name__}")
     if u is None:
         return
-    if not (u.is_floating_point() or u.is_complex()):
+    if not (u.dtype.is_floating_point or u.dtype.is_complex):
         raise TypeError(f"update leaf '{path}' has dtype {u.dtype}; gradients and updates must "
                         f"be floating point (give integer and bool parameters a None gradient)")
     if has_params and p is None:

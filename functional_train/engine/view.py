@@ -101,21 +101,28 @@ class Prepared:
             ValueError: naming the leaf path whose structure or shape differs.
         """
         leaves = flatten_as(tree, self.treedef, what, "the updates")
+        # the DTensorSpec objects already checked, per leaf (states keep their spec objects from
+        # step to step, so the layout is checked once per layout, not per step)
+        checked = self.plan.memo.setdefault(("state specs", what), {})
         for i in self.active:
             x = leaves[i]
             if x is None:
+                continue
+            dt = isinstance(x, DTensor)
+            if dt and checked.get(i) is x._spec:
                 continue
             if x.shape != self.updates[i].shape:
                 raise ValueError(f"update leaf '{self.paths[i]}' has shape "
                                  f"{tuple(self.updates[i].shape)}, but its {what} leaf has shape "
                                  f"{tuple(x.shape)} (the parameter's)")
             s = self.specs[i]
-            if (s is None) == isinstance(x, DTensor) or (
-                    s is not None and not _same_layout(spec_of(x), s)):
+            if (s is None) == dt or (s is not None and not _same_layout(spec_of(x), s)):
                 raise ValueError(
                     f"{what} leaf '{self.paths[i]}' is {describe(x)}, but the update leaf is "
                     f"{describe(self.updates[i])} (in the parameter's layout); the state must "
                     f"come from init on parameters of this layout")
+            if dt and not torch.compiler.is_compiling():
+                checked[i] = x._spec
         return to_locals(leaves)
 
     def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
