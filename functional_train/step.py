@@ -176,13 +176,11 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
                 g_in = pool.take("grads", g)
                 src += g
                 dst += g_in
-                if p[0].dtype == torch.float64:
-                    coef64 = coef
-                else:
+                if p[0].dtype != torch.float64:  # the kernels take a float32 scale
                     grad_scale = (1.0 / coef).to(torch.float32)
             torch._foreach_copy_(dst, src)
-            if coef is not None and grad_scale is None:
-                torch._foreach_mul_(g_in, coef64)
+            if coef is not None and grad_scale is None:  # float64: scale the copy here
+                torch._foreach_mul_(g_in, coef)
         lr = _learning_rate(fused.learning_rate, count, torch.empty((), dtype=torch.float64,
                                                                      device=p[0].device))
         if isinstance(fused, FusedAdam):

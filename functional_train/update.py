@@ -22,7 +22,7 @@ def paired_locals(params: Any, updates: Any):
     placements)``.
 
     Raises:
-        ValueError: ``updates`` does not have the structure of ``params``, or a shape differs.
+        ValueError / TypeError: as :func:`apply_updates`.
     """
     p, treedef = tree_flatten(params)
     u = flatten_as(updates, treedef, "updates", "params")
@@ -63,11 +63,14 @@ def apply_updates(params: Any, updates: Any) -> Any:
     Inside :func:`functional_train.differentiable` the sum is recorded instead (meta-learning).
 
     Updates are cast to each parameter's dtype; ``None`` updates leave the parameter unchanged.
-    DTensor parameters are updated on their local shards and keep their placements (the update
-    must have the parameter's placements, as every transform here returns them).
+    DTensor parameters are updated on their local shards and keep their placements (an update
+    must be a DTensor on the parameter's mesh; other placements are redistributed first).
 
     Raises:
-        ValueError: ``updates`` does not have the structure of ``params``, or a shape differs.
+        ValueError: ``updates`` does not have the structure of ``params``, a shape differs, or
+            an update is plain where its parameter is a DTensor (or the converse, or on another
+            mesh), naming the leaf and both layouts.
+        TypeError: a floating update for an integer or bool parameter, naming the leaf.
     """
     treedef, p, idx, pl, ul = paired_locals(params, updates)
     ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
@@ -76,5 +79,5 @@ def apply_updates(params: Any, updates: Any) -> Any:
         new = torch._foreach_add(pl, ul) if idx else []
     out = list(p)
     for i, n in zip(idx, new):
-        out[i] = wrap_like(n, p[i]) if record else requires_grad_like(wrap_like(n, p[i]), p[i])
+        out[i] = requires_grad_like(wrap_like(n, p[i]), p[i])  # a no-op when recorded
     return tree_unflatten(treedef, out)
