@@ -103,13 +103,16 @@ class Prepared:
         leaves = flatten_as(tree, self.treedef, what, "the updates")
         # the DTensorSpec objects already checked, per leaf (states keep their spec objects from
         # step to step, so the layout is checked once per layout, not per step)
-        checked = self.plan.memo.setdefault(("state specs", what), {})
+        # (not under torch.compile: reading x._spec there makes dynamo guard on the spec
+        # object, and the next step's state has another one: a recompile per step)
+        memo = not torch.compiler.is_compiling()
+        checked = self.plan.memo.setdefault(("state specs", what), {}) if memo else {}
         for i in self.active:
             x = leaves[i]
             if x is None:
                 continue
             dt = isinstance(x, DTensor)
-            if dt and checked.get(i) is x._spec:
+            if dt and memo and checked.get(i) is x._spec:
                 continue
             if x.shape != self.updates[i].shape:
                 raise ValueError(f"update leaf '{self.paths[i]}' has shape "
@@ -121,7 +124,7 @@ class Prepared:
                     f"{what} leaf '{self.paths[i]}' is {describe(x)}, but the update leaf is "
                     f"{describe(self.updates[i])} (in the parameter's layout); the state must "
                     f"come from init on parameters of this layout")
-            if dt and not torch.compiler.is_compiling():
+            if dt and memo:
                 checked[i] = x._spec
         return to_locals(leaves)
 
