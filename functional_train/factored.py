@@ -528,7 +528,9 @@ def ema(decay: float, debias: bool = False, *,
         out = new
         if debias:
             bc = 1.0 - torch.pow(decay, count.to(torch.float64))
-            out = torch._foreach_div(new, bc.to(new[0].dtype))
+            per_dtype = {x.dtype: None for x in new}  # each leaf divides in its own dtype
+            per_dtype = {d: bc.to(d) for d in per_dtype}
+            out = torch._foreach_div(new, [per_dtype[x.dtype] for x in new])
         out = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(out, g)]
         return b.rebuild_active(out), EmaState(count, b.state_tree(state.ema, "EmaState.ema", new))
 

@@ -71,10 +71,6 @@ def _cast_like(xs, likes):
     return [x if x.dtype == l.dtype else x.to(l.dtype) for x, l in zip(xs, likes)]
 
 
-def _to(xs, dtype):
-    return [x if x.dtype == dtype else x.to(dtype) for x in xs]
-
-
 def scale(step_size: float) -> GradientTransformation:
     """Multiply updates by the constant ``step_size`` (optax ``scale``). No state."""
     step_size = V.number("step_size", step_size, where="scale")
@@ -322,12 +318,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         denom = torch._foreach_sqrt(second)
         if eps_before_correction:
             torch._foreach_add_(denom, eps)
-            out = torch._foreach_div(_to(mu, denom[0].dtype) if denom else mu, denom)
+            out = torch._foreach_div(_cast_like(mu, denom), denom)
             torch._foreach_mul_(out, bc2_sqrt / bc1)
         else:
             torch._foreach_div_(denom, bc2_sqrt)
             torch._foreach_add_(denom, eps)
-            out = torch._foreach_div(_to(mu, denom[0].dtype) if denom else mu, denom)
+            out = torch._foreach_div(_cast_like(mu, denom), denom)
             torch._foreach_div_(out, bc1)
         if eight_bit:
             return b.rebuild_active(_cast_like(out, g)), Q.quantize_state(b, state, count, mu,
@@ -401,10 +397,17 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
         sq = [n.to(torch.promote_types(n.dtype, torch.float32)).square()
               for n in torch._foreach_norm(p + g, 2)]
         totals = b.leaf_totals(list(zip(act + act, sq)))
-        pn = torch.stack(totals[:len(act)]).sqrt().clamp(min=min_norm)
-        un = torch.stack(totals[len(act):]).sqrt().clamp(min=min_norm)
-        ratio = trust_coefficient * pn / (un + eps)
-        ratio = torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
-        return [x * r.to(x.dtype) for x, r in zip(g, ratio.unbind())]
+        ratios: list = [None] * len(act)
+        n = len(act)
+        kinds = [torch.promote_types(totals[k].dtype, totals[n + k].dtype) for k in range(n)]
+        for dtype in dict.fromkeys(kinds):  # per dtype: a leaf's ratio sees no other dtype
+            ks = [k for k in range(n) if kinds[k] == dtype]
+            pn = torch.stack([totals[k].to(dtype) for k in ks]).sqrt().clamp(min=min_norm)
+            un = torch.stack([totals[n + k].to(dtype) for k in ks]).sqrt().clamp(min=min_norm)
+            ratio = trust_coefficient * pn / (un + eps)
+            ratio = torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
+            for k, r in zip(ks, ratio.unbind()):
+                ratios[k] = r
+        return [x * r.to(x.dtype) for x, r in zip(g, ratios)]
 
     return stateless(where, trust, need_params=True)

@@ -42,6 +42,7 @@ PROPERTIES = (
     "partition",             # partition({"a": T, "b": sgd}) == T on the "a" leaves
     "masked",                # masked(T, mask) == T on the masked-in leaves, others unchanged
     "none_leaves",           # a None gradient leaf passes through; the others are unaffected
+    "mixed_dtypes",          # float32 + float64 leaves: each leaf's updates as when alone
     "bf16_states",           # bf16 params: floating states are float32 (init and after updates)
     "bf16_close",            # bf16 run within bf16 tolerance of the float32 run
     "update_dtype",          # the updates have the gradients' dtype (bf16 in, bf16 out)
@@ -180,7 +181,11 @@ def base_name(entry: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # exceptions by design
 # ---------------------------------------------------------------------------------------------
+_GLOBAL_NORM = ("the clip factor is one number from the norm of the whole tree: a leaf's update "
+                "depends on the other leaves by design")
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    ("clip_by_global_norm", "mixed_dtypes"): _GLOBAL_NORM,
+    ("chain", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): (
         "identity passes gradients that are unreduced over the data axis on unreduced, by "
         "design (passes_unreduced): each replica's contribution is its correct output"),

@@ -179,3 +179,21 @@ def test_one_collective_per_update(n_leaves):
         with count_collectives() as c:
             tx.update(grads, state, params, mesh=ft.Mesh(m))
     assert c.counts == {"all_reduce": 1}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_leaves_are_independent_mixed_dtypes(seed):
+    """lamb on a tree of float32 and float64 leaves equals lamb on each leaf, bit for bit: the
+    trust ratio of a float32 leaf is computed in float32 whatever the other leaves' dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    params = {"a": torch.randn(6, 5, generator=g), "b": torch.randn(7, dtype=f64, generator=g),
+              "c": torch.randn(3, 4, dtype=f64, generator=g), "d": torch.randn(5, generator=g)}
+    grads = [{k: torch.randn(v.shape, dtype=v.dtype, generator=g) for k, v in params.items()}
+             for _ in range(3)]
+    tx = lambda: ft.lamb(1e-2, weight_decay=0.1)  # noqa: E731
+    whole = run(tx(), params, grads)[0]
+    for k in params:
+        alone = run(tx(), params[k], [x[k] for x in grads])[0]
+        assert whole[k].dtype == params[k].dtype
+        torch.testing.assert_close(whole[k], alone, rtol=0, atol=0, msg=k)

@@ -633,6 +633,28 @@ def assert_float32_states(state: Any, what: str) -> None:
             assert x.dtype in STATE_INT_DTYPES, f"{what}: state['{path}'] is {x.dtype}"
 
 
+MIXED_DTYPES = {"w": torch.float32, "m": torch.float64, "v": torch.float64, "t": torch.float32,
+                "s": torch.float64}
+
+
+@pytest.mark.parametrize("name", cases("mixed_dtypes"))
+def test_mixed_dtypes(name):
+    """A tree of float32 and float64 leaves: each leaf's updates equal the transform run on that
+    leaf alone, bit for bit, at every step. Nothing computed for one leaf (a bias correction,
+    an RMS, a trust ratio) is rounded to another leaf's dtype or widened because of it."""
+    params, grads = problem()
+    mixed = lambda tree: {k: x.to(MIXED_DTYPES[k]) for k, x in tree.items()}  # noqa: E731
+    params, grads = mixed(params), [mixed(g) for g in grads]
+    whole, _, _ = run(build(name), params, grads)
+    for k in params:
+        alone, _, _ = run(build(name), subtree(params, [k]), [subtree(g, [k]) for g in grads])
+        for t, (u, a) in enumerate(zip(whole, alone)):
+            assert u[k].dtype == params[k].dtype, (t, k, u[k].dtype)
+            torch.testing.assert_close(u[k], a[k], rtol=0, atol=0,
+                                       msg=lambda m: f"step {t}: update['{k}'] ({params[k].dtype}"
+                                                     f" in a mixed tree vs alone): {m}")
+
+
 @pytest.mark.parametrize("name", cases("bf16_states"))
 def test_bf16_states(name):
     tx = build(name)

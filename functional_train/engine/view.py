@@ -257,25 +257,25 @@ class Prepared:
 
         Each rank weighs its local sums by ``1 / replicas`` and one all-reduce of the vector of
         per-leaf sums runs over every mesh dim but the pipeline and expert ones (whose ranks hold
-        different leaves, which must not be mixed). Returns the global per-leaf sums (0-dim
-        float32 tensors, float64 when an input is float64), in order.
+        different leaves, which must not be mixed); the vector is float64 when an input is
+        float64. Returns the global per-leaf sums in order, each a 0-dim tensor of its input's
+        dtype, so that a leaf's result does not depend on the dtypes of the other leaves.
         """
         if not items:
             return []
         dtype = torch.float64 if any(t.dtype == torch.float64 for _, t in items) else torch.float32
         vals = torch.stack([t.to(dtype) for _, t in items])
         world = self.world
-        if world.device_mesh is None or world.size == 1:
-            return list(vals.unbind())
-        dims = set(range(world.device_mesh.ndim)) - world.separating_dims()
-        group = world.group_of(dims)
-        if group is None:
-            return list(vals.unbind())
-        weights = [1.0 / self.replicas(i, frozenset(dims)) for i, _ in items]
-        if any(w != 1.0 for w in weights):
-            vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
-        red = all_reduce(vals, "sum", group)
-        return list(red.unbind())
+        if world.device_mesh is not None and world.size > 1:
+            dims = set(range(world.device_mesh.ndim)) - world.separating_dims()
+            group = world.group_of(dims)
+            if group is not None:
+                weights = [1.0 / self.replicas(i, frozenset(dims)) for i, _ in items]
+                if any(w != 1.0 for w in weights):
+                    vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
+                vals = all_reduce(vals, "sum", group)
+        return [v if v.dtype == t.dtype else v.to(t.dtype)
+                for v, (_, t) in zip(vals.unbind(), items)]
 
     def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Sum over every rank of per-leaf local sums (0-dim tensors, or one vector of them),
