@@ -21,7 +21,7 @@ import torch
 from . import _validate as V
 from .base import GradientTransformation, declare, chain
 from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _is_factored,
-                       _new_state_tree, _placeholder, _state_leaves, _zeros_reduced,
+                       _new_state_tree, _placeholder, _square, _state_leaves, _zeros_reduced,
                        scale_by_factored_rms)
 from .engine.view import prepare
 from .transforms import (ScalarOrSchedule, _check_state, add_decayed_weights,
@@ -171,15 +171,12 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
         for i, m in zip(act, m_new):  # 1-D / 0-D leaves: a copy of m (never the state itself)
             out[i] = m.to(b.locals[i].dtype, copy=True)
         # 4. confidence statistics of the factored leaves: one batched leaf_sums
-        items = []
-        for i in fac:
-            k = pos[i]
-            sd = row_loc[i].dtype
-            res = (u[k].to(sd) - m_new[k].to(sd)).square_().add_(eps2)
-            items.append((i, res, row_loc[i], col_loc[i]))
+        dts = {i: row_loc[i].dtype for i in fac}
+        items = ((i, _square(u[pos[i]].to(dts[i]) - m_new[pos[i]].to(dts[i])).add_(eps2),
+                  row_loc[i], col_loc[i]) for i in fac)
         beta3 = torch.full((), b3, dtype=torch.float64, device=state.count.device)
         new_row, new_col = {}, {}
-        for (i, _, _, _), (r, c, f) in zip(items, _factored_ema(b, items, beta3)):
+        for i, (r, c, f) in zip(fac, _factored_ema(b, items, beta3)):
             new_row[i], new_col[i] = r, c
             m = m_new[pos[i]]
             out[i] = f.mul_(m.to(f.dtype)).to(b.locals[i].dtype)

@@ -22,18 +22,19 @@ under ZeRO and never refreshes its parameter RMS; these are exact.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import optree
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
-from .base import GradientTransformation, declare, chain
+from .base import EmptyState, GradientTransformation, declare, chain
 from .engine.dtensor import spec_of, to_local
 from .engine.view import Prepared, prepare
-from .transforms import (ScalarOrSchedule, _cast_like, _check_state, reject_complex, add_decayed_weights, scale,
-                         scale_by_learning_rate, stateless, zero_count)
+from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _cast_like, _check_state,
+                         reject_complex, scale, scale_by_learning_rate,
+                         stateless, zero_count)
 from .tree import (contiguous_stride, flatten_as, state_dtype, state_zeros_like, tree_paths,
                    tree_unflatten)
 
@@ -99,6 +100,11 @@ def _placeholder(x: Any, dtype: torch.dtype) -> Any:
     return torch.zeros((0,), dtype=dtype, device=x.device)
 
 
+def _square(x: torch.Tensor) -> torch.Tensor:
+    """``x * x``, a new tensor (``torch.square`` is ``pow(x, 2)``, slower on CPU)."""
+    return torch.mul(x, x)
+
+
 def _is_factored(shape: Sequence[int], min_dim: int) -> bool:
     return len(shape) >= 2 and min(shape[-2], shape[-1]) >= min_dim
 
@@ -142,13 +148,14 @@ def _shards_of(x: Any, dim: int) -> int:
 
 
 def _factored_ema(b: Prepared,
-                  items: Sequence[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
+                  items: Iterable[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
                   beta: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Exact factored moving averages of per-leaf squared quantities, one ``leaf_sums`` call.
 
     Args:
-        items: ``(leaf index, S, R_old, C_old)`` with ``S`` the local shard of a non-negative
-            leaf-shaped quantity (``g^2 + eps``), ``R_old`` / ``C_old`` the local shards of its
+        items: an iterable (a generator keeps one ``S`` alive at a time) of ``(leaf index, S,
+            R_old, C_old)`` with ``S`` the local shard of a non-negative leaf-shaped quantity
+            (``g^2 + eps``), ``R_old`` / ``C_old`` the local shards of its
             row (``shape[:-1]``) and column (``shape[:-2] + shape[-1:]``) statistics.
         beta: 0-dim decay (a tensor; float64 is fine, each statistic keeps its dtype).
 
@@ -162,11 +169,10 @@ def _factored_ema(b: Prepared,
     are partial sums completed in the same batched call as the row and column sums (reduced over
     the mesh dims that shard the rows, resp. the rows or the columns).
     """
-    if not items:
-        return []
-    reqs = []
+    reqs, kept = [], []
     one_minus = 1.0 - beta
-    for i, s, r_old, _ in items:
+    for i, s, r_old, c_old in items:  # items may be a generator: each S is summed right after
+        kept.append((i, r_old, c_old))  # it is made (while in cache), then dropped
         x = b.updates[i]
         n_cols = int(x.shape[-1])
         row = s.sum(-1)                       # partial over local columns
@@ -177,9 +183,11 @@ def _factored_ema(b: Prepared,
         # number before the sum over rows AND columns adds it up again
         total = r_old.sum(-1) * (beta / _shards_of(x, -1)) + row.sum(-1) * (one_minus / n_cols)
         reqs.append((i, total.to(row.dtype), (-2, -1)))
+    if not kept:
+        return []
     red = b.leaf_sums(reqs)
     out = []
-    for k, (i, s, r_old, c_old) in enumerate(items):
+    for k, (i, r_old, c_old) in enumerate(kept):
         row_sum, col_sum, r_total = red[3 * k: 3 * k + 3]
         shape = b.updates[i].shape
         n_rows, n_cols = int(shape[-2]), int(shape[-1])
@@ -319,13 +327,9 @@ def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
         out: list = [None] * len(b.locals)
         new_row, new_col, new_v = {}, {}, {}
         # factored leaves: one batched leaf_sums for all of them
-        items = []
-        for i in fac:
-            g = b.locals[i]
-            sd = row_loc[i].dtype
-            gs = g.to(sd)
-            items.append((i, gs * gs + eps, row_loc[i], col_loc[i]))
-        for (i, _, _, _), (r, c, f) in zip(items, _factored_ema(b, items, b2)):
+        items = ((i, _square(b.locals[i].to(row_loc[i].dtype)).add_(eps), row_loc[i],
+                  col_loc[i]) for i in fac)
+        for i, (r, c, f) in zip(fac, _factored_ema(b, items, b2)):
             g = b.locals[i]
             new_row[i], new_col[i] = r, c
             out[i] = f.mul_(g.to(f.dtype)).to(g.dtype)  # f is a fresh buffer
@@ -539,6 +543,55 @@ def ema(decay: float, debias: bool = False, *,
 
 # ---------------------------------------------------------------------------------------------
 # the alias
+def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay: float,
+                     rho) -> GradientTransformation:
+    """Private: Adafactor's tail without ``beta1`` as ONE multiplication per leaf,
+    ``u <- -alpha_t (u / max(1, RMS(u) / threshold) + weight_decay theta)`` with
+    ``alpha_t = rho_t * max(min_scale, RMS(theta))`` (``rho_t`` when ``min_scale`` is None).
+
+    The same numbers, up to float rounding, as ``clip_by_block_rms``, ``add_decayed_weights``,
+    ``scale_by_param_block_rms`` and ``scale_by_learning_rate(rho)`` in sequence, which make
+    three passes over every update where this makes one: the per-leaf factor
+    ``-rho_t s / max(1, RMS(u) / threshold)`` is a 0-dim tensor, computed in float64 and cast to
+    the leaf's dtype. Both RMS take ONE all-reduce together. State: :class:`ScaleByScheduleState`
+    when ``rho`` is a schedule, else ``EmptyState``.
+    """
+    where = "adafactor"
+    need_params = min_scale is not None or bool(weight_decay)
+
+    def init_fn(params):
+        return ScaleByScheduleState(zero_count(params)) if callable(rho) else EmptyState()
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, ScaleByScheduleState if callable(rho) else EmptyState, where)
+        new_state = ScaleByScheduleState(state.count + 1) if callable(rho) else state
+        b = prepare(updates, params, mesh, need_params=need_params, name=where)
+        act = b.active
+        if not act:
+            return b.rebuild_active([]), new_state
+        g = [b.locals[i] for i in act]
+        p = [b.params[i] for i in act] if need_params else []
+        lr = torch.as_tensor(rho(state.count) if callable(rho) else rho, dtype=torch.float64)
+        if min_scale is not None:
+            rms = _block_rms(b, g + p, act + act)
+            scale = rms[len(act):]
+            torch._foreach_clamp_min_(scale, min_scale)
+        else:
+            rms = _block_rms(b, g, act)
+        den = torch._foreach_div(rms[:len(act)], threshold)
+        torch._foreach_clamp_min_(den, 1.0)
+        steps = ([-lr * x.to(torch.float64) for x in scale] if min_scale is not None
+                 else [-lr] * len(act))
+        factors = [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, g)]
+        out = torch._foreach_mul(g, factors)
+        if weight_decay:
+            decay = [(a * weight_decay).to(x.dtype) for a, x in zip(steps, g)]
+            torch._foreach_add_(out, torch._foreach_mul(_cast_like(p, g), decay))
+        return b.rebuild_active(out), new_state
+
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
 # ---------------------------------------------------------------------------------------------
 class _StepSizeDecayState(NamedTuple):
     count: torch.Tensor
@@ -595,14 +648,18 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
     * with ``beta1``: ``m <- beta1 m + (1 - beta1) u``, ``u <- m`` (:func:`ema`);
     * ``theta <- theta - weight_decay * alpha_t * theta - u``.
 
-    The chain: ``scale_by_factored_rms``, ``clip_by_block_rms``, then without ``beta1``
-    ``add_decayed_weights(weight_decay)`` (``alpha_t (u + wd theta)`` is HF's update),
-    ``scale_by_param_block_rms(eps[1])`` and ``scale_by_learning_rate(rho)``; with ``beta1``
-    ``scale_by_param_block_rms``, ``scale_by_learning_rate(rho, flip_sign=False)``, ``ema(beta1)``,
-    a private transform adding ``weight_decay * alpha_t * theta`` (HF decays with ``alpha_t``
-    after the momentum) and ``scale(-1)``. With ``scale_parameter`` the clipping, the decay
-    (without ``beta1``) and the parameter scaling are one private stateless transform computing
-    the same numbers, so that both RMS share an all-reduce. All RMS are over the global tensors;
+    The chain: ``scale_by_factored_rms``, then without ``beta1`` ONE private transform that
+    multiplies each update once by ``-alpha_t / max(1, RMS(u) / clip_threshold)`` (and adds
+    ``-alpha_t weight_decay theta``): the numbers, up to float rounding, of
+    ``clip_by_block_rms``, ``add_decayed_weights(weight_decay)`` (``alpha_t (u + wd theta)`` is
+    HF's update), ``scale_by_param_block_rms(eps[1])`` and ``scale_by_learning_rate(rho)`` in
+    sequence, in one pass over the updates instead of three; its state is
+    ``ScaleByScheduleState`` (the update count) when ``rho`` is a schedule, as with
+    ``relative_step``. With ``beta1``: ``clip_by_block_rms``, ``scale_by_param_block_rms``,
+    ``scale_by_learning_rate(rho, flip_sign=False)``, ``ema(beta1)``, a private transform
+    adding ``weight_decay * alpha_t * theta`` (HF decays with ``alpha_t`` after the momentum)
+    and ``scale(-1)``; with ``scale_parameter`` the clipping and the parameter scaling are one
+    private stateless transform. Both RMS share an all-reduce. All RMS are over the global tensors;
     every statistic is exact under sharding.
 
     Needs ``params`` at update when ``scale_parameter`` or ``weight_decay``. Communication per
@@ -668,13 +725,8 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
     txs = [scale_by_factored_rms(decay_rate, eps1)]
     # with scale_parameter, the RMS of the updates and of the parameters share one all-reduce
     if beta1 is None:
-        if scale_parameter:
-            txs.append(_clip_and_scale_by_param_rms(clip_threshold, eps2, weight_decay))
-        else:
-            txs.append(clip_by_block_rms(clip_threshold))
-            if weight_decay:
-                txs.append(add_decayed_weights(weight_decay))
-        txs.append(scale_by_learning_rate(rho))
+        txs.append(_adafactor_scale(clip_threshold, eps2 if scale_parameter else None,
+                                    weight_decay, rho))
     else:
         if scale_parameter:
             txs.append(_clip_and_scale_by_param_rms(clip_threshold, eps2))
