@@ -21,22 +21,25 @@ under ZeRO and never refreshes its parameter RMS; these are exact.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import optree
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
+from .autograd import requires_grad_like
 from .base import EmptyState, GradientTransformation, declare, chain
 from .engine.dtensor import spec_of, to_local
+from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch
 from .engine.view import Prepared, prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _cast_like, _check_state,
                          reject_complex, scale, scale_by_learning_rate,
                          stateless, zero_count)
-from .tree import (contiguous_stride, flatten_as, state_dtype, state_zeros_like, tree_paths,
-                   tree_unflatten)
+from .tree import (contiguous_stride, flatten_as, state_dtype, state_zeros_like, tree_flatten,
+                   tree_paths, tree_unflatten)
 
 __all__ = [
     "scale_by_factored_rms",
@@ -149,7 +152,8 @@ def _shards_of(x: Any, dim: int) -> int:
 
 def _factored_ema(b: Prepared,
                   items: Iterable[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
-                  beta: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                  beta: torch.Tensor, scratch: Optional[Scratch] = None
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Exact factored moving averages of per-leaf squared quantities, one ``leaf_sums`` call.
 
     Args:
@@ -159,7 +163,8 @@ def _factored_ema(b: Prepared,
             row (``shape[:-1]``) and column (``shape[:-2] + shape[-1:]``) statistics.
         beta: 0-dim decay (a tensor; float64 is fine, each statistic keeps its dtype).
 
-    Returns, per item, ``(R, C, F)``: ``R = beta R_old + (1-beta) mean_{-1}(S)``,
+    Yields, per item (a generator: ``leaf_sums`` runs when the first result is asked for, and
+    each ``F`` is made when its turn comes, in ``scratch``'s slot 1 when given), ``(R, C, F)``: ``R = beta R_old + (1-beta) mean_{-1}(S)``,
     ``C = beta C_old + (1-beta) mean_{-2}(S)`` and the local shard of the leaf-shaped factor
     ``F = rsqrt(R / mean_{-1}(R))[..., None] * rsqrt(C)[..., None, :]``, every mean over the
     global tensor.
@@ -171,6 +176,7 @@ def _factored_ema(b: Prepared,
     """
     reqs, kept = [], []
     one_minus = 1.0 - beta
+    per_col: dict = {}  # (1 - beta) / n_cols, made once per width
     for i, s, r_old, c_old in items:  # items may be a generator: each S is summed right after
         kept.append((i, r_old, c_old))  # it is made (while in cache), then dropped
         x = b.updates[i]
@@ -181,12 +187,15 @@ def _factored_ema(b: Prepared,
         # sum_rows R_new = beta sum_rows R_old + (1-beta) sum(S) / n_cols, one partial sum over
         # the local block: R_old is the same on every column shard, so it is divided by their
         # number before the sum over rows AND columns adds it up again
-        total = r_old.sum(-1) * (beta / _shards_of(x, -1)) + row.sum(-1) * (one_minus / n_cols)
+        shards = _shards_of(x, -1)
+        w = per_col.get(n_cols)
+        if w is None:
+            w = per_col[n_cols] = one_minus / n_cols
+        total = r_old.sum(-1) * (beta / shards if shards != 1 else beta) + row.sum(-1) * w
         reqs.append((i, total.to(row.dtype), (-2, -1)))
     if not kept:
-        return []
+        return
     red = b.leaf_sums(reqs)
-    out = []
     for k, (i, r_old, c_old) in enumerate(kept):
         row_sum, col_sum, r_total = red[3 * k: 3 * k + 3]
         shape = b.updates[i].shape
@@ -194,9 +203,13 @@ def _factored_ema(b: Prepared,
         r = r_old * beta + (row_sum / n_cols) * one_minus
         c = c_old * beta + (col_sum / n_rows) * one_minus
         r_mean = r_total / n_rows
-        f = torch.rsqrt(r / r_mean.unsqueeze(-1)).unsqueeze(-1) * torch.rsqrt(c).unsqueeze(-2)
-        out.append((r, c, f))
-    return out
+        rf = torch.rsqrt(r / r_mean.unsqueeze(-1)).unsqueeze(-1)
+        cf = torch.rsqrt(c).unsqueeze(-2)
+        if scratch is None:
+            f = rf * cf
+        else:  # F in the scratch slot 1 (valid until the next item is asked for)
+            f = torch.mul(rf, cf, out=scratch.view(1, shape, rf.dtype, rf.device))
+        yield r, c, f  # lazily: the caller uses each F while it is in cache
 
 
 class ScaleByFactoredRmsState(NamedTuple):
@@ -226,6 +239,76 @@ class ScaleByFactoredRmsState(NamedTuple):
     v_row: Any
     v_col: Any
     v: Any
+
+
+def _factored_rms(b: Prepared, state: ScaleByFactoredRmsState, where: str, decay_rate: float,
+                  beta2: Optional[float], eps: float, min_dim: int,
+                  on_update: Optional[Callable[[int, torch.Tensor], None]] = None,
+                  scratch: Optional[Scratch] = None) -> tuple[list, ScaleByFactoredRmsState]:
+    """:func:`scale_by_factored_rms`'s update on a prepared view: ``(new locals, new state)``.
+
+    ``on_update(i, u)``, when given, is called with each active leaf's update as soon as it is
+    made (``u`` is a fresh tensor the callback may modify in place), the dense leaves first,
+    then each factored leaf while its buffers are still in cache (``ft.step``'s fused
+    Adafactor finishes the leaf there). With ``scratch`` the leaf-sized temporaries of the
+    factored leaves (``g^2 + eps``, and their updates) are views of its slots 0 and 1: an
+    update is then valid only during its ``on_update`` call, and the returned locals of the
+    factored leaves must not be used."""
+    reject_complex(b, where)
+    fac = [i for i in b.active if _is_factored(b.updates[i].shape, min_dim)]
+    fset = set(fac)
+    dense = [i for i in b.active if i not in fset]
+    empty = (0,)
+    e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in b.active}
+    e_col = {i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset
+                 else empty) for i in b.active}
+    e_v = {i: (empty if i in fset else tuple(b.updates[i].shape)) for i in b.active}
+    row_leaves, row_loc = _state_leaves(b, state.v_row, f"{where}: v_row", e_row, fac)
+    col_leaves, col_loc = _state_leaves(b, state.v_col, f"{where}: v_col", e_col, fac)
+    v_leaves, v_loc = _state_leaves(b, state.v, f"{where}: v", e_v, dense)
+    count = state.count + 1
+    if beta2 is None:
+        b2 = 1.0 - torch.pow(count.to(torch.float64), decay_rate)
+    else:
+        b2 = torch.full((), beta2, dtype=torch.float64, device=count.device)
+    out: list = [None] * len(b.locals)
+    new_row, new_col, new_v = {}, {}, {}
+    # other leaves: elementwise, foreach
+    if dense:
+        g = [b.locals[i] for i in dense]
+        v_old = [v_loc[i] for i in dense]
+        gs = [x.to(v.dtype) for x, v in zip(g, v_old)]
+        gsq = torch._foreach_mul(gs, gs)
+        torch._foreach_add_(gsq, eps)
+        torch._foreach_mul_(gsq, 1.0 - b2)  # a float64 0-dim scalar keeps each dtype
+        # (a 0-dim float64 b2 would promote 0-dim leaves to float64: keep the state dtype)
+        v_new = _cast_like(torch._foreach_mul(v_old, b2), v_old)
+        torch._foreach_add_(v_new, gsq)
+        u = torch._foreach_rsqrt(v_new)
+        torch._foreach_mul_(u, gs)
+        for i, x, vn, gi in zip(dense, u, v_new, g):
+            new_v[i] = vn
+            out[i] = x.to(gi.dtype)
+            if on_update is not None:
+                on_update(i, out[i])
+    # factored leaves: one batched leaf_sums for all of them
+    def square(x):
+        if scratch is None:
+            return _square(x)
+        return torch.mul(x, x, out=scratch.view(0, x.shape, x.dtype, x.device))
+
+    items = ((i, square(b.locals[i].to(row_loc[i].dtype)).add_(eps), row_loc[i],
+              col_loc[i]) for i in fac)
+    for i, (r, c, f) in zip(fac, _factored_ema(b, items, b2, scratch)):
+        g = b.locals[i]
+        new_row[i], new_col[i] = r, c
+        out[i] = f.mul_(g.to(f.dtype)).to(g.dtype)  # f is a fresh buffer
+        if on_update is not None:
+            on_update(i, out[i])
+    new_state = ScaleByFactoredRmsState(
+        count, _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col),
+        _new_state_tree(b, v_leaves, new_v))
+    return out, new_state
 
 
 def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
@@ -307,51 +390,7 @@ def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, ScaleByFactoredRmsState, where)
         b = prepare(updates, params, mesh, name=where)
-        reject_complex(b, where)
-        fac = [i for i in b.active if _is_factored(b.updates[i].shape, min_dim)]
-        fset = set(fac)
-        dense = [i for i in b.active if i not in fset]
-        empty = (0,)
-        e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in b.active}
-        e_col = {i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset
-                     else empty) for i in b.active}
-        e_v = {i: (empty if i in fset else tuple(b.updates[i].shape)) for i in b.active}
-        row_leaves, row_loc = _state_leaves(b, state.v_row, f"{where}: v_row", e_row, fac)
-        col_leaves, col_loc = _state_leaves(b, state.v_col, f"{where}: v_col", e_col, fac)
-        v_leaves, v_loc = _state_leaves(b, state.v, f"{where}: v", e_v, dense)
-        count = state.count + 1
-        if beta2 is None:
-            b2 = 1.0 - torch.pow(count.to(torch.float64), decay_rate)
-        else:
-            b2 = torch.full((), beta2, dtype=torch.float64, device=count.device)
-        out: list = [None] * len(b.locals)
-        new_row, new_col, new_v = {}, {}, {}
-        # factored leaves: one batched leaf_sums for all of them
-        items = ((i, _square(b.locals[i].to(row_loc[i].dtype)).add_(eps), row_loc[i],
-                  col_loc[i]) for i in fac)
-        for i, (r, c, f) in zip(fac, _factored_ema(b, items, b2)):
-            g = b.locals[i]
-            new_row[i], new_col[i] = r, c
-            out[i] = f.mul_(g.to(f.dtype)).to(g.dtype)  # f is a fresh buffer
-        # other leaves: elementwise, foreach
-        if dense:
-            g = [b.locals[i] for i in dense]
-            v_old = [v_loc[i] for i in dense]
-            gs = [x.to(v.dtype) for x, v in zip(g, v_old)]
-            gsq = torch._foreach_mul(gs, gs)
-            torch._foreach_add_(gsq, eps)
-            torch._foreach_mul_(gsq, 1.0 - b2)  # a float64 0-dim scalar keeps each dtype
-            # (a 0-dim float64 b2 would promote 0-dim leaves to float64: keep the state dtype)
-            v_new = _cast_like(torch._foreach_mul(v_old, b2), v_old)
-            torch._foreach_add_(v_new, gsq)
-            u = torch._foreach_rsqrt(v_new)
-            torch._foreach_mul_(u, gs)
-            for i, x, vn, gi in zip(dense, u, v_new, g):
-                new_v[i] = vn
-                out[i] = x.to(gi.dtype)
-        new_state = ScaleByFactoredRmsState(
-            count, _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col),
-            _new_state_tree(b, v_leaves, new_v))
+        out, new_state = _factored_rms(b, state, where, decay_rate, beta2, eps, min_dim)
         return b.rebuild(out), new_state
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
@@ -367,6 +406,9 @@ def _block_rms(b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]) ->
     if not idx:
         return []
     locs = list(locs)
+    vec = _block_rms_vector(b, locs, idx)
+    if vec is not None:
+        return list(vec.unbind())
     low = [k for k, x in enumerate(locs) if torch.finfo(x.dtype).bits < 32]
     if not low:
         norms = list(torch._foreach_norm(locs, 2))
@@ -382,6 +424,23 @@ def _block_rms(b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]) ->
     tot = b.leaf_totals(list(zip(idx, sq)))
     ms = [t / max(b.updates[i].numel(), 1) for i, t in zip(idx, tot)]
     return torch._foreach_sqrt(ms)
+
+
+def _block_rms_vector(b: Prepared, locs: Sequence[torch.Tensor],
+                      idx: Sequence[int]) -> Optional[torch.Tensor]:
+    """:func:`_block_rms` as one vector (the same numbers: every operation is elementwise on
+    the per-leaf values) when every tensor of ``locs`` has one dtype; ``None`` otherwise."""
+    dtype = locs[0].dtype
+    if any(x.dtype != dtype for x in locs):
+        return None
+    if torch.finfo(dtype).bits < 32:  # bf16 / fp16: accumulated and returned in float32
+        norms = torch._foreach_norm(locs, 2, dtype=torch.float32)
+    else:
+        norms = torch._foreach_norm(locs, 2)
+    v = torch.stack(norms)
+    tot = b.leaf_totals_vector(idx, v * v)
+    numel = torch.tensor([max(b.updates[i].numel(), 1) for i in idx], dtype=tot.dtype)
+    return (tot / numel).sqrt()
 
 
 def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
@@ -571,25 +630,153 @@ def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay:
             return b.rebuild_active([]), new_state
         g = [b.locals[i] for i in act]
         p = [b.params[i] for i in act] if need_params else []
-        lr = torch.as_tensor(rho(state.count) if callable(rho) else rho, dtype=torch.float64)
-        if min_scale is not None:
-            rms = _block_rms(b, g + p, act + act)
-            scale = rms[len(act):]
-            torch._foreach_clamp_min_(scale, min_scale)
-        else:
-            rms = _block_rms(b, g, act)
-        den = torch._foreach_div(rms[:len(act)], threshold)
-        torch._foreach_clamp_min_(den, 1.0)
-        steps = ([-lr * x.to(torch.float64) for x in scale] if min_scale is not None
-                 else [-lr] * len(act))
-        factors = [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, g)]
+        factors, steps = _adafactor_factors(b, act, g, p, _rho_at(rho, state), threshold,
+                                            min_scale)
         out = torch._foreach_mul(g, factors)
         if weight_decay:
-            decay = [(a * weight_decay).to(x.dtype) for a, x in zip(steps, g)]
-            torch._foreach_add_(out, torch._foreach_mul(_cast_like(p, g), decay))
+            _add_decay(out, p, steps, weight_decay)
         return b.rebuild_active(out), new_state
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def _rho_at(rho, state) -> torch.Tensor:
+    """The learning rate ``rho_t`` (float64, 0-dim) for the tail's state."""
+    return torch.as_tensor(rho(state.count) if callable(rho) else rho, dtype=torch.float64)
+
+
+def _adafactor_factors(b: Prepared, idx: Sequence[int], u: Sequence[torch.Tensor],
+                       p: Sequence[torch.Tensor], lr: torch.Tensor, threshold: float,
+                       min_scale: Optional[float]) -> tuple[list, list]:
+    """Per leaf ``(factor, step)``: ``step = -lr * max(min_scale, RMS(p))`` (float64; ``-lr``
+    when ``min_scale`` is None) and ``factor = step / max(1, RMS(u) / threshold)`` in ``u``'s
+    dtype, the RMS over the global leaves (one ``leaf_totals`` for both)."""
+    n = len(idx)
+    scaled = min_scale is not None
+    vec = _block_rms_vector(b, list(u) + list(p) if scaled else list(u),
+                            list(idx) * (2 if scaled else 1))
+    if vec is not None:  # one dtype: the same numbers as below, as vectors
+        den = (vec[:n] / threshold).clamp_min(1.0)
+        step = (-lr * vec[n:].clamp_min(min_scale).to(torch.float64) if scaled
+                else (-lr).expand(n))
+        factors = (step / den.to(torch.float64)).to(u[0].dtype)
+        return list(factors.unbind()), list(step.unbind())
+    if scaled:
+        rms = _block_rms(b, list(u) + list(p), list(idx) + list(idx))
+        scale = rms[n:]
+        torch._foreach_clamp_min_(scale, min_scale)
+        steps = [-lr * x.to(torch.float64) for x in scale]
+    else:
+        rms = _block_rms(b, u, idx)
+        steps = [-lr] * n
+    den = torch._foreach_div(rms[:n], threshold)
+    torch._foreach_clamp_min_(den, 1.0)
+    return [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, u)], steps
+
+
+def _add_decay(out: Sequence[torch.Tensor], p: Sequence[torch.Tensor], steps: Sequence,
+               weight_decay: float) -> None:
+    """``out += step * weight_decay * p`` in place, per leaf (HF's decay ``-alpha_t wd theta``)."""
+    decay = [(a * weight_decay).to(x.dtype) for a, x in zip(steps, out)]
+    torch._foreach_add_(out, torch._foreach_mul(_cast_like(p, out), decay))
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedAdafactor:
+    """What ``adafactor`` without ``beta1`` computes, for ``ft.step``'s per-leaf path (attached
+    to the alias's chain as ``update.fused``): the chain is ``scale_by_factored_rms(decay_rate,
+    eps)`` then :func:`_adafactor_scale` ``(threshold, min_scale, weight_decay, rho)``."""
+
+    decay_rate: float
+    eps: float
+    threshold: float
+    min_scale: Optional[float]
+    weight_decay: float
+    rho: Any
+
+
+def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: Any,
+                         mesh: Any, donate: bool) -> Optional[tuple]:
+    """``ft.step`` of ``adafactor`` (without ``beta1``) when no leaf needs communication (plain
+    tensors, one process): each leaf is finished while its buffers are in cache, its update
+    made, scaled by the clip and parameter-scale factor (the RMS of a local leaf is its global
+    RMS) and added to its parameter (in place with ``donate``), before the next leaf is read,
+    as HF's per-parameter loop does. The numbers are the chain's, op for op (the same helpers
+    on one leaf at a time). Returns ``None`` where the general path must run (a mesh of more
+    than one rank, DTensor or complex leaves, gradients of another dtype than their
+    parameters, or a state that is not this chain's: the chain then raises its error)."""
+    if not (isinstance(state, tuple) and len(state) == 2
+            and isinstance(state[0], ScaleByFactoredRmsState)
+            and isinstance(state[1], ScaleByScheduleState if callable(fused.rho) else EmptyState)):
+        return None
+    fac_state, tail_state = state
+    b = prepare(grads, params, mesh, need_params=True, name="adafactor")
+    if b.world.device_mesh is not None and b.world.size > 1:
+        return None
+    pl, treedef = tree_flatten(params)
+    act = b.active
+    if not act or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
+                      or b.locals[i].dtype.is_complex for i in act):
+        return None
+    lr = _rho_at(fused.rho, tail_state)
+    neg_lr = -lr
+    new_p: dict = {}
+    if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
+        pool = b.plan.memo.get("pool")
+        if pool is None:
+            pool = b.plan.memo["pool"] = Pool()
+        new_p = dict(zip(act, pool.take("params", [b.params[i] for i in act])))
+    small: list = []  # (i, u) of small leaves, finished together at the end
+
+    def apply(i, u):
+        if donate:
+            b.params[i].add_(u)
+        else:
+            torch.add(b.params[i], u, out=new_p[i])
+
+    def finish(i, u):
+        if u.numel() * u.element_size() < MIN_MEAN_BYTES:  # few ops for all of them at once
+            small.append((i, u.clone()))  # (u may be a scratch view)
+            return
+        p = b.params[i]
+        # _adafactor_factors' numbers for one leaf, in fewer (0-dim) operations
+        n = float(max(b.updates[i].numel(), 1))
+        dt = torch.float32 if torch.finfo(u.dtype).bits < 32 else None
+        norms = torch._foreach_norm([u, p] if fused.min_scale is not None else [u], 2, dtype=dt)
+        den = (norms[0] * norms[0]).div_(n).sqrt_().div_(fused.threshold).clamp_min_(1.0)
+        step = neg_lr
+        if fused.min_scale is not None:
+            scale = (norms[1] * norms[1]).div_(n).sqrt_().clamp_min_(fused.min_scale)
+            step = neg_lr * scale.to(torch.float64)
+        u.mul_((step / den.to(torch.float64)).to(u.dtype))
+        if fused.weight_decay:
+            u.add_(p * (step * fused.weight_decay).to(u.dtype))
+        apply(i, u)
+
+    scratch = b.plan.memo.get("scratch")
+    if scratch is None:
+        scratch = b.plan.memo["scratch"] = Scratch()
+    with torch.no_grad():
+        _, new_fac = _factored_rms(b, fac_state, "scale_by_factored_rms", fused.decay_rate, None,
+                                   fused.eps, 0, finish, scratch)
+        if small:
+            idx = [i for i, _ in small]
+            us = [u for _, u in small]
+            ps = [b.params[i] for i in idx]
+            factors, steps = _adafactor_factors(b, idx, us, ps, lr, fused.threshold,
+                                                fused.min_scale)
+            torch._foreach_mul_(us, factors)
+            if fused.weight_decay:
+                _add_decay(us, ps, steps, fused.weight_decay)
+            for i, u in small:
+                apply(i, u)
+    new_tail = ScaleByScheduleState(tail_state.count + 1) if callable(fused.rho) else tail_state
+    if donate:
+        return params, (new_fac, new_tail)
+    leaves = list(pl)
+    for i, x in new_p.items():
+        leaves[i] = requires_grad_like(x, pl[i])
+    return tree_unflatten(treedef, leaves), (new_fac, new_tail)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -725,8 +912,12 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
     txs = [scale_by_factored_rms(decay_rate, eps1)]
     # with scale_parameter, the RMS of the updates and of the parameters share one all-reduce
     if beta1 is None:
-        txs.append(_adafactor_scale(clip_threshold, eps2 if scale_parameter else None,
-                                    weight_decay, rho))
+        min_scale = eps2 if scale_parameter else None
+        txs.append(_adafactor_scale(clip_threshold, min_scale, weight_decay, rho))
+        tx = chain(*txs)
+        tx.update.fused = FusedAdafactor(  # type: ignore[attr-defined]  (ft.step)
+            decay_rate, eps1, clip_threshold, min_scale, weight_decay, rho)
+        return tx
     else:
         if scale_parameter:
             txs.append(_clip_and_scale_by_param_rms(clip_threshold, eps2))

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import optree
 import pytest
@@ -463,3 +464,71 @@ def test_learning_rate_schedule_with_relative_step_off():
     b = _run(adafactor(0.01, relative_step=False, beta1=0.5, weight_decay=0.1), params, grads)[2]
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=0)
+
+
+# =============================================================================================
+# 5. ft.step's fused per-leaf path
+# =============================================================================================
+_STEP = sys.modules["functional_train.step"]
+
+
+@pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.1}, {"scale_parameter": False},
+                                {"lr": 1e-2, "relative_step": False, "clip_threshold": 0.5}],
+                         ids=["default", "wd", "noscale", "lr_clip"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
+    """``ft.step`` of adafactor (no beta1) in one process finishes each leaf in cache: bit for
+    bit the chain's update + apply_updates, pure (inputs unchanged) and donated, for leaves
+    above and below the size finished one at a time (64 KiB), factored and not, with a None
+    gradient; the fused path is taken at every step."""
+    taken = []
+    real = _STEP.fused_adafactor_step
+    monkeypatch.setattr(_STEP, "fused_adafactor_step",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"w": (6, 5), "b": (7,), "t": (3, 4, 5), "s": (), "big": (130, 140),
+              "vec": (20000,), "stack": (2, 90, 100), "frozen": (40, 30)}
+    params = {k: torch.randn(v, generator=gen).to(dtype) for k, v in shapes.items()}
+    grads = [{k: (None if k == "frozen" else torch.randn(v, generator=gen).to(dtype))
+              for k, v in shapes.items()} for _ in range(3)]
+    tx = _alias(kw)
+    s_ref = s_pure = s_don = tx.init(params)
+    p_ref = p_pure = params
+    p_don = {k: v.clone() for k, v in params.items()}
+    for g in grads:
+        u, s_ref = tx.update(g, s_ref, p_ref)
+        p_ref = ft.apply_updates(p_ref, u)
+        before = [x.clone() for x in optree.tree_leaves((p_pure, s_pure, g))]
+        old = (p_pure, s_pure, g)
+        p_pure, s_pure = ft.step(tx, g, s_pure, p_pure)
+        for x, y in zip(before, optree.tree_leaves(old)):
+            assert torch.equal(x, y)  # pure: nothing written
+        p_don, s_don = ft.step(tx, {k: (None if v is None else v.clone()) for k, v in g.items()},
+                               s_don, p_don, donate=True)
+        for got in ((p_pure, s_pure), (p_don, s_don)):
+            for x, y in zip(optree.tree_leaves(got), optree.tree_leaves((p_ref, s_ref))):
+                torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    assert len(taken) == 6 and all(t is not None for t in taken)
+    assert torch.equal(p_pure["frozen"], params["frozen"])
+
+
+def test_step_fused_path_only_where_it_applies(monkeypatch):
+    """With beta1, after a clip, or on DTensors the general path runs (same numbers)."""
+    taken = []
+    real = _STEP.fused_adafactor_step
+    monkeypatch.setattr(_STEP, "fused_adafactor_step",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    params = {"w": torch.randn(4, 3)}
+    g = {"w": torch.randn(4, 3)}
+    for tx in (adafactor(beta1=0.9), ft.chain(ft.clip_by_global_norm(1.0), adafactor())):
+        p, _ = ft.step(tx, g, tx.init(params), params)
+        u, _ = tx.update(g, tx.init(params), params)
+        assert torch.equal(p["w"], params["w"] + u["w"])
+    assert taken == []
+    with simulate(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        dp = {"w": _shard(params["w"], mesh, [S0])}
+        dg = {"w": _shard(g["w"], mesh, [S0])}
+        tx = adafactor()
+        ft.step(tx, dg, tx.init(dp), dp)
+    assert taken == [None]

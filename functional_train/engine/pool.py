@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Pool", "GENERATIONS", "MIN_MEAN_BYTES"]
+__all__ = ["Pool", "Scratch", "GENERATIONS", "MIN_MEAN_BYTES"]
 
 GENERATIONS = 2
 
@@ -71,3 +71,28 @@ class Pool:
         if len(sets) > GENERATIONS:
             del sets[0]
         return [b.detach() for b in bufs]
+
+
+class Scratch:
+    """Temporaries of one plan reused leaf after leaf: one flat buffer per slot, dtype and
+    device, grown to the largest leaf asked for. A step that finishes each leaf before reading
+    the next (``ft.step``'s fused Adafactor) makes its leaf-sized temporaries here, so that it
+    neither takes page faults for them nor leaves the malloc heap's top free to be trimmed."""
+
+    __slots__ = ("bufs",)
+
+    def __init__(self):
+        self.bufs: dict = {}
+
+    def view(self, slot: int, shape: Sequence[int], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` over the slot's buffer (its previous contents are
+        garbage; the previous view of the slot must no longer be in use)."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        key = (slot, dtype, device)
+        buf = self.bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self.bufs[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(tuple(shape))

@@ -264,18 +264,25 @@ class Prepared:
         if not items:
             return []
         dtype = torch.float64 if any(t.dtype == torch.float64 for _, t in items) else torch.float32
-        vals = torch.stack([t.to(dtype) for _, t in items])
+        vals = self.leaf_totals_vector([i for i, _ in items],
+                                       torch.stack([t.to(dtype) for _, t in items]))
+        return [v if v.dtype == t.dtype else v.to(t.dtype)
+                for v, (_, t) in zip(vals.unbind(), items)]
+
+    def leaf_totals_vector(self, indices: Sequence[int], vals: torch.Tensor) -> torch.Tensor:
+        """:meth:`leaf_totals` of a vector: ``vals[k]`` is the local sum of leaf
+        ``indices[k]``; returns the vector of global sums (ONE all-reduce, none in one
+        process), of ``vals``' dtype."""
         world = self.world
         if world.device_mesh is not None and world.size > 1:
             dims = set(range(world.device_mesh.ndim)) - world.separating_dims()
             group = world.group_of(dims)
             if group is not None:
-                weights = [1.0 / self.replicas(i, frozenset(dims)) for i, _ in items]
+                weights = [1.0 / self.replicas(i, frozenset(dims)) for i in indices]
                 if any(w != 1.0 for w in weights):
                     vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
                 vals = all_reduce(vals, "sum", group)
-        return [v if v.dtype == t.dtype else v.to(t.dtype)
-                for v, (_, t) in zip(vals.unbind(), items)]
+        return vals
 
     def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Sum over every rank of per-leaf local sums (0-dim tensors, or one vector of them),
