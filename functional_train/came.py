@@ -13,20 +13,24 @@ learning rate in place; this module does neither.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+import dataclasses
+from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import _validate as V
-from .base import GradientTransformation, declare, chain
-from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _is_factored,
-                       _new_state_tree, _placeholder, _square, _state_leaves, _zeros_reduced,
-                       scale_by_factored_rms)
+from .autograd import requires_grad_like
+from .base import EmptyState, GradientTransformation, declare, chain
+from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _factored_rms,
+                       _is_factored, _leaf_rms, _new_state_tree, _placeholder, _square, _state_leaves,
+                       _zeros_reduced, scale_by_factored_rms)
+from .engine.pool import Pool, Scratch
 from .engine.view import prepare
-from .transforms import (ScalarOrSchedule, _check_state, add_decayed_weights,
-                         scale_by_learning_rate)
-from .tree import state_dtype, state_zeros_like, tree_paths
+from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state,
+                         add_decayed_weights, scale_by_learning_rate)
+from .tree import (state_dtype, state_zeros_like, tree_flatten, tree_paths, tree_unflatten)
 
 __all__ = ["scale_by_came", "ScaleByCameState", "came"]
 
@@ -197,7 +201,8 @@ def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 
     ``theta <- theta - lr * weight_decay * theta - lr * update`` with ``update`` from
     :func:`scale_by_came`; the chain is ``scale_by_came``, ``add_decayed_weights(weight_decay)``
     (when non-zero) and ``scale_by_learning_rate(learning_rate)``. Needs ``params`` at update
-    when ``weight_decay``. Communication: that of :func:`scale_by_came`.
+    when ``weight_decay``. Communication: that of :func:`scale_by_came`. ``ft.step`` runs it
+    leaf by leaf in one process (:func:`fused_came_step`), with the same numbers.
 
     Args:
         learning_rate: > 0 (required, as ``came_pytorch``), or a schedule of the update count.
@@ -218,4 +223,118 @@ def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 
     if weight_decay:
         txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))
-    return chain(*txs)
+    tx = chain(*txs)
+    betas = _pair_or_triple("betas", betas, 3, where)
+    eps = _pair_or_triple("eps", eps, 2, where)
+    tx.update.fused = FusedCame(  # type: ignore[attr-defined]  (ft.step)
+        *(float(x) for x in betas), *(float(x) for x in eps), float(clip_threshold),
+        weight_decay, learning_rate)
+    return tx
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedCame:
+    """What ``came`` computes, for ``ft.step``'s per-leaf path (attached to the alias's chain as
+    ``update.fused``)."""
+
+    b1: float
+    b2: float
+    b3: float
+    eps1: float
+    eps2: float
+    clip_threshold: float
+    weight_decay: float
+    learning_rate: Any
+
+
+def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh: Any,
+                    donate: bool) -> Optional[tuple]:
+    """``ft.step`` of ``came`` when no leaf needs communication (plain tensors, one process):
+    each leaf is finished while it is in cache -- second moment, RMS clip, momentum,
+    confidence statistics, decay and learning rate, added to its parameter (in place with
+    ``donate``) -- before the next is read, as ``came_pytorch``'s per-parameter loop does, with
+    the chain's numbers op for op. Returns ``None`` where the general path must run (see
+    :func:`functional_train.factored.fused_adafactor_step`)."""
+    lr_state = state[-1] if isinstance(state, tuple) and state else None
+    schedule = callable(fused.learning_rate)
+    if not (isinstance(state, tuple) and len(state) == (3 if fused.weight_decay else 2)
+            and isinstance(state[0], ScaleByCameState)
+            and isinstance(lr_state, ScaleByScheduleState if schedule else EmptyState)):
+        return None
+    s = state[0]
+    b = prepare(grads, params, mesh, need_params=True, name="came")
+    if b.world.device_mesh is not None and b.world.size > 1:
+        return None
+    pl, treedef = tree_flatten(params)
+    act = b.active
+    if not act or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
+                      or b.locals[i].dtype.is_complex for i in act):
+        return None
+    where = "scale_by_came"
+    m_all = b.state_locals(s.exp_avg, "ScaleByCameState.exp_avg")
+    fac = [i for i in act if _is_factored(b.updates[i].shape, 0)]
+    fset = set(fac)
+    empty = (0,)
+    e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in act}
+    e_col = {i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset
+                 else empty) for i in act}
+    row_leaves, row_loc = _state_leaves(b, s.res_row, f"{where}: res_row", e_row, fac)
+    col_leaves, col_loc = _state_leaves(b, s.res_col, f"{where}: res_col", e_col, fac)
+    if schedule:  # scale_by_learning_rate's numbers
+        step = torch.as_tensor(fused.learning_rate(lr_state.count), dtype=torch.float64) * -1.0
+    else:
+        step = -1.0 * fused.learning_rate
+    beta3 = torch.full((), fused.b3, dtype=torch.float64, device=s.count.device)
+    memo = b.plan.memo
+    new_p = {}
+    if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
+        pool = memo.get("pool") or memo.setdefault("pool", Pool())
+        new_p = dict(zip(act, pool.take("params", [b.params[i] for i in act])))
+    scratch = memo.get("scratch") or memo.setdefault("scratch", Scratch())
+    scratch2 = memo.get("scratch2") or memo.setdefault("scratch2", Scratch())
+    new_m, new_row, new_col = {}, {}, {}
+    if not donate:
+        new_m = dict(zip(act, pool.take("exp_avg", [m_all[i] for i in act])))
+
+    def finish(i, u):
+        g, p, m_old = b.locals[i], b.params[i], m_all[i]
+        x = u if u.dtype == m_old.dtype else u.to(m_old.dtype)  # ours: changed in place
+        den = _leaf_rms([x], x.numel())[0].div_(fused.clip_threshold).clamp_min_(1.0)
+        x.div_(den.to(x.dtype))
+        m = m_old.mul_(fused.b1) if donate else torch.mul(m_old, fused.b1, out=new_m[i])
+        m.add_(x, alpha=1.0 - fused.b1)
+        new_m[i] = m
+        if i in fset:
+            dt = row_loc[i].dtype
+            res = torch.sub(x.to(dt), m.to(dt), out=scratch2.view(0, x.shape, dt, x.device))
+            res = res.mul_(res).add_(fused.eps2)
+            ((r, c, f),) = _factored_ema(b, [(i, res, row_loc[i], col_loc[i])], beta3, scratch2,
+                                         local=True)
+            new_row[i], new_col[i] = r, c
+            out = f.mul_(m.to(f.dtype)).to(g.dtype)
+        else:
+            out = m.to(g.dtype, copy=True)
+        if fused.weight_decay:
+            out.add_(p if p.dtype == out.dtype else p.to(out.dtype), alpha=fused.weight_decay)
+        out.mul_(step.to(out.dtype) if schedule else step)
+        if donate:
+            p.add_(out)
+        else:
+            torch.add(p, out, out=new_p[i])
+
+    with torch.no_grad():
+        _, new_fac = _factored_rms(b, ScaleByFactoredRmsState(s.count, s.v_row, s.v_col, s.v),
+                                   "scale_by_factored_rms", -0.8, fused.b2, fused.eps1, 0,
+                                   finish, scratch, local=True)
+    new_s = ScaleByCameState(
+        new_fac.count, new_fac.v_row, new_fac.v_col, new_fac.v,
+        b.state_tree(s.exp_avg, "ScaleByCameState.exp_avg", [new_m[i] for i in act]),
+        _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col))
+    new_state = (new_s, *state[1:-1],
+                 ScaleByScheduleState(lr_state.count + 1) if schedule else lr_state)
+    if donate:
+        return params, new_state
+    leaves = list(pl)
+    for i, x in new_p.items():
+        leaves[i] = requires_grad_like(x, pl[i])
+    return tree_unflatten(treedef, leaves), new_state

@@ -152,7 +152,7 @@ def _shards_of(x: Any, dim: int) -> int:
 
 def _factored_ema(b: Prepared,
                   items: Iterable[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
-                  beta: torch.Tensor, scratch: Optional[Scratch] = None
+                  beta: torch.Tensor, scratch: Optional[Scratch] = None, local: bool = False
                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Exact factored moving averages of per-leaf squared quantities, one ``leaf_sums`` call.
 
@@ -164,7 +164,8 @@ def _factored_ema(b: Prepared,
         beta: 0-dim decay (a tensor; float64 is fine, each statistic keeps its dtype).
 
     Yields, per item (a generator: ``leaf_sums`` runs when the first result is asked for, and
-    each ``F`` is made when its turn comes, in ``scratch``'s slot 1 when given), ``(R, C, F)``: ``R = beta R_old + (1-beta) mean_{-1}(S)``,
+    each ``F`` is made when its turn comes, in ``scratch``'s slot 1 when given; ``local=True``
+    skips ``leaf_sums`` where the caller knows no leaf needs communication), ``(R, C, F)``: ``R = beta R_old + (1-beta) mean_{-1}(S)``,
     ``C = beta C_old + (1-beta) mean_{-2}(S)`` and the local shard of the leaf-shaped factor
     ``F = rsqrt(R / mean_{-1}(R))[..., None] * rsqrt(C)[..., None, :]``, every mean over the
     global tensor.
@@ -195,7 +196,8 @@ def _factored_ema(b: Prepared,
         reqs.append((i, total.to(row.dtype), (-2, -1)))
     if not kept:
         return
-    red = b.leaf_sums(reqs)
+    # local: the caller knows no leaf needs communication (one process, plain tensors)
+    red = [t for _, t, _ in reqs] if local else b.leaf_sums(reqs)
     for k, (i, r_old, c_old) in enumerate(kept):
         row_sum, col_sum, r_total = red[3 * k: 3 * k + 3]
         shape = b.updates[i].shape
@@ -244,7 +246,8 @@ class ScaleByFactoredRmsState(NamedTuple):
 def _factored_rms(b: Prepared, state: ScaleByFactoredRmsState, where: str, decay_rate: float,
                   beta2: Optional[float], eps: float, min_dim: int,
                   on_update: Optional[Callable[[int, torch.Tensor], None]] = None,
-                  scratch: Optional[Scratch] = None) -> tuple[list, ScaleByFactoredRmsState]:
+                  scratch: Optional[Scratch] = None, local: bool = False
+                  ) -> tuple[list, ScaleByFactoredRmsState]:
     """:func:`scale_by_factored_rms`'s update on a prepared view: ``(new locals, new state)``.
 
     ``on_update(i, u)``, when given, is called with each active leaf's update as soon as it is
@@ -299,7 +302,7 @@ def _factored_rms(b: Prepared, state: ScaleByFactoredRmsState, where: str, decay
 
     items = ((i, square(b.locals[i].to(row_loc[i].dtype)).add_(eps), row_loc[i],
               col_loc[i]) for i in fac)
-    for i, (r, c, f) in zip(fac, _factored_ema(b, items, b2, scratch)):
+    for i, (r, c, f) in zip(fac, _factored_ema(b, items, b2, scratch, local)):
         g = b.locals[i]
         new_row[i], new_col[i] = r, c
         out[i] = f.mul_(g.to(f.dtype)).to(g.dtype)  # f is a fresh buffer
@@ -441,6 +444,14 @@ def _block_rms_vector(b: Prepared, locs: Sequence[torch.Tensor],
     tot = b.leaf_totals_vector(idx, v * v)
     numel = torch.tensor([max(b.updates[i].numel(), 1) for i in idx], dtype=tot.dtype)
     return (tot / numel).sqrt()
+
+
+def _leaf_rms(xs: Sequence[torch.Tensor], numel: int) -> list:
+    """:func:`_block_rms` of local leaves of one dtype and ``numel`` elements each, in one
+    process (no communication), with its numbers in fewer operations (0-dim each)."""
+    dt = torch.float32 if torch.finfo(xs[0].dtype).bits < 32 else None
+    n = float(max(numel, 1))
+    return [(x * x).div_(n).sqrt_() for x in torch._foreach_norm(xs, 2, dtype=dt)]
 
 
 def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
@@ -740,14 +751,11 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
             return
         p = b.params[i]
         # _adafactor_factors' numbers for one leaf, in fewer (0-dim) operations
-        n = float(max(b.updates[i].numel(), 1))
-        dt = torch.float32 if torch.finfo(u.dtype).bits < 32 else None
-        norms = torch._foreach_norm([u, p] if fused.min_scale is not None else [u], 2, dtype=dt)
-        den = (norms[0] * norms[0]).div_(n).sqrt_().div_(fused.threshold).clamp_min_(1.0)
+        rms = _leaf_rms([u, p] if fused.min_scale is not None else [u], u.numel())
+        den = rms[0].div_(fused.threshold).clamp_min_(1.0)
         step = neg_lr
         if fused.min_scale is not None:
-            scale = (norms[1] * norms[1]).div_(n).sqrt_().clamp_min_(fused.min_scale)
-            step = neg_lr * scale.to(torch.float64)
+            step = neg_lr * rms[1].clamp_min_(fused.min_scale).to(torch.float64)
         u.mul_((step / den.to(torch.float64)).to(u.dtype))
         if fused.weight_decay:
             u.add_(p * (step * fused.weight_decay).to(u.dtype))
@@ -758,7 +766,7 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
         scratch = b.plan.memo["scratch"] = Scratch()
     with torch.no_grad():
         _, new_fac = _factored_rms(b, fac_state, "scale_by_factored_rms", fused.decay_rate, None,
-                                   fused.eps, 0, finish, scratch)
+                                   fused.eps, 0, finish, scratch, local=True)
         if small:
             idx = [i for i, _ in small]
             us = [u for _, u in small]
@@ -846,7 +854,9 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
     ``scale_by_learning_rate(rho, flip_sign=False)``, ``ema(beta1)``, a private transform
     adding ``weight_decay * alpha_t * theta`` (HF decays with ``alpha_t`` after the momentum)
     and ``scale(-1)``; with ``scale_parameter`` the clipping and the parameter scaling are one
-    private stateless transform. Both RMS share an all-reduce. All RMS are over the global tensors;
+    private stateless transform. Both RMS share an all-reduce. Without ``beta1``, ``ft.step``
+    runs it leaf by leaf in one process (:func:`fused_adafactor_step`), with the same numbers.
+    All RMS are over the global tensors;
     every statistic is exact under sharding.
 
     Needs ``params`` at update when ``scale_parameter`` or ``weight_decay``. Communication per

@@ -8,11 +8,11 @@ alone or after ``clip_by_global_norm``, and runs torch's fused optimizer kernels
 one pass per group of leaves, with the clip factor as the kernel's gradient scale. The numbers
 are those of the primitives up to float rounding, and sharded equals unsharded as for
 ``update``: the kernels are elementwise, and the clip norm takes the same one scalar
-all-reduce. ``adafactor`` without ``beta1`` has a per-leaf path where no leaf needs
-communication (plain tensors, one process): each large leaf is finished -- statistics, update,
-clipping and parameter scale, added to its parameter -- while it is in cache, as
-``transformers``' per-parameter loop does, with the chain's numbers bit for bit
-(``functional_train.factored.fused_adafactor_step``).
+all-reduce. ``adafactor`` without ``beta1`` and ``came`` have a per-leaf path where no leaf
+needs communication (plain tensors, one process): each large leaf is finished -- statistics,
+update, clipping, moments, added to its parameter -- while it is in cache, as the reference
+implementations' per-parameter loops do, with the chain's numbers bit for bit
+(``functional_train.factored.fused_adafactor_step``, ``functional_train.came.fused_came_step``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .clipping import ClipByGlobalNormState, global_norm_of
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool
 from .engine.view import Prepared, prepare
+from .came import FusedCame, fused_came_step
 from .factored import FusedAdafactor, fused_adafactor_step
 from .mesh import Mesh
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
@@ -114,10 +115,11 @@ _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     """The fused step, or ``None`` when the inputs do not fit the kernels (general path)."""
-    if isinstance(fused, FusedAdafactor):
+    if isinstance(fused, (FusedAdafactor, FusedCame)):
         if clip is not None:
             return None
-        return fused_adafactor_step(fused, grads, state, params, mesh, donate)
+        run = fused_adafactor_step if isinstance(fused, FusedAdafactor) else fused_came_step
+        return run(fused, grads, state, params, mesh, donate)
     if clip is not None:
         if not (isinstance(state, tuple) and len(state) == 2
                 and isinstance(state[0], ClipByGlobalNormState)):
@@ -290,9 +292,9 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     clip_by_global_norm(max_norm), one of those)``, and for every leaf the parameter, gradient
     and moments have one floating dtype and are contiguous: torch's fused kernel runs on the
     local shards of all leaves in one call, the clip factor as its gradient scale. ``tx`` is
-    ``adafactor`` without ``beta1``, on plain tensors in one process, gradients of their
-    parameters' dtypes: each leaf of 64 KiB or more is finished in cache before the next is
-    read (the smaller ones together), the chain's numbers bit for bit. Otherwise
+    ``adafactor`` without ``beta1`` or ``came``, on plain tensors in one process, gradients of
+    their parameters' dtypes: each leaf is finished in cache before the next is read (for
+    adafactor the leaves under 64 KiB together), the chain's numbers bit for bit. Otherwise
     the general path: the transform's primitives on the local view, then one add per leaf.
     Collectives: those of ``tx.update`` (the fused path issues the same ones).
 

@@ -470,6 +470,7 @@ def test_learning_rate_schedule_with_relative_step_off():
 # 5. ft.step's fused per-leaf path
 # =============================================================================================
 _STEP = sys.modules["functional_train.step"]
+from _layouts import check_fused_step  # noqa: E402
 
 
 @pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.1}, {"scale_parameter": False},
@@ -481,35 +482,7 @@ def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
     bit the chain's update + apply_updates, pure (inputs unchanged) and donated, for leaves
     above and below the size finished one at a time (64 KiB), factored and not, with a None
     gradient; the fused path is taken at every step."""
-    taken = []
-    real = _STEP.fused_adafactor_step
-    monkeypatch.setattr(_STEP, "fused_adafactor_step",
-                        lambda *a: taken.append(real(*a)) or taken[-1])
-    gen = torch.Generator().manual_seed(0)
-    shapes = {"w": (6, 5), "b": (7,), "t": (3, 4, 5), "s": (), "big": (130, 140),
-              "vec": (20000,), "stack": (2, 90, 100), "frozen": (40, 30)}
-    params = {k: torch.randn(v, generator=gen).to(dtype) for k, v in shapes.items()}
-    grads = [{k: (None if k == "frozen" else torch.randn(v, generator=gen).to(dtype))
-              for k, v in shapes.items()} for _ in range(3)]
-    tx = _alias(kw)
-    s_ref = s_pure = s_don = tx.init(params)
-    p_ref = p_pure = params
-    p_don = {k: v.clone() for k, v in params.items()}
-    for g in grads:
-        u, s_ref = tx.update(g, s_ref, p_ref)
-        p_ref = ft.apply_updates(p_ref, u)
-        before = [x.clone() for x in optree.tree_leaves((p_pure, s_pure, g))]
-        old = (p_pure, s_pure, g)
-        p_pure, s_pure = ft.step(tx, g, s_pure, p_pure)
-        for x, y in zip(before, optree.tree_leaves(old)):
-            assert torch.equal(x, y)  # pure: nothing written
-        p_don, s_don = ft.step(tx, {k: (None if v is None else v.clone()) for k, v in g.items()},
-                               s_don, p_don, donate=True)
-        for got in ((p_pure, s_pure), (p_don, s_don)):
-            for x, y in zip(optree.tree_leaves(got), optree.tree_leaves((p_ref, s_ref))):
-                torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
-    assert len(taken) == 6 and all(t is not None for t in taken)
-    assert torch.equal(p_pure["frozen"], params["frozen"])
+    check_fused_step(lambda: _alias(kw), dtype, monkeypatch, "fused_adafactor_step")
 
 
 def test_step_fused_path_only_where_it_applies(monkeypatch):

@@ -339,3 +339,21 @@ def test_state_for_other_params_names_the_leaf():
         tx.update({"w": torch.zeros(6, 5), "b": torch.zeros(3)}, st)
     with pytest.raises(ValueError, match="expected the ScaleByCameState"):
         tx.update({"w": torch.zeros(4, 5), "b": torch.zeros(3)}, ft.EmptyState())
+
+
+# =============================================================================================
+# ft.step's fused per-leaf path
+# =============================================================================================
+from _layouts import check_fused_step  # noqa: E402
+
+
+@pytest.mark.parametrize("kw", [{"learning_rate": 2e-4}, {"learning_rate": 2e-4,
+                                                           "weight_decay": 0.01},
+                                {"learning_rate": lambda c: 1e-3 / (c + 1.0),
+                                 "clip_threshold": 0.5, "betas": (0.8, 0.99, 0.999)}],
+                         ids=["default", "wd", "schedule"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
+    """``ft.step`` of came in one process finishes each leaf in cache (as ``came_pytorch``'s
+    loop): bit for bit the chain, pure and donated (see ``check_fused_step``)."""
+    check_fused_step(lambda: came(**kw), dtype, monkeypatch, "fused_came_step")
