@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any, Callable, Optional, Union
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view
@@ -116,10 +117,10 @@ _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     """The fused step, or ``None`` when the inputs do not fit the kernels (general path)."""
     if isinstance(fused, (FusedAdafactor, FusedCame)):
-        if clip is not None:
-            return None
         run = fused_adafactor_step if isinstance(fused, FusedAdafactor) else fused_came_step
-        return run(fused, grads, state, params, mesh, donate)
+        if clip is None:
+            return run(fused, grads, state, params, mesh, donate)
+        return _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate)
     if clip is not None:
         if not (isinstance(state, tuple) and len(state) == 2
                 and isinstance(state[0], ClipByGlobalNormState)):
@@ -237,6 +238,35 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     return out_params, new_opt
 
 
+def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
+    """``chain(clip_by_global_norm, adafactor / came)`` through their per-leaf step: the clip's
+    numbers (one norm over every gradient, then ``g * coef`` into pooled buffers), then ``run``
+    on the clipped gradients; ``None`` (general path) where ``run`` does not apply."""
+    if not (isinstance(state, tuple) and len(state) == 2
+            and isinstance(state[0], ClipByGlobalNormState)):
+        return None
+    b = prepare(grads, params, mesh, need_params=True, name="step")
+    if (b.world.device_mesh is not None and b.world.size > 1) or not b.active:
+        return None
+    g_tree, treedef = tree_flatten(grads)
+    if any(isinstance(g_tree[i], DTensor) for i in b.active):
+        return None
+    max_norm, norm_type = clip
+    total = global_norm_of(b, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    pool = b.plan.memo.get("pool") or b.plan.memo.setdefault("pool", Pool())
+    g = [b.locals[i] for i in b.active]
+    leaves = list(g_tree)
+    with torch.no_grad():  # clip_by_global_norm's g * coef, in each gradient's dtype
+        for i, x, buf in zip(b.active, g, pool.take("clipped", g)):
+            leaves[i] = torch.mul(x, coef, out=buf) if x.ndim or x.dtype == coef.dtype else \
+                (x * coef).to(x.dtype)
+    out = run(fused, tree_unflatten(treedef, leaves), state[1], params, mesh, donate)
+    if out is None:
+        return None
+    return out[0], (ClipByGlobalNormState(total.to(state[0].global_norm.dtype)), out[1])
+
+
 def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
     """``params + updates`` on local shards; in place into the params' buffers with ``donate``."""
     if is_differentiable():  # recorded for autograd: apply_updates' checked sum
@@ -292,8 +322,9 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     clip_by_global_norm(max_norm), one of those)``, and for every leaf the parameter, gradient
     and moments have one floating dtype and are contiguous: torch's fused kernel runs on the
     local shards of all leaves in one call, the clip factor as its gradient scale. ``tx`` is
-    ``adafactor`` without ``beta1`` or ``came``, on plain tensors in one process, gradients of
-    their parameters' dtypes: each leaf is finished in cache before the next is read (for
+    ``adafactor`` without ``beta1`` or ``came`` (alone or after ``clip_by_global_norm``), on
+    plain tensors in one process, gradients of their parameters' dtypes: each leaf is finished
+    in cache before the next is read (for
     adafactor the leaves under 64 KiB together), the chain's numbers bit for bit. Otherwise
     the general path: the transform's primitives on the local view, then one add per leaf.
     Collectives: those of ``tx.update`` (the fused path issues the same ones).

@@ -485,15 +485,23 @@ def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
     check_fused_step(lambda: _alias(kw), dtype, monkeypatch, "fused_adafactor_step")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_step_fused_path_after_a_clip(dtype, monkeypatch):
+    """``chain(clip_by_global_norm, adafactor())`` (the main job's chain) takes it too."""
+    check_fused_step(lambda: ft.chain(ft.clip_by_global_norm(0.5), adafactor()), dtype,
+                     monkeypatch, "fused_adafactor_step")
+
+
 def test_step_fused_path_only_where_it_applies(monkeypatch):
-    """With beta1, after a clip, or on DTensors the general path runs (same numbers)."""
+    """With beta1, or on DTensors, the general path runs (same numbers)."""
     taken = []
     real = _STEP.fused_adafactor_step
     monkeypatch.setattr(_STEP, "fused_adafactor_step",
                         lambda *a: taken.append(real(*a)) or taken[-1])
     params = {"w": torch.randn(4, 3)}
     g = {"w": torch.randn(4, 3)}
-    for tx in (adafactor(beta1=0.9), ft.chain(ft.clip_by_global_norm(1.0), adafactor())):
+    for tx in (adafactor(beta1=0.9),
+               ft.chain(ft.clip_by_global_norm(1.0), adafactor(beta1=0.5))):
         p, _ = ft.step(tx, g, tx.init(params), params)
         u, _ = tx.update(g, tx.init(params), params)
         assert torch.equal(p["w"], params["w"] + u["w"])

@@ -357,3 +357,10 @@ def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
     """``ft.step`` of came in one process finishes each leaf in cache (as ``came_pytorch``'s
     loop): bit for bit the chain, pure and donated (see ``check_fused_step``)."""
     check_fused_step(lambda: came(**kw), dtype, monkeypatch, "fused_came_step")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_fused_path_after_a_clip(dtype, monkeypatch):
+    """``chain(clip_by_global_norm, came(...))`` takes it too (the clip's numbers first)."""
+    check_fused_step(lambda: ft.chain(ft.clip_by_global_norm(0.5), came(2e-4, weight_decay=0.01)),
+                     dtype, monkeypatch, "fused_came_step")
