@@ -26,7 +26,7 @@ from .base import EmptyState, GradientTransformation, declare, chain
 from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _factored_rms,
                        _is_factored, _leaf_rms, _new_state_tree, _placeholder, _square, _state_leaves,
                        _zeros_reduced, scale_by_factored_rms)
-from .engine.pool import Pool, Scratch
+from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch
 from .engine.view import prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state,
                          add_decayed_weights, scale_by_learning_rate)
@@ -254,7 +254,8 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
     confidence statistics, decay and learning rate, added to its parameter (in place with
     ``donate``) -- before the next is read, as ``came_pytorch``'s per-parameter loop does, with
     the chain's numbers op for op. Returns ``None`` where the general path must run (see
-    :func:`functional_train.factored.fused_adafactor_step`)."""
+    :func:`functional_train.factored.fused_adafactor_step`; also when the leaves average under
+    ``engine.pool.MIN_MEAN_BYTES``, 64 KiB, where the chain's batched operations are faster)."""
     lr_state = state[-1] if isinstance(state, tuple) and state else None
     schedule = callable(fused.learning_rate)
     if not (isinstance(state, tuple) and len(state) == (3 if fused.weight_decay else 2)
@@ -269,6 +270,11 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
     act = b.active
     if not act or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
                       or b.locals[i].dtype.is_complex for i in act):
+        return None
+    # each leaf costs ~60 small operations here against a few batched ones in the chain: worth
+    # it only where leaves are large enough for their passes to dominate (as the result pool)
+    if sum(b.locals[i].numel() * b.locals[i].element_size() for i in act) < \
+            MIN_MEAN_BYTES * len(act):
         return None
     where = "scale_by_came"
     m_all = b.state_locals(s.exp_avg, "ScaleByCameState.exp_avg")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import optree
 import pytest
@@ -355,12 +356,31 @@ from _layouts import check_fused_step  # noqa: E402
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
     """``ft.step`` of came in one process finishes each leaf in cache (as ``came_pytorch``'s
-    loop): bit for bit the chain, pure and donated (see ``check_fused_step``)."""
+    loop): bit for bit the chain, pure and donated (see ``check_fused_step``; its leaves
+    average under the 64 KiB the path asks for, which is lowered here)."""
+    monkeypatch.setattr(sys.modules["functional_train.came"], "MIN_MEAN_BYTES", 0)
     check_fused_step(lambda: came(**kw), dtype, monkeypatch, "fused_came_step")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_step_fused_path_after_a_clip(dtype, monkeypatch):
     """``chain(clip_by_global_norm, came(...))`` takes it too (the clip's numbers first)."""
+    monkeypatch.setattr(sys.modules["functional_train.came"], "MIN_MEAN_BYTES", 0)
     check_fused_step(lambda: ft.chain(ft.clip_by_global_norm(0.5), came(2e-4, weight_decay=0.01)),
                      dtype, monkeypatch, "fused_came_step")
+
+
+def test_step_small_leaves_take_the_chain(monkeypatch):
+    """Leaves averaging under 64 KiB: the chain's batched operations (``fused_came_step``
+    declines), same numbers."""
+    taken = []
+    step_module = sys.modules["functional_train.step"]
+    real = step_module.fused_came_step
+    monkeypatch.setattr(step_module, "fused_came_step",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    params = {"w": torch.randn(64, 68), "b": torch.randn(64)}
+    g = {"w": torch.randn(64, 68), "b": torch.randn(64)}
+    tx = came(2e-4)
+    p, _ = ft.step(tx, g, tx.init(params), params)
+    u, _ = tx.update(g, tx.init(params), params)
+    assert taken == [None] and torch.equal(p["w"], params["w"] + u["w"])
