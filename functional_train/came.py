@@ -18,19 +18,18 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor
 
 from . import _validate as V
 from .autograd import requires_grad_like
 from .base import EmptyState, GradientTransformation, declare, chain
 from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _factored_rms,
-                       _is_factored, _leaf_rms, _new_state_tree, _placeholder, _square, _state_leaves,
-                       _zeros_reduced, scale_by_factored_rms)
+                       _is_factored, _leaf_rms, _new_state_tree, _placeholder, _square,
+                       _state_leaves, _zeros_reduced, per_leaf_view, scale_by_factored_rms)
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch
 from .engine.view import prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state,
                          add_decayed_weights, scale_by_learning_rate)
-from .tree import (state_dtype, state_zeros_like, tree_flatten, tree_paths, tree_unflatten)
+from .tree import state_dtype, state_zeros_like, tree_paths, tree_unflatten
 
 __all__ = ["scale_by_came", "ScaleByCameState", "came"]
 
@@ -263,14 +262,11 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
             and isinstance(lr_state, ScaleByScheduleState if schedule else EmptyState)):
         return None
     s = state[0]
-    b = prepare(grads, params, mesh, need_params=True, name="came")
-    if b.world.device_mesh is not None and b.world.size > 1:
+    view = per_leaf_view(grads, params, mesh, "came")
+    if view is None:
         return None
-    pl, treedef = tree_flatten(params)
+    b, pl, treedef = view
     act = b.active
-    if not act or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
-                      or b.locals[i].dtype.is_complex for i in act):
-        return None
     # each leaf costs ~60 small operations here against a few batched ones in the chain: worth
     # it only where leaves are large enough for their passes to dominate (as the result pool)
     if sum(b.locals[i].numel() * b.locals[i].element_size() for i in act) < \

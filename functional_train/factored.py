@@ -706,6 +706,20 @@ class FusedAdafactor:
     rho: Any
 
 
+def per_leaf_view(grads: Any, params: Any, mesh: Any, name: str) -> Optional[tuple]:
+    """``(prepared view, flat params, treedef)`` for a per-leaf ``ft.step`` path, or ``None``
+    where it does not apply: a mesh of more than one rank, no active leaf, DTensor or complex
+    leaves, or gradients of another dtype than their parameters."""
+    b = prepare(grads, params, mesh, need_params=True, name=name)
+    if b.world.device_mesh is not None and b.world.size > 1:
+        return None
+    pl, treedef = tree_flatten(params)
+    if not b.active or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
+                           or b.locals[i].dtype.is_complex for i in b.active):
+        return None
+    return b, pl, treedef
+
+
 def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: Any,
                          mesh: Any, donate: bool) -> Optional[tuple]:
     """``ft.step`` of ``adafactor`` (without ``beta1``) when no leaf needs communication (plain
@@ -721,14 +735,11 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
             and isinstance(state[1], ScaleByScheduleState if callable(fused.rho) else EmptyState)):
         return None
     fac_state, tail_state = state
-    b = prepare(grads, params, mesh, need_params=True, name="adafactor")
-    if b.world.device_mesh is not None and b.world.size > 1:
+    view = per_leaf_view(grads, params, mesh, "adafactor")
+    if view is None:
         return None
-    pl, treedef = tree_flatten(params)
+    b, pl, treedef = view
     act = b.active
-    if not act or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
-                      or b.locals[i].dtype.is_complex for i in act):
-        return None
     lr = _rho_at(fused.rho, tail_state)
     neg_lr = -lr
     new_p: dict = {}
