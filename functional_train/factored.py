@@ -165,8 +165,8 @@ def _factored_ema(b: Prepared,
 
     Yields, per item (a generator: ``leaf_sums`` runs when the first result is asked for, and
     each ``F`` is made when its turn comes, in ``scratch``'s slot 1 when given; ``local=True``
-    skips ``leaf_sums`` where the caller knows no leaf needs communication), ``(R, C, F)``: ``R = beta R_old + (1-beta) mean_{-1}(S)``,
-    ``C = beta C_old + (1-beta) mean_{-2}(S)`` and the local shard of the leaf-shaped factor
+    skips ``leaf_sums`` where the caller knows no leaf needs communication), ``(R, C, F)``:
+    ``R = beta R_old + (1-beta) mean_{-1}(S)``, ``C = beta C_old + (1-beta) mean_{-2}(S)`` and the local shard of the leaf-shaped factor
     ``F = rsqrt(R / mean_{-1}(R))[..., None] * rsqrt(C)[..., None, :]``, every mean over the
     global tensor.
 
@@ -708,14 +708,15 @@ class FusedAdafactor:
 
 def per_leaf_view(grads: Any, params: Any, mesh: Any, name: str) -> Optional[tuple]:
     """``(prepared view, flat params, treedef)`` for a per-leaf ``ft.step`` path, or ``None``
-    where it does not apply: a mesh of more than one rank, no active leaf, DTensor or complex
-    leaves, or gradients of another dtype than their parameters."""
+    where it does not apply: a mesh of more than one rank, no active leaf, DTensor, complex or
+    tensor-subclass leaves, or gradients of another dtype than their parameters."""
     b = prepare(grads, params, mesh, need_params=True, name=name)
     if b.world.device_mesh is not None and b.world.size > 1:
         return None
     pl, treedef = tree_flatten(params)
     if not b.active or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
-                           or b.locals[i].dtype.is_complex for i in b.active):
+                           or b.locals[i].dtype.is_complex or type(b.locals[i]) is not torch.Tensor
+                           or type(b.params[i]) is not torch.Tensor for i in b.active):
         return None
     return b, pl, treedef
 

@@ -45,6 +45,7 @@ from .combine import partition
 from .engine.collectives import all_gather
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.layout import shard_region
+from .engine.pool import Scratch
 from .engine.view import Prepared, prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, reject_complex, scale_by_adam,
                          scale_by_learning_rate, stateless)
@@ -564,9 +565,26 @@ def _decay_after_update(learning_rate: ScalarOrSchedule,
     :class:`~functional_train.ScaleByScheduleState` for a schedule.
     """
     where = "galore_adamw weight decay"
+    scratch = Scratch()
 
     def decay(us, ps, c):
-        s = torch._foreach_add(us, [p.to(u.dtype) for p, u in zip(ps, us)])
+        ps = [p if p.dtype == u.dtype else p.to(u.dtype) for p, u in zip(ps, us)]
+        if not torch.compiler.is_compiling() and all(type(u) is torch.Tensor for u in us):
+            # the updates are scale_by_learning_rate's fresh outputs (this transform always
+            # follows it in galore_adamw's chains): each becomes u + (-c) (u + p) in place, the
+            # temporary u + p in a scratch buffer reused leaf after leaf (no leaf-sized
+            # allocation; the same numbers as below). Plain tensors only: not under
+            # torch.compile, nor for simulated ranks' tensors (LocalTensorMode)
+            neg = -c
+            for u, p in zip(us, ps):
+                t = torch.add(u, p, out=scratch.view(0, u.shape, u.dtype, u.device))
+                if isinstance(neg, torch.Tensor):
+                    t.mul_(neg.to(u.dtype))
+                else:  # (the foreach kernel: a Python scalar rounds otherwise than Tensor.mul_)
+                    torch._foreach_mul_([t], neg)
+                u.add_(t)
+            return us
+        s = torch._foreach_add(us, ps)
         if isinstance(c, torch.Tensor):
             s = [x * (-c).to(x.dtype) for x in s]
         else:

@@ -88,9 +88,11 @@ class Scratch:
              device: torch.device) -> torch.Tensor:
         """A contiguous tensor of ``shape`` over the slot's buffer (its previous contents are
         garbage; the previous view of the slot must no longer be in use)."""
+        if not all(type(d) is int for d in shape):  # symbolic sizes (simulated ranks)
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
         n = 1
         for d in shape:
-            n *= int(d)
+            n *= d
         key = (slot, dtype, device)
         buf = self.bufs.get(key)
         if buf is None or buf.numel() < n:
