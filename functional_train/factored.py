@@ -167,7 +167,8 @@ def _factored_ema(b: Prepared,
     each ``F`` is made when its turn comes, in ``scratch``'s slot 1 when given; ``local=True``
     skips ``leaf_sums`` where the caller knows no leaf needs communication), ``(R, C, F)``:
     ``R = beta R_old + (1-beta) mean_{-1}(S)``, ``C = beta C_old + (1-beta) mean_{-2}(S)`` and
-    the local shard of the leaf-shaped factor ``F = rsqrt(R / mean_{-1}(R))[..., None] * rsqrt(C)[..., None, :]``, every mean over the
+    the local shard of the leaf-shaped factor
+    ``F = rsqrt(R / mean_{-1}(R))[..., None] * rsqrt(C)[..., None, :]``, every mean over the
     global tensor.
 
     ``mean_{-1}(R)`` needs no second round of communication:
