@@ -173,8 +173,65 @@ def _code_arg(code: Optional[torch.Tensor], signed: bool, device: torch.device, 
 
 def _codes_of(scaled: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
     """Nearest code of values in ``[-1, 1]``: the number of midpoints strictly below (ties go to
-    the smaller code)."""
+    the smaller code). For the default maps on CPU through a lookup table (:class:`_NearestCode`,
+    the same codes as ``torch.bucketize``, about 3x faster); otherwise ``torch.bucketize``."""
+    if (type(scaled) is torch.Tensor and scaled.dtype == torch.float32 and scaled.is_cpu
+            and not torch.compiler.is_compiling()):
+        table = _NEAREST.get(id(mid))
+        if table is not None and table.mid is mid:
+            return table(scaled)
     return torch.bucketize(scaled, mid, out_int32=True).to(torch.uint8)
+
+
+class _NearestCode:
+    """``torch.bucketize(x, mid)`` for float32 ``x`` by table lookup.
+
+    A float32's bits, with the lower 31 flipped for negative values, are an int32 in the
+    order of the floats. The table holds, for every run of ``2**SHIFT`` consecutive such keys
+    (2**20 runs, 4 MiB of int32), the number of midpoints below the run's first key; a run
+    holds at most one midpoint (checked when built: the dynamic maps' midpoints are at least
+    1.5% apart, a run spans 2**-11 relative), so the code is that count, plus one when ``x``
+    is above the next midpoint. Five integer passes and two gathers per element against
+    ``bucketize``'s eight-step binary search."""
+
+    SHIFT = 12
+
+    def __init__(self, mid: torch.Tensor):
+        self.mid = mid
+        self.mid_inf = torch.cat([mid, mid.new_full((1,), float("inf"))])
+        keys = self.key(mid.contiguous()).to(torch.int64)
+        n = 1 << (32 - self.SHIFT)
+        starts = (torch.arange(n, dtype=torch.int64) - n // 2) << self.SHIFT
+        lo = torch.searchsorted(keys, starts)
+        hi = torch.searchsorted(keys, starts + (1 << self.SHIFT))
+        if int((hi - lo).max()) > 1:
+            raise ValueError("two midpoints in one run of the table")
+        self.table = lo.to(torch.int32)
+
+    @staticmethod
+    def key(x: torch.Tensor) -> torch.Tensor:
+        bits = x.view(torch.int32)
+        return (bits >> 31).bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        run = self.key(x).bitwise_right_shift_(self.SHIFT).add_(1 << (31 - self.SHIFT))
+        below = self.table[run]
+        return below.add_(x > self.mid_inf[below]).to(torch.uint8)
+
+
+class _NearestTables(dict):
+    """Lookup tables of the default maps' CPU midpoints, built on first use (id -> table)."""
+
+    def get(self, key, default=None):
+        hit = super().get(key)
+        if hit is None and key in _DEFAULT_MIDS:
+            hit = self[key] = _NearestCode(_DEFAULT_MIDS[key])
+        return hit
+
+
+_DEFAULT_MIDS = {id(_MAPS.get(signed, torch.device("cpu"))[1]): _MAPS.get(
+    signed, torch.device("cpu"))[1] for signed in (True, False)}
+_NEAREST = _NearestTables()
 
 
 def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None,
