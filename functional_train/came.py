@@ -25,7 +25,7 @@ from .base import EmptyState, GradientTransformation, declare, chain
 from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _factored_rms,
                        _is_factored, _leaf_rms, _new_state_tree, _placeholder, _square,
                        _state_leaves, _zeros_reduced, per_leaf_view, scale_by_factored_rms)
-from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch
+from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state,
                          add_decayed_weights, scale_by_learning_rate)
@@ -245,6 +245,12 @@ class FusedCame:
     weight_decay: float
     learning_rate: Any
 
+    @property
+    def min_mean_bytes(self) -> int:
+        """Each leaf costs ~60 small operations on the per-leaf path against a few batched ones
+        in the chain: it is taken only where leaves average this much (as the result pool)."""
+        return MIN_MEAN_BYTES
+
 
 def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh: Any,
                     donate: bool) -> Optional[tuple]:
@@ -262,16 +268,11 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
             and isinstance(lr_state, ScaleByScheduleState if schedule else EmptyState)):
         return None
     s = state[0]
-    view = per_leaf_view(grads, params, mesh, "came")
+    view = per_leaf_view(grads, params, mesh, "came", fused.min_mean_bytes)
     if view is None:
         return None
     b, pl, treedef = view
     act = b.active
-    # each leaf costs ~60 small operations here against a few batched ones in the chain: worth
-    # it only where leaves are large enough for their passes to dominate (as the result pool)
-    if sum(b.locals[i].numel() * b.locals[i].element_size() for i in act) < \
-            MIN_MEAN_BYTES * len(act):
-        return None
     where = "scale_by_came"
     m_all = b.state_locals(s.exp_avg, "ScaleByCameState.exp_avg")
     fac = [i for i in act if _is_factored(b.updates[i].shape, 0)]
@@ -287,13 +288,12 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
     else:
         step = -1.0 * fused.learning_rate
     beta3 = torch.full((), fused.b3, dtype=torch.float64, device=s.count.device)
-    memo = b.plan.memo
     new_p = {}
     if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
-        pool = memo.get("pool") or memo.setdefault("pool", Pool())
+        pool = of_plan(b.plan, "pool", Pool)
         new_p = dict(zip(act, pool.take("params", [b.params[i] for i in act])))
-    scratch = memo.get("scratch") or memo.setdefault("scratch", Scratch())
-    scratch2 = memo.get("scratch2") or memo.setdefault("scratch2", Scratch())
+    scratch = of_plan(b.plan, "scratch", Scratch)
+    scratch2 = of_plan(b.plan, "scratch2", Scratch)
     new_m, new_row, new_col = {}, {}, {}
     if not donate:
         new_m = dict(zip(act, pool.take("exp_avg", [m_all[i] for i in act])))

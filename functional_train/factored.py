@@ -33,7 +33,7 @@ from . import _validate as V
 from .autograd import requires_grad_like
 from .base import EmptyState, GradientTransformation, declare, chain
 from .engine.dtensor import spec_of, to_local
-from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch
+from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import Prepared, prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _cast_like, _check_state,
                          reject_complex, scale, scale_by_learning_rate,
@@ -509,12 +509,11 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     return stateless(where, scale_rms, need_params=True)
 
 
-def _clip_and_scale_by_param_rms(threshold: float, min_scale: float,
-                                 weight_decay: float = 0.0) -> GradientTransformation:
-    """``clip_by_block_rms(threshold)``, ``add_decayed_weights(weight_decay)`` (if non-zero) and
-    ``scale_by_param_block_rms(min_scale)`` in one transform, so that the RMS of every update
-    and of every parameter take ONE all-reduce together (Adafactor's two scalar statistics).
-    Same numbers as the three primitives in sequence."""
+def _clip_and_scale_by_param_rms(threshold: float, min_scale: float) -> GradientTransformation:
+    """``clip_by_block_rms(threshold)`` and ``scale_by_param_block_rms(min_scale)`` in one
+    transform, so that the RMS of every update and of every parameter take ONE all-reduce
+    together (Adafactor's two scalar statistics, with ``beta1``). Same numbers as the two
+    primitives in sequence."""
 
     def fused(b):
         act = b.active
@@ -524,8 +523,6 @@ def _clip_and_scale_by_param_rms(threshold: float, min_scale: float,
         den = torch._foreach_div(rms[:len(act)], threshold)
         torch._foreach_clamp_min_(den, 1.0)
         out = [x / d.to(x.dtype) for x, d in zip(g, den)]
-        if weight_decay:
-            out = [x + weight_decay * w.to(x.dtype) for x, w in zip(out, p)]
         scale = rms[len(act):]
         torch._foreach_clamp_min_(scale, min_scale)
         return [x * s.to(x.dtype) for x, s in zip(out, scale)]
@@ -706,18 +703,26 @@ class FusedAdafactor:
     weight_decay: float
     rho: Any
 
+    min_mean_bytes = 0  # small leaves are finished together: the path pays on any tree
 
-def per_leaf_view(grads: Any, params: Any, mesh: Any, name: str) -> Optional[tuple]:
+
+def per_leaf_view(grads: Any, params: Any, mesh: Any, name: str,
+                  min_mean_bytes: int = 0) -> Optional[tuple]:
     """``(prepared view, flat params, treedef)`` for a per-leaf ``ft.step`` path, or ``None``
     where it does not apply: a mesh of more than one rank, no active leaf, DTensor, complex or
-    tensor-subclass leaves, or gradients of another dtype than their parameters."""
+    tensor-subclass leaves, gradients of another dtype than their parameters, or active
+    gradients averaging under ``min_mean_bytes``."""
     b = prepare(grads, params, mesh, need_params=True, name=name)
     if b.world.device_mesh is not None and b.world.size > 1:
         return None
     pl, treedef = tree_flatten(params)
-    if not b.active or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
-                           or b.locals[i].dtype.is_complex or type(b.locals[i]) is not torch.Tensor
-                           or type(b.params[i]) is not torch.Tensor for i in b.active):
+    act = b.active
+    if not act or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
+                      or b.locals[i].dtype.is_complex or type(b.locals[i]) is not torch.Tensor
+                      or type(b.params[i]) is not torch.Tensor for i in act):
+        return None
+    if min_mean_bytes and sum(b.locals[i].numel() * b.locals[i].element_size()
+                              for i in act) < min_mean_bytes * len(act):
         return None
     return b, pl, treedef
 
@@ -746,10 +751,8 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
     neg_lr = -lr
     new_p: dict = {}
     if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
-        pool = b.plan.memo.get("pool")
-        if pool is None:
-            pool = b.plan.memo["pool"] = Pool()
-        new_p = dict(zip(act, pool.take("params", [b.params[i] for i in act])))
+        new_p = dict(zip(act, of_plan(b.plan, "pool", Pool).take(
+            "params", [b.params[i] for i in act])))
     small: list = []  # (i, u) of small leaves, finished together at the end
 
     def apply(i, u):
@@ -774,9 +777,7 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
             u.add_(p * (step * fused.weight_decay).to(u.dtype))
         apply(i, u)
 
-    scratch = b.plan.memo.get("scratch")
-    if scratch is None:
-        scratch = b.plan.memo["scratch"] = Scratch()
+    scratch = of_plan(b.plan, "scratch", Scratch)
     with torch.no_grad():
         _, new_fac = _factored_rms(b, fac_state, "scale_by_factored_rms", fused.decay_rate, None,
                                    fused.eps, 0, finish, scratch, local=True)

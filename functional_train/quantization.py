@@ -177,8 +177,8 @@ def _codes_of(scaled: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
     the same codes as ``torch.bucketize``, about 3x faster); otherwise ``torch.bucketize``."""
     if (type(scaled) is torch.Tensor and scaled.dtype == torch.float32 and scaled.is_cpu
             and not torch.compiler.is_compiling()):
-        table = _NEAREST.get(id(mid))
-        if table is not None and table.mid is mid:
+        table = _nearest_table(mid)
+        if table is not None:
             return table(scaled)
     return torch.bucketize(scaled, mid, out_int32=True).to(torch.uint8)
 
@@ -219,19 +219,20 @@ class _NearestCode:
         return below.add_(x > self.mid_inf[below]).to(torch.uint8)
 
 
-class _NearestTables(dict):
-    """Lookup tables of the default maps' CPU midpoints, built on first use (id -> table)."""
-
-    def get(self, key, default=None):
-        hit = super().get(key)
-        if hit is None and key in _DEFAULT_MIDS:
-            hit = self[key] = _NearestCode(_DEFAULT_MIDS[key])
-        return hit
+_NEAREST: dict = {id(_MAPS.get(signed, torch.device("cpu"))[1]): None
+                  for signed in (True, False)}  # the default maps' CPU midpoints -> table
 
 
-_DEFAULT_MIDS = {id(_MAPS.get(signed, torch.device("cpu"))[1]): _MAPS.get(
-    signed, torch.device("cpu"))[1] for signed in (True, False)}
-_NEAREST = _NearestTables()
+def _nearest_table(mid: torch.Tensor) -> Optional[_NearestCode]:
+    """The lookup table of ``mid`` if it is a default map's CPU midpoints (the cached tensors,
+    alive as long as the module: their ids are never reused), built on first use."""
+    key = id(mid)
+    if key not in _NEAREST:
+        return None
+    table = _NEAREST[key]
+    if table is None:
+        table = _NEAREST[key] = _NearestCode(mid)
+    return table
 
 
 def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None,

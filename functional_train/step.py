@@ -21,16 +21,15 @@ import dataclasses
 from typing import Any, Callable, Optional, Union
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view
 from .clipping import ClipByGlobalNormState, global_norm_of
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
-from .engine.pool import Pool
+from .engine.pool import Pool, of_plan
 from .engine.view import Prepared, prepare
 from .came import FusedCame, fused_came_step
-from .factored import FusedAdafactor, fused_adafactor_step
+from .factored import FusedAdafactor, fused_adafactor_step, per_leaf_view
 from .mesh import Mesh
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
 from .tree import flatten_as, tree_flatten, tree_unflatten
@@ -174,9 +173,7 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
                 grad_scale = (1.0 / coef).to(torch.float32)
             g_in = g  # the kernel writes the unscaled gradients back: grads are donated too
         else:  # fresh results (pooled on CPU, see engine/pool.py), the kernel in place there
-            pool = b.plan.memo.get("pool")
-            if pool is None:
-                pool = b.plan.memo["pool"] = Pool()
+            pool = of_plan(b.plan, "pool", Pool)
             new_p = pool.take("params", p)
             new_bufs = {f: pool.take(f, v) for f, v in bufs.items()}
             src, dst = list(p), list(new_p)
@@ -245,16 +242,15 @@ def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
     if not (isinstance(state, tuple) and len(state) == 2
             and isinstance(state[0], ClipByGlobalNormState)):
         return None
-    b = prepare(grads, params, mesh, need_params=True, name="step")
-    if (b.world.device_mesh is not None and b.world.size > 1) or not b.active:
+    view = per_leaf_view(grads, params, mesh, "step", fused.min_mean_bytes)
+    if view is None:  # checked before the clip's work, which run would otherwise waste
         return None
+    b = view[0]
     g_tree, treedef = tree_flatten(grads)
-    if any(isinstance(g_tree[i], DTensor) for i in b.active):
-        return None
     max_norm, norm_type = clip
     total = global_norm_of(b, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    pool = b.plan.memo.get("pool") or b.plan.memo.setdefault("pool", Pool())
+    pool = of_plan(b.plan, "pool", Pool)
     g = [b.locals[i] for i in b.active]
     leaves = list(g_tree)
     with torch.no_grad():  # clip_by_global_norm's g * coef, in each gradient's dtype
@@ -324,8 +320,8 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     local shards of all leaves in one call, the clip factor as its gradient scale. ``tx`` is
     ``adafactor`` without ``beta1`` or ``came`` (alone or after ``clip_by_global_norm``), on
     plain tensors in one process, gradients of their parameters' dtypes: each leaf is finished
-    in cache before the next is read (for
-    adafactor the leaves under 64 KiB together), the chain's numbers bit for bit. Otherwise
+    in cache before the next is read (for adafactor the leaves under 64 KiB together; came
+    only where leaves average 64 KiB or more), the chain's numbers bit for bit. Otherwise
     the general path: the transform's primitives on the local view, then one add per leaf.
     Collectives: those of ``tx.update`` (the fused path issues the same ones).
 

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Pool", "Scratch", "GENERATIONS", "MIN_MEAN_BYTES"]
+__all__ = ["Pool", "Scratch", "of_plan", "GENERATIONS", "MIN_MEAN_BYTES"]
 
 GENERATIONS = 2
 
@@ -71,6 +71,15 @@ class Pool:
         if len(sets) > GENERATIONS:
             del sets[0]
         return [b.detach() for b in bufs]
+
+
+def of_plan(plan, key: str, cls):
+    """The plan's ``cls()`` (a :class:`Pool` or :class:`Scratch`) kept under ``key`` in its
+    memo, made on first use: it lives and is evicted with the plan."""
+    obj = plan.memo.get(key)
+    if obj is None:
+        obj = plan.memo[key] = cls()
+    return obj
 
 
 class Scratch:
