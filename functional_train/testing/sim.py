@@ -43,6 +43,16 @@ def _forget_old_groups() -> None:
         pass
 
 
+class _NoCoordinateCache(dict):
+    """Stands in for ``LocalTensorMode._coordinate_cache``, which torch 2.13 keys by
+    ``id(device_mesh)`` without holding the mesh: once a sub-mesh (``mesh["dp"]``) is freed, a
+    new one (``mesh["tp"]``) can get its id and its coordinates, and ``distribute_tensor`` then
+    hands a rank another rank's shard. Nothing is kept; coordinates are recomputed per call."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def simulate(world_size: int) -> Iterator[Any]:
     """Simulate ``world_size`` ranks in this process.
@@ -65,6 +75,8 @@ def simulate(world_size: int) -> Iterator[Any]:
         _forget_old_groups()
         dist.init_process_group("fake", rank=0, world_size=world_size)
     with LocalTensorMode(frozenset(range(world_size))) as mode:
+        if isinstance(getattr(mode, "_coordinate_cache", None), dict):
+            mode._coordinate_cache = _NoCoordinateCache()
         yield mode
 
 
