@@ -183,6 +183,12 @@ def _codes_of(scaled: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(scaled, mid, out_int32=True).to(torch.uint8)
 
 
+def _lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``table[idx]`` for a 1-D ``table`` and int32 / int64 ``idx`` of any shape, through
+    ``index_select`` (on CPU about 3x (int64) to 10x (int32) faster than advanced indexing)."""
+    return torch.index_select(table, 0, idx.reshape(-1)).view(idx.shape)
+
+
 class _NearestCode:
     """``torch.bucketize(x, mid)`` for float32 ``x`` by table lookup.
 
@@ -215,8 +221,8 @@ class _NearestCode:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         run = self.key(x).bitwise_right_shift_(self.SHIFT).add_(1 << (31 - self.SHIFT))
-        below = self.table[run]
-        return below.add_(x > self.mid_inf[below]).to(torch.uint8)
+        below = _lookup(self.table, run)
+        return below.add_(x > _lookup(self.mid_inf, below)).to(torch.uint8)
 
 
 _NEAREST: dict = {id(_MAPS.get(signed, torch.device("cpu"))[1]): None
@@ -359,7 +365,7 @@ def _dequantize_many(codes: Sequence[torch.Tensor], absmax: Sequence[torch.Tenso
     """float32 values ``map[codes] * absmax`` of each element's block, for lists of leaves."""
     if not codes:
         return []
-    vals = [m[c.int()] for m, c in zip(maps, codes)]
+    vals = [_lookup(m, c.int()) for m, c in zip(maps, codes)]
     torch._foreach_mul_(vals, [lay.expand(a) for lay, a in zip(layouts, absmax)])
     return vals
 
