@@ -172,14 +172,18 @@ def _code_arg(code: Optional[torch.Tensor], signed: bool, device: torch.device, 
 
 
 def _codes_of(scaled: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
-    """Nearest code of values in ``[-1, 1]``: the number of midpoints strictly below (ties go to
-    the smaller code). For the default maps on CPU through a lookup table (:class:`_NearestCode`,
-    the same codes as ``torch.bucketize``, about 3x faster); otherwise ``torch.bucketize``."""
+    """Nearest code of ``scaled`` clamped to ``[-1, 1]``: the number of midpoints strictly
+    below (ties go to the smaller code). For the default maps on CPU through a lookup table
+    (:class:`_NearestCode`, the same codes as ``torch.bucketize``, about 3x faster) and without
+    the clamp: their midpoints lie strictly inside ``(-1, 1)``, so a value past +-1 (the
+    reciprocal's rounding) already has the code of +-1, and NaN stays NaN either way.
+    Otherwise clamped (in place), then ``torch.bucketize``."""
     if (type(scaled) is torch.Tensor and scaled.dtype == torch.float32 and scaled.is_cpu
             and not torch.compiler.is_compiling()):
         table = _nearest_table(mid)
         if table is not None:
             return table(scaled)
+    scaled = scaled.clamp_(-1.0, 1.0)
     return torch.bucketize(scaled, mid, out_int32=True).to(torch.uint8)
 
 
@@ -212,6 +216,8 @@ class _NearestCode:
         hi = torch.searchsorted(keys, starts + (1 << self.SHIFT))
         if int((hi - lo).max()) > 1:
             raise ValueError("two midpoints in one run of the table")
+        if not (float(mid.min()) > -1.0 and float(mid.max()) < 1.0):  # _codes_of's clamp
+            raise ValueError("a midpoint at -1 or 1: the table would need the clamp")
         self.table = lo.to(torch.int32)
 
     @staticmethod
@@ -348,6 +354,16 @@ class _Layout:
             return block_values.repeat_interleave(self.B, dim=-1)
         return block_values.index_select(-1, self.idx)
 
+    def mul(self, x: torch.Tensor, block_values: torch.Tensor, out: bool = False) -> torch.Tensor:
+        """``x * expand(block_values)`` (``x`` of shape ``(..., L)``), in place into ``x``
+        unless ``out``; on the fast path by broadcasting over the blocks' views, without the
+        expanded tensor."""
+        if self.idx is None:
+            xb = x.unflatten(-1, (self.nb, self.B))
+            vb = block_values.unsqueeze(-1)
+            return (xb * vb if out else xb.mul_(vb)).view(x.shape)
+        return x * self.expand(block_values) if out else x.mul_(self.expand(block_values))
+
     def partial_absmax(self, absx: torch.Tensor) -> torch.Tensor:
         """``(..., nb)``: the maximum of ``absx`` (``(..., L)``, non-negative) over the local
         part of every global block, 0 for blocks the shard does not touch (complete it with a
@@ -365,9 +381,7 @@ def _dequantize_many(codes: Sequence[torch.Tensor], absmax: Sequence[torch.Tenso
     """float32 values ``map[codes] * absmax`` of each element's block, for lists of leaves."""
     if not codes:
         return []
-    vals = [_lookup(m, c.int()) for m, c in zip(maps, codes)]
-    torch._foreach_mul_(vals, [lay.expand(a) for lay, a in zip(layouts, absmax)])
-    return vals
+    return [lay.mul(_lookup(m, c.int()), a) for m, c, a, lay in zip(maps, codes, absmax, layouts)]
 
 
 def _quantize_many(vals: Sequence[torch.Tensor], absmax: Sequence[torch.Tensor],
@@ -378,10 +392,8 @@ def _quantize_many(vals: Sequence[torch.Tensor], absmax: Sequence[torch.Tensor],
     if not vals:
         return []
     inv = torch._foreach_reciprocal(torch._foreach_clamp_min(list(absmax), 1e-38))
-    scaled = torch._foreach_mul(list(vals), [lay.expand(v) for lay, v in zip(layouts, inv)])
-    torch._foreach_clamp_min_(scaled, -1.0)
-    torch._foreach_clamp_max_(scaled, 1.0)
-    return [_codes_of(x, mid) for x, mid in zip(scaled, mids)]
+    return [_codes_of(lay.mul(x, v, out=True), mid)
+            for x, v, mid, lay in zip(vals, inv, mids, layouts)]
 
 
 def _last_dim_sharded(x: DTensor) -> bool:

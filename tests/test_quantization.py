@@ -581,3 +581,11 @@ def test_nearest_code_table_equals_bucketize(signed):
     assert torch.equal(_codes_of(x, mid), want)
     n = x.numel() // 10 * 10  # a strided view too
     assert torch.equal(_codes_of(x[:n].view(-1, 10)[:, ::2], mid), want[:n].view(-1, 10)[:, ::2])
+    # past the ends (the reciprocal's rounding, infinities, NaN): the codes of the clamped
+    # values, which the table gives without clamping
+    one = torch.tensor(1.0)
+    past = torch.stack([torch.nextafter(one, torch.tensor(2.0)), torch.tensor(1.5),
+                        torch.tensor(float("inf")), torch.nextafter(-one, torch.tensor(-2.0)),
+                        torch.tensor(-3.0), torch.tensor(float("-inf")), torch.tensor(float("nan"))])
+    want = torch.bucketize(past.clamp(-1.0, 1.0), mid, out_int32=True).to(torch.uint8)
+    assert torch.equal(_codes_of(past, mid), want)
