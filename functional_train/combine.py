@@ -143,6 +143,7 @@ def partition(transforms: Mapping[str, GradientTransformation],
                     out[i] = x
         return tree_unflatten(treedef, out), PartitionState(new_states)
 
+    update_fn.labels_of = labels_of  # each leaf's label (for ft.step's per-leaf GaLore path)
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 

@@ -31,6 +31,7 @@ on its local shard:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import defaultdict
@@ -41,12 +42,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
 from .base import GradientTransformation, declare, chain
-from .combine import partition
+from .autograd import requires_grad_like
+from .base import EmptyState
+from .combine import PartitionState, partition
 from .engine.collectives import all_gather
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.layout import shard_region
-from .engine.pool import Scratch
+from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import Prepared, prepare
+from .factored import per_leaf_view
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, reject_complex, scale_by_adam,
                          scale_by_learning_rate, stateless)
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
@@ -473,6 +477,16 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
                            inner.init(tree_unflatten(treedef, low)))
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        return run(updates, state, params, mesh, extra, None, None)
+
+    def per_leaf(updates, state, params, on_update, scratch):
+        """``update`` for ``ft.step``'s per-leaf path: instead of returning the updates, hands
+        each active leaf's (plain tensor) update to ``on_update(i, u)`` as soon as it exists
+        (projected leaves back-projected into ``scratch`` slot 0, valid until the next call);
+        returns the new state."""
+        return run(updates, state, params, None, {}, on_update, scratch)[1]
+
+    def run(updates, state, params, mesh, extra, on_update, scratch):
         _check_state(state, GaLoreState, where)
         b = prepare(updates, params, mesh, name=where)
         reject_complex(b, where)
@@ -542,12 +556,26 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
         out = flatten_as(inner_out, b.treedef, f"{where}: the inner transform's updates",
                          "the updates")
         out = list(out)
+        new_state = GaLoreState(state.count + 1, tree_unflatten(b.treedef, new_proj), inner_state)
+        if on_update is not None:  # ft.step's per-leaf path: plain tensors, one process
+            sides = dict(proj)
+            for i in b.active:
+                if i not in sides:
+                    on_update(i, out[i])
+                    continue
+                r = out[i]
+                pr = p_slice[i].to(r.dtype)
+                buf = scratch.view(0, b.locals[i].shape, r.dtype, r.device)
+                u = torch.matmul(r, pr, out=buf) if sides[i] == _RIGHT else \
+                    torch.matmul(pr, r, out=buf)  # _project_back's product, into the scratch
+                on_update(i, u.mul_(scale) if scale != 1.0 else u)
+            return None, new_state
         for i, side in proj:
             u = _project_back(to_local(out[i]), p_slice[i], side)
             out[i] = wrap(u.mul_(scale) if scale != 1.0 else u, b.specs[i])
-        return tree_unflatten(b.treedef, out), GaLoreState(
-            state.count + 1, tree_unflatten(b.treedef, new_proj), inner_state)
+        return tree_unflatten(b.treedef, out), new_state
 
+    update_fn.per_leaf = per_leaf
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
@@ -726,8 +754,125 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
     if labels is not None:
         transforms["no_decay"] = chain(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size),
                                        *tail(False))
-    return partition({k: _skip_when_empty(t) for k, t in transforms.items()},
-                     _canonical_labels(labels))
+    tx = partition({k: _skip_when_empty(t) for k, t in transforms.items()},
+                   _canonical_labels(labels))
+    tx.update.fused = FusedGaLore(  # type: ignore[attr-defined]
+        transforms["galore"].update.parts[0], lr, wd, update_proj_gap, tx.update.labels_of,
+        {k: _skip_when_empty(t) for k, t in transforms.items() if k != "galore"})
+    return tx
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGaLore:
+    """What ``galore_adamw`` is, for ``ft.step``'s per-leaf path (attached to its partition as
+    ``update.fused``): the ``galore`` transform of the ``"galore"`` label, the learning rate and
+    weight decay of its tail, the projector refresh gap, the partition's labels and the other
+    labels' transforms."""
+
+    galore: GradientTransformation
+    learning_rate: ScalarOrSchedule
+    weight_decay: float
+    update_proj_gap: int
+    labels_of: Callable
+    others: dict
+
+    min_mean_bytes = MIN_MEAN_BYTES  # per-leaf Python work pays only on large leaves
+
+
+def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, mesh: Any,
+                      donate: bool) -> Optional[tuple]:
+    """``ft.step`` of ``galore_adamw`` between projector refreshes, when no leaf needs
+    communication (plain tensors, one process, leaves averaging 64 KiB or more): the projected
+    gradients of the ``"galore"`` leaves go through the inner Adam together (small), then each
+    leaf is back-projected into a scratch buffer, scaled, multiplied by ``-lr``, decayed and
+    added to its parameter (in place with ``donate``) while it is in cache, as galore-torch's
+    per-parameter loop does; the other labels run their chains. The numbers are the chain's bit
+    for bit (the same operations on one leaf at a time). Returns ``None`` where the general path
+    must run: a refresh step (the SVDs dominate it), a mesh of more than one rank, DTensor,
+    complex or small leaves, or a state that is not this transform's (the chain then raises)."""
+    if not (isinstance(state, PartitionState) and "galore" in state.inner_states):
+        return None
+    gst = state.inner_states["galore"]
+    decayed = fused.weight_decay > 0.0
+    if not (isinstance(gst, tuple) and len(gst) == 2 + decayed
+            and isinstance(gst[0], GaLoreState) and isinstance(gst[0].count, torch.Tensor)
+            and int(gst[0].count) % fused.update_proj_gap != 0):
+        return None
+    lr, wd = fused.learning_rate, fused.weight_decay
+    sched = callable(lr)
+    if not all(isinstance(x, ScaleByScheduleState if sched else EmptyState) for x in gst[1:]):
+        return None
+    view = per_leaf_view(grads, params, mesh, "galore_adamw", fused.min_mean_bytes)
+    if view is None:
+        return None
+    b, pl, treedef = view
+    labels = fused.labels_of(params)
+    mine = [i for i in b.active if labels[i] == "galore"]
+    if not mine or set(state.inner_states) != {"galore", *fused.others}:
+        return None
+    if sched:
+        step = torch.as_tensor(lr(gst[1].count), dtype=torch.float64) * -1.0
+        c = torch.as_tensor(lr(gst[2].count), dtype=torch.float64) * wd if decayed else None
+    else:
+        step, c = -float(lr), float(lr) * wd
+    neg = None if not decayed else -c
+    new_p: dict = {}
+    if not donate:
+        new_p = dict(zip(b.active, of_plan(b.plan, "pool", Pool).take(
+            "params", [b.params[i] for i in b.active])))
+    scratch = of_plan(b.plan, "scratch", Scratch)
+    g_leaves = [b.locals[i] if labels[i] == "galore" else None for i in range(len(pl))]
+    p_leaves = [b.params[i] if labels[i] == "galore" else None for i in range(len(pl))]
+
+    def finish(i, u):  # scale_by_learning_rate, _decay_after_update, then the add
+        # (scale_by_learning_rate's out-of-place torch._foreach_mul rounds as Tensor.mul_ does;
+        # the in-place torch._foreach_mul_ rounds a Python scalar to bfloat16 first)
+        u.mul_(step.to(u.dtype) if sched else step)
+        p = b.params[i]
+        if decayed:
+            t = torch.add(u, p, out=scratch.view(1, u.shape, u.dtype, u.device))
+            if sched:
+                t.mul_(neg.to(u.dtype))
+            else:
+                torch._foreach_mul_([t], neg)
+            u.add_(t)
+        if donate:
+            p.add_(u)
+        else:
+            torch.add(p, u, out=new_p[i])
+
+    with torch.no_grad():
+        new_galore = fused.galore.update.per_leaf(
+            tree_unflatten(treedef, g_leaves), gst[0], tree_unflatten(treedef, p_leaves),
+            finish, scratch)
+        # the other labels: their chains, then one add per leaf
+        states = {"galore": (new_galore,) + tuple(
+            ScaleByScheduleState(x.count + 1) if sched else x for x in gst[1:])}
+        upd: dict = {}
+        for name, tx in fused.others.items():
+            keep = [labels[i] == name for i in range(len(pl))]
+            new, states[name] = tx.update(
+                tree_unflatten(treedef, [b.locals[i] if k else None for i, k in enumerate(keep)]),
+                state.inner_states[name],
+                tree_unflatten(treedef, [pl[i] if k else None for i, k in enumerate(keep)]))
+            for i, (k, x) in enumerate(zip(keep, tree_flatten(new)[0])):
+                if k and x is not None and b.locals[i] is not None:
+                    upd[i] = x
+        if upd:
+            idx = list(upd)
+            if donate:
+                torch._foreach_add_([b.params[i] for i in idx], [upd[i] for i in idx])
+            else:
+                for i, x in zip(idx, torch._foreach_add([b.params[i] for i in idx],
+                                                        [upd[i] for i in idx])):
+                    new_p[i] = x
+    new_state = PartitionState({k: states[k] for k in state.inner_states})
+    if donate:
+        return params, new_state
+    leaves = list(pl)
+    for i, x in new_p.items():
+        leaves[i] = requires_grad_like(x, pl[i])
+    return tree_unflatten(treedef, leaves), new_state
 
 
 def _skip_when_empty(tx: GradientTransformation) -> GradientTransformation:

@@ -30,6 +30,7 @@ from .engine.pool import Pool, of_plan
 from .engine.view import Prepared, prepare
 from .came import FusedCame, fused_came_step
 from .factored import FusedAdafactor, fused_adafactor_step, per_leaf_view
+from .galore import FusedGaLore, fused_galore_step
 from .mesh import Mesh
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
 from .tree import flatten_as, tree_flatten, tree_unflatten
@@ -115,6 +116,9 @@ _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     """The fused step, or ``None`` when the inputs do not fit the kernels (general path)."""
+    if isinstance(fused, FusedGaLore):
+        return None if clip is not None else \
+            fused_galore_step(fused, grads, state, params, mesh, donate)
     if isinstance(fused, (FusedAdafactor, FusedCame)):
         run = fused_adafactor_step if isinstance(fused, FusedAdafactor) else fused_came_step
         if clip is None:

@@ -136,21 +136,23 @@ def run_on_tp_submesh(make, leaves, params, grads, deltas, collect):
         return collect(*run_steps(make(), dp, dg, ft.Mesh(m, data_axis="dp")))
 
 
-def check_fused_step(make_tx, dtype, monkeypatch, fused_name: str) -> None:
+def check_fused_step(make_tx, dtype, monkeypatch, fused_name: str, shapes=None, steps: int = 3,
+                     taken_at=None) -> None:
     """``ft.step`` through the fused per-leaf path ``functional_train.step.<fused_name>`` equals
-    the chain's update + apply_updates bit for bit, pure (inputs unchanged) and donated, over 3
-    steps, for leaves above and below 64 KiB, factored and not, with a None gradient; the
-    fused path is taken at every step."""
+    the chain's update + apply_updates bit for bit, pure (inputs unchanged) and donated, over
+    ``steps`` steps, for leaves above and below 64 KiB, factored and not (or ``shapes``), with a
+    None gradient; the fused path is taken at every step (or at the steps ``taken_at`` is True
+    for, and declines at the others)."""
     step_module = sys.modules["functional_train.step"]
     taken = []
     real = getattr(step_module, fused_name)
     monkeypatch.setattr(step_module, fused_name, lambda *a: taken.append(real(*a)) or taken[-1])
     gen = torch.Generator().manual_seed(0)
-    shapes = {"w": (6, 5), "b": (7,), "t": (3, 4, 5), "s": (), "big": (130, 140),
-              "vec": (20000,), "stack": (2, 90, 100), "frozen": (40, 30)}
+    shapes = shapes or {"w": (6, 5), "b": (7,), "t": (3, 4, 5), "s": (), "big": (130, 140),
+                        "vec": (20000,), "stack": (2, 90, 100), "frozen": (40, 30)}
     params = {k: torch.randn(v, generator=gen).to(dtype) for k, v in shapes.items()}
     grads = [{k: (None if k == "frozen" else torch.randn(v, generator=gen).to(dtype))
-              for k, v in shapes.items()} for _ in range(3)]
+              for k, v in shapes.items()} for _ in range(steps)]
     tx = make_tx()
     s_ref = s_pure = s_don = tx.init(params)
     p_ref = p_pure = params
@@ -168,5 +170,6 @@ def check_fused_step(make_tx, dtype, monkeypatch, fused_name: str) -> None:
         for got in ((p_pure, s_pure), (p_don, s_don)):
             for x, y in zip(optree.tree_leaves(got), optree.tree_leaves((p_ref, s_ref))):
                 torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
-    assert len(taken) == 6 and all(t is not None for t in taken)
+    want = [True] * steps if taken_at is None else list(taken_at)
+    assert [t is not None for t in taken] == [w for w in want for _ in range(2)]
     assert torch.equal(p_pure["frozen"], params["frozen"])

@@ -637,3 +637,54 @@ def test_randomized_refresh_bad_input():
         galore(ft.scale_by_adam(), 2, refresh="power")
     with pytest.raises(ValueError, match="oversample"):
         galore(ft.scale_by_adam(), 2, refresh="randomized", oversample=-1)
+
+
+# =============================================================================================
+# ft.step's per-leaf path
+# =============================================================================================
+from _layouts import check_fused_step  # noqa: E402
+
+_GALORE_SHAPES = {"w": (6, 5), "b": (7,), "s": (), "tall": (400, 300), "wide": (200, 600),
+                  "vec": (60000,), "stack": (2, 90, 100), "frozen": (40, 30)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [
+    dict(weight_decay=0.1),
+    dict(weight_decay=0.0, proj_type="reverse_std"),
+    dict(weight_decay=0.1, learning_rate="schedule", optim_bits=8),
+    dict(weight_decay=0.05, labels=True, scale=0.3),
+], ids=["decay", "no_decay_reverse", "schedule_8bit", "labels_scale"])
+def test_step_per_leaf_path_equals_the_chain(kw, dtype, monkeypatch):
+    """``ft.step(galore_adamw(...))`` between refreshes (update_proj_gap=2: steps 2 and 4) runs
+    each leaf's back-projection, scale, learning rate, decay and add in cache
+    (``fused_galore_step``), bit for bit the chain's update + apply_updates, pure and donated;
+    refresh steps (1 and 3) take the general path. Right and left projections, a 3-D leaf, a
+    vector, the "no_decay" label, a schedule, 8-bit moments."""
+    kw = dict(kw)
+    if kw.get("learning_rate") == "schedule":
+        kw["learning_rate"] = ft.schedules.linear_schedule(1e-2, 1e-3, 10)
+    if kw.pop("labels", False):
+        kw["labels"] = {k: ("no_decay" if k in ("b", "vec") else "galore")
+                        for k in _GALORE_SHAPES}
+    check_fused_step(lambda: galore_adamw(rank=8, update_proj_gap=2, **kw), dtype, monkeypatch,
+                     "fused_galore_step", shapes=_GALORE_SHAPES, steps=4,
+                     taken_at=[False, True, False, True])
+
+
+def test_step_per_leaf_path_declines_small_leaves(monkeypatch):
+    """Leaves averaging under 64 KiB: the general path (per-leaf Python work would not pay)."""
+    import sys
+
+    step_module = sys.modules["functional_train.step"]
+    taken = []
+    real = step_module.fused_galore_step
+    monkeypatch.setattr(step_module, "fused_galore_step",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    params = {"w": torch.randn(20, 30), "b": torch.randn(30)}
+    tx = galore_adamw(1e-2, rank=4, update_proj_gap=5)
+    s = tx.init(params)
+    p = params
+    for _ in range(2):
+        p, s = ft.step(tx, {k: torch.randn_like(v) for k, v in params.items()}, s, p)
+    assert taken == [None, None]
