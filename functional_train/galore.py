@@ -729,6 +729,9 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
 
     Collectives: those of :func:`galore` (Adam, the learning rate and the decay are local).
 
+    ``ft.step`` runs it leaf by leaf between projector refreshes on plain tensors in one process
+    (:func:`fused_galore_step`), with the same numbers.
+
     Raises:
         ValueError: out-of-range hyper-parameters (naming the argument); at update, a labels
             tree whose structure differs from the params.

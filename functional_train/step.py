@@ -12,7 +12,9 @@ all-reduce. ``adafactor`` without ``beta1`` and ``came`` have a per-leaf path wh
 needs communication (plain tensors, one process): each large leaf is finished -- statistics,
 update, clipping, moments, added to its parameter -- while it is in cache, as the reference
 implementations' per-parameter loops do, with the chain's numbers bit for bit
-(``functional_train.factored.fused_adafactor_step``, ``functional_train.came.fused_came_step``).
+(``functional_train.factored.fused_adafactor_step``, ``functional_train.came.fused_came_step``);
+so does ``galore_adamw`` between projector refreshes (``functional_train.galore.
+fused_galore_step``).
 """
 
 from __future__ import annotations
@@ -325,7 +327,9 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     ``adafactor`` without ``beta1`` or ``came`` (alone or after ``clip_by_global_norm``), on
     plain tensors in one process, gradients of their parameters' dtypes: each leaf is finished
     in cache before the next is read (for adafactor the leaves under 64 KiB together; came
-    only where leaves average 64 KiB or more), the chain's numbers bit for bit. Otherwise
+    only where leaves average 64 KiB or more), the chain's numbers bit for bit; so is
+    ``galore_adamw`` on steps that do not refresh its projectors (leaves averaging 64 KiB or
+    more; not after a ``clip_by_global_norm``). Otherwise
     the general path: the transform's primitives on the local view, then one add per leaf.
     Collectives: those of ``tx.update`` (the fused path issues the same ones).
 
