@@ -199,3 +199,125 @@ def test_scale_by_learning_rate_schedule_state_on_bf16_updates():
     updates, state = tx.update(g, tx.init(g))
     assert updates["w"].dtype == torch.bfloat16
     assert torch.equal(updates["w"], torch.full((2, 2), -0.5, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------
+# every schedule against optax's own values (float64: jax_enable_x64 for this module's tests)
+# ---------------------------------------------------------------------------------------------
+_CASES = {  # name -> list of (args, kwargs), the same call for ft.schedules and optax
+    "constant_schedule": [((0.3,), {})],
+    "linear_schedule": [((1.0, 0.1, 7, 3), {}), ((0.0, 2.0, 1), {})],
+    "polynomial_schedule": [((1.0, 0.01, 2.0, 10), {}), ((1.0, 0.5, 0.5, 7),
+                                                         {"transition_begin": 4}),
+                            ((2.0, 0.0, 3, 0), {})],
+    "piecewise_constant_schedule": [((0.1, {5: 0.5, 12: 0.1}), {}), ((1.0,), {}),
+                                    ((2.0, {0: 3.0, 4: 0.0}), {})],
+    "piecewise_interpolate_schedule": [(("linear", 1.0, {5: 2.0, 15: 0.1}), {}),
+                                       (("cosine", 0.5, {3: 4.0, 4: 0.5, 20: 0.01}), {}),
+                                       (("linear", 0.7), {})],
+    "exponential_decay": [((1.0, 5, 0.5), {}), ((2.0, 3, 0.9),
+                                                {"transition_begin": 4, "staircase": True}),
+                          ((1.0, 4, 0.5), {"end_value": 0.2}), ((0.1, 4, 1.5),
+                                                                 {"end_value": 0.3}),
+                          ((1.0, 0, 0.5), {}), ((1.0, 5, 0.0), {})],
+    "cosine_decay_schedule": [((1.0, 9, 0.1, 2.0), {})],
+    "warmup_constant_schedule": [((0.0, 1.0, 6), {}), ((0.5, 1.0, 0), {})],
+    "warmup_cosine_decay_schedule": [((0.0, 1.0, 5, 20, 0.1), {})],
+    "warmup_exponential_decay_schedule": [((0.0, 1.0, 4, 3, 0.5), {}),
+                                          ((0.1, 1.0, 5, 2, 0.8),
+                                           {"transition_begin": 3, "staircase": True,
+                                            "end_value": 0.4})],
+    "linear_onecycle_schedule": [((20, 1.0), {}), ((33, 0.5, 0.2, 0.7, 10.0, 100.0), {}),
+                                 ((1, 1.0), {})],
+    "cosine_onecycle_schedule": [((20, 1.0), {}), ((31, 2.0, 0.4, 5.0, 50.0), {})],
+    "sgdr_schedule": [(([dict(init_value=0.0, peak_value=1.0, warmup_steps=3, decay_steps=10),
+                         dict(init_value=0.1, peak_value=0.5, warmup_steps=0, decay_steps=7,
+                              end_value=0.05)],), {})],
+}
+
+
+@pytest.fixture
+def x64():
+    import jax  # optax and jax are test dependencies (pyproject's "test" extra)
+
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", old)
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_schedule_equals_optax(name, x64):
+    import numpy as np
+    import optax
+
+    for args, kwargs in _CASES[name]:
+        ours = getattr(S, name)(*args, **kwargs)
+        theirs = getattr(optax.schedules, name)(*args, **kwargs)
+        for c in range(0, 45):
+            want = float(np.asarray(theirs(np.int64(c)), dtype=np.float64))
+            for cc in as_counts(c):
+                got = ours(cc)
+                assert isinstance(got, torch.Tensor) and got.dim() == 0
+                assert got.dtype == torch.float64
+                assert float(got) == pytest.approx(want, rel=1e-12, abs=1e-15), (name, args, c)
+
+
+def test_join_schedules_equals_optax_and_counts_from_each_start(x64):
+    import numpy as np
+    import optax
+
+    seen = []
+
+    def mine(count):
+        seen.append(torch.as_tensor(count).clone())
+        return 0.5 + 0.01 * torch.as_tensor(count).to(torch.float64)
+
+    ours = S.join_schedules([S.constant_schedule(1.0), mine, S.linear_schedule(1.0, 0.0, 4)],
+                            [3, 8])
+    theirs = optax.join_schedules([optax.constant_schedule(1.0),
+                                   lambda c: 0.5 + 0.01 * c, optax.linear_schedule(1.0, 0.0, 4)],
+                                  [3, 8])
+    for c in range(15):
+        assert float(ours(torch.tensor(c))) == pytest.approx(float(np.asarray(theirs(c))),
+                                                             rel=1e-12)
+    assert seen[5].dtype == torch.int64 and int(seen[5]) == 5 - 3  # counted from its start
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_every_schedule_vectorises_and_compiles_without_recompiling(name):
+    """A tensor of counts gives the values of its shape; under ``torch.compile(fullgraph=True)``
+    a 0-dim count tensor traces once (no host read) and later counts reuse the graph."""
+    import torch._dynamo
+
+    args, kwargs = _CASES[name][0]
+    s = getattr(S, name)(*args, **kwargs)
+    counts = torch.arange(0, 40)
+    v = s(counts)
+    assert v.shape == counts.shape
+    for c in (0, 7, 23, 39):
+        assert float(v[c]) == pytest.approx(float(s(c)), rel=1e-12, abs=1e-15)
+    torch._dynamo.reset()
+    compiled = torch.compile(s, fullgraph=True, backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for c in (0, 5, 17, 30):
+            assert float(compiled(torch.tensor(c))) == pytest.approx(float(s(c)), rel=1e-12,
+                                                                     abs=1e-15)
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: S.polynomial_schedule(1.0, 0.0, 1.0, -1), ValueError, "transition_steps"),
+    (lambda: S.piecewise_constant_schedule(1.0, {3: -0.5}), ValueError, "scale at step 3"),
+    (lambda: S.piecewise_constant_schedule(1.0, [(3, 0.5)]), TypeError, "dict"),
+    (lambda: S.piecewise_interpolate_schedule("quadratic", 1.0), ValueError, "interpolate_type"),
+    (lambda: S.exponential_decay(1.0, 5, -0.5), ValueError, "decay_rate"),
+    (lambda: S.join_schedules([S.constant_schedule(1.0)], [3]), ValueError, "one boundary"),
+    (lambda: S.join_schedules([S.constant_schedule(1.0), 2.0], [3]), TypeError, "callable"),
+    (lambda: S.linear_onecycle_schedule(0, 1.0), ValueError, "transition_steps"),
+    (lambda: S.cosine_onecycle_schedule(10, 1.0, div_factor=0.0), ValueError, "div_factor"),
+    (lambda: S.sgdr_schedule([]), ValueError, "at least one"),
+    (lambda: S.sgdr_schedule([(0.0, 1.0, 2, 5)]), TypeError, "dict"),
+])
+def test_bad_arguments(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
