@@ -5,7 +5,8 @@ The model is an ordinary ``nn.Module`` (RMSNorm, rotary embeddings, causal atten
 ``dict`` of tensors, the loss is computed with ``torch.func.functional_call``, gradients with
 ``grad_and_value`` and the update with a pure functional_train chain::
 
-    tx = ft.chain(ft.clip_by_global_norm(clip), ft.adamw(schedule, weight_decay=wd))
+    tx = ft.chain(ft.clip_by_global_norm(clip),
+                  ft.adamw(schedule, weight_decay=wd, mask=ft.decay_mask))  # not norms, embedding
     tx = ft.zero_redundancy(tx, axis="dp")          # --zero: optimizer state sharded over dp
     tx = ft.multi_steps(tx, every_k=accum)          # --accum > 1
     params, state = ft.step(tx, grads, state, params, mesh=mesh, donate=True)
@@ -282,7 +283,8 @@ def build_optimizer(name: str, lr, weight_decay: float, params: dict, *, eight_b
     """The ``--optimizer`` transform (``lr``: a float or a schedule).
 
     adamw: ``ft.adamw``; adafactor: ``ft.adafactor`` with an explicit lr (no relative step, no
-    parameter scaling); came: ``ft.came``; lamb: ``ft.lamb``; galore: ``ft.galore_adamw`` on the
+    parameter scaling); came: ``ft.came``; lamb: ``ft.lamb``, each decaying only the weight
+    matrices (``mask=ft.decay_mask``: not the norms, nor the embedding); galore: ``ft.galore_adamw`` on the
     2-D weights that ``ft.galore_param_labels`` selects (embeddings and the LM head included),
     plain AdamW on the rest, no decay on norms. ``eight_bit``: 8-bit block-wise Adam moments
     (adamw and galore only).
@@ -290,15 +292,16 @@ def build_optimizer(name: str, lr, weight_decay: float, params: dict, *, eight_b
     bits = {"optim_bits": 8} if eight_bit else {}
     if eight_bit and name not in ("adamw", "galore"):
         raise SystemExit(f"--8bit applies to adamw and galore, not {name}")
+    mask = ft.decay_mask  # no decay on norms and embeddings (the usual recipe)
     if name == "adamw":
-        return ft.adamw(lr, weight_decay=weight_decay, **bits)
+        return ft.adamw(lr, weight_decay=weight_decay, mask=mask, **bits)
     if name == "adafactor":
         return ft.adafactor(lr, relative_step=False, scale_parameter=False,
-                            weight_decay=weight_decay)
+                            weight_decay=weight_decay, mask=mask)
     if name == "came":
-        return ft.came(lr, weight_decay=weight_decay)
+        return ft.came(lr, weight_decay=weight_decay, mask=mask)
     if name == "lamb":
-        return ft.lamb(lr, weight_decay=weight_decay)
+        return ft.lamb(lr, weight_decay=weight_decay, mask=mask)
     if name == "galore":
         return ft.galore_adamw(lr, weight_decay=weight_decay, rank=galore_rank,
                                update_proj_gap=galore_gap, labels=ft.galore_param_labels(params),

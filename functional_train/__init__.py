@@ -19,7 +19,7 @@ from .optimizers import adam, adamw, lamb, sgd
 from .quantization import (ScaleByAdam8bitState, create_dynamic_map, dequantize_blockwise,
                            quantize_blockwise)
 from .transforms import (ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState,
-                         add_decayed_weights, scale, scale_by_adam, scale_by_learning_rate,
+                         add_decayed_weights, decay_mask, scale, scale_by_adam, scale_by_learning_rate,
                          scale_by_trust_ratio, trace)
 from .step import step
 from .tree import tree_get
@@ -57,7 +57,8 @@ __all__ = [
     # ZeRO
     "zero_redundancy", "ZeroRedundancyState",
     # transforms
-    "scale", "scale_by_learning_rate", "ScaleByScheduleState", "add_decayed_weights", "trace",
+    "scale", "scale_by_learning_rate", "ScaleByScheduleState", "add_decayed_weights",
+    "decay_mask", "trace",
     "TraceState", "scale_by_adam", "ScaleByAdamState", "ScaleByAmsgradState",
     "scale_by_trust_ratio",
     # 8-bit block-wise states (bitsandbytes style)

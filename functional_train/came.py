@@ -194,7 +194,7 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
 
 def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 0.9999),
          eps: Sequence[float] = (1e-30, 1e-16), clip_threshold: float = 1.0,
-         weight_decay: float = 0.0) -> GradientTransformation:
+         weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:
     """``came_pytorch.CAME`` as a chain: same arguments, defaults and numbers.
 
     ``theta <- theta - lr * weight_decay * theta - lr * update`` with ``update`` from
@@ -207,6 +207,9 @@ def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 
         learning_rate: > 0 (required, as ``came_pytorch``), or a schedule of the update count.
         betas, eps, clip_threshold: see :func:`scale_by_came`.
         weight_decay: >= 0.
+        mask: ``None`` (every leaf decayed), or a tree of bools / ``params -> tree`` (e.g.
+            :func:`~functional_train.decay_mask`): only the leaves where it is True are decayed
+            (optax's ``mask``; see :func:`~functional_train.add_decayed_weights`).
 
     Raises:
         ValueError: ``learning_rate`` missing or <= 0, out-of-range hyper-parameters.
@@ -220,14 +223,15 @@ def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 
     weight_decay = V.number("weight_decay", weight_decay, where=where, low=0.0)
     txs = [scale_by_came(betas, eps, clip_threshold)]
     if weight_decay:
-        txs.append(add_decayed_weights(weight_decay))
+        txs.append(add_decayed_weights(weight_decay, mask=mask))
     txs.append(scale_by_learning_rate(learning_rate))
     tx = chain(*txs)
     betas = _pair_or_triple("betas", betas, 3, where)
     eps = _pair_or_triple("eps", eps, 2, where)
     tx.update.fused = FusedCame(  # type: ignore[attr-defined]  (ft.step)
         *(float(x) for x in betas), *(float(x) for x in eps), float(clip_threshold),
-        weight_decay, learning_rate)
+        weight_decay, learning_rate,
+        txs[1].update.keep_of if (weight_decay and mask is not None) else None)
     return tx
 
 
@@ -244,6 +248,7 @@ class FusedCame:
     clip_threshold: float
     weight_decay: float
     learning_rate: Any
+    mask: Any = None  # params -> [bool per leaf]: the leaves decayed (None: all)
 
     @property
     def min_mean_bytes(self) -> int:
@@ -297,6 +302,7 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
     new_m, new_row, new_col = {}, {}, {}
     if not donate:
         new_m = dict(zip(act, pool.take("exp_avg", [m_all[i] for i in act])))
+    keep = fused.mask(params) if fused.mask is not None else None
 
     def finish(i, u):
         g, p, m_old = b.locals[i], b.params[i], m_all[i]
@@ -316,7 +322,7 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
             out = f.mul_(m.to(f.dtype)).to(g.dtype)
         else:
             out = m.to(g.dtype, copy=True)
-        if fused.weight_decay:
+        if fused.weight_decay and (keep is None or keep[i]):
             out.add_(p if p.dtype == out.dtype else p.to(out.dtype), alpha=fused.weight_decay)
         out.mul_(step.to(out.dtype) if schedule else step)
         if donate:

@@ -147,6 +147,23 @@ def partition(transforms: Mapping[str, GradientTransformation],
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
+def mask_of(mask: Union[PyTree, Callable[[PyTree], PyTree]], where: str) -> "_PerLeaf":
+    """``params -> [bool per leaf]`` for a mask given as a tree of bools with the structure of
+    the params or as ``params -> mask tree`` (optax semantics), resolved eagerly and reused under
+    ``torch.compile`` (see :class:`_PerLeaf`). Calling it raises ValueError for a mask whose
+    structure differs from the params and TypeError for a leaf that is not a bool, naming the
+    leaf path."""
+    def resolve_mask(params):
+        keep = _resolve(mask, params, "mask")
+        for i, k in enumerate(keep):
+            if not isinstance(k, bool):
+                raise TypeError(f"{where}: mask leaf '{tree_paths(params)[i]}' must be a bool, "
+                                f"got {type(k).__name__}")
+        return keep
+
+    return _PerLeaf(resolve_mask, where)
+
+
 def masked(inner: GradientTransformation,
            mask: Union[PyTree, Callable[[PyTree], PyTree]]) -> GradientTransformation:
     """Apply ``inner`` to the leaves where ``mask`` is True; the others pass through unchanged
@@ -162,16 +179,7 @@ def masked(inner: GradientTransformation,
     """
     if not isinstance(inner, GradientTransformation):
         raise TypeError("masked: inner must be a GradientTransformation")
-
-    def resolve_mask(params):
-        keep = _resolve(mask, params, "mask")
-        for i, k in enumerate(keep):
-            if not isinstance(k, bool):
-                raise TypeError(f"masked: mask leaf '{tree_paths(params)[i]}' must be a bool, "
-                                f"got {type(k).__name__}")
-        return keep
-
-    keep_of = _PerLeaf(resolve_mask, "masked")
+    keep_of = mask_of(mask, "masked")
 
     def init_fn(params):
         leaves, treedef = tree_flatten(params)

@@ -34,6 +34,7 @@ from .autograd import requires_grad_like
 from .base import EmptyState, GradientTransformation, declare, chain
 from .engine.dtensor import spec_of, to_local
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
+from .combine import mask_of
 from .engine.view import Prepared, prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _cast_like, _check_state,
                          reject_complex, scale, scale_by_learning_rate,
@@ -612,7 +613,7 @@ def ema(decay: float, debias: bool = False, *,
 # ---------------------------------------------------------------------------------------------
 # the alias
 def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay: float,
-                     rho) -> GradientTransformation:
+                     rho, mask=None) -> GradientTransformation:
     """Private: Adafactor's tail without ``beta1`` as ONE multiplication per leaf,
     ``u <- -alpha_t (u / max(1, RMS(u) / threshold) + weight_decay theta)`` with
     ``alpha_t = rho_t * max(min_scale, RMS(theta))`` (``rho_t`` when ``min_scale`` is None).
@@ -622,12 +623,16 @@ def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay:
     three passes over every update where this makes one: the per-leaf factor
     ``-rho_t s / max(1, RMS(u) / threshold)`` is a 0-dim tensor, computed in float64 and cast to
     the leaf's dtype. Both RMS take ONE all-reduce together. State: :class:`ScaleByScheduleState`
-    when ``rho`` is a schedule, else ``EmptyState``.
+    when ``rho`` is a schedule, else ``EmptyState``. ``mask``: decay only the leaves where it is
+    True.
     """
     where = "adafactor"
     need_params = min_scale is not None or bool(weight_decay)
+    keep_of = mask_of(mask, where) if (mask is not None and weight_decay) else None
 
     def init_fn(params):
+        if keep_of is not None:
+            keep_of(params)  # resolved (and checked) once eagerly
         return ScaleByScheduleState(zero_count(params)) if callable(rho) else EmptyState()
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
@@ -643,10 +648,18 @@ def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay:
                                             min_scale)
         out = torch._foreach_mul(g, factors)
         if weight_decay:
-            _add_decay(out, p, steps, weight_decay)
+            ks = range(len(act)) if keep_of is None else _kept(keep_of(params), act)
+            _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks],
+                       weight_decay)
         return b.rebuild_active(out), new_state
 
+    update_fn.keep_of = keep_of
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def _kept(keep: Sequence[bool], idx: Sequence[int]) -> list:
+    """Positions ``k`` in ``idx`` whose leaf ``idx[k]`` the mask keeps."""
+    return [k for k, i in enumerate(idx) if keep[i]]
 
 
 def _rho_at(rho, state) -> torch.Tensor:
@@ -702,6 +715,7 @@ class FusedAdafactor:
     min_scale: Optional[float]
     weight_decay: float
     rho: Any
+    mask: Any = None  # params -> [bool per leaf]: the leaves decayed (None: all)
 
     min_mean_bytes = 0  # small leaves are finished together: the path pays on any tree
 
@@ -754,6 +768,7 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
         new_p = dict(zip(act, of_plan(b.plan, "pool", Pool).take(
             "params", [b.params[i] for i in act])))
     small: list = []  # (i, u) of small leaves, finished together at the end
+    keep = fused.mask(params) if fused.mask is not None else None
 
     def apply(i, u):
         if donate:
@@ -773,7 +788,7 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
         if fused.min_scale is not None:
             step = neg_lr * rms[1].clamp_min_(fused.min_scale).to(torch.float64)
         u.mul_((step / den.to(torch.float64)).to(u.dtype))
-        if fused.weight_decay:
+        if fused.weight_decay and (keep is None or keep[i]):
             u.add_(p * (step * fused.weight_decay).to(u.dtype))
         apply(i, u)
 
@@ -789,7 +804,9 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
                                                 fused.min_scale)
             torch._foreach_mul_(us, factors)
             if fused.weight_decay:
-                _add_decay(us, ps, steps, fused.weight_decay)
+                ks = range(len(idx)) if keep is None else _kept(keep, idx)
+                _add_decay([us[k] for k in ks], [ps[k] for k in ks], [steps[k] for k in ks],
+                           fused.weight_decay)
             for i, u in small:
                 apply(i, u)
     new_tail = ScaleByScheduleState(tail_state.count + 1) if callable(fused.rho) else tail_state
@@ -807,17 +824,20 @@ class _StepSizeDecayState(NamedTuple):
 
 
 def _add_step_size_decayed_weights(weight_decay: float, rho, scale_parameter: bool,
-                                   min_scale: float) -> GradientTransformation:
+                                   min_scale: float, mask=None) -> GradientTransformation:
     """Private: ``u <- u + weight_decay * alpha_t * param`` with Adafactor's step size
     ``alpha_t = rho(count) * (max(min_scale, RMS(param)) if scale_parameter else 1)``.
 
     Needed after the ``beta1`` momentum, where HF's weight decay ``theta <- theta - wd alpha_t
     theta`` cannot be folded into the momentum's input. Recomputes ``RMS(param)`` (one batched
-    ``leaf_sums``) when ``scale_parameter``.
+    ``leaf_sums``) when ``scale_parameter``. ``mask``: decay only the leaves where it is True.
     """
     where = "adafactor"
+    keep_of = mask_of(mask, where) if mask is not None else None
 
     def init_fn(params):
+        if keep_of is not None:
+            keep_of(params)
         return _StepSizeDecayState(zero_count(params))
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
@@ -834,7 +854,9 @@ def _add_step_size_decayed_weights(weight_decay: float, rho, scale_parameter: bo
             coef = [(s.to(torch.float64) * lr * weight_decay) for s in rms]
         else:
             coef = [lr * weight_decay] * len(g)
-        out = [x + y.to(x.dtype) * c.to(x.dtype) for x, y, c in zip(g, p, coef)]
+        keep = [True] * len(b.updates) if keep_of is None else keep_of(params)
+        out = [x + y.to(x.dtype) * c.to(x.dtype) if keep[i] else x
+               for i, x, y, c in zip(b.active, g, p, coef)]
         return b.rebuild_active(out), _StepSizeDecayState(state.count + 1)
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
@@ -844,7 +866,7 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
               eps: tuple[float, float] = (1e-30, 1e-3), clip_threshold: float = 1.0,
               decay_rate: float = -0.8, beta1: Optional[float] = None, weight_decay: float = 0.0,
               scale_parameter: bool = True, relative_step: bool = True,
-              warmup_init: bool = False) -> GradientTransformation:
+              warmup_init: bool = False, *, mask=None) -> GradientTransformation:
     """``transformers.optimization.Adafactor`` as a chain: same arguments, defaults and numbers.
 
     With ``t`` the step (1 on the first update) and per leaf:
@@ -888,6 +910,9 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
         beta1: first-moment decay in [0, 1), or ``None`` (no first moment, HF default).
         weight_decay: >= 0, decoupled decay scaled by ``alpha_t``.
         scale_parameter, relative_step, warmup_init: as HF.
+        mask: ``None`` (every leaf decayed), or a tree of bools / ``params -> tree`` (e.g.
+            :func:`~functional_train.decay_mask`): only the leaves where it is True are decayed
+            (optax's ``mask``).
 
     State: a tuple of the chain's states (``ScaleByFactoredRmsState`` first; ``EmaState`` holds
     HF's ``exp_avg``).
@@ -937,10 +962,11 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
     # with scale_parameter, the RMS of the updates and of the parameters share one all-reduce
     if beta1 is None:
         min_scale = eps2 if scale_parameter else None
-        txs.append(_adafactor_scale(clip_threshold, min_scale, weight_decay, rho))
+        txs.append(_adafactor_scale(clip_threshold, min_scale, weight_decay, rho, mask))
         tx = chain(*txs)
         tx.update.fused = FusedAdafactor(  # type: ignore[attr-defined]  (ft.step)
-            decay_rate, eps1, clip_threshold, min_scale, weight_decay, rho)
+            decay_rate, eps1, clip_threshold, min_scale, weight_decay, rho,
+            txs[-1].update.keep_of)
         return tx
     else:
         if scale_parameter:
@@ -951,6 +977,7 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
         txs.append(ema(beta1))
         if weight_decay:
             rho_fn = rho if callable(rho) else (lambda count, _v=float(rho): _v)
-            txs.append(_add_step_size_decayed_weights(weight_decay, rho_fn, scale_parameter, eps2))
+            txs.append(_add_step_size_decayed_weights(weight_decay, rho_fn, scale_parameter, eps2,
+                                                      mask))
         txs.append(scale(-1.0))
     return chain(*txs)

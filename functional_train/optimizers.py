@@ -51,13 +51,15 @@ def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening
 
 
 def _fused_adam(tx, decoupled, learning_rate, b1, b2, eps, weight_decay, amsgrad, maximize,
-                optim_bits, n_parts):
+                optim_bits, n_parts, mask=None):
     """Attach what ``ft.step``'s fused kernels need to an Adam chain (32-bit moments only)."""
     if optim_bits == 32:
         shift = 1 if maximize else 0
         adam_index = shift + (1 if (weight_decay and not decoupled) else 0)
+        decay = tx.update.parts[adam_index + 1] if (mask is not None and weight_decay) else None
         tx.update.fused = FusedAdam(decoupled, learning_rate, b1, b2, eps,  # type: ignore
-                                    weight_decay, amsgrad, maximize, adam_index, n_parts - 1)
+                                    weight_decay, amsgrad, maximize, adam_index, n_parts - 1,
+                                    None if decay is None else decay.update.keep_of)
     return tx
 
 
@@ -98,11 +100,15 @@ def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0
           eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
           maximize: bool = False, mu_dtype: Optional[torch.dtype] = None,
           nu_dtype: Optional[torch.dtype] = None, optim_bits: int = 32,
-          min_8bit_size: int = 4096, block_size: int = 256) -> GradientTransformation:
+          min_8bit_size: int = 4096, block_size: int = 256, mask=None) -> GradientTransformation:
     """``torch.optim.AdamW`` as a chain, same arguments and defaults (``betas=(b1, b2)``).
 
     ``param <- param - lr * (adam_update + weight_decay * param)``: torch's decoupled decay
     ``param * (1 - lr * weight_decay)`` (Loshchilov & Hutter 2019).
+
+    ``mask`` (optax's): ``None`` decays every leaf; a tree of bools with the structure of the
+    params, or ``params -> such a tree`` (e.g. :func:`~functional_train.decay_mask`), decays only
+    the leaves where it is True (torch: a parameter group with ``weight_decay=0`` for the rest).
 
     ``optim_bits=8`` keeps the moments of leaves of at least ``min_8bit_size`` elements
     block-wise quantised to 8 bits, blocks of ``block_size`` along the last dim (bitsandbytes'
@@ -117,24 +123,26 @@ def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0
                          optim_bits=optim_bits, min_8bit_size=min_8bit_size,
                          block_size=block_size)]
     if weight_decay:
-        txs.append(add_decayed_weights(weight_decay))
+        txs.append(add_decayed_weights(weight_decay, mask=mask))
     txs.append(scale_by_learning_rate(learning_rate))
     txs = _maybe_maximize(maximize, txs)
     return _fused_adam(chain(*txs), True, learning_rate, b1, b2, eps, weight_decay, amsgrad,
-                       maximize, optim_bits, len(txs))
+                       maximize, optim_bits, len(txs), mask)
 
 
 def lamb(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True, *,
          mu_dtype: Optional[torch.dtype] = None,
-         nu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+         nu_dtype: Optional[torch.dtype] = None, mask=None) -> GradientTransformation:
     """LAMB (You et al. 2019), as REFERENCES.md states it and optax ``lamb`` computes it.
 
     ``m, v`` Adam moments (bias-corrected when ``bias_correction``);
     ``r = m / (sqrt(v) + eps) + weight_decay * param``; ``trust = ||param|| / ||r||`` per leaf over
     the global tensor (1 if either is 0); ``param <- param - lr * trust * r``. Defaults are
     Colossal-AI's / the reference's: ``lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0``.
-    Under sharding the norms of every leaf take ONE all-reduce per update.
+    Under sharding the norms of every leaf take ONE all-reduce per update. ``mask`` (optax's):
+    decay only the leaves where it is True (a tree of bools or ``params -> tree``, e.g.
+    :func:`~functional_train.decay_mask`).
 
     Raises:
         ValueError: out-of-range hyper-parameters.
@@ -144,6 +152,6 @@ def lamb(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
     txs = [scale_by_adam(b1, b2, eps, bias_correction=bias_correction, mu_dtype=mu_dtype,
                          nu_dtype=nu_dtype)]
     if weight_decay:
-        txs.append(add_decayed_weights(weight_decay))
+        txs.append(add_decayed_weights(weight_decay, mask=mask))
     txs += [scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
     return chain(*txs)

@@ -59,6 +59,7 @@ class FusedAdam:
     maximize: bool
     adam_index: int
     lr_index: int
+    mask: Optional[Callable] = None  # params -> [bool per leaf]: the leaves decayed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,10 +203,19 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
             new_count = st.count + 1
             steps = [new_count.to(device=p[0].device, dtype=torch.float32)] * len(p)
             kernel = torch._fused_adamw_ if fused.decoupled else torch._fused_adam_
-            kernel(new_p, g_in, new_bufs["mu"], new_bufs["nu"],
-                   new_bufs.get("nu_max", []), steps, lr=lr, beta1=fused.b1, beta2=fused.b2,
-                   weight_decay=fused.weight_decay, eps=fused.eps, amsgrad=fused.amsgrad,
-                   maximize=fused.maximize, grad_scale=grad_scale)
+            lists = [new_p, g_in, new_bufs["mu"], new_bufs["nu"], new_bufs.get("nu_max", []),
+                     steps]
+            groups = [(None, fused.weight_decay)]
+            if fused.mask is not None:  # decayed leaves, then the others: one call each
+                keep = fused.mask(params)
+                on = [k for k, i in enumerate(act) if keep[i]]
+                off = [k for k, i in enumerate(act) if not keep[i]]
+                groups = [(ks, wd) for ks, wd in ((on, fused.weight_decay), (off, 0.0)) if ks]
+            for ks, wd in groups:
+                args = lists if ks is None else [[x[k] for k in ks] if x else x for x in lists]
+                kernel(*args, lr=lr, beta1=fused.b1, beta2=fused.b2, weight_decay=wd,
+                       eps=fused.eps, amsgrad=fused.amsgrad, maximize=fused.maximize,
+                       grad_scale=grad_scale)
         else:
             new_count = None if st is None else st.count + 1
             torch._fused_sgd_(new_p, g_in, new_bufs.get("trace", []),

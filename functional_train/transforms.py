@@ -119,25 +119,87 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransformation:
     """Add ``weight_decay * param`` to the updates (L2 / decoupled decay, optax semantics).
 
     Needs ``params`` at update. Placed before :func:`scale_by_adam` it is ``torch.optim.Adam``'s
     ``weight_decay`` (L2 on the gradient); placed after it and before the learning rate it is
     AdamW's decoupled decay ``lr * weight_decay * param``. No state.
 
+    Args:
+        weight_decay: >= 0 (default 0).
+        mask: ``None`` (every leaf decayed), a tree of bools with the structure of the params, or
+            ``params -> such a tree`` (e.g. :func:`~functional_train.decay_mask`): only the
+            leaves where it is True are decayed, the others pass through (optax's ``mask``).
+
     Raises:
-        ValueError: ``weight_decay < 0``; at update, ``params`` missing.
+        ValueError: ``weight_decay < 0``; at update, ``params`` missing, a mask whose structure
+            differs from the params. TypeError: a mask leaf that is not a bool (naming it).
     """
-    wd = V.number("weight_decay", weight_decay, where="add_decayed_weights", low=0.0)
+    where = "add_decayed_weights"
+    wd = V.number("weight_decay", weight_decay, where=where, low=0.0)
+    if mask is None:
+        def decay(b):
+            g = _active_locals(b)
+            if wd == 0.0:
+                return g
+            return torch._foreach_add(g, _cast_like([b.params[i] for i in b.active], g), alpha=wd)
 
-    def decay(b):
-        g = _active_locals(b)
-        if wd == 0.0:
-            return g
-        return torch._foreach_add(g, _cast_like([b.params[i] for i in b.active], g), alpha=wd)
+        return stateless(where, decay, need_params=True)
+    from .combine import mask_of
 
-    return stateless("add_decayed_weights", decay, need_params=True)
+    keep_of = mask_of(mask, where)
+
+    def init_fn(params):
+        keep_of(params)  # resolved (and checked) once eagerly
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        _check_state(state, EmptyState, where)
+        b = prepare(updates, params, mesh, need_params=True, name=where)
+        keep = keep_of(params)
+        idx = [i for i in b.active if keep[i]]
+        out = dict(zip(b.active, _active_locals(b)))
+        if idx and wd != 0.0:
+            g = [out[i] for i in idx]
+            for i, x in zip(idx, torch._foreach_add(g, _cast_like([b.params[i] for i in idx], g),
+                                                    alpha=wd)):
+                out[i] = x
+        return b.rebuild_active([out[i] for i in b.active]), state
+
+    update_fn.keep_of = keep_of  # (ft.step's fused AdamW decays only these leaves)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+NO_DECAY_NAMES = ("bias", "norm", "ln_", "embed", "wte", "wpe")
+
+
+def decay_mask(params: Any, *, exclude: tuple = NO_DECAY_NAMES) -> Any:
+    """The usual weight-decay mask of a params tree: ``True`` for the weight matrices, ``False``
+    for biases, normalisation gains and embeddings (as HF ``Trainer`` and Colossal-AI exclude
+    biases and norm weights, and GPT-style recipes embeddings too).
+
+    A leaf is excluded when any dotted component of its path (``"layers.0.attn_norm"``,
+    ``"model.embed_tokens.weight"``), lowercased, contains one of ``exclude`` (default
+    ``NO_DECAY_NAMES``: ``bias``, ``norm``, ``ln_``, ``embed``, ``wte``, ``wpe``), or when it has
+    fewer than 2 dims (every bias, gain and scalar, whatever its name), or is ``None``.
+
+    Pass it (or the tree it returns) as ``mask=`` of :func:`add_decayed_weights`,
+    ``adamw``, ``lamb``, ``adafactor`` or ``came``.
+
+    Returns:
+        a tree of bools with the structure of ``params``.
+    """
+    from .tree import tree_flatten, tree_paths, tree_unflatten
+
+    leaves, treedef = tree_flatten(params)
+    pats = tuple(str(e).lower() for e in exclude)
+    out = []
+    for x, path in zip(leaves, tree_paths(params)):
+        parts = path.lower().split(".")
+        out.append(x is not None and getattr(x, "ndim", 0) >= 2
+                   and not any(p in part for part in parts for p in pats))
+    return tree_unflatten(treedef, out)
 
 
 class TraceState(NamedTuple):
