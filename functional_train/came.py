@@ -20,16 +20,16 @@ import optree
 import torch
 
 from . import _validate as V
-from .autograd import requires_grad_like
 from .base import EmptyState, GradientTransformation, declare, chain
 from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _factored_rms,
                        _is_factored, _leaf_rms, _new_state_tree, _placeholder, _square,
-                       _state_leaves, _zeros_reduced, per_leaf_view, scale_by_factored_rms)
+                       _state_leaves, _zeros_reduced, per_leaf_result, per_leaf_view,
+                       scale_by_factored_rms)
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state,
                          add_decayed_weights, scale_by_learning_rate)
-from .tree import state_dtype, state_zeros_like, tree_paths, tree_unflatten
+from .tree import state_dtype, state_zeros_like, tree_paths
 
 __all__ = ["scale_by_came", "ScaleByCameState", "came"]
 
@@ -340,9 +340,4 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
         _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col))
     new_state = (new_s, *state[1:-1],
                  ScaleByScheduleState(lr_state.count + 1) if schedule else lr_state)
-    if donate:
-        return params, new_state
-    leaves = list(pl)
-    for i, x in new_p.items():
-        leaves[i] = requires_grad_like(x, pl[i])
-    return tree_unflatten(treedef, leaves), new_state
+    return per_leaf_result(params, pl, treedef, new_p, new_state, donate)

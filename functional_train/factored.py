@@ -741,6 +741,19 @@ def per_leaf_view(grads: Any, params: Any, mesh: Any, name: str,
     return b, pl, treedef
 
 
+def per_leaf_result(params: Any, pl: list, treedef: Any, new_p: dict, new_state: Any,
+                    donate: bool) -> tuple:
+    """A per-leaf step's ``(params, state)``: the donated ``params`` (updated in place), or the
+    params tree with the new leaves ``new_p`` (position -> tensor) marked as requiring grad
+    where the old ones did."""
+    if donate:
+        return params, new_state
+    leaves = list(pl)
+    for i, x in new_p.items():
+        leaves[i] = requires_grad_like(x, pl[i])
+    return tree_unflatten(treedef, leaves), new_state
+
+
 def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: Any,
                          mesh: Any, donate: bool) -> Optional[tuple]:
     """``ft.step`` of ``adafactor`` (without ``beta1``) when no leaf needs communication (plain
@@ -810,12 +823,7 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
             for i, u in small:
                 apply(i, u)
     new_tail = ScaleByScheduleState(tail_state.count + 1) if callable(fused.rho) else tail_state
-    if donate:
-        return params, (new_fac, new_tail)
-    leaves = list(pl)
-    for i, x in new_p.items():
-        leaves[i] = requires_grad_like(x, pl[i])
-    return tree_unflatten(treedef, leaves), (new_fac, new_tail)
+    return per_leaf_result(params, pl, treedef, new_p, (new_fac, new_tail), donate)
 
 
 # ---------------------------------------------------------------------------------------------

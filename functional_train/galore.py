@@ -42,7 +42,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
 from .base import GradientTransformation, declare, chain
-from .autograd import requires_grad_like
 from .base import EmptyState
 from .combine import PartitionState, partition
 from .engine.collectives import all_gather
@@ -50,7 +49,7 @@ from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.layout import shard_region
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import Prepared, prepare
-from .factored import per_leaf_view
+from .factored import per_leaf_result, per_leaf_view
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, reject_complex, scale_by_adam,
                          scale_by_learning_rate, stateless)
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
@@ -870,12 +869,7 @@ def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, m
                                                         [upd[i] for i in idx])):
                     new_p[i] = x
     new_state = PartitionState({k: states[k] for k in state.inner_states})
-    if donate:
-        return params, new_state
-    leaves = list(pl)
-    for i, x in new_p.items():
-        leaves[i] = requires_grad_like(x, pl[i])
-    return tree_unflatten(treedef, leaves), new_state
+    return per_leaf_result(params, pl, treedef, new_p, new_state, donate)
 
 
 def _skip_when_empty(tx: GradientTransformation) -> GradientTransformation:

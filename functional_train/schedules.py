@@ -341,8 +341,14 @@ def warmup_exponential_decay_schedule(init_value: float, peak_value: float, warm
                    low=0)])
 
 
-def _onecycle_steps(transition_steps, where: str) -> int:
-    return V.integer("transition_steps", transition_steps, where=where, low=1)
+def _onecycle_args(where: str, transition_steps, peak_value, pct_start, div_factor,
+                   final_div_factor) -> tuple:
+    """The one-cycle schedules' shared arguments, checked."""
+    return (V.integer("transition_steps", transition_steps, where=where, low=1),
+            V.number("peak_value", peak_value, where=where),
+            V.number("pct_start", pct_start, where=where, low=0.0, high=1.0),
+            V.number("div_factor", div_factor, where=where, low=0.0, low_open=True),
+            V.number("final_div_factor", final_div_factor, where=where, low=0.0, low_open=True))
 
 
 def linear_onecycle_schedule(transition_steps: int, peak_value: float, pct_start: float = 0.3,
@@ -358,13 +364,9 @@ def linear_onecycle_schedule(transition_steps: int, peak_value: float, pct_start
         ValueError: ``transition_steps < 1``; non-positive factors.
     """
     where = "linear_onecycle_schedule"
-    T = _onecycle_steps(transition_steps, where)
-    peak_value = V.number("peak_value", peak_value, where=where)
-    pct_start = V.number("pct_start", pct_start, where=where, low=0.0, high=1.0)
+    T, peak_value, pct_start, div_factor, final_div_factor = _onecycle_args(
+        where, transition_steps, peak_value, pct_start, div_factor, final_div_factor)
     pct_final = V.number("pct_final", pct_final, where=where, low=0.0, high=1.0)
-    div_factor = V.number("div_factor", div_factor, where=where, low=0.0, low_open=True)
-    final_div_factor = V.number("final_div_factor", final_div_factor, where=where, low=0.0,
-                                low_open=True)
     return piecewise_interpolate_schedule(
         "linear", peak_value / div_factor,
         {int(pct_start * T): div_factor, int(pct_final * T): 1.0 / div_factor,
@@ -381,13 +383,9 @@ def cosine_onecycle_schedule(transition_steps: int, peak_value: float, pct_start
     Raises:
         ValueError: ``transition_steps < 1``; non-positive factors.
     """
-    where = "cosine_onecycle_schedule"
-    T = _onecycle_steps(transition_steps, where)
-    peak_value = V.number("peak_value", peak_value, where=where)
-    pct_start = V.number("pct_start", pct_start, where=where, low=0.0, high=1.0)
-    div_factor = V.number("div_factor", div_factor, where=where, low=0.0, low_open=True)
-    final_div_factor = V.number("final_div_factor", final_div_factor, where=where, low=0.0,
-                                low_open=True)
+    T, peak_value, pct_start, div_factor, final_div_factor = _onecycle_args(
+        "cosine_onecycle_schedule", transition_steps, peak_value, pct_start, div_factor,
+        final_div_factor)
     return piecewise_interpolate_schedule(
         "cosine", peak_value / div_factor,
         {int(pct_start * T): div_factor, T: 1.0 / (div_factor * final_div_factor)})
