@@ -130,12 +130,16 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
     "galore_adamw[8bit]": lambda: ft.galore_adamw(1e-2, weight_decay=0.1, rank=2,
                                                   update_proj_gap=2, optim_bits=8,
                                                   min_8bit_size=0),
+    # a weight-decay mask: the masked decay, and ft.step's fused kernel in two calls
+    "adamw[mask]": lambda: ft.adamw(1e-2, weight_decay=0.1, mask=ft.decay_mask),
 }
 
 EXCLUDED: dict[str, str] = {
     "GradientTransformation": "the (init, update) NamedTuple type itself",
     "EmptyState": "a state type (checked through the transforms that return it)",
     "differentiable": "a context manager for autograd (tests/test_unusual_input.py)",
+    "decay_mask": "builds a mask tree, not a transform (swept as adamw[mask]; "
+                  "tests/test_decay_mask.py)",
     "is_differentiable": "its query",
     "PartitionState": "a state type",
     "MaskedState": "a state type",
