@@ -38,24 +38,23 @@ def _resolve(spec, params: PyTree, what: str) -> list:
 
 
 class _PerLeaf:
-    """Per-leaf labels (or mask values) of a params tree, resolved eagerly and reused under
-    ``torch.compile``: dynamo cannot flatten trees of strings or bools built in traced code, so
-    the values resolved by ``init`` (or an eager update) are looked up by the params' leaf
-    shapes. Two param trees of the same shapes with different labels make the lookup ambiguous
-    (an error under compile; eager calls are unaffected)."""
+    """Per-leaf labels (or mask values) of a params tree, resolved once per params structure
+    and leaf shapes: a callable is called on the first params of each layout, as under
+    ``jax.jit`` (where optax calls it once per trace), not on every update, so the per-leaf
+    host work of a mask such as ``decay_mask`` is not paid each step. Under ``torch.compile``
+    the values resolved eagerly (by ``init`` or an eager update) are looked up by the params'
+    leaf shapes alone (dynamo cannot flatten trees of strings or bools built in traced code):
+    two param trees of the same shapes with different labels make that lookup ambiguous (an
+    error under compile; eager calls are unaffected)."""
 
     _AMBIGUOUS = object()
 
     def __init__(self, resolve: Callable[[PyTree], list], name: str):
-        self._resolve, self._name, self._seen = resolve, name, {}
-
-    @staticmethod
-    def _signature(params) -> tuple:
-        return tuple(None if x is None else tuple(x.shape)
-                     for x in optree.tree_leaves(params, none_is_leaf=True))
+        self._resolve, self._name, self._seen, self._eager = resolve, name, {}, {}
 
     def __call__(self, params) -> list:
-        sig = self._signature(params)
+        leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
+        sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
         if torch.compiler.is_compiling():
             hit = self._seen.get(sig)
             if hit is None or hit is self._AMBIGUOUS:
@@ -64,9 +63,12 @@ class _PerLeaf:
                     "call init (or one eager update) on params of these shapes first"
                     + (" (two param trees of these shapes have different labels)" if hit else ""))
             return hit
-        values = self._resolve(params)
-        prev = self._seen.get(sig)
-        self._seen[sig] = values if prev is None or prev == values else self._AMBIGUOUS
+        key = (treedef, sig)
+        values = self._eager.get(key)
+        if values is None:
+            values = self._eager[key] = self._resolve(params)
+            prev = self._seen.get(sig)
+            self._seen[sig] = values if prev is None or prev == values else self._AMBIGUOUS
         return values
 
 
@@ -149,8 +151,8 @@ def partition(transforms: Mapping[str, GradientTransformation],
 
 def mask_of(mask: Union[PyTree, Callable[[PyTree], PyTree]], where: str) -> "_PerLeaf":
     """``params -> [bool per leaf]`` for a mask given as a tree of bools with the structure of
-    the params or as ``params -> mask tree`` (optax semantics), resolved eagerly and reused under
-    ``torch.compile`` (see :class:`_PerLeaf`). Calling it raises ValueError for a mask whose
+    the params or as ``params -> mask tree`` (optax semantics), resolved once per params
+    structure and leaf shapes, and reused under ``torch.compile`` (see :class:`_PerLeaf`). Calling it raises ValueError for a mask whose
     structure differs from the params and TypeError for a leaf that is not a bool, naming the
     leaf path."""
     def resolve_mask(params):
