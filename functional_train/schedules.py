@@ -62,6 +62,15 @@ def _scales(boundaries_and_scales, where: str) -> tuple:
     return tuple(b for b, _ in items), tuple(v for _, v in items)
 
 
+def _transition_args(where: str, init_value, end_value, transition_steps,
+                     transition_begin) -> tuple:
+    """The linear and polynomial schedules' shared arguments, checked."""
+    return (V.number("init_value", init_value, where=where),
+            V.number("end_value", end_value, where=where),
+            V.integer("transition_steps", transition_steps, where=where, low=0),
+            V.integer("transition_begin", transition_begin, where=where, low=0))
+
+
 def constant_schedule(value: float) -> Schedule:
     """``value`` at every step."""
     value = V.number("value", value, where="constant_schedule")
@@ -80,11 +89,8 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
     Raises:
         ValueError: negative ``transition_steps`` or ``transition_begin``.
     """
-    where = "linear_schedule"
-    init_value = V.number("init_value", init_value, where=where)
-    end_value = V.number("end_value", end_value, where=where)
-    transition_steps = V.integer("transition_steps", transition_steps, where=where, low=0)
-    transition_begin = V.integer("transition_begin", transition_begin, where=where, low=0)
+    init_value, end_value, transition_steps, transition_begin = _transition_args(
+        "linear_schedule", init_value, end_value, transition_steps, transition_begin)
 
     def schedule(count):
         c = _count(count)
@@ -107,11 +113,9 @@ def polynomial_schedule(init_value: float, end_value: float, power: float, trans
         ValueError: negative ``transition_steps`` or ``transition_begin``.
     """
     where = "polynomial_schedule"
-    init_value = V.number("init_value", init_value, where=where)
-    end_value = V.number("end_value", end_value, where=where)
+    init_value, end_value, transition_steps, transition_begin = _transition_args(
+        where, init_value, end_value, transition_steps, transition_begin)
     power = V.number("power", power, where=where)
-    transition_steps = V.integer("transition_steps", transition_steps, where=where, low=0)
-    transition_begin = V.integer("transition_begin", transition_begin, where=where, low=0)
 
     def schedule(count):
         c = _count(count)

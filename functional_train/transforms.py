@@ -17,7 +17,8 @@ from . import quantization as Q
 from .base import EmptyState, GradientTransformation, declare
 from .quantization import ScaleByAdam8bitState
 from .engine.view import prepare
-from .tree import first_device, state_zeros_like
+from .combine import mask_of
+from .tree import first_device, state_zeros_like, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
     "scale",
@@ -146,8 +147,6 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
             return torch._foreach_add(g, _cast_like([b.params[i] for i in b.active], g), alpha=wd)
 
         return stateless(where, decay, need_params=True)
-    from .combine import mask_of
-
     keep_of = mask_of(mask, where)
 
     def init_fn(params):
@@ -190,8 +189,6 @@ def decay_mask(params: Any, *, exclude: tuple = NO_DECAY_NAMES) -> Any:
     Returns:
         a tree of bools with the structure of ``params``.
     """
-    from .tree import tree_flatten, tree_paths, tree_unflatten
-
     leaves, treedef = tree_flatten(params)
     pats = tuple(str(e).lower() for e in exclude)
     out = []
