@@ -207,7 +207,6 @@ class _NearestCode:
     SHIFT = 12
 
     def __init__(self, mid: torch.Tensor):
-        self.mid = mid
         self.mid_inf = torch.cat([mid, mid.new_full((1,), float("inf"))])
         keys = self.key(mid.contiguous()).to(torch.int64)
         n = 1 << (32 - self.SHIFT)
