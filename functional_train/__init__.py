@@ -15,6 +15,8 @@ from .factored import (EmaState, ScaleByFactoredRmsState, adafactor, clip_by_blo
                        relative_step_schedule, scale_by_factored_rms, scale_by_param_block_rms)
 from .galore import GaLoreState, galore, galore_adamw, galore_param_labels
 from .mesh import Mesh
+from .nonfinite import (ApplyIfFiniteState, DynamicLossScaleState, ZeroNansState, all_finite,
+                        apply_if_finite, dynamic_loss_scale, loss_scale, zero_nans)
 from .optimizers import adam, adamw, lamb, sgd
 from .quantization import (ScaleByAdam8bitState, create_dynamic_map, dequantize_blockwise,
                            quantize_blockwise)
@@ -39,7 +41,8 @@ def _register_safe_globals() -> None:
         EmptyState, MultiStepsState, MaskedState, PartitionState, ScaleByCameState,
         ClipByGlobalNormState, EmaState, ScaleByFactoredRmsState, _StepSizeDecayState,
         GaLoreState, ScaleByAdam8bitState, ScaleByAdamState, ScaleByAmsgradState,
-        ScaleByScheduleState, TraceState, ZeroRedundancyState])
+        ScaleByScheduleState, TraceState, ZeroRedundancyState, ApplyIfFiniteState,
+        DynamicLossScaleState, ZeroNansState])
 
 
 _register_safe_globals()
@@ -54,6 +57,9 @@ __all__ = [
     "clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm",
     # accumulation
     "multi_steps", "MultiStepsState", "has_updated",
+    # non-finite gradients and loss scaling
+    "apply_if_finite", "ApplyIfFiniteState", "zero_nans", "ZeroNansState", "all_finite",
+    "dynamic_loss_scale", "DynamicLossScaleState", "loss_scale",
     # ZeRO
     "zero_redundancy", "ZeroRedundancyState",
     # transforms

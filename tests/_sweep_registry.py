@@ -92,6 +92,12 @@ FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
     # accumulation, ZeRO
     "multi_steps": lambda: ft.multi_steps(ft.adamw(1e-2), every_k=2),
     "zero_redundancy": lambda: ft.zero_redundancy(ft.adamw(1e-2), axis="dp"),
+    # non-finite gradients (the swept gradients are finite: the applied branch, and the
+    # selection between it and the kept state)
+    "apply_if_finite": lambda: ft.apply_if_finite(ft.adamw(1e-2), 2),
+    "zero_nans": lambda: ft.zero_nans(),
+    "dynamic_loss_scale": lambda: ft.dynamic_loss_scale(ft.adamw(1e-2), init_scale=4.0,
+                                                        growth_interval=2),
     # elementwise transforms
     "scale": lambda: ft.scale(-0.5),
     "scale_by_learning_rate": lambda: ft.scale_by_learning_rate(_warmup_cosine()),
@@ -132,6 +138,9 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
                                                   min_8bit_size=0),
     # a weight-decay mask: the masked decay, and ft.step's fused kernel in two calls
     "adamw[mask]": lambda: ft.adamw(1e-2, weight_decay=0.1, mask=ft.decay_mask),
+    # finiteness read from the leading clip's norm instead of its own all-reduce
+    "apply_if_finite[clip]": lambda: ft.apply_if_finite(
+        ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), 2),
 }
 
 EXCLUDED: dict[str, str] = {
@@ -154,6 +163,11 @@ EXCLUDED: dict[str, str] = {
     "EmaState": "a state type",
     "ScaleByCameState": "a state type",
     "GaLoreState": "a state type",
+    "ApplyIfFiniteState": "a state type",
+    "ZeroNansState": "a state type",
+    "DynamicLossScaleState": "a state type",
+    "all_finite": "a query returning a 0-dim bool, not a transform (tests/test_nonfinite.py)",
+    "loss_scale": "reads the scale from a state, not a transform (tests/test_nonfinite.py)",
     "ScaleByAdam8bitState": "a state type (adamw[8bit] and galore_adamw[8bit] return it)",
     "create_dynamic_map": "builds the 8-bit code map (a tensor), not a transform (swept through "
                           "the [8bit] variants)",
@@ -190,6 +204,7 @@ _GLOBAL_NORM = ("the clip factor is one number from the norm of the whole tree: 
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("clip_by_global_norm", "mixed_dtypes"): _GLOBAL_NORM,
     ("chain", "mixed_dtypes"): _GLOBAL_NORM,
+    ("apply_if_finite[clip]", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): (
         "identity passes gradients that are unreduced over the data axis on unreduced, by "
         "design (passes_unreduced): each replica's contribution is its correct output"),

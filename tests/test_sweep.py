@@ -619,8 +619,9 @@ def test_none_leaves(name, frozen):
 # =============================================================================================
 # bfloat16
 # =============================================================================================
-# leaves that may legitimately be non-float in a state: int64 counters, uint8 8-bit codes
-STATE_INT_DTYPES = (torch.int64, torch.uint8)
+# leaves that may legitimately be non-float in a state: int64 counters, uint8 8-bit codes, bool
+# flags (apply_if_finite's last_finite, zero_nans' found_nan)
+STATE_INT_DTYPES = (torch.int64, torch.uint8, torch.bool)
 
 
 def assert_float32_states(state: Any, what: str) -> None:
@@ -876,8 +877,10 @@ def test_step_counter(name, count):
     state = tx.init(params)
     _, state = tx.update(grads[0], state, params)
 
-    def is_mini_step(path):  # multi_steps' micro-step counter and per-leaf flags: not counters
-        return path.endswith("mini_step") or "seen" in path.split(".")[-2:]
+    def is_mini_step(path):  # multi_steps' micro-step counter and per-leaf flags, and the
+        # counts of non-finite updates (apply_if_finite, dynamic_loss_scale): not step counters
+        return (path.endswith(("mini_step", "notfinite_count", "total_notfinite"))
+                or "seen" in path.split(".")[-2:])
 
     big = map_state(lambda p, x: torch.full_like(x, count)
                     if _is_counter(x) and not is_mini_step(p) else x, state)
@@ -889,7 +892,9 @@ def test_step_counter(name, count):
         assert _is_counter(x), f"state['{p}'] is no longer a 0-dim int64 tensor: {x!r}"
         assert int(x) == count + 1, f"state['{p}']: {count} -> {int(x)}"
     for p, x in walk(new):
-        if is_mini_step(p):
+        if p.endswith("total_notfinite"):
+            assert int(x) == int(dict(walk(big))[p]), f"state['{p}'] counted a finite update"
+        elif is_mini_step(p):
             assert int(x) == 0, f"state['{p}'] = {int(x)} after the final micro-step"
         elif isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
             assert torch.isfinite(x).all(), f"state['{p}'] is not finite"

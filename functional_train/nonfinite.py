@@ -1,0 +1,359 @@
+"""Non-finite gradients: steps skipped by every rank together, NaNs zeroed, dynamic loss scaling.
+
+optax's ``apply_if_finite`` and ``zero_nans``, and torch's ``GradScaler`` as a transform. The
+decision to skip a step is global (every element of every leaf on every rank) and is taken
+without a host synchronisation: the inner update is computed, and ``torch.where`` on a 0-dim
+flag selects, leaf by leaf, between it and the unchanged state (zero updates). Under a mesh the
+flag costs ONE scalar all-reduce per update, or nothing extra when the inner transform starts
+with :func:`~functional_train.clip_by_global_norm`, whose norm (one all-reduce already) is
+finite exactly when every gradient element is (up to float32 overflow of the squares, as for
+torch's ``clip_grad_norm_(error_if_nonfinite=True)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from . import _validate as V
+from .base import GradientTransformation, call_reduced, declare
+from .engine.dtensor import to_local, wrap_like
+from .engine.view import Prepared, prepare
+from .transforms import _cast_like
+from .tree import first_device
+
+__all__ = ["apply_if_finite", "ApplyIfFiniteState", "zero_nans", "ZeroNansState",
+           "dynamic_loss_scale", "DynamicLossScaleState", "loss_scale", "all_finite"]
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of :func:`apply_if_finite` (optax's fields; 0-dim tensors on the params' device).
+
+    Attributes:
+        notfinite_count: consecutive non-finite updates so far (int64).
+        last_finite: whether the last update's gradients were all finite (bool).
+        total_notfinite: non-finite updates since init (int64).
+        inner_state: the inner transform's state, unchanged by skipped steps.
+    """
+
+    notfinite_count: torch.Tensor
+    last_finite: torch.Tensor
+    total_notfinite: torch.Tensor
+    inner_state: Any
+
+
+class ZeroNansState(NamedTuple):
+    """State of :func:`zero_nans`: ``found_nan``, one 0-dim bool per leaf of the params tree
+    (``None`` for ``None`` leaves): whether the last update had a NaN in that leaf, on any
+    rank."""
+
+    found_nan: Any
+
+
+class DynamicLossScaleState(NamedTuple):
+    """State of :func:`dynamic_loss_scale` (0-dim tensors on the params' device).
+
+    Attributes:
+        scale: the loss scale (float32): multiply the loss by it before the backward pass
+            (:func:`loss_scale` reads it).
+        growth_tracker: finite steps since the scale last changed (int64; torch's is int32).
+        last_finite: whether the last update's gradients were all finite (bool).
+        total_notfinite: skipped updates since init (int64).
+        inner_state: the inner transform's state, unchanged by skipped steps.
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    last_finite: torch.Tensor
+    total_notfinite: torch.Tensor
+    inner_state: Any
+
+
+def _leading_clip_norm(inner: GradientTransformation):
+    """``state -> pre-clip global norm`` when ``inner`` is ``clip_by_global_norm`` or a chain
+    starting with it (the norm then decides finiteness at no extra cost), else ``None``."""
+    if getattr(inner.update, "fused_clip", None) is not None:
+        return lambda s: s.global_norm
+    parts = getattr(inner.update, "parts", None)
+    if parts and getattr(parts[0].update, "fused_clip", None) is not None:
+        return lambda s: s[0].global_norm
+    return None
+
+
+def _nonfinite_flags(xs) -> torch.Tensor:
+    """One float32 flag per local shard, 1 where it holds a NaN or an infinity. One reduction
+    per leaf: its sum, accumulated at least in float32 (NaN and infinities survive a sum;
+    finite values overflow it only within a factor of the element count of the dtype's
+    largest value)."""
+    sums = []
+    for x in xs:
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        s = x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum()
+        sums.append(s if s.dtype == torch.float64 else s.float())
+    if any(s.dtype == torch.float64 for s in sums):
+        sums = [s.double() for s in sums]
+    return (~torch.isfinite(torch.stack(sums))).to(torch.float32)
+
+
+def _all_finite_of(b: Prepared) -> torch.Tensor:
+    """Whether every element of every active leaf on every rank is finite (a 0-dim bool; ONE
+    scalar all-reduce over the mesh unless every leaf is whole on every rank)."""
+    if not b.active:
+        return torch.ones((), dtype=torch.bool, device=first_device(b.locals))
+    flags = _nonfinite_flags([b.locals[i] for i in b.active])
+    return b.global_max(flags, b.active) == 0
+
+
+def all_finite(updates, *, mesh=None) -> torch.Tensor:
+    """Whether every element of every leaf of ``updates`` on every rank is finite.
+
+    ``updates``: a tree of plain tensors or DTensors (``None`` leaves skipped), possibly
+    unreduced over ``mesh.data_axis``. Returns a 0-dim bool tensor, the same on every rank.
+    Collectives: one scalar all-reduce over the mesh (none in one process).
+    """
+    b = prepare(updates, None, mesh, name="all_finite")
+    return _all_finite_of(b)
+
+
+def _where_tree(ok: torch.Tensor, new, old):
+    """``torch.where(ok, new, old)`` leaf by leaf (DTensors on their local shards)."""
+
+    def pick(n, o):
+        if n is None or not isinstance(n, torch.Tensor):
+            return n
+        if n is o:
+            return n
+        ln, lo = to_local(n), to_local(o)
+        return wrap_like(torch.where(ok.to(ln.device), ln, lo), n)
+
+    return optree.tree_map(pick, new, old, none_is_leaf=True)
+
+
+def _zeros_where_not(ok: torch.Tensor, updates):
+    """The updates where ``ok``, zeros elsewhere (a view's locals, or a tree's leaves)."""
+    if isinstance(updates, Prepared):
+        return updates.with_locals([None if x is None else
+                                    torch.where(ok.to(x.device), x, torch.zeros((), dtype=x.dtype,
+                                                                                device=x.device))
+                                    for x in updates.locals])
+
+    def zero(x):
+        if x is None:
+            return None
+        lx = to_local(x)
+        return wrap_like(torch.where(ok.to(lx.device), lx,
+                                     torch.zeros((), dtype=lx.dtype, device=lx.device)), x)
+
+    return optree.tree_map(zero, updates, none_is_leaf=True)
+
+
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int
+                    ) -> GradientTransformation:
+    """Apply ``inner`` only when every gradient element is finite (optax ``apply_if_finite``).
+
+    When a NaN or an infinity is anywhere in the updates (any leaf, any rank), the update is
+    zeros and ``inner``'s state is left unchanged, on every rank alike; after more than
+    ``max_consecutive_errors`` non-finite updates in a row, the inner update is applied anyway
+    (as optax does, so a run that only produces NaNs does not silently stall).
+
+    No host synchronisation: ``inner`` always runs, and ``torch.where`` on a 0-dim flag picks
+    its result or the old state leaf by leaf (a step pays one extra read of the inner state).
+    Collectives: ``inner``'s, plus ONE scalar all-reduce over the mesh — none when ``inner`` is
+    ``clip_by_global_norm`` or a ``chain`` starting with it (its norm is then the test).
+
+    Args:
+        inner: the transform to guard.
+        max_consecutive_errors: >= 0.
+
+    State: :class:`ApplyIfFiniteState`.
+
+    Raises:
+        TypeError: ``inner`` is not a GradientTransformation.
+        ValueError: ``max_consecutive_errors < 0``; at update, a state from another transform.
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"apply_if_finite: inner must be a GradientTransformation, "
+                        f"got {type(inner).__name__}")
+    max_consecutive_errors = V.integer("max_consecutive_errors", max_consecutive_errors,
+                                       where="apply_if_finite", low=0)
+    clip_norm = _leading_clip_norm(inner)
+
+    def init_fn(params):
+        dev = first_device(params)
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        return ApplyIfFiniteState(zero, torch.ones((), dtype=torch.bool, device=dev),
+                                  zero.clone(), inner.init(params))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if not isinstance(state, ApplyIfFiniteState):
+            raise ValueError("apply_if_finite: expected the ApplyIfFiniteState from "
+                             f"apply_if_finite.init, got {type(state).__name__}")
+        given_view = isinstance(updates, Prepared)
+        b = prepare(updates, params, mesh, name="apply_if_finite", view=True)
+        finite = None if clip_norm is not None else _all_finite_of(b)
+        new_updates, new_inner, _ = call_reduced(inner, b, state.inner_state, params, b.mesh,
+                                                 extra)
+        if finite is None:
+            finite = torch.isfinite(clip_norm(new_inner))
+        finite = finite.to(state.notfinite_count.device)
+        count = torch.where(finite, torch.zeros_like(state.notfinite_count),
+                            state.notfinite_count + 1)
+        ok = finite | (count > max_consecutive_errors)
+        new_updates = _zeros_where_not(ok, new_updates)
+        if isinstance(new_updates, Prepared) and not given_view:
+            new_updates = new_updates.tree()
+        return new_updates, ApplyIfFiniteState(
+            count, finite, state.total_notfinite + (~finite).to(torch.int64),
+            _where_tree(ok, new_inner, state.inner_state))
+
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def zero_nans() -> GradientTransformation:
+    """Replace NaNs in the updates by zeros (optax ``zero_nans``); infinities pass.
+
+    State: :class:`ZeroNansState`, per leaf whether it had a NaN on any rank (one all-reduce of
+    one flag per leaf over the mesh dims that shard it; none in one process).
+    """
+
+    def init_fn(params):
+        return ZeroNansState(optree.tree_map(
+            lambda x: None if x is None else torch.zeros((), dtype=torch.bool, device=x.device),
+            params, none_is_leaf=True))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if not isinstance(state, ZeroNansState):
+            raise ValueError("zero_nans: expected the ZeroNansState from zero_nans.init, "
+                             f"got {type(state).__name__}")
+        b = prepare(updates, params, mesh, name="zero_nans")
+        g = [b.locals[i] for i in b.active]
+        found = [torch.isnan(x).any() for x in g]
+        dims = [tuple(range(b.updates[i].ndim)) for i in b.active]
+        found = b.leaf_sums([(i, f.to(torch.float32), d)
+                             for i, f, d in zip(b.active, found, dims)], op="max")
+        out = [torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+               if not x.is_complex() else torch.where(torch.isnan(x), torch.zeros_like(x), x)
+               for x in g]
+        flags: list = [None] * len(b.locals)
+        for i, f in zip(b.active, found):
+            flags[i] = f > 0
+        old = optree.tree_leaves(state.found_nan, none_is_leaf=True)
+        if len(old) != len(flags):
+            raise ValueError(f"zero_nans: the state has {len(old)} flags for {len(flags)} "
+                             f"leaves; it comes from another tree")
+        new_flags = [n if n is not None else o for n, o in zip(flags, old)]
+        return b.rebuild_active(out), ZeroNansState(
+            optree.tree_unflatten(optree.tree_structure(state.found_nan, none_is_leaf=True),
+                                  new_flags))
+
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def dynamic_loss_scale(inner: GradientTransformation, init_scale: float = 2.0 ** 16,
+                       growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                       growth_interval: int = 2000) -> GradientTransformation:
+    """Dynamic loss scaling for float16 training, ``torch.amp.GradScaler``'s semantics as a
+    transform around ``inner``.
+
+    The loop multiplies the loss by ``loss_scale(state)`` before the backward pass and hands
+    the (scaled) gradients to ``update``, which:
+
+    1. unscales them, ``g * (1 / scale)`` with the reciprocal taken in float64 and rounded to
+       float32 (as ``GradScaler.unscale_``);
+    2. if every element on every rank is finite, applies ``inner`` to them; else returns zero
+       updates and leaves ``inner``'s state unchanged (``GradScaler.step`` skipping
+       ``optimizer.step``);
+    3. updates the scale as ``GradScaler.update`` does: times ``backoff_factor`` after a
+       non-finite step (the growth tracker reset), times ``growth_factor`` after
+       ``growth_interval`` finite steps in a row (if the new scale is finite).
+
+    No host synchronisation (``torch.where`` selects, see :func:`apply_if_finite`).
+    Collectives: ``inner``'s, plus ONE scalar all-reduce over the mesh unless ``inner`` starts
+    with ``clip_by_global_norm`` (torch's FSDP ``ShardedGradScaler`` all-reduces its flag too).
+
+    Args:
+        inner: the optimizer, e.g. ``chain(clip_by_global_norm(1.0), adamw(1e-3))``.
+        init_scale: > 0 (torch's default ``2**16``).
+        growth_factor: > 1. backoff_factor: in (0, 1). growth_interval: >= 1.
+
+    State: :class:`DynamicLossScaleState`.
+
+    Raises:
+        TypeError: ``inner`` is not a GradientTransformation.
+        ValueError: out-of-range arguments; at update, a state from another transform.
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"dynamic_loss_scale: inner must be a GradientTransformation, "
+                        f"got {type(inner).__name__}")
+    where = "dynamic_loss_scale"
+    init_scale = V.number("init_scale", init_scale, where=where, low=0.0, low_open=True,
+                          finite=True)
+    growth_factor = V.number("growth_factor", growth_factor, where=where, low=1.0,
+                             low_open=True, finite=True)
+    backoff_factor = V.number("backoff_factor", backoff_factor, where=where, low=0.0,
+                              high=1.0, low_open=True, high_open=True)
+    growth_interval = V.integer("growth_interval", growth_interval, where=where, low=1)
+    clip_norm = _leading_clip_norm(inner)
+
+    def init_fn(params):
+        dev = first_device(params)
+        return DynamicLossScaleState(
+            torch.full((), init_scale, dtype=torch.float32, device=dev),
+            torch.zeros((), dtype=torch.int64, device=dev),
+            torch.ones((), dtype=torch.bool, device=dev),
+            torch.zeros((), dtype=torch.int64, device=dev), inner.init(params))
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        if not isinstance(state, DynamicLossScaleState):
+            raise ValueError("dynamic_loss_scale: expected the DynamicLossScaleState from "
+                             f"dynamic_loss_scale.init, got {type(state).__name__}")
+        given_view = isinstance(updates, Prepared)
+        b = prepare(updates, params, mesh, name=where, view=True)
+        inv = state.scale.double().reciprocal().float()
+        g = [b.locals[i] for i in b.active]
+        unscaled: list = [None] * len(b.locals)
+        # (the float32 factor would promote 0-dim low-precision leaves: keep their dtype)
+        for i, x in zip(b.active, _cast_like(torch._foreach_mul(g, inv.to(g[0].device)), g)
+                        if g else []):
+            unscaled[i] = x
+        b = b.with_locals(unscaled)
+        finite = None if clip_norm is not None else _all_finite_of(b)
+        new_updates, new_inner, _ = call_reduced(inner, b, state.inner_state, params, b.mesh,
+                                                 extra)
+        if finite is None:
+            finite = torch.isfinite(clip_norm(new_inner))
+        finite = finite.to(state.scale.device)
+        new_updates = _zeros_where_not(finite, new_updates)
+        if isinstance(new_updates, Prepared) and not given_view:
+            new_updates = new_updates.tree()
+        # torch's _amp_update_scale_, as tensor ops
+        tracker = torch.where(finite, state.growth_tracker + 1,
+                              torch.zeros_like(state.growth_tracker))
+        grown = state.scale * growth_factor
+        grow = finite & (tracker == growth_interval)
+        scale = torch.where(~finite, state.scale * backoff_factor,
+                            torch.where(grow & torch.isfinite(grown), grown, state.scale))
+        tracker = torch.where(grow, torch.zeros_like(tracker), tracker)
+        return new_updates, DynamicLossScaleState(
+            scale, tracker, finite, state.total_notfinite + (~finite).to(torch.int64),
+            _where_tree(finite, new_inner, state.inner_state))
+
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def loss_scale(state: Any) -> torch.Tensor:
+    """The loss scale held by the :func:`dynamic_loss_scale` state in ``state`` (any tree
+    holding exactly one): a 0-dim float32 tensor to multiply the loss by.
+
+    Raises:
+        ValueError: no :class:`DynamicLossScaleState` in ``state``.
+    """
+    found = [s for s in optree.tree_leaves(state, is_leaf=lambda x: isinstance(
+        x, DynamicLossScaleState), none_is_leaf=True) if isinstance(s, DynamicLossScaleState)]
+    if len(found) != 1:
+        raise ValueError(f"loss_scale: expected one DynamicLossScaleState in the state, "
+                         f"found {len(found)}")
+    return found[0].scale

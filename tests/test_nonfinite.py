@@ -1,0 +1,300 @@
+"""Non-finite gradients: ``apply_if_finite`` and ``zero_nans`` against optax (float64), the skip
+decision global and free of extra collectives where a clip runs, and ``dynamic_loss_scale``
+against ``torch.amp.GradScaler`` + ``torch.optim.AdamW`` in float16 autocast."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import functional_train as ft
+from functional_train.testing import (assert_sharded_equivalent, count_collectives, on_rank,
+                                      per_rank, simulate)
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture
+def x64():
+    import jax
+
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", old)
+
+
+def _problem(steps=9, bad=None, dtype=torch.float64):
+    """Params {w (5, 3), b (4,)} and ``steps`` gradient trees; ``bad[t] = (leaf, index, value)``
+    poisons step ``t``."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, 3, generator=gen, dtype=dtype),
+              "b": torch.randn(4, generator=gen, dtype=dtype)}
+    grads = []
+    for t in range(steps):
+        g = {k: torch.randn(v.shape, generator=gen, dtype=dtype) for k, v in params.items()}
+        for leaf, idx, val in (bad or {}).get(t, []):
+            g[leaf][idx] = val
+        grads.append(g)
+    return params, grads
+
+
+# steps 1, 3, 4, 5 non-finite: with max_consecutive_errors=2 step 5 (the third in a row) is
+# applied anyway and poisons the parameters, as in optax
+_BAD = {1: [("w", (2, 1), NAN)], 3: [("b", (0,), INF)], 4: [("w", (0, 0), -INF)],
+        5: [("b", (3,), NAN), ("w", (4, 2), INF)]}
+
+
+def _torch_clip(lib, max_norm):
+    """``clip_by_global_norm`` with torch's factor ``min(1, max_norm / (norm + 1e-6))`` (ours;
+    optax's is ``max_norm / max(norm, max_norm)``) for the optax side of a comparison."""
+    if lib is ft:
+        return ft.clip_by_global_norm(max_norm)
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def update(u, s, params=None):
+        coef = jnp.minimum(1.0, max_norm / (optax.tree.norm(u) + 1e-6))
+        return jax.tree.map(lambda g: g * coef, u), s
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def _optax_run(make, params, grads):
+    import jax.numpy as jnp
+    import optax
+
+    tx = make(optax)
+    p = {k: jnp.asarray(v.numpy()) for k, v in params.items()}
+    s = tx.init(p)
+    out = []
+    for g in grads:
+        u, s = tx.update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, s, p)
+        p = optax.apply_updates(p, u)
+        out.append(({k: np.asarray(v) for k, v in p.items()}, s))
+    return out
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["adamw", "clip+adamw"])
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+def test_apply_if_finite_equals_optax(clip, mode, x64):
+    params, grads = _problem(bad=_BAD)
+
+    def make(lib):
+        inner = lib.adamw(1e-2, weight_decay=0.1)
+        if clip:
+            inner = lib.chain(_torch_clip(lib, 1.0), inner)
+        return lib.apply_if_finite(inner, 2)
+
+    want = _optax_run(make, params, grads)
+    tx = make(ft)
+    state, p = tx.init(params), {k: v.clone() for k, v in params.items()}
+    for t, g in enumerate(grads):
+        g = {k: v.clone() for k, v in g.items()}
+        if mode == "update":
+            u, state = tx.update(g, state, p)
+            p = ft.apply_updates(p, u)
+        else:
+            p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+        wp, ws = want[t]
+        for k in p:
+            np.testing.assert_allclose(p[k].numpy(), wp[k], rtol=1e-12, atol=1e-14,
+                                       err_msg=f"step {t}, {k}")
+        assert int(state.notfinite_count) == int(ws.notfinite_count), t
+        assert bool(state.last_finite) == bool(ws.last_finite), t
+        assert int(state.total_notfinite) == int(ws.total_notfinite), t
+    assert int(state.total_notfinite) == 4 and bool(torch.isnan(p["b"]).any())
+
+
+def test_skipped_step_leaves_inner_state_and_params_unchanged():
+    params, grads = _problem(steps=3, bad={1: [("w", (0, 0), NAN)]}, dtype=torch.float32)
+    tx = ft.apply_if_finite(ft.chain(ft.clip_by_global_norm(1.0), ft.adam(1e-2)), 5)
+    s0 = tx.init(params)
+    u, s1 = tx.update(grads[0], s0, params)
+    p1 = ft.apply_updates(params, u)
+    u, s2 = tx.update(grads[1], s1, p1)
+    assert all(torch.equal(x, torch.zeros_like(x)) for x in u.values())
+    assert torch.equal(ft.apply_updates(p1, u)["w"], p1["w"])
+    for a, b in zip(torch.utils._pytree.tree_leaves(s2.inner_state[1]),
+                    torch.utils._pytree.tree_leaves(s1.inner_state[1])):
+        assert torch.equal(a, b)
+    assert int(s2.notfinite_count) == 1 and not bool(s2.last_finite)
+    # the whole inner state is kept, the clip's norm included (as optax keeps it)
+    assert float(ft.tree_get(s2, "global_norm")) == float(ft.tree_get(s1, "global_norm"))
+
+
+def test_zero_nans_equals_optax(x64):
+    import optax
+
+    params, grads = _problem(steps=2, bad={0: [("w", (1, 1), NAN), ("b", (2,), INF)]})
+    tx = ft.zero_nans()
+    s = tx.init(params)
+    u, s = tx.update(grads[0], s, params)
+    ref_tx = optax.zero_nans()
+    import jax.numpy as jnp
+
+    ru, rs = ref_tx.update({k: jnp.asarray(v.numpy()) for k, v in grads[0].items()},
+                           ref_tx.init({k: jnp.asarray(v.numpy()) for k, v in params.items()}))
+    for k in u:
+        np.testing.assert_array_equal(u[k].numpy(), np.asarray(ru[k]))
+        assert bool(s.found_nan[k]) == bool(rs.found_nan[k])
+    assert bool(s.found_nan["w"]) and not bool(s.found_nan["b"])
+    _, s = tx.update(grads[1], s, params)
+    assert not bool(s.found_nan["w"])
+
+
+# ---------------------------------------------------------------------------------------------
+# sharded: a NaN on one rank's shard makes every rank skip
+# ---------------------------------------------------------------------------------------------
+def _sharded_problem():
+    gen = torch.Generator().manual_seed(3)
+    params = {"a": torch.randn(7, 5, generator=gen), "b": torch.randn(3, 6, generator=gen),
+              "c": torch.randn(4, generator=gen)}
+    grads = []
+    for t in range(5):
+        g = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        if t == 1:
+            g["a"][6, 4] = NAN  # the last rows: one rank's shard only
+        if t == 2:
+            g["b"][0, 5] = INF
+        grads.append(g)
+    return params, grads
+
+
+_PLACEMENTS = {"a": [Shard(0), Shard(1)], "b": [Replicate(), Shard(1)], "c": None}
+
+
+@pytest.mark.parametrize("inner", ["adamw", "clip+adamw", "lamb"])
+@pytest.mark.parametrize("step", [None, "pure"])
+def test_apply_if_finite_sharded_equals_unsharded(inner, step):
+    params, grads = _sharded_problem()
+    make = {"adamw": lambda: ft.adamw(1e-2, weight_decay=0.1),
+            "clip+adamw": lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)),
+            "lamb": lambda: ft.lamb(1e-2, weight_decay=0.1)}[inner]
+    assert_sharded_equivalent(ft.apply_if_finite(make(), 3), params, grads,
+                              placements=_PLACEMENTS, mesh_shape=(2, 2), step=step)
+
+
+def test_dynamic_loss_scale_sharded_equals_unsharded():
+    params, grads = _sharded_problem()
+    grads = [{k: v * 1024 for k, v in g.items()} for g in grads]
+    tx = ft.dynamic_loss_scale(ft.adamw(1e-2), init_scale=1024.0, growth_interval=2)
+    assert_sharded_equivalent(tx, params, grads, placements=_PLACEMENTS, mesh_shape=(2, 2),
+                              data_axis="d0")
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_apply_if_finite_collectives(clip):
+    """One scalar all-reduce decides for every rank; none more where the clip's norm does."""
+    with simulate(4):
+        m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        gen = torch.Generator().manual_seed(0)
+        vals = [torch.randn(6, 4, generator=gen) for _ in range(12)]
+        params = {f"l{i}": distribute_tensor(per_rank(4, lambda r, v=v: v), m,
+                                             [Shard(0), Shard(1)] if i % 2 else
+                                             [Replicate(), Shard(0)], src_data_rank=None)
+                  for i, v in enumerate(vals)}
+
+        # leaf 3 is Shard(0), Shard(1): its element [5, 3] lives on rank 3 alone
+        gvals = [v * 0.1 for v in vals]
+        gvals[3][5, 3] = NAN
+        grads = {f"l{i}": distribute_tensor(per_rank(4, lambda r, v=v: v), m,
+                                            params[f"l{i}"].placements, src_data_rank=None)
+                 for i, v in enumerate(gvals)}
+        inner = ft.adamw(1e-2)
+        if clip:
+            inner = ft.chain(ft.clip_by_global_norm(1.0), inner)
+        tx = ft.apply_if_finite(inner, 3)
+        state = tx.init(params)
+        with count_collectives() as c:
+            u, state = tx.update(grads, state, params, mesh=ft.Mesh(m))
+        finite = [bool(on_rank(state.last_finite, r)) for r in range(4)]
+        zeros = [bool((on_rank(u[k]._local_tensor, r) == 0).all())
+                 for k in u for r in range(4)]
+    assert c.counts == {"all_reduce": 1}, c
+    assert finite == [False] * 4 and all(zeros)
+
+
+# ---------------------------------------------------------------------------------------------
+# dynamic loss scaling against torch.amp.GradScaler
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["update", "donate"])
+def test_dynamic_loss_scale_matches_grad_scaler(mode):
+    """float16 autocast training of a small MLP: the scale, the growth tracker and every skip
+    decision equal torch's, and the parameters agree to float32 rounding (torch's AdamW and
+    this one order their float32 operations differently)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 21, growth_interval=3)
+    tx = ft.dynamic_loss_scale(ft.adamw(1e-2, weight_decay=0.1), init_scale=2.0 ** 21,
+                               growth_interval=3)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    p0 = {k: v.clone() for k, v in params.items()}
+    state = tx.init(params)
+
+    def loss_of(m, p, x, y):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = m(x) if p is None else torch.func.functional_call(m, p, (x,))
+            return torch.nn.functional.mse_loss(out.float(), y)
+
+    skipped = 0
+    gen = torch.Generator().manual_seed(1)
+    for t in range(14):
+        x = torch.randn(32, 8, generator=gen) * (100.0 if t == 7 else 1.0)
+        y = torch.randn(32, 4, generator=gen)
+        opt.zero_grad()
+        scaler.scale(loss_of(ref, None, x, y)).backward()
+        scaler.step(opt)
+        torch_skipped = scaler._found_inf_per_device(opt)[torch.device("cpu")].item() > 0
+        scaler.update()
+        g = torch.func.grad(lambda p: loss_of(model, p, x, y) * ft.loss_scale(state))(params)
+        if mode == "update":
+            u, state = tx.update(g, state, params)
+            params = ft.apply_updates(params, u)
+        else:
+            params, state = ft.step(tx, g, state, params, donate=True)
+        assert float(state.scale) == scaler.get_scale(), t
+        assert int(state.growth_tracker) == int(scaler._growth_tracker), t
+        assert bool(state.last_finite) == (not torch_skipped), t
+        skipped += torch_skipped
+        for k, v in ref.named_parameters():
+            torch.testing.assert_close(params[k] - p0[k], v.detach() - p0[k], rtol=1e-5,
+                                       atol=1e-6, msg=f"step {t}, {k}")
+    assert 2 <= skipped <= 10 and int(state.total_notfinite) == skipped
+
+
+def test_loss_scale_reads_the_state():
+    tx = ft.chain(ft.clip_by_global_norm(1.0),
+                  ft.dynamic_loss_scale(ft.sgd(0.1), init_scale=8.0))
+    s = tx.init({"w": torch.zeros(2)})
+    assert float(ft.loss_scale(s)) == 8.0
+    with pytest.raises(ValueError, match="DynamicLossScaleState"):
+        ft.loss_scale(ft.adamw().init({"w": torch.zeros(2)}))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(init_scale=0.0), "init_scale"), (dict(growth_factor=1.0), "growth_factor"),
+    (dict(backoff_factor=1.0), "backoff_factor"), (dict(growth_interval=0), "growth_interval"),
+])
+def test_dynamic_loss_scale_rejects_bad_arguments(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ft.dynamic_loss_scale(ft.sgd(0.1), **bad)
+
+
+def test_apply_if_finite_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="inner"):
+        ft.apply_if_finite(lambda g: g, 1)
+    with pytest.raises(ValueError, match="max_consecutive_errors"):
+        ft.apply_if_finite(ft.sgd(0.1), -1)
+    tx = ft.apply_if_finite(ft.sgd(0.1), 1)
+    with pytest.raises(ValueError, match="ApplyIfFiniteState"):
+        tx.update({"w": torch.zeros(2)}, ft.sgd(0.1).init({"w": torch.zeros(2)}))
