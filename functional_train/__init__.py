@@ -14,6 +14,8 @@ from .clipping import ClipByGlobalNormState, clip, clip_by_global_norm, global_n
 from .factored import (EmaState, ScaleByFactoredRmsState, adafactor, clip_by_block_rms, ema,
                        relative_step_schedule, scale_by_factored_rms, scale_by_param_block_rms)
 from .galore import GaLoreState, galore, galore_adamw, galore_param_labels
+from .hyperparams import (InjectHyperparamsState, get_hyperparams, inject_hyperparams,
+                          set_hyperparams)
 from .mesh import Mesh
 from .nonfinite import (ApplyIfFiniteState, DynamicLossScaleState, ZeroNansState, all_finite,
                         apply_if_finite, dynamic_loss_scale, loss_scale, zero_nans)
@@ -42,7 +44,7 @@ def _register_safe_globals() -> None:
         ClipByGlobalNormState, EmaState, ScaleByFactoredRmsState, _StepSizeDecayState,
         GaLoreState, ScaleByAdam8bitState, ScaleByAdamState, ScaleByAmsgradState,
         ScaleByScheduleState, TraceState, ZeroRedundancyState, ApplyIfFiniteState,
-        DynamicLossScaleState, ZeroNansState])
+        DynamicLossScaleState, ZeroNansState, InjectHyperparamsState])
 
 
 _register_safe_globals()
@@ -57,6 +59,8 @@ __all__ = [
     "clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm",
     # accumulation
     "multi_steps", "MultiStepsState", "has_updated",
+    # hyperparameters as state
+    "inject_hyperparams", "InjectHyperparamsState", "set_hyperparams", "get_hyperparams",
     # non-finite gradients and loss scaling
     "apply_if_finite", "ApplyIfFiniteState", "zero_nans", "ZeroNansState", "all_finite",
     "dynamic_loss_scale", "DynamicLossScaleState", "loss_scale",

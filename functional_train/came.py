@@ -20,6 +20,7 @@ import optree
 import torch
 
 from . import _validate as V
+from .hyperparams import injectable
 from .base import EmptyState, GradientTransformation, declare, chain
 from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _factored_rms,
                        _is_factored, _leaf_rms, _new_state_tree, _placeholder, _square,
@@ -192,6 +193,7 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
+@injectable
 def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 0.9999),
          eps: Sequence[float] = (1e-30, 1e-16), clip_threshold: float = 1.0,
          weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:

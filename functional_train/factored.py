@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
 from .autograd import requires_grad_like
+from .hyperparams import injectable
 from .base import EmptyState, GradientTransformation, declare, chain
 from .engine.dtensor import spec_of, to_local
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
@@ -870,6 +871,7 @@ def _add_step_size_decayed_weights(weight_decay: float, rho, scale_parameter: bo
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
+@injectable
 def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
               eps: tuple[float, float] = (1e-30, 1e-3), clip_threshold: float = 1.0,
               decay_rate: float = -0.8, beta1: Optional[float] = None, weight_decay: float = 0.0,

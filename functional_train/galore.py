@@ -41,6 +41,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
+from .hyperparams import injectable
 from .base import GradientTransformation, declare, chain
 from .base import EmptyState
 from .combine import PartitionState, partition
@@ -679,6 +680,7 @@ def _hf_adam(b1: float, b2: float, eps: float, optim_bits: int = 32,
                          min_8bit_size=min_8bit_size)
 
 
+@injectable
 def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-6, weight_decay: float = 0.0, *, rank: int = 128,
                  update_proj_gap: int = 200, scale: float = 0.25, proj_type: str = "std",

@@ -350,6 +350,14 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
         raise ValueError("step needs params: step(tx, grads, state, params)")
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"step: tx must be a GradientTransformation, got {type(tx).__name__}")
+    resolve = getattr(tx.update, "resolve", None)
+    if resolve is not None:  # inject_hyperparams: the transform built for this step, stepped
+        from .hyperparams import InjectHyperparamsState
+
+        inner, hp = resolve(state)
+        new_params, inner_state = step(inner, grads, state.inner_state, params, mesh=mesh,
+                                       donate=donate, **extra)
+        return new_params, InjectHyperparamsState(state.count + 1, hp, inner_state)
     prog = _program(tx)
     # under torch.compile the primitives run instead: inductor fuses them into out-of-place
     # kernels itself, and functionalisation cannot trace the in-place fused kernels

@@ -92,6 +92,9 @@ FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
     # accumulation, ZeRO
     "multi_steps": lambda: ft.multi_steps(ft.adamw(1e-2), every_k=2),
     "zero_redundancy": lambda: ft.zero_redundancy(ft.adamw(1e-2), axis="dp"),
+    # hyperparameters as state: the learning rate handed to the alias as a schedule of the state
+    "inject_hyperparams": lambda: ft.inject_hyperparams(ft.adamw, static_args=("weight_decay",))(
+        learning_rate=1e-2, weight_decay=0.1),
     # non-finite gradients (the swept gradients are finite: the applied branch, and the
     # selection between it and the kept state)
     "apply_if_finite": lambda: ft.apply_if_finite(ft.adamw(1e-2), 2),
@@ -138,6 +141,9 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
                                                   min_8bit_size=0),
     # a weight-decay mask: the masked decay, and ft.step's fused kernel in two calls
     "adamw[mask]": lambda: ft.adamw(1e-2, weight_decay=0.1, mask=ft.decay_mask),
+    # hyperparameters read on the host (b1, eps): the alias rebuilt when they change
+    "inject_hyperparams[host]": lambda: ft.inject_hyperparams(ft.adam)(learning_rate=1e-2,
+                                                                       b1=0.8, eps=1e-7),
     # finiteness read from the leading clip's norm instead of its own all-reduce
     "apply_if_finite[clip]": lambda: ft.apply_if_finite(
         ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), 2),
@@ -163,6 +169,9 @@ EXCLUDED: dict[str, str] = {
     "EmaState": "a state type",
     "ScaleByCameState": "a state type",
     "GaLoreState": "a state type",
+    "InjectHyperparamsState": "a state type",
+    "set_hyperparams": "sets values in a state, not a transform (tests/test_hyperparams.py)",
+    "get_hyperparams": "reads values from a state, not a transform (tests/test_hyperparams.py)",
     "ApplyIfFiniteState": "a state type",
     "ZeroNansState": "a state type",
     "DynamicLossScaleState": "a state type",
@@ -221,12 +230,18 @@ HOST_COUNTER_READS: dict[str, str] = {
     "galore": "GaLoreState.count decides on the host whether the projector is refreshed "
               "(documented in GaLoreState's docstring)",
     "galore_adamw": "a galore chain: GaLoreState.count, as galore",
+    "inject_hyperparams[host]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) other "
+                                "than the learning rate are read on the host to rebuild the "
+                                "alias when they change (documented in inject_hyperparams)",
 }
 
 # Transforms that torch.compile only with graph breaks (compiled with fullgraph=False; the
 # compile property still requires eager's numbers): none so far, every transform that compiles
 # at all traces as ONE graph.
-COMPILE_GRAPH_BREAKS: dict[str, str] = {}
+COMPILE_GRAPH_BREAKS: dict[str, str] = {
+    "inject_hyperparams[host]": "hyperparameters other than the learning rate are read on the "
+                                "host (documented in inject_hyperparams)",
+}
 
 # transforms that need at least one DTensor parameter (or a mesh at construction) to shard: on a
 # tree of plain tensors only, the sharded run must raise a ValueError matching the pattern
