@@ -26,6 +26,7 @@ from .transforms import (ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleS
                          add_decayed_weights, decay_mask, scale, scale_by_adam, scale_by_learning_rate,
                          scale_by_trust_ratio, trace)
 from .step import step
+from .torch_optimizer import TorchOptimizer
 from .tree import tree_get
 from .update import apply_updates
 from .zero import ZeroRedundancyState, zero_redundancy
@@ -59,6 +60,8 @@ __all__ = [
     "clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm",
     # accumulation
     "multi_steps", "MultiStepsState", "has_updated",
+    # torch.optim adapter
+    "TorchOptimizer",
     # hyperparameters as state
     "inject_hyperparams", "InjectHyperparamsState", "set_hyperparams", "get_hyperparams",
     # non-finite gradients and loss scaling

@@ -170,6 +170,8 @@ EXCLUDED: dict[str, str] = {
     "ScaleByCameState": "a state type",
     "GaLoreState": "a state type",
     "InjectHyperparamsState": "a state type",
+    "TorchOptimizer": "a torch.optim.Optimizer running a transform, not a transform "
+                      "(tests/test_torch_optimizer.py)",
     "set_hyperparams": "sets values in a state, not a transform (tests/test_hyperparams.py)",
     "get_hyperparams": "reads values from a state, not a transform (tests/test_hyperparams.py)",
     "ApplyIfFiniteState": "a state type",

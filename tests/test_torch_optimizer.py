@@ -1,0 +1,186 @@
+"""``ft.TorchOptimizer`` with real clients: torch's LR schedulers (the learning rate and the
+momentum they set are the ones the transform uses), ``clip_grad_norm_``-equivalent chains,
+``state_dict`` round trips through ``torch.save``, and HF ``transformers.Trainer`` training a
+tiny Llama built from a config on text from the Python standard library."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+
+import pytest
+import torch
+
+import functional_train as ft
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _batches(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(32, 8, generator=gen), torch.randn(32, 4, generator=gen))
+            for _ in range(n)]
+
+
+def _train(model, opt, sched, batches, clip=None, log=None):
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if log is not None:
+            log.append(opt)
+        sched.step()
+
+
+def _close(model, ref, start):
+    for (n, p), q, s in zip(model.named_parameters(), ref.parameters(), start.parameters()):
+        torch.testing.assert_close(p.detach() - s.detach(), q.detach() - s.detach(), rtol=1e-5,
+                                   atol=1e-7, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("sched", ["one_cycle", "lambda", "cosine"])
+def test_schedulers_drive_adamw_as_they_drive_torch(sched):
+    start = _model()
+    model, ref = copy.deepcopy(start), copy.deepcopy(start)
+    opt = ft.TorchOptimizer(model.named_parameters(), ft.adamw(1e-2, weight_decay=0.1))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups[0]["betas"] == (0.9, 0.999) and opt.param_groups[0]["lr"] == 1e-2
+
+    def make(o):
+        if sched == "one_cycle":  # cycles the learning rate and beta1
+            return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=12)
+        if sched == "lambda":
+            return torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0 / (1 + t))
+        return torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=12)
+
+    s, rs = make(opt), make(ref_opt)
+    batches = _batches(12)
+    seen = []
+    for x, y in batches:
+        lr, betas = opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+        hp = ft.get_hyperparams(opt.ft_state)  # what the transform used in this step
+        seen.append((float(hp["learning_rate"]), float(hp["b1"])))
+        assert seen[-1] == (lr, betas[0])
+        s.step()
+        rs.step()
+    assert len({lr for lr, _ in seen}) > 5
+    _close(model, ref, start)
+
+
+def test_clip_chain_and_sgd_momentum_with_lambda_lr():
+    start = _model()
+    model, ref = copy.deepcopy(start), copy.deepcopy(start)
+    opt = ft.TorchOptimizer(model.parameters(), ft.chain(
+        ft.clip_by_global_norm(0.5), ft.sgd(0.1, momentum=0.9, nesterov=True)))
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["momentum"] == 0.9
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    batches = _batches(8)
+    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.9 ** t), batches)
+    _train(ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda t: 0.9 ** t),
+           batches, clip=0.5)
+    _close(model, ref, start)
+
+
+def test_closure_state_dict_round_trip_and_errors():
+    start = _model()
+    a, b = copy.deepcopy(start), copy.deepcopy(start)
+    oa = ft.TorchOptimizer(a.named_parameters(), ft.adam(1e-2))
+    batches = _batches(6)
+    for x, y in batches[:3]:
+        def closure():
+            oa.zero_grad()
+            loss = torch.nn.functional.mse_loss(a(x), y)
+            loss.backward()
+            return loss
+
+        assert isinstance(oa.step(closure), torch.Tensor)
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": oa.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)  # weights_only=True: the states are registered safe globals
+    b.load_state_dict(saved["model"])
+    ob = ft.TorchOptimizer(b.named_parameters(), ft.adam(1e-2))
+    ob.load_state_dict(saved["opt"])
+    for x, y in batches[3:]:
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="add_param_group"):
+        oa.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    with pytest.raises(ValueError, match="parameters"):
+        ft.TorchOptimizer(_model(1).named_parameters(), ft.adam()).load_state_dict(
+            {"ft_state": None, "param_groups": [{"param_names": ["x"]}]})
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        ft.TorchOptimizer(a.parameters(), torch.optim.SGD)
+    with pytest.raises(ValueError, match="no parameters"):
+        ft.TorchOptimizer([], ft.sgd())
+
+
+def test_none_gradients_and_frozen_parameters():
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    before = model[0].weight.detach().clone()
+    opt = ft.TorchOptimizer(model.named_parameters(), ft.adamw(1e-2))
+    x, y = _batches(1)[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    assert torch.equal(model[0].weight, before) and model[0].weight.grad is None
+    assert not torch.equal(model[2].weight, _model()[2].weight)
+
+
+def _stdlib_text(n_bytes: int) -> bytes:
+    import json
+
+    return open(json.__file__, "rb").read()[:n_bytes]
+
+
+def test_hf_trainer_trains_a_tiny_llama(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    data = torch.tensor(list(_stdlib_text(16_000)), dtype=torch.long)
+    seq = 32
+    windows = data[: len(data) // seq * seq].view(-1, seq)
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(windows)
+
+        def __getitem__(self, i):
+            return {"input_ids": windows[i], "labels": windows[i]}
+
+    opt = ft.TorchOptimizer(model.named_parameters(),
+                            ft.adamw(3e-3, weight_decay=0.1, mask=ft.decay_mask))
+    steps = 40
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps,
+                             per_device_train_batch_size=16, logging_steps=5, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+                             dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Windows(),
+                      optimizers=(opt, sched))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) >= 6, trainer.state.log_history
+    assert losses[-1] < 0.75 * losses[0], losses  # ln(256) = 5.5 at the start
+    # the scheduler drove the transform: the learning rate it used last is the schedule's end
+    assert float(ft.get_hyperparams(opt.ft_state)["learning_rate"]) < 1e-4
