@@ -38,11 +38,24 @@ Usage::
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --dp 1 --tp 4
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --optimizer adafactor --zero
     python examples/train_lm.py --steps 200 --8bit  # 8-bit AdamW moments
+    python examples/train_lm.py --checkpoint-every 50 --out runs/a   # resumable: runs/a/checkpoint
+    python examples/train_lm.py --resume runs/a/checkpoint --out runs/b  # continue it to --steps
 
 Outputs (``--out DIR``, default ``runs/<timestamp>``): ``metrics.json`` (per-step loss, gradient
 norm, learning rate and throughput, validation losses and the summary), ``loss.png`` and
 ``params.pt`` (the final unsharded parameters, a flat name -> tensor dict). The last line printed
 on stdout is the summary as one JSON object.
+
+Resuming (``--checkpoint-every N``, ``--resume DIR``): every N optimizer steps the run writes
+``<out>/checkpoint`` with ``ft.checkpoint.save`` (atomically replacing the previous one): the
+parameters and the optimizer state (counts included, so the schedule continues), the step, the
+batch sampler's generator state, torch's global RNG state, the metric history and the settings
+that shape the trajectory. ``--resume DIR`` loads it into the parameters and state built for the
+current layout (DCP reshards: a checkpoint of 4 processes resumes in one and the other way
+round) and continues to ``--steps``; with the same layout the parameters are bitwise those of
+the uninterrupted run. Resuming with other model, data or optimizer settings is refused (a
+different ``--steps`` only warns: the schedule then differs). ``metrics.json`` holds the whole
+history; the times of the resumed steps are measured by the resumed run.
 """
 
 from __future__ import annotations
@@ -371,6 +384,11 @@ def parse_args(argv=None):
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (0 = all cores in one process, 1 under torchrun)")
     g.add_argument("--out", default=None, help="output directory (default runs/<timestamp>)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save <out>/checkpoint every N optimizer steps (0 = never)")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from the checkpoint in DIR (e.g. runs/<timestamp>/checkpoint)")
     return p.parse_args(argv)
 
 
@@ -407,6 +425,28 @@ def check_sizes(args):
         raise SystemExit("--steps and --eval-windows must be at least 1")
     if args.batch % (args.dp * args.accum):
         raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp} x --accum {args.accum}")
+    if args.checkpoint_every < 0:
+        raise SystemExit("--checkpoint-every must be >= 0")
+
+
+# the settings that shape the trajectory: a checkpoint resumes only with the same ones
+# (--steps too, but it only warns: the learning rate schedule decays over --steps)
+TRAJECTORY = ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "batch", "accum", "optimizer",
+              "lr", "zero", "eight_bit", "galore_rank", "galore_gap", "warmup", "clip",
+              "weight_decay", "seed", "data", "max_bytes", "val_fraction", "steps")
+
+
+def check_resume(args, saved: dict, log) -> None:
+    """Refuse to resume a checkpoint written with other trajectory settings (``TRAJECTORY``)."""
+    now = {k: getattr(args, k) for k in TRAJECTORY}
+    diff = [k for k in TRAJECTORY if k != "steps" and saved.get(k) != now[k]]
+    if diff:
+        raise SystemExit(f"--resume {args.resume}: the checkpoint was written with other settings: "
+                         + ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs "
+                                     f"{now[k]} (now)" for k in diff))
+    if saved.get("steps") != args.steps:
+        log(f"warning: the checkpoint's run had --steps {saved.get('steps')}, this one "
+            f"{args.steps}: the learning rate schedule differs from both")
 
 
 def main(argv=None):
@@ -416,6 +456,11 @@ def main(argv=None):
     torch.set_num_threads(args.threads or (len(os.sched_getaffinity(0)) if world == 1 else 1))
     is_main = rank == 0
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if is_main else (lambda *a: None)
+    if args.checkpoint_every:  # every rank writes its shards to <out>/checkpoint: agree on <out>
+        out = [args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))]
+        if world > 1:
+            dist.broadcast_object_list(out, src=0)
+        args.out = out[0]
 
     # ---- data: identical on every rank -----------------------------------------------------------
     data = load_bytes(args.data, args.max_bytes)
@@ -496,7 +541,33 @@ def main(argv=None):
     history, val_history = [], []
     train_time = 0.0
     t_start = time.perf_counter()
-    bar = tqdm(range(args.steps), disable=not is_main, desc="train", dynamic_ncols=True)
+    start = 0
+    if args.resume:  # templates: the parameters and state just built for this layout
+        params, state, start, extra = ft.checkpoint.load(args.resume, params, state)
+        check_resume(args, extra["args"], log)
+        if start > args.steps:
+            raise SystemExit(f"--resume {args.resume}: checkpoint at step {start} > --steps {args.steps}")
+        batch_gen.set_state(extra["batch_gen"])
+        torch.set_rng_state(extra["torch_rng"])  # unused by this job; restored for extensions
+        history, val_history = extra["history"], extra["val_history"]
+        train_time = extra["train_time"]
+        t_start -= extra["elapsed"]
+        log(f"resumed from {args.resume} at step {start}")
+
+    def save_checkpoint(done):
+        t0 = time.perf_counter()
+        path = ft.checkpoint.save(
+            os.path.join(args.out, "checkpoint"), params=params, state=state, step=done,
+            extra={"batch_gen": batch_gen.get_state(), "torch_rng": torch.get_rng_state(),
+                   "history": history, "val_history": val_history, "train_time": train_time,
+                   "elapsed": time.perf_counter() - t_start,
+                   "args": {k: getattr(args, k) for k in TRAJECTORY}})
+        if is_main:
+            bar.write(f"step {done}: checkpoint {path} ({time.perf_counter() - t0:.2f} s)",
+                      file=sys.stderr)
+
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=not is_main,
+               desc="train", dynamic_ncols=True)
     for step in bar:
         starts = torch.randint(0, len(train_data) - args.seq_len - 1, (args.batch,), generator=batch_gen)
         starts = starts[dp_rank * local_batch: (dp_rank + 1) * local_batch]  # this dp rank's slice
@@ -526,6 +597,8 @@ def main(argv=None):
             val_history.append({"step": step + 1, "val_loss": evaluate(params)})
             if is_main:
                 bar.write(f"step {step + 1}: val loss {val_history[-1]['val_loss']:.4f}", file=sys.stderr)
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            save_checkpoint(step + 1)  # dcp.save has written every byte when it returns
     bar.close()
     val_loss = evaluate(params)
     val_history.append({"step": args.steps, "val_loss": val_loss})

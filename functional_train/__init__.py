@@ -4,6 +4,7 @@ The same chain runs in one process on plain tensors and across tensor x data x p
 parallel meshes on DTensors, with the same numbers. See DESIGN.md and the README.
 """
 
+from . import checkpoint
 from . import schedules
 from .accumulation import MultiStepsState, has_updated, multi_steps
 from .autograd import differentiable, is_differentiable
@@ -87,4 +88,5 @@ __all__ = [
     "sgd", "adam", "adamw", "adafactor", "lamb", "came",
     # modules
     "schedules",
+    "checkpoint",
 ]

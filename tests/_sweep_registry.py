@@ -196,6 +196,8 @@ EXCLUDED: dict[str, str] = {
     "relative_step_schedule": "a schedule (count -> step size), not a transform (swept through "
                               "adafactor[default])",
     "schedules": "the module of learning-rate schedules (swept through scale_by_learning_rate)",
+    "checkpoint": "a module: save / load of params and states on torch.distributed.checkpoint "
+                  "(tests/test_resume.py)",
 }
 
 

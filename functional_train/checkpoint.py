@@ -1,0 +1,485 @@
+"""Resumable training: atomic checkpoints of parameters and optimizer state.
+
+``save`` writes a parameter tree and an optimizer state (pytrees of ``torch.Tensor`` / ``DTensor``
+leaves, ``None`` leaves allowed, any optree structure: dicts, tuples, NamedTuples) with
+``torch.distributed.checkpoint`` (DCP), plus the step number and a small ``extra`` dict (data
+RNG state, metric history...). ``load`` reads them back into trees shaped like templates built on
+the *current* layout: DCP reshards, so a checkpoint written by 4 ranks at tp=2 x dp=2 loads into
+plain tensors in one process and the other way round.
+
+Layout of a checkpoint directory::
+
+    <directory>/.metadata, *.distcp   DCP's files: every tensor leaf, under the key
+                                      "params/<path>" or "state/<path>" (<path>: the leaf's dotted
+                                      optree path, as functional_train.tree.tree_paths renders it)
+    <directory>/extra.pt              torch.save(extra) by rank 0 (only when extra is not None)
+    <directory>/meta.json             the manifest, written LAST: format, version, step, every key
+                                      with its global shape and dtype, the None leaves
+
+Atomicity: everything is written into a sibling ``<directory>.tmp-<token>``; when every rank has
+finished (a barrier when a process group is initialised) rank 0 writes the manifest and renames
+the directory into place (an older checkpoint at that path is renamed to
+``<directory>.old-<token>`` first and deleted only after the new one is in place). A crash at any
+point leaves either the old or the new checkpoint complete: a directory without ``meta.json`` is
+never loaded, and ``load`` falls back to the ``.old-<token>`` sibling if a crash fell between the
+two renames. Stale ``.tmp-*`` / ``.old-*`` siblings are removed after the next successful save.
+
+All ranks of the default process group must call ``save`` and ``load`` together (DCP's
+collectives: a gather of the local plans and a scatter of the global plan, plus a gather of the
+write results when saving), and must see the same file system. Without a process group both run
+in one process (DCP's ``no_dist=True``).
+
+See https://pytorch.org/docs/stable/distributed.checkpoint.html for DCP itself.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import json
+import os
+import shutil
+import uuid
+import warnings
+from contextlib import contextmanager
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from .tree import tree_paths
+
+__all__ = ["save", "load", "read_manifest", "PendingSave", "MANIFEST", "FORMAT_VERSION"]
+
+MANIFEST = "meta.json"
+EXTRA = "extra.pt"
+FORMAT = "functional_train.checkpoint"
+FORMAT_VERSION = 1
+_TREES = ("params", "state")
+_LIST_AT_MOST = 10  # key paths listed in an error message
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _normalise(directory) -> str:
+    path = os.path.normpath(os.fspath(directory))
+    if path in (os.curdir, os.sep, ""):
+        raise ValueError(f"checkpoint directory {directory!r}: give a directory of its own")
+    return path
+
+
+def _flatten(params, state) -> tuple[dict[str, torch.Tensor], list[str], list]:
+    """``({key: tensor leaf}, [keys of None leaves], [(treedef, keys)] per tree)``."""
+    tensors: dict[str, torch.Tensor] = {}
+    nones: list[str] = []
+    structure = []
+    for name, tree in zip(_TREES, (params, state)):
+        leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+        keys = [f"{name}/{p}" for p in tree_paths(tree)]
+        seen = set()
+        for key, leaf in zip(keys, leaves):
+            if key in seen:
+                raise ValueError(f"two leaves of {name} have the same path {key!r} (a dict key "
+                                 "containing '.' next to a nested dict?): cannot name them apart")
+            seen.add(key)
+            if leaf is None:
+                nones.append(key)
+            elif isinstance(leaf, torch.Tensor):
+                tensors[key] = leaf
+            else:
+                raise TypeError(f"leaf {key!r} is a {type(leaf).__name__}: checkpoint trees hold "
+                                "tensors, DTensors and None only")
+        structure.append((treedef, keys))
+    return tensors, nones, structure
+
+
+def _describe(x: torch.Tensor) -> dict:
+    return {"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
+            "dtensor": isinstance(x, DTensor)}
+
+
+def _listing(keys) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:_LIST_AT_MOST])
+    return shown + (f" (and {len(keys) - _LIST_AT_MOST} more)" if len(keys) > _LIST_AT_MOST else "")
+
+
+@contextmanager
+def _single_process_quiet(on: bool):
+    """Silence DCP's warning that it runs in one process, which ``no_dist=True`` asks for."""
+    with warnings.catch_warnings():
+        if not on:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj) -> None:
+    part = path + ".partial"
+    with open(part, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def _siblings(directory: str, kind: str) -> list[str]:
+    """Existing ``<directory>.<kind>-<token>`` paths (kind: "tmp" or "old"), sorted."""
+    parent, base = os.path.split(directory)
+    prefix = f"{base}.{kind}-"
+    try:
+        names = os.listdir(parent or os.curdir)
+    except FileNotFoundError:
+        return []
+    return sorted(os.path.join(parent, n) for n in names if n.startswith(prefix))
+
+
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+# --------------------------------------------------------------------------------------------------
+# save
+# --------------------------------------------------------------------------------------------------
+
+
+class PendingSave:
+    """A checkpoint being written in the background (``save(..., async_save=True)``).
+
+    The tensors were copied (staged) before ``save`` returned, so the caller may modify or donate
+    them at once. The checkpoint is NOT in place until ``result()`` has returned: it waits for
+    DCP's upload future, then (on every rank, so call it on every rank at the same point of the
+    program: it issues a barrier when a process group is initialised) writes the manifest and
+    renames the directory into place. ``done()`` says whether the upload finished (``result()``
+    is then quick). ``result()`` re-raises a failed upload, leaving any older checkpoint at the
+    path untouched; it returns the checkpoint directory and is idempotent. Start the next save of
+    the same directory only after ``result()``.
+    """
+
+    def __init__(self, future, commit):
+        self._future = future
+        self._commit = commit
+        self._directory: str | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> str:
+        if self._error is not None:
+            raise self._error
+        if self._directory is None:
+            try:
+                self._future.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                raise  # still uploading: call result() again
+            except BaseException as e:
+                self._error = e
+                self._commit(failed=True)
+                raise
+            try:
+                self._directory = self._commit(failed=False)
+            except BaseException as e:
+                self._error = e
+                raise
+        return self._directory
+
+
+_ASYNC_GROUPS: dict = {}
+
+
+def _async_group():
+    """A gloo group of all ranks for DCP's background thread, so that its collectives never
+    interleave with the training loop's on the default group (created once, on every rank)."""
+    default = dist.distributed_c10d._get_default_group()
+    if id(default) not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS.clear()
+        _ASYNC_GROUPS[id(default)] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[id(default)]
+
+
+def save(directory, *, params, state, step: int, extra: dict | None = None,
+         async_save: bool = False):
+    """Write ``params``, ``state``, ``step`` and ``extra`` to ``directory``, atomically.
+
+    Args:
+        directory: the checkpoint's path (a directory, created; its parent must exist or is
+            created). An existing checkpoint there (one with a ``meta.json``) is replaced once the
+            new one is complete; an existing directory that is not a checkpoint raises
+            ``FileExistsError`` before anything is written.
+        params, state: pytrees whose leaves are ``torch.Tensor``, ``DTensor`` (any mesh and
+            placements: DCP stores the global tensor once, each rank writing its shards; plain
+            tensors are taken as replicated across ranks and written once, by one rank) or
+            ``None``. Every tensor leaf is stored under ``"params/<path>"`` /
+            ``"state/<path>"`` with its global shape and dtype. State that differs per rank in
+            plain tensors (``multi_steps``'s accumulated unreduced gradients under a data axis,
+            mid-cycle) is therefore not saved whole: save at a cycle boundary
+            (``ft.has_updated(state)``), where those accumulators are zeros on every rank.
+        step: the step number (an int) returned by ``load``.
+        extra: ``None`` or a small dict, serialised by rank 0 with ``torch.save`` when ``save``
+            is called and written next to the tensors (``load`` reads it
+            with ``weights_only=True``: tensors, numbers, strings, lists, tuples and dicts of
+            them, e.g. ``torch.Generator.get_state()`` or a metric history).
+        async_save: ``False`` (default): return once the checkpoint is in place on every rank,
+            returning the directory. ``True``: stage (copy) the tensors, start
+            ``torch.distributed.checkpoint.async_save`` in a background thread (over a dedicated
+            gloo group when a process group is initialised) and return a :class:`PendingSave`,
+            whose ``result()`` every rank must call to finish the checkpoint.
+
+    Collectives: when a process group is initialised, all its ranks must call ``save`` with the
+    same ``directory`` and trees of the same structure: a broadcast of the temporary directory's
+    name from rank 0, DCP's (gather of the local plans, scatter of the global plan, gather of
+    the write results), a barrier before rank 0 writes ``extra.pt`` and the manifest and
+    renames, and a broadcast of its outcome after (so that no rank returns before the
+    checkpoint is in place, and all raise if it failed). Without one, DCP runs with
+    ``no_dist=True``.
+
+    Raises:
+        TypeError: a leaf that is neither a tensor nor ``None``; ``step`` not an int; ``extra``
+            not a dict.
+        ValueError: two leaves with the same path; ``extra`` that ``torch.save`` cannot
+            serialise (checked by rank 0 before anything is written; every rank raises).
+        FileExistsError: ``directory`` exists and is not a checkpoint.
+        Whatever DCP raises while writing (on every rank, as DCP reports a failed write to all),
+        and ``RuntimeError`` on every rank when rank 0 fails to write the manifest or to rename:
+        the temporary directory is removed (by rank 0) and an older checkpoint at
+        ``directory`` stays as it was.
+    """
+    directory = _normalise(directory)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, not {type(step).__name__}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict or None, not {type(extra).__name__}")
+    tensors, nones, _ = _flatten(params, state)
+    on = _distributed()
+
+    # rank 0 names the temporary directory, checks the destination and serialises extra; one
+    # broadcast, so that every rank raises together instead of waiting in a collective
+    msg: list[Any] = [uuid.uuid4().hex[:12], None, None]
+    extra_bytes = None
+    if _rank() == 0:
+        if os.path.lexists(directory) and not _is_checkpoint(directory) and (
+                not os.path.isdir(directory) or os.listdir(directory)):
+            msg[1:] = [FileExistsError, f"checkpoint directory {directory!r} exists and is not a "
+                                        f"checkpoint (no {MANIFEST}): refusing to replace it"]
+        elif extra is not None:
+            try:
+                buf = io.BytesIO()
+                torch.save(extra, buf)
+                extra_bytes = buf.getvalue()
+            except Exception as e:  # pickling errors come in many types
+                msg[1:] = [ValueError, f"extra cannot be saved with torch.save: {e!r}"]
+    if on:
+        dist.broadcast_object_list(msg, src=0)
+    token, error_type, error = msg
+    if error_type is not None:
+        raise error_type(error)
+    tmp = f"{directory}.tmp-{token}"
+    manifest = {
+        "format": FORMAT, "version": FORMAT_VERSION, "step": step,
+        "keys": {k: _describe(v) for k, v in tensors.items()}, "none": nones,
+        "extra": extra is not None, "world_size": dist.get_world_size() if on else 1,
+    }
+
+    def discard():
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def commit(failed: bool = False) -> str:
+        if failed:
+            discard()
+            return directory
+        _barrier()  # every rank's shards are written
+        status: list[Any] = [None]
+        if _rank() == 0:
+            try:
+                if extra_bytes is not None:
+                    with open(os.path.join(tmp, EXTRA), "wb") as f:
+                        f.write(extra_bytes)
+                        f.flush()
+                        os.fsync(f.fileno())
+                _write_json(os.path.join(tmp, MANIFEST), manifest)  # last: marks it complete
+                _fsync_dir(tmp)
+                _swap_in(tmp, directory, token)
+            except BaseException as e:
+                discard()
+                if not on:
+                    raise
+                status[0] = repr(e)
+        if on:  # also the barrier: no rank returns before the checkpoint is in place
+            dist.broadcast_object_list(status, src=0)
+        if status[0] is not None:
+            raise RuntimeError(f"rank 0 could not finish checkpoint {directory!r}: {status[0]}")
+        return directory
+
+    try:
+        with _single_process_quiet(on):
+            if not async_save:
+                dcp.save(tensors, checkpoint_id=tmp, no_dist=not on)
+            else:
+                response = dcp.async_save(tensors, checkpoint_id=tmp, no_dist=not on,
+                                          process_group=_async_group() if on else None)
+                future = getattr(response, "upload_completion", response)
+    except BaseException:
+        discard()
+        raise
+    if async_save:
+        return PendingSave(future, commit)
+    return commit()
+
+
+def _swap_in(tmp: str, directory: str, token: str) -> None:
+    """Rename ``tmp`` to ``directory``; an older checkpoint there is deleted only afterwards."""
+    old = None
+    if os.path.lexists(directory):
+        old = f"{directory}.old-{token}"
+        os.rename(directory, old)
+    os.rename(tmp, directory)
+    _fsync_dir(os.path.dirname(directory) or os.curdir)
+    # the new checkpoint is in place: drop the old one and what crashed saves left behind
+    for stale in ([old] if old else []) + _siblings(directory, "old") + _siblings(directory, "tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# load
+# --------------------------------------------------------------------------------------------------
+
+
+def _resolve(directory: str) -> str:
+    """``directory``, or the ``.old-<token>`` sibling a save left when it crashed between its two
+    renames (the previous checkpoint, complete)."""
+    if os.path.isdir(directory):
+        if not _is_checkpoint(directory):
+            raise FileNotFoundError(
+                f"checkpoint {directory!r} has no {MANIFEST}: it is incomplete (a save that did not "
+                "finish) or not a functional_train checkpoint")
+        return directory
+    old = [p for p in _siblings(directory, "old") if _is_checkpoint(p)]
+    if old:
+        return old[-1]
+    raise FileNotFoundError(f"no checkpoint at {directory!r}")
+
+
+def read_manifest(directory) -> dict:
+    """The manifest (``meta.json``) of the checkpoint at ``directory``: ``step``, ``keys``
+    (key -> global ``shape``, ``dtype``), ``none``, ``extra``, ``world_size``, ``version``.
+
+    Raises ``FileNotFoundError`` for a missing or incomplete checkpoint, ``ValueError`` for a
+    manifest of another format or a newer version."""
+    path = _resolve(_normalise(directory))
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int):
+        raise ValueError(f"{os.path.join(path, MANIFEST)} is not a {FORMAT} manifest")
+    if manifest["version"] > FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path!r} has format version {manifest['version']}; this "
+                         f"functional_train reads versions up to {FORMAT_VERSION}")
+    manifest["path"] = path
+    return manifest
+
+
+def load(directory, params, state):
+    """Read the checkpoint at ``directory`` into new trees shaped like ``params`` and ``state``.
+
+    Args:
+        directory: a path ``save`` wrote.
+        params, state: templates with the structure that was saved (same tree structure, key
+            paths, global shapes and dtypes), built by the caller on the *current* layout, e.g.
+            the freshly initialised parameters and ``tx.init(params)``. Each tensor leaf may be
+            a plain tensor or a DTensor with any mesh and placements, whatever the saved leaf
+            was: DCP reads the slices each rank needs (resharding). The templates' values are
+            not read and the templates are not modified.
+
+    Returns:
+        ``(params, state, step, extra)``: new trees with the templates' structure, each tensor
+        leaf a fresh tensor (``torch.empty_like`` of the template leaf: same layout, device,
+        mesh and placements; ``requires_grad`` as the template's) holding the saved values;
+        ``None`` leaves stay ``None``. ``step`` is the saved int, ``extra`` the saved dict (or
+        ``None``).
+
+    Collectives: all ranks of an initialised default process group call ``load`` together
+    (DCP's plan gather and scatter); without one, DCP runs with ``no_dist=True``.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``directory``, or one without its manifest (a save
+            that did not finish), naming the directory.
+        ValueError: the templates do not match the checkpoint: key paths missing from the
+            checkpoint, key paths the templates lack, ``None`` where a tensor was saved or the
+            reverse, or different global shapes or dtypes, each listed by key path
+            (``"params/<path>"`` / ``"state/<path>"``) with the directory.
+    """
+    manifest = read_manifest(directory)
+    path = manifest["path"]
+    tensors, nones, structure = _flatten(params, state)
+    saved, saved_none = manifest["keys"], set(manifest["none"])
+    t_tensor, t_none = set(tensors), set(nones)
+    problems = []
+    missing = (t_tensor | t_none) - set(saved) - saved_none
+    unexpected = (set(saved) | saved_none) - t_tensor - t_none
+    if missing:
+        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"in the checkpoint but not in the templates: {_listing(unexpected)}")
+    if t_tensor & saved_none:
+        problems.append(f"None in the checkpoint, a tensor in the templates: "
+                        f"{_listing(t_tensor & saved_none)}")
+    if t_none & set(saved):
+        problems.append(f"a tensor in the checkpoint, None in the templates: "
+                        f"{_listing(t_none & set(saved))}")
+    wrong = []
+    for k, x in tensors.items():
+        if k in saved:
+            want = saved[k]
+            got = _describe(x)
+            if want["shape"] != got["shape"] or want["dtype"] != got["dtype"]:
+                wrong.append(f"{k} (saved {tuple(want['shape'])} {want['dtype']}, template "
+                             f"{tuple(got['shape'])} {got['dtype']})")
+    if wrong:
+        problems.append(f"global shape or dtype mismatches: {_listing(wrong)}")
+    if problems:
+        raise ValueError(f"checkpoint {path!r} does not match the templates: " + "; ".join(problems))
+
+    out = {k: torch.empty_like(x, requires_grad=False) for k, x in tensors.items()}
+    with _single_process_quiet(_distributed()):
+        dcp.load(out, checkpoint_id=path, no_dist=not _distributed())
+    for k, x in tensors.items():
+        if x.requires_grad:
+            out[k].requires_grad_(True)
+    trees = [optree.tree_unflatten(treedef, [out.get(k) for k in keys])
+             for treedef, keys in structure]
+    extra = None
+    if manifest["extra"]:
+        extra = torch.load(os.path.join(path, EXTRA), weights_only=True)
+    return trees[0], trees[1], int(manifest["step"]), extra
