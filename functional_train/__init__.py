@@ -7,6 +7,7 @@ parallel meshes on DTensors, with the same numbers. See DESIGN.md and the README
 from . import checkpoint
 from . import schedules
 from .accumulation import MultiStepsState, has_updated, multi_steps
+from .averaging import EmaParamsState, averaged_params, ema_params
 from .autograd import differentiable, is_differentiable
 from .base import EmptyState, GradientTransformation, chain, identity, named_chain
 from .combine import MaskedState, PartitionState, masked, partition
@@ -46,7 +47,8 @@ def _register_safe_globals() -> None:
         ClipByGlobalNormState, EmaState, ScaleByFactoredRmsState, _StepSizeDecayState,
         GaLoreState, ScaleByAdam8bitState, ScaleByAdamState, ScaleByAmsgradState,
         ScaleByScheduleState, TraceState, ZeroRedundancyState, ApplyIfFiniteState,
-        DynamicLossScaleState, ZeroNansState, InjectHyperparamsState])
+        DynamicLossScaleState, ZeroNansState, InjectHyperparamsState,
+        EmaParamsState])
 
 
 _register_safe_globals()
@@ -61,6 +63,8 @@ __all__ = [
     "clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm",
     # accumulation
     "multi_steps", "MultiStepsState", "has_updated",
+    # parameter averaging
+    "ema_params", "EmaParamsState", "averaged_params",
     # torch.optim adapter
     "TorchOptimizer",
     # hyperparameters as state

@@ -92,6 +92,8 @@ FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
     # accumulation, ZeRO
     "multi_steps": lambda: ft.multi_steps(ft.adamw(1e-2), every_k=2),
     "zero_redundancy": lambda: ft.zero_redundancy(ft.adamw(1e-2), axis="dp"),
+    # parameter averaging
+    "ema_params": lambda: ft.ema_params(0.9, warmup=True),
     # hyperparameters as state: the learning rate handed to the alias as a schedule of the state
     "inject_hyperparams": lambda: ft.inject_hyperparams(ft.adamw, static_args=("weight_decay",))(
         learning_rate=1e-2, weight_decay=0.1),
@@ -170,6 +172,9 @@ EXCLUDED: dict[str, str] = {
     "ScaleByCameState": "a state type",
     "GaLoreState": "a state type",
     "InjectHyperparamsState": "a state type",
+    "EmaParamsState": "a state type",
+    "averaged_params": "reads the average from a state, not a transform "
+                       "(tests/test_ema_params.py)",
     "TorchOptimizer": "a torch.optim.Optimizer running a transform, not a transform "
                       "(tests/test_torch_optimizer.py)",
     "set_hyperparams": "sets values in a state, not a transform (tests/test_hyperparams.py)",
