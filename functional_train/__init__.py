@@ -20,7 +20,8 @@ from .hyperparams import (InjectHyperparamsState, get_hyperparams, inject_hyperp
                           set_hyperparams)
 from .mesh import Mesh
 from .nonfinite import (ApplyIfFiniteState, DynamicLossScaleState, ZeroNansState, all_finite,
-                        apply_if_finite, dynamic_loss_scale, loss_scale, zero_nans)
+                        apply_if_finite, dynamic_loss_scale, loss_scale, skip_large_updates,
+                        skip_not_finite, zero_nans)
 from .optimizers import adam, adamw, lamb, sgd
 from .quantization import (ScaleByAdam8bitState, create_dynamic_map, dequantize_blockwise,
                            quantize_blockwise)
@@ -71,7 +72,8 @@ __all__ = [
     "inject_hyperparams", "InjectHyperparamsState", "set_hyperparams", "get_hyperparams",
     # non-finite gradients and loss scaling
     "apply_if_finite", "ApplyIfFiniteState", "zero_nans", "ZeroNansState", "all_finite",
-    "dynamic_loss_scale", "DynamicLossScaleState", "loss_scale",
+    "dynamic_loss_scale", "DynamicLossScaleState", "loss_scale", "skip_not_finite",
+    "skip_large_updates",
     # ZeRO
     "zero_redundancy", "ZeroRedundancyState",
     # transforms

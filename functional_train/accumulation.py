@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import optree
 import torch
@@ -13,7 +13,8 @@ from .base import GradientTransformation, call_reduced, declare, passes_unreduce
 from .mesh import Mesh
 from .engine.dtensor import spec_of, to_local, wrap
 from .engine.plan import describe
-from .tree import flatten_as, format_path, state_zeros_like, tree_flatten, tree_unflatten
+from .tree import (flatten_as, format_path, state_zeros_like, tree_flatten, tree_unflatten,
+                   tree_zeros_like)
 
 __all__ = ["multi_steps", "MultiStepsState", "has_updated"]
 
@@ -35,6 +36,8 @@ class MultiStepsState(NamedTuple):
             tensors, read on the host like ``mini_step``): a ``None``
             gradient is a zero contribution to a leaf that has one, and a leaf without any
             gradient in the cycle gets a ``None`` gradient in the inner update.
+        skip_state: what ``should_skip_update_fn`` returned last (its info dict of tensors;
+            ``{}`` without one).
     """
 
     mini_step: torch.Tensor
@@ -42,10 +45,12 @@ class MultiStepsState(NamedTuple):
     inner_state: Any
     acc_grads: Any
     seen: tuple
+    skip_state: Any = {}
 
 
 def multi_steps(inner: GradientTransformation, every_k: int, *,
-                acc_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+                acc_dtype: Optional[torch.dtype] = None,
+                should_skip_update_fn: Optional[Callable] = None) -> GradientTransformation:
     """Accumulate gradients over ``every_k`` micro-steps, then apply ``inner`` once (optax
     ``MultiSteps`` semantics).
 
@@ -66,6 +71,14 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
         inner: the transform to apply every ``every_k`` micro-steps.
         every_k: >= 1.
         acc_dtype: accumulator dtype (default ``None``: float32, or the params' dtype when wider).
+        should_skip_update_fn: optax's ``MultiSteps`` argument: ``fn(updates, gradient_step,
+            params, mesh=...) -> (should_skip 0-dim bool tensor, info dict of tensors)``, e.g.
+            :func:`~functional_train.skip_not_finite` or
+            :func:`~functional_train.skip_large_updates`. A skipped micro-step returns zero
+            updates and changes nothing but ``skip_state`` (no accumulation, no inner step).
+            The flag is read on the host (a device synchronisation on accelerators), and the
+            function's own collectives run on every micro-step (one scalar all-reduce for the
+            two above).
 
     State: :class:`MultiStepsState`. Use :func:`has_updated` to tell real steps apart.
 
@@ -82,12 +95,18 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
         raise TypeError(f"multi_steps: inner must be a GradientTransformation, got {type(inner).__name__}")
 
     def init_fn(params):
+        gradient_step = torch.zeros((), dtype=torch.int64, device="cpu")
+        skip_state: Any = {}
+        if should_skip_update_fn is not None:  # its info's structure, zeroed (as optax)
+            _, info = should_skip_update_fn(tree_zeros_like(params), gradient_step, params)
+            skip_state = optree.tree_map(torch.zeros_like, info)
         return MultiStepsState(
             mini_step=torch.zeros((), dtype=torch.int64, device="cpu"),
-            gradient_step=torch.zeros((), dtype=torch.int64, device="cpu"),
+            gradient_step=gradient_step,
             inner_state=inner.init(params),
             acc_grads=state_zeros_like(params, acc_dtype),
             seen=tuple(_flag(0) for _ in tree_flatten(params)[0]),
+            skip_state=skip_state,
         )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
@@ -97,6 +116,13 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"multi_steps: mesh must be a functional_train.Mesh or None, "
                             f"got {type(mesh).__name__}")
+        skip_state = state.skip_state
+        if should_skip_update_fn is not None:
+            skip, skip_state = should_skip_update_fn(updates, state.gradient_step, params,
+                                                     mesh=mesh)
+            if bool(skip):  # the micro-step is dropped: zero updates, nothing accumulated
+                return (_zeros_for(updates, params),
+                        state._replace(skip_state=skip_state))
         paths_raw, g, treedef = optree.tree_flatten_with_path(updates, none_is_leaf=True)
         g = detached(g)  # no graph into the accumulators (see functional_train.autograd)
         acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
@@ -156,7 +182,7 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
                 state.mini_step + 1, state.gradient_step, state.inner_state,
                 tree_unflatten(treedef, new_acc),
                 tuple(_flag(1) if not s and n else f
-                      for f, s, n in zip(state.seen, seen, new_seen)))
+                      for f, s, n in zip(state.seen, seen, new_seen)), skip_state)
         # the final micro-step: every leaf with a gradient in the cycle gets the mean, a
         # None gradient now counting as zero; the accumulators are cleared
         cycle = [i for i, f in enumerate(new_seen) if f and acc[i] is not None]
@@ -181,11 +207,24 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
         return new_updates, MultiStepsState(
             torch.zeros_like(state.mini_step), state.gradient_step + 1, inner_state,
             tree_unflatten(treedef, new_acc),
-            tuple(_flag(0) if v else f for f, v in zip(state.seen, new_seen)))
+            tuple(_flag(0) if v else f for f, v in zip(state.seen, new_seen)), skip_state)
 
     # what comes out is what inner returns: still unreduced if inner passes unreduced values on
     update_fn.passes_unreduced = passes_unreduced(inner)  # type: ignore[attr-defined]
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
+
+
+def _zeros_for(updates, params):
+    """Zero updates in the parameters' layout (the updates' dtype); ``None`` stays ``None``."""
+    def zero(u, p):
+        if u is None or p is None:
+            return None
+        return wrap(torch.zeros_like(to_local(p), dtype=to_local(u).dtype), spec_of(p))
+
+    if params is None:
+        return optree.tree_map(lambda u: None if u is None else torch.zeros_like(u), updates,
+                               none_is_leaf=True)
+    return optree.tree_map(zero, updates, params, none_is_leaf=True)
 
 
 def _flag(v: int) -> torch.Tensor:

@@ -25,7 +25,8 @@ from .transforms import _cast_like
 from .tree import first_device
 
 __all__ = ["apply_if_finite", "ApplyIfFiniteState", "zero_nans", "ZeroNansState",
-           "dynamic_loss_scale", "DynamicLossScaleState", "loss_scale", "all_finite"]
+           "dynamic_loss_scale", "DynamicLossScaleState", "loss_scale", "all_finite",
+           "skip_not_finite", "skip_large_updates"]
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -342,6 +343,41 @@ def dynamic_loss_scale(inner: GradientTransformation, init_scale: float = 2.0 **
             _where_tree(finite, new_inner, state.inner_state))
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def skip_not_finite(updates, gradient_step, params=None, *, mesh=None):
+    """For ``multi_steps(..., should_skip_update_fn=skip_not_finite)`` (optax's): skip a
+    micro-step whose gradients hold a NaN or an infinity on any rank.
+
+    Returns ``(should_skip, {"should_skip": ..., "num_not_finite": ...})``: 0-dim bool and
+    int64 tensors, the same on every rank (non-finite elements counted over the global
+    tensors, replicas once). Collectives: one scalar all-reduce over the mesh.
+    """
+    del gradient_step
+    b = prepare(updates, None, mesh, name="skip_not_finite")
+    counts = [(~torch.isfinite(b.locals[i])).sum().to(torch.float64) for i in b.active]
+    total = (b.global_sum(counts, b.active) if counts else torch.zeros((), dtype=torch.float64))
+    num = total.round().to(torch.int64)
+    skip = num > 0
+    return skip, {"should_skip": skip, "num_not_finite": num}
+
+
+def skip_large_updates(updates, gradient_step, params=None, max_squared_norm: float = 1.0, *,
+                       mesh=None):
+    """For ``multi_steps(..., should_skip_update_fn=functools.partial(skip_large_updates,
+    max_squared_norm=...))`` (optax's): skip a micro-step whose global squared norm is not
+    below ``max_squared_norm`` (a non-finite norm skips too).
+
+    Returns ``(should_skip, {"should_skip": ..., "norm_squared": ...})`` (0-dim bool and
+    float32/64 tensors, the same on every rank). Collectives: one scalar all-reduce.
+    """
+    del gradient_step
+    from .clipping import global_norm_of
+
+    b = prepare(updates, None, mesh, name="skip_large_updates")
+    norm_sq = global_norm_of(b).square()
+    skip = ~(norm_sq < max_squared_norm)
+    return skip, {"should_skip": skip, "norm_squared": norm_sq}
 
 
 def loss_scale(state: Any) -> torch.Tensor:

@@ -182,6 +182,10 @@ EXCLUDED: dict[str, str] = {
     "ApplyIfFiniteState": "a state type",
     "ZeroNansState": "a state type",
     "DynamicLossScaleState": "a state type",
+    "skip_not_finite": "a should_skip_update_fn for multi_steps, not a transform "
+                       "(tests/test_nonfinite.py)",
+    "skip_large_updates": "a should_skip_update_fn for multi_steps, not a transform "
+                          "(tests/test_nonfinite.py)",
     "all_finite": "a query returning a 0-dim bool, not a transform (tests/test_nonfinite.py)",
     "loss_scale": "reads the scale from a state, not a transform (tests/test_nonfinite.py)",
     "ScaleByAdam8bitState": "a state type (adamw[8bit] and galore_adamw[8bit] return it)",

@@ -298,3 +298,45 @@ def test_apply_if_finite_rejects_bad_arguments():
     tx = ft.apply_if_finite(ft.sgd(0.1), 1)
     with pytest.raises(ValueError, match="ApplyIfFiniteState"):
         tx.update({"w": torch.zeros(2)}, ft.sgd(0.1).init({"w": torch.zeros(2)}))
+
+
+# ---------------------------------------------------------------------------------------------
+# multi_steps(should_skip_update_fn=...) against optax.MultiSteps
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["skip_not_finite", "skip_large_updates"])
+def test_multi_steps_skip_functions_equal_optax(which, x64):
+    import functools
+
+    import jax.numpy as jnp
+    import optax
+
+    params, grads = _problem(steps=9)
+    # on a 2**-10 grid the mean of two micro-gradients is exact on both sides (optax averages
+    # incrementally, we sum then divide: otherwise 1-ulp differences of nearly cancelling
+    # means, amplified by Adam's normalisation)
+    grads = [{k: torch.round(v * 1024) / 1024 for k, v in g.items()} for g in grads]
+    grads[2]["w"][1, 1], grads[5]["b"][0] = NAN, INF
+    grads[6] = {k: v * 10 for k, v in grads[6].items()}  # a large one
+    if which == "skip_not_finite":
+        ours, theirs = ft.skip_not_finite, optax.skip_not_finite
+    else:
+        ours = functools.partial(ft.skip_large_updates, max_squared_norm=60.0)
+        theirs = functools.partial(optax.skip_large_updates, max_squared_norm=60.0)
+    tx = ft.multi_steps(ft.adamw(1e-2), 2, should_skip_update_fn=ours)
+    ref = optax.MultiSteps(optax.adamw(1e-2, weight_decay=1e-2), 2, should_skip_update_fn=theirs)
+    s, rs = tx.init(params), ref.init({k: jnp.asarray(v.numpy()) for k, v in params.items()})
+    p, rp = dict(params), {k: jnp.asarray(v.numpy()) for k, v in params.items()}
+    skipped = 0
+    for t, g in enumerate(grads):
+        u, s = tx.update(g, s, p)
+        p = ft.apply_updates(p, u)
+        ru, rs = ref.update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, rs, rp)
+        rp = optax.apply_updates(rp, ru)
+        for k in p:
+            np.testing.assert_allclose(p[k].numpy(), np.asarray(rp[k]), rtol=1e-12, atol=1e-14,
+                                       err_msg=f"step {t}, {k}")
+        for k, v in s.skip_state.items():
+            np.testing.assert_allclose(v.numpy(), np.asarray(rs.skip_state[k]), rtol=1e-12)
+        skipped += bool(s.skip_state["should_skip"])
+        assert int(s.gradient_step) == int(rs.gradient_step), t
+    assert skipped >= 2
