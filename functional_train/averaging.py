@@ -12,7 +12,7 @@ from .base import GradientTransformation, declare
 from .engine.dtensor import to_locals, wraps_like
 from .engine.view import prepare
 from .transforms import zero_count
-from .tree import flatten_as, state_dtype, tree_unflatten
+from .tree import find_state, flatten_as, state_dtype, tree_unflatten
 
 __all__ = ["ema_params", "EmaParamsState", "averaged_params"]
 
@@ -106,20 +106,4 @@ def averaged_params(state: Any) -> Any:
     Raises:
         ValueError: no, or several, EmaParamsState in ``state``.
     """
-    found = []
-
-    def visit(node):
-        if isinstance(node, EmaParamsState):
-            found.append(node)
-        elif isinstance(node, (list, tuple)):
-            for c in node:
-                visit(c)
-        elif isinstance(node, dict):
-            for c in node.values():
-                visit(c)
-
-    visit(state)
-    if len(found) != 1:
-        raise ValueError(f"averaged_params: expected one EmaParamsState in the state, found "
-                         f"{len(found)}")
-    return found[0].ema
+    return find_state(state, EmaParamsState, "averaged_params").ema

@@ -11,6 +11,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .base import GradientTransformation
+from .tree import find_state
 
 __all__ = ["inject_hyperparams", "InjectHyperparamsState", "set_hyperparams", "get_hyperparams",
            "injectable"]
@@ -270,20 +271,4 @@ def get_hyperparams(state: Any) -> dict:
     Raises:
         ValueError: no, or several, InjectHyperparamsState in ``state``.
     """
-    found = []
-
-    def visit(node):
-        if isinstance(node, InjectHyperparamsState):
-            found.append(node.hyperparams)
-        elif isinstance(node, (list, tuple)):
-            for c in node:
-                visit(c)
-        elif isinstance(node, dict):
-            for c in node.values():
-                visit(c)
-
-    visit(state)
-    if len(found) != 1:
-        raise ValueError(f"get_hyperparams: expected one InjectHyperparamsState in the state, "
-                         f"found {len(found)}")
-    return found[0]
+    return find_state(state, InjectHyperparamsState, "get_hyperparams").hyperparams

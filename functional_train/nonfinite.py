@@ -22,7 +22,7 @@ from .base import GradientTransformation, call_reduced, declare
 from .engine.dtensor import to_local, wrap_like
 from .engine.view import Prepared, prepare
 from .transforms import _cast_like
-from .tree import first_device
+from .tree import find_state, first_device
 
 __all__ = ["apply_if_finite", "ApplyIfFiniteState", "zero_nans", "ZeroNansState",
            "dynamic_loss_scale", "DynamicLossScaleState", "loss_scale", "all_finite",
@@ -151,6 +151,17 @@ def _zeros_where_not(ok: torch.Tensor, updates):
     return optree.tree_map(zero, updates, none_is_leaf=True)
 
 
+def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, device):
+    """Run ``inner`` on the view ``b``; return ``(finite, updates, new inner state)``, with
+    ``finite`` (a 0-dim bool on ``device``) from the leading clip's norm when there is one
+    (``clip_norm``), else from ONE scalar all-reduce of per-leaf flags."""
+    finite = None if clip_norm is not None else _all_finite_of(b)
+    updates, new_inner, _ = call_reduced(inner, b, inner_state, params, b.mesh, extra)
+    if finite is None:
+        finite = torch.isfinite(clip_norm(new_inner))
+    return finite.to(device), updates, new_inner
+
+
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int
                     ) -> GradientTransformation:
     """Apply ``inner`` only when every gradient element is finite (optax ``apply_if_finite``).
@@ -194,12 +205,9 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int
                              f"apply_if_finite.init, got {type(state).__name__}")
         given_view = isinstance(updates, Prepared)
         b = prepare(updates, params, mesh, name="apply_if_finite", view=True)
-        finite = None if clip_norm is not None else _all_finite_of(b)
-        new_updates, new_inner, _ = call_reduced(inner, b, state.inner_state, params, b.mesh,
-                                                 extra)
-        if finite is None:
-            finite = torch.isfinite(clip_norm(new_inner))
-        finite = finite.to(state.notfinite_count.device)
+        finite, new_updates, new_inner = _run_checked(inner, clip_norm, b, state.inner_state,
+                                                      params, extra,
+                                                      state.notfinite_count.device)
         count = torch.where(finite, torch.zeros_like(state.notfinite_count),
                             state.notfinite_count + 1)
         ok = finite | (count > max_consecutive_errors)
@@ -321,12 +329,8 @@ def dynamic_loss_scale(inner: GradientTransformation, init_scale: float = 2.0 **
                         if g else []):
             unscaled[i] = x
         b = b.with_locals(unscaled)
-        finite = None if clip_norm is not None else _all_finite_of(b)
-        new_updates, new_inner, _ = call_reduced(inner, b, state.inner_state, params, b.mesh,
-                                                 extra)
-        if finite is None:
-            finite = torch.isfinite(clip_norm(new_inner))
-        finite = finite.to(state.scale.device)
+        finite, new_updates, new_inner = _run_checked(inner, clip_norm, b, state.inner_state,
+                                                      params, extra, state.scale.device)
         new_updates = _zeros_where_not(finite, new_updates)
         if isinstance(new_updates, Prepared) and not given_view:
             new_updates = new_updates.tree()
@@ -387,9 +391,4 @@ def loss_scale(state: Any) -> torch.Tensor:
     Raises:
         ValueError: no :class:`DynamicLossScaleState` in ``state``.
     """
-    found = [s for s in optree.tree_leaves(state, is_leaf=lambda x: isinstance(
-        x, DynamicLossScaleState), none_is_leaf=True) if isinstance(s, DynamicLossScaleState)]
-    if len(found) != 1:
-        raise ValueError(f"loss_scale: expected one DynamicLossScaleState in the state, "
-                         f"found {len(found)}")
-    return found[0].scale
+    return find_state(state, DynamicLossScaleState, "loss_scale").scale

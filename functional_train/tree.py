@@ -180,6 +180,32 @@ def tree_get(tree: PyTree, key: str, default: Any = None) -> Any:
     return found[0] if found else default
 
 
+def find_state(tree: PyTree, cls: type, where: str) -> Any:
+    """The one state of type ``cls`` (a NamedTuple) nested anywhere in ``tree`` (tuples, lists,
+    dicts, NamedTuples).
+
+    Raises:
+        ValueError: naming ``where``, when there is none or more than one.
+    """
+    found: list = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, cls):
+            found.append(node)
+        elif isinstance(node, (list, tuple)):
+            for child in node:
+                visit(child)
+        elif isinstance(node, dict):
+            for child in node.values():
+                visit(child)
+
+    visit(tree)
+    if len(found) != 1:
+        raise ValueError(f"{where}: expected one {cls.__name__} in the state, found "
+                         f"{len(found)}")
+    return found[0]
+
+
 def tree_map(fn: Callable, tree: PyTree, *rests: PyTree) -> PyTree:
     """``optree.tree_map`` with ``None`` leaves passed to ``fn``."""
     return optree.tree_map(fn, tree, *rests, none_is_leaf=True)

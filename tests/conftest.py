@@ -1,4 +1,4 @@
-"""Shared pytest configuration: hypothesis profiles.
+"""Shared pytest configuration: hypothesis profiles, and the ``x64`` fixture (jax in float64).
 
 Profiles (select with the ``HYPOTHESIS_PROFILE`` environment variable):
 
@@ -10,6 +10,7 @@ Profiles (select with the ``HYPOTHESIS_PROFILE`` environment variable):
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -28,3 +29,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def x64():
+    """jax in float64 for one test (optax references compared in float64)."""
+    import jax  # optax and jax are test dependencies (pyproject's "test" extra)
+
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", old)

@@ -20,16 +20,6 @@ from functional_train.testing import (assert_sharded_equivalent, count_collectiv
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture
-def x64():
-    import jax
-
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
-
-
 def _problem(steps=9, bad=None, dtype=torch.float64):
     """Params {w (5, 3), b (4,)} and ``steps`` gradient trees; ``bad[t] = (leaf, index, value)``
     poisons step ``t``."""

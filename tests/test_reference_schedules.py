@@ -236,16 +236,6 @@ _CASES = {  # name -> list of (args, kwargs), the same call for ft.schedules and
 }
 
 
-@pytest.fixture
-def x64():
-    import jax  # optax and jax are test dependencies (pyproject's "test" extra)
-
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
-
-
 @pytest.mark.parametrize("name", sorted(_CASES))
 def test_schedule_equals_optax(name, x64):
     import numpy as np
