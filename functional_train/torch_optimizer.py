@@ -4,12 +4,15 @@ nothing else (HF ``Trainer``, Lightning, torch's LR schedulers)."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, Iterable
 
+import optree
 import torch
 
 from .base import GradientTransformation, chain
 from .hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
+from .tree import tree_flatten, tree_unflatten
 
 __all__ = ["TorchOptimizer"]
 
@@ -44,6 +47,91 @@ def _injected(tx: GradientTransformation):
     return tx, None
 
 
+# state_dict keys of the state leaves that belong to no parameter (step counts, the clipping
+# norm, injected hyperparameters): kept in the first trainable parameter's entry
+_GLOBAL = "ft/"
+
+
+def _leaf_keys(state, names: list) -> list:
+    """Where each leaf of ``state`` (``tree_flatten`` order, ``None`` leaves included) goes in
+    the per-parameter layout: ``(parameter index or None, key)``.
+
+    A leaf belongs to parameter ``i`` when its path crosses a dict keyed by exactly the
+    parameter names (a params-shaped field: moments, factored statistics, projectors, 8-bit
+    codes...) at ``names[i]``; its key is its path with that entry left out, NamedTuple fields
+    by name (``"inner_state.0.mu"``, ``"1.inner_state.0.trace"``, ``"inner_state.0.mu.codes"``
+    ...). Other leaves get ``"ft/" + path`` (``"ft/count"``, ``"ft/hyperparams.learning_rate"``).
+    """
+    index = {n: i for i, n in enumerate(names)}
+    nameset = set(names)
+    params_shaped: dict = {}
+
+    def is_params_dict(node) -> bool:
+        hit = params_shaped.get(id(node))
+        if hit is None:
+            hit = params_shaped[id(node)] = (isinstance(node, dict) and len(node) == len(nameset)
+                                             and set(node) == nameset)
+        return hit
+
+    paths, _, _ = optree.tree_flatten_with_path(state, none_is_leaf=True)
+    out, seen = [], set()
+    for path in paths:
+        node, parts, owner = state, [], None
+        for entry in path:
+            if owner is None and is_params_dict(node):
+                owner = index[entry]
+            elif isinstance(node, tuple) and hasattr(node, "_fields") and isinstance(entry, int):
+                parts.append(node._fields[entry])
+            else:
+                parts.append(str(entry))
+            try:
+                node = node[entry]
+            except Exception:  # a custom pytree node: no params-shaped dict found below it
+                node = None
+        key = ".".join(parts) or "<root>"
+        if owner is None:
+            key = _GLOBAL + key
+        base, k = key, 1
+        while (owner, key) in seen:  # (dict keys holding dots could make two paths alike)
+            key, k = f"{base}#{k}", k + 1
+        seen.add((owner, key))
+        out.append((owner, key))
+    return out
+
+
+class _StateView(Mapping):
+    """``optimizer.state``: parameter -> ``{key: tensor}``, read from the transform's state at
+    every access (the same tensors, never a copy)."""
+
+    __slots__ = ("_opt",)
+
+    def __init__(self, opt: "TorchOptimizer"):
+        self._opt = opt
+
+    def _params(self) -> list:
+        return self._opt.param_groups[0]["params"] if self._opt.param_groups else []
+
+    def __getitem__(self, param):
+        for i, p in enumerate(self._params()):
+            if p is param:
+                return self._opt._per_param()[i]
+        if isinstance(param, torch.Tensor):  # torch's defaultdict(dict): {} for the others
+            return {}
+        raise KeyError(param)
+
+    def __iter__(self):
+        return iter(self._params())
+
+    def __len__(self) -> int:
+        return len(self._params())
+
+    def __contains__(self, param) -> bool:
+        return any(p is param for p in self._params())
+
+    def __repr__(self) -> str:
+        return f"TorchOptimizer.state({len(self)} parameters)"
+
+
 def _hyper_state(state, path):
     for i in path:
         state = state[i]
@@ -70,14 +158,26 @@ class TorchOptimizer(torch.optim.Optimizer):
             ``param_groups[0]`` holds them — ``"lr"`` for ``learning_rate`` (torch's name),
             ``"betas"`` for ``(b1, b2)``, the others by their own names (``eps``,
             ``weight_decay``, ``momentum``...) — and torch's LR schedulers (``LambdaLR``,
-            ``OneCycleLR``, momentum cycling included, ``CosineAnnealingLR``...) drive them: the group's values
-            are read at every ``step`` (the learning rate as a tensor: no rebuild, no
-            recompile). A transform built with ``inject_hyperparams`` exposes what it injected.
-            Any other transform runs as given, with no hyperparameter in the group.
+            ``OneCycleLR``, momentum cycling included, ``CosineAnnealingLR``...) drive them: the
+            group's values are read at every ``step`` (the learning rate as a tensor: no
+            rebuild, no recompile). A transform built with ``inject_hyperparams`` exposes what
+            it injected. Any other transform runs as given, with no hyperparameter in the group.
         mesh: the :class:`~functional_train.Mesh` descriptor passed to every update.
 
-    ``state_dict()`` / ``load_state_dict()`` round-trip the transform's state (a pytree of
-    tensors / DTensors, under ``"ft_state"``) and the group's hyperparameters.
+    ``state_dict()`` follows torch.optim's layout, so that
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` /
+    ``set_optimizer_state_dict`` (fully qualified names, DTensor parameters of ``fully_shard``
+    and tensor parallel, ``dcp.save`` / ``dcp.load`` resharding) work on it:
+    ``{"state": {i: {key: tensor}}, "param_groups": [{hyperparameters..., "params": [0, 1,
+    ...], "param_names": [...]}]}``. The transform's state is split by parameter: a leaf
+    under a params-shaped field (a dict keyed by the parameter names: moments, factored
+    statistics...) goes to its parameter's entry under its path in the state with the
+    parameter left out (``"inner_state.0.mu"``); the others (step counts, the clipping norm,
+    injected hyperparameters: replicated plain tensors) go to the first trainable
+    parameter's entry as ``"ft/" + path`` (``"ft/count"``). Every parameter has an entry
+    (maybe empty). ``optimizer.state`` maps each parameter to the same dicts, read from the
+    transform's state at every access (no second copy of the tensors); it is never empty, so
+    torch's ``_init_optim_state`` does not run a zero-gradient step on it.
     ``zero_grad`` is torch's. Gradients are donated to the step (the fused kernels may unscale
     them in place, as ``clip_grad_norm_`` scales ``.grad`` in place). ``None`` gradients leave
     their parameter unchanged.
@@ -116,9 +216,46 @@ class TorchOptimizer(torch.optim.Optimizer):
         defaults = {_TORCH_NAMES.get(k, k): float(v) for k, v in hp.items()}
         if "b1" in defaults and "b2" in defaults:  # torch's "betas" (OneCycleLR cycles it)
             defaults["betas"] = (defaults.pop("b1"), defaults.pop("b2"))
+        self._layout = None  # (treedef, _leaf_keys) of the transform's state
         self._constructing = True
         super().__init__(tensors, defaults)
         self._constructing = False
+
+    # torch.optim.Optimizer.__init__ assigns ``self.state = defaultdict(dict)``: ignored, the
+    # per-parameter state is a view of the transform's state
+    @property
+    def state(self) -> Mapping:  # type: ignore[override]
+        """parameter -> ``{key: tensor}``: the entries of :meth:`state_dict` (the same
+        tensors, read-only view)."""
+        return _StateView(self)
+
+    @state.setter
+    def state(self, value) -> None:
+        del value
+
+    def _keys(self):
+        """``(leaves, treedef, [(parameter index or None, key)])`` of the current state."""
+        leaves, treedef = tree_flatten(self._ft_state)
+        if self._layout is None or self._layout[0] != treedef:
+            self._layout = (treedef, _leaf_keys(self._ft_state, self._names))
+        return leaves, treedef, self._layout[1]
+
+    def _global_slot(self) -> int:
+        """The entry that holds the leaves of no parameter: the first trainable parameter's
+        (torch's ``set_optimizer_state_dict`` drops the entries of frozen parameters)."""
+        for i, p in enumerate(self.param_groups[0]["params"]):
+            if p.requires_grad:
+                return i
+        return 0
+
+    def _per_param(self) -> list:
+        leaves, _, keys = self._keys()
+        out: list = [{} for _ in self._names]
+        slot = self._global_slot()
+        for (owner, key), leaf in zip(keys, leaves):
+            if leaf is not None:
+                out[slot if owner is None else owner][key] = leaf
+        return out
 
     def _params_tree(self, tensors) -> dict:
         return {n: p.detach() for n, p in zip(self._names, tensors)}
@@ -177,32 +314,138 @@ class TorchOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict:
-        """``{"ft_state": the transform's state, "param_groups": [group without params,
-        with "param_names"]}`` (tensors are not copied)."""
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        groups[0]["param_names"] = list(self._names)
-        return {"ft_state": self._ft_state, "param_groups": groups}
+        """torch.optim's layout: ``{"state": {parameter index: {key: tensor}}, "param_groups":
+        [{hyperparameters..., "params": [0, 1, ...], "param_names": [...]}]}`` (see the class
+        docstring for the keys; tensors are not copied)."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(self._names)))
+        group["param_names"] = list(self._names)
+        out = {"state": dict(enumerate(self._per_param())), "param_groups": [group]}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` returned (the same parameter names in the same
-        order).
+        """Restore what :meth:`state_dict` returned, or what torch's
+        ``set_optimizer_state_dict`` hands over (its ``"state"`` keyed by fully qualified names,
+        ``"params"`` listing them in this optimizer's order): entries are matched to parameters
+        by position in ``"params"``, as torch.optim does. The tensors are taken, not copied
+        (as torch.optim does; moved to the state's device and dtype where they differ), and the
+        steps update them in place. Entries of parameters that do not require a gradient may
+        be missing (torch's loader drops them): their state is kept. Still reads the
+        ``{"ft_state": ...}`` dicts of earlier versions.
 
         Raises:
-            ValueError: another optimizer's state dict, or other parameter names.
+            ValueError: another optimizer's state dict (other parameter names or count,
+                missing or unexpected keys, other shapes), or a plain tensor where the state
+                holds a DTensor or the other way round (reshard through
+                ``torch.distributed.checkpoint``).
         """
-        if not isinstance(state_dict, dict) or "ft_state" not in state_dict:
+        if not isinstance(state_dict, dict) or not ("ft_state" in state_dict or (
+                "state" in state_dict and "param_groups" in state_dict)):
             raise ValueError("TorchOptimizer.load_state_dict: expected the dict of "
-                             "TorchOptimizer.state_dict() (with 'ft_state')")
-        groups = state_dict.get("param_groups", [{}])
-        names = groups[0].get("param_names", self._names)
+                             "TorchOptimizer.state_dict() (with 'state' and 'param_groups')")
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = state_dict.get("param_groups") or [{}]
+        if len(groups) != 1:
+            raise ValueError(f"TorchOptimizer.load_state_dict: {len(groups)} parameter groups; "
+                             f"a TorchOptimizer has one")
+        group = groups[0]
+        names = group.get("param_names", self._names)
         if list(names) != self._names:
             raise ValueError(f"TorchOptimizer.load_state_dict: the state was saved for "
                              f"parameters {list(names)[:4]}..., this optimizer has "
                              f"{self._names[:4]}...")
-        self._ft_state = state_dict["ft_state"]
-        for k, v in groups[0].items():
+        if "ft_state" in state_dict:  # the layout of earlier versions
+            self._ft_state = state_dict["ft_state"]
+        else:
+            self._ft_state = self._rebuild(state_dict["state"], group)
+        for k, v in group.items():
             if k not in ("params", "param_names"):
                 self.param_groups[0][k] = v
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _rebuild(self, state: dict, group: dict) -> Any:
+        """The transform's state from the per-parameter entries, on the current one as
+        template (validated before anything is replaced)."""
+        where = "TorchOptimizer.load_state_dict"
+        saved = list(group.get("params", range(len(self._names))))
+        if len(saved) != len(self._names):
+            raise ValueError(f"{where}: the state was saved for {len(saved)} parameters, this "
+                             f"optimizer has {len(self._names)}")
+        position = {k: i for i, k in enumerate(saved)}
+        unknown = [k for k in state if k not in position]
+        if unknown:
+            raise ValueError(f"{where}: state entries {unknown[:4]} name no parameter of the "
+                             f"group ({saved[:4]}...)")
+        entries: list = [None] * len(saved)
+        for k, v in state.items():
+            entries[position[k]] = v
+        globals_ = {}
+        for e in entries:
+            for k, v in (e or {}).items():
+                if isinstance(k, str) and k.startswith(_GLOBAL):
+                    globals_[k] = v
+        leaves, treedef, keys = self._keys()
+        params = self.param_groups[0]["params"]
+        used: set = set()
+        new = []
+        for (owner, key), old in zip(keys, leaves):
+            if old is None:
+                new.append(None)
+                continue
+            source = globals_ if owner is None else (entries[owner] or {})
+            if key not in source:
+                if owner is not None and not params[owner].requires_grad:
+                    new.append(old)  # torch's loader leaves frozen parameters out
+                    continue
+                what = "the optimizer" if owner is None else f"parameter '{self._names[owner]}'"
+                raise ValueError(f"{where}: no '{key}' for {what}: the state comes from "
+                                 f"another transform")
+            used.add((owner, key))
+            new.append(self._conform(source[key], old, key))
+        extra = [k for i, e in enumerate(entries) for k in (e or {})
+                 if (None if isinstance(k, str) and k.startswith(_GLOBAL) else i, k) not in used]
+        if extra:
+            raise ValueError(f"{where}: unexpected state keys {sorted(map(str, extra))[:4]}: "
+                             f"the state comes from another transform")
+        return tree_unflatten(treedef, new)
+
+    @staticmethod
+    def _conform(value: Any, old: Any, key: str) -> Any:
+        """``value`` in place of the state leaf ``old`` (same kind, global shape; moved to its
+        placements, device and dtype)."""
+        if not isinstance(old, torch.Tensor) or value is old:
+            return value
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(value, torch.Tensor) or (isinstance(value, DTensor)
+                                                   != isinstance(old, DTensor)):
+            raise ValueError(f"TorchOptimizer.load_state_dict: '{key}' is a "
+                             f"{type(value).__name__} where the state holds a "
+                             f"{type(old).__name__} (load DTensor states through "
+                             f"torch.distributed.checkpoint's set_optimizer_state_dict)")
+        if value.shape != old.shape:
+            raise ValueError(f"TorchOptimizer.load_state_dict: '{key}' has shape "
+                             f"{tuple(value.shape)}, the state {tuple(old.shape)}")
+        if isinstance(value, DTensor) and (value.device_mesh != old.device_mesh
+                                           or value.placements != old.placements):
+            if value.device_mesh != old.device_mesh:
+                raise ValueError(f"TorchOptimizer.load_state_dict: '{key}' lives on "
+                                 f"{value.device_mesh}, the state on {old.device_mesh} (reshard "
+                                 f"through torch.distributed.checkpoint)")
+            value = value.redistribute(old.device_mesh, old.placements)
+        if value.dtype != old.dtype or value.device != old.device:
+            value = value.to(device=old.device, dtype=old.dtype)
+        return value
 
     def __repr__(self) -> str:
         hp = {k: v for k, v in self.param_groups[0].items() if k != "params"}
