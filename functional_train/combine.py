@@ -146,6 +146,7 @@ def partition(transforms: Mapping[str, GradientTransformation],
         return tree_unflatten(treedef, out), PartitionState(new_states)
 
     update_fn.labels_of = labels_of  # each leaf's label (for ft.step's per-leaf GaLore path)
+    update_fn.partition = (dict(transforms), param_labels)  # (TorchOptimizer's param groups)
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 

@@ -20,6 +20,22 @@ __all__ = ["TorchOptimizer"]
 _TORCH_NAMES = {"learning_rate": "lr"}
 
 
+def _injected_groups(tx: GradientTransformation):
+    """``(transform, {label: path of its InjectHyperparamsState or None})``: for a
+    ``partition``, each label's transform injected (:func:`_injected`), one parameter group per
+    label; otherwise one group, label ``None``."""
+    spec = getattr(tx.update, "partition", None)
+    if spec is None:
+        t, path = _injected(tx)
+        return t, {None: path}
+    from .combine import partition
+
+    transforms, labels = spec
+    done = {k: _injected(v) for k, v in transforms.items()}
+    paths = {k: None if path is None else (0, k, *path) for k, (_, path) in done.items()}
+    return partition({k: t for k, (t, _) in done.items()}, labels), paths
+
+
 def _injected(tx: GradientTransformation):
     """``tx`` with its hyperparameters injected where it was built by one of this library's
     aliases (``update.built_with``), its float parameters filled in from their defaults; in a
@@ -109,7 +125,7 @@ class _StateView(Mapping):
         self._opt = opt
 
     def _params(self) -> list:
-        return self._opt.param_groups[0]["params"] if self._opt.param_groups else []
+        return self._opt._params
 
     def __getitem__(self, param):
         for i, p in enumerate(self._params()):
@@ -139,6 +155,31 @@ def _hyper_state(state, path):
     return state
 
 
+def _replace_at(state, path, value):
+    """``state`` with the node at ``path`` (tuple indices, NamedTuple positions, dict keys)
+    replaced by ``value`` (a new tree; nothing is modified)."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(state, dict):
+        out = dict(state)
+        out[head] = _replace_at(state[head], rest, value)
+        return out
+    items = list(state)
+    items[head] = _replace_at(state[head], rest, value)
+    return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
+
+
+def _group_defaults(hs) -> dict:
+    """A group's torch-named hyperparameters from an InjectHyperparamsState (``{}`` for None)."""
+    if hs is None:
+        return {}
+    out = {_TORCH_NAMES.get(k, k): float(v) for k, v in hs.hyperparams.items()}
+    if "b1" in out and "b2" in out:  # torch's "betas" (OneCycleLR cycles it)
+        out["betas"] = (out.pop("b1"), out.pop("b2"))
+    return out
+
+
 class TorchOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that runs a transform: ``step()`` hands the parameters'
     ``.grad`` to ``ft.step(tx, grads, state, params, mesh=mesh, donate=True)`` and writes the
@@ -162,6 +203,10 @@ class TorchOptimizer(torch.optim.Optimizer):
             group's values are read at every ``step`` (the learning rate as a tensor: no
             rebuild, no recompile). A transform built with ``inject_hyperparams`` exposes what
             it injected. Any other transform runs as given, with no hyperparameter in the group.
+            A :func:`~functional_train.partition` gives one group per label (``"label"`` in
+            the group, its parameters in model order), each with its own transform's
+            hyperparameters: ``partition({"decay": adamw(1e-3, weight_decay=0.1),
+            "no_decay": adamw(1e-3, weight_decay=0.0)}, labels)`` is torch's usual two groups.
         mesh: the :class:`~functional_train.Mesh` descriptor passed to every update.
 
     ``state_dict()`` follows torch.optim's layout, so that
@@ -186,8 +231,9 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``tx`` is not a GradientTransformation; a parameter that is not a tensor.
-        ValueError: no parameters; duplicate names; ``add_param_group`` after construction (one
-            group: partition the transform instead, see :func:`~functional_train.partition`).
+        ValueError: no parameters; duplicate names; ``add_param_group`` after construction (the
+            groups come from the transform: partition it, see
+            :func:`~functional_train.partition`).
     """
 
     def __init__(self, params: Iterable[Any], tx: GradientTransformation, *, mesh=None):
@@ -207,18 +253,35 @@ class TorchOptimizer(torch.optim.Optimizer):
                                 f"not a tensor")
         if len(set(names)) != len(names):
             raise ValueError("TorchOptimizer: duplicate parameter names")
-        self._names = names
-        self._tx, self._hyper_path = _injected(tx)
+        self._tx, paths = _injected_groups(tx)
         self._mesh = mesh
-        self._ft_state = self._tx.init(self._params_tree(tensors))
-        hp = ({} if self._hyper_path is None else
-              _hyper_state(self._ft_state, self._hyper_path).hyperparams)
-        defaults = {_TORCH_NAMES.get(k, k): float(v) for k, v in hp.items()}
-        if "b1" in defaults and "b2" in defaults:  # torch's "betas" (OneCycleLR cycles it)
-            defaults["betas"] = (defaults.pop("b1"), defaults.pop("b2"))
+        if None in paths:  # one group
+            groups = {None: list(range(len(names)))}
+        else:  # one group per partition label (labels resolved on the params tree)
+            labels_of = self._tx.update.labels_of
+            tree = {n: p.detach() for n, p in zip(names, tensors)}
+            by_name = dict(zip([pth[0] for pth in optree.tree_flatten_with_path(
+                tree, none_is_leaf=True)[0]], labels_of(tree)))
+            groups = {k: [i for i, n in enumerate(names) if by_name[n] == k] for k in paths}
+            groups = {k: v for k, v in groups.items() if v}
+        # parameters numbered group after group, as torch.optim numbers them in state_dict
+        order = [i for idx in groups.values() for i in idx]
+        self._names = [names[i] for i in order]
+        self._params = [tensors[i] for i in order]
+        self._ft_state = self._tx.init(self._params_tree(self._params))
+        self._hyper_paths = [paths[k] for k in groups]
+        param_groups = []
+        for k, idx in groups.items():
+            hs = None if paths[k] is None else _hyper_state(self._ft_state, paths[k])
+            g = {"params": [tensors[i] for i in idx], **_group_defaults(hs)}
+            if k is not None:
+                g["label"] = k
+            param_groups.append(g)
         self._layout = None  # (treedef, _leaf_keys) of the transform's state
         self._constructing = True
-        super().__init__(tensors, defaults)
+        # (schedulers read ``defaults``: OneCycleLR looks for "betas" / "momentum" there)
+        defaults = {k: v for k, v in param_groups[0].items() if k not in ("params", "label")}
+        super().__init__(param_groups, defaults)
         self._constructing = False
 
     # torch.optim.Optimizer.__init__ assigns ``self.state = defaultdict(dict)``: ignored, the
@@ -243,7 +306,7 @@ class TorchOptimizer(torch.optim.Optimizer):
     def _global_slot(self) -> int:
         """The entry that holds the leaves of no parameter: the first trainable parameter's
         (torch's ``set_optimizer_state_dict`` drops the entries of frozen parameters)."""
-        for i, p in enumerate(self.param_groups[0]["params"]):
+        for i, p in enumerate(self._params):
             if p.requires_grad:
                 return i
         return 0
@@ -271,7 +334,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         return self._ft_state
 
     def add_param_group(self, param_group: dict) -> None:
-        if not getattr(self, "_constructing", False) or self.param_groups:
+        if not getattr(self, "_constructing", False):
             raise ValueError("TorchOptimizer: add_param_group is not supported (the transform's "
                              "state was built for the parameters given at construction; "
                              "create a new optimizer, or give every parameter at once and "
@@ -279,17 +342,20 @@ class TorchOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _sync_hyperparams(self) -> None:
-        if self._hyper_path is None:
-            return
-        group = self.param_groups[0]
-        hs = _hyper_state(self._ft_state, self._hyper_path)
-        values = {}
-        for k in hs.hyperparams:
-            if k in ("b1", "b2") and "betas" in group:
-                values[k] = group["betas"][0 if k == "b1" else 1]
-            else:
-                values[k] = group[_TORCH_NAMES.get(k, k)]
-        self._ft_state = set_hyperparams(self._ft_state, **values)
+        """Each group's values (as torch's schedulers left them) into its hyperparameters."""
+        state = self._ft_state
+        for group, path in zip(self.param_groups, self._hyper_paths):
+            if path is None:
+                continue
+            hs = _hyper_state(state, path)
+            values = {}
+            for k in hs.hyperparams:
+                if k in ("b1", "b2") and "betas" in group:
+                    values[k] = group["betas"][0 if k == "b1" else 1]
+                else:
+                    values[k] = group[_TORCH_NAMES.get(k, k)]
+            state = _replace_at(state, path, set_hyperparams(hs, **values))
+        self._ft_state = state
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -299,7 +365,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        tensors = self.param_groups[0]["params"]
+        tensors = self._params
         self._sync_hyperparams()
         params = self._params_tree(tensors)
         grads = {n: p.grad for n, p in zip(self._names, tensors)}
@@ -319,10 +385,15 @@ class TorchOptimizer(torch.optim.Optimizer):
         docstring for the keys; tensors are not copied)."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self._names)))
-        group["param_names"] = list(self._names)
-        out = {"state": dict(enumerate(self._per_param())), "param_groups": [group]}
+        groups, start = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            group = {k: v for k, v in g.items() if k != "params"}
+            group["params"] = list(range(start, start + n))
+            group["param_names"] = self._names[start:start + n]
+            groups.append(group)
+            start += n
+        out = {"state": dict(enumerate(self._per_param())), "param_groups": groups}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
             if result is not None:
@@ -354,11 +425,11 @@ class TorchOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         groups = state_dict.get("param_groups") or [{}]
-        if len(groups) != 1:
+        if len(groups) != len(self.param_groups):
             raise ValueError(f"TorchOptimizer.load_state_dict: {len(groups)} parameter groups; "
-                             f"a TorchOptimizer has one")
-        group = groups[0]
-        names = group.get("param_names", self._names)
+                             f"this optimizer has {len(self.param_groups)}")
+        names = ([n for g in groups for n in g["param_names"]]
+                 if all("param_names" in g for g in groups) else self._names)
         if list(names) != self._names:
             raise ValueError(f"TorchOptimizer.load_state_dict: the state was saved for "
                              f"parameters {list(names)[:4]}..., this optimizer has "
@@ -366,18 +437,20 @@ class TorchOptimizer(torch.optim.Optimizer):
         if "ft_state" in state_dict:  # the layout of earlier versions
             self._ft_state = state_dict["ft_state"]
         else:
-            self._ft_state = self._rebuild(state_dict["state"], group)
-        for k, v in group.items():
-            if k not in ("params", "param_names"):
-                self.param_groups[0][k] = v
+            self._ft_state = self._rebuild(state_dict["state"], groups)
+        for mine, group in zip(self.param_groups, groups):
+            for k, v in group.items():
+                if k not in ("params", "param_names"):
+                    mine[k] = v
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def _rebuild(self, state: dict, group: dict) -> Any:
+    def _rebuild(self, state: dict, groups: list) -> Any:
         """The transform's state from the per-parameter entries, on the current one as
         template (validated before anything is replaced)."""
         where = "TorchOptimizer.load_state_dict"
-        saved = list(group.get("params", range(len(self._names))))
+        saved = ([k for g in groups for k in g["params"]]
+                 if all("params" in g for g in groups) else list(range(len(self._names))))
         if len(saved) != len(self._names):
             raise ValueError(f"{where}: the state was saved for {len(saved)} parameters, this "
                              f"optimizer has {len(self._names)}")
@@ -395,7 +468,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 if isinstance(k, str) and k.startswith(_GLOBAL):
                     globals_[k] = v
         leaves, treedef, keys = self._keys()
-        params = self.param_groups[0]["params"]
+        params = self._params
         used: set = set()
         new = []
         for (owner, key), old in zip(keys, leaves):
@@ -448,5 +521,5 @@ class TorchOptimizer(torch.optim.Optimizer):
         return value
 
     def __repr__(self) -> str:
-        hp = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        return f"TorchOptimizer({len(self._names)} parameters, {hp})"
+        hp = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return f"TorchOptimizer({len(self._names)} parameters, {hp[0] if len(hp) == 1 else hp})"

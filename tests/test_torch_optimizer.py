@@ -184,3 +184,46 @@ def test_hf_trainer_trains_a_tiny_llama(tmp_path):
     assert losses[-1] < 0.75 * losses[0], losses  # ln(256) = 5.5 at the start
     # the scheduler drove the transform: the learning rate it used last is the schedule's end
     assert float(ft.get_hyperparams(opt.ft_state)["learning_rate"]) < 1e-4
+
+
+def test_partition_gives_one_group_per_label_driven_by_schedulers():
+    """``partition`` -> torch's usual decay / no-decay groups, each with its hyperparameters;
+    a scheduler scales each group's lr (LambdaLR), and the result equals torch's AdamW with
+    the same two groups; the state dict round-trips through a fresh optimizer."""
+    start = _model()
+    model, ref = copy.deepcopy(start), copy.deepcopy(start)
+
+    def labels(params):
+        return {k: "decay" if v.ndim == 2 else "no_decay" for k, v in params.items()}
+
+    tx = ft.partition({"decay": ft.adamw(1e-2, weight_decay=0.1),
+                       "no_decay": ft.adamw(2e-2, weight_decay=0.0)}, labels)
+    opt = ft.TorchOptimizer(model.named_parameters(), tx)
+    assert [g["label"] for g in opt.param_groups] == ["decay", "no_decay"]
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 2e-2]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    names = [n for n, _ in start.named_parameters()]
+    ref_opt = torch.optim.AdamW(
+        [{"params": [p for n, p in ref.named_parameters() if p.ndim == 2], "lr": 1e-2,
+          "weight_decay": 0.1},
+         {"params": [p for n, p in ref.named_parameters() if p.ndim != 2], "lr": 2e-2,
+          "weight_decay": 0.0}])
+    batches = _batches(6)
+    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8 ** t), batches[:3])
+    _train(ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda t: 0.8 ** t),
+           batches[:3])
+    _close(model, ref, start)
+    sd = opt.state_dict()
+    assert [g["param_names"] for g in sd["param_groups"]] == [
+        [n for n in names if "weight" in n], [n for n in names if "bias" in n]]
+    fresh_model = copy.deepcopy(model)
+    fresh = ft.TorchOptimizer(fresh_model.named_parameters(), tx)
+    fresh.load_state_dict(copy.deepcopy(sd))
+    assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in opt.param_groups]
+    for m, o in ((model, opt), (fresh_model, fresh)):
+        x, y = batches[3]
+        o.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q)
