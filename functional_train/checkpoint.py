@@ -68,7 +68,9 @@ _LIST_AT_MOST = 10  # key paths listed in an error message
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """A real process group (the ``fake`` one of a one-process simulation, which
+    ``functional_train.testing.simulate`` leaves initialised, has no other ranks to write)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
 
 
 def _rank() -> int:

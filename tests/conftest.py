@@ -40,3 +40,15 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", old)
+
+
+@pytest.fixture
+def no_fake_process_group():
+    """Tear down the ``fake`` process group that ``functional_train.testing.simulate`` leaves
+    initialised, for tests that run torch.distributed.checkpoint in this one process (DCP would
+    plan for the simulated ranks)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()
+    yield

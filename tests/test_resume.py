@@ -36,6 +36,9 @@ sys.path.insert(0, str(HERE))
 import _gloo_resume_worker as worker  # noqa: E402
 from test_gloo import _spawn_raw  # noqa: E402
 
+# DCP in this process: no simulated process group left over by earlier tests
+pytestmark = pytest.mark.usefixtures("no_fake_process_group")
+
 STEPS = 24
 SMALL = ["--steps", str(STEPS), "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
          "--seq-len", "32", "--batch", "4", "--max-bytes", "200000", "--eval-every", "0",

@@ -27,6 +27,9 @@ sys.path.insert(0, str(HERE))
 import _gloo_torch_optimizer_worker as worker  # noqa: E402
 from test_gloo import _spawn_raw  # noqa: E402
 
+# DCP in this process: no simulated process group left over by earlier tests
+pytestmark = pytest.mark.usefixtures("no_fake_process_group")
+
 STEPS, MORE = worker.STEPS, worker.MORE
 
 
