@@ -13,11 +13,9 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-# "ci": 12 examples per property (15 until the suite passed 18 minutes on 2 cores; the sweep
-# keeps its 3 per transform and property)
 settings.register_profile(
     "ci",
-    max_examples=12,
+    max_examples=15,
     deadline=None,
     derandomize=True,
     print_blob=True,
