@@ -22,6 +22,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import functional_train as ft
 from functional_train.tree import tree_paths
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _gloo_ckpt_worker as ckpt_worker  # noqa: E402
+
 PLACE = {"wq": [Shard(0)], "wo": [Shard(1)], "b": [Shard(0)], "n": [Replicate()], "e": None}
 SAVE_AT = 2
 
@@ -36,13 +39,8 @@ def optimizers():
 
 
 def problem(steps=4):
-    g = torch.Generator().manual_seed(0)
-    params = {"wq": torch.randn(6, 5, generator=g), "wo": torch.randn(5, 7, generator=g),
-              "b": torch.randn(7, generator=g), "n": torch.randn(5, generator=g),
-              "e": torch.randn(9, 4, generator=g)}
-    grads = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-             for _ in range(steps)]
-    return params, grads
+    """tests/_gloo_ckpt_worker.py's parameters and gradients, 4 steps."""
+    return ckpt_worker.problem(steps)
 
 
 def full(tree):
