@@ -174,11 +174,7 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
         for i in active:
             new_acc[i] = wrap(new_acc[i], specs[i])
         if k + 1 < every_k:
-            ref = g if p is None else p
-            zeros = [None if x is None or r is None else
-                     wrap(torch.zeros_like(to_local(r), dtype=to_local(x).dtype), spec_of(r))
-                     for x, r in zip(g, ref)]
-            return tree_unflatten(treedef, zeros), MultiStepsState(
+            return _zeros_for(updates, params), MultiStepsState(
                 state.mini_step + 1, state.gradient_step, state.inner_state,
                 tree_unflatten(treedef, new_acc),
                 tuple(_flag(1) if not s and n else f
@@ -215,16 +211,15 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
 
 
 def _zeros_for(updates, params):
-    """Zero updates in the parameters' layout (the updates' dtype); ``None`` stays ``None``."""
-    def zero(u, p):
-        if u is None or p is None:
+    """Zero updates in the parameters' layout (the updates' layout without params) and the
+    updates' dtype; ``None`` stays ``None``."""
+    def zero(u, r):
+        if u is None or r is None:
             return None
-        return wrap(torch.zeros_like(to_local(p), dtype=to_local(u).dtype), spec_of(p))
+        return wrap(torch.zeros_like(to_local(r), dtype=to_local(u).dtype), spec_of(r))
 
-    if params is None:
-        return optree.tree_map(lambda u: None if u is None else torch.zeros_like(u), updates,
-                               none_is_leaf=True)
-    return optree.tree_map(zero, updates, params, none_is_leaf=True)
+    return optree.tree_map(zero, updates, updates if params is None else params,
+                           none_is_leaf=True)
 
 
 def _flag(v: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ class InjectHyperparamsState(NamedTuple):
     """State of an :func:`inject_hyperparams` transform (optax's fields).
 
     Attributes:
-        count: updates so far (0-dim int64, on the params' device), the schedules' argument.
+        count: updates so far (0-dim int64 CPU tensor), the schedules' argument (a schedule's
+            value is computed and kept on the CPU: no device synchronisation).
         hyperparams: ``name -> 0-dim float64 CPU tensor``: the value the last update used (at
             init, the value the first will use unless changed). Set them between updates with
             :func:`set_hyperparams` (or, as in optax, ``state.hyperparams[name] = value``);
@@ -179,12 +180,11 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
         first = build(tuple(float(initial(n)) for n in host_names))
 
         def init_fn(params):
-            from .tree import first_device
-
             hp = {n: initial(n) for n in injected}
-            return InjectHyperparamsState(
-                torch.zeros((), dtype=torch.int64, device=first_device(params)), hp,
-                first.init(params))
+            # the count on the CPU, like the values: evaluating a schedule and storing its
+            # value never waits for a device
+            return InjectHyperparamsState(torch.zeros((), dtype=torch.int64), hp,
+                                          first.init(params))
 
         def resolve(state):
             """``(inner transform, hyperparams of this update)``, with the cells set."""
