@@ -135,20 +135,14 @@ def _where_tree(ok: torch.Tensor, new, old):
 
 def _zeros_where_not(ok: torch.Tensor, updates):
     """The updates where ``ok``, zeros elsewhere (a view's locals, or a tree's leaves)."""
+
+    def pick(x):
+        return torch.where(ok.to(x.device), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
     if isinstance(updates, Prepared):
-        return updates.with_locals([None if x is None else
-                                    torch.where(ok.to(x.device), x, torch.zeros((), dtype=x.dtype,
-                                                                                device=x.device))
-                                    for x in updates.locals])
-
-    def zero(x):
-        if x is None:
-            return None
-        lx = to_local(x)
-        return wrap_like(torch.where(ok.to(lx.device), lx,
-                                     torch.zeros((), dtype=lx.dtype, device=lx.device)), x)
-
-    return optree.tree_map(zero, updates, none_is_leaf=True)
+        return updates.with_locals([None if x is None else pick(x) for x in updates.locals])
+    return optree.tree_map(lambda x: None if x is None else wrap_like(pick(to_local(x)), x),
+                           updates, none_is_leaf=True)
 
 
 def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, device):

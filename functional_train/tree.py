@@ -148,6 +148,19 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
+def _namedtuples(node: Any):
+    """Every NamedTuple nested in ``node`` (itself included), in pre-order, through tuples,
+    lists, dicts and the NamedTuples' own fields."""
+    if _is_namedtuple(node):
+        yield node
+    if isinstance(node, (list, tuple)):
+        for child in node:
+            yield from _namedtuples(child)
+    elif isinstance(node, dict):
+        for child in node.values():
+            yield from _namedtuples(child)
+
+
 def tree_get(tree: PyTree, key: str, default: Any = None) -> Any:
     """Find the field named ``key`` in the NamedTuple states nested in ``tree`` (optax ``tree_get``).
 
@@ -159,22 +172,7 @@ def tree_get(tree: PyTree, key: str, default: Any = None) -> Any:
     Raises:
         KeyError: if several states have a field named ``key`` (the value would be ambiguous).
     """
-    found: list = []
-
-    def visit(node: Any) -> None:
-        if _is_namedtuple(node):
-            if key in node._fields:
-                found.append(getattr(node, key))
-            for child in node:
-                visit(child)
-        elif isinstance(node, (list, tuple)):
-            for child in node:
-                visit(child)
-        elif isinstance(node, dict):
-            for child in node.values():
-                visit(child)
-
-    visit(tree)
+    found = [getattr(n, key) for n in _namedtuples(tree) if key in n._fields]
     if len(found) > 1:
         raise KeyError(f"tree_get: {len(found)} states have a field named {key!r}; it is ambiguous")
     return found[0] if found else default
@@ -187,19 +185,7 @@ def find_state(tree: PyTree, cls: type, where: str) -> Any:
     Raises:
         ValueError: naming ``where``, when there is none or more than one.
     """
-    found: list = []
-
-    def visit(node: Any) -> None:
-        if isinstance(node, cls):
-            found.append(node)
-        elif isinstance(node, (list, tuple)):
-            for child in node:
-                visit(child)
-        elif isinstance(node, dict):
-            for child in node.values():
-                visit(child)
-
-    visit(tree)
+    found = [n for n in _namedtuples(tree) if isinstance(n, cls)]
     if len(found) != 1:
         raise ValueError(f"{where}: expected one {cls.__name__} in the state, found "
                          f"{len(found)}")
