@@ -77,8 +77,8 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
             :func:`~functional_train.skip_large_updates`. A skipped micro-step returns zero
             updates and changes nothing but ``skip_state`` (no accumulation, no inner step).
             The flag is read on the host (a device synchronisation on accelerators), and the
-            function's own collectives run on every micro-step (one scalar all-reduce for the
-            two above).
+            function's own collectives run on every micro-step (for the two above one scalar
+            all-reduce, plus, under a data axis, the reduction of the gradients it inspects).
 
     State: :class:`MultiStepsState`. Use :func:`has_updated` to tell real steps apart.
 

@@ -349,7 +349,10 @@ def skip_not_finite(updates, gradient_step, params=None, *, mesh=None):
 
     Returns ``(should_skip, {"should_skip": ..., "num_not_finite": ...})``: 0-dim bool and
     int64 tensors, the same on every rank (non-finite elements counted over the global
-    tensors, replicas once). Collectives: one scalar all-reduce over the mesh.
+    tensors, replicas once). Collectives: one scalar all-reduce over the mesh; under a
+    ``Mesh.data_axis`` with unreduced gradients, also the bucketed all-reduce that reduces
+    them first (on every micro-step: inside ``multi_steps`` this gives up its
+    communication-free micro-steps).
     """
     del gradient_step
     b = prepare(updates, None, mesh, name="skip_not_finite")
@@ -367,7 +370,9 @@ def skip_large_updates(updates, gradient_step, params=None, max_squared_norm: fl
     below ``max_squared_norm`` (a non-finite norm skips too).
 
     Returns ``(should_skip, {"should_skip": ..., "norm_squared": ...})`` (0-dim bool and
-    float32/64 tensors, the same on every rank). Collectives: one scalar all-reduce.
+    float32/64 tensors, the same on every rank). Collectives: one scalar all-reduce, plus,
+    for gradients unreduced over ``Mesh.data_axis``, the all-reduce that reduces them first
+    (on every micro-step of ``multi_steps``).
     """
     del gradient_step
     from .clipping import global_norm_of
