@@ -5,7 +5,9 @@ along; DTensors are built once, for the new parameters) and adds the updates to 
 parameter shards. The fused path recognises ``sgd``, ``adam`` and ``adamw`` (32-bit moments),
 alone or after ``clip_by_global_norm``, and runs torch's fused optimizer kernels
 (``torch._fused_sgd_``, ``_fused_adam_``, ``_fused_adamw_``; CPU and CUDA) on the local shards,
-one pass per group of leaves, with the clip factor as the kernel's gradient scale. The numbers
+one pass per group of leaves, with the clip factor as the kernel's gradient scale (a pure step
+copies its inputs first, or on CPU runs large leaves through a compiled out-of-place kernel,
+``engine/kernels.py``). The numbers
 are those of the primitives up to float rounding, and sharded equals unsharded as for
 ``update``: the kernels are elementwise, and the clip norm takes the same one scalar
 all-reduce. ``adafactor`` without ``beta1`` and ``came`` have a per-leaf path where no leaf
@@ -27,6 +29,7 @@ import torch
 from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view
 from .clipping import ClipByGlobalNormState, global_norm_of
+from .engine import kernels
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
 from .engine.view import Prepared, prepare
@@ -105,10 +108,11 @@ def _fusable(ts_lists) -> bool:
     if dtype not in _KERNEL_DTYPES:
         return False
     shapes = [x.shape for x in first]
-    for lst in ts_lists:
-        for shape, x in zip(shapes, lst):
-            if x is None or x.dtype != dtype or x.shape != shape or not x.is_contiguous():
-                return False
+    contiguous = torch.Tensor.is_contiguous
+    for lst in ts_lists:  # whole-list checks: this runs for every leaf of every step
+        if any(x is None for x in lst) or [x.shape for x in lst] != shapes or \
+                {x.dtype for x in lst} != {dtype} or not all(map(contiguous, lst)):
+            return False
     if device.type == "cpu":
         return all(x.is_cpu for lst in ts_lists for x in lst)
     return all(x.device == device for lst in ts_lists for x in lst)
@@ -170,58 +174,21 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
         total = global_norm_of(b, norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         new_clip = ClipByGlobalNormState(total.to(clip_state.global_norm.dtype))
+    lr = _learning_rate(fused.learning_rate, count, torch.empty((), dtype=torch.float64,
+                                                                 device=p[0].device))
+    new_count = st.count + 1 if st is not None else None
+    groups = [(list(range(len(p))), fused.weight_decay)]
+    if isinstance(fused, FusedAdam) and fused.mask is not None:  # decayed leaves, the others
+        keep = fused.mask(params)
+        groups = [([k for k, i in enumerate(act) if bool(keep[i]) == on], wd)
+                  for on, wd in ((True, fused.weight_decay), (False, 0.0))]
+        groups = [(ks, wd) for ks, wd in groups if ks]
     with torch.no_grad():
         if donate:
             new_p, new_bufs = p, bufs
-            grad_scale = None
-            if coef is not None and p[0].dtype == torch.float64:  # the kernels take a float32
-                torch._foreach_mul_(g, coef)                      # scale: scale in place here
-            elif coef is not None:
-                grad_scale = (1.0 / coef).to(torch.float32)
-            g_in = g  # the kernel writes the unscaled gradients back: grads are donated too
-        else:  # fresh results (pooled on CPU, see engine/pool.py), the kernel in place there
-            pool = of_plan(b.plan, "pool", Pool)
-            new_p = pool.take("params", p)
-            new_bufs = {f: pool.take(f, v) for f, v in bufs.items()}
-            src, dst = list(p), list(new_p)
-            for f in fields:
-                src += bufs[f]
-                dst += new_bufs[f]
-            grad_scale, g_in = None, g
-            if coef is not None:  # a scratch copy of the gradients, unscaled by the kernel
-                g_in = pool.take("grads", g)
-                src += g
-                dst += g_in
-                if p[0].dtype != torch.float64:  # the kernels take a float32 scale
-                    grad_scale = (1.0 / coef).to(torch.float32)
-            torch._foreach_copy_(dst, src)
-            if coef is not None and grad_scale is None:  # float64: scale the copy here
-                torch._foreach_mul_(g_in, coef)
-        lr = _learning_rate(fused.learning_rate, count, torch.empty((), dtype=torch.float64,
-                                                                     device=p[0].device))
-        if isinstance(fused, FusedAdam):
-            new_count = st.count + 1
-            steps = [new_count.to(device=p[0].device, dtype=torch.float32)] * len(p)
-            kernel = torch._fused_adamw_ if fused.decoupled else torch._fused_adam_
-            lists = [new_p, g_in, new_bufs["mu"], new_bufs["nu"], new_bufs.get("nu_max", []),
-                     steps]
-            groups = [(None, fused.weight_decay)]
-            if fused.mask is not None:  # decayed leaves, then the others: one call each
-                keep = fused.mask(params)
-                on = [k for k, i in enumerate(act) if keep[i]]
-                off = [k for k, i in enumerate(act) if not keep[i]]
-                groups = [(ks, wd) for ks, wd in ((on, fused.weight_decay), (off, 0.0)) if ks]
-            for ks, wd in groups:
-                args = lists if ks is None else [[x[k] for k in ks] if x else x for x in lists]
-                kernel(*args, lr=lr, beta1=fused.b1, beta2=fused.b2, weight_decay=wd,
-                       eps=fused.eps, amsgrad=fused.amsgrad, maximize=fused.maximize,
-                       grad_scale=grad_scale)
+            _in_place(fused, groups, new_p, g, new_bufs, coef, lr, new_count)
         else:
-            new_count = None if st is None else st.count + 1
-            torch._fused_sgd_(new_p, g_in, new_bufs.get("trace", []),
-                              weight_decay=fused.weight_decay, momentum=fused.momentum, lr=lr,
-                              dampening=0.0, nesterov=fused.nesterov, maximize=fused.maximize,
-                              is_first_step=False, grad_scale=grad_scale)
+            new_p, new_bufs = _pure(fused, groups, b, p, g, bufs, coef, lr, new_count)
     # the new trees
     if donate:
         out_params = params
@@ -249,6 +216,113 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     if clip is not None:
         return out_params, (new_clip, new_opt)
     return out_params, new_opt
+
+
+def _pure(fused, groups, b, p, g, bufs, coef, lr, count):
+    """The pure fused step's new parameters and moments (lists like ``p`` and ``bufs``'s),
+    written into fresh buffers (pooled on CPU, see :mod:`.engine.pool`); the inputs are not
+    modified. The large leaves of a large tree on CPU take one out-of-place pass of a compiled
+    kernel (:mod:`functional_train.engine.kernels`); the others are copied, and torch's in-place
+    kernel runs on the copies (and on a scratch copy of the gradients when a clip factor is the
+    kernel's gradient scale, which it writes back).
+    """
+    pool = of_plan(b.plan, "pool", Pool)
+    new_p, new_bufs = list(p), {f: list(v) for f, v in bufs.items()}  # filled below
+    big = kernels.large_leaves(p)
+    if big:
+        def sub(xs):
+            return [xs[k] for k in big]
+        for f, dst, src in [("params/large", new_p, p)] + [
+                (f + "/large", new_bufs[f], bufs[f]) for f in bufs]:
+            for k, x in zip(big, pool.take(f, sub(src))):
+                dst[k] = x
+        if _out_of_place(fused, groups, set(big), p, g, bufs, new_p, new_bufs, coef, lr,
+                         count):
+            groups = [([k for k in ks if k not in big], wd) for ks, wd in groups]
+    groups = [(ks, wd) for ks, wd in groups if ks]
+    rest = sorted(k for ks, _ in groups for k in ks)
+    if not rest:
+        return new_p, new_bufs
+    def sub(xs):
+        return [xs[k] for k in rest] if len(rest) < len(xs) else list(xs)
+    src = sub(p)
+    dst = pool.take("params", src)
+    for k, x in zip(rest, dst):
+        new_p[k] = x
+    for f in bufs:
+        taken = pool.take(f, sub(bufs[f]))
+        src += sub(bufs[f])
+        dst += taken
+        for k, x in zip(rest, taken):
+            new_bufs[f][k] = x
+    g_in = g
+    if coef is not None:  # a scratch copy of the gradients, unscaled by the kernel
+        g_in = list(g)
+        taken = pool.take("grads", sub(g))
+        src += sub(g)
+        dst += taken
+        for k, x in zip(rest, taken):
+            g_in[k] = x
+    torch._foreach_copy_(dst, src)
+    _in_place(fused, groups, new_p, g_in, new_bufs, coef, lr, count)
+    return new_p, new_bufs
+
+
+def _in_place(fused, groups, p, g, bufs, coef, lr, count):
+    """torch's in-place fused kernel on the leaves of ``groups`` (``(indices, weight_decay)``)
+    of ``p`` with ``g`` and the moments ``bufs``; the clip factor ``coef`` as its gradient
+    scale (which it writes back into ``g``), float64 gradients scaled here instead."""
+    grad_scale = None
+    if coef is not None and p[0].dtype != torch.float64:
+        grad_scale = (1.0 / coef).to(torch.float32)
+    for ks, wd in groups:
+        def sub(xs):
+            return [xs[k] for k in ks] if len(ks) < len(xs) else xs
+        if coef is not None and grad_scale is None:  # the kernels take a float32 scale
+            torch._foreach_mul_(sub(g), coef)
+        if isinstance(fused, FusedAdam):
+            kernel = torch._fused_adamw_ if fused.decoupled else torch._fused_adam_
+            steps = [count.to(device=p[0].device, dtype=torch.float32)] * len(ks)
+            kernel(sub(p), sub(g), sub(bufs["mu"]), sub(bufs["nu"]),
+                   sub(bufs["nu_max"]) if fused.amsgrad else [], steps, lr=lr, beta1=fused.b1,
+                   beta2=fused.b2, weight_decay=wd, eps=fused.eps, amsgrad=fused.amsgrad,
+                   maximize=fused.maximize, grad_scale=grad_scale)
+        else:
+            torch._fused_sgd_(sub(p), sub(g), sub(bufs["trace"]) if "trace" in bufs else [],
+                              weight_decay=fused.weight_decay, momentum=fused.momentum, lr=lr,
+                              dampening=0.0, nesterov=fused.nesterov, maximize=fused.maximize,
+                              is_first_step=False, grad_scale=grad_scale)
+
+
+def _out_of_place(fused, groups, big, p, g, bufs, new_p, new_bufs, coef, lr, count) -> bool:
+    """The leaves ``big`` of ``groups`` through the compiled out-of-place kernels
+    (:mod:`functional_train.engine.kernels`) into the result buffers; ``False`` where they
+    could not be compiled (the caller then copies and runs the in-place kernel on them)."""
+    for ks, wd in groups:
+        ks = [k for k in ks if k in big]
+        if not ks:
+            continue
+
+        def flat(xs):
+            return [xs[k].view(-1) for k in ks]
+        if isinstance(fused, FusedAdam):
+            nm = "nu_max" if fused.amsgrad else None
+            ok = kernels.adam_pure(
+                flat(p), flat(g), flat(bufs["mu"]), flat(bufs["nu"]), nm and flat(bufs[nm]),
+                flat(new_p), flat(new_bufs["mu"]), flat(new_bufs["nu"]),
+                nm and flat(new_bufs[nm]), coef=coef, lr=lr, weight_decay=wd, b1=fused.b1,
+                b2=fused.b2, eps=fused.eps, count=count, decoupled=fused.decoupled,
+                amsgrad=fused.amsgrad, maximize=fused.maximize)
+        else:
+            tr = "trace" in bufs
+            ok = kernels.sgd_pure(
+                flat(p), flat(g), tr and flat(bufs["trace"]), flat(new_p),
+                tr and flat(new_bufs["trace"]), coef=coef, lr=lr, weight_decay=wd,
+                momentum=fused.momentum if tr else 0.0, nesterov=fused.nesterov,
+                maximize=fused.maximize)
+        if not ok:
+            return False
+    return True
 
 
 def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
@@ -333,8 +407,10 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     moments, any ``amsgrad`` / ``maximize`` / weight decay / schedule), or ``chain(
     clip_by_global_norm(max_norm), one of those)``, and for every leaf the parameter, gradient
     and moments have one floating dtype and are contiguous: torch's fused kernel runs on the
-    local shards of all leaves in one call, the clip factor as its gradient scale. ``tx`` is
-    ``adafactor`` without ``beta1`` or ``came`` (alone or after ``clip_by_global_norm``), on
+    local shards of all leaves in one call, the clip factor as its gradient scale (a pure step
+    runs it on copies; on CPU, the large leaves of a tree holding 16 MiB or more in them take a
+    compiled out-of-place kernel instead, built by inductor on first use in the process: see
+    :mod:`functional_train.engine.kernels`). ``tx`` is ``adafactor`` without ``beta1`` or ``came`` (alone or after ``clip_by_global_norm``), on
     plain tensors in one process, gradients of their parameters' dtypes: each leaf is finished
     in cache before the next is read (for adafactor the leaves under 64 KiB together; came
     only where leaves average 64 KiB or more), the chain's numbers bit for bit; so is
