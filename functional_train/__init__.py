@@ -16,6 +16,7 @@ from .clipping import ClipByGlobalNormState, clip, clip_by_global_norm, global_n
 from .factored import (EmaState, ScaleByFactoredRmsState, adafactor, clip_by_block_rms, ema,
                        relative_step_schedule, scale_by_factored_rms, scale_by_param_block_rms)
 from .galore import GaLoreState, galore, galore_adamw, galore_param_labels
+from .muon import ScaleByMuonState, muon, muon_param_labels, newton_schulz, scale_by_muon
 from .hyperparams import (InjectHyperparamsState, get_hyperparams, inject_hyperparams,
                           set_hyperparams)
 from .mesh import Mesh
@@ -49,7 +50,7 @@ def _register_safe_globals() -> None:
         GaLoreState, ScaleByAdam8bitState, ScaleByAdamState, ScaleByAmsgradState,
         ScaleByScheduleState, TraceState, ZeroRedundancyState, ApplyIfFiniteState,
         DynamicLossScaleState, ZeroNansState, InjectHyperparamsState,
-        EmaParamsState])
+        EmaParamsState, ScaleByMuonState])
 
 
 _register_safe_globals()
@@ -90,6 +91,7 @@ __all__ = [
     "scale_by_came", "ScaleByCameState",
     # GaLore
     "galore", "GaLoreState", "galore_adamw", "galore_param_labels",
+    "muon", "muon_param_labels", "newton_schulz", "scale_by_muon", "ScaleByMuonState",
     # optimizers
     "sgd", "adam", "adamw", "adafactor", "lamb", "came",
     # modules

@@ -32,9 +32,6 @@ on its local shard:
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
-from collections import defaultdict
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -45,21 +42,15 @@ from .hyperparams import injectable
 from .base import GradientTransformation, declare, chain
 from .base import EmptyState
 from .combine import PartitionState, partition
-from .engine.collectives import all_gather
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
-from .engine.layout import shard_region
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import Prepared, prepare
+from .engine.whole import gather_global as _gather_global, is_sharded as _is_sharded, \
+    local_part as _local_part, per_rank as _per_rank
 from .factored import per_leaf_result, per_leaf_view
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, reject_complex, scale_by_adam,
                          scale_by_learning_rate, stateless)
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
-
-try:  # run a rank-dependent function once per simulated rank (LocalTensorMode); else plain call
-    from torch.distributed._local_tensor import maybe_run_for_local_tensor as _per_rank
-except ImportError:  # pragma: no cover - older torch: no simulation, plain calls
-    def _per_rank(fn):
-        return fn
 
 __all__ = [
     "galore",
@@ -169,44 +160,9 @@ def _slice_placements(spec: Spec, side: str) -> tuple:
                  for p in spec.placements)
 
 
-def _is_sharded(spec: Optional[Spec], dim: Optional[int] = None) -> bool:
-    if spec is None:
-        return False
-    return any(isinstance(p, Shard) and (dim is None or p.dim % len(spec.shape) == dim)
-               for p in spec.placements)
-
-
 # ---------------------------------------------------------------------------------------------
 # rank-dependent local blocks (run once per simulated rank under LocalTensorMode)
 # ---------------------------------------------------------------------------------------------
-@_per_rank
-def _narrow_block(full: torch.Tensor, shape: tuple, placements: tuple, mesh_shape: tuple,
-                  coord: list) -> torch.Tensor:
-    starts, lens = shard_region(shape, placements, mesh_shape, coord)
-    x = full
-    for d, (st, ln) in enumerate(zip(starts, lens)):
-        if ln != shape[d]:
-            x = x.narrow(d, st, ln)
-    return x
-
-
-def _local_part(full: torch.Tensor, mesh, placements: Sequence) -> torch.Tensor:
-    """The block of the (replicated) global tensor ``full`` that this rank holds under
-    ``placements`` on ``mesh`` (a view; no communication)."""
-    if not any(isinstance(p, Shard) for p in placements):
-        return full
-    return _narrow_block(full, tuple(int(s) for s in full.shape), tuple(placements),
-                         tuple(int(s) for s in mesh.shape), list(mesh.get_coordinate()))
-
-
-@_per_rank
-def _padded_flat(x: torch.Tensor, n: int) -> torch.Tensor:
-    flat = x.reshape(-1)
-    if flat.numel() == n:
-        return flat
-    return torch.cat([flat, flat.new_zeros(n - flat.numel())])
-
-
 @_per_rank
 def _low_rank_zeros(x: torch.Tensor, side: str, r: int) -> torch.Tensor:
     shape = (x.shape[0], r) if side == _RIGHT else (r, x.shape[1])
@@ -216,57 +172,6 @@ def _low_rank_zeros(x: torch.Tensor, side: str, r: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # the refresh: global gradients of sharded leaves, SVD
 # ---------------------------------------------------------------------------------------------
-def _gather_global(b: Prepared, idx: Sequence[int]) -> dict:
-    """Global tensors of the sharded DTensor leaves ``idx`` (the same on every rank).
-
-    Each rank pads its flattened local shard to the largest shard's size; leaves sharded over
-    the same process groups (and of one dtype) share one buffer, gathered by one all-gather per
-    sharding mesh dim; every rank then assembles the global tensors from the blocks of all the
-    members (whose regions are known from the placements alone).
-    """
-    buckets: dict = defaultdict(list)
-    for i in idx:
-        s = b.specs[i]
-        dims = tuple(j for j, p in enumerate(s.placements) if isinstance(p, Shard))
-        key = (tuple(s.mesh.get_group(j) for j in dims), b.locals[i].dtype)
-        buckets[key].append((i, dims))
-    out = {}
-    for items in buckets.values():
-        s0 = b.specs[items[0][0]]
-        dims0 = items[0][1]
-        sizes = [s0.mesh.size(j) for j in dims0]
-        flats, offsets, total = [], [], 0
-        for i, _ in items:
-            s = b.specs[i]
-            _, lens = shard_region(s.shape, s.placements, s.mesh.shape, [0] * s.mesh.ndim)
-            numel = math.prod(lens)
-            flats.append(_padded_flat(b.locals[i], numel))
-            offsets.append(total)
-            total += numel
-        buf = flats[0] if len(flats) == 1 else torch.cat(flats)
-        for j in dims0:  # block index of member c: c[0] + sizes[0] * (c[1] + sizes[1] * ...)
-            buf = all_gather(buf, (s0.mesh, j))
-        for (i, dims), off in zip(items, offsets):
-            s = b.specs[i]
-            full = buf.new_empty(tuple(s.shape))
-            for c in itertools.product(*(range(k) for k in sizes)):
-                coord = [0] * s.mesh.ndim
-                block, stride = 0, 1
-                for j, cj, k in zip(dims, c, sizes):
-                    coord[j] = cj
-                    block += cj * stride
-                    stride *= k
-                starts, lens = shard_region(s.shape, s.placements, s.mesh.shape, coord)
-                numel = math.prod(lens)
-                if numel == 0:
-                    continue
-                start = block * total + off
-                piece = buf[start:start + numel].view(lens)
-                full[tuple(slice(a, a + n) for a, n in zip(starts, lens))] = piece
-            out[i] = full
-    return out
-
-
 def _orthogonal(full: torch.Tensor, side: str, rank: int) -> torch.Tensor:
     """galore-torch's ``get_orthogonal_matrix``: SVD of the gradient in float32;
     ``Vh[:r]`` (right) or ``U[:, :r]`` (left), kept in float32 (galore-torch casts it to the

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Callable
 
 import optree
+import torch
 
 import functional_train as ft
 
@@ -73,6 +74,10 @@ def by_ndim(two_d, other) -> Callable:
     return labels
 
 
+def _matrices(params):
+    return optree.tree_map(lambda x: x is not None and x.ndim >= 2, params, none_is_leaf=True)
+
+
 def _warmup_cosine():
     return ft.schedules.warmup_cosine_decay_schedule(0.0, 0.1, 1, 10)
 
@@ -119,6 +124,9 @@ FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
     # GaLore: small rank and a refresh every other step, so the 3-step runs refresh twice
     "galore": lambda: ft.galore(ft.adam(1e-2), rank=2, update_proj_gap=2),
     "galore_adamw": lambda: ft.galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2),
+    # Muon: its own transform on the matrices (the swept trees hold vectors and scalars too)
+    "scale_by_muon": lambda: ft.masked(ft.scale_by_muon(ns_dtype=torch.float64), _matrices),
+    "muon": lambda: ft.muon(1e-2, weight_decay=0.1),
     # optimizers
     "sgd": lambda: ft.sgd(0.1, momentum=0.9, weight_decay=0.1),
     "adam": lambda: ft.adam(1e-2, weight_decay=0.1, amsgrad=True),
@@ -202,6 +210,9 @@ EXCLUDED: dict[str, str] = {
     "global_norm": "a function of a gradient tree returning a tensor, not a transform "
                    "(swept through clip_by_global_norm)",
     "galore_param_labels": "builds galore_adamw's labels tree, not a transform",
+    "muon_param_labels": "builds muon's labels tree, not a transform",
+    "newton_schulz": "a function of one matrix (tests/test_muon.py), not a transform",
+    "ScaleByMuonState": "a state type (checked through scale_by_muon and muon)",
     "relative_step_schedule": "a schedule (count -> step size), not a transform (swept through "
                               "adafactor[default])",
     "schedules": "the module of learning-rate schedules (swept through scale_by_learning_rate)",

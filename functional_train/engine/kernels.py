@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import types
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 

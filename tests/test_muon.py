@@ -1,0 +1,203 @@
+"""Muon (functional_train/muon.py) against torch.optim.Muon and against its equations in
+float64; labels; errors. Sharded == unsharded is swept (tests/test_sweep.py: scale_by_muon,
+muon) and shown on uneven 2-D meshes here."""
+
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import functional_train as ft
+from functional_train.testing import assert_sharded_equivalent
+from functional_train.tree import find_state
+
+_muon = pytest.importorskip("torch.optim._muon")
+
+SHAPES = [(16, 16), (40, 12), (9, 33)]  # square, tall, wide
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(1, 7), (7, 1)])
+def test_newton_schulz_is_torchs_bit_for_bit(shape):
+    """bfloat16 Newton-Schulz equals torch.optim.Muon's, bit for bit, and leaves its input."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    before = x.clone()
+    ours = ft.newton_schulz(x)
+    ref = _muon._zeropower_via_newtonschulz(x.clone(), (3.4445, -4.775, 2.0315), 5, 1e-7)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, ref)
+    assert torch.equal(x, before)
+
+
+OPTIONS = {
+    "defaults": dict(),
+    "no nesterov": dict(nesterov=False),
+    "match_rms_adamw": dict(adjust_lr_fn="match_rms_adamw"),
+    "original, 3 steps, own coefficients, eps": dict(adjust_lr_fn="original", ns_steps=3,
+                                                     ns_coefficients=(3.0, -3.2, 1.2), eps=1e-3),
+    "no decay": dict(weight_decay=0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_muon_equals_torch_optim_muon(name):
+    """20 steps of ``ft.muon`` (every leaf a matrix: all Muon) equal ``torch.optim.Muon`` with
+    the same arguments: parameters within 1e-5 of their change plus 4 float32 ulps (the
+    update's roundings differ: torch scales the parameter by ``1 - lr wd`` then adds
+    ``-lr ratio O``; the chain adds ``-lr (ratio O + wd p)``), momentum buffers bit for bit."""
+    kw = dict(OPTIONS[name])
+    wd = kw.pop("weight_decay", 0.1)
+    gen = torch.Generator().manual_seed(1)
+    p0 = [torch.randn(s, generator=gen) for s in SHAPES]
+    ref = [torch.nn.Parameter(x.clone()) for x in p0]
+    momentum = 0.9
+    opt = torch.optim.Muon(ref, lr=2e-2, weight_decay=wd, momentum=momentum, **kw)
+    tx = ft.muon(2e-2, weight_decay=wd, beta=momentum, **kw)
+    params = {f"w{i}": x.clone() for i, x in enumerate(p0)}
+    state = tx.init(params)
+    for _ in range(20):
+        grads = [torch.randn(s, generator=gen) for s in SHAPES]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        opt.step()
+        params, state = ft.step(tx, {f"w{i}": g for i, g in enumerate(grads)}, state, params)
+    for i, (r, x0) in enumerate(zip(ref, p0)):
+        ours, theirs = params[f"w{i}"], r.detach()
+        change = (theirs - x0).abs().max()
+        ulps = 4 * torch.finfo(torch.float32).eps * theirs.abs().max()
+        assert (ours - theirs).abs().max() <= 1e-5 * change + ulps, SHAPES[i]
+        mu = find_state(state, ft.ScaleByMuonState, "test").mu[f"w{i}"]
+        assert torch.equal(mu, opt.state[r]["momentum_buffer"])
+
+
+def _reference_muon(p, grads, lr, wd, beta, nesterov, coeffs, steps, eps, adjust):
+    """The equations, written out in float64 (one leaf)."""
+    a, b, c = coeffs
+    buf = torch.zeros_like(p)
+    for g in grads:
+        buf = beta * buf + (1 - beta) * g
+        u = (1 - beta) * g + beta * buf if nesterov else buf
+        m = u.reshape(u.shape[0], -1)
+        x = m.T if m.shape[0] > m.shape[1] else m
+        x = x / max(torch.linalg.matrix_norm(x).item(), eps)
+        for _ in range(steps):
+            A = x @ x.T
+            x = a * x + (b * A + c * A @ A) @ x
+        o = (x.T if m.shape[0] > m.shape[1] else x).reshape(p.shape)
+        rows, cols = m.shape
+        ratio = 0.2 * math.sqrt(max(rows, cols)) if adjust == "match_rms_adamw" else \
+            math.sqrt(max(1, rows / cols))
+        p = p - lr * (ratio * o + wd * p)
+    return p
+
+
+@pytest.mark.parametrize("adjust", [None, "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_float64_equals_the_equations(x64, adjust, nesterov):
+    """With ``ns_dtype=torch.float64`` on float64 leaves (square, tall, wide, and a 4-D
+    convolution filter flattened to ``(out, in * kh * kw)``), 6 steps equal the equations to
+    1e-12 of the parameter change."""
+    shapes = SHAPES + [(6, 2, 3, 3)]
+    gen = torch.Generator().manual_seed(2)
+    p0 = {f"w{i}": torch.randn(s, generator=gen, dtype=torch.float64)
+          for i, s in enumerate(shapes)}
+    grads = [{k: torch.randn(v.shape, generator=gen, dtype=torch.float64)
+              for k, v in p0.items()} for _ in range(6)]
+    tx = ft.muon(3e-2, weight_decay=0.05, beta=0.8, nesterov=nesterov, ns_dtype=torch.float64,
+                 adjust_lr_fn=adjust)
+    p, s = p0, tx.init(p0)
+    for g in grads:
+        p, s = ft.step(tx, g, s, p)
+    for k in p0:
+        ref = _reference_muon(p0[k], [g[k] for g in grads], 3e-2, 0.05, 0.8, nesterov,
+                              (3.4445, -4.775, 2.0315), 5, 1e-7, adjust)
+        assert (p[k] - ref).abs().max() <= 1e-12 * (ref - p0[k]).abs().max(), k
+
+
+def test_labels_route_vectors_embeddings_and_head_to_adam():
+    params = {"embed": torch.zeros(10, 4), "layers.0.wq": torch.zeros(4, 4),
+              "layers.0.norm": torch.zeros(4), "layers.0.b1": torch.zeros(8),
+              "conv.weight": torch.zeros(3, 2, 3, 3), "lm_head": torch.zeros(10, 4),
+              "scale": torch.zeros(())}
+    assert ft.muon_param_labels(params) == {
+        "embed": "adam", "layers.0.wq": "muon", "layers.0.norm": "adam", "layers.0.b1": "adam",
+        "conv.weight": "muon", "lm_head": "adam", "scale": "adam"}
+    assert ft.muon_param_labels(params, exclude=("wq",))["embed"] == "muon"
+    with pytest.raises(TypeError, match="sequence of strings"):
+        ft.muon_param_labels(params, exclude="embed")
+
+
+def test_muon_trains_the_others_with_adamw():
+    """The ``adam`` leaves take exactly ``adamw(learning_rate, weight_decay=weight_decay)``
+    (or the transform given)."""
+    gen = torch.Generator().manual_seed(3)
+    params = {"embed": torch.randn(10, 4, generator=gen), "w": torch.randn(4, 4, generator=gen),
+              "bias": torch.randn(4, generator=gen)}
+    grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    for adam in (None, ft.sgd(0.5)):
+        tx = ft.muon(1e-2, weight_decay=0.1, adam=adam)
+        other = ft.adamw(1e-2, weight_decay=0.1) if adam is None else ft.sgd(0.5)
+        u, _ = tx.update(grads, tx.init(params), params)
+        sub = {k: params[k] for k in ("embed", "bias")}
+        v, _ = other.update({k: grads[k] for k in sub}, other.init(sub), sub)
+        for k in sub:
+            assert torch.equal(u[k], v[k])
+
+
+def test_errors_name_the_leaf_and_the_expectation():
+    tx = ft.scale_by_muon()
+    p = {"layers": {"bias": torch.zeros(3)}}
+    with pytest.raises(ValueError, match=r"leaf 'layers.bias' has shape \(3,\).*muon_param"):
+        tx.update(p, tx.init(p), p)
+    c = {"w": torch.zeros(2, 2, dtype=torch.complex64)}
+    with pytest.raises((ValueError, TypeError), match="complex"):
+        tx.update(c, tx.init(c), c)
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        ft.scale_by_muon(adjust_lr_fn="rms")
+    with pytest.raises(ValueError, match="ns_steps"):
+        ft.scale_by_muon(ns_steps=100)
+    with pytest.raises(ValueError, match="ns_coefficients"):
+        ft.scale_by_muon(ns_coefficients=(1.0, 2.0))
+    with pytest.raises(ValueError, match="names no transform"):
+        ft.muon(param_labels={"w": "sgd"}).init({"w": torch.zeros(2, 2)})
+
+
+@pytest.mark.parametrize("mesh_shape,placements", [
+    ((2,), {"w": [Shard(0)], "t": [Shard(1)], "c": [Replicate()]}),
+    ((3,), {"w": [Shard(1)], "t": [Shard(0)], "c": [Shard(0)]}),       # uneven and empty shards
+    ((2, 2), {"w": [Shard(0), Shard(1)], "t": [Shard(1), Shard(0)], "c": [Replicate(), Shard(2)]}),
+])
+def test_sharded_equals_unsharded_bit_for_bit(mesh_shape, placements):
+    """Tensor-parallel placements on 1-D and 2-D simulated meshes, uneven shards: every rank
+    gathers the whole matrix, so the result is the unsharded one bit for bit (bfloat16
+    Newton-Schulz)."""
+    gen = torch.Generator().manual_seed(4)
+    params = {"w": torch.randn(7, 5, generator=gen), "t": torch.randn(2, 9, generator=gen),
+              "c": torch.randn(4, 2, 3, generator=gen), "bias": torch.randn(5, generator=gen)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+             for _ in range(3)]
+    pl = dict(placements, bias=[Replicate()] * len(mesh_shape))
+    assert_sharded_equivalent(ft.muon(1e-2, weight_decay=0.1), params, grads,
+                              mesh_shape=mesh_shape, placements=pl, rtol=0.0, atol=0.0)
+
+
+def test_collectives_constant_in_the_number_of_leaves():
+    """Only all-gathers, of the sharded matrices, bucketed: the same count for 10 and 40
+    matrices of mixed placements on a simulated 2 x 2 (dp, tp) mesh (uneven, empty shards)."""
+    from functional_train.testing import count_collectives, simulate
+    from test_collective_counts import _KINDS, _leaf, _mesh
+
+    kinds = [k for k in _KINDS if len(k[2]) == 2]
+    counts = []
+    for n in (10, 40):
+        gen = torch.Generator().manual_seed(n)
+        with simulate(4):
+            m = _mesh()
+            tree = {f"l{i:02d}": _leaf(m, kinds[i % len(kinds)],
+                                       torch.randn(kinds[i % len(kinds)][2], generator=gen))
+                    for i in range(n)}
+            tx = ft.scale_by_muon()
+            state = tx.init(tree)
+            with count_collectives() as c:
+                tx.update(tree, state, tree, mesh=ft.Mesh(m))
+        counts.append(c.counts)
+    assert counts[0] == counts[1] == {"all_gather_into_tensor": 4}, counts
