@@ -26,7 +26,7 @@ sorted order up to ``--max-bytes``; ``--data PATH`` takes a text file or a direc
 last ``--val-fraction`` of the bytes is held out; the validation loss is the mean next-byte
 cross-entropy (nats per byte) over ``--eval-windows`` fixed, evenly spaced windows of it.
 
-``--optimizer {adamw,adafactor,came,lamb,galore}`` picks the optimizer after clipping (see
+``--optimizer {adamw,adafactor,came,lamb,galore,muon}`` picks the optimizer after clipping (see
 ``build_optimizer``; ``--lr`` defaults per optimizer), ``--8bit`` gives adamw / galore 8-bit
 block-wise moments.
 
@@ -288,7 +288,8 @@ def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int):
 
 
 # optimizer -> default peak learning rate on this model (short sweeps at the default size)
-OPTIMIZERS = {"adamw": 3e-3, "adafactor": 3e-3, "came": 3e-3, "lamb": 5e-2, "galore": 1e-2}
+OPTIMIZERS = {"adamw": 3e-3, "adafactor": 3e-3, "came": 3e-3, "lamb": 5e-2, "galore": 1e-2,
+              "muon": 3e-3}
 
 
 def build_optimizer(name: str, lr, weight_decay: float, params: dict, *, eight_bit: bool = False,
@@ -299,8 +300,11 @@ def build_optimizer(name: str, lr, weight_decay: float, params: dict, *, eight_b
     parameter scaling); came: ``ft.came``; lamb: ``ft.lamb``, each decaying only the weight
     matrices (``mask=ft.decay_mask``: not the norms, nor the embedding); galore: ``ft.galore_adamw`` on the
     2-D weights that ``ft.galore_param_labels`` selects (embeddings and the LM head included),
-    plain AdamW on the rest, no decay on norms. ``eight_bit``: 8-bit block-wise Adam moments
-    (adamw and galore only).
+    plain AdamW on the rest, no decay on norms; muon: ``ft.muon`` on the hidden weight matrices
+    (``ft.muon_param_labels``: not the embedding, the LM head, norms) with Moonlight's
+    ``adjust_lr_fn="match_rms_adamw"``, so that it shares AdamW's learning rate, and that AdamW
+    (decay mask as above) on the rest. ``eight_bit``: 8-bit block-wise Adam moments (adamw and
+    galore only).
     """
     bits = {"optim_bits": 8} if eight_bit else {}
     if eight_bit and name not in ("adamw", "galore"):
@@ -319,6 +323,9 @@ def build_optimizer(name: str, lr, weight_decay: float, params: dict, *, eight_b
         return ft.galore_adamw(lr, weight_decay=weight_decay, rank=galore_rank,
                                update_proj_gap=galore_gap, labels=ft.galore_param_labels(params),
                                **bits)
+    if name == "muon":
+        return ft.muon(lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw",
+                       adam=ft.adamw(lr, weight_decay=weight_decay, mask=mask))
     raise SystemExit(f"unknown optimizer {name!r}")
 
 
