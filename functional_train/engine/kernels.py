@@ -66,14 +66,18 @@ def large_leaves(p: Sequence[torch.Tensor]) -> list:
     return idx
 
 
-def _adam_math(p, g, m, v, nm, s, clip, maximize, l2, decoupled, amsgrad):
-    coef, wd, omb1, b2, omb2, eps, bc1, bc2_sqrt, lr = s.unbind()
+def _gradient(g, p, coef, wd, clip, maximize, l2):
+    """The gradient the moments see: clipped, negated for ``maximize``, plus L2 decay."""
     if clip:
         g = g * coef
     if maximize:
         g = -g
-    if l2:
-        g = g + wd * p
+    return g + wd * p if l2 else g
+
+
+def _adam_math(p, g, m, v, nm, s, clip, maximize, l2, decoupled, amsgrad):
+    coef, wd, omb1, b2, omb2, eps, bc1, bc2_sqrt, lr = s.unbind()
+    g = _gradient(g, p, coef, wd, clip, maximize, l2)
     m2 = m + omb1 * (g - m)  # lerp's formula for a weight below 0.5
     v2 = v * b2 + omb2 * (g * g)
     nm2 = torch.maximum(nm, v2) if amsgrad else None
@@ -85,12 +89,7 @@ def _adam_math(p, g, m, v, nm, s, clip, maximize, l2, decoupled, amsgrad):
 
 def _sgd_math(p, g, buf, s, clip, maximize, l2, momentum, nesterov):
     coef, wd, mom, lr = s.unbind()
-    if clip:
-        g = g * coef
-    if maximize:
-        g = -g
-    if l2:
-        g = g + wd * p
+    g = _gradient(g, p, coef, wd, clip, maximize, l2)
     buf2 = None
     if momentum:
         buf2 = g + mom * buf
