@@ -264,11 +264,27 @@ def muon(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1, beta
     """
     V.learning_rate(learning_rate, where="muon")
     V.number("weight_decay", weight_decay, where="muon", low=0.0)
+    matrices = _muon_matrices(learning_rate, weight_decay, beta, nesterov, ns_coefficients,
+                              ns_steps, eps, ns_dtype, adjust_lr_fn, mu_dtype)
+    other = adamw(learning_rate, weight_decay=weight_decay) if adam is None else adam
+    return partition({"muon": matrices, "adam": other},
+                     muon_param_labels if param_labels is None else param_labels)
+
+
+@injectable
+def _muon_matrices(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1,
+                   beta: float = 0.95, nesterov: bool = True,
+                   ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_steps: int = 5,
+                   eps: float = 1e-7, ns_dtype: torch.dtype = torch.bfloat16,
+                   adjust_lr_fn: Optional[str] = None,
+                   mu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+    """:func:`muon`'s transform of the matrices, built by a factory of its own so that
+    ``inject_hyperparams`` and :class:`~functional_train.TorchOptimizer` (its ``"muon"`` group:
+    ``lr``, ``weight_decay``, ``beta``, ``eps``) can set its hyperparameters (defaults: as
+    :func:`muon`'s, so that the integer ``ns_steps`` stays static)."""
     txs = [scale_by_muon(beta, nesterov, ns_coefficients, ns_steps, eps, ns_dtype, adjust_lr_fn,
                          mu_dtype=mu_dtype)]
     if weight_decay:
         txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))
-    other = adamw(learning_rate, weight_decay=weight_decay) if adam is None else adam
-    return partition({"muon": chain(*txs), "adam": other},
-                     muon_param_labels if param_labels is None else param_labels)
+    return chain(*txs)

@@ -201,3 +201,35 @@ def test_collectives_constant_in_the_number_of_leaves():
                 tx.update(tree, state, tree, mesh=ft.Mesh(m))
         counts.append(c.counts)
     assert counts[0] == counts[1] == {"all_gather_into_tensor": 4}, counts
+
+
+def test_torch_optimizer_groups_and_a_scheduler():
+    """As a ``TorchOptimizer``: one group per label, both holding ``lr`` (and the Muon group
+    ``weight_decay`` and ``beta``), so a torch LR scheduler drives both; the steps equal the
+    functional ones under the same schedule."""
+    gen = torch.Generator().manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 10))
+    labels = {"0.weight": "adam", "1.weight": "muon", "1.bias": "adam", "2.weight": "muon",
+              "2.bias": "adam"}
+    p0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = ft.TorchOptimizer(model.named_parameters(),
+                            ft.muon(1e-2, weight_decay=0.1, param_labels=labels))
+    assert sorted(g["label"] for g in opt.param_groups) == ["adam", "muon"]
+    muon_group = next(g for g in opt.param_groups if g["label"] == "muon")
+    assert muon_group["lr"] == 1e-2 and muon_group["weight_decay"] == 0.1
+    assert muon_group["beta"] == 0.95
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in p0.items()} for _ in range(3)]
+    params = dict(p0)
+    for t, g in enumerate(grads):
+        for k, p in model.named_parameters():
+            p.grad = g[k].clone()
+        opt.step()
+        sched.step()
+        tx = ft.muon(1e-2 / (1 + t), weight_decay=0.1, param_labels=labels)
+        if t == 0:
+            state = tx.init(params)
+        params, state = ft.step(tx, g, state, params)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), params[k], rtol=1e-6, atol=1e-7)
