@@ -1,7 +1,7 @@
 """functional_train: pure, composable gradient transformations for PyTorch.
 
 The same chain runs in one process on plain tensors and across tensor x data x pipeline x expert
-parallel meshes on DTensors, with the same numbers. See DESIGN.md and the README.
+parallel meshes on DTensors, with the same numbers. See the README.
 """
 
 from . import checkpoint

@@ -12,7 +12,7 @@ Reference: Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient 
 Projection"; ``galore_torch.GaLoreAdamW`` and ``galore_torch.galore_projector.GaLoreProjector``
 (galore-torch 1.0), the semantics followed here.
 
-Sharding (DESIGN.md section 3). A 2-D DTensor leaf ``g`` of global shape ``(m, n)`` is projected
+Sharding. A 2-D DTensor leaf ``g`` of global shape ``(m, n)`` is projected
 on its local shard:
 
 * the projector ``P`` is the same on every rank: a replicated DTensor of its global shape in the

@@ -3,7 +3,7 @@
 A leaf's own DTensor placements say how it is spread over the mesh dims it lives on. The
 descriptor adds what placements cannot say: which mesh dim carries data parallel replicas whose
 gradients are still unreduced, which one separates pipeline stages, and which one separates
-experts (see DESIGN.md section 2).
+experts.
 """
 
 from __future__ import annotations

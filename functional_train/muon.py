@@ -21,16 +21,21 @@ Leaves with more than two dims are orthogonalised as the ``(shape[0], prod(shape
 (a convolution's filters as rows, as Keller Jordan's reference flattens them) and ``A, B`` are
 that matrix's dims.
 
-Sharding: the momentum is elementwise on local shards. Newton-Schulz needs each whole matrix, so
-the Nesterov updates of leaves with a ``Shard`` placement are gathered (one bucketed all-gather per
-sharding mesh dim for all of them, :func:`functional_train.engine.whole.gather_global`), every
-rank orthogonalises the global matrices and keeps its own block: sharded equals unsharded bit for
-bit. Replicated leaves and plain tensors need no communication.
+Sharding: the momentum is elementwise on local shards. Newton-Schulz needs each whole matrix and
+runs ONCE per matrix, on an owner rank (:mod:`functional_train.engine.owners`): the DTensor
+leaves of a mesh are given owners balanced by their Newton-Schulz cost, so each of N ranks does
+about 1/N of the work; the Nesterov updates' blocks go to the owners by one all-to-all per
+sharding mesh dim (none for a replicated matrix, which its owner holds), each owner
+orthogonalises its global matrices and one all-to-all per mesh dim sends every rank its block
+of the result back (a scatter over sharding dims, a broadcast over replicating ones). Blocks are
+copied, never computed on: sharded equals unsharded bit for bit. Plain tensors (and meshes of
+one rank) need no communication.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -39,6 +44,7 @@ from . import _validate as V
 from .base import GradientTransformation, chain, declare
 from .combine import partition
 from .engine.view import prepare
+from .engine.owners import run_at_owners
 from .engine.whole import gather_global, is_sharded, local_part, per_rank
 from .hyperparams import injectable
 from .optimizers import adamw
@@ -101,12 +107,27 @@ def _matrix_shape(shape: Sequence[int]) -> tuple:
     return int(shape[0]), cols
 
 
-@per_rank
-def _orthogonalised(u: torch.Tensor, shape: tuple, coeffs, steps, eps, ns_dtype, adjust,
-                    out_dtype) -> torch.Tensor:
+def _orthogonalised_global(u: torch.Tensor, shape: tuple, coeffs, steps, eps, ns_dtype, adjust,
+                           out_dtype) -> torch.Tensor:
     rows, cols = _matrix_shape(shape)
     o = newton_schulz(u.reshape(rows, cols), coeffs, steps, eps, ns_dtype)
     return (o.to(out_dtype) * _ratio(adjust, rows, cols)).reshape(shape)
+
+
+_orthogonalised = per_rank(_orthogonalised_global)  # once per simulated rank
+
+
+def _ns_cost(shape: Sequence[int]) -> float:
+    """Multiply-adds of one Newton-Schulz iteration on the leaf's matrix (``m <= n``:
+    ``X X^T``, ``A A``, ``B X``)."""
+    rows, cols = _matrix_shape(shape)
+    m, n = min(rows, cols), max(rows, cols)
+    return float(2 * m * m * n + m * m * m)
+
+
+# Newton-Schulz of DTensor leaves at owner ranks (engine/owners.py); False: every rank gathers
+# every sharded matrix and orthogonalises it (the scheme benchmarks/bench_muon.py compares with)
+_DISTRIBUTED = True
 
 
 def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
@@ -133,10 +154,14 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
 
     Shapes and placements: every leaf must have at least 2 dims (more are flattened to
     ``(shape[0], -1)``); any placements; the output has the gradient's dtype and placements.
-    Collectives per update: none for plain tensors and replicated leaves; for leaves with a
-    ``Shard`` placement ONE all-gather per sharding mesh dim for all of them (per distinct
-    set of sharding process groups and dtype), and every rank then runs Newton-Schulz on the
-    gathered matrices.
+    Collectives per update: none for plain tensors. For the DTensor leaves of each mesh, one
+    ``all_to_all_single`` per mesh dim that shards some of them, to the owners, and one per
+    mesh dim back (on a 2-D mesh at most 3: the dims' scatters from last to first, then the
+    broadcasts, the two over dim 0 merged): on a 1-D mesh 2 (1 if every leaf is replicated),
+    at (dp, tp) with ``Replicate`` over dp 3, sharded over both 4; never more with more
+    leaves. Each rank sends others about twice the bytes of its own blocks and runs about 1/N
+    of the Newton-Schulz multiply-adds (the owners are balanced by ``2 m^2 n + m^3`` for an
+    ``m x n`` matrix, ``m <= n``).
 
     Raises:
         ValueError: out-of-range hyper-parameters; at update, a leaf with fewer than 2 dims
@@ -184,18 +209,35 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
         mu = torch._foreach_lerp([mu_all[i] for i in act], _cast_like(g, [mu_all[i] for i in act]),
                                  1.0 - beta)
         u = torch._foreach_lerp(_cast_like(g, mu), mu, beta) if nesterov else mu
-        local_u = dict(zip(act, u))
-        sharded = [i for i in act if is_sharded(b.specs[i])]
-        full = gather_global(b, sharded, local_u) if sharded else {}
-        out = []
-        for i, x, gi in zip(act, u, g):
-            if i in full:
-                o = _orthogonalised(full[i], shapes[i], coeffs, ns_steps, eps, ns_dtype,
-                                    adjust_lr_fn, gi.dtype)
-                out.append(local_part(o, b.specs[i].mesh, b.specs[i].placements))
-            else:
-                out.append(_orthogonalised(x, shapes[i], coeffs, ns_steps, eps, ns_dtype,
-                                           adjust_lr_fn, gi.dtype))
+        out = dict(zip(act, u))
+        on_mesh = defaultdict(list)  # DTensor leaves: Newton-Schulz once per leaf, at its owner
+        for i, gi in zip(act, g):
+            s = b.specs[i]
+            if s is None or s.mesh.size() == 1 or not _DISTRIBUTED:
+                continue
+            on_mesh[(s.mesh, out[i].dtype, gi.dtype)].append(i)
+        for (_, _, dtype), idx in on_mesh.items():
+            def fn(j, full, idx=idx, dtype=dtype):
+                return _orthogonalised_global(full, shapes[idx[j]], coeffs, ns_steps, eps,
+                                              ns_dtype, adjust_lr_fn, dtype)
+            res = run_at_owners([b.specs[i] for i in idx], [out[i] for i in idx], fn, dtype,
+                                [_ns_cost(shapes[i]) for i in idx])
+            out.update(zip(idx, res))
+        done = {i for idx in on_mesh.values() for i in idx}
+        if not _DISTRIBUTED:
+            sharded = [i for i in act if is_sharded(b.specs[i])]
+            full = gather_global(b, sharded, out) if sharded else {}
+            for i, gi in zip(act, g):
+                if i in full:
+                    o = _orthogonalised(full[i], shapes[i], coeffs, ns_steps, eps, ns_dtype,
+                                        adjust_lr_fn, gi.dtype)
+                    out[i] = local_part(o, b.specs[i].mesh, b.specs[i].placements)
+                    done.add(i)
+        for i, gi in zip(act, g):
+            if i not in done:
+                out[i] = _orthogonalised(out[i], shapes[i], coeffs, ns_steps, eps, ns_dtype,
+                                         adjust_lr_fn, gi.dtype)
+        out = [out[i] for i in act]
         new_mu = b.state_tree(state.mu, "ScaleByMuonState.mu", mu)
         return b.rebuild_active(out), ScaleByMuonState(state.count + 1, new_mu)
 

@@ -139,7 +139,7 @@ def lamb(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
          eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True, *,
          mu_dtype: Optional[torch.dtype] = None,
          nu_dtype: Optional[torch.dtype] = None, mask=None) -> GradientTransformation:
-    """LAMB (You et al. 2019), as REFERENCES.md states it and optax ``lamb`` computes it.
+    """LAMB (You et al. 2019), as the paper states it and optax ``lamb`` computes it.
 
     ``m, v`` Adam moments (bias-corrected when ``bias_correction``);
     ``r = m / (sqrt(v) + eps) + weight_decay * param``; ``trust = ||param|| / ||r||`` per leaf over

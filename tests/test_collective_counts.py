@@ -1,4 +1,4 @@
-"""Collective counts: O(1) collectives per update, whatever the number of leaves (DESIGN.md 3).
+"""Collective counts: O(1) collectives per update, whatever the number of leaves.
 
 * ``clip_by_global_norm`` over a whole tree of DTensors with mixed placements is ONE scalar
   all-reduce;

@@ -1,4 +1,4 @@
-"""The engine's shape (DESIGN.md section 3a): a plan per layout, a chain on local shards with
+"""The engine's shape: a plan per layout, a chain on local shards with
 DTensors built once, eager DTensor construction equal to ``DTensor.from_local``, and ``ft.step``
 taking torch's fused kernels where they apply."""
 

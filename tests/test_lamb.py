@@ -1,4 +1,4 @@
-"""LAMB: ``ft.lamb`` / ``ft.scale_by_trust_ratio`` against the LAMB equations (REFERENCES.md),
+"""LAMB: ``ft.lamb`` / ``ft.scale_by_trust_ratio`` against the LAMB equations (You et al. 2019),
 sharded vs unsharded, and one collective per update for all trust-ratio norms."""
 
 import math
@@ -23,7 +23,7 @@ def make(shapes=SHAPES, steps=20, seed=0):
 
 
 def reference_lamb(params, grads, lr, b1, b2, eps, wd, bias_correction):
-    """The LAMB equations of REFERENCES.md, leaf by leaf, in float64."""
+    """The LAMB equations (You et al. 2019, as optax's lamb computes them), leaf by leaf, in float64."""
     p = {k: v.clone() for k, v in params.items()}
     m = {k: torch.zeros_like(v) for k, v in p.items()}
     v = {k: torch.zeros_like(x) for k, x in p.items()}

@@ -167,8 +167,8 @@ def test_errors_name_the_leaf_and_the_expectation():
     ((2, 2), {"w": [Shard(0), Shard(1)], "t": [Shard(1), Shard(0)], "c": [Replicate(), Shard(2)]}),
 ])
 def test_sharded_equals_unsharded_bit_for_bit(mesh_shape, placements):
-    """Tensor-parallel placements on 1-D and 2-D simulated meshes, uneven shards: every rank
-    gathers the whole matrix, so the result is the unsharded one bit for bit (bfloat16
+    """Tensor-parallel placements on 1-D and 2-D simulated meshes, uneven and empty shards: each
+    matrix's owner assembles it whole, so the result is the unsharded one bit for bit (bfloat16
     Newton-Schulz)."""
     gen = torch.Generator().manual_seed(4)
     params = {"w": torch.randn(7, 5, generator=gen), "t": torch.randn(2, 9, generator=gen),
@@ -181,8 +181,11 @@ def test_sharded_equals_unsharded_bit_for_bit(mesh_shape, placements):
 
 
 def test_collectives_constant_in_the_number_of_leaves():
-    """Only all-gathers, of the sharded matrices, bucketed: the same count for 10 and 40
-    matrices of mixed placements on a simulated 2 x 2 (dp, tp) mesh (uneven, empty shards)."""
+    """Only all-to-alls, batched: the same count for 10 and 40 matrices of mixed placements on a
+    simulated 2 x 2 (dp, tp) mesh (uneven, empty shards). The leaves live on three meshes (the
+    2-D mesh and its tp and dp sub-meshes), each routed on its own: on the 2-D mesh two
+    all-to-alls to the owners (one per sharding dim) and two back (the scatter over tp, then
+    dp's scatter and broadcast in one), one each way on each sub-mesh: 8."""
     from functional_train.testing import count_collectives, simulate
     from test_collective_counts import _KINDS, _leaf, _mesh
 
@@ -200,7 +203,80 @@ def test_collectives_constant_in_the_number_of_leaves():
             with count_collectives() as c:
                 tx.update(tree, state, tree, mesh=ft.Mesh(m))
         counts.append(c.counts)
-    assert counts[0] == counts[1] == {"all_gather_into_tensor": 4}, counts
+    assert counts[0] == counts[1] == {"all_to_all_single": 8}, counts
+
+
+@pytest.mark.parametrize("mesh_shape,kind,collectives,max_bytes", [
+    ((4,), "tp", 2, 2.0),          # 1-D tensor parallel: one all-to-all each way
+    ((4,), "replicated", 1, 1.0),  # data parallel: no gather, one all-to-all back
+    ((2, 2), "tp", 3, 2.0),        # (dp, tp): gather over tp; scatter over tp, broadcast over dp
+    ((2, 2), "fsdp+tp", 4, 2.5),   # sharded over both: two each way
+])
+def test_owner_routing_balances_flops_and_bounds_bytes(mesh_shape, kind, collectives, max_bytes):
+    """The routing of 42 matrices (a 6-layer model's, uneven shards): a constant number of
+    all-to-alls; every rank's Newton-Schulz multiply-adds within 10% of 1/N of the total
+    (against the whole total when every rank gathers every matrix); bytes every rank sends to
+    others at most ``max_bytes`` x the bytes of its own blocks (its share)."""
+    from functional_train.engine.owners import owner_plan
+    from functional_train.muon import _ns_cost
+
+    layer = [(33, 16)] * 3 + [(16, 33), (65, 16), (65, 16), (16, 65)]
+    shapes = layer * 6
+    tp = [Shard(1) if s[0] == 16 else Shard(0) for s in shapes]
+    lead = {"tp": Replicate(), "fsdp+tp": Shard(0)}.get(kind)
+    pls = [(Replicate(),) * len(mesh_shape) if kind == "replicated"
+           else (t,) if len(mesh_shape) == 1 else (lead, t) for t in tp]
+    costs = [_ns_cost(s) for s in shapes]
+    plan = owner_plan(mesh_shape, shapes, pls, costs)
+    assert plan.collectives == collectives
+    ranks = len(plan.coords)
+    assert sum(plan.flops.values()) == pytest.approx(sum(costs))
+    assert max(plan.flops.values()) <= 1.1 * sum(costs) / ranks
+    for c in plan.coords:
+        assert plan.sent[c] <= max_bytes * plan.held[c], (c, plan.sent[c] / plan.held[c])
+    # every owner's blocks and results are whole: an owner holds the global matrix
+    for c in plan.coords:
+        for j, pieces, placed in plan.computed[c]:
+            assert plan.owners[j] == c
+            assert sum(p[3] for p in pieces) == math.prod(shapes[j])
+
+
+def test_owners_on_4_gloo_ranks(tmp_path):
+    """``ft.muon`` at dp=2 x tp=2 on 4 real gloo ranks, 3 steps (tests/_gloo_muon_worker.py),
+    with tensor parallel, FSDP + tensor parallel and ``zero_redundancy`` layouts, uneven shards:
+    the parameters equal one process's bit for bit, with Newton-Schulz at owner ranks and
+    gathered onto every rank alike. At owners every rank runs about a quarter of the
+    multiply-adds (each matrix once in all), where gathering runs all of them on every rank;
+    the all-to-alls are 3 (tp), 4 (FSDP + tp; and inside ZeRO, whose all-gather of the updates
+    comes on top) and every rank sends at most 2.25x the mean share of a rank to others (the
+    messages are padded to the longest)."""
+    from test_gloo import _spawn_raw
+
+    import _gloo_muon_worker as w
+
+    res = torch.load(_spawn_raw(4, tmp_path, "_gloo_muon_worker.py", timeout=600))
+    params, grads = w.problem()
+    tx = w.make_tx()
+    state = tx.init(params)
+    for g in grads:
+        params, state = ft.step(tx, g, state, params)
+    total = sum(w.ns_cost(s) for s in w.SHAPES.values() if len(s) == 2)
+    expected = {"tp": {"all_to_all_single": 3}, "fsdp+tp": {"all_to_all_single": 4},
+                "zero+tp": {"all_to_all_single": 4, "all_gather_into_tensor": 1}}
+    for layout in w.LAYOUTS:
+        for scheme in ("owners", "gather"):
+            got = res[(layout, scheme)]
+            for k in params:
+                assert torch.equal(got["params"][k], params[k]), (layout, scheme, k)
+        owners, gather = res[(layout, "owners")]["ranks"], res[(layout, "gather")]["ranks"]
+        assert sum(r["flops"] for r in owners) == total
+        assert all(r["flops"] == total for r in gather)
+        assert max(r["flops"] for r in owners) <= 1.1 * total / 4
+        share = sum(r["share"] for r in owners) / 4  # (uneven: ranks' shares differ)
+        for r in owners:
+            assert r["counts"] == expected[layout], (layout, r["counts"])
+            # every phase is over a mesh dim of 2 ranks: half of each input goes to the peer
+            assert r["bytes"]["all_to_all_single"] / 2 <= 2.25 * share, (layout, r)
 
 
 def test_torch_optimizer_groups_and_a_scheduler():

@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["groups_over", "all_reduce", "all_reduce_buckets", "reduce_scatter", "all_gather",
-           "per_rank"]
+           "all_to_all", "per_rank"]
 
 
 def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
@@ -107,3 +107,9 @@ def per_rank(tensors: Sequence[torch.Tensor], fn) -> torch.Tensor:
             out[r] = fn(r, [t._local_tensors[r] if isinstance(t, lt.LocalTensor) else t
                             for t in tensors])
     return lt.LocalTensor(out)
+
+
+def all_to_all(buf: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all of a flat buffer in equal blocks: block ``q`` goes to peer ``q``; the result
+    holds peer ``q``'s block for this rank at block ``q``."""
+    return funcol.wait_tensor(funcol.all_to_all_single(buf, None, None, group))

@@ -2,10 +2,10 @@
 and where a rank's shard sits in the global tensor.
 
 A leaf's DTensor placements say how it is spread over the mesh dims it lives on; the
-:class:`~functional_train.Mesh` descriptor adds the data, pipeline and expert roles (DESIGN.md
-section 2). :class:`World` answers, for one tree on one mesh, the questions every global
-reduction asks: how many ranks hold the same values of a leaf (replicas count once), and which
-mesh dims shard a given tensor dim.
+:class:`~functional_train.Mesh` descriptor adds the data, pipeline and expert roles.
+:class:`World` answers, for one tree on one mesh, the questions every global reduction asks:
+how many ranks hold the same values of a leaf (replicas count once), and which mesh dims shard
+a given tensor dim.
 """
 
 from __future__ import annotations

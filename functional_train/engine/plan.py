@@ -6,7 +6,7 @@ placements, global shape, stride and dtype, for the updates and for the params, 
 :class:`~functional_train.engine.layout.World` of the call, the validation of every leaf, which
 leaves are reduced over the data axis, which ``Partial`` placements are reduced over which mesh
 dims, the specs the materialised gradients have -- is built on the first call and reused: a step
-then only packs, communicates and unpacks (DESIGN.md section 3a).
+then only packs, communicates and unpacks.
 """
 
 from __future__ import annotations

@@ -163,6 +163,7 @@ class _CollectiveCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         ns = func.namespace
@@ -170,6 +171,11 @@ class _CollectiveCounter(TorchDispatchMode):
         if (ns in ("_c10d_functional", "c10d_functional", "c10d") and "wait" not in name
                 and not name.startswith("_")):
             self.counts[name] += 1
+            first = args[0] if args else None
+            if isinstance(first, (list, tuple)):
+                first = first[0] if first else None
+            if isinstance(first, torch.Tensor):
+                self.bytes[name] += first.numel() * first.element_size()
         return func(*args, **(kwargs or {}))
 
 
@@ -187,6 +193,13 @@ class CollectiveCounts:
     def total(self) -> int:
         return sum(self._c.counts.values())
 
+    @property
+    def bytes(self) -> dict[str, int]:
+        """Bytes of each collective's (first) input tensor on this rank, summed by op name:
+        what a rank contributes (for ``all_to_all_single``: every peer's block, its own
+        included)."""
+        return dict(self._c.bytes)
+
     def __repr__(self) -> str:
         return f"CollectiveCounts(total={self.total}, counts={self.counts})"
 
@@ -194,8 +207,9 @@ class CollectiveCounts:
 @contextlib.contextmanager
 def count_collectives() -> Iterator[CollectiveCounts]:
     """Count the collectives issued inside the block, by kind (``all_reduce``,
-    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...). Works in simulation and on
-    real process groups (functional and c10d collectives; waits are not counted).
+    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ...), and the bytes of their inputs
+    (``.bytes``). Works in simulation and on real process groups (functional and c10d
+    collectives; waits are not counted).
 
     Example::
 
