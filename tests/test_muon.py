@@ -309,3 +309,68 @@ def test_torch_optimizer_groups_and_a_scheduler():
         params, state = ft.step(tx, g, state, params)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), params[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("axis", ["pipeline", "expert"])
+def test_pipeline_stages_and_expert_ranks_bit_for_bit(axis):
+    """(2 pp x 2 tp) with ``Mesh(pipeline_axis="pp")``: each stage's ranks hold their own
+    matrices (tensor parallel ``Shard(0)`` / ``Shard(1)`` on the stage's tp sub-mesh, uneven);
+    (2 ep x 2 tp) with ``Mesh(expert_axis="ep", is_expert=...)``: each ep rank holds its own
+    experts and the dense matrices are replicated over ep. 3 steps of ``ft.muon`` equal, bit for
+    bit, one process running each stage's (each ep rank's) own tree; the owners route within
+    each tp sub-mesh (one all-to-all each way)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from functional_train.testing import count_collectives, on_rank, per_rank, simulate
+
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"a": ((7, 5), Shard(0)), "b": ((5, 9), Shard(1)), "c": ((3, 4), Replicate())}
+    steps = 3
+    own = lambda: [{k: torch.randn(s, generator=gen) for k, (s, _) in shapes.items()}  # noqa: E731
+                   for _ in range(2)]  # per pp stage / ep rank
+    P, G = own(), [own() for _ in range(steps)]
+    tx = ft.muon(1e-2, weight_decay=0.1)
+    want = []
+    for s in range(2):
+        p, state = dict(P[s]), tx.init(P[s])
+        for g in G:
+            p, state = ft.step(tx, g[s], state, p)
+        want.append(p)
+    name = "pp" if axis == "pipeline" else "ep"
+    with simulate(4):
+        m = init_device_mesh("cpu", (2, 2), mesh_dim_names=(name, "tp"))
+        mesh = (ft.Mesh(m, pipeline_axis="pp") if axis == "pipeline" else
+                ft.Mesh(m, expert_axis="ep", is_expert=lambda path: path.startswith("expert")))
+
+        def tree(per):
+            out = {}
+            for k, (_, pl) in shapes.items():
+                v = per_rank(4, lambda r, k=k: per[r // 2][k])
+                out[f"expert_{k}" if axis == "expert" else k] = distribute_tensor(
+                    v, m["tp"], [pl], src_data_rank=None)
+            if axis == "expert":  # a dense matrix, the same on every rank
+                out["dense"] = distribute_tensor(per_rank(4, lambda r: P[0]["a"]), m["tp"],
+                                                 [Shard(0)], src_data_rank=None)
+            return out
+        params = tree(P)
+        state = tx.init(params)
+        for t, g in enumerate(G):
+            grads = tree(g)
+            if axis == "expert":
+                grads["dense"] = distribute_tensor(per_rank(4, lambda r, t=t: G[t][0]["a"]),
+                                                   m["tp"], [Shard(0)], src_data_rank=None)
+            with count_collectives() as c:
+                params, state = ft.step(tx, grads, state, params, mesh=mesh)
+            assert c.counts == {"all_to_all_single": 2}, c.counts
+        got = [{k: on_rank(v.full_tensor(), r) for k, v in params.items()} for r in range(4)]
+    for r in range(4):
+        for k in shapes:
+            key = f"expert_{k}" if axis == "expert" else k
+            assert torch.equal(got[r][key], want[r // 2][k]), (r, k)
+    if axis == "expert":  # the dense matrix: one process running it alone
+        p, state = {"dense": P[0]["a"]}, tx.init({"dense": P[0]["a"]})
+        for g in G:
+            p, state = ft.step(tx, {"dense": g[0]["a"]}, state, p)
+        for r in range(4):
+            assert torch.equal(got[r]["dense"], p["dense"])
