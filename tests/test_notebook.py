@@ -103,7 +103,7 @@ def test_no_cell_errors(executed):
 
 def test_every_optimizer_lowers_the_loss(executed):
     results = executed[3]
-    assert set(results) == {"sgd + momentum", "adamw", "adafactor", "lamb", "came",
+    assert set(results) == {"sgd + momentum", "adamw", "adafactor", "lamb", "came", "muon",
                             "galore_adamw"}
     for name, r in results.items():
         losses = r["losses"]
