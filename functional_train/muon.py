@@ -24,12 +24,12 @@ that matrix's dims.
 Sharding: the momentum is elementwise on local shards. Newton-Schulz needs each whole matrix and
 runs ONCE per matrix, on an owner rank (:mod:`functional_train.engine.owners`): the DTensor
 leaves of a mesh are given owners balanced by their Newton-Schulz cost, so each of N ranks does
-about 1/N of the work; the Nesterov updates' blocks go to the owners by one all-to-all per
-sharding mesh dim (none for a replicated matrix, which its owner holds), each owner
-orthogonalises its global matrices and one all-to-all per mesh dim sends every rank its block
-of the result back (a scatter over sharding dims, a broadcast over replicating ones). Blocks are
-copied, never computed on: sharded equals unsharded bit for bit. Plain tensors (and meshes of
-one rank) need no communication.
+about 1/N of the work; the Nesterov updates' blocks go to the owners by one all-to-all (none
+when every matrix is replicated: its owner holds it), each owner orthogonalises its global
+matrices and one all-to-all sends every rank its block of the results back (on a sub-mesh of
+more than one dim, one all-to-all per mesh dim each way). Blocks are copied, never computed on:
+sharded equals unsharded bit for bit. Plain tensors (and meshes of one rank) need no
+communication.
 """
 
 from __future__ import annotations
@@ -154,11 +154,11 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
 
     Shapes and placements: every leaf must have at least 2 dims (more are flattened to
     ``(shape[0], -1)``); any placements; the output has the gradient's dtype and placements.
-    Collectives per update: none for plain tensors. For the DTensor leaves of each mesh, one
-    ``all_to_all_single`` per mesh dim that shards some of them, to the owners, and one per
-    mesh dim back (on a 2-D mesh at most 3: the dims' scatters from last to first, then the
-    broadcasts, the two over dim 0 merged): on a 1-D mesh 2 (1 if every leaf is replicated),
-    at (dp, tp) with ``Replicate`` over dp 3, sharded over both 4; never more with more
+    Collectives per update: none for plain tensors. For the DTensor leaves of each mesh ONE
+    ``all_to_all_single`` to the owners (none if every leaf is replicated) and ONE back, on a
+    1-D mesh and on a mesh that is the world; on a sub-mesh of more dims (under a pipeline
+    axis) and under torch.compile (which cannot read the mesh's rank layout), one per mesh dim
+    that shards a leaf to the owners and at most ``2 ndim - 1`` back. Never more with more
     leaves. Each rank sends others about twice the bytes of its own blocks and runs about 1/N
     of the Newton-Schulz multiply-adds (the owners are balanced by ``2 m^2 n + m^3`` for an
     ``m x n`` matrix, ``m <= n``).

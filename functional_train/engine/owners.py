@@ -1,22 +1,22 @@
 """A whole-tensor function of many DTensor leaves run ONCE per leaf, on an owner rank, with one
-batched all-to-all per mesh dim in each direction (for Muon's Newton-Schulz orthogonalisation).
+batched all-to-all each way (for Muon's Newton-Schulz orthogonalisation).
 
 Every leaf of a mesh is given an owner: a rank of that mesh, chosen by a greedy longest-first
 balance of the leaves' costs (Graham's LPT rule), so each rank computes about ``1/N`` of the
 total. The blocks of each leaf travel to its owner, which assembles the global tensor, applies
 the function and sends every rank its block of the result back:
 
-* to the owner, for each mesh dim that shards some leaf (in mesh order): ONE
-  ``all_to_all_single`` over that dim carries, for every leaf sharded over it, the blocks its
-  senders hold to the peer on the owner's coordinate. Only the replica whose coordinates on the
-  leaf's other (replicating) dims equal the owner's sends; a replicated leaf needs no gather.
-* back, for each mesh dim (the sharding dims from last to first, then the replicating dims from
-  first to last, the two passes over dim 0 merged): ONE ``all_to_all_single`` over that dim
-  carries, for the leaves sharded over it, each peer's blocks from the holders (a scatter), and
-  for the leaves replicated over it the holders' blocks to every peer (a broadcast).
+* on a 1-D mesh, and on a mesh of more dims that is the whole world (ranks in mesh order): ONE
+  ``all_to_all_single`` to the owners, carrying every holder's block of every sharded leaf
+  (of a leaf replicated over some mesh dims, only the replica on the owner's coordinates
+  sends; a fully replicated leaf needs no gather), and ONE back, carrying every rank its block
+  of every result.
+* on a sub-mesh of more dims (a (dp, tp) mesh under a pipeline axis), one all-to-all per mesh
+  dim instead: to the owners one per dim that shards some leaf (in mesh order); back, the
+  sharding dims' scatters from last to first, then the replicating dims' broadcasts from first
+  to last, the two passes over dim 0 merged (at most ``2 ndim - 1``).
 
-On a 1-D mesh that is one all-to-all each way; on a 2-D mesh at most two to the owners and three
-back; never more with more leaves. Each message holds whole blocks laid out one after the other;
+Never more with more leaves. Each message holds whole blocks laid out one after the other;
 the all-to-all's blocks are padded to the longest message. Blocks are copied, never computed
 on, so the function sees the global tensor bit for bit and its result is the one-process result.
 
@@ -34,6 +34,7 @@ from collections import OrderedDict, defaultdict
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 from .collectives import all_to_all
@@ -76,8 +77,9 @@ class OwnerPlan:
     """
 
     def __init__(self, mesh_shape: Sequence[int], shapes: Sequence[tuple],
-                 placements: Sequence[tuple], costs: Sequence[float]):
+                 placements: Sequence[tuple], costs: Sequence[float], flat: bool = False):
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
+        self.flat = flat
         n = self.mesh_shape
         k, m = len(n), len(shapes)
         coords = list(itertools.product(*[range(s) for s in n]))
@@ -121,10 +123,16 @@ class OwnerPlan:
         n_sources = m
         phases_in, phases_out = [], []
 
+        def group_of(c, dim):  # the ranks of c's group in a phase over dim, in peer order
+            if dim is None:  # the whole mesh (the world, ranks in mesh order)
+                return coords
+            return [c[:dim] + (q,) + c[dim + 1:] for q in range(n[dim])]
+
         def run_phase(dim, route, out_list):
-            """One all-to-all over ``dim`` (none when no rank sends anything):
-            ``route(c, j, pieces)`` gives, for rank ``c``'s pieces of leaf ``j``, ``None`` (not
-            taking part: kept) or ``(kept, {peer index: pieces sent there})``."""
+            """One all-to-all over mesh dim ``dim`` (``None``: over the whole mesh), none when
+            no rank sends anything: ``route(c, j, pieces)`` gives, for rank ``c``'s pieces of
+            leaf ``j``, ``None`` (not taking part: kept) or ``(kept, {peer coordinate: pieces
+            sent there})``."""
             nonlocal n_sources
             msgs = {c: defaultdict(list) for c in coords}
             new_held = {c: {} for c in coords}
@@ -148,12 +156,12 @@ class OwnerPlan:
             n_sources += 1
             sends = {}
             for c in coords:
-                sends[c] = [[(p[1], p[2], p[3]) for _, p in msgs[c].get(q, ())]
-                            for q in range(n[dim])]
-                sent[c] += (n[dim] - 1) * length
-                for q, ps in msgs[c].items():  # the receiver's copy of each piece
-                    dst = c[:dim] + (q,) + c[dim + 1:]
-                    off = c[dim] * length
+                group = group_of(c, dim)
+                sends[c] = [[(p[1], p[2], p[3]) for _, p in msgs[c].get(q, ())] for q in group]
+                sent[c] += (len(group) - 1) * length
+                me = group.index(c)
+                for dst, ps in msgs[c].items():  # the receiver's copy of each piece
+                    off = me * length
                     for j, (key, _, _, cnt) in ps:
                         new_held[dst].setdefault(j, []).append((key, buf, off, cnt))
                         off += cnt
@@ -161,13 +169,22 @@ class OwnerPlan:
             held.update(new_held)
             out_list.append(_Phase(dim, length, sends, buf))
 
+        def at(c, d, q):
+            return c[:d] + (q,) + c[d + 1:]
+
         # -- to the owners ------------------------------------------------------------------
-        for d in range(k):
+        if flat:  # every holder straight to the owner
+            def gather_all(c, j, pieces):
+                if not sdims[j]:
+                    return None
+                return (pieces, {}) if owners[j] == c else ([], {owners[j]: pieces})
+            run_phase(None, gather_all, phases_in)
+        for d in ([] if flat else range(k)):
             def gather(c, j, pieces, d=d):
                 if d not in sdims[j]:
                     return None
                 q = owners[j][d]
-                return (pieces, {}) if q == c[d] else ([], {q: pieces})
+                return (pieces, {}) if q == c[d] else ([], {at(c, d, q): pieces})
             run_phase(d, gather, phases_in)
         self.phases_in = phases_in
 
@@ -201,7 +218,16 @@ class OwnerPlan:
         self.result_length = max(result_len.values(), default=0)
 
         # -- back to every rank ---------------------------------------------------------------
-        order = [(d, "scatter") for d in range(k - 1, 0, -1)] + [(0, "both")] + \
+        if flat:  # the owner straight to every rank: its block
+            def back_all(c, j, pieces):
+                kept, out = [], defaultdict(list)
+                by_key = {p[0]: p for p in pieces}
+                for r in coords:
+                    p = by_key[tuple(r[d] for d in sdims[j])]
+                    (kept if r == c else out[r]).append(p)
+                return kept, out
+            run_phase(None, back_all, phases_out)
+        order = [] if flat else [(d, "scatter") for d in range(k - 1, 0, -1)] + [(0, "both")] + \
             [(d, "broadcast") for d in range(1, k)]
         for d, kind in order:
             def back(c, j, pieces, d=d, kind=kind):
@@ -209,10 +235,11 @@ class OwnerPlan:
                     pos = sdims[j].index(d)
                     kept, out = [], defaultdict(list)
                     for p in pieces:
-                        (kept if p[0][pos] == c[d] else out[p[0][pos]]).append(p)
+                        q = p[0][pos]
+                        (kept if q == c[d] else out[at(c, d, q)]).append(p)
                     return kept, out
                 if d in rdims[j] and kind in ("broadcast", "both"):
-                    return pieces, {q: pieces for q in range(n[d]) if q != c[d]}
+                    return pieces, {at(c, d, q): pieces for q in range(n[d]) if q != c[d]}
                 return None
             run_phase(d, back, phases_out)
         self.phases_out = phases_out
@@ -245,26 +272,38 @@ class OwnerPlan:
 
 
 def owner_plan(mesh_shape: Sequence[int], shapes: Sequence[tuple], placements: Sequence[tuple],
-               costs: Sequence[float]) -> OwnerPlan:
-    """The (cached) :class:`OwnerPlan` of a layout."""
+               costs: Sequence[float], flat: bool = False) -> OwnerPlan:
+    """The (cached) :class:`OwnerPlan` of a layout (``flat``: one all-to-all over the whole
+    mesh each way, for a mesh that is the world in rank order)."""
     code = tuple(tuple(p.dim % len(s) if isinstance(p, Shard) else None for p in pl)
                  for s, pl in zip(shapes, placements))
     return _plan_of(tuple(int(n) for n in mesh_shape), tuple(tuple(int(n) for n in s)
                                                             for s in shapes),
-                    code, tuple(float(c) for c in costs))
+                    code, tuple(float(c) for c in costs), bool(flat))
 
 
 @torch._dynamo.assume_constant_result  # under torch.compile: built at trace time, a constant
-def _plan_of(mesh_shape: tuple, shapes: tuple, code: tuple, costs: tuple) -> OwnerPlan:
-    key = (mesh_shape, shapes, code, costs)
+def _plan_of(mesh_shape: tuple, shapes: tuple, code: tuple, costs: tuple,
+             flat: bool) -> OwnerPlan:
+    key = (mesh_shape, shapes, code, costs, flat)
     hit = _PLANS.get(key)
     if hit is None:
         placements = [tuple(Replicate() if d is None else Shard(d) for d in c) for c in code]
-        hit = OwnerPlan(mesh_shape, shapes, placements, costs)
+        hit = OwnerPlan(mesh_shape, shapes, placements, costs, flat)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.popitem(last=False)
         _PLANS[key] = hit
     return hit
+
+
+def _is_world(mesh) -> bool:
+    """A mesh of 2 or more dims that is the world, its ranks in mesh order: one all-to-all over
+    the world serves it (not under torch.compile, which cannot read the mesh's rank layout:
+    there one all-to-all per mesh dim)."""
+    if mesh.ndim < 2 or torch.compiler.is_compiling() or not dist.is_initialized():
+        return False
+    size = mesh.size()
+    return size == dist.get_world_size() and mesh.mesh.reshape(-1).tolist() == list(range(size))
 
 
 def run_at_owners(specs: Sequence, values: Sequence[torch.Tensor],
@@ -285,15 +324,20 @@ def run_at_owners(specs: Sequence, values: Sequence[torch.Tensor],
         ``values[j]``). Collectives: the plan's all-to-alls (module docstring).
     """
     mesh = specs[0].mesh
+    flat = _is_world(mesh)
     plan = owner_plan(tuple(int(s) for s in mesh.shape), [tuple(s.shape) for s in specs],
-                      [tuple(s.placements) for s in specs], costs)
+                      [tuple(s.placements) for s in specs], costs, flat)
     coord = list(mesh.get_coordinate())
     sources = list(values)
+
+    def group(ph):
+        return dist.group.WORLD if ph.dim is None else (mesh, ph.dim)
+
     for ph in plan.phases_in:
-        sources.append(all_to_all(_pack(sources, coord, ph, values[0].dtype), (mesh, ph.dim)))
+        sources.append(all_to_all(_pack(sources, coord, ph, values[0].dtype), group(ph)))
     sources.append(_compute(sources, coord, plan, specs, fn, out_dtype))
     for ph in plan.phases_out:
-        sources.append(all_to_all(_pack(sources, coord, ph, out_dtype), (mesh, ph.dim)))
+        sources.append(all_to_all(_pack(sources, coord, ph, out_dtype), group(ph)))
     return [_unpack(sources, coord, plan, j) for j in range(len(values))]
 
 
