@@ -220,6 +220,9 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
             if hasattr(inner_update, attr):
                 setattr(update_fn, attr, getattr(inner_update, attr))
         update_fn.resolve = resolve  # type: ignore[attr-defined]  (ft.step: the fused kernels)
+        # names given as tensors (TorchOptimizer keeps them as tensors in its param_groups)
+        update_fn.given_as_tensors = frozenset(  # type: ignore[attr-defined]
+            n for n, v in injected.items() if isinstance(v, torch.Tensor))
         return GradientTransformation(init_fn, update_fn)
 
     wrapped.__wrapped_factory__ = base  # type: ignore[attr-defined]

@@ -21,28 +21,29 @@ _TORCH_NAMES = {"learning_rate": "lr"}
 
 
 def _injected_groups(tx: GradientTransformation):
-    """``(transform, {label: path of its InjectHyperparamsState or None})``: for a
-    ``partition``, each label's transform injected (:func:`_injected`), one parameter group per
-    label; otherwise one group, label ``None``."""
+    """``(transform, {label: (path of its InjectHyperparamsState or None, names given as
+    tensors)})``: for a ``partition``, each label's transform injected (:func:`_injected`), one
+    parameter group per label; otherwise one group, label ``None``."""
     spec = getattr(tx.update, "partition", None)
     if spec is None:
-        t, path = _injected(tx)
-        return t, {None: path}
+        t, path, tensors = _injected(tx)
+        return t, {None: (path, tensors)}
     from .combine import partition
 
     transforms, labels = spec
     done = {k: _injected(v) for k, v in transforms.items()}
-    paths = {k: None if path is None else (0, k, *path) for k, (_, path) in done.items()}
-    return partition({k: t for k, (t, _) in done.items()}, labels), paths
+    paths = {k: (None if path is None else (0, k, *path), tensors)
+             for k, (_, path, tensors) in done.items()}
+    return partition({k: t for k, (t, _, _) in done.items()}, labels), paths
 
 
 def _injected(tx: GradientTransformation):
     """``tx`` with its hyperparameters injected where it was built by one of this library's
     aliases (``update.built_with``), its float parameters filled in from their defaults; in a
     ``chain``, the one part that can be. Returns ``(transform, path to its
-    InjectHyperparamsState or None)``."""
+    InjectHyperparamsState or None, the hyperparameters given as tensors)``."""
     if getattr(tx.update, "resolve", None) is not None:
-        return tx, ()
+        return tx, (), getattr(tx.update, "given_as_tensors", frozenset())
     built = getattr(tx.update, "built_with", None)
     if built is not None:
         factory, arguments = built
@@ -50,17 +51,18 @@ def _injected(tx: GradientTransformation):
         kw = {n: p.default for n, p in sig.parameters.items()
               if isinstance(p.default, float) and n not in arguments}
         kw.update(arguments)
-        return inject_hyperparams(factory)(**kw), ()
+        t = inject_hyperparams(factory)(**kw)
+        return t, (), t.update.given_as_tensors
     parts = getattr(tx.update, "parts", None)
     if parts:
         found = [(i, _injected(p)) for i, p in enumerate(parts)]
-        found = [(i, t) for i, (t, path) in found if path is not None]
+        found = [(i, t, tensors) for i, (t, path, tensors) in found if path is not None]
         if len(found) == 1:
-            i, t = found[0]
+            i, t, tensors = found[0]
             new = list(parts)
             new[i] = t
-            return chain(*new), (i,)
-    return tx, None
+            return chain(*new), (i,), tensors
+    return tx, None, frozenset()
 
 
 # state_dict keys of the state leaves that belong to no parameter (step counts, the clipping
@@ -170,14 +172,28 @@ def _replace_at(state, path, value):
     return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
 
 
-def _group_defaults(hs) -> dict:
-    """A group's torch-named hyperparameters from an InjectHyperparamsState (``{}`` for None)."""
+def _group_defaults(hs, tensors=frozenset()) -> dict:
+    """A group's torch-named hyperparameters from an InjectHyperparamsState (``{}`` for None):
+    Python floats, or 0-dim float64 tensors for the names in ``tensors`` (given as tensors:
+    torch's schedulers then ``fill_`` them in place, and a compiled step reads them without
+    recompiling)."""
     if hs is None:
         return {}
-    out = {_TORCH_NAMES.get(k, k): float(v) for k, v in hs.hyperparams.items()}
+    out = {_TORCH_NAMES.get(k, k): v.detach().clone() if k in tensors else float(v)
+           for k, v in hs.hyperparams.items()}
     if "b1" in out and "b2" in out:  # torch's "betas" (OneCycleLR cycles it)
         out["betas"] = (out.pop("b1"), out.pop("b2"))
     return out
+
+
+def _keep_kind(old, new):
+    """A loaded group value in the kind the group holds (a tensor stays a tensor, so that a
+    compiled step does not recompile after ``load_state_dict``)."""
+    if isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor):
+        return torch.tensor(float(new), dtype=old.dtype)
+    if isinstance(old, tuple) and isinstance(new, (tuple, list)) and len(old) == len(new):
+        return tuple(_keep_kind(o, n) for o, n in zip(old, new))
+    return new
 
 
 class TorchOptimizer(torch.optim.Optimizer):
@@ -200,9 +216,13 @@ class TorchOptimizer(torch.optim.Optimizer):
             ``"betas"`` for ``(b1, b2)``, the others by their own names (``eps``,
             ``weight_decay``, ``momentum``...) — and torch's LR schedulers (``LambdaLR``,
             ``OneCycleLR``, momentum cycling included, ``CosineAnnealingLR``...) drive them: the
-            group's values are read at every ``step`` (the learning rate as a tensor: no
-            rebuild, no recompile). A transform built with ``inject_hyperparams`` exposes what
-            it injected. Any other transform runs as given, with no hyperparameter in the group.
+            group's values are read at every ``step``. A hyperparameter given as a 0-dim tensor
+            (``ft.adamw(torch.tensor(1e-3))``, torch.optim's convention for compiled steps)
+            is a 0-dim float64 tensor in the group, which the schedulers update in place: a
+            ``torch.compile``-d ``step`` then does not recompile when the learning rate
+            changes (other hyperparameters than the learning rate are read on the host, and a
+            change of theirs rebuilds the transform). A transform built with
+            ``inject_hyperparams`` exposes what it injected. Any other transform runs as given, with no hyperparameter in the group.
             A :func:`~functional_train.partition` gives one group per label (``"label"`` in
             the group, its parameters in model order), each with its own transform's
             hyperparameters: ``partition({"decay": adamw(1e-3, weight_decay=0.1),
@@ -269,11 +289,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._names = [names[i] for i in order]
         self._params = [tensors[i] for i in order]
         self._ft_state = self._tx.init(self._params_tree(self._params))
-        self._hyper_paths = [paths[k] for k in groups]
+        self._hyper_paths = [paths[k][0] for k in groups]
         param_groups = []
         for k, idx in groups.items():
-            hs = None if paths[k] is None else _hyper_state(self._ft_state, paths[k])
-            g = {"params": [tensors[i] for i in idx], **_group_defaults(hs)}
+            path, given = paths[k]
+            hs = None if path is None else _hyper_state(self._ft_state, path)
+            g = {"params": [tensors[i] for i in idx], **_group_defaults(hs, given)}
             if k is not None:
                 g["label"] = k
             param_groups.append(g)
@@ -351,9 +372,11 @@ class TorchOptimizer(torch.optim.Optimizer):
             values = {}
             for k in hs.hyperparams:
                 if k in ("b1", "b2") and "betas" in group:
-                    values[k] = group["betas"][0 if k == "b1" else 1]
+                    v = group["betas"][0 if k == "b1" else 1]
                 else:
-                    values[k] = group[_TORCH_NAMES.get(k, k)]
+                    v = group[_TORCH_NAMES.get(k, k)]
+                # (a copy: the scheduler writes into the group's tensor in place)
+                values[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
             state = _replace_at(state, path, set_hyperparams(hs, **values))
         self._ft_state = state
 
@@ -441,7 +464,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         for mine, group in zip(self.param_groups, groups):
             for k, v in group.items():
                 if k not in ("params", "param_names"):
-                    mine[k] = v
+                    mine[k] = _keep_kind(mine.get(k), v)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

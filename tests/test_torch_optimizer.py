@@ -227,3 +227,40 @@ def test_partition_gives_one_group_per_label_driven_by_schedulers():
         o.step()
     for p, q in zip(model.parameters(), fresh_model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile():
+    """torch.optim's convention for compiled steps: a learning rate given as a tensor
+    (``ft.adamw(torch.tensor(1e-2))``) is a 0-dim tensor in ``param_groups``, which
+    ``LambdaLR`` updates in place; ``torch.compile(opt.step)`` then runs 5 steps of a changing
+    learning rate without recompiling, and its parameters equal the eager optimizer's (float
+    lr) to float rounding. The tensor survives ``state_dict`` / ``load_state_dict``."""
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+
+    def run(lr, compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        opt = ft.TorchOptimizer(model.named_parameters(), ft.adamw(lr, weight_decay=0.1))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        step = torch.compile(opt.step) if compiled else opt.step
+        lrs = []
+        with torch._dynamo.config.patch(error_on_recompile=compiled):
+            for _ in range(5):
+                opt.zero_grad()
+                model(x).pow(2).sum().backward()
+                step()
+                sched.step()
+                lrs.append(float(opt.param_groups[0]["lr"]))
+        return opt, [p.detach().clone() for p in model.parameters()], lrs
+
+    torch._dynamo.reset()
+    opt, compiled, lrs = run(torch.tensor(1e-2), True)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    _, eager, eager_lrs = run(1e-2, False)
+    assert lrs == pytest.approx(eager_lrs) and lrs[-1] == pytest.approx(1e-2 / 6)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 / 6)
