@@ -20,6 +20,13 @@ of the global batch, and the optimizer chain reduces gradients over the ``dp`` m
 Given the same ``--seed`` and global batch, one process and N processes train the same model (up to
 floating point reduction order).
 
+With ``--pp N`` the layers are split into N pipeline stages (``torch.distributed.pipelining``,
+``Schedule1F1B`` or ``--schedule gpipe`` over ``--microbatches``), on a ("pp", "dp", "tp") mesh:
+each rank's parameters are its stage's own leaves, the stage module computes the gradients
+through the schedule, and the same chain receives ``ft.Mesh(mesh, data_axis="dp",
+pipeline_axis="pp")``: the clip's norm is over every stage (the job logs each stage's own norm
+beside it, and the step's collectives once).
+
 Data: bytes (vocabulary 256) of real text. By default the Python standard library's own ``*.py``
 sources (``sysconfig.get_paths()["stdlib"]``, third-party ``site-packages`` excluded), read in
 sorted order up to ``--max-bytes``; ``--data PATH`` takes a text file or a directory instead. The
@@ -37,6 +44,8 @@ Usage::
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py # dp=2 x tp=2 on gloo
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --dp 1 --tp 4
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --optimizer adafactor --zero
+    torchrun --standalone --nproc-per-node 4 examples/train_lm.py --pp 2 --tp 2  # 2 stages, 1F1B
+    torchrun --standalone --nproc-per-node 4 examples/train_lm.py --pp 2 --dp 2 --tp 1
     python examples/train_lm.py --steps 200 --8bit  # 8-bit AdamW moments
     python examples/train_lm.py --checkpoint-every 50 --out runs/a   # resumable: runs/a/checkpoint
     python examples/train_lm.py --resume runs/a/checkpoint --out runs/b  # continue it to --steps
@@ -68,6 +77,7 @@ import os
 import sys
 import sysconfig
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -80,6 +90,7 @@ try:
 except ImportError:  # a source checkout without `pip install -e .`: use the package beside examples/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import functional_train as ft
+from functional_train.testing import count_collectives
 
 VOCAB = 256  # byte-level tokens
 
@@ -197,17 +208,148 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def tensor_parallel_plan(n_layers: int) -> dict:
-    """q/k/v/gate/up column-wise, o/down row-wise; everything else stays replicated."""
+class Stage(nn.Module):
+    """A pipeline stage of a :class:`Transformer`: its layers ``layer_ids`` (the same modules,
+    so the same parameters and names: ``layers.<i>....``), with the embedding on the first
+    stage and the final norm and LM head on the last. forward(tokens (B, T) on the first stage,
+    else hidden states (B, T, d)) -> hidden states, or logits (B, T, 256) on the last."""
+
+    def __init__(self, model: Transformer, layer_ids, first: bool, last: bool):
+        super().__init__()
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x):
+        T = x.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def tensor_parallel_plan(layers) -> dict:
+    """q/k/v/gate/up column-wise, o/down row-wise; everything else stays replicated. ``layers``:
+    the number of layers, or the indices of a pipeline stage's layers."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
-    for i in range(n_layers):
+    for i in (range(layers) if isinstance(layers, int) else layers):
         for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up"):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         for name in ("attn.wo", "mlp.w_down"):
             plan[f"layers.{i}.{name}"] = RowwiseParallel()
     return plan
+
+
+class Pipeline:
+    """This rank's pipeline stage (``torch.distributed.pipelining``) of ``model`` on the
+    ("pp", "dp", "tp") ``device_mesh``: stage ``s`` of ``--pp`` holds layers
+    ``s * L / pp ... (s + 1) * L / pp - 1`` (the embedding on the first, the norm and the LM head
+    on the last), tensor parallel over "tp" like the whole model, driven by a real schedule
+    (``Schedule1F1B`` or ``ScheduleGPipe``) over ``--microbatches`` micro-batches.
+
+    The parameters are the stage module's own; ``params`` trees are their detached views, so
+    an ``ft.step(..., donate=True)`` that updates in place updates the module, and
+    :meth:`load` copies other results in."""
+
+    def __init__(self, args, model: Transformer, device_mesh):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        self.pp, self.stage_index = args.pp, device_mesh.get_local_rank("pp")
+        per = args.n_layers // args.pp
+        ids = list(range(self.stage_index * per, (self.stage_index + 1) * per))
+        self.first, self.last = self.stage_index == 0, self.stage_index == args.pp - 1
+        self.module = Stage(model, ids, self.first, self.last)
+        if args.tp > 1:
+            parallelize_module(self.module, device_mesh["tp"], tensor_parallel_plan(ids))
+        self.group = device_mesh.get_group("pp")
+        self.last_rank = dist.get_global_rank(self.group, args.pp - 1)
+        stage = PipelineStage(self.module, self.stage_index, args.pp, torch.device("cpu"),
+                              group=self.group)
+        kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
+        # mean cross-entropy per micro-batch; the schedule divides the summed gradients by the
+        # number of micro-batches (scale_grads): the gradient of the batch mean
+        self.schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=self._loss,
+                             scale_grads=True)
+        self.microbatches = args.microbatches
+        self.views = {k: p.detach() for k, p in self.module.named_parameters()}
+
+    @staticmethod
+    def _loss(logits, y):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+    def _run(self, x, y, losses, *, train: bool):
+        run = self.schedule.step if train else self.schedule.eval
+        if self.first:
+            run(x)
+        elif self.last:
+            run(target=y, losses=losses)
+        else:
+            run()
+
+    def _from_last(self, value: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``value`` on every stage of this pipeline."""
+        value = value.detach().clone()
+        dist.broadcast(value, src=self.last_rank, group=self.group)
+        return value
+
+    def grad_and_value(self, params, x, y):
+        """``(grads, loss)`` of the batch ``(x, y)`` (mean cross-entropy) for this stage's
+        parameters, through the schedule; ``params`` must be :attr:`views` (see :meth:`load`)."""
+        losses = []
+        with torch.enable_grad():
+            self._run(x, y, losses, train=True)
+        grads = {}
+        for k, p in self.module.named_parameters():
+            grads[k], p.grad = p.grad, None
+        loss = torch.stack(losses).mean() if self.last else torch.zeros(())
+        return grads, self._from_last(loss)
+
+    @torch.no_grad()
+    def loss_sum(self, x, y) -> torch.Tensor:
+        """The summed cross-entropy of ``(x, y)`` (float64), forward only, on every stage."""
+        losses = []
+        self._run(x, y, losses, train=False)
+        total = torch.zeros((), dtype=torch.float64)
+        if self.last:  # micro-batch means weighted by their sizes (torch.tensor_split's)
+            sizes = [len(c) for c in torch.tensor_split(torch.arange(len(x)), self.microbatches)]
+            for loss, n in zip(losses, [n for n in sizes if n]):
+                total += loss.double() * n * x.shape[1]
+        return self._from_last(total)
+
+    def stage_norms(self, grads, device_mesh) -> list:
+        """Per stage, the norm of its own (data-parallel mean) gradients alone: what a stage
+        would clip by if it did not know the others (``ft.global_norm`` with no pipeline
+        axis declared), on every rank."""
+        own = ft.global_norm(grads, mesh=ft.Mesh(device_mesh, data_axis="dp")).reshape(1)
+        every = [torch.zeros(1) for _ in range(self.pp)]
+        dist.all_gather(every, own.float(), group=self.group)
+        return [float(t) for t in every]
+
+    @torch.no_grad()
+    def load(self, params) -> dict:
+        """Make the stage module's parameters hold ``params``; returns :attr:`views`."""
+        for k, view in self.views.items():
+            if params[k] is not view:
+                view.copy_(params[k])
+        return self.views
+
+    def full_params(self) -> dict:
+        """Every stage's unsharded parameters (on every rank): ``name -> tensor``."""
+        mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in self.views.items()}
+        every = [None] * self.pp
+        dist.all_gather_object(every, mine, group=self.group)
+        return {k: v for part in every for k, v in part.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -388,6 +530,13 @@ def parse_args(argv=None):
     g.add_argument("--dp", type=int, default=0, help="data-parallel size (0 = world size // tp)")
     g.add_argument("--tp", type=int, default=0,
                    help="tensor-parallel size (0 = 2 if the world size is even, else 1)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (torch.distributed.pipelining; the layers split evenly)")
+    g.add_argument("--microbatches", type=int, default=0,
+                   help="pipeline micro-batches per (accumulation) step (0 = the most, up to "
+                        "2 x --pp, that divide it evenly)")
+    g.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                   help="pipeline schedule: Schedule1F1B or ScheduleGPipe")
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (0 = all cores in one process, 1 under torchrun)")
     g.add_argument("--out", default=None, help="output directory (default runs/<timestamp>)")
@@ -400,22 +549,29 @@ def parse_args(argv=None):
 
 
 def setup_parallel(args):
-    """Returns (world_size, rank, device_mesh or None); device_mesh has dims ("dp", "tp")."""
+    """Returns (world_size, rank, device_mesh or None); device_mesh has dims ("dp", "tp"), or
+    ("pp", "dp", "tp") with --pp > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        if args.dp not in (0, 1) or args.tp not in (0, 1):
-            raise SystemExit("--dp/--tp > 1 need several processes (launch with torchrun)")
+        if args.dp not in (0, 1) or args.tp not in (0, 1) or args.pp != 1:
+            raise SystemExit("--dp/--tp/--pp > 1 need several processes (launch with torchrun)")
         args.dp, args.tp = 1, 1
         return 1, 0, None
     from torch.distributed.device_mesh import init_device_mesh
 
+    if args.pp < 1 or world % args.pp:
+        raise SystemExit(f"--pp {args.pp} does not divide the world size {world}")
+    rest = world // args.pp
+    tp = args.tp or (2 if rest % 2 == 0 else 1)
+    dp = args.dp or rest // tp
+    if args.pp * dp * tp != world:
+        raise SystemExit(f"--pp {args.pp} x --dp {dp} x --tp {tp} != world size {world}")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    tp = args.tp or (2 if world % 2 == 0 else 1)
-    dp = args.dp or world // tp
-    if dp * tp != world:
-        raise SystemExit(f"--dp {dp} x --tp {tp} != world size {world}")
     args.dp, args.tp = dp, tp
+    if args.pp > 1:
+        return world, rank, init_device_mesh("cpu", (args.pp, dp, tp),
+                                             mesh_dim_names=("pp", "dp", "tp"))
     return world, rank, init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
@@ -434,6 +590,18 @@ def check_sizes(args):
         raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp} x --accum {args.accum}")
     if args.checkpoint_every < 0:
         raise SystemExit("--checkpoint-every must be >= 0")
+    if args.pp > 1:
+        if args.n_layers % args.pp:
+            raise SystemExit(f"--n-layers {args.n_layers} must be divisible by --pp {args.pp}")
+        micro = args.batch // (args.dp * args.accum)
+        # default: the most micro-batches up to 2 per stage that split the micro-step evenly
+        args.microbatches = args.microbatches or max(
+            n for n in range(1, 2 * args.pp + 1) if micro % n == 0)
+        if micro % args.microbatches:
+            raise SystemExit(f"the per-rank micro-step batch {micro} (--batch / (--dp x --accum)) "
+                             f"must be divisible by --microbatches {args.microbatches}")
+        if args.checkpoint_every or args.resume:
+            raise SystemExit("--checkpoint-every / --resume are not supported with --pp yet")
 
 
 # the settings that shape the trajectory: a checkpoint resumes only with the same ones
@@ -481,19 +649,24 @@ def main(argv=None):
     # ---- model: the full model initialised identically everywhere, then sharded -------------------
     torch.manual_seed(args.seed)
     model = Transformer(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len)
-    mesh, dp_rank, dp_group = None, 0, None
+    n_params = sum(p.numel() for p in model.parameters())
+    mesh, dp_rank, dp_group, pipe = None, 0, None, None
     if device_mesh is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        if args.tp > 1:
+        if args.pp > 1:  # this rank's stage: its own leaves
+            pipe = Pipeline(args, model, device_mesh)
+        elif args.tp > 1:
             parallelize_module(model, device_mesh["tp"], tensor_parallel_plan(args.n_layers))
-        mesh = ft.Mesh(device_mesh, data_axis="dp")
+        mesh = ft.Mesh(device_mesh, data_axis="dp",
+                       pipeline_axis="pp" if args.pp > 1 else None)
         dp_rank = device_mesh.get_local_rank("dp")
         dp_group = device_mesh.get_group("dp")
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    n_params = sum(p.numel() for p in params.values())  # global numel, DTensors included
+    params = ({k: v.detach() for k, v in model.named_parameters()} if pipe is None
+              else pipe.views)
     log(f"model: {n_params / 1e6:.2f}M parameters; world {world}"
-        + (f" = dp {args.dp} x tp {args.tp}" if world > 1 else ""))
+        + (f" = {'pp %d x ' % args.pp if args.pp > 1 else ''}dp {args.dp} x tp {args.tp}"
+           if world > 1 else ""))
 
     def loss_fn(params, x, y):
         logits = torch.func.functional_call(model, params, (x,))
@@ -501,6 +674,8 @@ def main(argv=None):
 
     # torch.func.grad_and_value cannot see through DTensor (see grad_and_value above).
     grad_fn = torch.func.grad_and_value(loss_fn) if world == 1 else grad_and_value(loss_fn)
+    if pipe is not None:  # through the pipeline schedule
+        grad_fn = pipe.grad_and_value
 
     def dp_mean(t):
         if dp_group is not None and args.dp > 1:
@@ -517,6 +692,9 @@ def main(argv=None):
         total = torch.zeros((), dtype=torch.float64)
         for chunk in mine.split(32):
             x, y = windows(val_data, chunk, args.seq_len)
+            if pipe is not None:
+                total += pipe.loss_sum(x, y)
+                continue
             logits = torch.func.functional_call(model, params, (x,))
             total += F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum").double()
         if dp_group is not None and args.dp > 1:
@@ -583,12 +761,23 @@ def main(argv=None):
         for m in range(args.accum):
             x, y = windows(train_data, starts[m * micro: (m + 1) * micro], args.seq_len)
             grads, loss = grad_fn(params, x, y)
-            if args.step == "update":  # the two calls ft.step makes one of
-                updates, state = tx.update(grads, state, params, mesh=mesh)
-                params = ft.apply_updates(params, updates)
-            else:  # fused kernels where they apply; --step donate writes into the old buffers
-                params, state = ft.step(tx, grads, state, params, mesh=mesh,
-                                        donate=args.step == "donate")
+            if pipe is not None:  # the step's mean gradient, for what each stage alone sees
+                mean_grads = ({k: g / args.accum for k, g in grads.items()} if m == 0 else
+                              {k: mean_grads[k] + g / args.accum for k, g in grads.items()})
+            counting = count_collectives() if step == start and m == args.accum - 1 else nullcontext()
+            with counting as counted:
+                if args.step == "update":  # the two calls ft.step makes one of
+                    updates, state = tx.update(grads, state, params, mesh=mesh)
+                    params = ft.apply_updates(params, updates)
+                else:  # fused kernels where they apply; --step donate writes into the old buffers
+                    params, state = ft.step(tx, grads, state, params, mesh=mesh,
+                                            donate=args.step == "donate")
+            if counted is not None and world > 1 and is_main:
+                bar.write("optimizer step collectives per update: " + (", ".join(
+                    f"{k} {v}" for k, v in sorted(counted.counts.items())) or "none"),
+                    file=sys.stderr)
+            if pipe is not None:  # the stage module runs on its own parameters
+                params = pipe.load(params)
             loss_sum += loss.detach()
         loss = dp_mean(loss_sum / args.accum).item()  # mean over the global batch
         dt = time.perf_counter() - t0
@@ -599,6 +788,16 @@ def main(argv=None):
         lr = float(schedule(torch.tensor(step)))
         history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                         "tokens_per_s": tokens_per_step / dt, "time_s": time.perf_counter() - t_start})
+        if pipe is not None:
+            stage_norms = pipe.stage_norms(mean_grads, device_mesh)
+            history[-1]["stage_grad_norms"] = stage_norms
+            if step == start and is_main:
+                bar.write(f"step {step + 1}: global gradient norm {grad_norm:.4f} (what every stage "
+                          f"clips by); each stage's own norm: "
+                          + ", ".join(f"{n:.4f}" for n in stage_norms)
+                          + f" (their root sum of squares {math.hypot(*stage_norms):.4f}: a stage "
+                          f"clipping by its own norm would scale its gradients differently)",
+                          file=sys.stderr)
         bar.set_postfix(loss=f"{loss:.3f}", gnorm=f"{grad_norm:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             val_history.append({"step": step + 1, "val_loss": evaluate(params)})
@@ -612,7 +811,11 @@ def main(argv=None):
     wall = time.perf_counter() - t_start
 
     # ---- outputs ----------------------------------------------------------------------------------
-    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in params.items()}
+    if pipe is not None:
+        full = pipe.full_params()
+    else:
+        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in params.items()}
     summary = {
         "initial_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
@@ -624,7 +827,8 @@ def main(argv=None):
         "wall_time_s": wall,
         "n_params": n_params,
         "world_size": world,
-        "mesh": {"dp": args.dp, "tp": args.tp} if world > 1 else None,
+        "mesh": (({"pp": args.pp} if args.pp > 1 else {}) | {"dp": args.dp, "tp": args.tp}
+                 if world > 1 else None),
         "optimizer": args.optimizer,
         "zero": args.zero,
         "8bit": args.eight_bit,

@@ -2,11 +2,13 @@
 give the same parameters as the same 3 steps in one process."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,3 +46,72 @@ def test_dp2_tp2_equals_one_process(tmp_path):
         assert (tmp_path / "four" / f).exists() and (tmp_path / "one" / f).exists()
     assert abs(one["initial_loss"] - four["initial_loss"]) < 1e-4
     assert abs(one["final_loss"] - four["final_loss"]) < 1e-4
+
+
+_ONE = {}
+
+
+def _one_process(optimizer, tmp_path_factory):
+    """The one-process run of ``optimizer`` (cached: the pipeline layouts compare with it)."""
+    if optimizer not in _ONE:
+        out = tmp_path_factory.mktemp(f"one-{optimizer}")
+        _ONE[optimizer] = _run([sys.executable, str(SCRIPT), "--optimizer", optimizer], out)
+    return _ONE[optimizer]
+
+
+@pytest.mark.parametrize("layout", ["pp2-tp2", "pp2-dp2"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "lamb"])
+def test_pipeline_stages_equal_one_process(layout, optimizer, tmp_path, tmp_path_factory):
+    """3 steps with the decoder's 2 layers in 2 pipeline stages (torch.distributed.pipelining,
+    1F1B over micro-batches; with tensor or data parallelism beside it) on 4 gloo processes
+    give one process's parameters within 1e-5 (adamw, adafactor and lamb: per-leaf statistics
+    and norms that live on one stage, a clip over both), its logged gradient norm at every
+    step, and each stage's own norm, which the job logs too, differs from it while their root
+    sum of squares is it. The step's all-reduces (``COLLECTIVES``, as measured; constant in the
+    number of layers, see below) are the clip's one and the optimizer's statistics (adafactor
+    2, lamb 1) at pp=2 x tp=2; at pp=2 x dp=2, where ``multi_steps`` (``--accum 2``) averages
+    the gradients over dp on the last micro-step, the data-parallel reductions come on top."""
+    dims = {"pp2-tp2": ["--pp", "2", "--tp", "2"], "pp2-dp2": ["--pp", "2", "--dp", "2",
+                                                               "--tp", "1"]}[layout]
+    one, p1 = _one_process(optimizer, tmp_path_factory)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", str(SCRIPT), "--optimizer", optimizer, *dims]
+                         + SMALL + ["--out", str(tmp_path)], env=_env(), capture_output=True,
+                         text=True, timeout=420)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    four = json.loads(res.stdout.strip().splitlines()[-1])
+    p4 = torch.load(tmp_path / "params.pt")
+    assert four["mesh"] == {"pp": 2, "dp": 2 if "dp2" in layout else 1,
+                            "tp": 2 if "tp2" in layout else 1}
+    assert set(p1) == set(p4)
+    for name in p1:
+        torch.testing.assert_close(p4[name], p1[name], rtol=1e-5, atol=1e-6, msg=name)
+    steps4 = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    steps1 = json.loads((Path(one["out"]) / "metrics.json").read_text())["steps"]
+    for a, b in zip(steps4, steps1):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        stage = a["stage_grad_norms"]
+        assert len(stage) == 2 and all(s < a["grad_norm"] for s in stage)
+        assert math.hypot(*stage) == pytest.approx(a["grad_norm"], rel=1e-5)
+    log = res.stderr.replace("\r", "\n")
+    collectives = [line for line in log.splitlines() if "collectives per update" in line]
+    want = COLLECTIVES[optimizer][layout]
+    assert collectives and collectives[0].endswith(f"all_reduce {want}"), collectives
+
+
+COLLECTIVES = {"adamw": {"pp2-tp2": 1, "pp2-dp2": 3}, "adafactor": {"pp2-tp2": 3, "pp2-dp2": 4},
+               "lamb": {"pp2-tp2": 2, "pp2-dp2": 4}}
+
+
+def test_pipeline_collectives_do_not_grow_with_layers(tmp_path):
+    """Twice the layers per stage (4 in 2 stages, pp=2 x tp=2): the same 3 all-reduces for
+    clip + adafactor as with 2 layers."""
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", str(SCRIPT), "--optimizer", "adafactor",
+                          "--pp", "2", "--tp", "2"] + SMALL
+                         + ["--n-layers", "4", "--steps", "1", "--out", str(tmp_path)],
+                         env=_env(), capture_output=True, text=True, timeout=420)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    log = res.stderr.replace("\r", "\n")
+    collectives = [line for line in log.splitlines() if "collectives per update" in line]
+    assert collectives and collectives[0].endswith("all_reduce 3"), collectives

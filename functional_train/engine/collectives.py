@@ -24,12 +24,15 @@ __all__ = ["groups_over", "all_reduce", "all_reduce_buckets", "reduce_scatter", 
 def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
     """Functional-collective groups whose successive all-reduces reduce over the mesh dims
     ``dims``: the default (world) process group when they span every rank of the job, else one
-    ``(device_mesh, dim)`` group per dim (sum, avg, max and min compose dim by dim).
+    ``(device_mesh, dim)`` group per dim of more than one rank (sum, avg, max and min compose
+    dim by dim).
 
     The user's mesh is never flattened: once a mesh has a flattened child, torch 2.13
     redistributes nested uneven ``Shard`` placements on it with wrong chunk sizes (pytorch PR
     194457), and flattened meshes outlive the process group they were made on."""
     dims = sorted(dims)
+    if len(dims) > 1:  # a dim of one rank reduces nothing
+        dims = [d for d in dims if device_mesh.size(d) > 1] or dims[:1]
     if len(dims) == 1:
         return ((device_mesh, dims[0]),)
     size = math.prod([device_mesh.size(d) for d in dims])
