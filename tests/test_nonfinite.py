@@ -330,3 +330,30 @@ def test_multi_steps_skip_functions_equal_optax(which, x64):
         skipped += bool(s.skip_state["should_skip"])
         assert int(s.gradient_step) == int(rs.gradient_step), t
     assert skipped >= 2
+
+
+@pytest.mark.parametrize("which", ["skip_not_finite", "skip_large_updates"])
+@pytest.mark.parametrize("data_axis", [None, "d0"])
+def test_multi_steps_skip_functions_sharded_equal_unsharded(which, data_axis):
+    """``multi_steps(adamw, 2, should_skip_update_fn=...)`` on a simulated 2 x 2 mesh (uneven
+    shards, a NaN and an Inf in one rank's shard, a large gradient), with and without a data
+    axis: the skip decisions, the parameters and the states equal one process's, on every
+    rank (every rank sees the global gradient's finiteness / norm). Under the data axis the
+    accumulator holds each replica's own contribution by design (no collective on non-final
+    micro-steps), so it alone is not compared there."""
+    import functools
+
+    params, grads = _sharded_problem()
+    grads = grads + [{k: v * 30 for k, v in grads[0].items()}]  # the large one
+    fn = (ft.skip_not_finite if which == "skip_not_finite"
+          else functools.partial(ft.skip_large_updates, max_squared_norm=400.0))
+    tx = ft.multi_steps(ft.adamw(1e-2), 2, should_skip_update_fn=fn)
+    state, skipped = tx.init(params), 0  # the problem does make it skip (in one process)
+    for g in grads:
+        _, state = tx.update(g, state, params)
+        skipped += bool(state.skip_state["should_skip"])
+    assert skipped >= 2
+    assert_sharded_equivalent(tx, params, grads, placements=_PLACEMENTS, mesh_shape=(2, 2),
+                              data_axis=data_axis,
+                              ignore_state=(lambda path: "acc_grads" in path) if data_axis
+                              else None)
