@@ -33,6 +33,16 @@ class Mesh:
         expert_axis: name of the expert parallel mesh dim.
         is_expert: ``is_expert(path) -> bool`` on dotted leaf paths (``layers.3.moe.w1``): leaves
             it marks differ per rank along ``expert_axis``; the others are replicated over it.
+            Experts stacked in one DTensor ``Shard``-ed over ``expert_axis`` need no mark.
+
+    With both ``data_axis`` and ``expert_axis``, the expert axis is data parallel too (experts
+    spread over data-parallel ranks, as in DeepSpeed-MoE, Colossal-AI's MoE plugin and
+    torchtitan): each rank's loss is the mean over its own tokens, so the gradients of the
+    other leaves are per-replica contributions over ``data_axis`` x ``expert_axis`` and are
+    averaged over both; an expert's gradient on its rank already sums every expert-axis rank's
+    contribution (autograd through the all-to-all token dispatch), so it is averaged over
+    ``data_axis`` and divided by the expert axis size. The result is the gradient of the mean
+    loss over every rank's tokens. With ``expert_axis`` alone, gradients are taken as reduced.
 
     Every other mesh dim that does not split a leaf holds replicas of it.
 
@@ -90,7 +100,15 @@ class Mesh:
     @property
     def pending_data_reduction(self) -> bool:
         """True while plain-tensor gradients are per-replica contributions over ``data_axis``."""
-        return self.data_axis is not None and self.size(self.data_axis) > 1
+        return self.data_axis is not None and (
+            self.size(self.data_axis) > 1 or self.expert_data)
+
+    @property
+    def expert_data(self) -> bool:
+        """True when the expert axis is data parallel too (``data_axis`` is given, and the
+        expert axis has more than one rank): see the class docstring."""
+        return (self.data_axis is not None and self.expert_axis is not None
+                and self.size(self.expert_axis) > 1)
 
     def reduced(self) -> "Mesh":
         """The descriptor of the same mesh once gradients have been averaged over ``data_axis``."""

@@ -971,9 +971,11 @@ def test_data_axis_worked_example_collective_count():
 # =============================================================================================
 def test_pp_dp_ep_tp_mesh_equals_unsharded_union():
     """A (pp=2, dp=2, ep=2, tp=2) mesh, 16 simulated ranks: stages differ over pp, experts over
-    (pp, ep), gradients are per-dp-rank contributions. ``chain(clip_by_global_norm, adamw)``
-    equals the unsharded run on the union of every stage's and expert's leaves with DDP-mean
-    gradients, with two all-reduces per step (the data-axis mean, the norm)."""
+    (pp, ep); the expert axis is data parallel too: dense gradients are per-(dp, ep)-rank
+    contributions, an expert's gradient sums its ep group's contributions (what the all-to-all
+    dispatch gives). ``chain(clip_by_global_norm, adamw)`` equals the unsharded run on the union
+    of every stage's and expert's leaves with the mean gradients over all dp x ep ranks, with
+    five all-reduces per step (presence over dp then ep, the mean over dp then ep, the norm)."""
     shape, names = (2, 2, 2, 2), ("pp", "dp", "ep", "tp")
     world, steps = 16, 2
     gen = torch.Generator().manual_seed(11)
@@ -982,20 +984,21 @@ def test_pp_dp_ep_tp_mesh_equals_unsharded_union():
     Pd = [rnd(5, 2) for _ in range(2)]
     Pe = [[rnd(3, 3) for _ in range(2)] for _ in range(2)]
     Pb = [rnd(3) for _ in range(2)]
-    # gradient contributions, per step: dense [pp][dp], experts [pp][ep][dp], bias [pp][dp]
-    Gd = [[[rnd(5, 2) for _ in range(2)] for _ in range(2)] for _ in range(steps)]
+    # gradients, per step: dense [pp][dp][ep], experts [pp][ep][dp] (sums over ep), bias [pp][dp][ep]
+    Gd = [[[[rnd(5, 2) for _ in range(2)] for _ in range(2)] for _ in range(2)] for _ in range(steps)]
     Ge = [[[[rnd(3, 3) for _ in range(2)] for _ in range(2)] for _ in range(2)] for _ in range(steps)]
-    Gb = [[[rnd(3) for _ in range(2)] for _ in range(2)] for _ in range(steps)]
+    Gb = [[[[rnd(3) for _ in range(2)] for _ in range(2)] for _ in range(2)] for _ in range(steps)]
     mean = lambda xs: (xs[0] + xs[1]) / 2  # noqa: E731
+    mean2 = lambda xs: (xs[0][0] + xs[0][1] + xs[1][0] + xs[1][1]) / 4  # noqa: E731
 
     def union(d, e, b):
         return {f"s{p}": {"dense": d[p], "experts": {f"e{j}": e[p][j] for j in range(2)}, "b": b[p]}
                 for p in range(2)}
 
     ref_P = union(Pd, Pe, Pb)
-    ref_G = [union([mean(Gd[t][p]) for p in range(2)],
-                   [[mean(Ge[t][p][j]) for j in range(2)] for p in range(2)],
-                   [mean(Gb[t][p]) for p in range(2)]) for t in range(steps)]
+    ref_G = [union([mean2(Gd[t][p]) for p in range(2)],
+                   [[mean(Ge[t][p][j]) / 2 for j in range(2)] for p in range(2)],
+                   [mean2(Gb[t][p]) for p in range(2)]) for t in range(steps)]
     desc = ("chain", [("clip_by_global_norm", dict(max_norm=1.0)),
                       ("adamw", dict(learning_rate=0.1, weight_decay=0.1))])
     ref_ups, ref_states, ref_params = run_steps(build(desc), ref_P, ref_G, None)
@@ -1013,16 +1016,17 @@ def test_pp_dp_ep_tp_mesh_equals_unsharded_union():
         dP = {"dense": on_tp(lambda r: Pd[co(r)["pp"]], Shard(0)),
               "experts": on_tp(lambda r: Pe[co(r)["pp"]][co(r)["ep"]], Shard(1)),
               "b": per_rank(world, lambda r: Pb[co(r)["pp"]])}
-        dG = [{"dense": on_tp(lambda r: Gd[t][co(r)["pp"]][co(r)["dp"]], Shard(0)),
+        dG = [{"dense": on_tp(lambda r: Gd[t][co(r)["pp"]][co(r)["dp"]][co(r)["ep"]], Shard(0)),
                "experts": on_tp(lambda r: Ge[t][co(r)["pp"]][co(r)["ep"]][co(r)["dp"]], Shard(1)),
-               "b": per_rank(world, lambda r: Gb[t][co(r)["pp"]][co(r)["dp"]])} for t in range(steps)]
+               "b": per_rank(world, lambda r: Gb[t][co(r)["pp"]][co(r)["dp"]][co(r)["ep"]])}
+              for t in range(steps)]
         with count_collectives() as c:
             ups, states, out = run_steps(build(desc), dP, dG, mesh)
         got_ups = [rank_views(u, world) for u in ups]
         got_norms = [[on_rank(ft.tree_get(st_, "global_norm"), r) for r in range(world)]
                      for st_ in states]
         got_params = rank_views(out, world)
-    assert c.counts == {"all_reduce": 3 * steps}, c  # presence over dp, mean, norm
+    assert c.counts == {"all_reduce": 5 * steps}, c  # presence and mean over dp, ep; norm
 
     def mine(tree, r):
         p, e = co(r)["pp"], co(r)["ep"]

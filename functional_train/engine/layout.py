@@ -108,6 +108,17 @@ class World:
         return math.prod([s for d, s in enumerate(self.shape)
                           if d not in split and (within is None or d in within)])
 
+    def is_expert_leaf(self, x: Any, path: str) -> bool:
+        """Leaf ``x`` differs per rank along the expert axis: ``Mesh.is_expert`` marks its path,
+        or it is a DTensor ``Shard``-ed over the expert axis (stacked experts)."""
+        if self._ep is None:
+            return False
+        if self.mesh.is_expert is not None and self.mesh.is_expert(path):
+            return True
+        return isinstance(x, DTensor) and any(
+            d == self._ep and isinstance(p, Shard)
+            for d, p in zip(self.leaf_dims(x, path), x.placements))
+
     def shard_group(self, x: Any, path: str, tensor_dims: Sequence[int]):
         """The group of the mesh dims that shard any of ``tensor_dims`` of leaf ``x``, or
         ``None`` when the leaf is whole on every rank along them."""

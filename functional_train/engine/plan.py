@@ -12,6 +12,7 @@ then only packs, communicates and unpacks.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
@@ -20,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..mesh import Mesh
 from ..tree import format_path
-from .collectives import all_reduce_buckets
+from .collectives import all_reduce_buckets, groups_over
 from .dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .layout import World
 
@@ -96,13 +97,17 @@ class Plan:
         mesh: the descriptor after materialisation (data axis reduced), or ``None``.
         active: indices of the non-``None`` update leaves.
         specs: the :class:`Spec` of each materialised update leaf (``None``: plain or absent).
-        data_idx: leaves averaged over the data axis.
+        data_rounds: per round (the data axis, then an expert axis that is data parallel too;
+            see :class:`~functional_train.Mesh`), the leaves averaged over it and its groups.
+        expert_scale: ``(leaf indices, 1 / expert axis size)``: expert leaves whose gradient
+            sums the expert axis' contributions, divided by its size.
         partial_rounds: per round, ``(leaf index, groups, reduce op)`` of one ``Partial`` mesh dim
             of each leaf still partial, and the specs after the round.
         relayout: leaves whose materialised placements differ from their parameter's.
     """
 
-    __slots__ = ("treedef", "paths", "world", "mesh", "active", "specs", "data_idx",
+    __slots__ = ("treedef", "paths", "world", "mesh", "active", "specs", "data_rounds",
+                 "expert_scale",
                  "partial_rounds", "relayout", "param_specs", "trivial", "memo")
 
     def __init__(self, treedef, leaves: Sequence[Any], pleaves: Optional[Sequence[Any]],
@@ -118,7 +123,8 @@ class Plan:
         any_dtensor = any(isinstance(x, DTensor) for x in leaves) or (
             pleaves is not None and any(isinstance(p, DTensor) for p in pleaves))
         self.trivial = not any_dtensor and (mesh is None or mesh.device_mesh is None)
-        self.data_idx: list = []
+        self.data_rounds: list = []
+        self.expert_scale: tuple = ((), 1.0)
         self.partial_rounds: list = []
         self.relayout: list = []
         if self.trivial:
@@ -138,9 +144,7 @@ class Plan:
         specs = [spec_of(x) for x in leaves]
         # 1. the data-axis mean
         if mesh is not None and mesh.pending_data_reduction:
-            dp = world._dp
-            self.data_idx = [i for i, g in enumerate(leaves) if g is not None and (
-                not isinstance(g, DTensor) or dp not in world.leaf_dims(g, paths[i]))]
+            self.data_rounds, self.expert_scale = data_rounds(world, leaves, paths)
         # 2. Partial placements, one round per mesh dim that can still be partial
         while True:
             rnd = []
@@ -182,11 +186,7 @@ class Plan:
           weight), the gradient is redistributed into the parameter's placements.
         """
         grads = list(leaves)
-        if self.data_idx:
-            group = self.world.dim_group(self.world._dp)
-            red = all_reduce_buckets([(to_local(grads[i]), group, "avg") for i in self.data_idx])
-            for i, r in zip(self.data_idx, red):
-                grads[i] = wrap_like(r, grads[i])
+        grads = data_mean(grads, self.data_rounds, self.expert_scale)
         for rnd in self.partial_rounds:
             red = all_reduce_buckets([(to_local(grads[i]), g, op) for i, g, op, _ in rnd])
             for (i, _, _, s), r in zip(rnd, red):
@@ -203,6 +203,45 @@ class Plan:
                     g, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False
                 ).redistribute(p.device_mesh, p.placements)
         return grads
+
+
+def data_rounds(world: World, leaves: Sequence[Any], paths: Sequence[str],
+                 dims: Optional[Sequence[int]] = None) -> tuple[list, tuple]:
+    """Which gradient leaves are per-replica contributions over which data-parallel mesh dims
+    (``dims``: the data axis, and the expert axis when it is data parallel too): one round
+    per dim, ``(leaf indices, groups)``, and the expert leaves to divide by the expert axis
+    size (see :class:`~functional_train.Mesh`). A leaf whose DTensor lives on a dim (sharded,
+    replicated or partial over it) is not averaged over it."""
+    mesh = world.mesh
+    if dims is None:
+        dims = [world._dp] + ([world._ep] if mesh.expert_data else [])
+    rounds, scaled = [], []
+    experts = [g is not None and world.is_expert_leaf(g, paths[i]) for i, g in enumerate(leaves)]
+    for d in dims:
+        if world.shape[d] == 1:
+            continue
+        idx = [i for i, g in enumerate(leaves) if g is not None and not (
+            isinstance(g, DTensor) and d in world.leaf_dims(g, paths[i]))
+            and not (d == world._ep and experts[i])]
+        if idx:
+            rounds.append((idx, world.dim_group(d)))
+    if mesh.expert_data and world._ep in dims:
+        scaled = [i for i, e in enumerate(experts) if e]
+    return rounds, (tuple(scaled), 1.0 / world.shape[world._ep] if scaled else 1.0)
+
+
+def data_mean(grads: list, rounds: list, expert_scale: tuple) -> list:
+    """Apply :func:`data_rounds`' plan: one bucketed all-reduce (mean) per round and dtype,
+    then the expert leaves' division (new list)."""
+    grads = list(grads)
+    for idx, group in rounds:
+        red = all_reduce_buckets([(to_local(grads[i]), group, "avg") for i in idx])
+        for i, r in zip(idx, red):
+            grads[i] = wrap_like(r, grads[i])
+    scaled, factor = expert_scale
+    for i in scaled:
+        grads[i] = wrap_like(to_local(grads[i]) * factor, grads[i])
+    return grads
 
 
 def _same_layout(a: Spec, b: Spec) -> bool:
@@ -263,7 +302,8 @@ def agree_presence(leaves: list, pleaves: Optional[list], treedef, mesh: Mesh) -
     it counts as zero in the data-parallel mean and every rank updates it identically; a leaf
     ``None`` on every rank stays ``None``.
 
-    One all-reduce (sum) of ``2 n`` int64 over the data axis: per leaf, how many ranks have it,
+    One all-reduce (sum) of ``2 n`` int64 over the data axis (and the expert axis where it is
+    data parallel too, see :class:`~functional_train.Mesh`): per leaf, how many ranks have it,
     and the sum of a code of its dtype and layout (on CUDA meshes its result is read on the
     host: one synchronisation, as DDP's ``find_unused_parameters`` has). Without it the
     bucketed mean would have different sizes on different ranks (gloo aborts, NCCL hangs).
@@ -295,10 +335,11 @@ def agree_presence(leaves: list, pleaves: Optional[list], treedef, mesh: Mesh) -
         codes.append((1, 1 + dt * 4 + lay))
     dm = mesh.device_mesh
     local = torch.tensor(codes, dtype=torch.int64, device=dm.device_type).reshape(2 * n)
-    total = all_reduce_buckets([(local, ((dm, mesh.dim(mesh.data_axis)),), "sum")])[0]
+    dims = [mesh.dim(mesh.data_axis)] + ([mesh.dim(mesh.expert_axis)] if mesh.expert_data else [])
+    total = all_reduce_buckets([(local, groups_over(dm, dims), "sum")])[0]
     total = total.view(n, 2).tolist()
     out = list(leaves)
-    dp = mesh.size(mesh.data_axis)
+    dp = math.prod(dm.size(d) for d in dims)
     for i, (count, code) in enumerate(total):
         if count in (0, dp) or leaves[i] is not None:
             continue
