@@ -630,17 +630,27 @@ def test_expert_axis_norm_counts_every_expert_once(n_experts, dense, norm_type, 
         assert_tree_close(got_params[r], want, f"rank {r} params")
 
 
+_STACKED_OPT = {"adam": (("adam", dict(learning_rate=0.1)), 0),
+                # per-leaf statistics over the whole stack: trust-ratio norms, update RMS
+                "lamb": (("lamb", dict(learning_rate=0.1, weight_decay=0.1)), 1),
+                "adafactor": (("adafactor", dict(learning_rate=0.1, relative_step=False, beta1=0.9)), 1)}
+
+
 @pytest.mark.parametrize("tp_pl", [Replicate(), Shard(1), Shard(0)])
 @pytest.mark.parametrize("declare", [False, True])
-def test_stacked_experts_need_no_declaration(tp_pl, declare):
+@pytest.mark.parametrize("opt", list(_STACKED_OPT))
+def test_stacked_experts_need_no_declaration(tp_pl, declare, opt):
     """Experts stacked in one DTensor ``Shard(0)`` over the ep mesh dim are plain sharding: the
-    norm is the norm of the whole stack (plus the dense leaves), with or without expert_axis."""
+    norm is the norm of the whole stack (plus the dense leaves), with or without expert_axis,
+    and per-leaf statistics (lamb's norms, adafactor's update RMS) are the whole stack's: the
+    expert dim joins their one all-reduce (it used to be left out, as for marked experts)."""
     gen = torch.Generator().manual_seed(0)
     steps = 3
     mk = lambda: {"experts": torch.randn(3, 4, 5, generator=gen),  # noqa: E731  (3 over 2: uneven)
-                  "dense": torch.randn(5, generator=gen)}
+                  "dense": torch.randn(4, 5, generator=gen)}
     P, G = mk(), [mk() for _ in range(steps)]
-    desc = ("chain", [("clip_by_global_norm", dict(max_norm=1.0)), ("adam", dict(learning_rate=0.1))])
+    inner, stats = _STACKED_OPT[opt]
+    desc = ("chain", [("clip_by_global_norm", dict(max_norm=1.0)), inner])
     ref_ups, ref_states, ref_params = run_steps(build(desc), P, G, None)
     with simulate(4):
         m = make_mesh((2, 2), ("ep", "tp"))
@@ -652,7 +662,9 @@ def test_stacked_experts_need_no_declaration(tp_pl, declare):
         dP, dG = d(P), [d(g) for g in G]
         with count_collectives() as c:
             ups, states, out = run_steps(build(desc), dP, dG, mesh)
-        assert c.counts == {"all_reduce": steps}, c
+        if opt == "adafactor" and tp_pl == Shard(1):
+            stats = 2  # and the factored column statistic over the tp-split dim 1
+        assert c.counts == {"all_reduce": steps * (1 + stats)}, c
         got = [(rank_views(u, 4), rank_views(s, 4)) for u, s in zip(ups, states)]
         got_params = rank_views(out, 4)
     for t, (gu, gs) in enumerate(got):
@@ -661,6 +673,49 @@ def test_stacked_experts_need_no_declaration(tp_pl, declare):
             assert_tree_close(gs[r], ref_states[t], f"step {t} rank {r} state")
     for r in range(4):
         assert_tree_close(got_params[r], ref_params, f"rank {r} params")
+
+
+@pytest.mark.parametrize("opt", ["lamb", "adafactor"])
+def test_stacked_and_marked_experts_together(opt):
+    """Experts stacked in a DTensor ``Shard(0)`` over ep beside experts that ``is_expert``
+    marks (each ep rank its own leaf under the same path), on (ep=2, tp=2): per-leaf
+    statistics complete the stack's over ep and keep each rank's marked experts apart (each
+    statistic reduction then takes two all-reduces, one over ep x tp and one over tp),
+    against the unsharded union of every rank's leaves."""
+    gen = torch.Generator().manual_seed(1)
+    steps = 3
+    mk = lambda: {"stack": torch.randn(4, 3, 5, generator=gen),  # noqa: E731
+                  "own": [torch.randn(3, 5, generator=gen) for _ in range(2)],  # per ep rank
+                  "dense": torch.randn(4, 5, generator=gen)}
+    P, G = mk(), [mk() for _ in range(steps)]
+    inner, _ = _STACKED_OPT[opt]
+    desc = ("chain", [("clip_by_global_norm", dict(max_norm=1.0)), inner])
+    ref_ups, _, ref_params = run_steps(build(desc), P, G, None)
+    with simulate(4):
+        m = make_mesh((2, 2), ("ep", "tp"))
+        mesh = ft.Mesh(m, expert_axis="ep", is_expert=lambda p: p.startswith("own"))
+
+        def d(t):
+            return {"stack": shard(t["stack"], m, [Shard(0), Shard(1)]),
+                    "own": distribute_tensor(per_rank(4, lambda r: t["own"][r // 2]), m["tp"],
+                                             [Shard(0)], src_data_rank=None),
+                    "dense": shard(t["dense"], m["tp"], [Replicate()])}
+        dP, dG = d(P), [d(g) for g in G]
+        with count_collectives() as c:
+            ups, _, out = run_steps(build(desc), dP, dG, mesh)
+        # the clip's; lamb's norms, adafactor's update RMS and its factored column statistics
+        # (both leaves split over tp along dim -2), each once over ep x tp and once over tp
+        assert c.counts == {"all_reduce": steps * {"lamb": 3, "adafactor": 5}[opt]}, c
+        got = [rank_views(u, 4) for u in ups]
+        got_params = rank_views(out, 4)
+
+    def of_rank(tree, r):
+        return {"stack": tree["stack"], "own": tree["own"][r // 2], "dense": tree["dense"]}
+    for t, gu in enumerate(got):
+        for r in range(4):
+            assert_tree_close(gu[r], of_rank(ref_ups[t], r), f"step {t} rank {r} updates")
+    for r in range(4):
+        assert_tree_close(got_params[r], of_rank(ref_params, r), f"rank {r} params")
 
 
 # =============================================================================================

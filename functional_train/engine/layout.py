@@ -111,13 +111,36 @@ class World:
     def is_expert_leaf(self, x: Any, path: str) -> bool:
         """Leaf ``x`` differs per rank along the expert axis: ``Mesh.is_expert`` marks its path,
         or it is a DTensor ``Shard``-ed over the expert axis (stacked experts)."""
-        if self._ep is None:
-            return False
-        if self.mesh.is_expert is not None and self.mesh.is_expert(path):
-            return True
-        return isinstance(x, DTensor) and any(
+        return self.expert_marked(path) or self.expert_split(x, path)
+
+    def expert_marked(self, path: str) -> bool:
+        """``Mesh.is_expert`` marks ``path``: the ranks of the expert axis hold different leaves
+        under it (never to be mixed in a reduction over that axis)."""
+        return (self._ep is not None and self.mesh.is_expert is not None
+                and bool(self.mesh.is_expert(path)))
+
+    def expert_split(self, x: Any, path: str) -> bool:
+        """``x`` is one DTensor ``Shard``-ed over the expert axis (experts stacked along a
+        tensor dim): its statistics are completed over that axis like over any other."""
+        return self._ep is not None and isinstance(x, DTensor) and any(
             d == self._ep and isinstance(p, Shard)
             for d, p in zip(self.leaf_dims(x, path), x.placements))
+
+    def statistic_dims(self, leaves: Sequence[tuple[Any, str]]) -> list:
+        """How to complete per-leaf statistics of ``leaves`` (``(leaf, path)`` pairs) with as
+        few all-reduces as possible: ``[(positions or None for all, world dims)]``. The
+        pipeline dim never takes part (its ranks hold different leaves); the expert dim takes
+        part when a leaf is split over it, except for the leaves ``is_expert`` marks (each
+        expert-axis rank holds different ones), which then go in a second reduction."""
+        base = set(range(len(self.shape))) - self.separating_dims()
+        split = [self.expert_split(x, p) for x, p in leaves]
+        if not any(split):
+            return [(None, base)]
+        marked = [self.expert_marked(p) and not s for (_, p), s in zip(leaves, split)]
+        if not any(marked):
+            return [(None, base | {self._ep})]
+        return [([k for k, m in enumerate(marked) if not m], base | {self._ep}),
+                ([k for k, m in enumerate(marked) if m], base)]
 
     def shard_group(self, x: Any, path: str, tensor_dims: Sequence[int]):
         """The group of the mesh dims that shard any of ``tensor_dims`` of leaf ``x``, or

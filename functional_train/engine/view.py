@@ -195,10 +195,30 @@ class Prepared:
                 out[n] = r
         return out
 
-    def _scatter_reduce(self, items, op: str, whole: bool = False) -> list:
-        """Whole-statistic buffers of ``items`` completed by one all-reduce per dtype."""
+    def _statistic_dims(self, indices: Sequence[int]) -> list:
+        """:meth:`World.statistic_dims` of leaves ``indices`` (cached in the plan)."""
+        key = ("statistic_dims", tuple(indices))
+        hit = self.plan.memo.get(key)
+        if hit is None:
+            hit = self.plan.memo[key] = self.world.statistic_dims(
+                [(self.updates[i], self.paths[i]) for i in indices])
+        return hit
+
+    def _scatter_reduce(self, items, op: str, whole: bool = False, dims=None) -> list:
+        """Whole-statistic buffers of ``items`` completed by one all-reduce per dtype (and per
+        part of :meth:`World.statistic_dims`: two only when experts are both marked by
+        ``is_expert`` and stacked in a DTensor split over the expert axis)."""
         world = self.world
-        dims = set(range(world.device_mesh.ndim)) - world.separating_dims()
+        if dims is None:
+            parts = self._statistic_dims([i for i, _, _ in items])
+            if parts[0][0] is not None:
+                out: list = [None] * len(items)
+                for positions, d in parts:
+                    got = self._scatter_reduce([items[k] for k in positions], op, whole, d)
+                    for k, r in zip(positions, got):
+                        out[k] = r
+                return out
+            dims = parts[0][1]
         group = world.group_of(dims)
         root = world.device_mesh
         coords = mesh_coordinates(root)
@@ -256,9 +276,10 @@ class Prepared:
             items: ``(leaf index, 0-dim local sum over the leaf's local shard)``.
 
         Each rank weighs its local sums by ``1 / replicas`` and one all-reduce of the vector of
-        per-leaf sums runs over every mesh dim but the pipeline and expert ones (whose ranks hold
-        different leaves, which must not be mixed); the vector is float64 when an input is
-        float64. Returns the global per-leaf sums in order, each a 0-dim tensor of its input's
+        per-leaf sums runs over every mesh dim but the pipeline one and the expert one (whose
+        ranks hold different leaves, which must not be mixed; the expert dim does take part
+        when a leaf is one DTensor split over it, see :meth:`World.statistic_dims`); the vector
+        is float64 when an input is float64. Returns the global per-leaf sums in order, each a 0-dim tensor of its input's
         dtype, so that a leaf's result does not depend on the dtypes of the other leaves.
         """
         if not items:
@@ -274,15 +295,27 @@ class Prepared:
         ``indices[k]``; returns the vector of global sums (ONE all-reduce, none in one
         process), of ``vals``' dtype."""
         world = self.world
-        if world.device_mesh is not None and world.size > 1:
-            dims = set(range(world.device_mesh.ndim)) - world.separating_dims()
-            group = world.group_of(dims)
-            if group is not None:
-                weights = [1.0 / self.replicas(i, frozenset(dims)) for i in indices]
-                if any(w != 1.0 for w in weights):
-                    vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
-                vals = all_reduce(vals, "sum", group)
-        return vals
+        if world.device_mesh is None or world.size == 1:
+            return vals
+        parts = self._statistic_dims(indices)
+        if parts[0][0] is None:
+            return self._totals(indices, vals, parts[0][1])
+        out = vals.clone()
+        for positions, dims in parts:
+            pos = torch.tensor(positions, dtype=torch.long, device=vals.device)
+            out[pos] = self._totals([indices[k] for k in positions], vals[pos], dims)
+        return out
+
+    def _totals(self, indices, vals: torch.Tensor, dims: set) -> torch.Tensor:
+        """The sums of ``vals`` (per leaf ``indices``) over the world ``dims``, each replica
+        counted once (one all-reduce; none when no dim has more than one rank)."""
+        group = self.world.group_of(dims)
+        if group is None:
+            return vals
+        weights = [1.0 / self.replicas(i, frozenset(dims)) for i in indices]
+        if any(w != 1.0 for w in weights):
+            vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
+        return all_reduce(vals, "sum", group)
 
     def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
         """Sum over every rank of per-leaf local sums (0-dim tensors, or one vector of them),
