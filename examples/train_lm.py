@@ -27,6 +27,15 @@ through the schedule, and the same chain receives ``ft.Mesh(mesh, data_axis="dp"
 pipeline_axis="pp")``: the clip's norm is over every stage (the job logs each stage's own norm
 beside it, and the step's collectives once).
 
+With ``--moe E`` every MLP is ``E`` routed SwiGLU experts (``MoE``: top-``--top-k`` softmax
+gating, the Switch load-balancing loss, dropless); ``--ep N`` spreads them over an "ep" mesh
+dim (E / N experts per rank, tokens dispatched by all-to-all, attention and the router
+replicated), whose ranks are data parallel too (each takes its own slice of the batch). The
+experts reach the optimizer as DTensors ``Shard(0)`` over "ep" (``--experts stacked``) or as
+their own modules declared with ``is_expert`` (``--experts separate``), and the chain receives
+``ft.Mesh(mesh, data_axis="dp", pipeline_axis=..., expert_axis="ep", is_expert=...)``; the job
+logs each ep rank's own gradient norm beside the global one at the first step.
+
 Data: bytes (vocabulary 256) of real text. By default the Python standard library's own ``*.py``
 sources (``sysconfig.get_paths()["stdlib"]``, third-party ``site-packages`` excluded), read in
 sorted order up to ``--max-bytes``; ``--data PATH`` takes a text file or a directory instead. The
@@ -46,6 +55,8 @@ Usage::
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --optimizer adafactor --zero
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --pp 2 --tp 2  # 2 stages, 1F1B
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --pp 2 --dp 2 --tp 1
+    python examples/train_lm.py --moe 4 --top-k 2  # routed experts in one process
+    torchrun --standalone --nproc-per-node 4 examples/train_lm.py --moe 4 --ep 2 --dp 2 --tp 1
     python examples/train_lm.py --steps 200 --8bit  # 8-bit AdamW moments
     python examples/train_lm.py --checkpoint-every 50 --out runs/a   # resumable: runs/a/checkpoint
     python examples/train_lm.py --resume runs/a/checkpoint --out runs/b  # continue it to --steps
@@ -164,13 +175,147 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+class AddAuxLoss(torch.autograd.Function):
+    """Identity on ``x`` whose backward also gives ``aux`` (a scalar loss term) the gradient 1:
+    the auxiliary loss joins the gradient of whatever loss ``x`` flows into, without being
+    returned through the model (as Megatron-LM's ``MoEAuxLossAutoScaler``), so it works
+    through a pipeline schedule too. Written with ``setup_context`` for ``torch.func``."""
+
+    @staticmethod
+    def forward(x, aux):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.aux_dtype = inputs[1].dtype
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=grad.device)
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (Switch Transformer / Mixtral style), dropless.
+
+    forward(x (B, T, d)) -> (B, T, d). A router ``nn.Linear(d, E, bias=False)`` gives each
+    token softmax probabilities over the ``E`` experts; the token goes to its ``top_k``
+    experts, whose outputs are summed weighted by the chosen probabilities renormalised to sum
+    to 1. No capacity limit: every assignment is computed, so the output does not depend on
+    how tokens are batched or spread over ranks.
+
+    Experts are stacked (``stacked=True``: parameters ``w_gate``, ``w_up`` (E, d_ff, d) and
+    ``w_down`` (E, d, d_ff)) or separate modules (``experts.<e>.w_gate.weight`` ...). With
+    :meth:`keep_experts` a rank keeps a contiguous block of E / ep of them (expert
+    parallelism): tokens go to the rank holding their expert with an all-to-all over
+    ``ep_group`` (and come back with another), both differentiable
+    (``all_to_all_single_autograd``), after one all-to-all of the per-expert token counts.
+
+    Load balancing: with ``aux_loss > 0`` the auxiliary loss ``aux_loss * E * sum_e f_e P_e``
+    (Switch Transformer, Fedus et al. 2021, eq. 4; ``f_e`` the fraction of the sequence's
+    assignments that go to expert ``e``, ``P_e`` its mean router probability) is computed per
+    sequence and averaged over the sequences, as DeepSeek-V3's sequence-wise balance loss: a
+    mean over sequences, so micro-batches and data-parallel ranks add up to the batch's. It is
+    added to the training loss's gradient through :class:`AddAuxLoss` (not to the logged loss).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, aux_loss: float,
+                 stacked: bool):
+        super().__init__()
+        self.n_experts, self.top_k, self.aux_loss, self.stacked = n_experts, top_k, aux_loss, stacked
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        if stacked:
+            self.w_gate = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+            self.w_up = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+            self.w_down = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        else:
+            self.experts = nn.ModuleDict({str(e): SwiGLU(d_model, d_ff) for e in range(n_experts)})
+        self.local = range(n_experts)  # the experts this rank holds
+        self.ep_group = None
+
+    def keep_experts(self, ep_rank: int, ep: int, group) -> None:
+        """Keep only experts ``ep_rank * E / ep ... (ep_rank + 1) * E / ep - 1`` (their global
+        indices stay their names), the others being held by the other ranks of ``group``."""
+        per = self.n_experts // ep
+        self.local = range(ep_rank * per, (ep_rank + 1) * per)
+        self.ep, self.ep_group = ep, group
+        if self.stacked:
+            for name in ("w_gate", "w_up", "w_down"):
+                mine = getattr(self, name).detach()[self.local.start:self.local.stop]
+                setattr(self, name, nn.Parameter(mine.clone()))
+        else:
+            for e in range(self.n_experts):
+                if e not in self.local:
+                    del self.experts[str(e)]
+
+    def _weights(self, j: int):
+        """(w_gate, w_up, w_down) of this rank's ``j``-th expert."""
+        if self.stacked:
+            return self.w_gate[j], self.w_up[j], self.w_down[j]
+        m = self.experts[str(self.local[j])]
+        return m.w_gate.weight, m.w_up.weight, m.w_down.weight
+
+    def _run_experts(self, xs, counts):
+        """Rows of ``xs`` grouped by this rank's experts (``counts``: rows per expert)."""
+        ys = []
+        for j, part in enumerate(xs.split(counts)):
+            w_gate, w_up, w_down = self._weights(j)
+            ys.append(F.linear(F.silu(F.linear(part, w_gate)) * F.linear(part, w_up), w_down))
+        return torch.cat(ys)
+
+    def _dispatch(self, xs, counts):
+        """Expert parallel: send the rows of ``xs`` (grouped by global expert, ``counts`` (E,)
+        rows each) to the ranks holding their experts, run them, send the results back."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        ep, per = self.ep, len(self.local)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
+        recv_counts = recv_counts.view(ep, per)  # [source rank, local expert]
+        send_splits = counts.view(ep, per).sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        received = all_to_all_single_autograd(xs, recv_splits, send_splits, self.ep_group)
+        # regroup the received rows (source-major) by local expert, and back afterwards
+        expert_of = torch.arange(per).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+        order = expert_of.argsort(stable=True)
+        ys = self._run_experts(received.index_select(0, order), recv_counts.sum(0).tolist())
+        ys = ys.index_select(0, order.argsort())
+        return all_to_all_single_autograd(ys, send_splits, recv_splits, self.ep_group)
+
+    def forward(self, x):
+        if x.is_meta:  # the pipeline stage's shape inference: same shape, nothing to route
+            return torch.empty_like(x)
+        B, T, d = x.shape
+        h = x.reshape(B * T, d)
+        probs = F.softmax(self.router(h), dim=-1, dtype=torch.float32)  # (N, E)
+        top_p, top_e = probs.topk(self.top_k, dim=-1)
+        gates = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
+        expert = top_e.reshape(-1)  # (N * k,) assignments, token-major
+        order = expert.argsort(stable=True)  # grouped by expert
+        token = order // self.top_k
+        counts = torch.bincount(expert, minlength=self.n_experts)
+        xs = h.index_select(0, token)
+        if self.ep_group is None:
+            ys = self._run_experts(xs, counts.tolist())
+        else:
+            ys = self._dispatch(xs, counts)
+        ys = ys * gates.reshape(-1).index_select(0, order)[:, None]
+        out = torch.zeros_like(h).index_add(0, token, ys).view(B, T, d)
+        if self.aux_loss and torch.is_grad_enabled():
+            assigned = F.one_hot(top_e, self.n_experts).sum(1).view(B, T, -1)
+            f = assigned.to(probs.dtype).mean(1) / self.top_k  # (B, E)
+            p = probs.view(B, T, -1).mean(1)
+            aux = self.aux_loss * self.n_experts * (f * p).sum(-1).mean()
+            out = AddAuxLoss.apply(out, aux.to(out.dtype))
+        return out
+
+
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, d_ff: int):
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, moe: dict | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(d_model)
         self.attn = Attention(d_model, n_heads)
         self.mlp_norm = RMSNorm(d_model)
-        self.mlp = SwiGLU(d_model, d_ff)
+        self.mlp = SwiGLU(d_model, d_ff) if moe is None else MoE(d_model, d_ff, **moe)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -178,12 +323,15 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Pre-norm Llama-style decoder over bytes; forward(tokens (B, T)) -> logits (B, T, 256)."""
+    """Pre-norm Llama-style decoder over bytes; forward(tokens (B, T)) -> logits (B, T, 256).
+    ``moe``: :class:`MoE`'s keyword arguments (``n_experts``, ``top_k``, ``aux_loss``,
+    ``stacked``) to make every MLP routed experts; ``None``: dense SwiGLU MLPs."""
 
-    def __init__(self, d_model: int, n_layers: int, n_heads: int, d_ff: int, max_seq_len: int):
+    def __init__(self, d_model: int, n_layers: int, n_heads: int, d_ff: int, max_seq_len: int,
+                 moe: dict | None = None):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d_model)
-        self.layers = nn.ModuleList(Block(d_model, n_heads, d_ff) for _ in range(n_layers))
+        self.layers = nn.ModuleList(Block(d_model, n_heads, d_ff, moe) for _ in range(n_layers))
         self.norm = RMSNorm(d_model)
         self.lm_head = nn.Linear(d_model, VOCAB, bias=False)
         cos, sin = rotary_tables(max_seq_len, d_model // n_heads)
@@ -196,7 +344,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 continue
-            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w_down.weight")) else 0.02
+            residual_out = name.endswith(("wo.weight", "w_down.weight", "w_down"))
+            std = 0.02 / math.sqrt(2 * n_layers) if residual_out else 0.02
             nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, tokens):
@@ -235,16 +384,18 @@ class Stage(nn.Module):
         return x
 
 
-def tensor_parallel_plan(layers) -> dict:
+def tensor_parallel_plan(layers, moe: bool = False) -> dict:
     """q/k/v/gate/up column-wise, o/down row-wise; everything else stays replicated. ``layers``:
-    the number of layers, or the indices of a pipeline stage's layers."""
+    the number of layers, or the indices of a pipeline stage's layers. ``moe``: the MLPs are
+    routed experts, which stay whole (replicated over tp; spread over ep instead)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
+    mlp = () if moe else ("mlp.w_gate", "mlp.w_up")
     for i in (range(layers) if isinstance(layers, int) else layers):
-        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up"):
+        for name in ("attn.wq", "attn.wk", "attn.wv") + mlp:
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.wo", "mlp.w_down"):
+        for name in ("attn.wo",) + (() if moe else ("mlp.w_down",)):
             plan[f"layers.{i}.{name}"] = RowwiseParallel()
     return plan
 
@@ -260,7 +411,7 @@ class Pipeline:
     an ``ft.step(..., donate=True)`` that updates in place updates the module, and
     :meth:`load` copies other results in."""
 
-    def __init__(self, args, model: Transformer, device_mesh):
+    def __init__(self, args, model: Transformer, device_mesh, experts: "ExpertParallel | None"):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -270,7 +421,8 @@ class Pipeline:
         self.first, self.last = self.stage_index == 0, self.stage_index == args.pp - 1
         self.module = Stage(model, ids, self.first, self.last)
         if args.tp > 1:
-            parallelize_module(self.module, device_mesh["tp"], tensor_parallel_plan(ids))
+            parallelize_module(self.module, device_mesh["tp"],
+                               tensor_parallel_plan(ids, moe=bool(args.moe)))
         self.group = device_mesh.get_group("pp")
         self.last_rank = dist.get_global_rank(self.group, args.pp - 1)
         stage = PipelineStage(self.module, self.stage_index, args.pp, torch.device("cpu"),
@@ -281,7 +433,10 @@ class Pipeline:
         self.schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=self._loss,
                              scale_grads=True)
         self.microbatches = args.microbatches
+        self.experts = experts
         self.views = {k: p.detach() for k, p in self.module.named_parameters()}
+        if experts is not None:
+            self.views = experts.views(self.views)
 
     @staticmethod
     def _loss(logits, y):
@@ -311,6 +466,8 @@ class Pipeline:
         grads = {}
         for k, p in self.module.named_parameters():
             grads[k], p.grad = p.grad, None
+        if self.experts is not None:
+            grads = self.experts.views(grads)
         loss = torch.stack(losses).mean() if self.last else torch.zeros(())
         return grads, self._from_last(loss)
 
@@ -326,11 +483,13 @@ class Pipeline:
                 total += loss.double() * n * x.shape[1]
         return self._from_last(total)
 
-    def stage_norms(self, grads, device_mesh) -> list:
+    def stage_norms(self, grads, mesh: "ft.Mesh") -> list:
         """Per stage, the norm of its own (data-parallel mean) gradients alone: what a stage
-        would clip by if it did not know the others (``ft.global_norm`` with no pipeline
-        axis declared), on every rank."""
-        own = ft.global_norm(grads, mesh=ft.Mesh(device_mesh, data_axis="dp")).reshape(1)
+        would clip by if it did not know the others (``ft.global_norm`` on the sub-mesh of
+        its own stage's ranks), on every rank."""
+        alone = ft.Mesh(without(mesh.device_mesh, "pp"), data_axis=mesh.data_axis,
+                        expert_axis=mesh.expert_axis, is_expert=mesh.is_expert)
+        own = ft.global_norm(grads, mesh=alone).reshape(1)
         every = [torch.zeros(1) for _ in range(self.pp)]
         dist.all_gather(every, own.float(), group=self.group)
         return [float(t) for t in every]
@@ -343,13 +502,95 @@ class Pipeline:
                 view.copy_(params[k])
         return self.views
 
-    def full_params(self) -> dict:
-        """Every stage's unsharded parameters (on every rank): ``name -> tensor``."""
-        mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                for k, v in self.views.items()}
-        every = [None] * self.pp
-        dist.all_gather_object(every, mine, group=self.group)
-        return {k: v for part in every for k, v in part.items()}
+
+class ExpertParallel:
+    """Expert parallelism over the "ep" dim of ``device_mesh``: each rank keeps experts
+    ``r * E / ep ... (r + 1) * E / ep - 1`` of every :class:`MoE` layer (``MoE.keep_experts``;
+    tokens reach them by all-to-all) and, like a dp rank, trains on its own slice of the batch.
+
+    How the optimizer learns which leaves are experts (``--experts``):
+    stacked: the (E / ep, ...) local expert tensors are presented as one DTensor of global shape
+    (E, ...) ``Shard(0)`` over ``device_mesh["ep"]`` (:meth:`views`; the model computes on
+    their local tensors, :meth:`local`); separate: each rank's own expert modules keep their
+    global names (``layers.0.mlp.experts.5.w_up.weight``) and :meth:`mesh_args` declares them
+    with ``is_expert``."""
+
+    STACKED = ("mlp.w_gate", "mlp.w_up", "mlp.w_down")
+
+    def __init__(self, args, model: Transformer, device_mesh):
+        self.ep, self.rank = args.ep, device_mesh.get_local_rank("ep")
+        self.mesh, self.group = device_mesh["ep"], device_mesh.get_group("ep")
+        self.stacked = args.experts == "stacked"
+        for module in model.modules():
+            if isinstance(module, MoE):
+                module.keep_experts(self.rank, self.ep, self.group)
+
+    def mesh_args(self) -> dict:
+        """``ft.Mesh`` keyword arguments for the experts."""
+        if self.stacked:  # the DTensors' Shard(0) over "ep" says it
+            return {"expert_axis": "ep"}
+        return {"expert_axis": "ep", "is_expert": is_expert_path}
+
+    def views(self, tree: dict) -> dict:
+        """``tree`` (parameters or their gradients) with each stacked expert tensor (local
+        (E / ep, ...)) wrapped as a DTensor (E, ...) ``Shard(0)`` over "ep", sharing storage."""
+        if not self.stacked:
+            return tree
+        from torch.distributed.tensor import Shard
+
+        out = {}
+        for k, v in tree.items():
+            if k.endswith(self.STACKED) and v is not None:
+                shape = (v.shape[0] * self.ep, *v.shape[1:])
+                v = DTensor.from_local(v, self.mesh, [Shard(0)], run_check=False, shape=shape,
+                                       stride=torch.empty(shape, device="meta").stride())
+            out[k] = v
+        return out
+
+    def local(self, params: dict) -> dict:
+        """``params`` with the stacked expert DTensors as their local tensors (differentiably),
+        for ``functional_call`` on the rank's own experts."""
+        return {k: v.to_local() if k.endswith(self.STACKED) and isinstance(v, DTensor) else v
+                for k, v in params.items()}
+
+    def rank_norms(self, grads: dict, mesh: "ft.Mesh") -> list:
+        """Per ep rank, the norm of what it would clip by if it took the ep axis for more
+        model replicas: its own dense gradients (the dp mean of its tokens' only) and its own
+        experts' (``ft.global_norm`` on the sub-mesh of the ranks sharing its ep coordinate),
+        on every rank."""
+        own = {k: (g.to_local() if isinstance(g, DTensor) and k.endswith(self.STACKED) else g)
+                  / (self.ep if is_expert_path(k) or k.endswith(self.STACKED) else 1)
+               for k, g in grads.items()}
+        alone = ft.Mesh(without(mesh.device_mesh, "ep"), data_axis=mesh.data_axis,
+                        pipeline_axis=mesh.pipeline_axis)
+        norm = ft.global_norm(own, mesh=alone).reshape(1).float()
+        every = [torch.zeros(1) for _ in range(self.ep)]
+        dist.all_gather(every, norm, group=self.group)
+        return [float(t) for t in every]
+
+
+def without(device_mesh, name: str):
+    """The sub-mesh of ``device_mesh`` over its other dims: this rank's slice along ``name``
+    (a norm on it reduces over those ranks only)."""
+    return device_mesh[tuple(n for n in device_mesh.mesh_dim_names if n != name)]
+
+
+def is_expert_path(path: str) -> bool:
+    """The separate experts' parameters: ``layers.<i>.mlp.experts.<e>.*``."""
+    return ".experts." in path
+
+
+def full_params(params: dict, groups) -> dict:
+    """The unsharded parameters of the whole model, on every rank: ``name -> tensor``. DTensors
+    are gathered; ``groups``: process groups whose ranks hold other leaves (the expert-parallel
+    group with separate experts, the pipeline group), gathered over in turn."""
+    mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in params.items()}
+    for group in groups:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        mine = {k: v for part in every for k, v in part.items()}
+    return mine
 
 
 # --------------------------------------------------------------------------------------------------
@@ -493,6 +734,15 @@ def parse_args(argv=None):
     g.add_argument("--d-ff", type=int, default=0,
                    help="SwiGLU hidden width; 0 = 8/3 * d-model rounded up to a multiple of 64")
     g.add_argument("--seq-len", type=int, default=256, help="context length in bytes")
+    g.add_argument("--moe", type=int, default=0, metavar="E",
+                   help="E routed SwiGLU experts in every MLP (0 = dense MLPs; see MoE)")
+    g.add_argument("--top-k", type=int, default=2, help="experts per token (with --moe)")
+    g.add_argument("--aux-loss", type=float, default=0.01,
+                   help="load-balancing loss coefficient (with --moe)")
+    g.add_argument("--experts", choices=["stacked", "separate"], default="stacked",
+                   help="expert parameters: stacked (E, ...) tensors, a DTensor Shard(0) over "
+                        "the ep axis under --ep; or one module per expert, declared to the "
+                        "optimizer with Mesh(expert_axis='ep', is_expert=...)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=600, help="optimizer steps")
     g.add_argument("--batch", type=int, default=32, help="global batch: sequences per optimizer step")
@@ -532,6 +782,9 @@ def parse_args(argv=None):
                    help="tensor-parallel size (0 = 2 if the world size is even, else 1)")
     g.add_argument("--pp", type=int, default=1,
                    help="pipeline stages (torch.distributed.pipelining; the layers split evenly)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size (with --moe): each rank of the ep axis holds E / ep "
+                        "experts and its own slice of the batch (data parallel over dp x ep)")
     g.add_argument("--microbatches", type=int, default=0,
                    help="pipeline micro-batches per (accumulation) step (0 = the most, up to "
                         "2 x --pp, that divide it evenly)")
@@ -549,30 +802,34 @@ def parse_args(argv=None):
 
 
 def setup_parallel(args):
-    """Returns (world_size, rank, device_mesh or None); device_mesh has dims ("dp", "tp"), or
-    ("pp", "dp", "tp") with --pp > 1."""
+    """Returns (world_size, rank, device_mesh or None); device_mesh has dims ("dp", "tp"), with
+    "pp" in front under --pp > 1 and "ep" after "dp" under --ep > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.ep > 1 and not args.moe:
+        raise SystemExit("--ep needs routed experts (--moe E)")
     if world == 1:
-        if args.dp not in (0, 1) or args.tp not in (0, 1) or args.pp != 1:
-            raise SystemExit("--dp/--tp/--pp > 1 need several processes (launch with torchrun)")
+        if args.dp not in (0, 1) or args.tp not in (0, 1) or args.pp != 1 or args.ep != 1:
+            raise SystemExit("--dp/--tp/--pp/--ep > 1 need several processes (launch with torchrun)")
         args.dp, args.tp = 1, 1
         return 1, 0, None
     from torch.distributed.device_mesh import init_device_mesh
 
-    if args.pp < 1 or world % args.pp:
-        raise SystemExit(f"--pp {args.pp} does not divide the world size {world}")
-    rest = world // args.pp
+    if args.pp < 1 or args.ep < 1 or world % (args.pp * args.ep):
+        raise SystemExit(f"--pp {args.pp} x --ep {args.ep} does not divide the world size {world}")
+    rest = world // (args.pp * args.ep)
     tp = args.tp or (2 if rest % 2 == 0 else 1)
     dp = args.dp or rest // tp
-    if args.pp * dp * tp != world:
-        raise SystemExit(f"--pp {args.pp} x --dp {dp} x --tp {tp} != world size {world}")
+    if args.pp * dp * args.ep * tp != world:
+        raise SystemExit(f"--pp {args.pp} x --dp {dp} x --ep {args.ep} x --tp {tp} != world size "
+                         f"{world}")
+    args.dp, args.tp = dp, tp
+    check_sizes(args)  # before any process group: a bad layout stops every rank at once
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    args.dp, args.tp = dp, tp
-    if args.pp > 1:
-        return world, rank, init_device_mesh("cpu", (args.pp, dp, tp),
-                                             mesh_dim_names=("pp", "dp", "tp"))
-    return world, rank, init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    dims = [("pp", args.pp)] * (args.pp > 1) + [("dp", dp)] + [("ep", args.ep)] * (args.ep > 1) \
+        + [("tp", tp)]
+    return world, rank, init_device_mesh("cpu", tuple(n for _, n in dims),
+                                         mesh_dim_names=tuple(d for d, _ in dims))
 
 
 def check_sizes(args):
@@ -586,19 +843,35 @@ def check_sizes(args):
         raise SystemExit(f"--n-heads {args.n_heads} and --d-ff {args.d_ff} must be divisible by --tp {args.tp}")
     if args.steps < 1 or args.eval_windows < 1:
         raise SystemExit("--steps and --eval-windows must be at least 1")
-    if args.batch % (args.dp * args.accum):
-        raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp} x --accum {args.accum}")
+    data = args.dp * args.ep  # ranks with their own slice of the batch
+    if args.batch % (data * args.accum):
+        raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp} x --ep {args.ep}"
+                         f" x --accum {args.accum}")
+    if args.moe:
+        if args.moe % args.ep:
+            raise SystemExit(f"--moe {args.moe} experts must be divisible by --ep {args.ep}")
+        if not 1 <= args.top_k <= args.moe:
+            raise SystemExit(f"--top-k {args.top_k} must be between 1 and --moe {args.moe}")
+    if args.moe and args.experts == "stacked" and args.optimizer == "muon":
+        raise SystemExit("--optimizer muon orthogonalises 2-D matrices and flattens more dims "
+                         "(a (E, d_ff, d) expert stack would be one E x (d_ff d) matrix): use "
+                         "--experts separate")
+    if args.ep > 1 and args.eval_windows % data:  # every ep rank runs the same forwards
+        raise SystemExit(f"--eval-windows {args.eval_windows} must be divisible by --dp {args.dp} "
+                         f"x --ep {args.ep}")
+    if args.ep > 1 and (args.checkpoint_every or args.resume):
+        raise SystemExit("--checkpoint-every / --resume are not supported with --ep yet")
     if args.checkpoint_every < 0:
         raise SystemExit("--checkpoint-every must be >= 0")
     if args.pp > 1:
         if args.n_layers % args.pp:
             raise SystemExit(f"--n-layers {args.n_layers} must be divisible by --pp {args.pp}")
-        micro = args.batch // (args.dp * args.accum)
+        micro = args.batch // (data * args.accum)
         # default: the most micro-batches up to 2 per stage that split the micro-step evenly
         args.microbatches = args.microbatches or max(
             n for n in range(1, 2 * args.pp + 1) if micro % n == 0)
         if micro % args.microbatches:
-            raise SystemExit(f"the per-rank micro-step batch {micro} (--batch / (--dp x --accum)) "
+            raise SystemExit(f"the per-rank micro-step batch {micro} (--batch / (--dp x --ep x --accum)) "
                              f"must be divisible by --microbatches {args.microbatches}")
         if args.checkpoint_every or args.resume:
             raise SystemExit("--checkpoint-every / --resume are not supported with --pp yet")
@@ -606,7 +879,8 @@ def check_sizes(args):
 
 # the settings that shape the trajectory: a checkpoint resumes only with the same ones
 # (--steps too, but it only warns: the learning rate schedule decays over --steps)
-TRAJECTORY = ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "batch", "accum", "optimizer",
+TRAJECTORY = ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "moe", "top_k", "aux_loss",
+              "experts", "batch", "accum", "optimizer",
               "lr", "zero", "eight_bit", "galore_rank", "galore_gap", "warmup", "clip",
               "weight_decay", "seed", "data", "max_bytes", "val_fraction", "steps")
 
@@ -614,6 +888,7 @@ TRAJECTORY = ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "batch", "acc
 def check_resume(args, saved: dict, log) -> None:
     """Refuse to resume a checkpoint written with other trajectory settings (``TRAJECTORY``)."""
     now = {k: getattr(args, k) for k in TRAJECTORY}
+    saved = {"moe": 0, "top_k": 2, "aux_loss": 0.01, "experts": "stacked"} | saved  # older runs
     diff = [k for k in TRAJECTORY if k != "steps" and saved.get(k) != now[k]]
     if diff:
         raise SystemExit(f"--resume {args.resume}: the checkpoint was written with other settings: "
@@ -648,27 +923,45 @@ def main(argv=None):
 
     # ---- model: the full model initialised identically everywhere, then sharded -------------------
     torch.manual_seed(args.seed)
-    model = Transformer(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len)
+    moe = (dict(n_experts=args.moe, top_k=args.top_k, aux_loss=args.aux_loss,
+                stacked=args.experts == "stacked") if args.moe else None)
+    model = Transformer(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len, moe)
     n_params = sum(p.numel() for p in model.parameters())
-    mesh, dp_rank, dp_group, pipe = None, 0, None, None
+    mesh, data_rank, data_groups, pipe, experts = None, 0, [], None, None
     if device_mesh is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
+        if args.ep > 1:  # this rank's experts only
+            experts = ExpertParallel(args, model, device_mesh)
         if args.pp > 1:  # this rank's stage: its own leaves
-            pipe = Pipeline(args, model, device_mesh)
+            pipe = Pipeline(args, model, device_mesh, experts)
         elif args.tp > 1:
-            parallelize_module(model, device_mesh["tp"], tensor_parallel_plan(args.n_layers))
-        mesh = ft.Mesh(device_mesh, data_axis="dp",
-                       pipeline_axis="pp" if args.pp > 1 else None)
-        dp_rank = device_mesh.get_local_rank("dp")
-        dp_group = device_mesh.get_group("dp")
-    params = ({k: v.detach() for k, v in model.named_parameters()} if pipe is None
-              else pipe.views)
-    log(f"model: {n_params / 1e6:.2f}M parameters; world {world}"
-        + (f" = {'pp %d x ' % args.pp if args.pp > 1 else ''}dp {args.dp} x tp {args.tp}"
+            parallelize_module(model, device_mesh["tp"],
+                               tensor_parallel_plan(args.n_layers, moe=bool(args.moe)))
+        mesh = ft.Mesh(device_mesh, data_axis="dp", pipeline_axis="pp" if args.pp > 1 else None,
+                       **(experts.mesh_args() if experts else {}))
+        # ranks with their own slice of the batch: dp, and ep (its ranks are data parallel too)
+        data_rank = device_mesh.get_local_rank("dp") * args.ep + (
+            device_mesh.get_local_rank("ep") if experts else 0)
+        data_groups = [device_mesh.get_group(d) for d in ("dp", "ep")
+                       if d in device_mesh.mesh_dim_names and device_mesh.size(
+                           device_mesh.mesh_dim_names.index(d)) > 1]
+    if pipe is not None:
+        params = pipe.views
+    else:
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        if experts is not None:  # stacked experts: DTensor views over the ep axis
+            params = experts.views(params)
+    n_data = args.dp * args.ep
+    log(f"model: {n_params / 1e6:.2f}M parameters"
+        + (f" ({args.moe} experts, top-{args.top_k})" if args.moe else "") + f"; world {world}"
+        + (" = " + " x ".join(f"{d} {n}" for d, n in zip(device_mesh.mesh_dim_names,
+                                                          device_mesh.shape))
            if world > 1 else ""))
 
     def loss_fn(params, x, y):
+        if experts is not None:
+            params = experts.local(params)
         logits = torch.func.functional_call(model, params, (x,))
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
@@ -677,29 +970,28 @@ def main(argv=None):
     if pipe is not None:  # through the pipeline schedule
         grad_fn = pipe.grad_and_value
 
-    def dp_mean(t):
-        if dp_group is not None and args.dp > 1:
-            t = t.clone()
-            dist.all_reduce(t, group=dp_group)
-            t /= args.dp
+    def data_sum(t):
+        """``t`` summed over the ranks with their own data (dp, and ep)."""
+        t = t.clone()
+        for group in data_groups:
+            dist.all_reduce(t, group=group)
         return t
 
     @torch.no_grad()
     def evaluate(params):
-        # dp ranks split the fixed windows; tp ranks of a group evaluate the same ones.
-        per_rank = math.ceil(len(val_starts) / args.dp)
-        mine = val_starts[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        # dp (x ep) ranks split the fixed windows; tp ranks of a group evaluate the same ones.
+        per_rank = math.ceil(len(val_starts) / n_data)
+        mine = val_starts[data_rank * per_rank: (data_rank + 1) * per_rank]
         total = torch.zeros((), dtype=torch.float64)
         for chunk in mine.split(32):
             x, y = windows(val_data, chunk, args.seq_len)
             if pipe is not None:
                 total += pipe.loss_sum(x, y)
                 continue
-            logits = torch.func.functional_call(model, params, (x,))
+            logits = torch.func.functional_call(
+                model, experts.local(params) if experts else params, (x,))
             total += F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum").double()
-        if dp_group is not None and args.dp > 1:
-            dist.all_reduce(total, group=dp_group)
-        return (total / (len(val_starts) * args.seq_len)).item()
+        return (data_sum(total) / (len(val_starts) * args.seq_len)).item()
 
     # ---- optimizer --------------------------------------------------------------------------------
     warmup = min(args.warmup, args.steps // 2)
@@ -711,7 +1003,7 @@ def main(argv=None):
                           galore_gap=args.galore_gap)
     tx = ft.chain(ft.clip_by_global_norm(args.clip), opt)
     if args.zero:  # clipping runs on the dp shards too: one scalar all-reduce either way
-        tx = ft.zero_redundancy(tx, axis="dp")
+        tx = ft.zero_redundancy(tx, axis="dp", device_mesh=device_mesh)
     if args.accum > 1:  # (with one micro-step its accumulator would only cost memory)
         tx = ft.multi_steps(tx, every_k=args.accum)
     state = tx.init(params)
@@ -720,7 +1012,7 @@ def main(argv=None):
     from tqdm import tqdm
 
     batch_gen = torch.Generator().manual_seed(args.seed + 1)  # same global batches on every rank
-    local_batch = args.batch // args.dp
+    local_batch = args.batch // n_data
     micro = local_batch // args.accum
     tokens_per_step = args.batch * args.seq_len
     history, val_history = [], []
@@ -755,13 +1047,14 @@ def main(argv=None):
                desc="train", dynamic_ncols=True)
     for step in bar:
         starts = torch.randint(0, len(train_data) - args.seq_len - 1, (args.batch,), generator=batch_gen)
-        starts = starts[dp_rank * local_batch: (dp_rank + 1) * local_batch]  # this dp rank's slice
+        starts = starts[data_rank * local_batch: (data_rank + 1) * local_batch]  # this rank's slice
         t0 = time.perf_counter()
         loss_sum = torch.zeros(())
         for m in range(args.accum):
             x, y = windows(train_data, starts[m * micro: (m + 1) * micro], args.seq_len)
             grads, loss = grad_fn(params, x, y)
-            if pipe is not None:  # the step's mean gradient, for what each stage alone sees
+            if pipe is not None or experts is not None:  # the step's mean gradient, for what
+                # each stage / expert-parallel rank alone sees
                 mean_grads = ({k: g / args.accum for k, g in grads.items()} if m == 0 else
                               {k: mean_grads[k] + g / args.accum for k, g in grads.items()})
             counting = count_collectives() if step == start and m == args.accum - 1 else nullcontext()
@@ -779,7 +1072,7 @@ def main(argv=None):
             if pipe is not None:  # the stage module runs on its own parameters
                 params = pipe.load(params)
             loss_sum += loss.detach()
-        loss = dp_mean(loss_sum / args.accum).item()  # mean over the global batch
+        loss = (data_sum(loss_sum) / (args.accum * n_data)).item()  # mean over the global batch
         dt = time.perf_counter() - t0
         train_time += dt
         if args.accum > 1:
@@ -788,8 +1081,16 @@ def main(argv=None):
         lr = float(schedule(torch.tensor(step)))
         history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                         "tokens_per_s": tokens_per_step / dt, "time_s": time.perf_counter() - t_start})
+        if experts is not None:
+            ep_norms = experts.rank_norms(mean_grads, mesh)
+            history[-1]["ep_rank_grad_norms"] = ep_norms
+            if step == start and is_main:
+                bar.write(f"step {step + 1}: global gradient norm {grad_norm:.4f} (what every rank "
+                          f"clips by); each expert-parallel rank's own norm (its own tokens' "
+                          f"gradients for the dense leaves, its own experts): "
+                          + ", ".join(f"{n:.4f}" for n in ep_norms), file=sys.stderr)
         if pipe is not None:
-            stage_norms = pipe.stage_norms(mean_grads, device_mesh)
+            stage_norms = pipe.stage_norms(mean_grads, mesh)
             history[-1]["stage_grad_norms"] = stage_norms
             if step == start and is_main:
                 bar.write(f"step {step + 1}: global gradient norm {grad_norm:.4f} (what every stage "
@@ -811,11 +1112,9 @@ def main(argv=None):
     wall = time.perf_counter() - t_start
 
     # ---- outputs ----------------------------------------------------------------------------------
-    if pipe is not None:
-        full = pipe.full_params()
-    else:
-        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                for k, v in params.items()}
+    # separate experts: each ep rank holds its own names (stacked ones gather as DTensors)
+    full = full_params(params, ([experts.group] if experts and not experts.stacked else [])
+                       + ([pipe.group] if pipe else []))
     summary = {
         "initial_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
@@ -827,8 +1126,9 @@ def main(argv=None):
         "wall_time_s": wall,
         "n_params": n_params,
         "world_size": world,
-        "mesh": (({"pp": args.pp} if args.pp > 1 else {}) | {"dp": args.dp, "tp": args.tp}
-                 if world > 1 else None),
+        "mesh": (dict(zip(device_mesh.mesh_dim_names, device_mesh.shape)) if world > 1 else None),
+        "moe": ({"experts": args.moe, "top_k": args.top_k, "aux_loss": args.aux_loss,
+                 "stacked": args.experts == "stacked"} if args.moe else None),
         "optimizer": args.optimizer,
         "zero": args.zero,
         "8bit": args.eight_bit,

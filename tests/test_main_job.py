@@ -93,6 +93,9 @@ def test_pipeline_stages_equal_one_process(layout, optimizer, tmp_path, tmp_path
         stage = a["stage_grad_norms"]
         assert len(stage) == 2 and all(s < a["grad_norm"] for s in stage)
         assert math.hypot(*stage) == pytest.approx(a["grad_norm"], rel=1e-5)
+        # each stage's own: a norm over every rank (both stages mixed) would give both the
+        # same value, global / sqrt(2)
+        assert abs(stage[0] - stage[1]) > 1e-3 * a["grad_norm"], stage
     log = res.stderr.replace("\r", "\n")
     collectives = [line for line in log.splitlines() if "collectives per update" in line]
     want = COLLECTIVES[optimizer][layout]
@@ -115,3 +118,103 @@ def test_pipeline_collectives_do_not_grow_with_layers(tmp_path):
     log = res.stderr.replace("\r", "\n")
     collectives = [line for line in log.splitlines() if "collectives per update" in line]
     assert collectives and collectives[0].endswith("all_reduce 3"), collectives
+
+
+_ONE_MOE = {}
+
+
+def _one_process_moe(optimizer, experts, tmp_path_factory):
+    """The one-process MoE run (cached per optimizer and expert representation)."""
+    key = (optimizer, experts)
+    if key not in _ONE_MOE:
+        out = tmp_path_factory.mktemp(f"one-moe-{optimizer}-{experts}")
+        _ONE_MOE[key] = _run([sys.executable, str(SCRIPT), "--optimizer", optimizer,
+                              *MOE, "--experts", experts], out)
+    return _ONE_MOE[key]
+
+
+MOE = ["--moe", "4", "--top-k", "2"]
+
+
+@pytest.mark.parametrize("experts", ["stacked", "separate"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "lamb"])
+def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_path_factory):
+    """3 steps of the MoE decoder (4 SwiGLU experts per layer, top-2, load-balancing loss,
+    dropless) at ep=2 x dp=2 on 4 gloo processes (tokens dispatched by all-to-all; each rank
+    holds 2 experts and its own quarter of the batch) give one process's parameters within
+    1e-5 and its gradient norm at every step, with the experts declared either as DTensors
+    ``Shard(0)`` over "ep" (stacked) or by ``is_expert`` (separate modules). Each ep rank's own
+    norm, which the job logs, differs from the global one. The step's all-reduces: agreeing on
+    present gradients, the mean over dp, the mean over ep (experts: over dp, divided by ep), the
+    clip's norm, and adafactor's or lamb's per-leaf statistics."""
+    one, p1 = _one_process_moe(optimizer, experts, tmp_path_factory)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", str(SCRIPT), "--optimizer", optimizer, *MOE,
+                          "--experts", experts, "--ep", "2", "--dp", "2", "--tp", "1"]
+                         + SMALL + ["--out", str(tmp_path)], env=_env(), capture_output=True,
+                         text=True, timeout=420)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    four = json.loads(res.stdout.strip().splitlines()[-1])
+    p4 = torch.load(tmp_path / "params.pt")
+    assert four["mesh"] == {"dp": 2, "ep": 2, "tp": 1}
+    assert four["moe"] == one["moe"] == {"experts": 4, "top_k": 2, "aux_loss": 0.01,
+                                         "stacked": experts == "stacked"}
+    assert set(p1) == set(p4)
+    expert_names = [k for k in p1 if ".experts." in k or k.endswith(("mlp.w_up", "mlp.w_gate"))]
+    assert len(expert_names) == (2 * 2 if experts == "stacked" else 2 * 4 * 3)
+    for name in p1:
+        torch.testing.assert_close(p4[name], p1[name], rtol=1e-5, atol=1e-6, msg=name)
+    steps4 = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    steps1 = json.loads((Path(one["out"]) / "metrics.json").read_text())["steps"]
+    for a, b in zip(steps4, steps1):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        own = a["ep_rank_grad_norms"]
+        assert len(own) == 2 and all(abs(n - a["grad_norm"]) > 1e-3 * a["grad_norm"] for n in own)
+        assert abs(own[0] - own[1]) > 1e-3 * a["grad_norm"], own  # each rank's own, not mixed
+    log = res.stderr.replace("\r", "\n")
+    collectives = [line for line in log.splitlines() if "collectives per update" in line]
+    want = {"adamw": 4, "adafactor": 5, "lamb": 5}[optimizer]
+    assert collectives and collectives[0].endswith(f"all_reduce {want}"), collectives
+    assert any("each expert-parallel rank's own norm" in line for line in log.splitlines())
+
+
+def test_expert_collectives_do_not_grow_with_experts(tmp_path):
+    """Twice the experts (8 per layer, 4 per ep rank): the same 5 all-reduces for clip +
+    adafactor at ep=2 x dp=2 as with 4."""
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", str(SCRIPT), "--optimizer", "adafactor",
+                          "--moe", "8", "--ep", "2", "--dp", "2", "--tp", "1"] + SMALL
+                         + ["--steps", "1", "--out", str(tmp_path)],
+                         env=_env(), capture_output=True, text=True, timeout=420)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    log = res.stderr.replace("\r", "\n")
+    collectives = [line for line in log.splitlines() if "collectives per update" in line]
+    assert collectives and collectives[0].endswith("all_reduce 5"), collectives
+
+
+def _job_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_lm_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ep", "2"], "--ep needs routed experts"),
+    (["--moe", "3", "--ep", "2", "--tp", "1"], "experts must be divisible by --ep 2"),
+    (["--moe", "4", "--ep", "3"], "does not divide the world size 4"),
+    (["--moe", "4", "--ep", "2", "--dp", "2", "--tp", "2"], "!= world size 4"),
+    (["--pp", "2", "--n-layers", "3", "--tp", "2"], "--n-layers 3 must be divisible by --pp 2"),
+    (["--moe", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --moe 4"),
+    (["--moe", "4", "--optimizer", "muon"], "use --experts separate"),
+    (["--moe", "4", "--ep", "2", "--tp", "1", "--eval-windows", "6"],
+     "--eval-windows 6 must be divisible by --dp 2 x --ep 2"),
+])
+def test_bad_layouts_stop_at_start(monkeypatch, argv, message):
+    """Sizes that cannot make the launched world stop before any process group is made, with
+    a message naming them (here as if launched on 4 processes)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit, match=message.replace("+", r"\+")):
+        _job_module().main(argv)
