@@ -83,3 +83,27 @@ def test_zero_aliases_tp2_dp2_match_one_process(tmp_path):
                 assert gathers > 1, (name, step, c)  # + the refresh's gathers of sharded leaves
             else:
                 assert gathers == 1, (name, step, c)
+
+
+def test_statistics_over_two_mesh_dims_take_one_all_reduce(tmp_path):
+    """(pp=2, dp=2, tp=2) on 8 ranks: clip + lamb, whose trust-ratio norms are completed over
+    dp x tp (every dim but the pipeline one), equal one process on the union of both stages'
+    leaves with the dp mean of the gradients; each step takes 4 all-reduces (presence, dp mean,
+    the clip's norm, lamb's norms): the statistics go through one cached process group of the
+    stage's dp x tp ranks, not one all-reduce per dim (5 before)."""
+    import _gloo_slice_worker as slice_worker
+
+    res = _spawn(8, tmp_path, "_gloo_slice_worker.py")
+    params, grads = slice_worker.problem()
+    tx = slice_worker.make_tx()
+    state = tx.init(params)
+    for step in grads:
+        g = {s: {k: (step[0][s][k] + step[1][s][k]) / 2 for k in params[s]} for s in params}
+        params, state = ft.step(tx, g, state, params)
+    for s in params:
+        for k in params[s]:
+            torch.testing.assert_close(res["params"][s][k], params[s][k], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(res["norm"], ft.tree_get(state, "global_norm"), rtol=1e-5,
+                               atol=1e-6)
+    assert res["groups"] == 1
+    assert res["counts"] == [{"all_reduce": 4}] * len(grads), res["counts"]

@@ -23,9 +23,12 @@ __all__ = ["groups_over", "all_reduce", "all_reduce_buckets", "reduce_scatter", 
 
 def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
     """Functional-collective groups whose successive all-reduces reduce over the mesh dims
-    ``dims``: the default (world) process group when they span every rank of the job, else one
-    ``(device_mesh, dim)`` group per dim of more than one rank (sum, avg, max and min compose
-    dim by dim).
+    ``dims``: the default (world) process group when they span every rank of the job; on real
+    process groups, one cached process group of this rank's slice of the mesh along ``dims``
+    (:func:`slice_group`: one all-reduce whatever the number of dims, e.g. over the dp x tp
+    ranks of a pipeline stage); else (a one-process simulation, or under torch.compile, which
+    cannot create groups) one ``(device_mesh, dim)`` group per dim of more than one rank (sum,
+    avg, max and min compose dim by dim).
 
     The user's mesh is never flattened: once a mesh has a flattened child, torch 2.13
     redistributes nested uneven ``Shard`` placements on it with wrong chunk sizes (pytorch PR
@@ -38,7 +41,41 @@ def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
     size = math.prod([device_mesh.size(d) for d in dims])
     if dist.is_initialized() and size == dist.get_world_size():
         return (dist.group.WORLD,)
+    if (dist.is_initialized() and dist.get_backend() != "fake"
+            and not torch.compiler.is_compiling()):
+        group = slice_group(device_mesh, dims)
+        if group is not None:
+            return (group,)
     return tuple((device_mesh, d) for d in dims)
+
+
+_SLICE_GROUPS: dict = {}
+
+
+def slice_group(device_mesh: DeviceMesh, dims: Sequence[int]) -> Optional[dist.ProcessGroup]:
+    """The process group of the ranks that share this rank's coordinates on the dims of
+    ``device_mesh`` other than ``dims`` (its slice along ``dims``), made on first use with
+    ``dist.new_group(ranks, use_local_synchronization=True)`` (only the slice's ranks take
+    part, each the first time it reduces over these dims) and cached by the slice's ranks and
+    the default process group, not by the mesh object (a new mesh of the same layout reuses
+    it; a new default group makes new ones). ``None`` when this rank is not in the mesh."""
+    fast = (dist.group.WORLD, device_mesh, tuple(dims))
+    if fast in _SLICE_GROUPS:
+        return _SLICE_GROUPS[fast]
+    ranks = device_mesh.mesh
+    other = [d for d in range(ranks.ndim) if d not in dims]
+    rows = ranks.permute(*other, *dims).reshape(-1, math.prod(ranks.shape[d] for d in dims))
+    me = dist.get_rank()
+    row = next((tuple(r) for r in rows.tolist() if me in r), None)
+    group = None
+    if row is not None:
+        key = (dist.group.WORLD, row)  # (holding the world group: its id is not reused)
+        group = _SLICE_GROUPS.get(key)
+        if group is None:
+            group = _SLICE_GROUPS[key] = dist.new_group(list(row),
+                                                        use_local_synchronization=True)
+    _SLICE_GROUPS[fast] = group
+    return group
 
 
 def _group_key(groups: tuple) -> Any:
