@@ -93,6 +93,33 @@ def _program(tx: GradientTransformation):
     return None
 
 
+def _injected_after_clip(tx, grads, state, params, mesh, donate):
+    """The fused step of ``chain(clip_by_global_norm, inject_hyperparams(alias)(...))`` (what
+    :class:`~functional_train.TorchOptimizer` makes of a clipped alias), or ``None``."""
+    parts = getattr(tx.update, "parts", None)
+    if parts is None or len(parts) != 2:
+        return None
+    clip = getattr(parts[0].update, "fused_clip", None)
+    resolve = getattr(parts[1].update, "resolve", None)
+    if clip is None or resolve is None or torch.compiler.is_compiling() or is_differentiable():
+        return None
+    from .hyperparams import InjectHyperparamsState
+
+    if not (isinstance(state, tuple) and len(state) == 2
+            and isinstance(state[1], InjectHyperparamsState)):
+        return None
+    inner, hp = resolve(state[1])
+    fused = getattr(inner.update, "fused", None)
+    if fused is None:
+        return None
+    out = _run_fused(None, clip, fused, grads, (state[0], state[1].inner_state), params, mesh,
+                     donate)
+    if out is None:
+        return None
+    new_params, (new_clip, new_inner) = out
+    return new_params, (new_clip, InjectHyperparamsState(state[1].count + 1, hp, new_inner))
+
+
 def _learning_rate(lr, state_count, like: torch.Tensor):
     if not callable(lr):
         return lr
@@ -434,6 +461,9 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
         new_params, inner_state = step(inner, grads, state.inner_state, params, mesh=mesh,
                                        donate=donate, **extra)
         return new_params, InjectHyperparamsState(state.count + 1, hp, inner_state)
+    out = _injected_after_clip(tx, grads, state, params, mesh, donate)
+    if out is not None:
+        return out
     prog = _program(tx)
     # under torch.compile the primitives run instead: inductor fuses them into out-of-place
     # kernels itself, and functionalisation cannot trace the in-place fused kernels
