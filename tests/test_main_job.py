@@ -23,18 +23,21 @@ def _env():
         [str(ROOT), os.environ.get("PYTHONPATH", "")]))
 
 
-def _run(cmd, out):
-    res = subprocess.run(cmd + SMALL + ["--out", str(out)], env=_env(), capture_output=True,
-                         text=True, timeout=420)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+
+
+def _run(cmd, out, extra=()):
+    """The job as ``cmd`` + SMALL + ``extra``; returns ``(summary, params, its stderr)``."""
+    res = subprocess.run(cmd + SMALL + [*extra, "--out", str(out)], env=_env(),
+                         capture_output=True, text=True, timeout=420)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    return summary, torch.load(out / "params.pt")
+    return summary, torch.load(out / "params.pt"), res.stderr.replace("\r", "\n")
 
 
 def test_dp2_tp2_equals_one_process(tmp_path):
-    one, p1 = _run([sys.executable, str(SCRIPT)], tmp_path / "one")
-    four, p4 = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     "--nproc-per-node", "4", str(SCRIPT)], tmp_path / "four")
+    one, p1, _ = _run([sys.executable, str(SCRIPT)], tmp_path / "one")
+    four, p4, _ = _torchrun([], tmp_path / "four")
     assert one["world_size"] == 1 and four["world_size"] == 4
     assert four["mesh"] == {"dp": 2, "tp": 2}
     assert one["steps"] == four["steps"] == 3
@@ -48,6 +51,29 @@ def test_dp2_tp2_equals_one_process(tmp_path):
     assert abs(one["final_loss"] - four["final_loss"]) < 1e-4
 
 
+def _torchrun(args, out, extra=()):
+    """4 gloo processes of the job with ``args``: see :func:`_run`."""
+    return _run(TORCHRUN + [str(SCRIPT), *args], out, extra)
+
+
+def _same_training(one, p1, p4, out):
+    """The parameters within 1e-5 and the logged gradient norm at every step of the run in
+    ``out`` equal the one-process run's; returns the run's per-step metrics."""
+    assert set(p1) == set(p4)
+    for name in p1:
+        torch.testing.assert_close(p4[name], p1[name], rtol=1e-5, atol=1e-6, msg=name)
+    steps4 = json.loads((out / "metrics.json").read_text())["steps"]
+    steps1 = json.loads((Path(one["out"]) / "metrics.json").read_text())["steps"]
+    assert len(steps4) == len(steps1) == 3
+    for a, b in zip(steps4, steps1):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    return steps4
+
+
+def _collectives(log):
+    return [line for line in log.splitlines() if "collectives per update" in line]
+
+
 _ONE = {}
 
 
@@ -55,7 +81,7 @@ def _one_process(optimizer, tmp_path_factory):
     """The one-process run of ``optimizer`` (cached: the pipeline layouts compare with it)."""
     if optimizer not in _ONE:
         out = tmp_path_factory.mktemp(f"one-{optimizer}")
-        _ONE[optimizer] = _run([sys.executable, str(SCRIPT), "--optimizer", optimizer], out)
+        _ONE[optimizer] = _run([sys.executable, str(SCRIPT), "--optimizer", optimizer], out)[:2]
     return _ONE[optimizer]
 
 
@@ -74,30 +100,17 @@ def test_pipeline_stages_equal_one_process(layout, optimizer, tmp_path, tmp_path
     dims = {"pp2-tp2": ["--pp", "2", "--tp", "2"], "pp2-dp2": ["--pp", "2", "--dp", "2",
                                                                "--tp", "1"]}[layout]
     one, p1 = _one_process(optimizer, tmp_path_factory)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "4", str(SCRIPT), "--optimizer", optimizer, *dims]
-                         + SMALL + ["--out", str(tmp_path)], env=_env(), capture_output=True,
-                         text=True, timeout=420)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    four = json.loads(res.stdout.strip().splitlines()[-1])
-    p4 = torch.load(tmp_path / "params.pt")
+    four, p4, log = _torchrun(["--optimizer", optimizer, *dims], tmp_path)
     assert four["mesh"] == {"pp": 2, "dp": 2 if "dp2" in layout else 1,
                             "tp": 2 if "tp2" in layout else 1}
-    assert set(p1) == set(p4)
-    for name in p1:
-        torch.testing.assert_close(p4[name], p1[name], rtol=1e-5, atol=1e-6, msg=name)
-    steps4 = json.loads((tmp_path / "metrics.json").read_text())["steps"]
-    steps1 = json.loads((Path(one["out"]) / "metrics.json").read_text())["steps"]
-    for a, b in zip(steps4, steps1):
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for a in _same_training(one, p1, p4, tmp_path):
         stage = a["stage_grad_norms"]
         assert len(stage) == 2 and all(s < a["grad_norm"] for s in stage)
         assert math.hypot(*stage) == pytest.approx(a["grad_norm"], rel=1e-5)
         # each stage's own: a norm over every rank (both stages mixed) would give both the
         # same value, global / sqrt(2)
         assert abs(stage[0] - stage[1]) > 1e-3 * a["grad_norm"], stage
-    log = res.stderr.replace("\r", "\n")
-    collectives = [line for line in log.splitlines() if "collectives per update" in line]
+    collectives = _collectives(log)
     want = COLLECTIVES[optimizer][layout]
     assert collectives and collectives[0].endswith(f"all_reduce {want}"), collectives
 
@@ -109,14 +122,9 @@ COLLECTIVES = {"adamw": {"pp2-tp2": 1, "pp2-dp2": 3}, "adafactor": {"pp2-tp2": 3
 def test_pipeline_collectives_do_not_grow_with_layers(tmp_path):
     """Twice the layers per stage (4 in 2 stages, pp=2 x tp=2): the same 3 all-reduces for
     clip + adafactor as with 2 layers."""
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "4", str(SCRIPT), "--optimizer", "adafactor",
-                          "--pp", "2", "--tp", "2"] + SMALL
-                         + ["--n-layers", "4", "--steps", "1", "--out", str(tmp_path)],
-                         env=_env(), capture_output=True, text=True, timeout=420)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    log = res.stderr.replace("\r", "\n")
-    collectives = [line for line in log.splitlines() if "collectives per update" in line]
+    _, _, log = _torchrun(["--optimizer", "adafactor", "--pp", "2", "--tp", "2"], tmp_path,
+                          ["--n-layers", "4", "--steps", "1"])
+    collectives = _collectives(log)
     assert collectives and collectives[0].endswith("all_reduce 3"), collectives
 
 
@@ -129,7 +137,7 @@ def _one_process_moe(optimizer, experts, tmp_path_factory):
     if key not in _ONE_MOE:
         out = tmp_path_factory.mktemp(f"one-moe-{optimizer}-{experts}")
         _ONE_MOE[key] = _run([sys.executable, str(SCRIPT), "--optimizer", optimizer,
-                              *MOE, "--experts", experts], out)
+                              *MOE, "--experts", experts], out)[:2]
     return _ONE_MOE[key]
 
 
@@ -148,31 +156,18 @@ def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_pa
     present gradients, the mean over dp, the mean over ep (experts: over dp, divided by ep), the
     clip's norm, and adafactor's or lamb's per-leaf statistics."""
     one, p1 = _one_process_moe(optimizer, experts, tmp_path_factory)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "4", str(SCRIPT), "--optimizer", optimizer, *MOE,
-                          "--experts", experts, "--ep", "2", "--dp", "2", "--tp", "1"]
-                         + SMALL + ["--out", str(tmp_path)], env=_env(), capture_output=True,
-                         text=True, timeout=420)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    four = json.loads(res.stdout.strip().splitlines()[-1])
-    p4 = torch.load(tmp_path / "params.pt")
+    four, p4, log = _torchrun(["--optimizer", optimizer, *MOE, "--experts", experts, "--ep", "2",
+                               "--dp", "2", "--tp", "1"], tmp_path)
     assert four["mesh"] == {"dp": 2, "ep": 2, "tp": 1}
     assert four["moe"] == one["moe"] == {"experts": 4, "top_k": 2, "aux_loss": 0.01,
                                          "stacked": experts == "stacked"}
-    assert set(p1) == set(p4)
     expert_names = [k for k in p1 if ".experts." in k or k.endswith(("mlp.w_up", "mlp.w_gate"))]
     assert len(expert_names) == (2 * 2 if experts == "stacked" else 2 * 4 * 3)
-    for name in p1:
-        torch.testing.assert_close(p4[name], p1[name], rtol=1e-5, atol=1e-6, msg=name)
-    steps4 = json.loads((tmp_path / "metrics.json").read_text())["steps"]
-    steps1 = json.loads((Path(one["out"]) / "metrics.json").read_text())["steps"]
-    for a, b in zip(steps4, steps1):
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for a in _same_training(one, p1, p4, tmp_path):
         own = a["ep_rank_grad_norms"]
         assert len(own) == 2 and all(abs(n - a["grad_norm"]) > 1e-3 * a["grad_norm"] for n in own)
         assert abs(own[0] - own[1]) > 1e-3 * a["grad_norm"], own  # each rank's own, not mixed
-    log = res.stderr.replace("\r", "\n")
-    collectives = [line for line in log.splitlines() if "collectives per update" in line]
+    collectives = _collectives(log)
     want = {"adamw": 4, "adafactor": 5, "lamb": 5}[optimizer]
     assert collectives and collectives[0].endswith(f"all_reduce {want}"), collectives
     assert any("each expert-parallel rank's own norm" in line for line in log.splitlines())
@@ -181,14 +176,9 @@ def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_pa
 def test_expert_collectives_do_not_grow_with_experts(tmp_path):
     """Twice the experts (8 per layer, 4 per ep rank): the same 5 all-reduces for clip +
     adafactor at ep=2 x dp=2 as with 4."""
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "4", str(SCRIPT), "--optimizer", "adafactor",
-                          "--moe", "8", "--ep", "2", "--dp", "2", "--tp", "1"] + SMALL
-                         + ["--steps", "1", "--out", str(tmp_path)],
-                         env=_env(), capture_output=True, text=True, timeout=420)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    log = res.stderr.replace("\r", "\n")
-    collectives = [line for line in log.splitlines() if "collectives per update" in line]
+    _, _, log = _torchrun(["--optimizer", "adafactor", "--moe", "8", "--ep", "2", "--dp", "2",
+                           "--tp", "1"], tmp_path, ["--steps", "1"])
+    collectives = _collectives(log)
     assert collectives and collectives[0].endswith("all_reduce 5"), collectives
 
 
