@@ -173,6 +173,21 @@ def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_pa
     assert any("each expert-parallel rank's own norm" in line for line in log.splitlines())
 
 
+@pytest.mark.parametrize("optimizer, experts", [("adafactor", "stacked"), ("adamw", "separate")])
+def test_expert_parallel_with_zero_equals_one_process(optimizer, experts, tmp_path,
+                                                      tmp_path_factory):
+    """``--zero`` at ep=2 x dp=2: the optimizer state sharded over dp, the gradients averaged
+    over ep first (one all-reduce), then reduce-scattered over dp; the same parameters and
+    gradient norms as one process."""
+    one, p1 = _one_process_moe(optimizer, experts, tmp_path_factory)
+    four, p4, log = _torchrun(["--optimizer", optimizer, *MOE, "--experts", experts, "--ep", "2",
+                               "--dp", "2", "--tp", "1", "--zero"], tmp_path)
+    assert four["zero"] and four["mesh"] == {"dp": 2, "ep": 2, "tp": 1}
+    _same_training(one, p1, p4, tmp_path)
+    collectives = _collectives(log)
+    assert collectives and "reduce_scatter_tensor 1" in collectives[0], collectives
+
+
 def test_expert_collectives_do_not_grow_with_experts(tmp_path):
     """Twice the experts (8 per layer, 4 per ep rank): the same 5 all-reduces for clip +
     adafactor at ep=2 x dp=2 as with 4."""
