@@ -32,7 +32,9 @@ The GPT-like tree has 13,650,176 float32 parameters in 122 leaves: ``embed`` 409
   4. functional_train eager: tx.update + ft.apply_updates
   5. ft.step(donate=False)
   6. ft.step(donate=True)
-  7. with --compile: torch.compile(lambda g, s, p: ft.step(tx, g, s, p), fullgraph=True), pure
+  7. ft.TorchOptimizer(chain(clip, adamw)).step(): the torch.optim adapter on nn.Parameters with
+     ``.grad`` set (the learning rate and betas injected as hyperparameters, read every step)
+  8. with --compile: torch.compile(lambda g, s, p: ft.step(tx, g, s, p), fullgraph=True), pure
      (its first calls, compilation included, are printed separately)
 
 plus floor lines: the time to move 8 x 4 bytes per parameter (read the gradient for the norm,
@@ -169,6 +171,22 @@ class TorchOptim:
 
     def params(self):
         return [local(p.detach()) for p in self.ps]
+
+
+class TorchOptimizerSys(TorchOptim):
+    """ft.TorchOptimizer(chain(clip, adamw)) on nn.Parameters: the torch.optim adapter's step
+    (``.grad`` in, ``ft.step(..., donate=True)``, results written into the parameters)."""
+
+    def __init__(self, name, params0, grads0, tx):
+        self.name = name
+        self.ps = [torch.nn.Parameter(v.clone()) for v in params0.values()]
+        self.gsrc = list(grads0.values())
+        for p, g in zip(self.ps, self.gsrc):
+            p.grad = g.clone()
+        self.opt = ft.TorchOptimizer(list(zip(params0, self.ps)), tx)
+
+    def step(self):
+        self.opt.step()
 
 
 class PureLoop:
@@ -366,6 +384,7 @@ def part_a(args):
         PureLoop("functional_train eager tx.update + ft.apply_updates", eager, tx, params0, grads0),
         PureLoop(step_label(False), lambda g, s, p: FT_STEP(tx, g, s, p, donate=False), tx, params0, grads0),
         PureLoop(step_label(True), lambda g, s, p: FT_STEP(tx, g, s, p, donate=True), tx, params0, grads0),
+        TorchOptimizerSys("ft.TorchOptimizer(chain(clip, adamw)).step()", params0, grads0, make_tx()),
     ]
     compiled_name = None
     if args.compile:
