@@ -110,6 +110,13 @@ class Mesh:
         return (self.data_axis is not None and self.expert_axis is not None
                 and self.size(self.expert_axis) > 1)
 
+    @property
+    def data_dims(self) -> list:
+        """Indices of the mesh dims whose ranks train on different data: the data axis, and the
+        expert axis when it is data parallel too (:attr:`expert_data`)."""
+        return [self.dim(self.data_axis)] + ([self.dim(self.expert_axis)] if self.expert_data
+                                             else [])
+
     def reduced(self) -> "Mesh":
         """The descriptor of the same mesh once gradients have been averaged over ``data_axis``."""
         if self.data_axis is None:

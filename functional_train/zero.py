@@ -24,8 +24,7 @@ from .base import GradientTransformation, declare
 from .mesh import Mesh
 from .engine.collectives import all_gather, all_reduce_buckets, per_rank, reduce_scatter
 from .engine.dtensor import Spec, spec_of, to_local, wrap
-from .engine.layout import World
-from .engine.plan import data_rounds, agree_presence, data_mean, plan_for
+from .engine.plan import agree_presence, data_mean, plan_for
 from .engine.view import leaf_paths, mesh_coordinates
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_unflatten
 
@@ -322,12 +321,11 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
             # ranks may differ in which gradients are None: agree first (one small all-reduce)
             g = agree_presence(g, p, treedef, mesh)
         if pending and mesh.expert_data:
-            # the expert axis is data parallel too: its mean first (one all-reduce), the
-            # reduce-scatter over the data axis below
-            world = World(mesh, list(p or []) + list(g),
-                          [f"leaf '{x}'" for x in paths] * (2 if p is not None else 1))
-            ep_round = data_rounds(world, g, paths, dims=[world._ep])
-            g = data_mean(g, *ep_round)
+            # the expert axis is data parallel too: its mean first (one all-reduce; the
+            # layout's cached plan says which leaves), the reduce-scatter over the data axis below
+            plan = plan_for(treedef, g, p, mesh)
+            ep = mesh.dim(mesh.expert_axis)
+            g = data_mean(g, [r for r in plan.data_rounds if r[0] == ep], plan.expert_scale)
         # which gradients are still each rank's own contribution over the data axis, and how
         # they add up; Partial-over-axis leaves are relabelled Replicate until step 1
         ops: list = [None] * len(g)

@@ -49,7 +49,8 @@ def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
     return tuple((device_mesh, d) for d in dims)
 
 
-_SLICE_GROUPS: dict = {}
+_SLICE_BY_MESH: dict = {}  # (world group, mesh, dims) -> this rank's slice group or None
+_SLICE_BY_RANKS: dict = {}  # (world group, slice ranks) -> its group
 
 
 def slice_group(device_mesh: DeviceMesh, dims: Sequence[int]) -> Optional[dist.ProcessGroup]:
@@ -60,8 +61,8 @@ def slice_group(device_mesh: DeviceMesh, dims: Sequence[int]) -> Optional[dist.P
     the default process group, not by the mesh object (a new mesh of the same layout reuses
     it; a new default group makes new ones). ``None`` when this rank is not in the mesh."""
     fast = (dist.group.WORLD, device_mesh, tuple(dims))
-    if fast in _SLICE_GROUPS:
-        return _SLICE_GROUPS[fast]
+    if fast in _SLICE_BY_MESH:
+        return _SLICE_BY_MESH[fast]
     ranks = device_mesh.mesh
     other = [d for d in range(ranks.ndim) if d not in dims]
     rows = ranks.permute(*other, *dims).reshape(-1, math.prod(ranks.shape[d] for d in dims))
@@ -70,11 +71,11 @@ def slice_group(device_mesh: DeviceMesh, dims: Sequence[int]) -> Optional[dist.P
     group = None
     if row is not None:
         key = (dist.group.WORLD, row)  # (holding the world group: its id is not reused)
-        group = _SLICE_GROUPS.get(key)
+        group = _SLICE_BY_RANKS.get(key)
         if group is None:
-            group = _SLICE_GROUPS[key] = dist.new_group(list(row),
-                                                        use_local_synchronization=True)
-    _SLICE_GROUPS[fast] = group
+            group = _SLICE_BY_RANKS[key] = dist.new_group(list(row),
+                                                          use_local_synchronization=True)
+    _SLICE_BY_MESH[fast] = group
     return group
 
 

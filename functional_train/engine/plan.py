@@ -98,7 +98,8 @@ class Plan:
         active: indices of the non-``None`` update leaves.
         specs: the :class:`Spec` of each materialised update leaf (``None``: plain or absent).
         data_rounds: per round (the data axis, then an expert axis that is data parallel too;
-            see :class:`~functional_train.Mesh`), the leaves averaged over it and its groups.
+            see :class:`~functional_train.Mesh`), ``(mesh dim, leaves averaged over it, its
+            groups)``.
         expert_scale: ``(leaf indices, 1 / expert axis size)``: expert leaves whose gradient
             sums the expert axis' contributions, divided by its size.
         partial_rounds: per round, ``(leaf index, groups, reduce op)`` of one ``Partial`` mesh dim
@@ -205,36 +206,33 @@ class Plan:
         return grads
 
 
-def data_rounds(world: World, leaves: Sequence[Any], paths: Sequence[str],
-                 dims: Optional[Sequence[int]] = None) -> tuple[list, tuple]:
+def data_rounds(world: World, leaves: Sequence[Any], paths: Sequence[str]) -> tuple[list, tuple]:
     """Which gradient leaves are per-replica contributions over which data-parallel mesh dims
-    (``dims``: the data axis, and the expert axis when it is data parallel too): one round
-    per dim, ``(leaf indices, groups)``, and the expert leaves to divide by the expert axis
-    size (see :class:`~functional_train.Mesh`). A leaf whose DTensor lives on a dim (sharded,
-    replicated or partial over it) is not averaged over it."""
+    (:attr:`Mesh.data_dims`: the data axis, and the expert axis when it is data parallel too):
+    one round per dim of more than one rank, ``(dim, leaf indices, groups)``, and the expert
+    leaves to divide by the expert axis size (see :class:`~functional_train.Mesh`). A leaf
+    whose DTensor lives on a dim (sharded, replicated or partial over it) is not averaged over
+    it."""
     mesh = world.mesh
-    if dims is None:
-        dims = [world._dp] + ([world._ep] if mesh.expert_data else [])
-    rounds, scaled = [], []
     experts = [g is not None and world.is_expert_leaf(g, paths[i]) for i, g in enumerate(leaves)]
-    for d in dims:
+    rounds = []
+    for d in mesh.data_dims:
         if world.shape[d] == 1:
             continue
         idx = [i for i, g in enumerate(leaves) if g is not None and not (
             isinstance(g, DTensor) and d in world.leaf_dims(g, paths[i]))
             and not (d == world._ep and experts[i])]
         if idx:
-            rounds.append((idx, world.dim_group(d)))
-    if mesh.expert_data and world._ep in dims:
-        scaled = [i for i, e in enumerate(experts) if e]
-    return rounds, (tuple(scaled), 1.0 / world.shape[world._ep] if scaled else 1.0)
+            rounds.append((d, idx, world.dim_group(d)))
+    scaled = tuple(i for i, e in enumerate(experts) if e) if mesh.expert_data else ()
+    return rounds, (scaled, 1.0 / world.shape[world._ep] if scaled else 1.0)
 
 
 def data_mean(grads: list, rounds: list, expert_scale: tuple) -> list:
     """Apply :func:`data_rounds`' plan: one bucketed all-reduce (mean) per round and dtype,
     then the expert leaves' division (new list)."""
     grads = list(grads)
-    for idx, group in rounds:
+    for _, idx, group in rounds:
         red = all_reduce_buckets([(to_local(grads[i]), group, "avg") for i in idx])
         for i, r in zip(idx, red):
             grads[i] = wrap_like(r, grads[i])
@@ -335,7 +333,7 @@ def agree_presence(leaves: list, pleaves: Optional[list], treedef, mesh: Mesh) -
         codes.append((1, 1 + dt * 4 + lay))
     dm = mesh.device_mesh
     local = torch.tensor(codes, dtype=torch.int64, device=dm.device_type).reshape(2 * n)
-    dims = [mesh.dim(mesh.data_axis)] + ([mesh.dim(mesh.expert_axis)] if mesh.expert_data else [])
+    dims = mesh.data_dims
     total = all_reduce_buckets([(local, groups_over(dm, dims), "sum")])[0]
     total = total.view(n, 2).tolist()
     out = list(leaves)
