@@ -489,10 +489,7 @@ class Pipeline:
         its own stage's ranks), on every rank."""
         alone = ft.Mesh(without(mesh.device_mesh, "pp"), data_axis=mesh.data_axis,
                         expert_axis=mesh.expert_axis, is_expert=mesh.is_expert)
-        own = ft.global_norm(grads, mesh=alone).reshape(1)
-        every = [torch.zeros(1) for _ in range(self.pp)]
-        dist.all_gather(every, own.float(), group=self.group)
-        return [float(t) for t in every]
+        return norms_of_ranks(grads, alone, self.group)
 
     @torch.no_grad()
     def load(self, params) -> dict:
@@ -563,16 +560,22 @@ class ExpertParallel:
                for k, g in grads.items()}
         alone = ft.Mesh(without(mesh.device_mesh, "ep"), data_axis=mesh.data_axis,
                         pipeline_axis=mesh.pipeline_axis)
-        norm = ft.global_norm(own, mesh=alone).reshape(1).float()
-        every = [torch.zeros(1) for _ in range(self.ep)]
-        dist.all_gather(every, norm, group=self.group)
-        return [float(t) for t in every]
+        return norms_of_ranks(own, alone, self.group)
 
 
 def without(device_mesh, name: str):
     """The sub-mesh of ``device_mesh`` over its other dims: this rank's slice along ``name``
     (a norm on it reduces over those ranks only)."""
     return device_mesh[tuple(n for n in device_mesh.mesh_dim_names if n != name)]
+
+
+def norms_of_ranks(grads: dict, alone: "ft.Mesh", group) -> list:
+    """``ft.global_norm(grads)`` on the sub-mesh descriptor ``alone`` (this rank's own part of
+    the model), from every rank of ``group`` in rank order, on every rank."""
+    norm = ft.global_norm(grads, mesh=alone).reshape(1).float()
+    every = [torch.zeros(1) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, norm, group=group)
+    return [float(t) for t in every]
 
 
 def is_expert_path(path: str) -> bool:
@@ -1082,24 +1085,23 @@ def main(argv=None):
         lr = float(schedule(torch.tensor(step)))
         history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                         "tokens_per_s": tokens_per_step / dt, "time_s": time.perf_counter() - t_start})
+        reports = []  # what each ep rank / stage alone would clip by, beside the global norm
         if experts is not None:
-            ep_norms = experts.rank_norms(mean_grads, mesh)
-            history[-1]["ep_rank_grad_norms"] = ep_norms
-            if step == start and is_main:
-                bar.write(f"step {step + 1}: global gradient norm {grad_norm:.4f} (what every rank "
-                          f"clips by); each expert-parallel rank's own norm (its own tokens' "
-                          f"gradients for the dense leaves, its own experts): "
-                          + ", ".join(f"{n:.4f}" for n in ep_norms), file=sys.stderr)
+            reports.append(("ep_rank_grad_norms", experts.rank_norms(mean_grads, mesh), "rank",
+                            "each expert-parallel rank's own norm (its own tokens' gradients "
+                            "for the dense leaves, its own experts)", lambda norms: ""))
         if pipe is not None:
-            stage_norms = pipe.stage_norms(mean_grads, mesh)
-            history[-1]["stage_grad_norms"] = stage_norms
+            reports.append(("stage_grad_norms", pipe.stage_norms(mean_grads, mesh), "stage",
+                            "each stage's own norm", lambda norms: (
+                                f" (their root sum of squares {math.hypot(*norms):.4f}: a stage "
+                                f"clipping by its own norm would scale its gradients "
+                                f"differently)")))
+        for key, norms, who, what, tail in reports:
+            history[-1][key] = norms
             if step == start and is_main:
-                bar.write(f"step {step + 1}: global gradient norm {grad_norm:.4f} (what every stage "
-                          f"clips by); each stage's own norm: "
-                          + ", ".join(f"{n:.4f}" for n in stage_norms)
-                          + f" (their root sum of squares {math.hypot(*stage_norms):.4f}: a stage "
-                          f"clipping by its own norm would scale its gradients differently)",
-                          file=sys.stderr)
+                bar.write(f"step {step + 1}: global gradient norm {grad_norm:.4f} (what every "
+                          f"{who} clips by); {what}: " + ", ".join(f"{n:.4f}" for n in norms)
+                          + tail(norms), file=sys.stderr)
         bar.set_postfix(loss=f"{loss:.3f}", gnorm=f"{grad_norm:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             val_history.append({"step": step + 1, "val_loss": evaluate(params)})
