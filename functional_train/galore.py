@@ -48,7 +48,8 @@ from .engine.view import Prepared, prepare
 from .engine.whole import gather_global as _gather_global, is_sharded as _is_sharded, \
     local_part as _local_part, per_rank as _per_rank
 from .factored import per_leaf_result, per_leaf_view
-from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, reject_complex, scale_by_adam,
+from .transforms import (AdamLeaf, ScalarOrSchedule, ScaleByAdamState, ScaleByScheduleState,
+                         _check_state, reject_complex, scale_by_adam,
                          scale_by_learning_rate, stateless)
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
 
@@ -254,6 +255,26 @@ def _project_back(r: torch.Tensor, p: torch.Tensor, side: str) -> torch.Tensor:
     return r @ p if side == _RIGHT else p @ r
 
 
+class BackProjection(NamedTuple):
+    """A projected leaf's update before its back-projection, as :func:`galore`'s per-leaf path
+    hands it to ``ft.step``: the full-shape update is ``scale * (low @ proj)`` (right side) or
+    ``scale * (proj @ low)`` (left side)."""
+
+    low: torch.Tensor
+    proj: torch.Tensor
+    side: str
+    scale: float
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two matrices whose product is the unscaled update, in order."""
+        return (self.low, self.proj) if self.side == _RIGHT else (self.proj, self.low)
+
+    def into(self, buf: torch.Tensor) -> torch.Tensor:
+        """The scaled update written into ``buf`` (contiguous, the leaf's shape and dtype)."""
+        u = torch.matmul(*self.factors(), out=buf)  # _project_back's product
+        return u.mul_(self.scale) if self.scale != 1.0 else u
+
+
 # ---------------------------------------------------------------------------------------------
 # galore
 # ---------------------------------------------------------------------------------------------
@@ -384,14 +405,18 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         return run(updates, state, params, mesh, extra, None, None)
 
-    def per_leaf(updates, state, params, on_update, scratch):
-        """``update`` for ``ft.step``'s per-leaf path: instead of returning the updates, hands
-        each active leaf's (plain tensor) update to ``on_update(i, u)`` as soon as it exists
-        (projected leaves back-projected into ``scratch`` slot 0, valid until the next call);
-        returns the new state."""
-        return run(updates, state, params, None, {}, on_update, scratch)[1]
+    def per_leaf(updates, state, params, on_update, scratch, outputs=None):
+        """``update`` for ``ft.step``'s per-leaf path (plain tensors, one process): instead of
+        returning the updates, hands each active leaf's update to ``on_update(i, u)`` as soon
+        as it exists: a :class:`BackProjection` for a projected leaf, else a tensor (in
+        ``scratch``, valid until the next call); returns the new state. Between refreshes, an
+        ``inner`` with a ``leafwise`` form (32-bit :func:`scale_by_adam`) and ``outputs``
+        given, each leaf is projected, through Adam and handed on before the next is read;
+        ``outputs(kind, tensors)`` gives the new moments' buffers (the old ones to update them
+        in place). Scratch slots 2 and 3 are this function's."""
+        return run(updates, state, params, None, {}, on_update, scratch, outputs)[1]
 
-    def run(updates, state, params, mesh, extra, on_update, scratch):
+    def run(updates, state, params, mesh, extra, on_update, scratch, outputs=None):
         _check_state(state, GaLoreState, where)
         b = prepare(updates, params, mesh, name=where)
         reject_complex(b, where)
@@ -430,6 +455,13 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
             for i, side in proj:
                 p_full[i] = _orthogonal(full.get(i, b.locals[i]), side, rank)
                 new_proj[i] = wrap_like(p_full[i], old[i])
+        leafwise = getattr(inner.update, "leafwise", None)
+        if (on_update is not None and outputs is not None and leafwise is not None
+                and not refresh and isinstance(state.inner_state, ScaleByAdamState)):
+            inner_state = _leafwise(b, dict(proj), p_full, state.inner_state, leafwise,
+                                    on_update, scratch, outputs, scale, rank)
+            return None, GaLoreState(state.count + 1, tree_unflatten(b.treedef, new_proj),
+                                     inner_state)
         # projection: local products, partial sums completed by one bucketed all-reduce
         low: dict = {}
         p_slice: dict = {}
@@ -465,15 +497,9 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
         if on_update is not None:  # ft.step's per-leaf path: plain tensors, one process
             sides = dict(proj)
             for i in b.active:
-                if i not in sides:
-                    on_update(i, out[i])
-                    continue
                 r = out[i]
-                pr = p_slice[i].to(r.dtype)
-                buf = scratch.view(0, b.locals[i].shape, r.dtype, r.device)
-                u = torch.matmul(r, pr, out=buf) if sides[i] == _RIGHT else \
-                    torch.matmul(pr, r, out=buf)  # _project_back's product, into the scratch
-                on_update(i, u.mul_(scale) if scale != 1.0 else u)
+                on_update(i, r if i not in sides else
+                          BackProjection(r, p_slice[i].to(r.dtype), sides[i], scale))
             return None, new_state
         for i, side in proj:
             u = _project_back(to_local(out[i]), p_slice[i], side)
@@ -482,6 +508,48 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
 
     update_fn.per_leaf = per_leaf
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
+
+
+def _leafwise(b: Prepared, sides: dict, proj: dict, state: ScaleByAdamState, adam: AdamLeaf,
+              on_update: Callable, scratch: Scratch, outputs: Callable, scale: float,
+              rank: int) -> ScaleByAdamState:
+    """:func:`galore`'s per-leaf update with its ``inner`` Adam one leaf at a time (plain
+    tensors, one process, no refresh): per active leaf, ``R`` projected into scratch slot 2,
+    Adam's moments into ``outputs``' buffers and its update into slot 3, then ``on_update``;
+    the same operations as the general path on one leaf, so the moments and updates are bit for
+    bit its own. Returns the new inner state."""
+    act = b.active
+    mu_all = flatten_as(state.mu, b.treedef, "ScaleByAdamState.mu", "the updates")
+    nu_all = flatten_as(state.nu, b.treedef, "ScaleByAdamState.nu", "the updates")
+    mu, nu = [mu_all[i] for i in act], [nu_all[i] for i in act]  # the projected shapes
+    for k, i in enumerate(act):
+        g, side = b.locals[i], sides.get(i)
+        want = tuple(g.shape) if side is None else _low_rank_shape(g.shape, side, rank)
+        for what, x in (("mu", mu[k]), ("nu", nu[k])):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"galore: update leaf '{b.paths[i]}' needs a "
+                                 f"ScaleByAdamState.{what} of shape {want}, the state holds "
+                                 f"{got} (a state for other parameters?)")
+    mu_out, nu_out = outputs("galore.mu", mu), outputs("galore.nu", nu)
+    count = state.count + 1
+    factors = adam.factors(count)
+    for k, i in enumerate(act):
+        g = b.locals[i]
+        side = sides.get(i)
+        if side is not None:
+            p = proj[i].to(g.dtype)  # _project's product, into the scratch
+            if side == _RIGHT:
+                g = torch.matmul(g, p.T, out=scratch.view(2, (g.shape[0], p.shape[0]), g.dtype,
+                                                          g.device))
+            else:
+                g = torch.matmul(p.T, g, out=scratch.view(2, (p.shape[1], g.shape[1]), g.dtype,
+                                                          g.device))
+        r = adam.step(g, mu[k], nu[k], mu_out[k], nu_out[k],
+                      scratch.view(3, g.shape, nu[k].dtype, g.device), factors)
+        on_update(i, r if side is None else BackProjection(r, p.to(r.dtype), side, scale))
+    return ScaleByAdamState(count, b.state_tree(state.mu, "ScaleByAdamState.mu", mu_out),
+                            b.state_tree(state.nu, "ScaleByAdamState.nu", nu_out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,7 +704,7 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
     Collectives: those of :func:`galore` (Adam, the learning rate and the decay are local).
 
     ``ft.step`` runs it leaf by leaf between projector refreshes on plain tensors in one process
-    (:func:`fused_galore_step`), with the same numbers.
+    (:func:`fused_galore_step`): the same moments, the parameters to float rounding.
 
     Raises:
         ValueError: out-of-range hyper-parameters (naming the argument); at update, a labels
@@ -691,14 +759,18 @@ class FusedGaLore:
 def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, mesh: Any,
                       donate: bool) -> Optional[tuple]:
     """``ft.step`` of ``galore_adamw`` between projector refreshes, when no leaf needs
-    communication (plain tensors, one process, leaves averaging 64 KiB or more): the projected
-    gradients of the ``"galore"`` leaves go through the inner Adam together (small), then each
-    leaf is back-projected into a scratch buffer, scaled, multiplied by ``-lr``, decayed and
-    added to its parameter (in place with ``donate``) while it is in cache, as galore-torch's
-    per-parameter loop does; the other labels run their chains. The numbers are the chain's bit
-    for bit (the same operations on one leaf at a time). Returns ``None`` where the general path
-    must run: a refresh step (the SVDs dominate it), a mesh of more than one rank, DTensor,
-    complex or small leaves, or a state that is not this transform's (the chain then raises)."""
+    communication (plain tensors, one process, leaves averaging 64 KiB or more), leaf by leaf
+    as galore-torch's per-parameter loop does: each ``"galore"`` leaf's gradient is projected,
+    its Adam moments updated (in place with ``donate``, else into pooled buffers; the
+    operations of ``scale_by_adam`` on one leaf, so the moments are the chain's bit for bit)
+    and the result applied as ONE matrix product into the parameter,
+    ``p <- (1 - lr wd) p - lr scale (1 - lr wd) (P N)`` (BLAS ``addmm``, in place with
+    ``donate``), before the next leaf is read; galore-torch makes the same product and then
+    three passes over the leaf. The parameters equal the chain's to float rounding (the chain
+    rounds the scale, the learning rate and the decay separately); the other labels run their
+    chains. Returns ``None`` where the general path must run: a refresh step (the SVDs dominate
+    it), a mesh of more than one rank, DTensor, complex or small leaves, or a state that is not
+    this transform's (the chain then raises)."""
     if not (isinstance(state, PartitionState) and "galore" in state.inner_states):
         return None
     gst = state.inner_states["galore"]
@@ -734,10 +806,22 @@ def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, m
     p_leaves = [b.params[i] if labels[i] == "galore" else None for i in range(len(pl))]
 
     def finish(i, u):  # scale_by_learning_rate, _decay_after_update, then the add
+        p = b.params[i]
+        if isinstance(u, BackProjection):
+            if u.low.dtype == p.dtype and (not sched or step.device.type == "cpu"):
+                # p <- (1 - lr wd) (p - lr scale P N) as one matrix product (BLAS gemm:
+                # C <- beta C + alpha A B), galore-torch's three passes in one
+                keep = 1.0 - (float(c) if decayed else 0.0)
+                alpha = float(step) * u.scale * keep
+                if donate:
+                    p.addmm_(*u.factors(), beta=keep, alpha=alpha)
+                else:
+                    torch.addmm(p, *u.factors(), beta=keep, alpha=alpha, out=new_p[i])
+                return
+            u = u.into(scratch.view(0, p.shape, u.low.dtype, u.low.device))
         # (scale_by_learning_rate's out-of-place torch._foreach_mul rounds as Tensor.mul_ does;
         # the in-place torch._foreach_mul_ rounds a Python scalar to bfloat16 first)
         u.mul_(step.to(u.dtype) if sched else step)
-        p = b.params[i]
         if decayed:
             t = torch.add(u, p, out=scratch.view(1, u.shape, u.dtype, u.device))
             if sched:
@@ -751,9 +835,10 @@ def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, m
             torch.add(p, u, out=new_p[i])
 
     with torch.no_grad():
+        pool = of_plan(b.plan, "pool", Pool)
         new_galore = fused.galore.update.per_leaf(
             tree_unflatten(treedef, g_leaves), gst[0], tree_unflatten(treedef, p_leaves),
-            finish, scratch)
+            finish, scratch, (lambda kind, xs: xs) if donate else pool.take)
         # the other labels: their chains, then one add per leaf
         states = {"galore": (new_galore,) + tuple(
             ScaleByScheduleState(x.count + 1) if sched else x for x in gst[1:])}

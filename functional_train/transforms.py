@@ -402,7 +402,50 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             new_state = ScaleByAdamState(count, new_mu, new_nu)
         return b.rebuild_active(_cast_like(out, g)), new_state
 
+    if not (eight_bit or amsgrad):
+        update_fn.leafwise = AdamLeaf(b1, b2, eps, bias_correction, eps_before_correction)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+class AdamLeaf(NamedTuple):
+    """:func:`scale_by_adam` (float moments, no amsgrad) one leaf at a time, for steps that
+    finish each leaf while it is in cache (``ft.step``'s per-leaf GaLore path). The same
+    operations as the update's ``torch._foreach_*`` calls, on one tensor each, so the moments
+    and the update are the update's bit for bit. Attached to the update function as
+    ``update.leafwise``."""
+
+    b1: float
+    b2: float
+    eps: float
+    bias_correction: bool
+    eps_before_correction: bool
+
+    def factors(self, count: torch.Tensor) -> tuple:
+        """``(1 - b1^t, sqrt(1 - b2^t), their ratio)`` (float64 0-dim tensors) for ``count`` =
+        the new state's count ``t``."""
+        t = count.to(torch.float64)
+        if not self.bias_correction:
+            one = torch.ones((), dtype=torch.float64, device=t.device)
+            return one, one, one
+        bc1, bc2_sqrt = 1.0 - torch.pow(self.b1, t), torch.sqrt(1.0 - torch.pow(self.b2, t))
+        return bc1, bc2_sqrt, bc2_sqrt / bc1
+
+    def step(self, g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, mu_out: torch.Tensor,
+             nu_out: torch.Tensor, buf: torch.Tensor, factors: tuple) -> torch.Tensor:
+        """New moments written into ``mu_out`` / ``nu_out`` (which may be ``mu`` / ``nu``:
+        in place) and the update into ``buf`` (contiguous, the leaf's shape, ``nu``'s dtype);
+        returns the update in ``g``'s dtype."""
+        bc1, bc2_sqrt, ratio = factors
+        torch.lerp(mu, g if g.dtype == mu.dtype else g.to(mu.dtype), 1.0 - self.b1, out=mu_out)
+        gn = g if g.dtype == nu.dtype else g.to(nu.dtype)
+        torch.mul(nu, self.b2, out=nu_out).addcmul_(gn, gn, value=1.0 - self.b2)
+        denom = torch.sqrt(nu_out, out=buf)
+        m = mu_out if mu_out.dtype == denom.dtype else mu_out.to(denom.dtype)
+        if self.eps_before_correction:
+            out = torch.div(m, denom.add_(self.eps), out=denom).mul_(ratio)
+        else:
+            out = torch.div(m, denom.div_(bc2_sqrt).add_(self.eps), out=denom).div_(bc1)
+        return out if out.dtype == g.dtype else out.to(g.dtype)
 
 
 def _as_real(ts: list) -> list:

@@ -657,10 +657,10 @@ _GALORE_SHAPES = {"w": (6, 5), "b": (7,), "s": (), "tall": (400, 300), "wide": (
 ], ids=["decay", "no_decay_reverse", "schedule_8bit", "labels_scale"])
 def test_step_per_leaf_path_equals_the_chain(kw, dtype, monkeypatch):
     """``ft.step(galore_adamw(...))`` between refreshes (update_proj_gap=2: steps 2 and 4) runs
-    each leaf's back-projection, scale, learning rate, decay and add in cache
-    (``fused_galore_step``), bit for bit the chain's update + apply_updates, pure and donated;
-    refresh steps (1 and 3) take the general path. Right and left projections, a 3-D leaf, a
-    vector, the "no_decay" label, a schedule, 8-bit moments."""
+    each projected leaf's back-projection, scale, learning rate, decay and add as one matrix
+    product into the parameter (``fused_galore_step``): the chain's update + apply_updates to
+    float rounding (the states bit for bit), pure and donated; refresh steps (1 and 3) take the general path. Right and left projections, a 3-D
+    leaf, a vector, the "no_decay" label, a schedule, 8-bit moments."""
     kw = dict(kw)
     if kw.get("learning_rate") == "schedule":
         kw["learning_rate"] = ft.schedules.linear_schedule(1e-2, 1e-3, 10)
@@ -669,7 +669,8 @@ def test_step_per_leaf_path_equals_the_chain(kw, dtype, monkeypatch):
                         for k in _GALORE_SHAPES}
     check_fused_step(lambda: galore_adamw(rank=8, update_proj_gap=2, **kw), dtype, monkeypatch,
                      "fused_galore_step", shapes=_GALORE_SHAPES, steps=4,
-                     taken_at=[False, True, False, True])
+                     taken_at=[False, True, False, True],
+                     param_rounding=True)
 
 
 def test_step_per_leaf_path_declines_small_leaves(monkeypatch):
@@ -688,3 +689,36 @@ def test_step_per_leaf_path_declines_small_leaves(monkeypatch):
     for _ in range(2):
         p, s = ft.step(tx, {k: torch.randn_like(v) for k, v in params.items()}, s, p)
     assert taken == [None, None]
+
+
+@pytest.mark.parametrize("kw", [dict(eps_before_correction=True), dict(),
+                                dict(bias_correction=False, eps=1e-3)],
+                         ids=["hf", "torch", "no_correction"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_leaf_equals_scale_by_adam(kw, dtype):
+    """``scale_by_adam``'s one-leaf form (``update.leafwise``, used by the per-leaf GaLore step)
+    gives the update's moments and output bit for bit over 3 steps, in place and into other
+    buffers, for bfloat16 gradients with float32 moments too."""
+    tx = ft.scale_by_adam(0.8, 0.95, **kw)
+    adam = tx.update.leafwise
+    gen = torch.Generator().manual_seed(1)
+    g = {"a": torch.randn(30, 40, generator=gen).to(dtype), "b": torch.randn(7, generator=gen).to(dtype)}
+    s = tx.init(g)
+    mu = {k: v.clone() for k, v in s.mu.items()}
+    nu = {k: v.clone() for k, v in s.nu.items()}
+    for step in range(3):
+        u, s = tx.update(g, s)
+        factors = adam.factors(s.count)
+        for k in g:
+            if step % 2:
+                mu_out, nu_out = mu[k], nu[k]
+            else:
+                mu_out, nu_out = torch.empty_like(mu[k]), torch.empty_like(nu[k])
+            r = adam.step(g[k], mu[k], nu[k], mu_out, nu_out, torch.empty_like(nu[k]), factors)
+            mu[k], nu[k] = mu_out, nu_out
+            for x, y in ((r, u[k]), (mu[k], s.mu[k]), (nu[k], s.nu[k])):
+                assert x.dtype == y.dtype
+                torch.testing.assert_close(x, y, rtol=0, atol=0)
+        g = {k: v * 0.5 + 0.1 for k, v in g.items()}
+    assert getattr(ft.scale_by_adam(amsgrad=True).update, "leafwise", None) is None
+    assert getattr(ft.scale_by_adam(optim_bits=8).update, "leafwise", None) is None
