@@ -15,8 +15,11 @@ def number(name: str, value: Any, *, where: str, low: float | None = None,
     """Check ``value`` is a real number within the given bounds; return it as a float.
 
     Accepted: ``int``, ``float``, any ``numbers.Real`` (NumPy scalars) and 0-dim real
-    ``torch.Tensor`` (read once, here). ``finite``: reject infinities too.
+    ``torch.Tensor`` (read once, here). ``finite``: reject infinities too. A hyperparameter
+    injected natively by ``inject_hyperparams`` is returned as is (it checks the values).
     """
+    if getattr(value, "injected", False):
+        return value
     if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_complex() and (
             value.dtype != torch.bool):
         value = value.item()

@@ -42,19 +42,41 @@ class InjectHyperparamsState(NamedTuple):
 
 
 class _Cell:
-    """A schedule handed to the factory for a natively injected hyperparameter: returns the
-    tensor the current update set (the factory's own count is ignored)."""
+    """What the factory receives for a natively injected hyperparameter: a schedule (for
+    ``learning_rate``) returning the tensor the current update set (the factory's own count is
+    ignored), or a placeholder its transforms read with :func:`value_of` (the others)."""
 
     __slots__ = ("name", "value")
+    injected = True  # _validate passes it through: its values are checked by inject_hyperparams
 
     def __init__(self, name: str):
         self.name, self.value = name, None
 
-    def __call__(self, count):
+    def __call__(self, count=None):
         del count
         if self.value is None:
             raise RuntimeError(f"inject_hyperparams: '{self.name}' read outside an update")
         return self.value
+
+    def __repr__(self) -> str:
+        return f"<injected {self.name}>"
+
+
+def value_of(x: Any) -> Any:
+    """A hyperparameter's value at this update: ``x`` itself for a number; for one injected
+    natively by :func:`inject_hyperparams`, the state's 0-dim float64 tensor under
+    ``torch.compile`` (an input of the graph: changing it does not recompile) and that tensor's
+    float eagerly (a CPU tensor: no device synchronisation; the same float the un-injected
+    transform would hold, so the numbers are its own bit for bit)."""
+    if type(x) is _Cell:
+        v = x()
+        return v if torch.compiler.is_compiling() else float(v)
+    return x
+
+
+def is_injected(x: Any) -> bool:
+    """Whether ``x`` is a hyperparameter injected natively (read with :func:`value_of`)."""
+    return type(x) is _Cell
 
 
 def _is_number(v: Any) -> bool:
@@ -70,10 +92,20 @@ def _as_value(v: Any) -> torch.Tensor:
     return torch.as_tensor(v, dtype=torch.float64).detach().to("cpu").reshape(())
 
 
-def injectable(factory: Callable) -> Callable:
+def injectable(factory: Callable = None, *, tensors: tuple = (),
+               nonzero_tensors: tuple = ()) -> Callable:
     """Decorate a transform factory so that the transforms it builds remember how (their
     ``update.built_with = (factory, arguments)``): :class:`~functional_train.TorchOptimizer`
-    uses it to turn ``adamw(1e-3)`` into ``inject_hyperparams(adamw)(learning_rate=1e-3)``."""
+    uses it to turn ``adamw(1e-3)`` into ``inject_hyperparams(adamw)(learning_rate=1e-3)``.
+
+    ``tensors``: the hyperparameters the factory's transforms read per update with
+    :func:`value_of` (so :func:`inject_hyperparams` hands them over natively, as tensors, with
+    no rebuild); ``nonzero_tensors``: those it does natively only when their initial value is
+    not 0 (a 0 there drops a transform from the chain, e.g. the weight decay, so the state's
+    structure would depend on the value). ``learning_rate`` is native for every factory of
+    this library."""
+    if factory is None:
+        return lambda f: injectable(f, tensors=tensors, nonzero_tensors=nonzero_tensors)
 
     sig = inspect.signature(factory)
 
@@ -85,6 +117,8 @@ def injectable(factory: Callable) -> Callable:
         return tx
 
     build.__wrapped_factory__ = factory  # type: ignore[attr-defined]
+    build.tensor_hyperparams = (frozenset(tensors),  # type: ignore[attr-defined]
+                                frozenset(nonzero_tensors))
     return build
 
 
@@ -107,11 +141,19 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
       factory as a schedule that returns the state's tensor: changing it costs nothing, reads
       nothing on the host, and a compiled step does not recompile (``ft.step``'s fused kernels
       take it as their tensor learning rate).
-    * Every other injected hyperparameter (and ``learning_rate`` for a factory of another
-      library) is read on the host (a CPU tensor: no device synchronisation) and the inner
-      transform is rebuilt when a value changes (the last few builds are cached). Under
-      ``torch.compile`` such a read is a graph break: inject only the learning rate into a
-      ``fullgraph=True`` step, or pass the others as plain numbers.
+    * ``b1``, ``b2``, ``eps`` and a non-zero ``weight_decay`` of :func:`~functional_train.adam`,
+      :func:`~functional_train.adamw` and :func:`~functional_train.lamb`, and a non-zero
+      ``momentum`` and ``weight_decay`` of :func:`~functional_train.sgd`, are handed over the
+      same way: the transforms read the state's tensor at every update (:func:`value_of`:
+      eagerly as a float, under ``torch.compile`` as an input of the graph, so a
+      ``fullgraph=True`` step does not recompile when they change). Their values are checked
+      (as the factory checks them) eagerly whenever they change. Injected as 0, a weight decay
+      or momentum takes the path below (a 0 leaves its transform out of the chain).
+    * Every other injected hyperparameter (those of ``adafactor``, ``came``, ``galore_adamw``,
+      ``muon``..., and ``learning_rate`` for a factory of another library) is read on the host
+      (a CPU tensor: no device synchronisation) and the inner transform is rebuilt when a value
+      changes (the last few builds are cached). Under ``torch.compile`` such a read is a graph
+      break: pass those as plain numbers into a ``fullgraph=True`` step.
 
     The numbers equal the un-injected transform's bit for bit (float64 values are exact for
     Python floats). No collective of its own: the hyperparameters are the same on every rank
@@ -151,14 +193,17 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
                 injected[name] = value
             else:
                 static[name] = value
-        native = {n for n in injected if n in _NATIVE and ours}
-        cells = {n: _Cell(n) for n in native}
         schedules = {n: v for n, v in injected.items()
                      if callable(v) and not isinstance(v, torch.Tensor)}
 
         def initial(name):
             v = injected[name]
             return _as_value(v(0) if name in schedules else v)
+
+        tensors, nonzero = getattr(inner_factory, "tensor_hyperparams", ((), ()))
+        native = {n for n in injected if (n in _NATIVE and ours) or n in tensors
+                  or (n in nonzero and float(initial(n)) != 0.0)}
+        cells = {n: _Cell(n) for n in native}
 
         builds: OrderedDict = OrderedDict()
 
@@ -176,7 +221,25 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
             return hit
 
         host_names = tuple(n for n in injected if n not in native)
+        # the natively injected values other than the learning rate are checked by building
+        # the factory on them as numbers, when they change (eagerly: a graph cannot read them)
+        checked_names = tuple(n for n in native if n not in _NATIVE)
+        checked: OrderedDict = OrderedDict()
+
+        def check(values: tuple) -> None:
+            if values in checked:
+                checked.move_to_end(values)
+                return
+            kw = dict(static)
+            kw.update(zip(checked_names, values))
+            inner_factory(**kw)
+            checked[values] = True
+            while len(checked) > _CACHE_SIZE:
+                checked.popitem(last=False)
+
         # validate and build once on the initial values
+        if checked_names:
+            check(tuple(float(initial(n)) for n in checked_names))
         first = build(tuple(float(initial(n)) for n in host_names))
 
         def init_fn(params):
@@ -206,20 +269,42 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
                 hp[n] = _as_value(fn(state.count))
             for n, cell in cells.items():
                 cell.value = hp[n]
+            if checked_names and not torch.compiler.is_compiling():
+                check(tuple(float(hp[n]) for n in checked_names))
             inner = build(tuple(float(hp[n]) for n in host_names)) if host_names else first
             return inner, hp
 
         def update_fn(updates, state, params=None, *, mesh=None, **extra):
             inner, hp = resolve(state)
-            updates, inner_state = inner.update(updates, state.inner_state, params, mesh=mesh,
-                                                **extra)
+            try:
+                updates, inner_state = inner.update(updates, state.inner_state, params,
+                                                    mesh=mesh, **extra)
+            except (ValueError, TypeError) as e:
+                err = explain(inner, hp, e)
+                if err is e:
+                    raise
+                raise err from e
             return updates, InjectHyperparamsState(state.count + 1, hp, inner_state)
+
+        def explain(inner, hp, error: Exception) -> Exception:
+            """``error`` of an update of ``inner``, with the host-read values that changed
+            since init named (their rebuild may need another state)."""
+            if inner is first:
+                return error
+            was = {n: float(initial(n)) for n in host_names}
+            now = {n: float(hp[n]) for n in host_names if float(hp[n]) != was[n]}
+            return ValueError(
+                f"inject_hyperparams: the update failed after the host-read hyperparameter(s) "
+                f"{now} changed from {was} (a weight decay or momentum injected as 0 leaves its "
+                f"transform out of the chain, so a non-zero value needs another state: inject "
+                f"it non-zero, or build a new transform and state): {error}")
 
         inner_update = first.update
         for attr in ("accepts_unreduced", "accepts_view", "passes_unreduced"):
             if hasattr(inner_update, attr):
                 setattr(update_fn, attr, getattr(inner_update, attr))
         update_fn.resolve = resolve  # type: ignore[attr-defined]  (ft.step: the fused kernels)
+        update_fn.explain = explain  # type: ignore[attr-defined]  (ft.step: its errors)
         # names given as tensors (TorchOptimizer keeps them as tensors in its param_groups)
         update_fn.given_as_tensors = frozenset(  # type: ignore[attr-defined]
             n for n, v in injected.items() if isinstance(v, torch.Tensor))

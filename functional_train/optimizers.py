@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import _validate as V
-from .hyperparams import injectable
+from .hyperparams import injectable, is_injected
 from .base import GradientTransformation, chain
 from .step import FusedAdam, FusedSGD
 from .transforms import (ScalarOrSchedule, add_decayed_weights, scale, scale_by_adam,
@@ -20,7 +20,7 @@ def _maybe_maximize(maximize: bool, txs):
     return [scale(-1.0), *txs] if maximize else list(txs)
 
 
-@injectable
+@injectable(nonzero_tensors=("momentum", "weight_decay"))
 def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
         weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
         accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
@@ -36,7 +36,7 @@ def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening
     V.learning_rate(learning_rate, where="sgd")
     V.number("momentum", momentum, where="sgd", low=0.0)
     V.number("weight_decay", weight_decay, where="sgd", low=0.0)
-    if nesterov and (momentum <= 0 or dampening != 0):
+    if nesterov and ((not is_injected(momentum) and momentum <= 0) or dampening != 0):
         raise ValueError("sgd: nesterov momentum requires momentum > 0 and dampening == 0")
     txs = [add_decayed_weights(weight_decay)] if weight_decay else []
     if momentum:
@@ -65,7 +65,7 @@ def _fused_adam(tx, decoupled, learning_rate, b1, b2, eps, weight_decay, amsgrad
     return tx
 
 
-@injectable
+@injectable(tensors=("b1", "b2", "eps"), nonzero_tensors=("weight_decay",))
 def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
          maximize: bool = False, decoupled_weight_decay: bool = False,
@@ -99,7 +99,7 @@ def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
                        maximize, optim_bits, len(txs))
 
 
-@injectable
+@injectable(tensors=("b1", "b2", "eps"), nonzero_tensors=("weight_decay",))
 def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
           maximize: bool = False, mu_dtype: Optional[torch.dtype] = None,
@@ -134,7 +134,7 @@ def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0
                        maximize, optim_bits, len(txs), mask)
 
 
-@injectable
+@injectable(tensors=("b1", "b2", "eps"), nonzero_tensors=("weight_decay",))
 def lamb(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True, *,
          mu_dtype: Optional[torch.dtype] = None,

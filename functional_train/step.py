@@ -33,6 +33,7 @@ from .engine import kernels
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
 from .engine.view import Prepared, prepare
+from .hyperparams import InjectHyperparamsState, is_injected, value_of
 from .came import FusedCame, fused_came_step
 from .factored import FusedAdafactor, fused_adafactor_step, per_leaf_view
 from .galore import FusedGaLore, fused_galore_step
@@ -103,8 +104,6 @@ def _injected_after_clip(tx, grads, state, params, mesh, donate):
     resolve = getattr(parts[1].update, "resolve", None)
     if clip is None or resolve is None or torch.compiler.is_compiling() or is_differentiable():
         return None
-    from .hyperparams import InjectHyperparamsState
-
     if not (isinstance(state, tuple) and len(state) == 2
             and isinstance(state[1], InjectHyperparamsState)):
         return None
@@ -148,8 +147,21 @@ def _fusable(ts_lists) -> bool:
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def _resolved(fused):
+    """``fused`` with its injected hyperparameters (``inject_hyperparams``) read as floats:
+    the kernels take Python numbers (eagerly only: a compiled step takes the chain)."""
+    if not isinstance(fused, (FusedAdam, FusedSGD)):
+        return fused
+    names = [f.name for f in dataclasses.fields(fused)
+             if f.name != "learning_rate" and is_injected(getattr(fused, f.name))]
+    if not names:
+        return fused
+    return dataclasses.replace(fused, **{n: value_of(getattr(fused, n)) for n in names})
+
+
 def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     """The fused step, or ``None`` when the inputs do not fit the kernels (general path)."""
+    fused = _resolved(fused)
     if isinstance(fused, FusedGaLore):
         return None if clip is not None else \
             fused_galore_step(fused, grads, state, params, mesh, donate)
@@ -455,11 +467,15 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
         raise TypeError(f"step: tx must be a GradientTransformation, got {type(tx).__name__}")
     resolve = getattr(tx.update, "resolve", None)
     if resolve is not None:  # inject_hyperparams: the transform built for this step, stepped
-        from .hyperparams import InjectHyperparamsState
-
         inner, hp = resolve(state)
-        new_params, inner_state = step(inner, grads, state.inner_state, params, mesh=mesh,
-                                       donate=donate, **extra)
+        try:
+            new_params, inner_state = step(inner, grads, state.inner_state, params, mesh=mesh,
+                                           donate=donate, **extra)
+        except (ValueError, TypeError) as e:
+            err = tx.update.explain(inner, hp, e)
+            if err is e:
+                raise
+            raise err from e
         return new_params, InjectHyperparamsState(state.count + 1, hp, inner_state)
     out = _injected_after_clip(tx, grads, state, params, mesh, donate)
     if out is not None:

@@ -394,8 +394,17 @@ class TorchOptimizer(torch.optim.Optimizer):
         grads = {n: p.grad for n, p in zip(self._names, tensors)}
         from .step import step as ft_step
 
-        new, self._ft_state = ft_step(self._tx, grads, self._ft_state, params, mesh=self._mesh,
+        old_state = self._ft_state
+        new, self._ft_state = ft_step(self._tx, grads, old_state, params, mesh=self._mesh,
                                       donate=True)
+        if torch.compiler.is_compiling():
+            # dynamo takes an optimizer's tensors as static (as torch.optim updates its state
+            # in place): a graph that assigned new state tensors would read the old ones at
+            # the next call. Write the new state into the old tensors instead.
+            for o, x in zip(optree.tree_leaves(old_state), optree.tree_leaves(self._ft_state)):
+                if isinstance(o, torch.Tensor) and o is not x:
+                    o.copy_(x)
+            self._ft_state = old_state
         for n, p in zip(self._names, tensors):
             x = new[n]
             if x is not params[n]:

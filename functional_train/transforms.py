@@ -18,6 +18,7 @@ from .base import EmptyState, GradientTransformation, declare
 from .quantization import ScaleByAdam8bitState
 from .engine.view import prepare
 from .combine import mask_of
+from .hyperparams import is_injected, value_of
 from .tree import first_device, state_zeros_like, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
@@ -70,6 +71,56 @@ def _active_locals(b) -> list:
 
 def _cast_like(xs, likes):
     return [x if x.dtype == l.dtype else x.to(l.dtype) for x, l in zip(xs, likes)]
+
+
+def _add_scaled(xs: list, ys: list, alpha) -> list:
+    """``xs + alpha * ys`` (foreach ``add`` with ``alpha``) for a float ``alpha`` or a 0-dim
+    tensor one (an injected hyperparameter under ``torch.compile``): ``addcmul`` with the
+    tensor in each leaf's dtype rounds as ``add(alpha=)`` does in float32 and float64."""
+    if not isinstance(alpha, torch.Tensor):
+        return torch._foreach_add(xs, ys, alpha=alpha)
+    return [torch.addcmul(x, y, _scalar_for(alpha, x)) for x, y in zip(xs, ys)]
+
+
+def _scalar_for(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A 0-dim tensor hyperparameter in leaf ``x``'s dtype (inductor in torch 2.13 bakes the
+    value of a float64 CPU scalar tensor into ``_foreach_add`` / ``_foreach_lerp`` of float32
+    lists at compile time; a scalar of the list's dtype stays an input)."""
+    return v.to(x.dtype)
+
+
+def _lerp(xs: list, ys: list, weight) -> list:
+    """Foreach ``lerp`` for a float ``weight`` or a 0-dim tensor one (leaf by leaf, in each
+    leaf's dtype: only under ``torch.compile``, where the graph fuses them anyway)."""
+    if not isinstance(weight, torch.Tensor):
+        return torch._foreach_lerp(xs, ys, weight)
+    return [torch.lerp(x, y, _scalar_for(weight, x)) for x, y in zip(xs, ys)]
+
+
+def _mul(xs: list, value) -> list:
+    """Foreach ``xs * value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype:
+    traced, a float64 scalar tensor would promote the product)."""
+    if not isinstance(value, torch.Tensor):
+        return torch._foreach_mul(xs, value)
+    return [x * _scalar_for(value, x) for x in xs]
+
+
+def _add_(xs: list, value) -> None:
+    """In place ``xs += value`` for a float or a 0-dim tensor ``value``."""
+    if not isinstance(value, torch.Tensor):
+        torch._foreach_add_(xs, value)
+    else:
+        for x in xs:
+            x.add_(_scalar_for(value, x))
+
+
+def _addcmul_(xs: list, t1: list, t2: list, value) -> None:
+    """In place ``xs += value * t1 * t2`` for a float ``value`` or a 0-dim tensor (as
+    ``(value * t1) * t2``, which rounds as the float form in float32 and float64)."""
+    if not isinstance(value, torch.Tensor):
+        torch._foreach_addcmul_(xs, t1, t2, value=value)
+    else:
+        torch._foreach_addcmul_(xs, _mul(t1, value), t2)
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -138,13 +189,14 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
             differs from the params. TypeError: a mask leaf that is not a bool (naming it).
     """
     where = "add_decayed_weights"
-    wd = V.number("weight_decay", weight_decay, where=where, low=0.0)
+    wd_arg = V.number("weight_decay", weight_decay, where=where, low=0.0)
     if mask is None:
         def decay(b):
             g = _active_locals(b)
-            if wd == 0.0:
+            wd = value_of(wd_arg)
+            if isinstance(wd, float) and wd == 0.0:
                 return g
-            return torch._foreach_add(g, _cast_like([b.params[i] for i in b.active], g), alpha=wd)
+            return _add_scaled(g, _cast_like([b.params[i] for i in b.active], g), wd)
 
         return stateless(where, decay, need_params=True)
     keep_of = mask_of(mask, where)
@@ -159,10 +211,10 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
         keep = keep_of(params)
         idx = [i for i in b.active if keep[i]]
         out = dict(zip(b.active, _active_locals(b)))
-        if idx and wd != 0.0:
+        wd = value_of(wd_arg)
+        if idx and not (isinstance(wd, float) and wd == 0.0):
             g = [out[i] for i in idx]
-            for i, x in zip(idx, torch._foreach_add(g, _cast_like([b.params[i] for i in idx], g),
-                                                    alpha=wd)):
+            for i, x in zip(idx, _add_scaled(g, _cast_like([b.params[i] for i in idx], g), wd)):
                 out[i] = x
         return b.rebuild_active([out[i] for i in b.active]), state
 
@@ -222,9 +274,9 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
     Raises:
         ValueError: out-of-range hyper-parameters.
     """
-    decay = V.number("decay", decay, where="trace", low=0.0)
+    decay_arg = V.number("decay", decay, where="trace", low=0.0)
     dampening = V.number("dampening", dampening, where="trace", low=0.0, high=1.0)
-    if nesterov and (decay <= 0 or dampening != 0):
+    if nesterov and ((not is_injected(decay_arg) and decay_arg <= 0) or dampening != 0):
         raise ValueError("trace: nesterov momentum requires decay > 0 and dampening == 0")
 
     def init_fn(params):
@@ -237,12 +289,13 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
         tr_all = b.state_locals(state.trace, "TraceState.trace")
         tr = [tr_all[i] for i in b.active]
         g32 = _cast_like(g, tr)
-        new = torch._foreach_mul(tr, decay)
+        decay = value_of(decay_arg)
+        new = _mul(tr, decay)
         torch._foreach_add_(new, g32, alpha=1.0 - dampening)
         if dampening != 0.0:
             first = state.count == 0
             new = [torch.where(first, x, n) for x, n in zip(g32, new)]
-        out = torch._foreach_add(g32, new, alpha=decay) if nesterov else new
+        out = _add_scaled(g32, new, decay) if nesterov else new
         return (b.rebuild_active(_cast_like(out, g)),
                 TraceState(state.count + 1, b.state_tree(state.trace, "TraceState.trace", new)))
 
@@ -312,9 +365,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             ``block_size <= 0``, ``min_8bit_size < 0``, ``amsgrad`` with ``optim_bits=8``); at
             update, a state from another transform or configuration.
     """
-    b1 = V.beta("b1", b1, where="scale_by_adam")
-    b2 = V.beta("b2", b2, where="scale_by_adam")
-    eps = V.number("eps", eps, where="scale_by_adam", low=0.0)
+    b1_arg = V.beta("b1", b1, where="scale_by_adam")
+    b2_arg = V.beta("b2", b2, where="scale_by_adam")
+    eps_arg = V.number("eps", eps, where="scale_by_adam", low=0.0)
     if isinstance(optim_bits, bool) or optim_bits not in (8, 32):
         raise ValueError(f"scale_by_adam: optim_bits must be 8 or 32, got {optim_bits!r}")
     block_size = V.integer("block_size", block_size, where="scale_by_adam", low=1)
@@ -358,15 +411,16 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             g, mu, nu = _as_real(g), _as_real(mu), _as_real(nu)
         count = state.count + 1
         t = count.to(torch.float64)
+        b1, b2, eps = value_of(b1_arg), value_of(b2_arg), value_of(eps_arg)
         if bias_correction:
             bc1 = 1.0 - torch.pow(b1, t)
             bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
         else:
             bc1 = bc2_sqrt = torch.ones((), dtype=torch.float64, device=t.device)
-        mu = torch._foreach_lerp(mu, _cast_like(g, mu), 1.0 - b1)
+        mu = _lerp(mu, _cast_like(g, mu), 1.0 - b1)
         gn = _cast_like(g, nu)
-        nu = torch._foreach_mul(nu, b2)
-        torch._foreach_addcmul_(nu, gn, gn, value=1.0 - b2)
+        nu = _mul(nu, b2)
+        _addcmul_(nu, gn, gn, 1.0 - b2)
         if amsgrad:
             nm_all = b.state_locals(state.nu_max, "ScaleByAmsgradState.nu_max")
             nm = [nm_all[i] for i in act]
@@ -376,12 +430,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             second = nu
         denom = torch._foreach_sqrt(second)
         if eps_before_correction:
-            torch._foreach_add_(denom, eps)
+            _add_(denom, eps)
             out = torch._foreach_div(_cast_like(mu, denom), denom)
             torch._foreach_mul_(out, bc2_sqrt / bc1)
         else:
             torch._foreach_div_(denom, bc2_sqrt)
-            torch._foreach_add_(denom, eps)
+            _add_(denom, eps)
             out = torch._foreach_div(_cast_like(mu, denom), denom)
             torch._foreach_div_(out, bc1)
         if eight_bit:
@@ -402,8 +456,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             new_state = ScaleByAdamState(count, new_mu, new_nu)
         return b.rebuild_active(_cast_like(out, g)), new_state
 
-    if not (eight_bit or amsgrad):
-        update_fn.leafwise = AdamLeaf(b1, b2, eps, bias_correction, eps_before_correction)
+    if not (eight_bit or amsgrad or any(map(is_injected, (b1_arg, b2_arg, eps_arg)))):
+        update_fn.leafwise = AdamLeaf(b1_arg, b2_arg, eps_arg, bias_correction,
+                                      eps_before_correction)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 

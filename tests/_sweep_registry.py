@@ -151,9 +151,13 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
                                                   min_8bit_size=0),
     # a weight-decay mask: the masked decay, and ft.step's fused kernel in two calls
     "adamw[mask]": lambda: ft.adamw(1e-2, weight_decay=0.1, mask=ft.decay_mask),
-    # hyperparameters read on the host (b1, eps): the alias rebuilt when they change
-    "inject_hyperparams[host]": lambda: ft.inject_hyperparams(ft.adam)(learning_rate=1e-2,
-                                                                       b1=0.8, eps=1e-7),
+    # b1, eps and the (L2) weight decay as tensors the transforms read at every update
+    "inject_hyperparams[tensors]": lambda: ft.inject_hyperparams(ft.adam)(
+        learning_rate=1e-2, b1=0.8, eps=1e-7, weight_decay=0.1),
+    # a hyperparameter read on the host (sgd's dampening): the alias rebuilt when it changes;
+    # the momentum beside it as a tensor
+    "inject_hyperparams[host]": lambda: ft.inject_hyperparams(ft.sgd)(
+        learning_rate=1e-2, momentum=0.9, dampening=0.1),
     # finiteness read from the leading clip's norm instead of its own all-reduce
     "apply_if_finite[clip]": lambda: ft.apply_if_finite(
         ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), 2),
@@ -254,17 +258,21 @@ HOST_COUNTER_READS: dict[str, str] = {
     "galore": "GaLoreState.count decides on the host whether the projector is refreshed "
               "(documented in GaLoreState's docstring)",
     "galore_adamw": "a galore chain: GaLoreState.count, as galore",
-    "inject_hyperparams[host]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) other "
-                                "than the learning rate are read on the host to rebuild the "
-                                "alias when they change (documented in inject_hyperparams)",
+    "inject_hyperparams[tensors]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) are "
+                                   "read as floats eagerly (no device synchronisation; a compiled "
+                                   "step takes them as tensors; documented in value_of)",
+    "inject_hyperparams[host]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) that "
+                                "the alias does not read as tensors (sgd's dampening) are read "
+                                "on the host to rebuild it when they change (documented in "
+                                "inject_hyperparams)",
 }
 
 # Transforms that torch.compile only with graph breaks (compiled with fullgraph=False; the
 # compile property still requires eager's numbers): none so far, every transform that compiles
 # at all traces as ONE graph.
 COMPILE_GRAPH_BREAKS: dict[str, str] = {
-    "inject_hyperparams[host]": "hyperparameters other than the learning rate are read on the "
-                                "host (documented in inject_hyperparams)",
+    "inject_hyperparams[host]": "sgd's dampening is read on the host (documented in "
+                                "inject_hyperparams)",
 }
 
 # transforms that need at least one DTensor parameter (or a mesh at construction) to shard: on a

@@ -1,7 +1,7 @@
 """``inject_hyperparams``: hyperparameters in the state, equal bit for bit to the aliases built
 with the same numbers, settable between updates (``set_hyperparams`` and optax's in-place
 idiom), schedules, the fused ``ft.step`` kernels, and a compiled step that does not recompile
-when the learning rate changes."""
+when the learning rate, b1, b2, eps, the weight decay or the momentum changes."""
 
 from __future__ import annotations
 
@@ -92,24 +92,28 @@ def test_set_learning_rate_between_steps_equals_a_schedule(mode):
     assert float(ft.get_hyperparams(s)["learning_rate"]) == 3e-3
 
 
-def test_optax_in_place_idiom_and_host_hyperparameters():
-    """``state.hyperparams['b1'] = ...`` (optax's idiom) on a host-read hyperparameter: the
-    alias is rebuilt with the new value from that step on, the moments carried over."""
+@pytest.mark.parametrize("factory,name,kw", [
+    (ft.adam, "b1", dict(learning_rate=1e-2, b1=0.9)),  # read as a tensor
+    (ft.sgd, "dampening", dict(learning_rate=1e-2, momentum=0.9, dampening=0.9)),  # host read
+], ids=["tensor", "host"])
+def test_optax_in_place_idiom(factory, name, kw):
+    """``state.hyperparams['b1'] = ...`` (optax's idiom): the alias takes the new value from
+    that step on, the moments carried over (a host-read one by rebuilding the alias)."""
     params, grads = _problem(steps=4)
-    tx = ft.inject_hyperparams(ft.adam)(learning_rate=1e-2, b1=0.9)
+    tx = ft.inject_hyperparams(factory)(**kw)
     state, p = tx.init(params), dict(params)
-    ref_state, q = ft.adam(1e-2, b1=0.9).init(params), dict(params)
+    ref_state, q = factory(**kw).init(params), dict(params)
     for t, g in enumerate(grads):
         if t == 2:
-            state.hyperparams["b1"] = 0.5
+            state.hyperparams[name] = 0.5
         u, state = tx.update(g, state, p)
         p = ft.apply_updates(p, u)
-        ref = ft.adam(1e-2, b1=0.9 if t < 2 else 0.5)
+        ref = factory(**{**kw, name: kw[name] if t < 2 else 0.5})
         r, ref_state = ref.update(g, ref_state, q)
         q = ft.apply_updates(q, r)
         for k in params:
             assert torch.equal(p[k], q[k]), (t, k)
-    assert float(state.hyperparams["b1"]) == 0.5
+    assert float(state.hyperparams[name]) == 0.5
 
 
 def test_injected_schedule_is_evaluated_and_logged():
@@ -175,3 +179,99 @@ def test_bad_input():
         ft.inject_hyperparams(ft.adamw)(nonsense=1.0)
     with pytest.raises(TypeError, match="callable"):
         ft.inject_hyperparams(3)
+
+
+# hyperparameters the aliases read as tensors at every update (no rebuild; compiled: graph inputs)
+TENSOR_CASES = {
+    "adam": (ft.adam, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05)),
+    "adamw_mask": (ft.adamw, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6,
+                                  weight_decay=0.1, mask=ft.decay_mask)),
+    "lamb": (ft.lamb, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1)),
+    "sgd_nesterov": (ft.sgd, dict(learning_rate=0.1, momentum=0.9, weight_decay=0.01,
+                                  nesterov=True)),
+}
+_CHANGED = {"b1": 0.6, "b2": 0.9, "eps": 1e-3, "weight_decay": 0.2, "momentum": 0.5}
+
+
+def _changes(kw, t):
+    """The values of step ``t``: each tensor hyperparameter moved at step 1, again at step 3."""
+    out = {n: v for n, v in kw.items() if n in _CHANGED}
+    if t >= 1:
+        out = {n: _CHANGED[n] for n in out}
+    if t >= 3:
+        out = {n: v * 0.5 for n, v in out.items()}
+    return out
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+@pytest.mark.parametrize("name", sorted(TENSOR_CASES))
+def test_tensor_hyperparameters_are_read_per_update(name, mode):
+    """b1, b2, eps, weight decay and momentum reach the alias as tensors read at every update:
+    changed between steps, the run equals the alias rebuilt with each step's numbers, bit for
+    bit (update, pure and donated ``ft.step``: the fused kernels read them too), with no
+    rebuild; the changes matter (the run differs from one without them)."""
+    factory, kw = TENSOR_CASES[name]
+    params, grads = _problem(steps=5)
+    tx = ft.inject_hyperparams(factory)(**kw)
+    got, _ = _run(tx, params, grads, mode,
+                  lambda t, s: ft.set_hyperparams(s, **_changes(kw, t)))
+    ref_state, want = None, {k: v.clone() for k, v in params.items()}
+    for t, g in enumerate(grads):
+        ref = factory(**{**kw, **_changes(kw, t)})
+        ref_state = ref.init(params) if ref_state is None else ref_state
+        g = {k: v.clone() for k, v in g.items()}
+        if mode == "update":
+            u, ref_state = ref.update(g, ref_state, want)
+            want = ft.apply_updates(want, u)
+        else:
+            want, ref_state = ft.step(ref, g, ref_state, want, donate=mode == "donate")
+    unchanged, _ = _run(ft.inject_hyperparams(factory)(**kw), params, grads, mode)
+    for k in params:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    assert any(not torch.equal(got[k], unchanged[k]) for k in params)
+
+
+@pytest.mark.parametrize("name,backend", [(n, "aot_eager") for n in sorted(TENSOR_CASES)]
+                         + [("adam", "inductor")])  # (adam reads every tensor hyperparameter)
+def test_compiled_step_does_not_recompile_when_tensor_hyperparameters_change(name, backend):
+    """``torch.compile(ft.step, fullgraph=True)`` with b1, b2, eps, the weight decay and the
+    momentum changed between steps: no recompile (``error_on_recompile``), the parameters of
+    the eager run to float rounding (inductor: to 1e-5 of the change; torch 2.13's inductor
+    baked a float64 scalar tensor into ``_foreach_add`` / ``_foreach_lerp`` before the
+    transforms cast it to the leaves' dtype)."""
+    factory, kw = TENSOR_CASES[name]
+    params, grads = _problem(steps=5)
+    tx = ft.inject_hyperparams(factory)(**kw)
+
+    def between(t, s):
+        return ft.set_hyperparams(s, **_changes(kw, t))
+
+    want, _ = _run(tx, params, grads, "update", between)
+    torch._dynamo.reset()
+    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p), backend=backend, fullgraph=True)
+    state, p = tx.init(params), dict(params)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t, g in enumerate(grads):
+            p, state = step(g, between(t, state), p)
+    torch._dynamo.reset()
+    for k in params:
+        change = (want[k] - params[k]).abs().max()
+        torch.testing.assert_close(p[k], want[k], rtol=0, atol=1e-5 * float(change) + 1e-7)
+
+
+def test_tensor_hyperparameters_are_checked_when_set():
+    """A value out of the alias' range set between updates raises at the next update (eager),
+    as the alias raises at construction. A momentum injected as 0 stays host read (a 0 leaves
+    its transform out of the chain): made non-zero, the update says why it cannot run."""
+    params, grads = _problem(steps=1)
+    tx = ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, b1=0.9, weight_decay=0.1)
+    s = ft.set_hyperparams(tx.init(params), b1=1.5)
+    with pytest.raises(ValueError, match="b1"):
+        tx.update(grads[0], s, params)
+    s = ft.set_hyperparams(tx.init(params), weight_decay=-1.0)
+    with pytest.raises(ValueError, match="weight_decay"):
+        ft.step(tx, grads[0], s, params)
+    zero = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=0.0)
+    s = zero.init(params)
+    with pytest.raises(ValueError, match=r"momentum.*injected as 0.*TraceState|momentum.*injected as 0.*states"):
+        ft.step(zero, grads[0], ft.set_hyperparams(s, momentum=0.5), params)

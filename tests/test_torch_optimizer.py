@@ -265,8 +265,10 @@ def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile():
     """torch.optim's convention for compiled steps: a learning rate given as a tensor
     (``ft.adamw(torch.tensor(1e-2))``) is a 0-dim tensor in ``param_groups``, which
     ``LambdaLR`` updates in place; ``torch.compile(opt.step)`` then runs 5 steps of a changing
-    learning rate without recompiling, and its parameters equal the eager optimizer's (float
-    lr) to float rounding. The tensor survives ``state_dict`` / ``load_state_dict``."""
+    learning rate without recompiling, in one graph, and its parameters equal the eager
+    optimizer's (float lr) to float rounding (the compiled step writes the new state into the
+    old tensors: dynamo takes an optimizer's tensors as static). The tensor survives
+    ``state_dict`` / ``load_state_dict``."""
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
 
     def run(lr, compiled):
@@ -285,9 +287,16 @@ def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile():
                 lrs.append(float(opt.param_groups[0]["lr"]))
         return opt, [p.detach().clone() for p in model.parameters()], lrs
 
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     opt, compiled, lrs = run(torch.tensor(1e-2), True)
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    # one graph: adamw's hyperparameters are all read as tensors; the only break is dynamo
+    # skipping the scheduler's wrapper around step (as for torch.optim.AdamW)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert all("lr_scheduler.py" in reason for reason in counters["graph_break"])
     _, eager, eager_lrs = run(1e-2, False)
     assert lrs == pytest.approx(eager_lrs) and lrs[-1] == pytest.approx(1e-2 / 6)
     for a, b in zip(compiled, eager):
