@@ -193,7 +193,7 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
-@injectable
+@injectable(nonzero_tensors=("weight_decay",))
 def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 0.9999),
          eps: Sequence[float] = (1e-30, 1e-16), clip_threshold: float = 1.0,
          weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:

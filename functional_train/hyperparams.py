@@ -142,15 +142,17 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
       nothing on the host, and a compiled step does not recompile (``ft.step``'s fused kernels
       take it as their tensor learning rate).
     * ``b1``, ``b2``, ``eps`` and a non-zero ``weight_decay`` of :func:`~functional_train.adam`,
-      :func:`~functional_train.adamw` and :func:`~functional_train.lamb`, and a non-zero
-      ``momentum`` and ``weight_decay`` of :func:`~functional_train.sgd`, are handed over the
-      same way: the transforms read the state's tensor at every update (:func:`value_of`:
+      :func:`~functional_train.adamw` and :func:`~functional_train.lamb`, a non-zero
+      ``momentum`` and ``weight_decay`` of :func:`~functional_train.sgd`, ``beta`` and a
+      non-zero ``weight_decay`` of :func:`~functional_train.muon`, and a non-zero
+      ``weight_decay`` of :func:`~functional_train.came` are handed over the same way: the transforms read the state's tensor at every update (:func:`value_of`:
       eagerly as a float, under ``torch.compile`` as an input of the graph, so a
       ``fullgraph=True`` step does not recompile when they change). Their values are checked
       (as the factory checks them) eagerly whenever they change. Injected as 0, a weight decay
       or momentum takes the path below (a 0 leaves its transform out of the chain).
-    * Every other injected hyperparameter (those of ``adafactor``, ``came``, ``galore_adamw``,
-      ``muon``..., and ``learning_rate`` for a factory of another library) is read on the host
+    * Every other injected hyperparameter (those of ``adafactor`` and ``galore_adamw``,
+      ``came``'s ``clip_threshold``, ``muon``'s ``eps``, ``sgd``'s ``dampening``, and
+      ``learning_rate`` for a factory of another library) is read on the host
       (a CPU tensor: no device synchronisation) and the inner transform is rebuilt when a value
       changes (the last few builds are cached). Under ``torch.compile`` such a read is a graph
       break: pass those as plain numbers into a ``fullgraph=True`` step.
@@ -231,6 +233,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
                 checked.move_to_end(values)
                 return
             kw = dict(static)
+            kw.update(cells)  # (the learning rate's: a schedule, checked as one)
             kw.update(zip(checked_names, values))
             inner_factory(**kw)
             checked[values] = True

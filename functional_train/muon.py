@@ -46,9 +46,9 @@ from .combine import partition
 from .engine.view import prepare
 from .engine.owners import run_at_owners
 from .engine.whole import gather_global, is_sharded, local_part, per_rank
-from .hyperparams import injectable
+from .hyperparams import injectable, value_of
 from .optimizers import adamw
-from .transforms import (ScalarOrSchedule, _cast_like, _check_state, add_decayed_weights,
+from .transforms import (ScalarOrSchedule, _cast_like, _check_state, _lerp, add_decayed_weights,
                          reject_complex, scale_by_learning_rate, zero_count)
 from .tree import state_zeros_like, tree_flatten, tree_paths, tree_unflatten
 
@@ -206,9 +206,10 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
             shapes[i] = shape
         g = [b.locals[i] for i in act]
         mu_all = b.state_locals(state.mu, "ScaleByMuonState.mu")
-        mu = torch._foreach_lerp([mu_all[i] for i in act], _cast_like(g, [mu_all[i] for i in act]),
-                                 1.0 - beta)
-        u = torch._foreach_lerp(_cast_like(g, mu), mu, beta) if nesterov else mu
+        beta_now = value_of(beta)
+        mu = _lerp([mu_all[i] for i in act], _cast_like(g, [mu_all[i] for i in act]),
+                   1.0 - beta_now)
+        u = _lerp(_cast_like(g, mu), mu, beta_now) if nesterov else mu
         out = dict(zip(act, u))
         on_mesh = defaultdict(list)  # DTensor leaves: Newton-Schulz once per leaf, at its owner
         for i, gi in zip(act, g):
@@ -272,7 +273,7 @@ def muon_param_labels(params: PyTree,
     return tree_unflatten(treedef, out)
 
 
-@injectable
+@injectable(tensors=("beta",), nonzero_tensors=("weight_decay",))
 def muon(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1, beta: float = 0.95,
          nesterov: bool = True, ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
          ns_steps: int = 5, eps: float = 1e-7, ns_dtype: torch.dtype = torch.bfloat16,
@@ -313,7 +314,7 @@ def muon(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1, beta
                      muon_param_labels if param_labels is None else param_labels)
 
 
-@injectable
+@injectable(tensors=("beta",), nonzero_tensors=("weight_decay",))
 def _muon_matrices(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1,
                    beta: float = 0.95, nesterov: bool = True,
                    ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_steps: int = 5,

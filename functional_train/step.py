@@ -150,7 +150,7 @@ _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def _resolved(fused):
     """``fused`` with its injected hyperparameters (``inject_hyperparams``) read as floats:
     the kernels take Python numbers (eagerly only: a compiled step takes the chain)."""
-    if not isinstance(fused, (FusedAdam, FusedSGD)):
+    if not dataclasses.is_dataclass(fused):
         return fused
     names = [f.name for f in dataclasses.fields(fused)
              if f.name != "learning_rate" and is_injected(getattr(fused, f.name))]

@@ -189,8 +189,12 @@ TENSOR_CASES = {
     "lamb": (ft.lamb, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1)),
     "sgd_nesterov": (ft.sgd, dict(learning_rate=0.1, momentum=0.9, weight_decay=0.01,
                                   nesterov=True)),
+    "muon": (ft.muon, dict(learning_rate=1e-2, beta=0.9, weight_decay=0.1,
+                           ns_dtype=torch.float32)),
+    "came": (ft.came, dict(learning_rate=1e-2, weight_decay=0.1)),
 }
-_CHANGED = {"b1": 0.6, "b2": 0.9, "eps": 1e-3, "weight_decay": 0.2, "momentum": 0.5}
+_CHANGED = {"b1": 0.6, "b2": 0.9, "eps": 1e-3, "weight_decay": 0.2, "momentum": 0.5,
+            "beta": 0.7}
 
 
 def _changes(kw, t):
