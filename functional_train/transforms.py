@@ -83,9 +83,10 @@ def _add_scaled(xs: list, ys: list, alpha) -> list:
 
 
 def _scalar_for(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A 0-dim tensor hyperparameter in leaf ``x``'s dtype (inductor in torch 2.13 bakes the
-    value of a float64 CPU scalar tensor into ``_foreach_add`` / ``_foreach_lerp`` of float32
-    lists at compile time; a scalar of the list's dtype stays an input)."""
+    """A 0-dim tensor hyperparameter in leaf ``x``'s dtype, for the per-leaf ops the tensor
+    path uses (traced, a float64 scalar tensor would promote the result; and torch 2.13's
+    inductor bakes the value of a float64 CPU scalar tensor given to ``_foreach_add`` /
+    ``_foreach_lerp`` into the kernel at compile time, so those take the per-leaf form)."""
     return v.to(x.dtype)
 
 

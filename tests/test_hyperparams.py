@@ -240,9 +240,9 @@ def test_tensor_hyperparameters_are_read_per_update(name, mode):
 def test_compiled_step_does_not_recompile_when_tensor_hyperparameters_change(name, backend):
     """``torch.compile(ft.step, fullgraph=True)`` with b1, b2, eps, the weight decay and the
     momentum changed between steps: no recompile (``error_on_recompile``), the parameters of
-    the eager run to float rounding (inductor: to 1e-5 of the change; torch 2.13's inductor
-    baked a float64 scalar tensor into ``_foreach_add`` / ``_foreach_lerp`` before the
-    transforms cast it to the leaves' dtype)."""
+    the eager run to float rounding (to 1e-5 of the change; with inductor this fails if the
+    transforms give the tensor to ``_foreach_add``, whose kernel torch 2.13's inductor
+    compiles with the first value baked in)."""
     factory, kw = TENSOR_CASES[name]
     params, grads = _problem(steps=5)
     tx = ft.inject_hyperparams(factory)(**kw)
