@@ -56,7 +56,8 @@ def test_pure_step_equals_the_primitives(compiled, monkeypatch, name):
             x.numel() for x in a[0]) or _r(*a, **k))
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(5):
-            g = {k: torch.randn_like(v) * (i + 1) for k, v in p.items()}
+            gen = torch.Generator().manual_seed(100 + i)
+            g = {k: torch.randn(v.shape, generator=gen) * (i + 1) for k, v in p.items()}
             inputs = [x for x in torch.utils._pytree.tree_leaves((g, p, s))
                       if isinstance(x, torch.Tensor)]
             before = [x.clone() for x in inputs]
@@ -71,7 +72,9 @@ def test_pure_step_equals_the_primitives(compiled, monkeypatch, name):
         assert (p[k] - q[k]).abs().max() <= 1e-5 * change, k
     for a, b in zip(torch.utils._pytree.tree_leaves(s), torch.utils._pytree.tree_leaves(r)):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+            # float rounding relative to the state's scale: a moment that cancels to near 0
+            # (b1 m + (1 - b1) g of opposite signs) keeps the absolute rounding of its terms
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
         elif isinstance(a, torch.Tensor):
             assert torch.equal(a, b)
 
