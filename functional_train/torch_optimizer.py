@@ -25,6 +25,10 @@ def _injected_groups(tx: GradientTransformation):
     tensors)})``: for a ``partition``, each label's transform injected (:func:`_injected`), one
     parameter group per label; otherwise one group, label ``None``."""
     spec = getattr(tx.update, "partition", None)
+    if spec is not None and getattr(tx.update, "built_with", None) is not None and all(
+            _injected(t)[1] is None for t in spec[0].values()):
+        spec = None  # an alias made of a partition whose labels have no hyperparameters of
+        # their own (galore_adamw): one group, the alias' hyperparameters injected
     if spec is None:
         t, path, tensors = _injected(tx)
         return t, {None: (path, tensors)}

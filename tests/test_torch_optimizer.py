@@ -305,3 +305,35 @@ def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile():
     opt.load_state_dict(sd)
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 / 6)
+
+
+def test_galore_adamw_is_one_group_a_scheduler_drives():
+    """``galore_adamw`` is a partition inside (GaLore and plain AdamW leaves) whose labels have
+    no hyperparameters of their own: it makes ONE group holding the alias' (``lr``, ``betas``,
+    ``eps``, ``weight_decay``, ``scale``), so torch's schedulers take it; LambdaLR's learning
+    rate is the one the transform uses (equal to the alias with that schedule, 5 steps across
+    two projector refreshes)."""
+    start = _model()
+    model = copy.deepcopy(start)
+    kw = dict(weight_decay=0.1, rank=2, update_proj_gap=3)
+    opt = ft.TorchOptimizer(model.named_parameters(), ft.galore_adamw(1e-2, **kw))
+    assert len(opt.param_groups) == 1
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    assert group == {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.1,
+                     "scale": 0.25}
+    batches = _batches(5)
+    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8 ** t), batches)
+    tx = ft.galore_adamw(lambda count: 1e-2 * 0.8 ** torch.as_tensor(count, dtype=torch.float64),
+                         **kw)
+    ref = copy.deepcopy(start)
+    params = dict(ref.named_parameters())
+    state = tx.init({k: v.detach() for k, v in params.items()})
+    for x, y in batches:
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        new, state = ft.step(tx, {k: v.grad for k, v in params.items()}, state,
+                             {k: v.detach() for k, v in params.items()})
+        with torch.no_grad():
+            for k, v in params.items():
+                v.copy_(new[k])
+    _close(model, ref, start)
