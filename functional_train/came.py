@@ -20,7 +20,7 @@ import optree
 import torch
 
 from . import _validate as V
-from .hyperparams import injectable
+from .hyperparams import injectable, is_injected, value_of
 from .base import EmptyState, GradientTransformation, declare, chain
 from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _factored_rms,
                        _is_factored, _leaf_rms, _new_state_tree, _placeholder, _square,
@@ -28,7 +28,7 @@ from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _fact
                        scale_by_factored_rms)
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import prepare
-from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state,
+from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, _div,
                          add_decayed_weights, scale_by_learning_rate)
 from .tree import state_dtype, state_zeros_like, tree_paths
 
@@ -164,7 +164,7 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
         u = [b.locals[i] if b.locals[i].dtype == m.dtype else b.locals[i].to(m.dtype)
              for i, m in zip(act, m_old)]
         # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves
-        den = torch._foreach_div(_block_rms(b, u, act), clip_threshold)
+        den = _div(_block_rms(b, u, act), value_of(clip_threshold))
         torch._foreach_clamp_min_(den, 1.0)
         u = [x / d.to(x.dtype) for x, d in zip(u, den)]
         # 3. momentum (as came_pytorch: m * b1 + (1 - b1) * u)
@@ -193,7 +193,7 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
-@injectable(nonzero_tensors=("weight_decay",))
+@injectable(tensors=("clip_threshold", "weight_decay"))
 def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 0.9999),
          eps: Sequence[float] = (1e-30, 1e-16), clip_threshold: float = 1.0,
          weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:
@@ -231,9 +231,10 @@ def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 
     betas = _pair_or_triple("betas", betas, 3, where)
     eps = _pair_or_triple("eps", eps, 2, where)
     tx.update.fused = FusedCame(  # type: ignore[attr-defined]  (ft.step)
-        *(float(x) for x in betas), *(float(x) for x in eps), float(clip_threshold),
+        *(float(x) for x in betas), *(float(x) for x in eps),
+        clip_threshold if is_injected(clip_threshold) else float(clip_threshold),
         weight_decay, learning_rate,
-        txs[1].update.keep_of if (weight_decay and mask is not None) else None)
+        txs[1].update.keep_of if (weight_decay and mask is not None) else None, len(txs))
     return tx
 
 
@@ -251,6 +252,7 @@ class FusedCame:
     weight_decay: float
     learning_rate: Any
     mask: Any = None  # params -> [bool per leaf]: the leaves decayed (None: all)
+    parts: int = 2  # transforms in the chain (3 with the decay: its value may be an injected 0)
 
     @property
     def min_mean_bytes(self) -> int:
@@ -270,7 +272,7 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
     ``engine.pool.MIN_MEAN_BYTES``, 64 KiB, where the chain's batched operations are faster)."""
     lr_state = state[-1] if isinstance(state, tuple) and state else None
     schedule = callable(fused.learning_rate)
-    if not (isinstance(state, tuple) and len(state) == (3 if fused.weight_decay else 2)
+    if not (isinstance(state, tuple) and len(state) == fused.parts
             and isinstance(state[0], ScaleByCameState)
             and isinstance(lr_state, ScaleByScheduleState if schedule else EmptyState)):
         return None

@@ -31,14 +31,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
 from .autograd import requires_grad_like
-from .hyperparams import injectable
+from .hyperparams import injectable, is_injected, value_of
 from .base import EmptyState, GradientTransformation, declare, chain
 from .engine.dtensor import spec_of, to_local
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .combine import mask_of
 from .engine.view import Prepared, prepare
 from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _cast_like, _check_state,
-                         reject_complex, scale, scale_by_learning_rate,
+                         _div, _lerp, _nonzero, reject_complex, scale, scale_by_learning_rate,
                          stateless, zero_count)
 from .tree import (contiguous_stride, flatten_as, state_dtype, state_zeros_like, tree_flatten,
                    tree_paths, tree_unflatten)
@@ -396,7 +396,8 @@ def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, ScaleByFactoredRmsState, where)
         b = prepare(updates, params, mesh, name=where)
-        out, new_state = _factored_rms(b, state, where, decay_rate, beta2, eps, min_dim)
+        out, new_state = _factored_rms(b, state, where, value_of(decay_rate), beta2, eps,
+                                       min_dim)
         return b.rebuild(out), new_state
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
@@ -477,7 +478,7 @@ def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
 
     def clip_rms(b):
         g = [b.locals[i] for i in b.active]
-        den = torch._foreach_div(_block_rms(b, g, b.active), threshold)
+        den = _div(_block_rms(b, g, b.active), value_of(threshold))
         torch._foreach_clamp_min_(den, 1.0)
         return [x / d.to(x.dtype) for x, d in zip(g, den)]
 
@@ -522,7 +523,7 @@ def _clip_and_scale_by_param_rms(threshold: float, min_scale: float) -> Gradient
         g = [b.locals[i] for i in act]
         p = [b.params[i] for i in act]
         rms = _block_rms(b, g + p, act + act)
-        den = torch._foreach_div(rms[:len(act)], threshold)
+        den = _div(rms[:len(act)], value_of(threshold))
         torch._foreach_clamp_min_(den, 1.0)
         out = [x / d.to(x.dtype) for x, d in zip(g, den)]
         scale = rms[len(act):]
@@ -598,10 +599,11 @@ def ema(decay: float, debias: bool = False, *,
         if not g:
             return b.rebuild_active([]), EmaState(count, state.ema)
         gm = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(g, m)]
-        new = torch._foreach_lerp(m, gm, 1.0 - decay)
+        d = value_of(decay)
+        new = _lerp(m, gm, 1.0 - d)
         out = new
         if debias:
-            bc = 1.0 - torch.pow(decay, count.to(torch.float64))
+            bc = 1.0 - torch.pow(d, count.to(torch.float64))
             per_dtype = {x.dtype: None for x in new}  # each leaf divides in its own dtype
             per_dtype = {d: bc.to(d) for d in per_dtype}
             out = torch._foreach_div(new, [per_dtype[x.dtype] for x in new])
@@ -628,8 +630,9 @@ def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay:
     True.
     """
     where = "adafactor"
-    need_params = min_scale is not None or bool(weight_decay)
-    keep_of = mask_of(mask, where) if (mask is not None and weight_decay) else None
+    decays = is_injected(weight_decay) or weight_decay != 0.0  # (an injected one may be 0)
+    need_params = min_scale is not None or decays
+    keep_of = mask_of(mask, where) if (mask is not None and decays) else None
 
     def init_fn(params):
         if keep_of is not None:
@@ -645,13 +648,13 @@ def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay:
             return b.rebuild_active([]), new_state
         g = [b.locals[i] for i in act]
         p = [b.params[i] for i in act] if need_params else []
-        factors, steps = _adafactor_factors(b, act, g, p, _rho_at(rho, state), threshold,
-                                            min_scale)
+        factors, steps = _adafactor_factors(b, act, g, p, _rho_at(rho, state),
+                                            value_of(threshold), min_scale)
         out = torch._foreach_mul(g, factors)
-        if weight_decay:
+        wd = value_of(weight_decay)
+        if decays and _nonzero(wd):
             ks = range(len(act)) if keep_of is None else _kept(keep_of(params), act)
-            _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks],
-                       weight_decay)
+            _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks], wd)
         return b.rebuild_active(out), new_state
 
     update_fn.keep_of = keep_of
@@ -692,7 +695,7 @@ def _adafactor_factors(b: Prepared, idx: Sequence[int], u: Sequence[torch.Tensor
     else:
         rms = _block_rms(b, u, idx)
         steps = [-lr] * n
-    den = torch._foreach_div(rms[:n], threshold)
+    den = _div(rms[:n], threshold)
     torch._foreach_clamp_min_(den, 1.0)
     return [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, u)], steps
 
@@ -855,14 +858,17 @@ def _add_step_size_decayed_weights(weight_decay: float, rho, scale_parameter: bo
         g = [b.locals[i] for i in b.active]
         if not g:
             return b.rebuild_active([]), _StepSizeDecayState(state.count + 1)
+        wd = value_of(weight_decay)
+        if not _nonzero(wd):  # (injected as 0: as the alias without it)
+            return b.rebuild_active(g), _StepSizeDecayState(state.count + 1)
         p = [b.params[i] for i in b.active]
         lr = torch.as_tensor(rho(state.count), dtype=torch.float64)
         if scale_parameter:
             rms = _block_rms(b, p, b.active)
             torch._foreach_clamp_min_(rms, min_scale)
-            coef = [(s.to(torch.float64) * lr * weight_decay) for s in rms]
+            coef = [(s.to(torch.float64) * lr * wd) for s in rms]
         else:
-            coef = [lr * weight_decay] * len(g)
+            coef = [lr * wd] * len(g)
         keep = [True] * len(b.updates) if keep_of is None else keep_of(params)
         out = [x + y.to(x.dtype) * c.to(x.dtype) if keep[i] else x
                for i, x, y, c in zip(b.active, g, p, coef)]
@@ -871,7 +877,7 @@ def _add_step_size_decayed_weights(weight_decay: float, rho, scale_parameter: bo
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
-@injectable
+@injectable(tensors=("clip_threshold", "decay_rate", "beta1", "weight_decay"))
 def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
               eps: tuple[float, float] = (1e-30, 1e-3), clip_threshold: float = 1.0,
               decay_rate: float = -0.8, beta1: Optional[float] = None, weight_decay: float = 0.0,
@@ -985,7 +991,7 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
             txs.append(clip_by_block_rms(clip_threshold))
         txs.append(scale_by_learning_rate(rho, flip_sign=False))
         txs.append(ema(beta1))
-        if weight_decay:
+        if is_injected(weight_decay) or weight_decay:
             rho_fn = rho if callable(rho) else (lambda count, _v=float(rho): _v)
             txs.append(_add_step_size_decayed_weights(weight_decay, rho_fn, scale_parameter, eps2,
                                                       mask))

@@ -38,7 +38,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
-from .hyperparams import injectable
+from .hyperparams import injectable, is_injected, value_of
 from .base import GradientTransformation, declare, chain
 from .base import EmptyState
 from .combine import PartitionState, partition
@@ -49,7 +49,7 @@ from .engine.whole import gather_global as _gather_global, is_sharded as _is_sha
     local_part as _local_part, per_rank as _per_rank
 from .factored import per_leaf_result, per_leaf_view
 from .transforms import (AdamLeaf, ScalarOrSchedule, ScaleByAdamState, ScaleByScheduleState,
-                         _check_state, reject_complex, scale_by_adam,
+                         _check_state, _nonzero, reject_complex, scale_by_adam,
                          scale_by_learning_rate, stateless)
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
 
@@ -272,7 +272,15 @@ class BackProjection(NamedTuple):
     def into(self, buf: torch.Tensor) -> torch.Tensor:
         """The scaled update written into ``buf`` (contiguous, the leaf's shape and dtype)."""
         u = torch.matmul(*self.factors(), out=buf)  # _project_back's product
-        return u.mul_(self.scale) if self.scale != 1.0 else u
+        return _scaled_(u, self.scale)
+
+
+def _scaled_(u: torch.Tensor, scale) -> torch.Tensor:
+    """``u *= scale`` in place (nothing for a float 1; a 0-dim tensor ``scale``, injected and
+    compiled, in ``u``'s dtype)."""
+    if isinstance(scale, torch.Tensor):
+        return u.mul_(scale.to(u.dtype))
+    return u.mul_(scale) if scale != 1.0 else u
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +373,7 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
                         f"got {type(inner).__name__}")
     rank = V.integer("rank", rank, where=where, low=1)
     gap = V.integer("update_proj_gap", update_proj_gap, where=where, low=1)
-    scale = V.number("scale", scale, where=where)
+    scale_arg = V.number("scale", scale, where=where)
     if proj_type not in PROJ_TYPES:
         raise ValueError(f"{where}: proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
     if refresh not in REFRESH:
@@ -418,6 +426,7 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
 
     def run(updates, state, params, mesh, extra, on_update, scratch, outputs=None):
         _check_state(state, GaLoreState, where)
+        scale = value_of(scale_arg)
         b = prepare(updates, params, mesh, name=where)
         reject_complex(b, where)
         if not b.active:  # every leaf frozen: nothing to project, no step taken
@@ -503,7 +512,7 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
             return None, new_state
         for i, side in proj:
             u = _project_back(to_local(out[i]), p_slice[i], side)
-            out[i] = wrap(u.mul_(scale) if scale != 1.0 else u, b.specs[i])
+            out[i] = wrap(_scaled_(u, scale), b.specs[i])
         return tree_unflatten(b.treedef, out), new_state
 
     update_fn.per_leaf = per_leaf
@@ -519,6 +528,7 @@ def _leafwise(b: Prepared, sides: dict, proj: dict, state: ScaleByAdamState, ada
     the same operations as the general path on one leaf, so the moments and updates are bit for
     bit its own. Returns the new inner state."""
     act = b.active
+    adam = adam.resolved()
     mu_all = flatten_as(state.mu, b.treedef, "ScaleByAdamState.mu", "the updates")
     nu_all = flatten_as(state.nu, b.treedef, "ScaleByAdamState.nu", "the updates")
     mu, nu = [mu_all[i] for i in act], [nu_all[i] for i in act]  # the projected shapes
@@ -593,10 +603,15 @@ def _decay_after_update(learning_rate: ScalarOrSchedule,
         torch._foreach_add_(s, us)
         return s
 
+    def decayed(b, c):
+        us = [b.locals[i] for i in b.active]
+        if isinstance(c, float) and c == 0.0:  # (a weight decay injected as 0: as without it)
+            return us
+        return decay(us, [b.params[i] for i in b.active], c)
+
     if not callable(learning_rate):
-        c = float(learning_rate) * weight_decay
-        return stateless(where, lambda b: decay([b.locals[i] for i in b.active],
-                                                [b.params[i] for i in b.active], c),
+        lr = float(learning_rate)
+        return stateless(where, lambda b: decayed(b, lr * value_of(weight_decay)),
                          need_params=True)
 
     def init_fn(params):
@@ -606,9 +621,10 @@ def _decay_after_update(learning_rate: ScalarOrSchedule,
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, ScaleByScheduleState, where)
         b = prepare(updates, params, mesh, need_params=True, name=where)
-        c = torch.as_tensor(learning_rate(state.count), dtype=torch.float64) * weight_decay
-        out = decay([b.locals[i] for i in b.active], [b.params[i] for i in b.active], c) \
-            if b.active else []
+        wd = value_of(weight_decay)
+        c = torch.as_tensor(learning_rate(state.count), dtype=torch.float64) * wd \
+            if _nonzero(wd) else 0.0
+        out = decayed(b, c) if b.active else []
         return b.rebuild_active(out), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
@@ -653,7 +669,7 @@ def _hf_adam(b1: float, b2: float, eps: float, optim_bits: int = 32,
                          min_8bit_size=min_8bit_size)
 
 
-@injectable
+@injectable(tensors=("b1", "b2", "eps", "weight_decay", "scale"))
 def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-6, weight_decay: float = 0.0, *, rank: int = 128,
                  update_proj_gap: int = 200, scale: float = 0.25, proj_type: str = "std",
@@ -718,7 +734,7 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
 
     def tail(decayed: bool) -> list:
         txs = [scale_by_learning_rate(lr)]
-        if decayed and wd > 0.0:
+        if decayed and (is_injected(wd) or wd > 0.0):
             txs.append(_decay_after_update(lr, wd))
         return txs
 
@@ -735,7 +751,8 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
                    _canonical_labels(labels))
     tx.update.fused = FusedGaLore(  # type: ignore[attr-defined]
         transforms["galore"].update.parts[0], lr, wd, update_proj_gap, tx.update.labels_of,
-        {k: _skip_when_empty(t) for k, t in transforms.items() if k != "galore"})
+        {k: _skip_when_empty(t) for k, t in transforms.items() if k != "galore"},
+        len(transforms["galore"].update.parts) == 3)
     return tx
 
 
@@ -752,6 +769,7 @@ class FusedGaLore:
     update_proj_gap: int
     labels_of: Callable
     others: dict
+    decayed: bool  # the chains have the decay transform (its value may be an injected 0)
 
     min_mean_bytes = MIN_MEAN_BYTES  # per-leaf Python work pays only on large leaves
 
@@ -774,12 +792,12 @@ def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, m
     if not (isinstance(state, PartitionState) and "galore" in state.inner_states):
         return None
     gst = state.inner_states["galore"]
-    decayed = fused.weight_decay > 0.0
-    if not (isinstance(gst, tuple) and len(gst) == 2 + decayed
+    if not (isinstance(gst, tuple) and len(gst) == 2 + fused.decayed
             and isinstance(gst[0], GaLoreState) and isinstance(gst[0].count, torch.Tensor)
             and int(gst[0].count) % fused.update_proj_gap != 0):
         return None
     lr, wd = fused.learning_rate, fused.weight_decay
+    decayed = fused.decayed and wd != 0.0  # (an injected weight decay: a float here)
     sched = callable(lr)
     if not all(isinstance(x, ScaleByScheduleState if sched else EmptyState) for x in gst[1:]):
         return None

@@ -101,7 +101,7 @@ def injectable(factory: Callable = None, *, tensors: tuple = (),
     ``tensors``: the hyperparameters the factory's transforms read per update with
     :func:`value_of` (so :func:`inject_hyperparams` hands them over natively, as tensors, with
     no rebuild); ``nonzero_tensors``: those it does natively only when their initial value is
-    not 0 (a 0 there drops a transform from the chain, e.g. the weight decay, so the state's
+    not 0 (a 0 there drops a transform from the chain, e.g. sgd's momentum, so the state's
     structure would depend on the value). ``learning_rate`` is native for every factory of
     this library."""
     if factory is None:
@@ -141,21 +141,27 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
       factory as a schedule that returns the state's tensor: changing it costs nothing, reads
       nothing on the host, and a compiled step does not recompile (``ft.step``'s fused kernels
       take it as their tensor learning rate).
-    * ``b1``, ``b2``, ``eps`` and a non-zero ``weight_decay`` of :func:`~functional_train.adam`,
-      :func:`~functional_train.adamw` and :func:`~functional_train.lamb`, a non-zero
-      ``momentum`` and ``weight_decay`` of :func:`~functional_train.sgd`, ``beta`` and a
-      non-zero ``weight_decay`` of :func:`~functional_train.muon`, and a non-zero
-      ``weight_decay`` of :func:`~functional_train.came` are handed over the same way: the transforms read the state's tensor at every update (:func:`value_of`:
-      eagerly as a float, under ``torch.compile`` as an input of the graph, so a
-      ``fullgraph=True`` step does not recompile when they change). Their values are checked
-      (as the factory checks them) eagerly whenever they change. Injected as 0, a weight decay
-      or momentum takes the path below (a 0 leaves its transform out of the chain).
-    * Every other injected hyperparameter (those of ``adafactor`` and ``galore_adamw``,
-      ``came``'s ``clip_threshold``, ``muon``'s ``eps``, ``sgd``'s ``dampening``, and
-      ``learning_rate`` for a factory of another library) is read on the host
-      (a CPU tensor: no device synchronisation) and the inner transform is rebuilt when a value
-      changes (the last few builds are cached). Under ``torch.compile`` such a read is a graph
-      break: pass those as plain numbers into a ``fullgraph=True`` step.
+    * Every numeric hyperparameter of this library's aliases is handed over the same way (the
+      factory declares them with :func:`injectable`): ``b1``, ``b2``, ``eps`` and
+      ``weight_decay`` of :func:`~functional_train.adam`, :func:`~functional_train.adamw`,
+      :func:`~functional_train.lamb` and :func:`~functional_train.galore_adamw` (and its
+      ``scale``); ``dampening``, ``weight_decay`` and a non-zero ``momentum`` of
+      :func:`~functional_train.sgd`; ``clip_threshold``, ``decay_rate``, ``beta1`` and
+      ``weight_decay`` of :func:`~functional_train.adafactor`; ``clip_threshold`` and
+      ``weight_decay`` of :func:`~functional_train.came`; ``beta``, ``eps`` and
+      ``weight_decay`` of :func:`~functional_train.muon`. The transforms read the state's
+      tensor at every update (:func:`value_of`: eagerly as a float, under ``torch.compile`` as
+      an input of the graph, so a ``fullgraph=True`` step does not recompile when they change).
+      Their values are checked (as the factory checks them) eagerly whenever they change. A
+      weight decay injected as 0 keeps its transform in the chain, which skips it eagerly while
+      the value is 0 (the alias' numbers) and decays once it is set non-zero.
+    * The others are read on the host (a CPU tensor: no device synchronisation) and the inner
+      transform is rebuilt when a value changes (the last few builds are cached): a
+      ``momentum`` injected as 0 (a momentum buffer the size of the parameters would be kept
+      for it; set non-zero later, the update raises, saying so), and every hyperparameter of a
+      factory not declared with :func:`injectable` (another library's: its ``learning_rate``
+      too). Tuples (``betas``, ``eps`` pairs) are not injected. Under ``torch.compile`` a host
+      read is a graph break: pass those as plain numbers into a ``fullgraph=True`` step.
 
     The numbers equal the un-injected transform's bit for bit (float64 values are exact for
     Python floats). No collective of its own: the hyperparameters are the same on every rank
@@ -298,9 +304,9 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
             now = {n: float(hp[n]) for n in host_names if float(hp[n]) != was[n]}
             return ValueError(
                 f"inject_hyperparams: the update failed after the host-read hyperparameter(s) "
-                f"{now} changed from {was} (a weight decay or momentum injected as 0 leaves its "
-                f"transform out of the chain, so a non-zero value needs another state: inject "
-                f"it non-zero, or build a new transform and state): {error}")
+                f"{now} changed from {was} (a momentum injected as 0 leaves its transform out "
+                f"of the chain, so a non-zero value needs another state: inject it non-zero, "
+                f"or build a new transform and state): {error}")
 
         inner_update = first.update
         for attr in ("accepts_unreduced", "accepts_view", "passes_unreduced"):

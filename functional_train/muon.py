@@ -87,7 +87,8 @@ def newton_schulz(x: torch.Tensor, ns_coefficients: Sequence[float] = NS_COEFFIC
     tall = y.size(0) > y.size(1)
     if tall:
         y = y.T
-    y = y / y.norm().clamp(min=eps)
+    n = y.norm()
+    y = y / n.clamp(min=eps.to(n.dtype) if isinstance(eps, torch.Tensor) else eps)
     for _ in range(ns_steps):
         gram = y @ y.T
         y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
@@ -168,7 +169,7 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
             (naming its path) or a complex leaf; a state from another transform.
     """
     beta = V.beta("beta", beta, where="scale_by_muon")
-    eps = V.number("eps", eps, where="scale_by_muon", low=0.0)
+    eps_arg = V.number("eps", eps, where="scale_by_muon", low=0.0)
     ns_steps = V.integer("ns_steps", ns_steps, where="scale_by_muon", low=1)
     if ns_steps >= 100:
         raise ValueError(f"scale_by_muon: ns_steps must be below 100, got {ns_steps}")
@@ -206,7 +207,7 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
             shapes[i] = shape
         g = [b.locals[i] for i in act]
         mu_all = b.state_locals(state.mu, "ScaleByMuonState.mu")
-        beta_now = value_of(beta)
+        beta_now, eps = value_of(beta), value_of(eps_arg)
         mu = _lerp([mu_all[i] for i in act], _cast_like(g, [mu_all[i] for i in act]),
                    1.0 - beta_now)
         u = _lerp(_cast_like(g, mu), mu, beta_now) if nesterov else mu
@@ -273,7 +274,7 @@ def muon_param_labels(params: PyTree,
     return tree_unflatten(treedef, out)
 
 
-@injectable(tensors=("beta",), nonzero_tensors=("weight_decay",))
+@injectable(tensors=("beta", "eps", "weight_decay"))
 def muon(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1, beta: float = 0.95,
          nesterov: bool = True, ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
          ns_steps: int = 5, eps: float = 1e-7, ns_dtype: torch.dtype = torch.bfloat16,
@@ -314,7 +315,7 @@ def muon(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1, beta
                      muon_param_labels if param_labels is None else param_labels)
 
 
-@injectable(tensors=("beta",), nonzero_tensors=("weight_decay",))
+@injectable(tensors=("beta", "eps", "weight_decay"))
 def _muon_matrices(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1,
                    beta: float = 0.95, nesterov: bool = True,
                    ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_steps: int = 5,

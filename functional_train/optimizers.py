@@ -20,7 +20,7 @@ def _maybe_maximize(maximize: bool, txs):
     return [scale(-1.0), *txs] if maximize else list(txs)
 
 
-@injectable(nonzero_tensors=("momentum", "weight_decay"))
+@injectable(tensors=("dampening", "weight_decay"), nonzero_tensors=("momentum",))
 def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
         weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
         accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
@@ -36,7 +36,8 @@ def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening
     V.learning_rate(learning_rate, where="sgd")
     V.number("momentum", momentum, where="sgd", low=0.0)
     V.number("weight_decay", weight_decay, where="sgd", low=0.0)
-    if nesterov and ((not is_injected(momentum) and momentum <= 0) or dampening != 0):
+    if nesterov and ((not is_injected(momentum) and momentum <= 0)
+                     or (not is_injected(dampening) and dampening != 0)):
         raise ValueError("sgd: nesterov momentum requires momentum > 0 and dampening == 0")
     txs = [add_decayed_weights(weight_decay)] if weight_decay else []
     if momentum:
@@ -44,11 +45,14 @@ def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening
                          accumulator_dtype=accumulator_dtype))
     txs.append(scale_by_learning_rate(learning_rate))
     tx = chain(*_maybe_maximize(maximize, txs))
-    if not (momentum and dampening):  # torch's fused kernel starts a damped buffer undamped
+    # torch's fused kernel starts a damped buffer undamped: fused only without dampening (an
+    # injected one is read when the step runs, which falls back to the chain where it is not 0)
+    if not (momentum and dampening) or is_injected(dampening):
         shift = 1 if maximize else 0
         tx.update.fused = FusedSGD(  # type: ignore[attr-defined]
             learning_rate, momentum, weight_decay, nesterov, maximize,
-            shift + len(txs) - 2 if momentum else None, shift + len(txs) - 1)
+            shift + len(txs) - 2 if momentum else None, shift + len(txs) - 1,
+            dampening if momentum else 0.0)
     return tx
 
 
@@ -65,7 +69,7 @@ def _fused_adam(tx, decoupled, learning_rate, b1, b2, eps, weight_decay, amsgrad
     return tx
 
 
-@injectable(tensors=("b1", "b2", "eps"), nonzero_tensors=("weight_decay",))
+@injectable(tensors=("b1", "b2", "eps", "weight_decay"))
 def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
          maximize: bool = False, decoupled_weight_decay: bool = False,
@@ -99,7 +103,7 @@ def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
                        maximize, optim_bits, len(txs))
 
 
-@injectable(tensors=("b1", "b2", "eps"), nonzero_tensors=("weight_decay",))
+@injectable(tensors=("b1", "b2", "eps", "weight_decay"))
 def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
           maximize: bool = False, mu_dtype: Optional[torch.dtype] = None,
@@ -134,7 +138,7 @@ def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0
                        maximize, optim_bits, len(txs), mask)
 
 
-@injectable(tensors=("b1", "b2", "eps"), nonzero_tensors=("weight_decay",))
+@injectable(tensors=("b1", "b2", "eps", "weight_decay"))
 def lamb(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True, *,
          mu_dtype: Optional[torch.dtype] = None,

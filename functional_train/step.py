@@ -77,6 +77,7 @@ class FusedSGD:
     maximize: bool
     trace_index: Optional[int]
     lr_index: int
+    dampening: float = 0.0  # of the momentum (an injected one; the kernel takes only 0)
 
 
 def _program(tx: GradientTransformation):
@@ -152,8 +153,8 @@ def _resolved(fused):
     the kernels take Python numbers (eagerly only: a compiled step takes the chain)."""
     if not dataclasses.is_dataclass(fused):
         return fused
-    names = [f.name for f in dataclasses.fields(fused)
-             if f.name != "learning_rate" and is_injected(getattr(fused, f.name))]
+    names = [f.name for f in dataclasses.fields(fused)  # (the learning rate: a schedule)
+             if is_injected(v := getattr(fused, f.name)) and v.name != "learning_rate"]
     if not names:
         return fused
     return dataclasses.replace(fused, **{n: value_of(getattr(fused, n)) for n in names})
@@ -193,6 +194,8 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
             return None
         fields = ("mu", "nu", "nu_max") if fused.amsgrad else ("mu", "nu")
     else:
+        if fused.dampening != 0.0:
+            return None
         st = None if fused.trace_index is None else opt_state[fused.trace_index]
         if st is not None and not isinstance(st, TraceState):
             return None

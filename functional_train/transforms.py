@@ -106,6 +106,31 @@ def _mul(xs: list, value) -> list:
     return [x * _scalar_for(value, x) for x in xs]
 
 
+def _div(xs: list, value) -> list:
+    """Foreach ``xs / value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype)."""
+    if not isinstance(value, torch.Tensor):
+        return torch._foreach_div(xs, value)
+    return [x / _scalar_for(value, x) for x in xs]
+
+
+def _add_scaled_(xs: list, ys: list, alpha) -> None:
+    """In place ``xs += alpha * ys`` for a float or a 0-dim tensor ``alpha`` (see
+    :func:`_add_scaled`)."""
+    if not isinstance(alpha, torch.Tensor):
+        torch._foreach_add_(xs, ys, alpha=alpha)
+    else:
+        for x, y in zip(xs, ys):
+            x.addcmul_(y, _scalar_for(alpha, x))
+
+
+def _nonzero(value) -> bool:
+    """Whether a hyperparameter read with :func:`~functional_train.hyperparams.value_of` may be
+    non-zero: a float that is not 0, or a tensor (under ``torch.compile``, whose graph cannot
+    branch on its value). A transform skips its work eagerly where this is False, as the
+    alias built with a 0 leaves it out."""
+    return isinstance(value, torch.Tensor) or value != 0.0
+
+
 def _add_(xs: list, value) -> None:
     """In place ``xs += value`` for a float or a 0-dim tensor ``value``."""
     if not isinstance(value, torch.Tensor):
@@ -276,8 +301,9 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
         ValueError: out-of-range hyper-parameters.
     """
     decay_arg = V.number("decay", decay, where="trace", low=0.0)
-    dampening = V.number("dampening", dampening, where="trace", low=0.0, high=1.0)
-    if nesterov and ((not is_injected(decay_arg) and decay_arg <= 0) or dampening != 0):
+    damp_arg = V.number("dampening", dampening, where="trace", low=0.0, high=1.0)
+    if nesterov and ((not is_injected(decay_arg) and decay_arg <= 0)
+                     or (not is_injected(damp_arg) and damp_arg != 0)):
         raise ValueError("trace: nesterov momentum requires decay > 0 and dampening == 0")
 
     def init_fn(params):
@@ -290,10 +316,10 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
         tr_all = b.state_locals(state.trace, "TraceState.trace")
         tr = [tr_all[i] for i in b.active]
         g32 = _cast_like(g, tr)
-        decay = value_of(decay_arg)
+        decay, dampening = value_of(decay_arg), value_of(damp_arg)
         new = _mul(tr, decay)
-        torch._foreach_add_(new, g32, alpha=1.0 - dampening)
-        if dampening != 0.0:
+        _add_scaled_(new, g32, 1.0 - dampening)
+        if _nonzero(dampening):  # (the first buffer is g: exact without this when 0)
             first = state.count == 0
             new = [torch.where(first, x, n) for x, n in zip(g32, new)]
         out = _add_scaled(g32, new, decay) if nesterov else new
@@ -457,7 +483,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             new_state = ScaleByAdamState(count, new_mu, new_nu)
         return b.rebuild_active(_cast_like(out, g)), new_state
 
-    if not (eight_bit or amsgrad or any(map(is_injected, (b1_arg, b2_arg, eps_arg)))):
+    if not (eight_bit or amsgrad):
         update_fn.leafwise = AdamLeaf(b1_arg, b2_arg, eps_arg, bias_correction,
                                       eps_before_correction)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
@@ -475,6 +501,13 @@ class AdamLeaf(NamedTuple):
     eps: float
     bias_correction: bool
     eps_before_correction: bool
+
+    def resolved(self) -> "AdamLeaf":
+        """This with injected hyperparameters (``inject_hyperparams``) read as floats: the
+        per-leaf steps run eagerly only."""
+        if not any(map(is_injected, (self.b1, self.b2, self.eps))):
+            return self
+        return self._replace(b1=value_of(self.b1), b2=value_of(self.b2), eps=value_of(self.eps))
 
     def factors(self, count: torch.Tensor) -> tuple:
         """``(1 - b1^t, sqrt(1 - b2^t), their ratio)`` (float64 0-dim tensors) for ``count`` =

@@ -154,10 +154,10 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
     # b1, eps and the (L2) weight decay as tensors the transforms read at every update
     "inject_hyperparams[tensors]": lambda: ft.inject_hyperparams(ft.adam)(
         learning_rate=1e-2, b1=0.8, eps=1e-7, weight_decay=0.1),
-    # a hyperparameter read on the host (sgd's dampening): the alias rebuilt when it changes;
-    # the momentum beside it as a tensor
-    "inject_hyperparams[host]": lambda: ft.inject_hyperparams(ft.sgd)(
-        learning_rate=1e-2, momentum=0.9, dampening=0.1),
+    # hyperparameters read on the host (a factory that declares none as tensors: trace's decay
+    # and dampening): the transform rebuilt when they change
+    "inject_hyperparams[host]": lambda: ft.inject_hyperparams(ft.trace)(decay=0.9,
+                                                                         dampening=0.1),
     # finiteness read from the leading clip's norm instead of its own all-reduce
     "apply_if_finite[clip]": lambda: ft.apply_if_finite(
         ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), 2),
@@ -262,7 +262,7 @@ HOST_COUNTER_READS: dict[str, str] = {
                                    "read as floats eagerly (no device synchronisation; a compiled "
                                    "step takes them as tensors; documented in value_of)",
     "inject_hyperparams[host]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) that "
-                                "the alias does not read as tensors (sgd's dampening) are read "
+                                "the factory does not declare as tensors (trace's) are read "
                                 "on the host to rebuild it when they change (documented in "
                                 "inject_hyperparams)",
 }
@@ -271,8 +271,8 @@ HOST_COUNTER_READS: dict[str, str] = {
 # compile property still requires eager's numbers): none so far, every transform that compiles
 # at all traces as ONE graph.
 COMPILE_GRAPH_BREAKS: dict[str, str] = {
-    "inject_hyperparams[host]": "sgd's dampening is read on the host (documented in "
-                                "inject_hyperparams)",
+    "inject_hyperparams[host]": "trace's decay and dampening are read on the host (a factory "
+                                "without @injectable; documented in inject_hyperparams)",
 }
 
 # transforms that need at least one DTensor parameter (or a mesh at construction) to shard: on a

@@ -5,20 +5,28 @@ when the learning rate, b1, b2, eps, the weight decay or the momentum changes.""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import functional_train as ft
 
 
-def _problem(steps=4, seed=0):
+def _problem(steps=4, seed=0, big=False):
+    """A 2-D, a thin 2-D and a 1-D leaf; ``big``: leaves averaging over 64 KiB, where
+    ``ft.step`` takes its per-leaf paths (came, galore_adamw)."""
     gen = torch.Generator().manual_seed(seed)
-    params = {"w": torch.randn(40, 30, generator=gen), "v": torch.randn(30, 8, generator=gen),
-              "b": torch.randn(30, generator=gen)}
+    (n, m), k = ((256, 128), 160) if big else ((40, 30), 8)
+    params = {"w": torch.randn(n, m, generator=gen), "v": torch.randn(m, k, generator=gen),
+              "b": torch.randn(m, generator=gen)}
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
              for _ in range(steps)]
     return params, grads
 
+
+# leaves of over 64 KiB on average: where ft.step's per-leaf came and galore_adamw steps run
+BIG = {"came", "galore_adamw"}
 
 ALIASES = {
     "sgd": (ft.sgd, dict(learning_rate=0.1, momentum=0.9, weight_decay=0.01)),
@@ -46,13 +54,36 @@ def _run(tx, params, grads, mode, between=None):
     return p, state
 
 
+def _fused_runs(monkeypatch):
+    """A list that records, for each ``ft.step``, whether its fused kernels or per-leaf path
+    ran (the step module's ``_run_fused`` returned a result)."""
+    mod = sys.modules["functional_train.step"]
+    run, seen = mod._run_fused, []
+
+    def recorded(*args, **kwargs):
+        out = run(*args, **kwargs)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(mod, "_run_fused", recorded)
+    return seen
+
+
 @pytest.mark.parametrize("mode", ["update", "pure", "donate"])
 @pytest.mark.parametrize("name", sorted(ALIASES))
-def test_injected_equals_the_alias_bitwise(name, mode):
+def test_injected_equals_the_alias_bitwise(name, mode, monkeypatch):
+    """Bit for bit the alias, states included; ``ft.step`` takes the alias' fused kernels or
+    per-leaf path at the same steps (large leaves: came's and galore's per-leaf paths)."""
     factory, kw = ALIASES[name]
-    params, grads = _problem()
+    params, grads = _problem(big=mode != "update" and name in BIG)
+    fused = _fused_runs(monkeypatch)
     want_p, want_s = _run(factory(**kw), params, grads, mode)
+    want_fused, fused[:] = list(fused), []
     got_p, got_s = _run(ft.inject_hyperparams(factory)(**kw), params, grads, mode)
+    assert fused == want_fused
+    if mode != "update" and name not in ("lamb", "adafactor", "adamw8bit"):
+        # (lamb and 8-bit Adam have no fused step, adafactor with beta1 none)
+        assert any(fused), "the alias' fused path never ran"
     for k in params:
         assert torch.equal(got_p[k], want_p[k]), k
     assert isinstance(got_s, ft.InjectHyperparamsState) and int(got_s.count) == len(grads)
@@ -184,6 +215,16 @@ def test_bad_input():
 # hyperparameters the aliases read as tensors at every update (no rebuild; compiled: graph inputs)
 TENSOR_CASES = {
     "adam": (ft.adam, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05)),
+    "adam_no_decay": (ft.adam, dict(learning_rate=1e-2, weight_decay=0.0)),  # (changed to 0.2)
+    "sgd_dampening": (ft.sgd, dict(learning_rate=0.1, momentum=0.9, dampening=0.0,
+                                   weight_decay=0.01)),  # (dampening changed to 0.3)
+    "adafactor": (ft.adafactor, dict(learning_rate=1e-2, relative_step=False,
+                                     clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.1)),
+    "adafactor_beta1": (ft.adafactor, dict(clip_threshold=1.0, decay_rate=-0.8, beta1=0.9,
+                                           weight_decay=0.0, mask=ft.decay_mask)),
+    "galore_adamw": (ft.galore_adamw, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6,
+                                           weight_decay=0.1, scale=0.25, rank=4,
+                                           update_proj_gap=3)),
     "adamw_mask": (ft.adamw, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6,
                                   weight_decay=0.1, mask=ft.decay_mask)),
     "lamb": (ft.lamb, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1)),
@@ -191,10 +232,31 @@ TENSOR_CASES = {
                                   nesterov=True)),
     "muon": (ft.muon, dict(learning_rate=1e-2, beta=0.9, weight_decay=0.1,
                            ns_dtype=torch.float32)),
-    "came": (ft.came, dict(learning_rate=1e-2, weight_decay=0.1)),
+    "came": (ft.came, dict(learning_rate=1e-2, weight_decay=0.1, clip_threshold=1.0)),
 }
 _CHANGED = {"b1": 0.6, "b2": 0.9, "eps": 1e-3, "weight_decay": 0.2, "momentum": 0.5,
-            "beta": 0.7}
+            "beta": 0.7, "dampening": 0.3, "clip_threshold": 0.5, "decay_rate": -0.6,
+            "beta1": 0.7, "scale": 0.5}
+
+
+def _carried(state, tx, params, t):
+    """``state`` for ``tx`` (an alias rebuilt with other numbers before step ``t``): the same,
+    or where a weight decay set from 0 adds the decay's transform to a chain, ``tx``'s state
+    with the old states in the places of their types (the decay's own fresh, its counter at
+    ``t``: the injected decay has counted every step)."""
+    fresh = tx.init(params)
+    if not isinstance(state, tuple) or len(state) == len(fresh):
+        return state
+    old = list(state)
+    out = []
+    for s in fresh:
+        if old and type(old[0]) is type(s):
+            out.append(old.pop(0))
+        else:
+            out.append(s._replace(count=torch.full_like(s.count, t)) if "count" in getattr(s, "_fields", ())
+                       else s)
+    assert not old
+    return type(fresh)(out)
 
 
 def _changes(kw, t):
@@ -215,14 +277,14 @@ def test_tensor_hyperparameters_are_read_per_update(name, mode):
     bit (update, pure and donated ``ft.step``: the fused kernels read them too), with no
     rebuild; the changes matter (the run differs from one without them)."""
     factory, kw = TENSOR_CASES[name]
-    params, grads = _problem(steps=5)
+    params, grads = _problem(steps=5, big=name in BIG)
     tx = ft.inject_hyperparams(factory)(**kw)
     got, _ = _run(tx, params, grads, mode,
                   lambda t, s: ft.set_hyperparams(s, **_changes(kw, t)))
     ref_state, want = None, {k: v.clone() for k, v in params.items()}
     for t, g in enumerate(grads):
         ref = factory(**{**kw, **_changes(kw, t)})
-        ref_state = ref.init(params) if ref_state is None else ref_state
+        ref_state = ref.init(params) if ref_state is None else _carried(ref_state, ref, params, t)
         g = {k: v.clone() for k, v in g.items()}
         if mode == "update":
             u, ref_state = ref.update(g, ref_state, want)
@@ -236,14 +298,18 @@ def test_tensor_hyperparameters_are_read_per_update(name, mode):
 
 
 @pytest.mark.parametrize("name,backend", [(n, "aot_eager") for n in sorted(TENSOR_CASES)]
-                         + [("adam", "inductor")])  # (adam reads every tensor hyperparameter)
+                         + [("adam", "inductor"), ("adafactor", "inductor")])  # (foreach and factored ops)
 def test_compiled_step_does_not_recompile_when_tensor_hyperparameters_change(name, backend):
     """``torch.compile(ft.step, fullgraph=True)`` with b1, b2, eps, the weight decay and the
     momentum changed between steps: no recompile (``error_on_recompile``), the parameters of
     the eager run to float rounding (to 1e-5 of the change; with inductor this fails if the
     transforms give the tensor to ``_foreach_add``, whose kernel torch 2.13's inductor
-    compiles with the first value baked in)."""
+    compiles with the first value baked in). GaLore compiles a refresh step and another: its
+    first two steps run before recompiles are errors (the values change again at step 3)."""
     factory, kw = TENSOR_CASES[name]
+    warm = 0
+    if name == "galore_adamw":
+        kw, warm = {**kw, "update_proj_gap": 1000}, 2
     params, grads = _problem(steps=5)
     tx = ft.inject_hyperparams(factory)(**kw)
 
@@ -254,8 +320,8 @@ def test_compiled_step_does_not_recompile_when_tensor_hyperparameters_change(nam
     torch._dynamo.reset()
     step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p), backend=backend, fullgraph=True)
     state, p = tx.init(params), dict(params)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for t, g in enumerate(grads):
+    for t, g in enumerate(grads):
+        with torch._dynamo.config.patch(error_on_recompile=t >= warm):
             p, state = step(g, between(t, state), p)
     torch._dynamo.reset()
     for k in params:
