@@ -9,9 +9,9 @@ main job's --checkpoint-every / --resume.
   DTensor checkpoint into plain tensors in one process, and a donated run resumed from its
   checkpoint equals the uninterrupted run bitwise;
 - the main job SIGKILLed after a checkpoint and resumed ends with the parameters of the
-  uninterrupted run: bitwise in one process; a 4-process checkpoint resumed in one process to
-  float tolerance (the tensor parallel reductions round differently). The 4-process ->
-  4-process resume (bitwise) takes about 50 s more: ``FT_SLOW_RESUME=1`` runs it.
+  uninterrupted run: bitwise in one process and on 4 processes (the 4-process kill shared by
+  both of its tests); a 4-process checkpoint resumed in one process to float tolerance (the
+  tensor parallel reductions round differently).
 """
 
 import json
@@ -356,9 +356,19 @@ def test_main_job_killed_and_resumed_is_bitwise(tmp_path, uninterrupted):
     assert resumed["summary"]["val_loss"] == metrics["summary"]["val_loss"]
 
 
-def test_main_job_four_process_checkpoint_resumes_in_one_process(tmp_path, uninterrupted):
-    ckpt = tmp_path / "four" / "checkpoint"
-    step, _ = _killed_after_checkpoint(_cmd(4, tmp_path / "four", "--checkpoint-every", "2"), ckpt)
+@pytest.fixture(scope="module")
+def four_killed(tmp_path_factory):
+    """A 4-process run (dp=2 x tp=2) SIGKILLed after its checkpoint of step 2 or later: ``(the
+    checkpoint, its step)``. Both tests below resume it (reading it only)."""
+    out = tmp_path_factory.mktemp("four")
+    ckpt = out / "checkpoint"
+    step, _ = _killed_after_checkpoint(_cmd(4, out, "--checkpoint-every", "2"), ckpt)
+    return ckpt, step
+
+
+def test_main_job_four_process_checkpoint_resumes_in_one_process(tmp_path, uninterrupted,
+                                                                 four_killed):
+    ckpt, step = four_killed
     assert ft.checkpoint.read_manifest(ckpt)["world_size"] == 4
     res = _run(_cmd(1, tmp_path / "resumed", "--resume", str(ckpt)))
     assert f"at step {step}" in res.stderr
@@ -372,12 +382,11 @@ def test_main_job_four_process_checkpoint_resumes_in_one_process(tmp_path, unint
     assert abs(resumed["summary"]["val_loss"] - metrics["summary"]["val_loss"]) < 1e-4
 
 
-@pytest.mark.skipif(os.environ.get("FT_SLOW_RESUME") != "1",
-                    reason="4-process kill + resume against a 4-process run (~50 s): FT_SLOW_RESUME=1")
-def test_main_job_four_processes_killed_and_resumed_is_bitwise(tmp_path):
+def test_main_job_four_processes_killed_and_resumed_is_bitwise(tmp_path, four_killed):
+    """The 4-process run killed after a checkpoint and resumed on 4 processes ends with the
+    parameters of an uninterrupted 4-process run, bit for bit."""
     _run(_cmd(4, tmp_path / "ref"))
-    ckpt = tmp_path / "killed" / "checkpoint"
-    step, _ = _killed_after_checkpoint(_cmd(4, tmp_path / "killed", "--checkpoint-every", "2"), ckpt)
+    ckpt, step = four_killed
     res = _run(_cmd(4, tmp_path / "resumed", "--resume", str(ckpt)))
     assert f"at step {step}" in res.stderr
     want = torch.load(tmp_path / "ref" / "params.pt")
