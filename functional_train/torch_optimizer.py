@@ -304,8 +304,11 @@ class TorchOptimizer(torch.optim.Optimizer):
             param_groups.append(g)
         self._layout = None  # (treedef, _leaf_keys) of the transform's state
         self._constructing = True
-        # (schedulers read ``defaults``: OneCycleLR looks for "betas" / "momentum" there)
-        defaults = {k: v for k, v in param_groups[0].items() if k not in ("params", "label")}
+        # (schedulers read ``defaults``: OneCycleLR looks for "betas" / "momentum" there; the
+        # keys every group has, as torch.optim.Optimizer fills each group's missing keys from
+        # them: another group's hyperparameter would appear where nothing reads it)
+        defaults = {k: v for k, v in param_groups[0].items() if k not in ("params", "label")
+                    and all(k in g for g in param_groups)}
         super().__init__(param_groups, defaults)
         self._constructing = False
 

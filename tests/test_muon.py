@@ -298,6 +298,8 @@ def test_torch_optimizer_groups_and_a_scheduler():
     muon_group = next(g for g in opt.param_groups if g["label"] == "muon")
     assert muon_group["lr"] == 1e-2 and muon_group["weight_decay"] == 0.1
     assert muon_group["beta"] == 0.95
+    adam_group = next(g for g in opt.param_groups if g["label"] == "adam")
+    assert "beta" not in adam_group and adam_group["betas"] == (0.9, 0.999)  # (nothing leaks)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in p0.items()} for _ in range(3)]
     params = dict(p0)
