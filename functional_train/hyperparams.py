@@ -145,7 +145,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
       factory declares them with :func:`injectable`): ``b1``, ``b2``, ``eps`` and
       ``weight_decay`` of :func:`~functional_train.adam`, :func:`~functional_train.adamw`,
       :func:`~functional_train.lamb` and :func:`~functional_train.galore_adamw` (and its
-      ``scale``); ``dampening``, ``weight_decay`` and a non-zero ``momentum`` of
+      ``scale``); ``momentum``, ``dampening`` and ``weight_decay`` of
       :func:`~functional_train.sgd`; ``clip_threshold``, ``decay_rate``, ``beta1`` and
       ``weight_decay`` of :func:`~functional_train.adafactor`; ``clip_threshold`` and
       ``weight_decay`` of :func:`~functional_train.came`; ``beta``, ``eps`` and
@@ -153,15 +153,15 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
       tensor at every update (:func:`value_of`: eagerly as a float, under ``torch.compile`` as
       an input of the graph, so a ``fullgraph=True`` step does not recompile when they change).
       Their values are checked (as the factory checks them) eagerly whenever they change. A
-      weight decay injected as 0 keeps its transform in the chain, which skips it eagerly while
-      the value is 0 (the alias' numbers) and decays once it is set non-zero.
+      weight decay or momentum injected as 0 keeps its transform in the chain, which skips it
+      while the value is 0 (the alias' numbers; a momentum buffer is kept, and starts as
+      ``torch.optim.SGD``'s does once the momentum is set non-zero).
     * The others are read on the host (a CPU tensor: no device synchronisation) and the inner
-      transform is rebuilt when a value changes (the last few builds are cached): a
-      ``momentum`` injected as 0 (a momentum buffer the size of the parameters would be kept
-      for it; set non-zero later, the update raises, saying so), and every hyperparameter of a
-      factory not declared with :func:`injectable` (another library's: its ``learning_rate``
-      too). Tuples (``betas``, ``eps`` pairs) are not injected. Under ``torch.compile`` a host
-      read is a graph break: pass those as plain numbers into a ``fullgraph=True`` step.
+      transform is rebuilt when a value changes (the last few builds are cached): every
+      hyperparameter of a factory not declared with :func:`injectable` (another library's:
+      its ``learning_rate`` too). Tuples (``betas``, ``eps`` pairs) are not injected. Under
+      ``torch.compile`` a host read is a graph break: pass those as plain numbers into a
+      ``fullgraph=True`` step.
 
     The numbers equal the un-injected transform's bit for bit (float64 values are exact for
     Python floats). No collective of its own: the hyperparameters are the same on every rank
@@ -304,9 +304,9 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
             now = {n: float(hp[n]) for n in host_names if float(hp[n]) != was[n]}
             return ValueError(
                 f"inject_hyperparams: the update failed after the host-read hyperparameter(s) "
-                f"{now} changed from {was} (a momentum injected as 0 leaves its transform out "
-                f"of the chain, so a non-zero value needs another state: inject it non-zero, "
-                f"or build a new transform and state): {error}")
+                f"{now} changed from {was} (a factory may leave a transform out of its chain "
+                f"for a value of 0, so a non-zero value needs another state: inject it "
+                f"non-zero, or build a new transform and state): {error}")
 
         inner_update = first.update
         for attr in ("accepts_unreduced", "accepts_view", "passes_unreduced"):

@@ -20,7 +20,7 @@ def _maybe_maximize(maximize: bool, txs):
     return [scale(-1.0), *txs] if maximize else list(txs)
 
 
-@injectable(tensors=("dampening", "weight_decay"), nonzero_tensors=("momentum",))
+@injectable(tensors=("momentum", "dampening", "weight_decay"))
 def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
         weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
         accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:

@@ -196,7 +196,9 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     else:
         if fused.dampening != 0.0:
             return None
-        st = None if fused.trace_index is None else opt_state[fused.trace_index]
+        # (an injected momentum of 0: no buffer work, the trace state kept, as trace does)
+        st = None if fused.trace_index is None or fused.momentum == 0.0 else \
+            opt_state[fused.trace_index]
         if st is not None and not isinstance(st, TraceState):
             return None
         fields = () if st is None else ("trace",)

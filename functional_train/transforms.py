@@ -291,6 +291,11 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
     ``buf_1 = g``; ``buf_t = decay * buf_{t-1} + (1 - dampening) * g``; the update is ``buf_t``,
     or ``g + decay * buf_t`` with ``nesterov``. With ``dampening=0`` this is optax ``trace``.
 
+    A ``decay`` injected by :func:`~functional_train.inject_hyperparams` may be 0 at some
+    updates: those pass the updates through and leave the state as it is (``count`` counts the
+    updates with momentum), so a momentum set non-zero later starts its buffer as
+    ``torch.optim.SGD`` does (``buf_1 = g``).
+
     Args:
         decay: momentum factor in [0, 1).
         nesterov: Nesterov momentum (needs ``dampening == 0``, like torch).
@@ -306,6 +311,8 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
                      or (not is_injected(damp_arg) and damp_arg != 0)):
         raise ValueError("trace: nesterov momentum requires decay > 0 and dampening == 0")
 
+    injected = is_injected(decay_arg)
+
     def init_fn(params):
         return TraceState(zero_count(params), state_zeros_like(params, accumulator_dtype))
 
@@ -317,14 +324,24 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
         tr = [tr_all[i] for i in b.active]
         g32 = _cast_like(g, tr)
         decay, dampening = value_of(decay_arg), value_of(damp_arg)
+        if injected and not _nonzero(decay):
+            # an injected momentum of 0: the updates pass through; the buffer and its count
+            # wait for a non-zero one (as torch.optim.SGD starts its buffer then)
+            return b.rebuild_active(g), state
         new = _mul(tr, decay)
         _add_scaled_(new, g32, 1.0 - dampening)
         if _nonzero(dampening):  # (the first buffer is g: exact without this when 0)
             first = state.count == 0
             new = [torch.where(first, x, n) for x, n in zip(g32, new)]
         out = _add_scaled(g32, new, decay) if nesterov else new
+        count = state.count + 1
+        if isinstance(decay, torch.Tensor):  # compiled: the same as above, by selection
+            on = decay != 0
+            new = [torch.where(on, n, t) for n, t in zip(new, tr)]
+            out = [torch.where(on, o, x) for o, x in zip(out, g32)]
+            count = state.count + on.to(state.count.dtype)
         return (b.rebuild_active(_cast_like(out, g)),
-                TraceState(state.count + 1, b.state_tree(state.trace, "TraceState.trace", new)))
+                TraceState(count, b.state_tree(state.trace, "TraceState.trace", new)))
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 

@@ -218,6 +218,7 @@ TENSOR_CASES = {
     "adam_no_decay": (ft.adam, dict(learning_rate=1e-2, weight_decay=0.0)),  # (changed to 0.2)
     "sgd_dampening": (ft.sgd, dict(learning_rate=0.1, momentum=0.9, dampening=0.0,
                                    weight_decay=0.01)),  # (dampening changed to 0.3)
+    "sgd_momentum_from_0": (ft.sgd, dict(learning_rate=0.1, momentum=0.0, weight_decay=0.01)),
     "adafactor": (ft.adafactor, dict(learning_rate=1e-2, relative_step=False,
                                      clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.1)),
     "adafactor_beta1": (ft.adafactor, dict(clip_threshold=1.0, decay_rate=-0.8, beta1=0.9,
@@ -331,8 +332,9 @@ def test_compiled_step_does_not_recompile_when_tensor_hyperparameters_change(nam
 
 def test_tensor_hyperparameters_are_checked_when_set():
     """A value out of the alias' range set between updates raises at the next update (eager),
-    as the alias raises at construction. A momentum injected as 0 stays host read (a 0 leaves
-    its transform out of the chain): made non-zero, the update says why it cannot run."""
+    as the alias raises at construction. A host-read value of a factory of another library
+    whose chain depends on it (sgd's momentum through a lambda) changed from 0: the update
+    says why it cannot run."""
     params, grads = _problem(steps=1)
     tx = ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, b1=0.9, weight_decay=0.1)
     s = ft.set_hyperparams(tx.init(params), b1=1.5)
@@ -341,7 +343,38 @@ def test_tensor_hyperparameters_are_checked_when_set():
     s = ft.set_hyperparams(tx.init(params), weight_decay=-1.0)
     with pytest.raises(ValueError, match="weight_decay"):
         ft.step(tx, grads[0], s, params)
-    zero = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=0.0)
+    zero = ft.inject_hyperparams(lambda learning_rate, momentum: ft.sgd(
+        learning_rate, momentum=momentum))(learning_rate=0.1, momentum=0.0)
     s = zero.init(params)
-    with pytest.raises(ValueError, match=r"momentum.*injected as 0.*TraceState|momentum.*injected as 0.*states"):
+    with pytest.raises(ValueError, match=r"host-read.*momentum.*another state"):
         ft.step(zero, grads[0], ft.set_hyperparams(s, momentum=0.5), params)
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+def test_momentum_injected_as_0_and_set_later_follows_torch_sgd(mode):
+    """sgd's momentum injected as 0 keeps a buffer that waits: set to 0.9 (dampening 0.3) at
+    step 2, the parameters follow ``torch.optim.SGD`` whose ``param_groups`` get the same
+    values at the same step (its buffer starts undamped then), to float32 rounding."""
+    params, grads = _problem(steps=6)
+    tx = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=0.0, dampening=0.3,
+                                       weight_decay=0.01)
+
+    def between(t, s):
+        return ft.set_hyperparams(s, momentum=0.9) if t == 2 else s
+
+    got, state = _run(tx, params, grads, mode, between)
+    trace = state.inner_state[1]
+    assert isinstance(trace, ft.TraceState) and int(trace.count) == 4  # steps with momentum
+    ref = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = torch.optim.SGD(list(ref.values()), lr=0.1, momentum=0.0, dampening=0.3,
+                          weight_decay=0.01, foreach=False)
+    for t, g in enumerate(grads):
+        if t == 2:
+            opt.param_groups[0]["momentum"] = 0.9
+        for k, v in ref.items():
+            v.grad = g[k].clone()
+        opt.step()
+    for k in params:
+        change = (ref[k].detach() - params[k]).abs().max()
+        torch.testing.assert_close(got[k], ref[k].detach(), rtol=0,
+                                   atol=1e-6 * float(change))

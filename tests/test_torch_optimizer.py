@@ -261,22 +261,32 @@ def test_partition_gives_one_group_per_label_driven_by_schedulers():
         assert torch.equal(p, q)
 
 
-def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile():
+COMPILED_ALIASES = {  # every float hyperparameter injected (defaults too): all read as tensors
+    "adamw": (lambda lr: ft.adamw(lr, weight_decay=0.1), "inductor"),
+    "sgd": (lambda lr: ft.sgd(lr), "aot_eager"),  # (momentum, dampening, weight decay: 0)
+    "adafactor": (lambda lr: ft.adafactor(lr, relative_step=False), "aot_eager"),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILED_ALIASES))
+def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile(name):
     """torch.optim's convention for compiled steps: a learning rate given as a tensor
     (``ft.adamw(torch.tensor(1e-2))``) is a 0-dim tensor in ``param_groups``, which
     ``LambdaLR`` updates in place; ``torch.compile(opt.step)`` then runs 5 steps of a changing
-    learning rate without recompiling, in one graph, and its parameters equal the eager
-    optimizer's (float lr) to float rounding (the compiled step writes the new state into the
-    old tensors: dynamo takes an optimizer's tensors as static). The tensor survives
+    learning rate without recompiling, in one graph (every injected hyperparameter, the
+    defaults included, is read as a tensor), and its parameters equal the eager optimizer's
+    (float lr) to float rounding (the compiled step writes the new state into the old
+    tensors: dynamo takes an optimizer's tensors as static). The tensor survives
     ``state_dict`` / ``load_state_dict``."""
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    build, backend = COMPILED_ALIASES[name]
 
     def run(lr, compiled):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-        opt = ft.TorchOptimizer(model.named_parameters(), ft.adamw(lr, weight_decay=0.1))
+        opt = ft.TorchOptimizer(model.named_parameters(), build(lr))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        step = torch.compile(opt.step) if compiled else opt.step
+        step = torch.compile(opt.step, backend=backend) if compiled else opt.step
         lrs = []
         with torch._dynamo.config.patch(error_on_recompile=compiled):
             for _ in range(5):
@@ -293,7 +303,7 @@ def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile():
     counters.clear()
     opt, compiled, lrs = run(torch.tensor(1e-2), True)
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
-    # one graph: adamw's hyperparameters are all read as tensors; the only break is dynamo
+    # one graph: the hyperparameters are all read as tensors; the only break is dynamo
     # skipping the scheduler's wrapper around step (as for torch.optim.AdamW)
     assert counters["stats"]["unique_graphs"] == 1
     assert all("lr_scheduler.py" in reason for reason in counters["graph_break"])
