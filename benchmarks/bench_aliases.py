@@ -31,7 +31,8 @@ run interleaved, round by round, each once per round in that order (``bench_engi
 gc off, a system that raises is dropped with a note): ``--warmup`` (default 1) untimed rounds,
 then ``--rounds`` (default 5) timed ones; the ft systems run as a training loop (``params, state
 = ft.step(...)``, the results feed the next round). The default run of all seven aliases takes
-about 60 s on 2 shared cores (most of it adamw8bit: bitsandbytes 0.50.2's step ~0.27 s, ft's ~0.3 s).
+about 35 s on 2 shared cores (the longest adamw8bit: bitsandbytes 0.50.2's step ~0.27 s, ft's ~0.2 s
+through its compiled kernel, which compiles on ft's first step).
 GaLore's first step computes the SVD of every projected gradient (galore-torch and ft alike; the
 next refresh would be at step 201): that step is the warm-up round, so the timed rounds are
 projection-only steps. The ``step 1`` column gives the first (warm-up) step's time of every

@@ -9,6 +9,7 @@ import torch
 from . import _validate as V
 from .hyperparams import injectable, is_injected
 from .base import GradientTransformation, chain
+from .quantization import FusedAdam8bit
 from .step import FusedAdam, FusedSGD
 from .transforms import (ScalarOrSchedule, add_decayed_weights, scale, scale_by_adam,
                          scale_by_learning_rate, scale_by_trust_ratio, trace)
@@ -57,12 +58,18 @@ def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening
 
 
 def _fused_adam(tx, decoupled, learning_rate, b1, b2, eps, weight_decay, amsgrad, maximize,
-                optim_bits, n_parts, mask=None):
-    """Attach what ``ft.step``'s fused kernels need to an Adam chain (32-bit moments only)."""
+                optim_bits, n_parts, mask=None, block_size=256, min_8bit_size=4096):
+    """Attach what ``ft.step``'s fused kernels need to an Adam chain (32-bit moments: torch's
+    fused kernels; 8-bit without amsgrad: the compiled 8-bit kernel)."""
+    shift = 1 if maximize else 0
+    adam_index = shift + (1 if (weight_decay and not decoupled) else 0)
+    decay = tx.update.parts[adam_index + 1] if (mask is not None and weight_decay) else None
+    if optim_bits == 8 and not amsgrad:
+        tx.update.fused = FusedAdam8bit(  # type: ignore[attr-defined]
+            decoupled, learning_rate, b1, b2, eps, weight_decay, maximize, adam_index,
+            n_parts - 1, None if decay is None else decay.update.keep_of, block_size,
+            min_8bit_size)
     if optim_bits == 32:
-        shift = 1 if maximize else 0
-        adam_index = shift + (1 if (weight_decay and not decoupled) else 0)
-        decay = tx.update.parts[adam_index + 1] if (mask is not None and weight_decay) else None
         tx.update.fused = FusedAdam(decoupled, learning_rate, b1, b2, eps,  # type: ignore
                                     weight_decay, amsgrad, maximize, adam_index, n_parts - 1,
                                     None if decay is None else decay.update.keep_of)
@@ -100,7 +107,7 @@ def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
             scale_by_learning_rate(learning_rate)]
     txs = _maybe_maximize(maximize, txs)
     return _fused_adam(chain(*txs), False, learning_rate, b1, b2, eps, weight_decay, amsgrad,
-                       maximize, optim_bits, len(txs))
+                       maximize, optim_bits, len(txs), None, block_size, min_8bit_size)
 
 
 @injectable(tensors=("b1", "b2", "eps", "weight_decay"))
@@ -135,7 +142,7 @@ def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0
     txs.append(scale_by_learning_rate(learning_rate))
     txs = _maybe_maximize(maximize, txs)
     return _fused_adam(chain(*txs), True, learning_rate, b1, b2, eps, weight_decay, amsgrad,
-                       maximize, optim_bits, len(txs), mask)
+                       maximize, optim_bits, len(txs), mask, block_size, min_8bit_size)
 
 
 @injectable(tensors=("b1", "b2", "eps", "weight_decay"))

@@ -26,12 +26,14 @@ Public helpers for plain tensors: :func:`create_dynamic_map`, :func:`quantize_bl
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from .autograd import requires_grad_like
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.view import Prepared
 from .tree import (contiguous_stride, flatten_as, state_dtype, tree_flatten, tree_paths,
@@ -125,6 +127,27 @@ class _Maps:
 _MAPS = _Maps()
 
 
+_KERNEL_MAPS: dict = {}
+
+
+def kernel_maps(device: torch.device) -> tuple:
+    """What the compiled 8-bit Adam kernel (:func:`functional_train.engine.kernels.adam8bit`)
+    takes, on ``device``: ``(signed map, unsigned map, signed table, unsigned table, signed
+    midpoints + inf, unsigned midpoints + inf)``, the tables :class:`_NearestCode`'s with runs
+    of ``2**16`` keys (65,536 entries, which fit a core's L2: each run still holds at most one
+    midpoint, checked when built)."""
+    hit = _KERNEL_MAPS.get(device)
+    if hit is None:
+        out = {}
+        for signed in (True, False):
+            code, mid, _ = _MAPS.get(signed, torch.device("cpu"))
+            near = _NearestCode(mid, shift=16)
+            out[signed] = (code, near.table, near.mid_inf)
+        hit = _KERNEL_MAPS[device] = tuple(out[sg][k].to(device) for k in range(3)
+                                           for sg in (True, False))
+    return hit
+
+
 # ---------------------------------------------------------------------------------------------
 # plain-tensor helpers
 # ---------------------------------------------------------------------------------------------
@@ -206,13 +229,14 @@ class _NearestCode:
 
     SHIFT = 12
 
-    def __init__(self, mid: torch.Tensor):
+    def __init__(self, mid: torch.Tensor, shift: int = SHIFT):
+        self.shift = shift
         self.mid_inf = torch.cat([mid, mid.new_full((1,), float("inf"))])
         keys = self.key(mid.contiguous()).to(torch.int64)
-        n = 1 << (32 - self.SHIFT)
-        starts = (torch.arange(n, dtype=torch.int64) - n // 2) << self.SHIFT
+        n = 1 << (32 - shift)
+        starts = (torch.arange(n, dtype=torch.int64) - n // 2) << shift
         lo = torch.searchsorted(keys, starts)
-        hi = torch.searchsorted(keys, starts + (1 << self.SHIFT))
+        hi = torch.searchsorted(keys, starts + (1 << shift))
         if int((hi - lo).max()) > 1:
             raise ValueError("two midpoints in one run of the table")
         if not (float(mid.min()) > -1.0 and float(mid.max()) < 1.0):  # _codes_of's clamp
@@ -225,7 +249,7 @@ class _NearestCode:
         return (bits >> 31).bitwise_and_(0x7FFFFFFF).bitwise_xor_(bits)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        run = self.key(x).bitwise_right_shift_(self.SHIFT).add_(1 << (31 - self.SHIFT))
+        run = self.key(x).bitwise_right_shift_(self.shift).add_(1 << (31 - self.shift))
         below = _lookup(self.table, run)
         return below.add_(x > _lookup(self.mid_inf, below)).to(torch.uint8)
 
@@ -621,3 +645,125 @@ def quantize_state(b: Prepared, state: ScaleByAdam8bitState, count: torch.Tensor
     trees = {f: tree_unflatten(b.treedef, v) for f, v in out.items()}
     return ScaleByAdam8bitState(count, mu_new, nu_new, trees["mu_codes"], trees["mu_absmax"],
                                 trees["nu_codes"], trees["nu_absmax"])
+
+
+# ---------------------------------------------------------------------------------------------
+# ft.step of 8-bit Adam / AdamW: the quantised leaves through one compiled kernel each
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FusedAdam8bit:
+    """What ``adam`` / ``adamw`` with ``optim_bits=8`` compute, for ``ft.step``'s compiled
+    path (attached to the alias's chain as ``update.fused``; see
+    :func:`fused_adam8bit_step`)."""
+
+    decoupled: bool
+    learning_rate: Any
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    maximize: bool
+    adam_index: int
+    lr_index: int
+    mask: Any  # params -> [bool per leaf]: the leaves decayed (None: all)
+    block_size: int
+    min_8bit_size: int
+
+
+def fused_adam8bit_step(tx: Any, fused: FusedAdam8bit, grads: Any, state: Any, params: Any,
+                        mesh: Any, donate: bool, apply: Any) -> Optional[tuple]:
+    """``ft.step`` of 8-bit Adam / AdamW on plain float32 CPU tensors in one process: each
+    quantised leaf whose last dim is a multiple of ``block_size`` goes through ONE compiled
+    loop nest (:func:`functional_train.engine.kernels.adam8bit`: dequantise, Adam, decay,
+    learning rate, block maxima, requantise; in place with ``donate``) instead of the chain's
+    forty-odd passes; the other leaves (float moments, other shapes) run the chain
+    (``apply(params, updates, donate)`` adds their updates). The codes, block maxima and
+    float moments are the chain's bit for bit; the parameters differ by the rounding of one
+    square root per element (see :func:`~functional_train.engine.kernels.adam8bit`).
+    Returns ``None`` where the chain must run: a mesh of more than one rank, DTensor or
+    non-float32 leaves, no such leaf, ``b1 <= 0.5`` (lerp's other formula), the kernels off
+    (``FT_COMPILED_KERNELS=0``) or not compilable, a state that is not this chain's."""
+    from .engine import kernels
+    from .factored import per_leaf_view
+
+    if not (isinstance(state, tuple) and not hasattr(state, "_fields")
+            and len(state) > max(fused.adam_index, fused.lr_index)
+            and isinstance(state[fused.adam_index], ScaleByAdam8bitState)):
+        return None
+    if not (fused.b1 > 0.5 and kernels.ENABLED and not kernels._failed):
+        return None
+    view = per_leaf_view(grads, params, mesh, "adam")
+    if view is None:
+        return None
+    b, pl, treedef = view
+    st = state[fused.adam_index]
+    B = fused.block_size
+    fields = {f: flatten_as(getattr(st, f), treedef, f"{_NAME}.{f}", "params")
+              for c, a, _ in _QFIELDS for f in (c, a)}
+
+    def fits(i):
+        u, g, p = b.updates[i], b.locals[i], b.params[i]
+        if not (is_quantized(u, fused.min_8bit_size) and g.dtype == torch.float32
+                and g.ndim >= 1 and g.shape[-1] % B == 0 and g.is_contiguous()
+                and p.is_contiguous() and kernels._usable([g, p])):
+            return False
+        want = {"mu_codes": (tuple(g.shape), torch.uint8), "nu_codes": (tuple(g.shape),
+                                                                       torch.uint8),
+                "mu_absmax": (_absmax_shape(g.shape, B), torch.float32),
+                "nu_absmax": (_absmax_shape(g.shape, B), torch.float32)}
+        return all(type(fields[f][i]) is torch.Tensor and fields[f][i].is_contiguous()
+                   and (tuple(fields[f][i].shape), fields[f][i].dtype) == w
+                   for f, w in want.items())
+
+    mine = [i for i in b.active if fits(i)]
+    if not mine:
+        return None
+    lr = fused.learning_rate
+    if callable(lr):
+        lr_state = state[fused.lr_index]
+        if not hasattr(lr_state, "count"):
+            return None
+        lr = torch.as_tensor(lr(lr_state.count), dtype=torch.float64)
+    keep = fused.mask(params) if fused.mask is not None else None
+    decays = [bool(fused.weight_decay) and (keep is None or bool(keep[i])) for i in mine]
+    ins = [(b.params[i], b.locals[i], *(fields[f][i] for f in
+                                        ("mu_codes", "mu_absmax", "nu_codes", "nu_absmax")))
+           for i in mine]
+    if donate:
+        outs = [(x[0], x[2], x[3], x[4], x[5]) for x in ins]
+    else:  # result buffers the caller has dropped are reused (see engine/pool.py)
+        from .engine.pool import Pool, of_plan
+        pool = of_plan(b.plan, "pool", Pool)
+        outs = list(zip(*(pool.take(f"adam8bit.{k}", [x[k] for x in ins])
+                          for k in (0, 2, 3, 4, 5))))
+    mset = set(mine)
+    rest = [x if k not in mset else None for k, x in enumerate(
+        tree_flatten(grads)[0])]
+    with torch.no_grad():
+        ok = kernels.adam8bit(
+            ins, outs, lr=lr, weight_decay=fused.weight_decay, b1=fused.b1, b2=fused.b2,
+            eps=fused.eps, count=st.count + 1,
+            decoupled=[d and fused.decoupled for d in decays],
+            l2=[d and not fused.decoupled for d in decays], maximize=fused.maximize,
+            block_size=B, maps=kernel_maps(b.params[mine[0]].device))
+    if not ok:
+        return None
+    # the other leaves through the chain (its counters advance once, the kernel's leaves'
+    # state entries untouched), then the kernel's results in their places
+    updates, new_state = tx.update(tree_unflatten(treedef, rest), state, params, mesh=mesh)
+    new_params = apply(params, updates, donate)
+    if donate:
+        return new_params, new_state
+    ns = new_state[fused.adam_index]
+    new_fields = {}
+    for j, f in enumerate(("mu_codes", "mu_absmax", "nu_codes", "nu_absmax"), start=1):
+        leaves = flatten_as(getattr(ns, f), treedef, f"{_NAME}.{f}", "params")
+        for i, o in zip(mine, outs):
+            leaves[i] = o[j]
+        new_fields[f] = tree_unflatten(treedef, leaves)
+    states = list(new_state)
+    states[fused.adam_index] = ns._replace(**new_fields)
+    p_leaves = tree_flatten(new_params)[0]
+    for i, o in zip(mine, outs):
+        p_leaves[i] = requires_grad_like(o[0], pl[i])
+    return tree_unflatten(treedef, p_leaves), tuple(states)

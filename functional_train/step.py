@@ -37,6 +37,7 @@ from .hyperparams import InjectHyperparamsState, is_injected, value_of
 from .came import FusedCame, fused_came_step
 from .factored import FusedAdafactor, fused_adafactor_step, per_leaf_view
 from .galore import FusedGaLore, fused_galore_step
+from .quantization import FusedAdam8bit, fused_adam8bit_step
 from .mesh import Mesh
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
 from .tree import flatten_as, tree_flatten, tree_unflatten
@@ -163,6 +164,9 @@ def _resolved(fused):
 def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     """The fused step, or ``None`` when the inputs do not fit the kernels (general path)."""
     fused = _resolved(fused)
+    if isinstance(fused, FusedAdam8bit):
+        return None if clip is not None or tx is None else \
+            fused_adam8bit_step(tx, fused, grads, state, params, mesh, donate, _apply)
     if isinstance(fused, FusedGaLore):
         return None if clip is not None else \
             fused_galore_step(fused, grads, state, params, mesh, donate)
