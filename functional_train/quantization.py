@@ -673,10 +673,11 @@ class FusedAdam8bit:
 def fused_adam8bit_step(tx: Any, fused: FusedAdam8bit, grads: Any, state: Any, params: Any,
                         mesh: Any, donate: bool, apply: Any) -> Optional[tuple]:
     """``ft.step`` of 8-bit Adam / AdamW on plain float32 CPU tensors in one process: each
-    quantised leaf whose last dim is a multiple of ``block_size`` goes through ONE compiled
-    loop nest (:func:`functional_train.engine.kernels.adam8bit`: dequantise, Adam, decay,
-    learning rate, block maxima, requantise; in place with ``donate``) instead of the chain's
-    forty-odd passes; the other leaves (float moments, other shapes) run the chain
+    quantised leaf whose last dim is a multiple of ``block_size``, or below it (each row one
+    block, as the chain's padded block), goes through ONE compiled loop nest
+    (:func:`functional_train.engine.kernels.adam8bit`: dequantise, Adam, decay, learning rate,
+    block maxima, requantise; in place with ``donate``) instead of the chain's forty-odd
+    passes; the other leaves (float moments, other shapes) run the chain
     (``apply(params, updates, donate)`` adds their updates). The codes, block maxima and
     float moments are the chain's bit for bit; the parameters differ by the rounding of one
     square root per element (see :func:`~functional_train.engine.kernels.adam8bit`).
@@ -701,10 +702,15 @@ def fused_adam8bit_step(tx: Any, fused: FusedAdam8bit, grads: Any, state: Any, p
     fields = {f: flatten_as(getattr(st, f), treedef, f"{_NAME}.{f}", "params")
               for c, a, _ in _QFIELDS for f in (c, a)}
 
+    def block(n: int) -> Optional[int]:
+        """The kernel's block for a last dim ``n``: ``B`` when it divides ``n``; ``n`` when
+        ``n < B`` (each row is one block, as the chain's padded last block); else none."""
+        return B if n % B == 0 else (n if 1 < n < B else None)
+
     def fits(i):
         u, g, p = b.updates[i], b.locals[i], b.params[i]
         if not (is_quantized(u, fused.min_8bit_size) and g.dtype == torch.float32
-                and g.ndim >= 1 and g.shape[-1] % B == 0 and g.is_contiguous()
+                and g.ndim >= 1 and block(g.shape[-1]) is not None and g.is_contiguous()
                 and p.is_contiguous() and kernels._usable([g, p])):
             return False
         want = {"mu_codes": (tuple(g.shape), torch.uint8), "nu_codes": (tuple(g.shape),
@@ -745,7 +751,8 @@ def fused_adam8bit_step(tx: Any, fused: FusedAdam8bit, grads: Any, state: Any, p
             eps=fused.eps, count=st.count + 1,
             decoupled=[d and fused.decoupled for d in decays],
             l2=[d and not fused.decoupled for d in decays], maximize=fused.maximize,
-            block_size=B, maps=kernel_maps(b.params[mine[0]].device))
+            blocks=[block(b.locals[i].shape[-1]) for i in mine],
+            maps=kernel_maps(b.params[mine[0]].device))
     if not ok:
         return None
     # the other leaves through the chain (its counters advance once, the kernel's leaves'

@@ -159,12 +159,14 @@ CONFIGS_8BIT = {
 }
 
 
-@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
-@pytest.mark.parametrize("name", list(CONFIGS_8BIT))
+@pytest.mark.parametrize("name,donate", [  # each configuration, pure and donated alternately
+    ("adamw", False), ("adamw mask schedule", True), ("adam l2 maximize", False),
+    ("injected adamw", True)])
 def test_8bit_step_through_the_compiled_kernel(monkeypatch, name, donate):
     """``ft.step`` of 8-bit Adam / AdamW: the quantised leaves whose last dim is a multiple of
-    the block size go through the compiled kernel (one call each, leaves of three sizes, no
-    recompilation), the others (float moments, a 200-wide leaf) through the chain. Over 4
+    the block size, or below it (96: each row one block), go through the compiled kernel (one
+    call each, leaves of four sizes, no recompilation), the others (float moments, a
+    300-wide leaf) through the chain. Over 4
     steps the codes, block maxima and float moments equal ``update`` + ``apply_updates`` bit
     for bit; the parameters to an ulp per step (the kernel's square root is correctly rounded,
     torch's vectorised one on AVX-512 is not); a pure step leaves its inputs alone."""
@@ -179,7 +181,7 @@ def test_8bit_step_through_the_compiled_kernel(monkeypatch, name, donate):
     gen = torch.Generator().manual_seed(3)
     p0 = {"w": torch.randn(40, 512, generator=gen), "v": torch.randn(24, 256, generator=gen),
           "u": torch.randn(5120, generator=gen), "b": torch.randn(300, generator=gen),
-          "odd": torch.randn(30, 200, generator=gen)}
+          "narrow": torch.randn(50, 96, generator=gen), "odd": torch.randn(15, 300, generator=gen)}
     tx = CONFIGS_8BIT[name]()
     p, s = {k: v.clone() for k, v in p0.items()}, tx.init(p0)
     q, r = p0, tx.init(p0)
@@ -195,7 +197,7 @@ def test_8bit_step_through_the_compiled_kernel(monkeypatch, name, donate):
             u, r = tx.update(g, r, q)
             q = ft.apply_updates(q, u)
     assert not kernels._failed
-    assert [sorted(c) for c in calls] == [[(24, 256), (40, 512), (5120,)]] * 4
+    assert [sorted(c) for c in calls] == [[(24, 256), (40, 512), (50, 96), (5120,)]] * 4
     for a, b in zip(torch.utils._pytree.tree_leaves(s), torch.utils._pytree.tree_leaves(r)):
         assert (a is None and b is None) or torch.equal(a, b)
     for k in p0:

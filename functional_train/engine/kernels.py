@@ -284,11 +284,12 @@ def _adam8bit_function(flags: tuple, block: int, donate: bool):
 
 
 def adam8bit(leaves, outs, *, lr, weight_decay, b1, b2, eps, count, decoupled, l2, maximize,
-             block_size, maps) -> bool:
-    """8-bit Adam / AdamW on float32 leaves whose last dim is a multiple of ``block_size``:
-    ``leaves`` and ``outs`` are lists of ``(p, g, mu_codes, mu_absmax, nu_codes, nu_absmax)``
-    (``outs``' without ``g``; the inputs themselves when donated), each viewed as
-    ``(blocks, block_size)`` (maxima ``(blocks,)``). ``lr`` a float or 0-dim tensor; ``count``
+             blocks, maps) -> bool:
+    """8-bit Adam / AdamW on float32 leaves: ``leaves`` and ``outs`` are lists of ``(p, g,
+    mu_codes, mu_absmax, nu_codes, nu_absmax)`` (``outs``' without ``g``; the inputs
+    themselves when donated), leaf ``k`` viewed as ``(-1, blocks[k])`` (maxima ``(-1,)``):
+    its last dim is a multiple of the block size (``blocks[k]`` the block size) or below it
+    (``blocks[k]`` the last dim: each row one block). ``lr`` a float or 0-dim tensor; ``count``
     the step after this one; ``decoupled[k]`` / ``l2[k]``: leaf ``k`` decayed after Adam
     (AdamW) / before it (Adam's L2). One compiled call per leaf, each configuration compiled
     once, before any leaf is written. ``False`` (nothing written) where compiling failed."""
@@ -301,8 +302,8 @@ def adam8bit(leaves, outs, *, lr, weight_decay, b1, b2, eps, count, decoupled, l
         1.0 - b1, b2, 1.0 - b2, eps, bc1, bc2_sqrt, neg_lr, weight_decay)]).to(torch.float32)
     try:  # every configuration compiled before any leaf is written
         flags = [(decoupled[k], l2[k], maximize) for k in range(len(leaves))]
-        fns = [_adam8bit_function(f, block_size, out[0] is ins[0])
-               for f, ins, out in zip(flags, leaves, outs)]
+        fns = [_adam8bit_function(f, blk, out[0] is ins[0])
+               for f, blk, ins, out in zip(flags, blocks, leaves, outs)]
         for fn, f, ins, out in zip(fns, flags, leaves, outs):
             flat = {id(x): x.view(-1) for x in ins}  # (donated: the same view objects, as
             fn([flat[id(x)] for x in ins],            # the first call's outputs are inputs)
