@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
 from .autograd import requires_grad_like
-from .hyperparams import injectable, is_injected, value_of
+from .hyperparams import injectable, value_of
 from .base import EmptyState, GradientTransformation, declare, chain
 from .engine.dtensor import spec_of, to_local
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
@@ -630,7 +630,7 @@ def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay:
     True.
     """
     where = "adafactor"
-    decays = is_injected(weight_decay) or weight_decay != 0.0  # (an injected one may be 0)
+    decays = _nonzero(weight_decay)
     need_params = min_scale is not None or decays
     keep_of = mask_of(mask, where) if (mask is not None and decays) else None
 
@@ -652,7 +652,7 @@ def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay:
                                             value_of(threshold), min_scale)
         out = torch._foreach_mul(g, factors)
         wd = value_of(weight_decay)
-        if decays and _nonzero(wd):
+        if _nonzero(wd):
             ks = range(len(act)) if keep_of is None else _kept(keep_of(params), act)
             _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks], wd)
         return b.rebuild_active(out), new_state
@@ -991,7 +991,7 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
             txs.append(clip_by_block_rms(clip_threshold))
         txs.append(scale_by_learning_rate(rho, flip_sign=False))
         txs.append(ema(beta1))
-        if is_injected(weight_decay) or weight_decay:
+        if _nonzero(weight_decay):
             rho_fn = rho if callable(rho) else (lambda count, _v=float(rho): _v)
             txs.append(_add_step_size_decayed_weights(weight_decay, rho_fn, scale_parameter, eps2,
                                                       mask))

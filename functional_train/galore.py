@@ -38,7 +38,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
-from .hyperparams import injectable, is_injected, value_of
+from .hyperparams import injectable, value_of
 from .base import GradientTransformation, declare, chain
 from .base import EmptyState
 from .combine import PartitionState, partition
@@ -605,7 +605,7 @@ def _decay_after_update(learning_rate: ScalarOrSchedule,
 
     def decayed(b, c):
         us = [b.locals[i] for i in b.active]
-        if isinstance(c, float) and c == 0.0:  # (a weight decay injected as 0: as without it)
+        if not _nonzero(c):  # (a weight decay injected as 0: as without it)
             return us
         return decay(us, [b.params[i] for i in b.active], c)
 
@@ -734,7 +734,7 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
 
     def tail(decayed: bool) -> list:
         txs = [scale_by_learning_rate(lr)]
-        if decayed and (is_injected(wd) or wd > 0.0):
+        if decayed and _nonzero(wd):
             txs.append(_decay_after_update(lr, wd))
         return txs
 

@@ -25,17 +25,16 @@ def _injected_groups(tx: GradientTransformation):
     tensors)})``: for a ``partition``, each label's transform injected (:func:`_injected`), one
     parameter group per label; otherwise one group, label ``None``."""
     spec = getattr(tx.update, "partition", None)
-    if spec is not None and getattr(tx.update, "built_with", None) is not None and all(
-            _injected(t)[1] is None for t in spec[0].values()):
-        spec = None  # an alias made of a partition whose labels have no hyperparameters of
-        # their own (galore_adamw): one group, the alias' hyperparameters injected
-    if spec is None:
+    done = None if spec is None else {k: _injected(v) for k, v in spec[0].items()}
+    if done is None or (getattr(tx.update, "built_with", None) is not None
+                        and all(path is None for _, path, _ in done.values())):
+        # (an alias made of a partition whose labels have no hyperparameters of their own,
+        # galore_adamw: one group, the alias' hyperparameters injected)
         t, path, tensors = _injected(tx)
         return t, {None: (path, tensors)}
     from .combine import partition
 
-    transforms, labels = spec
-    done = {k: _injected(v) for k, v in transforms.items()}
+    labels = spec[1]
     paths = {k: (None if path is None else (0, k, *path), tensors)
              for k, (_, path, tensors) in done.items()}
     return partition({k: t for k, (t, _, _) in done.items()}, labels), paths

@@ -124,11 +124,12 @@ def _add_scaled_(xs: list, ys: list, alpha) -> None:
 
 
 def _nonzero(value) -> bool:
-    """Whether a hyperparameter read with :func:`~functional_train.hyperparams.value_of` may be
-    non-zero: a float that is not 0, or a tensor (under ``torch.compile``, whose graph cannot
-    branch on its value). A transform skips its work eagerly where this is False, as the
-    alias built with a 0 leaves it out."""
-    return isinstance(value, torch.Tensor) or value != 0.0
+    """Whether a hyperparameter may be non-zero: a number that is not 0; an injected one at
+    build time (its value may change: a factory keeps the transform it would leave out for a
+    0); read with :func:`~functional_train.hyperparams.value_of`, a tensor (under
+    ``torch.compile``, whose graph cannot branch on its value). A transform skips its work
+    eagerly where this is False, as the alias built with a 0 leaves it out."""
+    return isinstance(value, torch.Tensor) or is_injected(value) or value != 0.0
 
 
 def _add_(xs: list, value) -> None:
@@ -220,7 +221,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
         def decay(b):
             g = _active_locals(b)
             wd = value_of(wd_arg)
-            if isinstance(wd, float) and wd == 0.0:
+            if not _nonzero(wd):
                 return g
             return _add_scaled(g, _cast_like([b.params[i] for i in b.active], g), wd)
 
@@ -238,7 +239,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
         idx = [i for i in b.active if keep[i]]
         out = dict(zip(b.active, _active_locals(b)))
         wd = value_of(wd_arg)
-        if idx and not (isinstance(wd, float) and wd == 0.0):
+        if idx and _nonzero(wd):
             g = [out[i] for i in idx]
             for i, x in zip(idx, _add_scaled(g, _cast_like([b.params[i] for i in idx], g), wd)):
                 out[i] = x

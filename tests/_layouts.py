@@ -93,6 +93,15 @@ def run_steps(tx, params, grads, mesh=None):
     return ups, state, p
 
 
+def step_by_mode(tx, g, state, params, mode):
+    """One step of ``tx``: ``update`` + ``apply_updates`` (``mode="update"``), or ``ft.step``
+    pure (``"pure"``) or donated (``"donate"``). Returns ``(params, state)``."""
+    if mode == "update":
+        u, state = tx.update(g, state, params)
+        return ft.apply_updates(params, u), state
+    return ft.step(tx, g, state, params, donate=mode == "donate")
+
+
 def run_with_reference(opt, ref_params, tx, params, grads):
     """Step a reference ``torch.optim``-style ``opt`` over ``ref_params`` (a dict of
     ``nn.Parameter``) and ``tx`` over ``params`` on the same gradients; returns ``tx``'s final

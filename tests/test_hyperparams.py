@@ -12,6 +12,8 @@ import torch
 
 import functional_train as ft
 
+from _layouts import step_by_mode  # noqa: E402
+
 
 def _problem(steps=4, seed=0, big=False):
     """A 2-D, a thin 2-D and a 1-D leaf; ``big``: leaves averaging over 64 KiB, where
@@ -46,11 +48,7 @@ def _run(tx, params, grads, mode, between=None):
         g = {k: v.clone() for k, v in g.items()}
         if between is not None:
             state = between(t, state)
-        if mode == "update":
-            u, state = tx.update(g, state, p)
-            p = ft.apply_updates(p, u)
-        else:
-            p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+        p, state = step_by_mode(tx, g, state, p, mode)
     return p, state
 
 
@@ -287,11 +285,7 @@ def test_tensor_hyperparameters_are_read_per_update(name, mode):
         ref = factory(**{**kw, **_changes(kw, t)})
         ref_state = ref.init(params) if ref_state is None else _carried(ref_state, ref, params, t)
         g = {k: v.clone() for k, v in g.items()}
-        if mode == "update":
-            u, ref_state = ref.update(g, ref_state, want)
-            want = ft.apply_updates(want, u)
-        else:
-            want, ref_state = ft.step(ref, g, ref_state, want, donate=mode == "donate")
+        want, ref_state = step_by_mode(ref, g, ref_state, want, mode)
     unchanged, _ = _run(ft.inject_hyperparams(factory)(**kw), params, grads, mode)
     for k in params:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)

@@ -17,6 +17,8 @@ import functional_train as ft
 from functional_train.testing import (assert_sharded_equivalent, count_collectives, on_rank,
                                       per_rank, simulate)
 
+from _layouts import step_by_mode  # noqa: E402
+
 NAN, INF = float("nan"), float("inf")
 
 
@@ -88,11 +90,7 @@ def test_apply_if_finite_equals_optax(clip, mode, x64):
     state, p = tx.init(params), {k: v.clone() for k, v in params.items()}
     for t, g in enumerate(grads):
         g = {k: v.clone() for k, v in g.items()}
-        if mode == "update":
-            u, state = tx.update(g, state, p)
-            p = ft.apply_updates(p, u)
-        else:
-            p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+        p, state = step_by_mode(tx, g, state, p, mode)
         wp, ws = want[t]
         for k in p:
             np.testing.assert_allclose(p[k].numpy(), wp[k], rtol=1e-12, atol=1e-14,
@@ -247,11 +245,7 @@ def test_dynamic_loss_scale_matches_grad_scaler(mode):
         torch_skipped = scaler._found_inf_per_device(opt)[torch.device("cpu")].item() > 0
         scaler.update()
         g = torch.func.grad(lambda p: loss_of(model, p, x, y) * ft.loss_scale(state))(params)
-        if mode == "update":
-            u, state = tx.update(g, state, params)
-            params = ft.apply_updates(params, u)
-        else:
-            params, state = ft.step(tx, g, state, params, donate=True)
+        params, state = step_by_mode(tx, g, state, params, mode)  # ("donate")
         assert float(state.scale) == scaler.get_scale(), t
         assert int(state.growth_tracker) == int(scaler._growth_tracker), t
         assert bool(state.last_finite) == (not torch_skipped), t

@@ -111,16 +111,26 @@ def _bucketed(math: Callable, n_in: int, flags: tuple) -> Callable:
     return run
 
 
+def _own_code(run: Callable, key: tuple) -> Callable:
+    """``run`` with a code object of its own, named after ``key``: dynamo caches (and limits)
+    compiled graphs per code object, and the configurations would otherwise share one."""
+    name = "ft_" + "_".join(str(k) for k in key).replace("torch.", "")
+    return types.FunctionType(run.__code__.replace(co_name=name, co_qualname=name),
+                              run.__globals__, name, run.__defaults__, run.__closure__)
+
+
+def _bias_corrections(b1, b2, count: torch.Tensor) -> tuple:
+    """Adam's ``(1 - b1^t, sqrt(1 - b2^t))`` (float64 0-dim) for ``count`` = the step ``t``
+    after this one, as :func:`~functional_train.scale_by_adam` computes them."""
+    t = count.to(torch.float64)
+    return 1.0 - torch.pow(b1, t), torch.sqrt(1.0 - torch.pow(b2, t))
+
+
 def _function(key: tuple, math: Callable, flags: tuple, dtype, ins_used, outs_used,
               n_scalars: int):
     fn = _compiled.get(key)
     if fn is None:
-        run = _bucketed(math, len(ins_used), flags)
-        # a code object of its own per configuration: dynamo caches (and limits) compiled
-        # graphs per code object, and the configurations would otherwise share one
-        name = "ft_" + "_".join(str(k) for k in key).replace("torch.", "")
-        run = types.FunctionType(run.__code__.replace(co_name=name, co_qualname=name),
-                                 run.__globals__, name, run.__defaults__, run.__closure__)
+        run = _own_code(_bucketed(math, len(ins_used), flags), key)
         fn = torch.compile(run, dynamic=True, fullgraph=True)
         # first call on distinct sizes >= 2: no size is specialised (0 and 1 would be) and no
         # two are assumed equal (dynamo's duck sizing), so no later bucket recompiles it
@@ -173,9 +183,7 @@ def adam_pure(p, g, m, v, nm, new_p, new_m, new_v, new_nm, *, coef, lr, weight_d
     rate; the gradients first scaled by ``coef`` when it is not ``None``) from ``p, g, m, v``
     (and ``nm``, the amsgrad maximum) into the ``new_*`` buffers, 1-D views of equal sizes.
     ``count``: the step number after this step (a tensor). ``False`` where nothing ran."""
-    t = count.to(torch.float64)
-    bc1 = 1.0 - torch.pow(b1, t)
-    bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+    bc1, bc2_sqrt = _bias_corrections(b1, b2, count)
     clip = coef is not None
     flags = (clip, maximize, bool(weight_decay) and not decoupled,
              bool(weight_decay) and decoupled, amsgrad)
@@ -258,10 +266,7 @@ def _adam8bit_function(flags: tuple, block: int, donate: bool):
     key = ("adam8bit", block, donate) + flags
     fn = _compiled.get(key)
     if fn is None:
-        name = "ft_" + "_".join(str(k) for k in key)
-        run = _adam8bit_runner(block)
-        run = types.FunctionType(run.__code__.replace(co_name=name, co_qualname=name),
-                                 run.__globals__, name, run.__defaults__, run.__closure__)
+        run = _own_code(_adam8bit_runner(block), key)
         # the inputs' sizes dynamic (marked on the first call), the block a constant
         fn = torch.compile(run, fullgraph=True)
         # first call on 3 blocks (no size of 0 or 1 specialised); donated: outputs ARE inputs
@@ -294,9 +299,7 @@ def adam8bit(leaves, outs, *, lr, weight_decay, b1, b2, eps, count, decoupled, l
     (AdamW) / before it (Adam's L2). One compiled call per leaf, each configuration compiled
     once, before any leaf is written. ``False`` (nothing written) where compiling failed."""
     global _failed
-    t = count.to(torch.float64)
-    bc1 = 1.0 - torch.pow(b1, t)
-    bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+    bc1, bc2_sqrt = _bias_corrections(b1, b2, count)
     neg_lr = -torch.as_tensor(lr, dtype=torch.float64)
     s = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in (
         1.0 - b1, b2, 1.0 - b2, eps, bc1, bc2_sqrt, neg_lr, weight_decay)]).to(torch.float32)
