@@ -17,6 +17,14 @@ implementations' per-parameter loops do, with the chain's numbers bit for bit
 (``functional_train.factored.fused_adafactor_step``, ``functional_train.came.fused_came_step``);
 so does ``galore_adamw`` between projector refreshes (``functional_train.galore.
 fused_galore_step``).
+
+Under ``torch.compile`` the pure step of ``sgd`` / ``adam`` / ``adamw`` (after a clip too) on CPU
+leaves is one operator, ``functional_train::pure_fused_step``, opaque to inductor: the graph
+computes the clip factor and the learning rate, and the operator runs the eager pure step on
+the real tensors (same kernels, same numbers, bit for bit). Functionalisation cannot trace
+torch's in-place kernels, and inductor's code for the chain's primitives took about twice as
+long to compile for no faster a step. Other transforms, donated steps and CUDA tensors compile
+the chain's primitives.
 """
 
 from __future__ import annotations
@@ -162,8 +170,16 @@ def _resolved(fused):
 
 
 def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
-    """The fused step, or ``None`` when the inputs do not fit the kernels (general path)."""
+    """The fused step, or ``None`` when the inputs do not fit the kernels (general path).
+
+    Under ``torch.compile`` only the pure step of ``sgd`` / ``adam`` / ``adamw`` on CPU leaves
+    is fused, as one opaque operator (:func:`_pure_op`); everything else takes the chain."""
     fused = _resolved(fused)
+    compiled = torch.compiler.is_compiling()
+    if compiled and (donate or not isinstance(fused, (FusedAdam, FusedSGD)) or (
+            isinstance(fused, FusedSGD) and (isinstance(fused.momentum, torch.Tensor)
+                                             or isinstance(fused.dampening, torch.Tensor)))):
+        return None
     if isinstance(fused, FusedAdam8bit):
         return None if clip is not None or tx is None else \
             fused_adam8bit_step(tx, fused, grads, state, params, mesh, donate, _apply)
@@ -209,7 +225,7 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     trees = {f: flatten_as(getattr(st, f), treedef, f"{type(st).__name__}.{f}", "params")
              for f in fields}
     bufs = {f: to_locals([trees[f][i] for i in act]) for f in fields}
-    if not _fusable([p, g, *bufs.values()]):
+    if not _fusable([p, g, *bufs.values()]) or (compiled and not p[0].is_cpu):
         return None
     lr_state = opt_state[fused.lr_index]
     count = lr_state.count if isinstance(lr_state, ScaleByScheduleState) else None
@@ -228,6 +244,8 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     groups = [(list(range(len(p))), fused.weight_decay)]
     if isinstance(fused, FusedAdam) and fused.mask is not None:  # decayed leaves, the others
         keep = fused.mask(params)
+        if compiled and not all(isinstance(keep[i], bool) for i in act):
+            return None
         groups = [([k for k, i in enumerate(act) if bool(keep[i]) == on], wd)
                   for on, wd in ((True, fused.weight_decay), (False, 0.0))]
         groups = [(ks, wd) for ks, wd in groups if ks]
@@ -235,8 +253,11 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
         if donate:
             new_p, new_bufs = p, bufs
             _in_place(fused, groups, new_p, g, new_bufs, coef, lr, new_count)
+        elif compiled:
+            new_p, new_bufs = _pure_compiled(fused, groups, p, g, bufs, coef, lr, new_count)
         else:
-            new_p, new_bufs = _pure(fused, groups, b, p, g, bufs, coef, lr, new_count)
+            new_p, new_bufs = _pure(fused, groups, of_plan(b.plan, "pool", Pool), p, g, bufs,
+                                    coef, lr, new_count)
     # the new trees
     if donate:
         out_params = params
@@ -266,7 +287,7 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     return out_params, new_opt
 
 
-def _pure(fused, groups, b, p, g, bufs, coef, lr, count):
+def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
     """The pure fused step's new parameters and moments (lists like ``p`` and ``bufs``'s),
     written into fresh buffers (pooled on CPU, see :mod:`.engine.pool`); the inputs are not
     modified. The large leaves of a large tree on CPU take one out-of-place pass of a compiled
@@ -274,7 +295,6 @@ def _pure(fused, groups, b, p, g, bufs, coef, lr, count):
     kernel runs on the copies (and on a scratch copy of the gradients when a clip factor is the
     kernel's gradient scale, which it writes back).
     """
-    pool = of_plan(b.plan, "pool", Pool)
     new_p, new_bufs = list(p), {f: list(v) for f, v in bufs.items()}  # filled below
     big = kernels.large_leaves(p)
     if big:
@@ -314,6 +334,77 @@ def _pure(fused, groups, b, p, g, bufs, coef, lr, count):
     torch._foreach_copy_(dst, src)
     _in_place(fused, groups, new_p, g_in, new_bufs, coef, lr, count)
     return new_p, new_bufs
+
+
+# The pure fused step under torch.compile: functionalisation cannot trace torch's in-place
+# fused kernels, and inductor's own code for a chain of ~10 primitives per leaf takes long to
+# compile (about 40 s cold for the 122-leaf tree of benchmarks/bench_engine.py). The compiled
+# graph computes the clip factor and the learning rate and calls this operator, opaque to
+# inductor, which runs the eager pure step (_pure) on real tensors: the same numbers as eagerly.
+_FIELDS = {"adam": ("mu", "nu"), "amsgrad": ("mu", "nu", "nu_max"), "sgd": (),
+           "sgd_momentum": ("trace",)}
+_POOLS: dict = {}  # the operator's result pools by layout (as the plan's, for the eager step)
+_MAX_POOLS = 4
+
+
+@torch.library.custom_op("functional_train::pure_fused_step", mutates_args=())
+def _pure_op(p: list[torch.Tensor], g: list[torch.Tensor], bufs: list[torch.Tensor],
+             coef: Optional[torch.Tensor], scalars: torch.Tensor, count: torch.Tensor,
+             kind: str, flags: list[int], decayed: list[int]) -> list[torch.Tensor]:
+    """The new parameters then the new moments (``bufs``: the moments of :data:`_FIELDS`
+    ``[kind]``, field after field) of one pure fused step. ``scalars``: float64 ``(lr, b1, b2,
+    eps, weight_decay, momentum)``; ``flags``: ``(decoupled, amsgrad, maximize, nesterov)``;
+    ``decayed[k]``: whether leaf ``k`` takes the weight decay (a ``mask``)."""
+    lr, b1, b2, eps, wd, momentum = scalars.tolist()
+    decoupled, amsgrad, maximize, nesterov = map(bool, flags)
+    if kind.startswith("sgd"):
+        fused = FusedSGD(lr, momentum, wd, nesterov, maximize, None, 0)
+    else:
+        fused = FusedAdam(decoupled, lr, b1, b2, eps, wd, amsgrad, maximize, 0, 0)
+    fields = _FIELDS[kind]
+    n = len(p)
+    groups = [([k for k in range(n) if decayed[k] == on], w) for on, w in ((1, wd), (0, 0.0))]
+    groups = [(ks, w) for ks, w in groups if ks]
+    key = (kind,) + tuple((tuple(x.shape), x.dtype, x.device) for x in p)
+    pool = _POOLS.pop(key, None) or Pool()
+    _POOLS[key] = pool  # most recent last
+    while len(_POOLS) > _MAX_POOLS:
+        del _POOLS[next(iter(_POOLS))]
+    with torch.no_grad():
+        new_p, new_bufs = _pure(fused, groups, pool, list(p), list(g),
+                                {f: list(bufs[j * n:(j + 1) * n]) for j, f in enumerate(fields)},
+                                coef, lr, count)
+    return new_p + [x for f in fields for x in new_bufs[f]]
+
+
+@_pure_op.register_fake
+def _(p, g, bufs, coef, scalars, count, kind, flags, decayed):
+    return [torch.empty_like(x) for x in p] + [torch.empty_like(x) for x in bufs]
+
+
+def _pure_compiled(fused, groups, p, g, bufs, coef, lr, count):
+    """:func:`_pure`'s results through :func:`_pure_op` (under ``torch.compile``); the
+    hyperparameters may be tensors (injected ones are graph inputs)."""
+    if isinstance(fused, FusedAdam):
+        kind = "amsgrad" if fused.amsgrad else "adam"
+        hyper = (fused.b1, fused.b2, fused.eps, fused.weight_decay, 0.0)
+        flags = [int(fused.decoupled), int(fused.amsgrad), int(fused.maximize), 0]
+    else:
+        kind = "sgd_momentum" if "trace" in bufs else "sgd"
+        hyper = (0.0, 0.0, 0.0, fused.weight_decay, fused.momentum)
+        flags = [0, 0, int(fused.maximize), int(fused.nesterov)]
+    scalars = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in (lr,) + hyper])
+    decayed = [0] * len(p)
+    for ks, wd in groups:  # (a mask's undecayed group has the float 0.0)
+        if isinstance(wd, torch.Tensor) or wd != 0.0:
+            for k in ks:
+                decayed[k] = 1
+    count = torch.zeros((), dtype=torch.float64) if count is None else count
+    fields = _FIELDS[kind]
+    out = _pure_op(p, g, [x for f in fields for x in bufs[f]], coef, scalars.cpu(), count,
+                   kind, flags, decayed)
+    n = len(p)
+    return out[:n], {f: out[(j + 1) * n:(j + 2) * n] for j, f in enumerate(fields)}
 
 
 def _in_place(fused, groups, p, g, bufs, coef, lr, count):
@@ -465,7 +556,10 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     ``galore_adamw`` on steps that do not refresh its projectors (leaves averaging 64 KiB or
     more; not after a ``clip_by_global_norm``). Otherwise
     the general path: the transform's primitives on the local view, then one add per leaf.
-    Collectives: those of ``tx.update`` (the fused path issues the same ones).
+    Under ``torch.compile`` only the pure fused step of sgd / adam / adamw on CPU is kept (as
+    the operator ``functional_train::pure_fused_step``, see the module's docstring); the rest
+    compiles the general path. Collectives: those of ``tx.update`` (the fused path issues the
+    same ones).
 
     Raises:
         ValueError / TypeError: as ``tx.update`` and ``apply_updates`` do; ``params`` missing.
@@ -490,9 +584,7 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     if out is not None:
         return out
     prog = _program(tx)
-    # under torch.compile the primitives run instead: inductor fuses them into out-of-place
-    # kernels itself, and functionalisation cannot trace the in-place fused kernels
-    if prog is not None and not torch.compiler.is_compiling() and not is_differentiable():
+    if prog is not None and not is_differentiable():
         out = _run_fused(tx, *prog, grads, state, params, mesh, donate)
         if out is not None:
             return out

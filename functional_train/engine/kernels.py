@@ -21,7 +21,10 @@ bucket is padded with small scratch tensors. It is compiled once per configurati
 flags, dtype) on first use, on inputs of distinct sizes so that no later bucket's sizes
 recompile it -- a few seconds (faster from inductor's on-disk cache in later processes), which
 is why only steps whose large leaves (``MIN_LEAF_NUMEL`` elements or more) hold at least
-:data:`MIN_BYTES` take this path. Only plain CPU tensors outside any dispatch mode do; CUDA keeps
+:data:`MIN_BYTES` take this path. The leaves are passed detached (no view base for dynamo to
+guard) and every call is made below autograd (:func:`_uniform_dispatch`), so a call from a
+compiled ``ft.step`` (its fused operator runs the eager pure step) reuses what an eager call
+compiled. Only plain CPU tensors outside any dispatch mode do; CUDA keeps
 torch's kernels (unmeasured here). ``FT_COMPILED_KERNELS=0`` in the environment, or
 ``functional_train.engine.kernels.ENABLED = False``, turns it off. A process that cannot compile
 (no C++ compiler) warns once and keeps the copy + in-place path.
@@ -42,7 +45,7 @@ __all__ = ["ENABLED", "MIN_BYTES", "MIN_LEAF_NUMEL", "BUCKET", "large_leaves", "
 ENABLED = os.environ.get("FT_COMPILED_KERNELS", "1") != "0"
 MIN_BYTES = 16 * 2**20  # large leaves' parameter bytes in one step, below which copies are used
 MIN_LEAF_NUMEL = 16384  # elements of a leaf on the compiled path (smaller ones: one fused call)
-BUCKET = 4
+BUCKET = 8
 
 _compiled: dict = {}
 _failed = False
@@ -111,6 +114,15 @@ def _bucketed(math: Callable, n_in: int, flags: tuple) -> Callable:
     return run
 
 
+def _uniform_dispatch():
+    """The dispatch context every compiled kernel is called in: below autograd (the kernels
+    record nothing for it). Dynamo guards each input's dispatch keys together with the thread's
+    included and excluded keys, which differ between an eager call and one from inside a
+    compiled graph's operator (``step._pure_op``); without one context for both, the kernels
+    would compile again for the second."""
+    return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
 def _own_code(run: Callable, key: tuple) -> Callable:
     """``run`` with a code object of its own, named after ``key``: dynamo caches (and limits)
     compiled graphs per code object, and the configurations would otherwise share one."""
@@ -152,22 +164,25 @@ def _run(key, math, flags, ins, outs, scalars, n_scalars) -> bool:
     global _failed
     dtype = ins[0][0].dtype
     try:
-        fn = _function(key + (dtype,), math, flags, dtype, [x is not None for x in ins],
-                       [x is not None for x in outs], n_scalars)
-        s = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in scalars]).to(
-            _scalar_dtype(dtype))
-        n = len(ins[0])
-        for a in range(0, n, BUCKET):
-            b = min(n, a + BUCKET)
-            bi = [None if L is None else list(L[a:b]) for L in ins]
-            bo = [None if L is None else list(L[a:b]) for L in outs]
-            if b - a < BUCKET:  # padded with distinct scratch tensors (dynamo guards aliasing)
-                extra = BUCKET - (b - a)
-                bi = [None if L is None else L + [torch.zeros(2, dtype=dtype)
-                                                  for _ in range(extra)] for L in bi]
-                bo = [None if L is None else L + [torch.empty(2, dtype=dtype)
-                                                  for _ in range(extra)] for L in bo]
-            fn(bi, bo, s)
+        with _uniform_dispatch():
+            fn = _function(key + (dtype,), math, flags, dtype, [x is not None for x in ins],
+                           [x is not None for x in outs], n_scalars)
+            s = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in scalars]).to(
+                _scalar_dtype(dtype))
+            n = len(ins[0])
+            for a in range(0, n, BUCKET):
+                b = min(n, a + BUCKET)
+                # detached: a view's base would be guarded too (its sizes, duck-sized), and a
+                # bucket whose leaves share a base size would recompile
+                bi = [None if L is None else [x.detach() for x in L[a:b]] for L in ins]
+                bo = [None if L is None else [x.detach() for x in L[a:b]] for L in outs]
+                if b - a < BUCKET:  # padded with distinct scratch tensors (dynamo guards aliasing)
+                    extra = BUCKET - (b - a)
+                    bi = [None if L is None else L + [torch.zeros(2, dtype=dtype)
+                                                      for _ in range(extra)] for L in bi]
+                    bo = [None if L is None else L + [torch.empty(2, dtype=dtype)
+                                                      for _ in range(extra)] for L in bo]
+                fn(bi, bo, s)
     except Exception as e:  # no C++ compiler, an unsupported platform... (a recompilation
         _failed = True      # may meet it on a later call: the inputs are untouched either way)
         warnings.warn(f"functional_train: the compiled out-of-place optimizer kernels are off "
@@ -303,14 +318,15 @@ def adam8bit(leaves, outs, *, lr, weight_decay, b1, b2, eps, count, decoupled, l
     neg_lr = -torch.as_tensor(lr, dtype=torch.float64)
     s = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in (
         1.0 - b1, b2, 1.0 - b2, eps, bc1, bc2_sqrt, neg_lr, weight_decay)]).to(torch.float32)
-    try:  # every configuration compiled before any leaf is written
-        flags = [(decoupled[k], l2[k], maximize) for k in range(len(leaves))]
-        fns = [_adam8bit_function(f, blk, out[0] is ins[0])
-               for f, blk, ins, out in zip(flags, blocks, leaves, outs)]
-        for fn, f, ins, out in zip(fns, flags, leaves, outs):
-            flat = {id(x): x.view(-1) for x in ins}  # (donated: the same view objects, as
-            fn([flat[id(x)] for x in ins],            # the first call's outputs are inputs)
-               [flat[id(x)] if id(x) in flat else x.view(-1) for x in out], maps, s, *f)
+    try:
+        with _uniform_dispatch():  # every configuration compiled before any leaf is written
+            flags = [(decoupled[k], l2[k], maximize) for k in range(len(leaves))]
+            fns = [_adam8bit_function(f, blk, out[0] is ins[0])
+                   for f, blk, ins, out in zip(flags, blocks, leaves, outs)]
+            for fn, f, ins, out in zip(fns, flags, leaves, outs):
+                flat = {id(x): x.view(-1) for x in ins}  # (donated: the same view objects, as
+                fn([flat[id(x)] for x in ins],            # the first call's outputs are inputs)
+                   [flat[id(x)] if id(x) in flat else x.view(-1) for x in out], maps, s, *f)
     except Exception as e:
         _failed = True
         warnings.warn(f"functional_train: the compiled 8-bit Adam kernel is off for this process "
