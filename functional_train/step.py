@@ -313,23 +313,22 @@ def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
         return new_p, new_bufs
     def sub(xs):
         return [xs[k] for k in rest] if len(rest) < len(xs) else list(xs)
-    src = sub(p)
-    dst = pool.take("params", src)
-    for k, x in zip(rest, dst):
+    src, dst = [], []  # the copies, made by one foreach copy below
+
+    def copies(kind, xs, scratch=False):
+        taken = pool.scratch(kind, xs) if scratch else pool.take(kind, xs)
+        src.extend(xs)
+        dst.extend(taken)
+        return taken
+    for k, x in zip(rest, copies("params", sub(p))):
         new_p[k] = x
     for f in bufs:
-        taken = pool.take(f, sub(bufs[f]))
-        src += sub(bufs[f])
-        dst += taken
-        for k, x in zip(rest, taken):
+        for k, x in zip(rest, copies(f, sub(bufs[f]))):
             new_bufs[f][k] = x
     g_in = g
     if coef is not None:  # a scratch copy of the gradients, unscaled by the kernel
         g_in = list(g)
-        taken = pool.take("grads", sub(g))
-        src += sub(g)
-        dst += taken
-        for k, x in zip(rest, taken):
+        for k, x in zip(rest, copies("grads", sub(g), scratch=True)):
             g_in[k] = x
     torch._foreach_copy_(dst, src)
     _in_place(fused, groups, new_p, g_in, new_bufs, coef, lr, count)

@@ -72,6 +72,20 @@ class Pool:
             del sets[0]
         return [b.detach() for b in bufs]
 
+    def scratch(self, kind: str, like: Sequence[torch.Tensor]) -> list:
+        """Buffers with the shapes, dtypes and devices of ``like`` for work that never leaves
+        the step (their contents are garbage afterwards: the gradients the fused kernels
+        unscale in place): one set per kind, made once and reused without use-count checks,
+        since nothing outside the step ever sees them."""
+        key = "scratch/" + kind
+        bufs = self.sets.get(key)
+        if bufs is None or len(bufs) != len(like) or any(
+                b.shape != x.shape or b.dtype != x.dtype or b.device != x.device
+                for b, x in zip(bufs, like)):
+            bufs = self.sets[key] = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                                     for x in like]
+        return bufs
+
 
 def of_plan(plan, key: str, cls):
     """The plan's ``cls()`` (a :class:`Pool` or :class:`Scratch`) kept under ``key`` in its
