@@ -37,6 +37,15 @@ CONFIGS = {
 }
 
 
+def _gradients_and_inputs(i, p, s):
+    """Step ``i``'s gradients (seeded, scaled by ``i + 1``), every tensor a step on them, ``p``
+    and ``s`` receives, and copies of those (to check that a pure step modifies none)."""
+    gen = torch.Generator().manual_seed(100 + i)
+    g = {k: torch.randn(v.shape, generator=gen) * (i + 1) for k, v in p.items()}
+    inputs = [x for x in torch.utils._pytree.tree_leaves((g, p, s)) if isinstance(x, torch.Tensor)]
+    return g, inputs, [x.clone() for x in inputs]
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_pure_step_equals_the_primitives(compiled, monkeypatch, name):
     """Five steps of ``ft.step(donate=False)`` through the compiled kernels equal
@@ -56,11 +65,7 @@ def test_pure_step_equals_the_primitives(compiled, monkeypatch, name):
             x.numel() for x in a[0]) or _r(*a, **k))
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(5):
-            gen = torch.Generator().manual_seed(100 + i)
-            g = {k: torch.randn(v.shape, generator=gen) * (i + 1) for k, v in p.items()}
-            inputs = [x for x in torch.utils._pytree.tree_leaves((g, p, s))
-                      if isinstance(x, torch.Tensor)]
-            before = [x.clone() for x in inputs]
+            g, inputs, before = _gradients_and_inputs(i, p, s)
             p, s = ft.step(tx, g, s, p)
             assert all(torch.equal(a, b) for a, b in zip(before, inputs))
             u, r = tx.update(g, r, q)
@@ -228,11 +233,7 @@ def test_compiled_step_runs_the_eager_kernels(compiled, monkeypatch, name):
     p, s = p0, tx.init(p0)
     q, r = p0, tx.init(p0)
     for i in range(4):
-        gen = torch.Generator().manual_seed(100 + i)
-        g = {k: torch.randn(v.shape, generator=gen) * (i + 1) for k, v in p.items()}
-        inputs = [x for x in torch.utils._pytree.tree_leaves((g, p, s))
-                  if isinstance(x, torch.Tensor)]
-        before = [x.clone() for x in inputs]
+        g, inputs, before = _gradients_and_inputs(i, p, s)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             p, s = fn(g, s, p)
         assert all(torch.equal(a, b) for a, b in zip(before, inputs))
