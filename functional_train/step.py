@@ -340,8 +340,6 @@ def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
 # compile (about 40 s cold for the 122-leaf tree of benchmarks/bench_engine.py). The compiled
 # graph computes the clip factor and the learning rate and calls this operator, opaque to
 # inductor, which runs the eager pure step (_pure) on real tensors: the same numbers as eagerly.
-_FIELDS = {"adam": ("mu", "nu"), "amsgrad": ("mu", "nu", "nu_max"), "sgd": (),
-           "sgd_momentum": ("trace",)}
 _POOLS: dict = {}  # the operator's result pools by layout (as the plan's, for the eager step)
 _MAX_POOLS = 4
 
@@ -349,20 +347,22 @@ _MAX_POOLS = 4
 @torch.library.custom_op("functional_train::pure_fused_step", mutates_args=())
 def _pure_op(p: list[torch.Tensor], g: list[torch.Tensor], bufs: list[torch.Tensor],
              coef: Optional[torch.Tensor], scalars: torch.Tensor, count: torch.Tensor,
-             kind: str, flags: list[int], decayed: list[int]) -> list[torch.Tensor]:
-    """The new parameters then the new moments (``bufs``: the moments of :data:`_FIELDS`
-    ``[kind]``, field after field) of one pure fused step. ``scalars``: float64 ``(lr, b1, b2,
-    eps, weight_decay, momentum)``; ``flags``: ``(decoupled, amsgrad, maximize, nesterov)``;
-    ``decayed[k]``: whether leaf ``k`` takes the weight decay (a ``mask``)."""
+             kind: str, fields: str, flags: list[bool], decayed: list[bool]) -> list[torch.Tensor]:
+    """The new parameters then the new moments of one pure fused step. ``kind``: ``"adam"``
+    or ``"sgd"``; ``bufs``: the moments named by the comma-separated ``fields``, field after
+    field; ``scalars``: float64 ``(lr, b1, b2, eps, weight_decay, momentum)``; ``flags``:
+    ``(decoupled, amsgrad, maximize, nesterov)``; ``decayed[k]``: whether leaf ``k`` takes the
+    weight decay (a ``mask``)."""
     lr, b1, b2, eps, wd, momentum = scalars.tolist()
-    decoupled, amsgrad, maximize, nesterov = map(bool, flags)
-    if kind.startswith("sgd"):
+    decoupled, amsgrad, maximize, nesterov = flags
+    if kind == "sgd":
         fused = FusedSGD(lr, momentum, wd, nesterov, maximize, None, 0)
     else:
         fused = FusedAdam(decoupled, lr, b1, b2, eps, wd, amsgrad, maximize, 0, 0)
-    fields = _FIELDS[kind]
+    names = fields.split(",") if fields else []
     n = len(p)
-    groups = [([k for k in range(n) if decayed[k] == on], w) for on, w in ((1, wd), (0, 0.0))]
+    groups = [([k for k in range(n) if decayed[k] == on], w) for on, w in ((True, wd),
+                                                                            (False, 0.0))]
     groups = [(ks, w) for ks, w in groups if ks]
     key = (kind,) + tuple((tuple(x.shape), x.dtype, x.device) for x in p)
     pool = _POOLS.pop(key, None) or Pool()
@@ -371,13 +371,13 @@ def _pure_op(p: list[torch.Tensor], g: list[torch.Tensor], bufs: list[torch.Tens
         del _POOLS[next(iter(_POOLS))]
     with torch.no_grad():
         new_p, new_bufs = _pure(fused, groups, pool, list(p), list(g),
-                                {f: list(bufs[j * n:(j + 1) * n]) for j, f in enumerate(fields)},
+                                {f: list(bufs[j * n:(j + 1) * n]) for j, f in enumerate(names)},
                                 coef, lr, count)
-    return new_p + [x for f in fields for x in new_bufs[f]]
+    return new_p + [x for f in names for x in new_bufs[f]]
 
 
 @_pure_op.register_fake
-def _(p, g, bufs, coef, scalars, count, kind, flags, decayed):
+def _(p, g, bufs, coef, scalars, count, kind, fields, flags, decayed):
     return [torch.empty_like(x) for x in p] + [torch.empty_like(x) for x in bufs]
 
 
@@ -385,25 +385,22 @@ def _pure_compiled(fused, groups, p, g, bufs, coef, lr, count):
     """:func:`_pure`'s results through :func:`_pure_op` (under ``torch.compile``); the
     hyperparameters may be tensors (injected ones are graph inputs)."""
     if isinstance(fused, FusedAdam):
-        kind = "amsgrad" if fused.amsgrad else "adam"
-        hyper = (fused.b1, fused.b2, fused.eps, fused.weight_decay, 0.0)
-        flags = [int(fused.decoupled), int(fused.amsgrad), int(fused.maximize), 0]
+        kind, hyper = "adam", (fused.b1, fused.b2, fused.eps, fused.weight_decay, 0.0)
+        flags = [fused.decoupled, fused.amsgrad, fused.maximize, False]
     else:
-        kind = "sgd_momentum" if "trace" in bufs else "sgd"
-        hyper = (0.0, 0.0, 0.0, fused.weight_decay, fused.momentum)
-        flags = [0, 0, int(fused.maximize), int(fused.nesterov)]
+        kind, hyper = "sgd", (0.0, 0.0, 0.0, fused.weight_decay, fused.momentum)
+        flags = [False, False, fused.maximize, fused.nesterov]
     scalars = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in (lr,) + hyper])
-    decayed = [0] * len(p)
+    decayed = [False] * len(p)
     for ks, wd in groups:  # (a mask's undecayed group has the float 0.0)
         if isinstance(wd, torch.Tensor) or wd != 0.0:
             for k in ks:
-                decayed[k] = 1
+                decayed[k] = True
     count = torch.zeros((), dtype=torch.float64) if count is None else count
-    fields = _FIELDS[kind]
-    out = _pure_op(p, g, [x for f in fields for x in bufs[f]], coef, scalars.cpu(), count,
-                   kind, flags, decayed)
+    out = _pure_op(p, g, [x for xs in bufs.values() for x in xs], coef, scalars.cpu(), count,
+                   kind, ",".join(bufs), flags, decayed)
     n = len(p)
-    return out[:n], {f: out[(j + 1) * n:(j + 2) * n] for j, f in enumerate(fields)}
+    return out[:n], {f: out[(j + 1) * n:(j + 2) * n] for j, f in enumerate(bufs)}
 
 
 def _in_place(fused, groups, p, g, bufs, coef, lr, count):

@@ -44,11 +44,12 @@ def _free(buf: torch.Tensor) -> bool:
 class Pool:
     """Sets of result buffers of one plan, by kind (``"params"``, ``"mu"``, ...)."""
 
-    __slots__ = ("sets", "pooled")
+    __slots__ = ("sets", "pooled", "scratches")
 
     def __init__(self):
         self.sets: dict = {}
         self.pooled: dict = {}  # kind -> whether its leaves are large enough to pool
+        self.scratches: dict = {}  # kind -> the one set of :meth:`scratch`
 
     def take(self, kind: str, like: Sequence[torch.Tensor]) -> list:
         """Fresh tensors with the shapes, dtypes and devices of ``like`` (contiguous), from a
@@ -77,12 +78,11 @@ class Pool:
         the step (their contents are garbage afterwards: the gradients the fused kernels
         unscale in place): one set per kind, made once and reused without use-count checks,
         since nothing outside the step ever sees them."""
-        key = "scratch/" + kind
-        bufs = self.sets.get(key)
+        bufs = self.scratches.get(kind)
         if bufs is None or len(bufs) != len(like) or any(
                 b.shape != x.shape or b.dtype != x.dtype or b.device != x.device
                 for b, x in zip(bufs, like)):
-            bufs = self.sets[key] = [torch.empty_like(x, memory_format=torch.contiguous_format)
+            bufs = self.scratches[kind] = [torch.empty_like(x, memory_format=torch.contiguous_format)
                                      for x in like]
         return bufs
 
