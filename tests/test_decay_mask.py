@@ -93,21 +93,30 @@ def test_adamw_mask_equals_torch_param_groups(how, as_callable):
 
 
 def test_adamw_fused_path_is_taken_with_a_mask(monkeypatch):
-    """The fused kernel runs (two calls: decayed leaves, then the others) and equals the chain
-    to float rounding in float32."""
+    """The fused kernel runs (two calls: decayed leaves, then the others; torch's in place for
+    a donated step, the native out-of-place one for a pure step) and equals the chain to float
+    rounding in float32."""
+    from functional_train.engine import native
+
     calls = []
     real = torch._fused_adamw_
     monkeypatch.setattr(torch, "_fused_adamw_",
                         lambda *a, **k: calls.append((len(a[0]), k["weight_decay"])) or real(*a, **k))
+    real_native = native._call
+    monkeypatch.setattr(native, "_call", lambda kind, lists, scalars, *a: calls.append(
+        (len(lists[0]), scalars[1])) or real_native(kind, lists, scalars, *a))
     params = _params(torch.float32)
     tx = ft.adamw(1e-2, weight_decay=0.3, mask=ft.decay_mask)
     s = tx.init(params)
     g = _grads(params, 1)[0]
-    p, _ = ft.step(tx, g, s, params)
-    assert calls == [(3, 0.3), (4, 0.0)]
     u, _ = tx.update(g, s, params)
-    for a, b in zip(optree.tree_leaves(p), optree.tree_leaves(ft.apply_updates(params, u))):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    want = ft.apply_updates(params, u)
+    for donate in (False, True):
+        calls.clear()
+        p, _ = ft.step(tx, g, s, optree.tree_map(torch.clone, params), donate=donate)
+        assert calls == [(3, 0.3), (4, 0.0)], donate
+        for a, b in zip(optree.tree_leaves(p), optree.tree_leaves(want)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("make", [
