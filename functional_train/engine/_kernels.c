@@ -33,6 +33,8 @@
 #endif
 
 #define ALWAYS static inline __attribute__((always_inline))
+/* leaf k's pointer of role j (NULL where the role's array is) */
+#define Q(j) (ptr[j] ? ptr[j][k] : 0)
 
 #if defined(__FMA__) || defined(__aarch64__) || defined(__ARM_FEATURE_FMA)
 #define FMA_f32(a, b, c) __builtin_fmaf(a, b, c)
@@ -144,11 +146,11 @@ ALWAYS void adam_leaf_##SUF(int64_t n, const T *p, const T *g, const T *m, const
     ADAM_SCALAR(T, SUF)                                                                         \
 }                                                                                               \
                                                                                                 \
-/* ptr: per leaf p, g, m, v, nm, new p, new m, new v, new nm (nm's NULL without amsgrad). */    \
-void ft_adam_##SUF(int64_t leaves, void *const *ptr, const int64_t *numel, const T *s,         \
+/* ptr: 9 arrays of a pointer per leaf, p, g, m, v, nm, new p, new m, new v, new nm (NULL for  \
+ * nm's without amsgrad). */                                                                    \
+void ft_adam_##SUF(int64_t leaves, void *const *const *ptr, const int64_t *numel, const T *s,  \
                    int flags, int stream) {                                                     \
     for (int64_t k = 0; k < leaves; k++) {                                                      \
-        void *const *q = ptr + 9 * k;                                                           \
         switch (flags & 15) {                                                                   \
             CASES16(ADAM_CALL, SUF)                                                             \
         }                                                                                       \
@@ -157,7 +159,7 @@ void ft_adam_##SUF(int64_t leaves, void *const *ptr, const int64_t *numel, const
 }
 
 #define ADAM_CALL(SUF, F)                                                                       \
-    case F: adam_leaf_##SUF(numel[k], q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], s, \
+    case F: adam_leaf_##SUF(numel[k], Q(0), Q(1), Q(2), Q(3), Q(4), Q(5), Q(6), Q(7), Q(8), s, \
                             stream, (F) & 1, (F) >> 1 & 1, (F) >> 2 & 1, (F) >> 3 & 1); break;
 #define CASES16(CALL, SUF) CALL(SUF, 0) CALL(SUF, 1) CALL(SUF, 2) CALL(SUF, 3) CALL(SUF, 4)     \
     CALL(SUF, 5) CALL(SUF, 6) CALL(SUF, 7) CALL(SUF, 8) CALL(SUF, 9) CALL(SUF, 10)             \
@@ -210,11 +212,11 @@ ALWAYS void sgd_leaf_##SUF(int64_t n, const T *p, const T *g, const T *buf, T *o
     SGD_SCALAR(T, SUF)                                                                          \
 }                                                                                               \
                                                                                                 \
-/* ptr: per leaf p, g, buf, new p, new buf (buf's NULL without momentum). */                    \
-void ft_sgd_##SUF(int64_t leaves, void *const *ptr, const int64_t *numel, const T *s,          \
+/* ptr: 5 arrays of a pointer per leaf, p, g, buf, new p, new buf (NULL for buf's without      \
+ * momentum). */                                                                                \
+void ft_sgd_##SUF(int64_t leaves, void *const *const *ptr, const int64_t *numel, const T *s,   \
                   int flags, int stream) {                                                      \
     for (int64_t k = 0; k < leaves; k++) {                                                      \
-        void *const *q = ptr + 5 * k;                                                           \
         switch (flags & 15) {                                                                   \
             CASES16(SGD_CALL, SUF)                                                              \
         }                                                                                       \
@@ -223,7 +225,7 @@ void ft_sgd_##SUF(int64_t leaves, void *const *ptr, const int64_t *numel, const 
 }
 
 #define SGD_CALL(SUF, F)                                                                        \
-    case F: sgd_leaf_##SUF(numel[k], q[0], q[1], q[2], q[3], q[4], s, stream, (F) & 1,          \
+    case F: sgd_leaf_##SUF(numel[k], Q(0), Q(1), Q(2), Q(3), Q(4), s, stream, (F) & 1,          \
                            (F) >> 1 & 1, (F) >> 2 & 1, (F) >> 3 & 1); break;
 
 /* Orders the streamed stores before whatever the caller does next (they are weakly ordered). */
@@ -239,4 +241,4 @@ DEFINE_SGD(float, f32)
 DEFINE_SGD(double, f64)
 
 /* The ABI version engine/native.py checks. */
-int ft_version(void) { return 3; }
+int ft_version(void) { return 4; }

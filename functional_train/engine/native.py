@@ -31,6 +31,7 @@ results are streamed when they hold at least :data:`STREAM_MIN_BYTES`.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import os
@@ -55,7 +56,7 @@ ENABLED = os.environ.get("FT_NATIVE_KERNELS", "1") != "0"
 STREAM_MIN_BYTES = 8 * 2**20
 PARALLEL_MIN_NUMEL = 2**20  # elements in one call below which it runs on the calling thread
 _BLOCK = 1024  # parts split leaves at multiples of this many elements (64-byte aligned)
-_VERSION = 3
+_VERSION = 4
 
 _SOURCE = Path(__file__).with_name("_kernels.c")
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
@@ -188,6 +189,16 @@ def _executor(n: int) -> ThreadPoolExecutor:
     return _pool
 
 
+def _run(fn, ptrs, numel, s, flags, stream) -> None:
+    """``fn`` on the leaves whose pointers are ``ptrs`` (per role, a list of addresses or
+    ``None``) and sizes ``numel``."""
+    arrays = [None if P is None else array.array("q", P) for P in ptrs]  # kept alive to the end
+    roles = (ctypes.c_void_p * len(arrays))(*[None if a is None else a.buffer_info()[0]
+                                               for a in arrays])
+    count = array.array("q", numel)
+    fn(len(numel), roles, count.buffer_info()[0], s, flags, stream)
+
+
 def _call(kind: str, lists: Sequence[Optional[Sequence[torch.Tensor]]],
           scalars: Sequence[float], flags: int, checked: bool) -> bool:
     """Run ``ft_<kind>_<dtype>`` on the leaves of ``lists`` (the kernel's pointers in order:
@@ -214,10 +225,7 @@ def _call(kind: str, lists: Sequence[Optional[Sequence[torch.Tensor]]],
                 map(torch.Tensor.is_contiguous, L)) or not all(
                 type(x) is torch.Tensor and x.dtype == dtype and x.is_cpu for x in L):
             return False
-    # the pointer table, a row per leaf (int64 on the host: one C call builds it)
-    table = torch.tensor([list(map(torch.Tensor.data_ptr, L)) if L is not None else [0] * n
-                          for L in lists], dtype=torch.int64).t().contiguous()
-    count = torch.tensor(numel, dtype=torch.int64)
+    ptrs = [None if L is None else list(map(torch.Tensor.data_ptr, L)) for L in lists]
     suf, scalar = _DTYPES[dtype]
     fn = getattr(_lib, f"ft_{kind}_{suf}")
     s = (scalar * len(scalars))(*scalars)
@@ -226,18 +234,14 @@ def _call(kind: str, lists: Sequence[Optional[Sequence[torch.Tensor]]],
     stream = int(total * first[0].element_size() * results >= STREAM_MIN_BYTES)
     threads = torch.get_num_threads() if total >= PARALLEL_MIN_NUMEL else 1
     if threads <= 1:
-        fn(n, table.data_ptr(), count.data_ptr(), s, flags, stream)
+        _run(fn, ptrs, numel, s, flags, stream)
         return True
-    jobs = []  # per part: its table and counts (kept alive until the call returns)
-    for part in _parts(numel, threads):
-        ks = torch.tensor([k for k, _, _ in part], dtype=torch.int64)
-        off = torch.tensor([a for _, a, _ in part], dtype=torch.int64) * first[0].element_size()
-        rows = table[ks]
-        jobs.append((len(part), (rows + off[:, None] * (rows != 0)).contiguous(),
-                     torch.tensor([c for _, _, c in part], dtype=torch.int64)))
+    size = first[0].element_size()
+    jobs = [([None if P is None else [P[k] + a * size for k, a, _ in part] for P in ptrs],
+             [c for _, _, c in part]) for part in _parts(numel, threads)]
 
     def run(job):
-        fn(job[0], job[1].data_ptr(), job[2].data_ptr(), s, flags, stream)
+        _run(fn, job[0], job[1], s, flags, stream)
 
     done = [_executor(len(jobs) - 1).submit(run, job) for job in jobs[1:]]
     run(jobs[0])
