@@ -67,7 +67,7 @@ _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
 _pool: Optional[ThreadPoolExecutor] = None
-_pool_size = 0
+_pool_key: tuple = ()  # (workers, pid) of _pool
 
 
 def _cache_dir() -> Path:
@@ -180,12 +180,15 @@ def _parts(numel: Sequence[int], n: int) -> list:
 
 
 def _executor(n: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    if _pool is None or _pool_size != n:
-        if _pool is not None:
+    """The thread pool of ``n`` workers; a new one after a change of ``n`` or a ``fork`` (a
+    forked child inherits the pool object but none of its threads)."""
+    global _pool, _pool_key
+    key = (n, os.getpid())
+    if _pool is None or _pool_key != key:
+        if _pool is not None and _pool_key[1] == key[1]:
             _pool.shutdown(wait=False)
         _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="ft-native")
-        _pool_size = n
+        _pool_key = key
     return _pool
 
 
