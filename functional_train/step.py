@@ -438,21 +438,21 @@ def _out_of_place(fused, groups, big, p, g, bufs, new_p, new_bufs, coef, lr, cou
         if not ks:
             continue
 
-        def flat(xs):
+        def pick(xs):
             return [xs[k] for k in ks]
         if isinstance(fused, FusedAdam):
             nm = "nu_max" if fused.amsgrad else None
             ok = kernels.adam_pure(
-                flat(p), flat(g), flat(bufs["mu"]), flat(bufs["nu"]), nm and flat(bufs[nm]),
-                flat(new_p), flat(new_bufs["mu"]), flat(new_bufs["nu"]),
-                nm and flat(new_bufs[nm]), coef=coef, lr=lr, weight_decay=wd, b1=fused.b1,
+                pick(p), pick(g), pick(bufs["mu"]), pick(bufs["nu"]), nm and pick(bufs[nm]),
+                pick(new_p), pick(new_bufs["mu"]), pick(new_bufs["nu"]),
+                nm and pick(new_bufs[nm]), coef=coef, lr=lr, weight_decay=wd, b1=fused.b1,
                 b2=fused.b2, eps=fused.eps, count=count, decoupled=fused.decoupled,
                 amsgrad=fused.amsgrad, maximize=fused.maximize, checked=True)
         else:
             tr = "trace" in bufs
             ok = kernels.sgd_pure(
-                flat(p), flat(g), tr and flat(bufs["trace"]), flat(new_p),
-                tr and flat(new_bufs["trace"]), coef=coef, lr=lr, weight_decay=wd,
+                pick(p), pick(g), tr and pick(bufs["trace"]), pick(new_p),
+                tr and pick(new_bufs["trace"]), coef=coef, lr=lr, weight_decay=wd,
                 momentum=fused.momentum if tr else 0.0, nesterov=fused.nesterov,
                 maximize=fused.maximize, checked=True)
         if not ok:

@@ -145,22 +145,25 @@ ALWAYS void adam_leaf_##SUF(int64_t n, const T *p, const T *g, const T *m, const
     ADAM_VECTOR(T, SUF)                                                                         \
     ADAM_SCALAR(T, SUF)                                                                         \
 }                                                                                               \
-                                                                                                \
 /* ptr: 9 arrays of a pointer per leaf, p, g, m, v, nm, new p, new m, new v, new nm (NULL for  \
  * nm's without amsgrad). */                                                                    \
-void ft_adam_##SUF(int64_t leaves, void *const *const *ptr, const int64_t *numel, const T *s,  \
-                   int flags, int stream) {                                                     \
-    for (int64_t k = 0; k < leaves; k++) {                                                      \
-        switch (flags & 15) {                                                                   \
-            CASES16(ADAM_CALL, SUF)                                                             \
-        }                                                                                       \
-    }                                                                                           \
-    fence();                                                                                    \
-}
+DEFINE_ENTRY(adam, T, SUF, ADAM_CALL)
 
 #define ADAM_CALL(SUF, F)                                                                       \
     case F: adam_leaf_##SUF(numel[k], Q(0), Q(1), Q(2), Q(3), Q(4), Q(5), Q(6), Q(7), Q(8), s, \
                             stream, (F) & 1, (F) >> 1 & 1, (F) >> 2 & 1, (F) >> 3 & 1); break;
+/* The exported ft_<NAME>_<SUF>(leaves, ptr, numel, s, flags, stream): each leaf through the
+ * kernel's specialisation for its flags (CALL), then the fence. */
+#define DEFINE_ENTRY(NAME, T, SUF, CALL)                                                        \
+void ft_##NAME##_##SUF(int64_t leaves, void *const *const *ptr, const int64_t *numel,          \
+                       const T *s, int flags, int stream) {                                     \
+    for (int64_t k = 0; k < leaves; k++) {                                                      \
+        switch (flags & 15) {                                                                   \
+            CASES16(CALL, SUF)                                                                  \
+        }                                                                                       \
+    }                                                                                           \
+    fence();                                                                                    \
+}
 #define CASES16(CALL, SUF) CALL(SUF, 0) CALL(SUF, 1) CALL(SUF, 2) CALL(SUF, 3) CALL(SUF, 4)     \
     CALL(SUF, 5) CALL(SUF, 6) CALL(SUF, 7) CALL(SUF, 8) CALL(SUF, 9) CALL(SUF, 10)             \
     CALL(SUF, 11) CALL(SUF, 12) CALL(SUF, 13) CALL(SUF, 14) CALL(SUF, 15)
@@ -211,18 +214,9 @@ ALWAYS void sgd_leaf_##SUF(int64_t n, const T *p, const T *g, const T *buf, T *o
     SGD_VECTOR(T, SUF)                                                                          \
     SGD_SCALAR(T, SUF)                                                                          \
 }                                                                                               \
-                                                                                                \
 /* ptr: 5 arrays of a pointer per leaf, p, g, buf, new p, new buf (NULL for buf's without      \
  * momentum). */                                                                                \
-void ft_sgd_##SUF(int64_t leaves, void *const *const *ptr, const int64_t *numel, const T *s,   \
-                  int flags, int stream) {                                                      \
-    for (int64_t k = 0; k < leaves; k++) {                                                      \
-        switch (flags & 15) {                                                                   \
-            CASES16(SGD_CALL, SUF)                                                              \
-        }                                                                                       \
-    }                                                                                           \
-    fence();                                                                                    \
-}
+DEFINE_ENTRY(sgd, T, SUF, SGD_CALL)
 
 #define SGD_CALL(SUF, F)                                                                        \
     case F: sgd_leaf_##SUF(numel[k], Q(0), Q(1), Q(2), Q(3), Q(4), s, stream, (F) & 1,          \

@@ -207,6 +207,12 @@ def _flat(leaves):
     return None if leaves is None else [x.view(-1) for x in leaves]
 
 
+def _native_scale(coef, maximize) -> float:
+    """The native kernels' gradient scale: the clip factor (1 without one), negated to
+    maximize (``-(g * c)`` and ``g * -c`` are the same number)."""
+    return (1.0 if coef is None else float(coef)) * (-1.0 if maximize else 1.0)
+
+
 def adam_pure(p, g, m, v, nm, new_p, new_m, new_v, new_nm, *, coef, lr, weight_decay,
               b1, b2, eps, count, decoupled, amsgrad, maximize, checked=False) -> bool:
     """Adam / AdamW (``scale_by_adam`` then ``add_decayed_weights`` or L2, then the learning
@@ -218,13 +224,13 @@ def adam_pure(p, g, m, v, nm, new_p, new_m, new_v, new_nm, *, coef, lr, weight_d
     to be plain contiguous CPU tensors of one dtype, the results fresh. ``False`` where
     nothing ran."""
     bc1, bc2_sqrt = _bias_corrections(b1, b2, count)
-    clip = coef is not None
-    scale = (float(coef) if clip else 1.0) * (-1.0 if maximize else 1.0)
-    if native.adam(p, g, m, v, nm, new_p, new_m, new_v, new_nm, coef=scale,
+    if native.adam(p, g, m, v, nm, new_p, new_m, new_v, new_nm,
+                   coef=_native_scale(coef, maximize),
                    weight_decay=float(weight_decay), b1=float(b1), b2=float(b2),
                    eps=float(eps), bc1=bc1.item(), bc2_sqrt=bc2_sqrt.item(), lr=float(lr),
                    decoupled=decoupled, amsgrad=amsgrad, checked=checked):
         return True
+    clip = coef is not None
     flags = (clip, maximize, bool(weight_decay) and not decoupled,
              bool(weight_decay) and decoupled, amsgrad)
     ins = [_flat(x) for x in (p, g, m, v, nm if amsgrad else None)]
@@ -238,12 +244,12 @@ def sgd_pure(p, g, buf, new_p, new_buf, *, coef, lr, weight_decay, momentum, nes
     """SGD (``add_decayed_weights``, ``trace``, the learning rate; the gradients first scaled by
     ``coef`` when it is not ``None``) from ``p, g, buf`` into ``new_p, new_buf`` (leaves as
     :func:`adam_pure`'s). ``False`` where nothing ran."""
-    clip = coef is not None
-    scale = (float(coef) if clip else 1.0) * (-1.0 if maximize else 1.0)
-    if native.sgd(p, g, buf, new_p, new_buf, coef=scale, weight_decay=float(weight_decay),
+    if native.sgd(p, g, buf, new_p, new_buf, coef=_native_scale(coef, maximize),
+                  weight_decay=float(weight_decay),
                   momentum=float(momentum), nesterov=nesterov, lr=float(lr),
                   checked=checked):
         return True
+    clip = coef is not None
     flags = (clip, maximize, bool(weight_decay), bool(momentum), nesterov)
     ins = [_flat(x) for x in (p, g, buf if momentum else None)]
     outs = [_flat(x) for x in (new_p, new_buf if momentum else None)]

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["ENABLED", "STREAM_MIN_BYTES", "PARALLEL_MIN_NUMEL", "available", "adam", "sgd"]
 
@@ -213,11 +214,7 @@ def _call(kind: str, lists: Sequence[Optional[Sequence[torch.Tensor]]],
     if not first:
         return True
     dtype = first[0].dtype
-    if not available(dtype):
-        return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    if _get_current_dispatch_mode() is not None:
+    if not available(dtype) or _get_current_dispatch_mode() is not None:
         return False
     n = len(first)
     numel = list(map(torch.Tensor.numel, first))
@@ -232,14 +229,13 @@ def _call(kind: str, lists: Sequence[Optional[Sequence[torch.Tensor]]],
     suf, scalar = _DTYPES[dtype]
     fn = getattr(_lib, f"ft_{kind}_{suf}")
     s = (scalar * len(scalars))(*scalars)
-    total = sum(numel)
+    total, size = sum(numel), first[0].element_size()
     results = sum(L is not None for L in lists[_RESULTS[kind]:])
-    stream = int(total * first[0].element_size() * results >= STREAM_MIN_BYTES)
+    stream = int(total * size * results >= STREAM_MIN_BYTES)
     threads = torch.get_num_threads() if total >= PARALLEL_MIN_NUMEL else 1
     if threads <= 1:
         _run(fn, ptrs, numel, s, flags, stream)
         return True
-    size = first[0].element_size()
     jobs = [([None if P is None else [P[k] + a * size for k, a, _ in part] for P in ptrs],
              [c for _, _, c in part]) for part in _parts(numel, threads)]
 
@@ -262,10 +258,8 @@ def adam(p, g, m, v, nm, new_p, new_m, new_v, new_nm, *, coef: float, weight_dec
     maximize), ``bc1 = 1 - b1^t`` and ``bc2_sqrt = sqrt(1 - b2^t)``; the scalars are rounded to
     the leaves' dtype. ``False`` (nothing written) where the native kernels are unavailable or
     the leaves do not qualify (``checked``: the caller vouches that they do)."""
-    wd = bool(weight_decay)
-    flags = (coef != 1.0) | (wd and not decoupled) << 1 | (wd and decoupled) << 2 | bool(
-        amsgrad) << 3
-    ams = bool(amsgrad)
+    wd, ams = bool(weight_decay), bool(amsgrad)
+    flags = (coef != 1.0) | (wd and not decoupled) << 1 | (wd and decoupled) << 2 | ams << 3
     return _call("adam", [p, g, m, v, nm if ams else None, new_p, new_m, new_v,
                           new_nm if ams else None],
                  (coef, weight_decay, 1.0 - b1, b2, 1.0 - b2, eps, 1.0 / bc1, 1.0 / bc2_sqrt,

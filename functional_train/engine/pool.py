@@ -82,8 +82,8 @@ class Pool:
         if bufs is None or len(bufs) != len(like) or any(
                 b.shape != x.shape or b.dtype != x.dtype or b.device != x.device
                 for b, x in zip(bufs, like)):
-            bufs = self.scratches[kind] = [torch.empty_like(x, memory_format=torch.contiguous_format)
-                                     for x in like]
+            bufs = self.scratches[kind] = [
+                torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
         return bufs
 
 
