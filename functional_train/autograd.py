@@ -16,6 +16,7 @@ inside the block ``ft.step`` takes the general path.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Iterator
 
 import torch
@@ -43,12 +44,20 @@ def is_differentiable() -> bool:
     return _MODE[0]
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 def detached(leaves: list) -> list:
     """``leaves`` with every tensor that autograd tracks detached, unless differentiable (or grad
     mode is off, where nothing is recorded anyway). Returns the same list when nothing
     needs it."""
     if _MODE[0] or not torch.is_grad_enabled():
         return leaves
+    try:  # (one C loop: this runs for every leaf of every update)
+        if not torch.compiler.is_compiling() and not any(map(_REQUIRES_GRAD, leaves)):
+            return leaves
+    except AttributeError:  # None leaves
+        pass
     if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
         return leaves
     return [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in leaves]

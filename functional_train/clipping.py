@@ -6,13 +6,14 @@ Colossal-AI's ``clip_grad_by_value`` / ``clip_grad_by_norm`` (seeds 000/001) as 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import optree
 import torch
 
 from . import _validate as V
 from .base import GradientTransformation, declare
+from .engine import native
 from .engine.view import prepare
 from .transforms import _as_complex, _as_real, _cast_like, stateless
 from .tree import first_device
@@ -53,18 +54,38 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 def _local_norm_terms(b, norm_type: float):
-    """Per-leaf local terms and the kind of their reduction ('sum' of |g|^p, or 'max')."""
+    """Per-leaf local terms, the kind of their reduction ('sum' of |g|^p, or 'max'), and the
+    dtype the norm is given in where the terms are wider than that (else ``None``).
+
+    The 2-norm of plain CPU float32 / float64 leaves sums their squares in float64 in one
+    native call (:func:`~functional_train.engine.native.sum_squares`; about 2.5x faster than
+    ``torch._foreach_norm`` on 242 leaves of 2,176 elements, and independent of strides and
+    dispatch modes; under ``torch.compile`` through an opaque operator, so a compiled norm is
+    the eager one); everything else takes ``torch._foreach_norm``."""
     g = [b.locals[i] for i in b.active]
     if math.isinf(norm_type):
         # _foreach_norm has no identity for inf on empty shards (uneven sharding): pad one zero.
-        return [torch.cat([x.reshape(-1), x.new_zeros(1)]).abs().max() for x in g], "max"
+        return [torch.cat([x.reshape(-1), x.new_zeros(1)]).abs().max() for x in g], "max", None
+    if norm_type == 2.0:
+        if not torch.compiler.is_compiling():
+            squares = native.sum_squares(g)
+        elif native.ENABLED and g and all(x.is_cpu and x.dtype in _NATIVE for x in g):
+            squares = native.sum_squares_op(g)  # (opaque to the compiler: eager's numbers)
+        else:
+            squares = None
+        if squares is not None:
+            f32 = all(x.dtype == torch.float32 for x in g)
+            return squares, "sum", torch.float32 if f32 else None
     norms = torch._foreach_norm(g, norm_type) if g else []
     if norms and all(n.dtype == norms[0].dtype for n in norms):  # one vector, three ops
         v = torch.stack(norms).to(_wide(norms[0].dtype))
-        return (v.square() if norm_type == 2.0 else v.pow(norm_type)), "sum"
+        return (v.square() if norm_type == 2.0 else v.pow(norm_type)), "sum", None
     if norm_type == 2.0:
-        return [n.to(_wide(n.dtype)).square() for n in norms], "sum"
-    return [n.to(_wide(n.dtype)).pow(norm_type) for n in norms], "sum"
+        return [n.to(_wide(n.dtype)).square() for n in norms], "sum", None
+    return [n.to(_wide(n.dtype)).pow(norm_type) for n in norms], "sum", None
+
+
+_NATIVE = (torch.float32, torch.float64)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -74,11 +95,21 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 def global_norm_of(b, norm_type: float = 2.0) -> torch.Tensor:
     """The p-norm of a prepared tree over every leaf of every rank (ONE all-reduce)."""
-    terms, kind = _local_norm_terms(b, norm_type)
+    return global_norm_start(b, norm_type)()
+
+
+def global_norm_start(b, norm_type: float = 2.0) -> Callable[[], torch.Tensor]:
+    """:func:`global_norm_of` with its all-reduce issued now: returns ``finish``, which waits
+    for it and gives the norm (host work in between overlaps the collective)."""
+    terms, kind, dtype = _local_norm_terms(b, norm_type)
+    finish = b.global_reduce_start(terms, b.active, kind)
     if kind == "max":
-        return b.global_max(terms, b.active)
-    total = b.global_sum(terms, b.active)
-    return total.sqrt() if norm_type == 2.0 else total.pow(1.0 / norm_type)
+        return finish
+    if norm_type == 2.0:
+        if dtype is not None:
+            return lambda: finish().sqrt().to(dtype)
+        return lambda: finish().sqrt()
+    return lambda: finish().pow(1.0 / norm_type)
 
 
 def global_norm(updates, *, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
@@ -102,7 +133,9 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
     ``torch.nn.utils.clip_grad_norm_`` and Colossal-AI's ``clip_grad_by_norm``, but exact under
     TP (shards add), PP (stages add), MoE (experts add over ``Mesh.expert_axis``) and DP (replicas
     count once). One scalar all-reduce over the whole mesh per update, whatever the number of
-    leaves and meshes.
+    leaves and meshes. The 2-norm of float32 / float64 CPU leaves sums their squares in float64
+    (a native kernel, see ``functional_train/engine/native.py``), so it can differ from
+    ``clip_grad_norm_``'s float32 accumulation in the last bits, being the more accurate.
 
     Args:
         max_norm: > 0.

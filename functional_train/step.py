@@ -30,13 +30,14 @@ the chain's primitives.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view
-from .clipping import ClipByGlobalNormState, global_norm_of
+from .clipping import ClipByGlobalNormState, global_norm_of, global_norm_start
 from .engine import kernels
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
@@ -143,17 +144,28 @@ def _fusable(ts_lists) -> bool:
     dtype, device = first[0].dtype, first[0].device
     if dtype not in _KERNEL_DTYPES:
         return False
-    shapes = [x.shape for x in first]
-    contiguous = torch.Tensor.is_contiguous
-    for lst in ts_lists:  # whole-list checks: this runs for every leaf of every step
-        if any(x is None for x in lst) or [x.shape for x in lst] != shapes or \
-                {x.dtype for x in lst} != {dtype} or not all(map(contiguous, lst)):
+    if torch.compiler.is_compiling():  # (dynamo does not trace attrgetter)
+        return all(x is not None and x.shape == y.shape and x.dtype == dtype
+                   and x.is_contiguous() and x.device == device
+                   for lst in ts_lists for x, y in zip(lst, first))
+    shapes = list(map(_SHAPE, first))
+    cpu = device.type == "cpu"
+    for lst in ts_lists:  # whole-list checks in C loops: this runs for every step
+        try:
+            if list(map(_SHAPE, lst)) != shapes:
+                return False
+        except AttributeError:  # a None leaf
             return False
-    if device.type == "cpu":
-        return all(x.is_cpu for lst in ts_lists for x in lst)
-    return all(x.device == device for lst in ts_lists for x in lst)
+        if set(map(_DTYPE, lst)) != {dtype} or not all(map(_CONTIGUOUS, lst)):
+            return False
+        if not (all(map(_IS_CPU, lst)) if cpu else
+                all(x.device == device for x in lst)):
+            return False
+    return True
 
 
+_SHAPE, _DTYPE, _IS_CPU = (operator.attrgetter(a) for a in ("shape", "dtype", "is_cpu"))
+_CONTIGUOUS = torch.Tensor.is_contiguous
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -231,13 +243,9 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     count = lr_state.count if isinstance(lr_state, ScaleByScheduleState) else None
     if callable(fused.learning_rate) and count is None:
         return None
-    # the clip factor, from the same one scalar all-reduce as clip_by_global_norm
-    coef = None
-    if clip is not None:
-        max_norm, norm_type = clip
-        total = global_norm_of(b, norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        new_clip = ClipByGlobalNormState(total.to(clip_state.global_norm.dtype))
+    # the clip factor, from the same one scalar all-reduce as clip_by_global_norm, issued
+    # here and waited for once the result buffers are allocated (_pure)
+    coef = None if clip is None else _ClipFactor(global_norm_start(b, clip[1]), clip[0])
     lr = _learning_rate(fused.learning_rate, count, torch.empty((), dtype=torch.float64,
                                                                  device=p[0].device))
     new_count = st.count + 1 if st is not None else None
@@ -252,9 +260,10 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     with torch.no_grad():
         if donate:
             new_p, new_bufs = p, bufs
-            _in_place(fused, groups, new_p, g, new_bufs, coef, lr, new_count)
+            _in_place(fused, groups, new_p, g, new_bufs, _resolve(coef), lr, new_count)
         elif compiled:
-            new_p, new_bufs = _pure_compiled(fused, groups, p, g, bufs, coef, lr, new_count)
+            new_p, new_bufs = _pure_compiled(fused, groups, p, g, bufs, _resolve(coef), lr,
+                                             new_count)
         else:
             new_p, new_bufs = _pure(fused, groups, of_plan(b.plan, "pool", Pool), p, g, bufs,
                                     coef, lr, new_count)
@@ -283,8 +292,36 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
         new_opt[fused.lr_index] = ScaleByScheduleState(count + 1)
     new_opt = tuple(new_opt)
     if clip is not None:
+        new_clip = ClipByGlobalNormState(coef.norm().to(clip_state.global_norm.dtype))
         return out_params, (new_clip, new_opt)
     return out_params, new_opt
+
+
+class _ClipFactor:
+    """A step's clip factor ``min(1, max_norm / (norm + 1e-6))`` whose norm's all-reduce is in
+    flight (``finish`` from :func:`~functional_train.clipping.global_norm_start`): the step
+    allocates its results meanwhile, then :func:`_resolve` waits for it (once)."""
+
+    __slots__ = ("finish", "max_norm", "total", "coef")
+
+    def __init__(self, finish, max_norm: float):
+        self.finish, self.max_norm, self.total, self.coef = finish, max_norm, None, None
+
+    def get(self) -> torch.Tensor:
+        if self.coef is None:
+            self.total = self.finish()
+            self.coef = torch.clamp(self.max_norm / (self.total + 1e-6), max=1.0)
+        return self.coef
+
+    def norm(self) -> torch.Tensor:
+        """The global norm before clipping (the clip state's)."""
+        self.get()
+        return self.total
+
+
+def _resolve(coef):
+    """The clip factor as a tensor (``None`` without a clip)."""
+    return coef.get() if isinstance(coef, _ClipFactor) else coef
 
 
 def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
@@ -304,6 +341,7 @@ def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
                 (f + "/large", new_bufs[f], bufs[f]) for f in bufs]:
             for k, x in zip(big, pool.take(f, sub(src))):
                 dst[k] = x
+        coef = _resolve(coef)
         if _out_of_place(fused, groups, set(big), p, g, bufs, new_p, new_bufs, coef, lr,
                          count):
             groups = [([k for k in ks if k not in big], wd) for ks, wd in groups]
@@ -331,7 +369,7 @@ def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
         for k, x in zip(rest, copies("grads", sub(g), scratch=True)):
             g_in[k] = x
     torch._foreach_copy_(dst, src)
-    _in_place(fused, groups, new_p, g_in, new_bufs, coef, lr, count)
+    _in_place(fused, groups, new_p, g_in, new_bufs, _resolve(coef), lr, count)
     return new_p, new_bufs
 
 

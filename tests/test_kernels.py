@@ -326,6 +326,66 @@ def test_native_declines_what_it_does_not_take(native_calls):
     assert not any(x[0].isnan().any() for x in out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_sum_squares(native_calls, dtype):
+    """``native.sum_squares``: each tensor's sum of squares in float64, within float64
+    roundings of the exact sum (computed in float64 from the exactly squared elements); a
+    tensor's sum is the same bits wherever it starts in memory and whatever its strides;
+    half-precision, subclass and non-float tensors are declined (``None``)."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [(0,), (1,), (15,), (16,), (17,), (33, 7), (64, 68), (4099,)]
+    xs = [torch.randn(s, generator=g, dtype=dtype) * 3 for s in sizes]
+    got = native.sum_squares(xs)
+    assert got.dtype == torch.float64 and got.shape == (len(xs),)
+    for x, s in zip(xs, got):
+        exact = (x.double() * x.double()).sum()  # (exact squares: float32 ones in float64)
+        assert abs(float(s) - float(exact)) <= 4 * x.numel() * 2.0**-53 * float(exact)
+    assert float(got[0]) == 0.0
+    base = torch.randn(5000, generator=g, dtype=dtype)
+    for start in (0, 1, 3, 7):  # unaligned starts: the same order of additions
+        a = native.sum_squares([base[start:start + 4099]])
+        assert torch.equal(a, native.sum_squares([base[start:start + 4099].clone()]))
+    strided = base[:4000].view(40, 100).t()[3:, 1:]  # a non-contiguous view: copied first
+    assert torch.equal(native.sum_squares([strided]), native.sum_squares([strided.contiguous()]))
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    mixed = native.sum_squares([xs[5], xs[6].to(other), xs[7]])  # one call per dtype
+    assert torch.equal(mixed, torch.cat([native.sum_squares([xs[5]]),
+                                         native.sum_squares([xs[6].to(other)]),
+                                         native.sum_squares([xs[7]])]))
+    assert native.sum_squares([xs[1], xs[2].half()]) is None
+    assert native.sum_squares([torch.nn.Parameter(xs[1])]) is None
+    assert native.sum_squares([torch.ones(3, dtype=torch.int32)]) is None
+
+
+def test_clip_norm_native_and_foreach_agree(monkeypatch):
+    """``clip_by_global_norm``'s norm from the native float64 sums against the
+    ``_foreach_norm`` path (native kernels off): the same norm to float32 rounding, a float32
+    state; three steps of ``ft.step``, pure and donated, give the same parameters to two
+    float32 roundings per step."""
+    tx = ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1))
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(native, "ENABLED", on)
+        p = _tree(torch.float32)
+        s = tx.init(p)
+        norms = []
+        for i in range(3):
+            g, _, _ = _gradients_and_inputs(i, p, s)
+            norms.append(ft.global_norm(g))
+            p, s = ft.step(tx, g, s, p, donate=bool(i % 2))
+            assert s[0].global_norm.dtype == torch.float32
+        results[on] = (p, norms, s[0].global_norm)
+    (p1, n1, s1), (p0, n0, s0) = results[True], results[False]
+    eps = torch.finfo(torch.float32).eps
+    for a, b in zip(n1 + [s1], n0 + [s0]):
+        assert a.dtype == b.dtype == torch.float32
+        assert abs(float(a) - float(b)) <= 8 * eps * float(b)
+    p_0 = _tree(torch.float32)
+    for k in p1:  # (the kernels differ too: native FMA against torch's or inductor's order)
+        change = (p0[k] - p_0[k]).abs().max()
+        assert ((p1[k] - p0[k]).abs() <= 1e-5 * change + 6 * eps * p0[k].abs()).all(), k
+
+
 def test_native_fallback_when_the_compiler_is_missing(monkeypatch, tmp_path):
     """Where the C compiler is missing (or fails), the step warns once and takes the other
     paths, with the primitives' numbers."""

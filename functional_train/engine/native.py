@@ -34,6 +34,7 @@ from __future__ import annotations
 import array
 import ctypes
 import hashlib
+import operator
 import os
 import platform
 import shutil
@@ -49,7 +50,8 @@ from typing import Optional, Sequence
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["ENABLED", "STREAM_MIN_BYTES", "PARALLEL_MIN_NUMEL", "available", "adam", "sgd"]
+__all__ = ["ENABLED", "STREAM_MIN_BYTES", "PARALLEL_MIN_NUMEL", "available", "adam", "sgd",
+           "sum_squares", "sum_squares_op"]
 
 ENABLED = os.environ.get("FT_NATIVE_KERNELS", "1") != "0"
 # results' bytes in one call below which ordinary stores are used: a step this small stays in
@@ -57,7 +59,7 @@ ENABLED = os.environ.get("FT_NATIVE_KERNELS", "1") != "0"
 STREAM_MIN_BYTES = 8 * 2**20
 PARALLEL_MIN_NUMEL = 2**20  # elements in one call below which it runs on the calling thread
 _BLOCK = 1024  # parts split leaves at multiples of this many elements (64-byte aligned)
-_VERSION = 4
+_VERSION = 5
 
 _SOURCE = Path(__file__).with_name("_kernels.c")
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
@@ -133,6 +135,9 @@ def _build() -> ctypes.CDLL:
             fn.restype = None
             fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.POINTER(scalar), ctypes.c_int, ctypes.c_int]
+        fn = getattr(lib, f"ft_sumsq_{suf}")
+        fn.restype = None
+        fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -214,11 +219,13 @@ def _call(kind: str, lists: Sequence[Optional[Sequence[torch.Tensor]]],
     if not first:
         return True
     dtype = first[0].dtype
-    if not available(dtype) or _get_current_dispatch_mode() is not None:
+    if not available(dtype):
         return False
     n = len(first)
     numel = list(map(torch.Tensor.numel, first))
-    for L in () if checked else lists:
+    # under a dispatch mode (count_collectives, simulated ranks) the leaves are checked to be
+    # plain tensors whatever the caller vouches: real ones run here as outside any mode
+    for L in () if checked and _get_current_dispatch_mode() is None else lists:
         if L is None:
             continue
         if len(L) != n or list(map(torch.Tensor.numel, L)) != numel or not all(
@@ -275,3 +282,54 @@ def sgd(p, g, buf, new_p, new_buf, *, coef: float, weight_decay: float, momentum
     flags = (coef != 1.0) | bool(weight_decay) << 1 | mom << 2 | (mom and bool(nesterov)) << 3
     return _call("sgd", [p, g, buf if mom else None, new_p, new_buf if mom else None],
                  (coef, weight_decay, momentum, lr), int(flags), checked)
+
+
+def sum_squares(xs: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The sum of squares of each of ``xs`` (plain CPU tensors, float32 or float64; a
+    non-contiguous one is copied first), accumulated in float64: a float64 vector with an
+    element per tensor, or ``None`` (nothing computed) where the native kernels are unavailable
+    or a tensor does not qualify. A sum depends only on its tensor's values in their logical
+    order, not on its strides or where it lies in memory (see ``ft_sumsq`` in
+    ``_kernels.c``), nor on a dispatch mode (the tensors themselves must be plain). One call
+    per dtype, on the calling thread."""
+    if not xs or not all(type(x) is torch.Tensor and x.is_cpu for x in xs):
+        return None
+    dtypes = set(map(_DTYPE_OF, xs))
+    if not dtypes <= _DTYPES.keys() or not all(map(available, dtypes)):
+        return None
+    if not all(map(torch.Tensor.is_contiguous, xs)):
+        xs = [x.contiguous() for x in xs]  # (kept alive to the end of the call)
+    out = torch.empty(len(xs), dtype=torch.float64)
+    for dtype in dtypes:
+        idx = range(len(xs)) if len(dtypes) == 1 else [
+            k for k, x in enumerate(xs) if x.dtype == dtype]
+        part = out if len(dtypes) == 1 else torch.empty(len(idx), dtype=torch.float64)
+        ptrs = array.array("q", (xs[k].data_ptr() for k in idx))
+        numel = array.array("q", (xs[k].numel() for k in idx))
+        getattr(_lib, f"ft_sumsq_{_DTYPES[dtype][0]}")(len(idx), ptrs.buffer_info()[0],
+                                                       numel.buffer_info()[0],
+                                                       part.data_ptr())
+        if len(dtypes) > 1:
+            out[list(idx)] = part
+    return out
+
+
+_DTYPE_OF = operator.attrgetter("dtype")
+
+
+@torch.library.custom_op("functional_train::sum_squares", mutates_args=())
+def sum_squares_op(xs: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`sum_squares` as an operator that ``torch.compile`` keeps opaque, so that a
+    compiled gradient norm equals the eager one bit for bit. Where the native kernels do not
+    run (no compiler), torch sums the squares in float64 instead (the same numbers to float64
+    rounding)."""
+    out = sum_squares(xs)
+    if out is None:
+        out = torch.stack([x.double().square().sum() for x in xs]) if xs else \
+            torch.zeros(0, dtype=torch.float64)
+    return out
+
+
+@sum_squares_op.register_fake
+def _(xs):
+    return torch.empty(len(xs), dtype=torch.float64)

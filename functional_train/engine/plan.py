@@ -263,8 +263,8 @@ def plan_for(treedef, leaves: Sequence[Any], pleaves: Optional[Sequence[Any]],
     since tracing runs once per layout anyway)."""
     if torch.compiler.is_compiling():
         return Plan(treedef, leaves, pleaves, mesh)
-    key = (treedef, tuple(_leaf_key(x) for x in leaves),
-           None if pleaves is None else tuple(_leaf_key(x) for x in pleaves), mesh)
+    key = (treedef, tuple(map(_leaf_key, leaves)),
+           None if pleaves is None else tuple(map(_leaf_key, pleaves)), mesh)
     try:
         hit = _PLANS.get(key)
     except TypeError:  # an unhashable leaf: validation raises the clear error

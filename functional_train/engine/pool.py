@@ -34,6 +34,7 @@ GENERATIONS = 2
 MIN_MEAN_BYTES = 64 * 1024
 
 _use_count = torch._C._storage_Use_Count
+_contiguous = torch.Tensor.is_contiguous
 
 
 def _free(buf: torch.Tensor) -> bool:
@@ -61,6 +62,8 @@ class Pool:
             pooled = self.pooled[kind] = bool(like) and like[0].is_cpu and sum(
                 x.numel() * x.element_size() for x in like) >= MIN_MEAN_BYTES * len(like)
         if not pooled:
+            if all(map(_contiguous, like)):  # (a map without keywords: about 0.8 against 1.1 us)
+                return list(map(torch.empty_like, like))
             return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
         sets = self.sets.setdefault(kind, [])
         for bufs in sets:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import optree
 import torch
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..autograd import detached
 from ..mesh import Mesh
 from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
-from .collectives import all_reduce, all_reduce_buckets, per_rank
+from .collectives import all_reduce, all_reduce_buckets, all_reduce_start, per_rank
 from .dtensor import spec_of, to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
 from .plan import Plan, _same_layout, agree_presence, describe, plan_for
@@ -326,11 +326,26 @@ class Prepared:
         """Max over every rank of per-leaf local maxima (ONE all-reduce)."""
         return _global_reduce(self, local_maxes, indices, "max")
 
+    def global_reduce_start(self, values: Sequence[torch.Tensor], indices: Sequence[int],
+                            op: str) -> Callable[[], torch.Tensor]:
+        """:meth:`global_sum` (``op="sum"``) or :meth:`global_max` (``"max"``) with its
+        all-reduce issued now: returns ``finish``, which waits and gives the result (see
+        :func:`~functional_train.engine.collectives.all_reduce_start`)."""
+        return _global_reduce_start(self, values, indices, op)
+
 
 def _global_reduce(b: Prepared, values, indices, op: str) -> torch.Tensor:
+    return _global_reduce_start(b, values, indices, op)()
+
+
+def _done(x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: x
+
+
+def _global_reduce_start(b: Prepared, values, indices, op: str) -> Callable[[], torch.Tensor]:
     world = b.world
     if len(values) == 0:
-        return torch.zeros((), dtype=torch.float32)
+        return _done(torch.zeros((), dtype=torch.float32))
     if isinstance(values, torch.Tensor):  # already one vector of per-leaf values
         dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
         vals = values.to(dtype)
@@ -338,7 +353,7 @@ def _global_reduce(b: Prepared, values, indices, op: str) -> torch.Tensor:
         dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
         vals = torch.stack([v.to(dtype) for v in values])
     if world.device_mesh is None or world.size == 1:
-        return vals.sum() if op == "sum" else vals.max()
+        return _done(vals.sum() if op == "sum" else vals.max())
     key = ("global", tuple(indices), vals.dtype, vals.device)
     hit = b.plan.memo.get(key)
     if hit is None:  # (every leaf whole on every rank?, replica weights or None), per layout
@@ -350,14 +365,14 @@ def _global_reduce(b: Prepared, values, indices, op: str) -> torch.Tensor:
         hit = b.plan.memo[key] = (all(r == world.size for r in replicas), weights)
     whole, weights = hit
     if whole:  # every leaf is whole on every rank: the local result is already the global one
-        return vals.sum() if op == "sum" else vals.max()
+        return _done(vals.sum() if op == "sum" else vals.max())
     if op == "sum":
         if weights is not None:
             vals = vals * weights
         total = vals.sum()
     else:
         total = vals.max()
-    return all_reduce(total, op, world.world_group())
+    return all_reduce_start(total, op, world.world_group())
 
 
 
