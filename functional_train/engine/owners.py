@@ -282,7 +282,17 @@ def owner_plan(mesh_shape: Sequence[int], shapes: Sequence[tuple], placements: S
                     code, tuple(float(c) for c in costs), bool(flat))
 
 
-@torch._dynamo.assume_constant_result  # under torch.compile: built at trace time, a constant
+def assume_constant_result(fn):
+    """``torch._dynamo.assume_constant_result`` (under torch.compile, ``fn``'s result is built
+    at trace time and is a constant of the graph) without importing ``torch._dynamo`` when
+    this library is imported (0.4 s of every process's start): that decorator only sets this
+    attribute, which dynamo reads when it traces a call (``tests/test_compile.py`` checks that
+    they agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def _plan_of(mesh_shape: tuple, shapes: tuple, code: tuple, costs: tuple,
              flat: bool) -> OwnerPlan:
     key = (mesh_shape, shapes, code, costs, flat)
