@@ -1,5 +1,6 @@
 /* Out-of-place Adam / AdamW and SGD steps for float32 and float64 CPU tensors, with
- * non-temporal ("streaming") stores for the results.
+ * non-temporal ("streaming") stores for the results; and per-tensor sums of squares in
+ * float64 for the global norm of a gradient clip (ft_sumsq, at the end).
  *
  * Part of functional_train (engine/native.py compiles this file on first use and calls it
  * through ctypes). A pure optimizer step writes its new parameters and moments into fresh

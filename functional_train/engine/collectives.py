@@ -1,7 +1,8 @@
 """Every collective the library issues, through ``torch.distributed._functional_collectives``
 (traceable by torch.compile; eager all-reduces through c10d, see :func:`all_reduce`), batched:
 the tensors of one kind for all leaves are flattened into one buffer and reduced by one
-collective per process group, op and dtype.
+collective per process group, op and dtype. An all-reduce can be issued now and waited for
+later (:func:`all_reduce_start`), so that host work overlaps it.
 
 Process groups are named as tuples of groups to reduce over in succession: ``(DeviceMesh, dim)``
 pairs, or the default (world) process group (see :func:`groups_over`).

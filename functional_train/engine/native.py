@@ -1,5 +1,6 @@
 """Out-of-place Adam / AdamW and SGD steps in C with streaming stores, for the pure ``ft.step``
-on float32 and float64 CPU tensors.
+on float32 and float64 CPU tensors; and the sums of squares of a gradient clip's norm
+(:func:`sum_squares`).
 
 A pure step (``ft.step(..., donate=False)``) writes new parameters and moments into fresh
 buffers. On CPU an ordinary store first reads the destination's cache line from memory (write
