@@ -20,8 +20,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["groups_over", "all_reduce", "all_reduce_start", "all_reduce_buckets", "reduce_scatter", "all_gather",
-           "all_to_all", "per_rank"]
+__all__ = ["groups_over", "all_reduce", "all_reduce_start", "all_reduce_buckets", "reduce_scatter",
+           "all_gather", "all_to_all", "per_rank"]
 
 
 def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
