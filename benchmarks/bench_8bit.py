@@ -7,8 +7,8 @@ validation loss, their relative differences, and the optimizer state bytes.
 
 Usage::
 
-    python benchmarks/bench_8bit.py              # 200 steps of the default model (~5 min on 2 cores)
-    python benchmarks/bench_8bit.py --steps 50   # quicker
+    python benchmarks/bench_8bit.py  # 200 steps of the default model (~5 min on 2 cores)
+    python benchmarks/bench_8bit.py --steps 50  # quicker
 """
 
 import argparse
@@ -38,13 +38,20 @@ def main():
     args = p.parse_args()
     f32 = run(args.steps, [], os.path.join(args.out, "fp32"))
     b8 = run(args.steps, ["--8bit"], os.path.join(args.out, "8bit"))
-    for name, key in (("final train loss (last 10 steps)", "last10"), ("final step loss", "final_loss"),
-                      ("validation loss", "val_loss")):
+    for name, key in (
+        ("final train loss (last 10 steps)", "last10"),
+        ("final step loss", "final_loss"),
+        ("validation loss", "val_loss"),
+    ):
         rel = (b8[key] - f32[key]) / f32[key]
         print(f"{name:34s} float32 {f32[key]:.4f}   8-bit {b8[key]:.4f}   ({100 * rel:+.2f}%)")
-    print(f"{'optimizer state bytes':34s} float32 {f32['state_bytes_per_rank']:,}   8-bit "
-          f"{b8['state_bytes_per_rank']:,}   ({b8['state_bytes_per_rank'] / f32['state_bytes_per_rank']:.3f}x)")
-    print(f"{'training time (s)':34s} float32 {f32['train_time_s']:.1f}   8-bit {b8['train_time_s']:.1f}")
+    f32_bytes, b8_bytes = f32["state_bytes_per_rank"], b8["state_bytes_per_rank"]
+    print(
+        f"{'optimizer state bytes':34s} float32 {f32_bytes:,}   8-bit "
+        f"{b8_bytes:,}   ({b8_bytes / f32_bytes:.3f}x)"
+    )
+    f32_time, b8_time = f32["train_time_s"], b8["train_time_s"]
+    print(f"{'training time (s)':34s} float32 {f32_time:.1f}   8-bit {b8_time:.1f}")
 
 
 if __name__ == "__main__":

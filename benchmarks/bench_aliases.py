@@ -12,27 +12,35 @@ as after a backward pass: ``p.grad.copy_(g)`` for the reference, a fresh clone f
 
 Aliases and their references (the configurations of the reference tests in ``tests/``):
 
-  sgd           ft.sgd(1e-2, momentum=0.9)                vs torch.optim.SGD(lr=1e-2, momentum=0.9, fused=True)
-  adam          ft.adam(1e-3)                             vs torch.optim.Adam(lr=1e-3, fused=True)
-  adamw         ft.adamw(1e-3, weight_decay=0.1)          vs torch.optim.AdamW(lr=1e-3, weight_decay=0.1, fused=True)
-  adafactor     ft.adafactor()                            vs transformers.optimization.Adafactor(lr=None,
-                                                             scale_parameter=True, relative_step=True, warmup_init=False)
-  came          ft.came(2e-4, weight_decay=0.01)          vs came_pytorch.CAME(lr=2e-4, weight_decay=0.01)
-  galore_adamw  ft.galore_adamw(1e-3, weight_decay=0.1, rank=128, update_proj_gap=200, scale=0.25,
-                labels=ft.galore_param_labels(params))    vs galore_torch.GaLoreAdamW(lr=1e-3, weight_decay=0.1) with
-                Colossal-AI's groups: the 2-D leaves {rank 128, update_proj_gap 200, scale 0.25, proj_type "std"},
-                ``b1`` (plain AdamW with decay), the norms {weight_decay 0} (plain AdamW without)
-  adamw8bit     ft.adamw(1e-3, weight_decay=0.1, optim_bits=8)  vs bitsandbytes.optim.AdamW8bit(lr=1e-3,
-                weight_decay=0.1) on CPU (both: 8-bit moments for leaves of >= 4096 elements, blocks of 256;
-                every last dim here is a multiple of 256, so the blocks coincide)
+  sgd           ft.sgd(1e-2, momentum=0.9)
+                vs torch.optim.SGD(lr=1e-2, momentum=0.9, fused=True)
+  adam          ft.adam(1e-3)
+                vs torch.optim.Adam(lr=1e-3, fused=True)
+  adamw         ft.adamw(1e-3, weight_decay=0.1)
+                vs torch.optim.AdamW(lr=1e-3, weight_decay=0.1, fused=True)
+  adafactor     ft.adafactor()
+                vs transformers.optimization.Adafactor(lr=None, scale_parameter=True,
+                   relative_step=True, warmup_init=False)
+  came          ft.came(2e-4, weight_decay=0.01)
+                vs came_pytorch.CAME(lr=2e-4, weight_decay=0.01)
+  galore_adamw  ft.galore_adamw(1e-3, weight_decay=0.1, rank=128, update_proj_gap=200,
+                                scale=0.25, labels=ft.galore_param_labels(params))
+                vs galore_torch.GaLoreAdamW(lr=1e-3, weight_decay=0.1) with Colossal-AI's groups:
+                   the 2-D leaves {rank 128, update_proj_gap 200, scale 0.25, proj_type "std"},
+                   ``b1`` (plain AdamW with decay), the norms {weight_decay 0} (plain AdamW
+                   without)
+  adamw8bit     ft.adamw(1e-3, weight_decay=0.1, optim_bits=8)
+                vs bitsandbytes.optim.AdamW8bit(lr=1e-3, weight_decay=0.1) on CPU
+                (both: 8-bit moments for leaves of >= 4096 elements, blocks of 256; every last
+                dim here is a multiple of 256, so the blocks coincide)
 
 Per alias the three systems (reference, ft pure, ft donate) start from the same parameters and
 run interleaved, round by round, each once per round in that order (``bench_engine.run_rounds``:
 gc off, a system that raises is dropped with a note): ``--warmup`` (default 1) untimed rounds,
 then ``--rounds`` (default 5) timed ones; the ft systems run as a training loop (``params, state
 = ft.step(...)``, the results feed the next round). The default run of all seven aliases takes
-about 35 s on 2 shared cores (the longest adamw8bit: bitsandbytes 0.50.2's step ~0.27 s, ft's ~0.2 s
-through its compiled kernel, which compiles on ft's first step).
+about 35 s on 2 shared cores (the longest adamw8bit: bitsandbytes 0.50.2's step ~0.27 s, ft's
+~0.2 s through its compiled kernel, which compiles on ft's first step).
 GaLore's first step computes the SVD of every projected gradient (galore-torch and ft alike; the
 next refresh would be at step 201): that step is the warm-up round, so the timed rounds are
 projection-only steps. The ``step 1`` column gives the first (warm-up) step's time of every
@@ -50,12 +58,13 @@ one ulp (1.2e-7) there is already 1e-4 .. 1e-3 of their change (the worst-leaf c
 for adafactor, came and galore; the matrices agree to ~1e-5). 8-bit: bitsandbytes' CPU optimizer
 re-quantises its moments with a C kernel whose rounding differs from its reference kernel, which
 ft implements; small elements of a block then get different codes, and the runs drift apart
-(several % of the change over a few steps with these constant gradients). ``--bnb-reference-rounding``
-patches bitsandbytes to re-quantise with its reference kernel (as tests/test_quantization.py
-does): the runs then agree to float32 ulps, and bitsandbytes' step becomes ~4x slower.
+(several % of the change over a few steps with these constant gradients).
+``--bnb-reference-rounding`` patches bitsandbytes to re-quantise with its reference kernel (as
+tests/test_quantization.py does): the runs then agree to float32 ulps, and bitsandbytes' step
+becomes ~4x slower.
 
-    python benchmarks/bench_aliases.py [--only sgd,adamw,...] [--rounds 5] [--warmup 1] [--threads 1]
-                                        [--bnb-reference-rounding]
+    python benchmarks/bench_aliases.py [--only sgd,adamw,...] [--rounds 5] [--warmup 1]
+                                       [--threads 1] [--bnb-reference-rounding]
 """
 
 import argparse
@@ -84,12 +93,15 @@ def _torch(cls, **kw):
 
 def _adafactor_ref(hp):
     from transformers.optimization import Adafactor
-    return Adafactor(list(hp.values()), lr=None, scale_parameter=True, relative_step=True,
-                     warmup_init=False)
+
+    return Adafactor(
+        list(hp.values()), lr=None, scale_parameter=True, relative_step=True, warmup_init=False
+    )
 
 
 def _came_ref(hp):
     from came_pytorch import CAME
+
     return CAME(list(hp.values()), lr=2e-4, weight_decay=0.01)
 
 
@@ -112,8 +124,9 @@ def _galore_ref(hp):
 
 
 def _galore_tx(params):
-    return ft.galore_adamw(1e-3, weight_decay=0.1, labels=ft.galore_param_labels(params),
-                           proj_type="std", **GALORE)
+    return ft.galore_adamw(
+        1e-3, weight_decay=0.1, labels=ft.galore_param_labels(params), proj_type="std", **GALORE
+    )
 
 
 def _bnb_ref(hp):
@@ -126,22 +139,37 @@ def _bnb_ref(hp):
 
 # name -> (reference label, reference factory(dict of nn.Parameter), tx factory(params))
 ALIASES = {
-    "sgd": ("torch.optim.SGD(momentum=0.9, fused=True)",
-            _torch(torch.optim.SGD, lr=1e-2, momentum=0.9, fused=True),
-            lambda p: ft.sgd(1e-2, momentum=0.9)),
-    "adam": ("torch.optim.Adam(fused=True)",
-             _torch(torch.optim.Adam, lr=1e-3, fused=True),
-             lambda p: ft.adam(1e-3)),
-    "adamw": ("torch.optim.AdamW(wd=0.1, fused=True)",
-              _torch(torch.optim.AdamW, lr=1e-3, weight_decay=0.1, fused=True),
-              lambda p: ft.adamw(1e-3, weight_decay=0.1)),
-    "adafactor": ("transformers Adafactor(lr=None, relative_step)", _adafactor_ref,
-                  lambda p: ft.adafactor()),
-    "came": ("came_pytorch.CAME(lr=2e-4, wd=0.01)", _came_ref,
-             lambda p: ft.came(2e-4, weight_decay=0.01)),
+    "sgd": (
+        "torch.optim.SGD(momentum=0.9, fused=True)",
+        _torch(torch.optim.SGD, lr=1e-2, momentum=0.9, fused=True),
+        lambda p: ft.sgd(1e-2, momentum=0.9),
+    ),
+    "adam": (
+        "torch.optim.Adam(fused=True)",
+        _torch(torch.optim.Adam, lr=1e-3, fused=True),
+        lambda p: ft.adam(1e-3),
+    ),
+    "adamw": (
+        "torch.optim.AdamW(wd=0.1, fused=True)",
+        _torch(torch.optim.AdamW, lr=1e-3, weight_decay=0.1, fused=True),
+        lambda p: ft.adamw(1e-3, weight_decay=0.1),
+    ),
+    "adafactor": (
+        "transformers Adafactor(lr=None, relative_step)",
+        _adafactor_ref,
+        lambda p: ft.adafactor(),
+    ),
+    "came": (
+        "came_pytorch.CAME(lr=2e-4, wd=0.01)",
+        _came_ref,
+        lambda p: ft.came(2e-4, weight_decay=0.01),
+    ),
     "galore_adamw": ("galore_torch.GaLoreAdamW(rank=128, gap=200)", _galore_ref, _galore_tx),
-    "adamw8bit": ("bitsandbytes AdamW8bit (CPU)", _bnb_ref,
-                  lambda p: ft.adamw(1e-3, weight_decay=0.1, optim_bits=8)),
+    "adamw8bit": (
+        "bitsandbytes AdamW8bit (CPU)",
+        _bnb_ref,
+        lambda p: ft.adamw(1e-3, weight_decay=0.1, optim_bits=8),
+    ),
 }
 
 
@@ -173,8 +201,9 @@ class FtLoop(PureLoop):
     """``params, state = ft.step(tx, grads, state, params, donate=...)`` as a training loop."""
 
     def __init__(self, name, tx, donate, params0, grads0):
-        super().__init__(name, lambda g, s, p: ft.step(tx, g, s, p, donate=donate), tx,
-                         params0, grads0)
+        super().__init__(
+            name, lambda g, s, p: ft.step(tx, g, s, p, donate=donate), tx, params0, grads0
+        )
 
     def params(self):
         return self.p
@@ -219,7 +248,9 @@ def patch_bnb_reference_rounding():
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 
     def requantize(A, code, absmax_out, out, blocksize):
-        q, a = torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(keys, A, code, blocksize)
+        q, a = torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(
+            keys, A, code, blocksize
+        )
         out.copy_(q)
         absmax_out.copy_(a)
 
@@ -234,20 +265,30 @@ def run_alias(name, args, params0, grads0):
     except Exception as e:  # noqa: BLE001 - e.g. a missing reference package: skip the alias
         print(f"note: {name}: reference unavailable, skipped: {type(e).__name__}: {e}")
         return None
-    systems = [ref,
-               FtLoop("ft.step(donate=False)", make_tx(params0), False, params0, grads0),
-               FtLoop("ft.step(donate=True)", make_tx(params0), True, params0, grads0)]
+    systems = [
+        ref,
+        FtLoop("ft.step(donate=False)", make_tx(params0), False, params0, grads0),
+        FtLoop("ft.step(donate=True)", make_tx(params0), True, params0, grads0),
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        times, faults, warm = run_rounds(systems, args.rounds, args.warmup,
-                                         log=lambda m: print(f"note: {name}: {m[6:]}"))
+        times, faults, warm = run_rounds(
+            systems, args.rounds, args.warmup, log=lambda m: print(f"note: {name}: {m[6:]}")
+        )
     if ref.name not in times:
         print(f"note: {name}: the reference failed; skipped")
         return None
     steps = args.warmup + args.rounds
     nan = math.nan
-    row = {"name": name, "ref": label, "steps": steps, "ms": [], "first": [], "faults": [],
-           "checks": []}
+    row = {
+        "name": name,
+        "ref": label,
+        "steps": steps,
+        "ms": [],
+        "first": [],
+        "faults": [],
+        "checks": [],
+    }
     p_ref = ref.params()
     for i, s in enumerate(systems):
         ok = s.name in times
@@ -255,24 +296,31 @@ def run_alias(name, args, params0, grads0):
         row["faults"].append(statistics.median(faults[s.name]) if ok else nan)
         row["first"].append(warm[s.name][0] * 1e3 if warm.get(s.name) else nan)
         if i:
-            row["checks"].append(compare(s.params(), p_ref, params0, steps) if ok
-                                 else (nan, nan, False, False))
+            row["checks"].append(
+                compare(s.params(), p_ref, params0, steps) if ok else (nan, nan, False, False)
+            )
     return row
 
 
 def print_tables(rows):
-    print(f"\n  {'alias':<13s} {'reference':<49s} {'ref ms':>7s} {'pure ms':>8s} {'don. ms':>8s} "
-          f"{'pure/ref':>8s} {'don/ref':>7s}  {'step 1 ms ref/pure/don':>22s}  "
-          f"{'faults ref/pure/don':>19s}")
+    print(
+        f"\n  {'alias':<13s} {'reference':<49s} {'ref ms':>7s} {'pure ms':>8s} {'don. ms':>8s} "
+        f"{'pure/ref':>8s} {'don/ref':>7s}  {'step 1 ms ref/pure/don':>22s}  "
+        f"{'faults ref/pure/don':>19s}"
+    )
     for r in rows:
         ms, first, nf = r["ms"], r["first"], r["faults"]
-        print(f"  {r['name']:<13s} {r['ref']:<49s} {ms[0]:7.1f} {ms[1]:8.1f} {ms[2]:8.1f} "
-              f"{ms[1] / ms[0]:8.2f} {ms[2] / ms[0]:7.2f}  "
-              f"{'/'.join(f'{t:.0f}' for t in first):>22s}  "
-              f"{'/'.join(f'{n:.0f}' for n in nf):>19s}")
-    print(f"\n  correctness after all steps, ft vs reference (pure | donate):\n"
-          f"  {'alias':<13s} {'steps':>5s}  {'max|dp|/max|change| (worst leaf)':>33s}  "
-          f"{'||dp|| / ||change|| (tree)':>27s}  verdict")
+        print(
+            f"  {r['name']:<13s} {r['ref']:<49s} {ms[0]:7.1f} {ms[1]:8.1f} {ms[2]:8.1f} "
+            f"{ms[1] / ms[0]:8.2f} {ms[2] / ms[0]:7.2f}  "
+            f"{'/'.join(f'{t:.0f}' for t in first):>22s}  "
+            f"{'/'.join(f'{n:.0f}' for n in nf):>19s}"
+        )
+    print(
+        f"\n  correctness after all steps, ft vs reference (pure | donate):\n"
+        f"  {'alias':<13s} {'steps':>5s}  {'max|dp|/max|change| (worst leaf)':>33s}  "
+        f"{'||dp|| / ||change|| (tree)':>27s}  verdict"
+    )
     for r in rows:
         (w1, l1, ok1, f1), (w2, l2, ok2, f2) = r["checks"]
         if not (f1 and f2):
@@ -283,40 +331,59 @@ def print_tables(rows):
             verdict = "differs: 8-bit requantisation rounding (see the docstring)"
         else:
             verdict = "LARGE DIFFERENCE"
-        print(f"  {r['name']:<13s} {r['steps']:5d}  {f'{w1:.1e} | {w2:.1e}':>33s}  "
-              f"{f'{l1:.1e} | {l2:.1e}':>27s}  {verdict}")
+        print(
+            f"  {r['name']:<13s} {r['steps']:5d}  {f'{w1:.1e} | {w2:.1e}':>33s}  "
+            f"{f'{l1:.1e} | {l2:.1e}':>27s}  {verdict}"
+        )
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--only", default=None, help="comma-separated aliases: " + ",".join(ALIASES))
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (GaLore's SVD step)")
+    ap.add_argument(
+        "--warmup", type=int, default=1, help="untimed rounds first (GaLore's SVD step)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--bnb-reference-rounding", action="store_true",
-                    help="adamw8bit: bitsandbytes requantises with its reference kernel (slower)")
+    ap.add_argument(
+        "--bnb-reference-rounding",
+        action="store_true",
+        help="adamw8bit: bitsandbytes requantises with its reference kernel (slower)",
+    )
     args = ap.parse_args()
-    names = list(ALIASES) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    names = (
+        list(ALIASES)
+        if args.only is None
+        else [n.strip() for n in args.only.split(",") if n.strip()]
+    )
     bad = [n for n in names if n not in ALIASES]
     if bad:
         ap.error(f"unknown alias(es) {bad}; choose from {list(ALIASES)}")
     if args.warmup < 1 or args.rounds < 1:
-        ap.error("--warmup and --rounds must be >= 1 (the first step allocates the state; "
-                 "GaLore's does the SVDs)")
+        ap.error(
+            "--warmup and --rounds must be >= 1 (the first step allocates the state; "
+            "GaLore's does the SVDs)"
+        )
 
     torch.set_num_threads(args.threads)
     shapes = gpt_shapes()
     params0, grads0 = make_problem(shapes)
     print("command: " + shlex.join(["python"] + sys.argv))
-    print(f"torch {torch.__version__}; {torch.get_num_threads()} thread(s); GPT-like tree "
-          f"{n_params(shapes):,} float32 params in {len(shapes)} leaves; per alias {args.warmup} "
-          f"warm-up + {args.rounds} timed rounds, reference / ft pure / ft donate interleaved; "
-          f"median ms/step")
+    print(
+        f"torch {torch.__version__}; {torch.get_num_threads()} thread(s); GPT-like tree "
+        f"{n_params(shapes):,} float32 params in {len(shapes)} leaves; per alias {args.warmup} "
+        f"warm-up + {args.rounds} timed rounds, reference / ft pure / ft donate interleaved; "
+        f"median ms/step"
+    )
     if "adamw8bit" in names and args.bnb_reference_rounding:
         try:
             patch_bnb_reference_rounding()
-            ALIASES["adamw8bit"] = ("bitsandbytes AdamW8bit (CPU, reference rounding)",
-                                    *ALIASES["adamw8bit"][1:])
+            ALIASES["adamw8bit"] = (
+                "bitsandbytes AdamW8bit (CPU, reference rounding)",
+                *ALIASES["adamw8bit"][1:],
+            )
         except Exception as e:  # noqa: BLE001
             print(f"note: --bnb-reference-rounding unavailable: {type(e).__name__}: {e}")
     rows = []

@@ -62,7 +62,8 @@ ft.step(tx, grads, state, params, *, mesh=None, donate=False) is used when the l
 otherwise a local update + apply_updates stands in for it (a note is printed, and the ft.step
 rows then time that fallback).
 
-    python benchmarks/bench_engine.py [--rounds 10] [--warmup 2] [--threads 1] [--compile [--cold-cache]] [--no-jax]
+    python benchmarks/bench_engine.py [--rounds 10] [--warmup 2] [--threads 1]
+                                      [--compile [--cold-cache]] [--no-jax]
     python benchmarks/bench_engine.py --dtensor [--rounds 10] [--warmup 2] [--world 2]
 """
 
@@ -108,9 +109,20 @@ def gpt_shapes(layers=12, d=256, ff=1024, vocab=4096):
     shapes = {"embed": (vocab, d)}
     for i in range(layers):
         p = f"layers.{i}."
-        shapes.update({p + "attn_norm": (d,), p + "wq": (d, d), p + "wk": (d, d), p + "wv": (d, d),
-                       p + "wo": (d, d), p + "mlp_norm": (d,), p + "w1": (ff, d), p + "b1": (ff,),
-                       p + "w3": (ff, d), p + "w2": (d, ff)})
+        shapes.update(
+            {
+                p + "attn_norm": (d,),
+                p + "wq": (d, d),
+                p + "wk": (d, d),
+                p + "wv": (d, d),
+                p + "wo": (d, d),
+                p + "mlp_norm": (d,),
+                p + "w1": (ff, d),
+                p + "b1": (ff,),
+                p + "w3": (ff, d),
+                p + "w2": (d, ff),
+            }
+        )
     shapes["final_norm"] = (d,)
     return shapes
 
@@ -222,6 +234,7 @@ class OptaxJit:
         import jax
         import jax.numpy as jnp
         import optax
+
         self.name, self.jax = name, jax
         tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, weight_decay=WD))
         self.p = {k: jnp.array(v.numpy(), copy=True) for k, v in params0.items()}
@@ -244,6 +257,7 @@ class OptaxJit:
 
     def params(self):
         import numpy as np
+
         return [torch.from_numpy(np.array(self.p[k])) for k in self.keys]
 
 
@@ -270,6 +284,7 @@ def minor_faults():
     """Minor page faults of this process so far (0 where getrusage is not available)."""
     try:
         import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     except (ImportError, AttributeError):
         return 0
@@ -327,8 +342,10 @@ def check(systems, times, reduce_max=None):
         if s.name not in times:
             continue
         ps = s.params()
-        diff = max(float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-                   for a, b in zip(ps, base))
+        diff = max(
+            float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+            for a, b in zip(ps, base)
+        )
         finite = all(bool(torch.isfinite(a).all()) for a in ps)
         if reduce_max is not None:
             diff = reduce_max(diff if finite else float("inf"))
@@ -338,8 +355,11 @@ def check(systems, times, reduce_max=None):
 
 
 def table(title, times, faults, checks, baseline, floor=None):
-    lines = [title, f"  {'system':<58s} {'ms/step':>9s} {'min ms':>8s} {'ratio':>6s} "
-                    f"{'faults':>7s}  max|p-p_base|"]
+    lines = [
+        title,
+        f"  {'system':<58s} {'ms/step':>9s} {'min ms':>8s} {'ratio':>6s} "
+        f"{'faults':>7s}  max|p-p_base|",
+    ]
     base = statistics.median(times[baseline])
     for name, ts in times.items():
         med = statistics.median(ts)
@@ -348,8 +368,10 @@ def table(title, times, faults, checks, baseline, floor=None):
         if finite and diff > 1e-5:
             flag = "   LARGE DIFFERENCE"
         nf = statistics.median(faults[name])
-        lines.append(f"  {name:<58s} {med * 1e3:9.2f} {min(ts) * 1e3:8.2f} {med / base:6.2f} "
-                     f"{nf:7.0f}  {diff:.1e}{flag}")
+        lines.append(
+            f"  {name:<58s} {med * 1e3:9.2f} {min(ts) * 1e3:8.2f} {med / base:6.2f} "
+            f"{nf:7.0f}  {diff:.1e}{flag}"
+        )
     for label, sec in floor or ():
         lines.append(f"  {label:<58s} {sec * 1e3:9.2f} {'':>8s} {sec / base:6.2f}")
     return "\n".join(lines)
@@ -366,17 +388,25 @@ def part_a(args):
     shapes = gpt_shapes()
     params0, grads0 = make_problem(shapes)
     tx = make_tx()
-    print(f"Part A: plain tensors, one process, {torch.get_num_threads()} thread(s); GPT-like tree "
-          f"{n_params(shapes):,} float32 params in {len(shapes)} leaves")
+    print(
+        f"Part A: plain tensors, one process, {torch.get_num_threads()} thread(s); GPT-like tree "
+        f"{n_params(shapes):,} float32 params in {len(shapes)} leaves"
+    )
     systems = [
-        TorchOptim("torch.optim.AdamW(fused) + clip_grad_norm_(foreach)", params0, grads0, fused=True),
-        TorchOptim("torch.optim.AdamW(foreach) + clip_grad_norm_(foreach)", params0, grads0, foreach=True),
+        TorchOptim(
+            "torch.optim.AdamW(fused) + clip_grad_norm_(foreach)", params0, grads0, fused=True
+        ),
+        TorchOptim(
+            "torch.optim.AdamW(foreach) + clip_grad_norm_(foreach)", params0, grads0, foreach=True
+        ),
     ]
     if args.no_jax:
         print("note: optax skipped (--no-jax)")
     else:
         try:
-            systems.append(OptaxJit("optax clip+adamw+apply_updates, jax.jit donated", params0, grads0))
+            systems.append(
+                OptaxJit("optax clip+adamw+apply_updates, jax.jit donated", params0, grads0)
+            )
         except ImportError as e:
             print(f"note: optax skipped ({e})")
 
@@ -386,9 +416,19 @@ def part_a(args):
 
     systems += [
         PureLoop("functional_train eager tx.update + ft.apply_updates", eager, tx, params0, grads0),
-        PureLoop(step_label(False), lambda g, s, p: FT_STEP(tx, g, s, p, donate=False), tx, params0, grads0),
-        PureLoop(step_label(True), lambda g, s, p: FT_STEP(tx, g, s, p, donate=True), tx, params0, grads0),
-        TorchOptimizerSys("ft.TorchOptimizer(chain(clip, adamw)).step()", params0, grads0, make_tx()),
+        PureLoop(
+            step_label(False),
+            lambda g, s, p: FT_STEP(tx, g, s, p, donate=False),
+            tx,
+            params0,
+            grads0,
+        ),
+        PureLoop(
+            step_label(True), lambda g, s, p: FT_STEP(tx, g, s, p, donate=True), tx, params0, grads0
+        ),
+        TorchOptimizerSys(
+            "ft.TorchOptimizer(chain(clip, adamw)).step()", params0, grads0, make_tx()
+        ),
     ]
     compiled_name = None
     if args.compile:  # second, before the eager ft.step builds the kernels they share
@@ -410,11 +450,15 @@ def part_a(args):
     floors = []
     for i, what in enumerate(["triad a = b + s*c", "in-place b += s*c"]):
         bw = 3 * 4 * n_triad / statistics.median(t[i] for t in triad)
-        floors.append((f"floor: 32 B/param at {what} {bw / 1e9:.1f} GB/s", 8 * 4 * n_params(shapes) / bw))
+        floors.append(
+            (f"floor: 32 B/param at {what} {bw / 1e9:.1f} GB/s", 8 * 4 * n_params(shapes) / bw)
+        )
     print(table("", times, faults, checks, systems[0].name, floor=floors))
     if compiled_name is not None and warm.get(compiled_name):
-        print(f"  {compiled_name}: warm-up calls (compilation in the first) "
-              + ", ".join(f"{t:.2f} s" for t in warm[compiled_name]))
+        print(
+            f"  {compiled_name}: warm-up calls (compilation in the first) "
+            + ", ".join(f"{t:.2f} s" for t in warm[compiled_name])
+        )
     return checks
 
 
@@ -434,8 +478,9 @@ def dtensor_worker(rank, args, world, port):
     if port is None:  # torchrun
         dist.init_process_group("gloo")
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
     try:
         dm = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         fmesh = ft.Mesh(dm, data_axis="dp")
@@ -462,19 +507,48 @@ def dtensor_worker(rank, args, world, port):
                 return ft.apply_updates(p, u), s
 
             systems = [
-                TorchOptim("torch.optim.AdamW(foreach) + clip_grad_norm_(foreach)", params0, grads0,
-                           foreach=True),
-                PureLoop("functional_train eager tx.update + ft.apply_updates", eager, tx, params0, grads0),
-                PureLoop(step_label(False), lambda g, s, p: FT_STEP(tx, g, s, p, mesh=fmesh, donate=False),
-                         tx, params0, grads0),
-                PureLoop(step_label(True), lambda g, s, p: FT_STEP(tx, g, s, p, mesh=fmesh, donate=True),
-                         tx, params0, grads0),
+                TorchOptim(
+                    "torch.optim.AdamW(foreach) + clip_grad_norm_(foreach)",
+                    params0,
+                    grads0,
+                    foreach=True,
+                ),
+                PureLoop(
+                    "functional_train eager tx.update + ft.apply_updates",
+                    eager,
+                    tx,
+                    params0,
+                    grads0,
+                ),
+                PureLoop(
+                    step_label(False),
+                    lambda g, s, p: FT_STEP(tx, g, s, p, mesh=fmesh, donate=False),
+                    tx,
+                    params0,
+                    grads0,
+                ),
+                PureLoop(
+                    step_label(True),
+                    lambda g, s, p: FT_STEP(tx, g, s, p, mesh=fmesh, donate=True),
+                    tx,
+                    params0,
+                    grads0,
+                ),
             ]
-            times, faults, _ = run_rounds(systems, args.rounds, args.warmup, barrier=barrier,
-                                          reduce_max=reduce_max, log=log)
+            times, faults, _ = run_rounds(
+                systems, args.rounds, args.warmup, barrier=barrier, reduce_max=reduce_max, log=log
+            )
             checks = check(systems, times, reduce_max=reduce_max)
-            log(table(f"\n{tree_name} tree: {n_params(shapes):,} params in {len(shapes)} leaves "
-                      f"(slowest rank per step)", times, faults, checks, systems[0].name))
+            log(
+                table(
+                    f"\n{tree_name} tree: {n_params(shapes):,} params in {len(shapes)} leaves "
+                    f"(slowest rank per step)",
+                    times,
+                    faults,
+                    checks,
+                    systems[0].name,
+                )
+            )
             del systems, params0, grads0
             gc.collect()
     finally:
@@ -486,41 +560,61 @@ def part_b(args):
         dtensor_worker(int(os.environ["RANK"]), args, int(os.environ["WORLD_SIZE"]), None)
         return
     import torch.multiprocessing as mp
+
     mp.spawn(dtensor_worker, args=(args, args.world, _free_port()), nprocs=args.world, join=True)
 
 
 # -- main -------------------------------------------------------------------------------------
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--threads", type=int, default=1, help="torch (and XLA) threads, Part A")
-    ap.add_argument("--compile", action="store_true", help="Part A: also time torch.compile(ft.step)")
-    ap.add_argument("--cold-cache", action="store_true",
-                    help="with --compile: an empty inductor cache (first-compile time)")
+    ap.add_argument(
+        "--compile", action="store_true", help="Part A: also time torch.compile(ft.step)"
+    )
+    ap.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="with --compile: an empty inductor cache (first-compile time)",
+    )
     ap.add_argument("--no-jax", action="store_true", help="Part A: skip optax")
-    ap.add_argument("--dtensor", action="store_true", help="run Part B (DTensors, gloo) instead of A")
+    ap.add_argument(
+        "--dtensor", action="store_true", help="run Part B (DTensors, gloo) instead of A"
+    )
     ap.add_argument("--world", type=int, default=2, help="Part B: ranks to spawn")
     args = ap.parse_args()
 
     if os.environ.get("RANK", "0") == "0":
-        where = f" (under torchrun, WORLD_SIZE={os.environ['WORLD_SIZE']})" if "RANK" in os.environ else ""
+        where = (
+            f" (under torchrun, WORLD_SIZE={os.environ['WORLD_SIZE']})"
+            if "RANK" in os.environ
+            else ""
+        )
         print("command: " + shlex.join(["python"] + sys.argv) + where)
-        print(f"torch {torch.__version__}; {args.rounds} timed rounds after {args.warmup} warm-up, "
-              f"systems interleaved per round; median over rounds")
+        print(
+            f"torch {torch.__version__}; {args.rounds} timed rounds after {args.warmup} warm-up, "
+            f"systems interleaved per round; median over rounds"
+        )
         if STEP_IS_FALLBACK:
-            print("note: ft.step is not in functional_train yet: the ft.step rows time a local "
-                  "update + apply_updates fallback (donate ignored)")
+            print(
+                "note: ft.step is not in functional_train yet: the ft.step rows time a local "
+                "update + apply_updates fallback (donate ignored)"
+            )
     if args.dtensor:
         part_b(args)
         return
     if args.cold_cache:  # read by inductor when it first looks for a cached kernel
         import tempfile
+
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_engine_inductor_")
         print(f"inductor cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']} (empty)")
     if args.threads == 1 and "jax" not in sys.modules:
-        os.environ.setdefault("XLA_FLAGS",
-                              "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+        os.environ.setdefault(
+            "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     part_a(args)
 

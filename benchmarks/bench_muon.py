@@ -4,9 +4,10 @@ The hidden matrices of a GPT-like tree (``--layers`` layers of q/k/v/o ``d x d``
 ``ff x d``, w2 ``d x ff``; default 2 layers, d 128, ff 512: 14 matrices, 0.53 M float32
 parameters -- bfloat16 matrix products are slow on CPUs without bfloat16 units, about 0.7 s
 for one 1024 x 256 Newton-Schulz here, so the benchmark tree of ``bench_engine.py``, 84 such
-matrices, would take half a minute a step), gradients ~1e-2 randn, lr 2e-2, weight decay 0.1, momentum 0.95, Nesterov, 5 bfloat16 Newton-Schulz
-steps. Systems, interleaved round by round in one process after ``--warmup`` untimed rounds
-(``--rounds`` timed; median ms/step and the ratio to the first):
+matrices, would take half a minute a step), gradients ~1e-2 randn, lr 2e-2, weight decay 0.1,
+momentum 0.95, Nesterov, 5 bfloat16 Newton-Schulz steps. Systems, interleaved round by round
+in one process after ``--warmup`` untimed rounds (``--rounds`` timed; median ms/step and the
+ratio to the first):
 
   1. torch.optim.Muon (baseline; its per-parameter loop)
   2. ft.step(ft.muon-equivalent chain, donate=False)
@@ -56,8 +57,17 @@ def shapes(layers, d, ff):
     out = {}
     for i in range(layers):
         p = f"layers.{i}."
-        out.update({p + "wq": (d, d), p + "wk": (d, d), p + "wv": (d, d), p + "wo": (d, d),
-                    p + "w1": (ff, d), p + "w3": (ff, d), p + "w2": (d, ff)})
+        out.update(
+            {
+                p + "wq": (d, d),
+                p + "wk": (d, d),
+                p + "wv": (d, d),
+                p + "wo": (d, d),
+                p + "w1": (ff, d),
+                p + "w3": (ff, d),
+                p + "w2": (d, ff),
+            }
+        )
     return out
 
 
@@ -79,15 +89,20 @@ def main():
     p0 = {k: torch.randn(s, generator=gen) * 0.02 for k, s in sh.items()}
     g0 = {k: torch.randn(s, generator=gen) * 1e-2 for k, s in sh.items()}
     n = sum(x.numel() for x in p0.values())
-    print(f"torch {torch.__version__}; {len(p0)} matrices, {n:,} float32 params; "
-          f"{args.threads} thread(s); {args.rounds} rounds after {args.warmup} warm-up")
+    print(
+        f"torch {torch.__version__}; {len(p0)} matrices, {n:,} float32 params; "
+        f"{args.threads} thread(s); {args.rounds} rounds after {args.warmup} warm-up"
+    )
 
     ref = [torch.nn.Parameter(x.clone()) for x in p0.values()]
     opt = torch.optim.Muon(ref, lr=LR, weight_decay=WD, momentum=MOMENTUM)
-    tx = ft.chain(ft.scale_by_muon(MOMENTUM), ft.add_decayed_weights(WD),
-                  ft.scale_by_learning_rate(LR))
-    runs = {"pure": [dict(p0), tx.init(p0)], "donate": [{k: v.clone() for k, v in p0.items()},
-                                                       tx.init(p0)]}
+    tx = ft.chain(
+        ft.scale_by_muon(MOMENTUM), ft.add_decayed_weights(WD), ft.scale_by_learning_rate(LR)
+    )
+    runs = {
+        "pure": [dict(p0), tx.init(p0)],
+        "donate": [{k: v.clone() for k, v in p0.items()}, tx.init(p0)],
+    }
 
     def torch_step():
         opt.step()
@@ -96,10 +111,14 @@ def main():
         def run(grads):
             params, state = runs[kind]
             runs[kind] = list(ft.step(tx, grads, state, params, donate=kind == "donate"))
+
         return run
 
-    systems = [("torch.optim.Muon", None), ("ft.step(donate=False)", ft_step("pure")),
-               ("ft.step(donate=True)", ft_step("donate"))]
+    systems = [
+        ("torch.optim.Muon", None),
+        ("ft.step(donate=False)", ft_step("pure")),
+        ("ft.step(donate=True)", ft_step("donate")),
+    ]
     times = {name: [] for name, _ in systems}
     for r in range(args.warmup + args.rounds):
         for name, fn in systems:
@@ -124,8 +143,10 @@ def main():
         else:
             params = runs["pure" if "False" in name else "donate"][0]
             diff = max((params[k] - r.detach()).abs().max().item() for k, r in zip(p0, ref))
-        print(f"  {name:28s} {med * 1e3:9.2f} {min(times[name]) * 1e3:8.2f} {med / base:6.2f}"
-              f"  {diff:.1e}")
+        print(
+            f"  {name:28s} {med * 1e3:9.2f} {min(times[name]) * 1e3:8.2f} {med / base:6.2f}"
+            f"  {diff:.1e}"
+        )
 
 
 def ns_cost(shape):
@@ -157,8 +178,9 @@ def distributed(args):
     params0 = {k: placed(k, v) for k, v in p0.items()}
     grads = {k: placed(k, v) for k, v in g0.items()}
     share = sum(v.to_local().numel() * v.element_size() for v in params0.values())
-    tx = ft.chain(ft.scale_by_muon(MOMENTUM), ft.add_decayed_weights(WD),
-                  ft.scale_by_learning_rate(LR))
+    tx = ft.chain(
+        ft.scale_by_muon(MOMENTUM), ft.add_decayed_weights(WD), ft.scale_by_learning_rate(LR)
+    )
     fmesh = ft.Mesh(mesh)
     schemes = {"gather onto every rank": False, "owners": True}
     runs = {name: [params0, tx.init(params0)] for name in schemes}
@@ -179,9 +201,11 @@ def distributed(args):
         stats[name] = dict(counts=c.counts, bytes=sum(c.bytes.values()), flops=flops[0])
     n = sum(x.numel() for x in p0.values())
     if rank == 0:
-        print(f"torch {torch.__version__}; {len(p0)} matrices, {n:,} float32 params on a "
-              f"(dp {world // args.tp}, tp {args.tp}) gloo mesh, {args.threads} thread(s) per "
-              f"rank; {args.rounds} rounds after {args.warmup} warm-up")
+        print(
+            f"torch {torch.__version__}; {len(p0)} matrices, {n:,} float32 params on a "
+            f"(dp {world // args.tp}, tp {args.tp}) gloo mesh, {args.threads} thread(s) per "
+            f"rank; {args.rounds} rounds after {args.warmup} warm-up"
+        )
     times = {name: [] for name in schemes}
     for r in range(args.warmup + args.rounds):
         for name, owners in schemes.items():
@@ -201,18 +225,24 @@ def distributed(args):
     same = all(torch.equal(first[k], other[k]) for k in first)
     if rank == 0:
         base = statistics.median(times["gather onto every rank"])
-        print(f"\n  {'scheme':24s} {'ms/step':>9s} {'ratio':>6s} {'collectives':>34s} "
-              f"{'input KiB':>10s} {'NS MACs (max rank)':>19s} {'vs total':>8s}")
+        print(
+            f"\n  {'scheme':24s} {'ms/step':>9s} {'ratio':>6s} {'collectives':>34s} "
+            f"{'input KiB':>10s} {'NS MACs (max rank)':>19s} {'vs total':>8s}"
+        )
         total = sum(ns_cost(s) for s in sh.values())
         for name in schemes:
             med = statistics.median(times[name])
             kib = statistics.mean(e[name]["bytes"] for e in every) / 1024
             mx = max(e[name]["flops"] for e in every)
             counts = ", ".join(f"{k} {v}" for k, v in sorted(stats[name]["counts"].items()))
-            print(f"  {name:24s} {med * 1e3:9.1f} {med / base:6.2f} {counts:>34s} {kib:10.1f} "
-                  f"{mx:19,d} {mx / total:8.2f}")
-        print(f"\n  a rank's share of the matrices: {share / 1024:.1f} KiB; parameters of the two "
-              f"schemes after all rounds bit for bit equal: {same}")
+            print(
+                f"  {name:24s} {med * 1e3:9.1f} {med / base:6.2f} {counts:>34s} {kib:10.1f} "
+                f"{mx:19,d} {mx / total:8.2f}"
+            )
+        print(
+            f"\n  a rank's share of the matrices: {share / 1024:.1f} KiB; parameters of the two "
+            f"schemes after all rounds bit for bit equal: {same}"
+        )
     dist.destroy_process_group()
 
 

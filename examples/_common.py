@@ -33,8 +33,9 @@ def setup(tp_default=2):
 
 def model_and_params(args, device_mesh):
     torch.manual_seed(args.seed)
-    model = lm.Transformer(args.d_model, args.n_layers, args.n_heads, 4 * args.d_model,
-                           args.seq_len)
+    model = lm.Transformer(
+        args.d_model, args.n_layers, args.n_heads, 4 * args.d_model, args.seq_len
+    )
     if device_mesh is not None and device_mesh["tp"].size() > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -49,7 +50,7 @@ def batches(args, rank_in_dp, dp):
     local = args.batch // dp
     for _ in range(args.iters):
         starts = torch.randint(0, len(data) - args.seq_len - 1, (args.batch,), generator=gen)
-        yield lm.windows(data, starts[rank_in_dp * local:(rank_in_dp + 1) * local], args.seq_len)
+        yield lm.windows(data, starts[rank_in_dp * local : (rank_in_dp + 1) * local], args.seq_len)
 
 
 def loss_and_grads(model, world):

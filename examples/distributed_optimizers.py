@@ -25,10 +25,18 @@ import argparse
 import optree
 import torch
 import torch.distributed as dist
+from _common import (  # noqa: E402
+    batches,
+    common_args,
+    ft,
+    lm,
+    lm_mean,
+    loss_and_grads,
+    model_and_params,
+    setup,
+)
 from torch.distributed.tensor import DTensor
 
-from _common import (batches, common_args, ft, lm, lm_mean, loss_and_grads,  # noqa: E402
-                     model_and_params, setup)
 from functional_train.testing import count_collectives
 
 
@@ -43,8 +51,9 @@ def state_bytes(state, local: bool) -> int:
 
 def main(argv=None):
     p = common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
-    p.add_argument("--optimizers", nargs="+", default=list(lm.OPTIMIZERS),
-                   choices=list(lm.OPTIMIZERS))
+    p.add_argument(
+        "--optimizers", nargs="+", default=list(lm.OPTIMIZERS), choices=list(lm.OPTIMIZERS)
+    )
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--no-zero", dest="zero", action="store_false", help="tensor parallel only")
     p.set_defaults(iters=30, batch=16, seq_len=128)
@@ -58,11 +67,16 @@ def main(argv=None):
     for name in args.optimizers:
         model, params = model_and_params(args, device_mesh)
         grad_fn = loss_and_grads(model, world)
-        opt = lm.build_optimizer(name, lm.OPTIMIZERS[name], args.weight_decay, params,
-                                 galore_rank=8, galore_gap=10)
+        opt = lm.build_optimizer(
+            name, lm.OPTIMIZERS[name], args.weight_decay, params, galore_rank=8, galore_gap=10
+        )
         tx = ft.chain(ft.clip_by_global_norm(1.0), opt)
-        full_bytes = state_bytes(tx.init({k: v.full_tensor() if isinstance(v, DTensor) else v
-                                          for k, v in params.items()}), local=False)
+        full_bytes = state_bytes(
+            tx.init(
+                {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in params.items()}
+            ),
+            local=False,
+        )
         if args.zero:
             tx = ft.zero_redundancy(tx, axis="dp")
         state = tx.init(params)
@@ -75,10 +89,13 @@ def main(argv=None):
             if it == 1:
                 counts = c.counts
         mine = state_bytes(state, local=True)
-        trace = " ".join(f"{v:.3f}" for v in losses[::max(1, len(losses) // 6)])
-        log(f"{name:>9}: loss {losses[0]:.3f} -> {losses[-1]:.3f}  [{trace}]  state/rank "
+        trace = " ".join(f"{v:.3f}" for v in losses[:: max(1, len(losses) // 6)])
+        log(
+            f"{name:>9}: loss {losses[0]:.3f} -> {losses[-1]:.3f}  [{trace}]  state/rank "
             f"{mine / 1024:.0f} KiB of {full_bytes / 1024:.0f} KiB unsharded "
-            f"({mine / full_bytes:.2f}); collectives per update {counts}", flush=True)
+            f"({mine / full_bytes:.2f}); collectives per update {counts}",
+            flush=True,
+        )
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

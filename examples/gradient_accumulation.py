@@ -23,10 +23,17 @@ import os
 
 import torch
 import torch.distributed as dist
+from _common import (  # noqa: E402
+    batches,
+    common_args,
+    ft,
+    lm_mean,
+    loss_and_grads,
+    model_and_params,
+    setup,
+)
 from torch.distributed.tensor import DTensor
 
-from _common import (batches, common_args, ft, lm_mean, loss_and_grads,  # noqa: E402
-                     model_and_params, setup)
 from functional_train.testing import count_collectives
 
 
@@ -37,8 +44,9 @@ def main(argv=None):
     p.set_defaults(iters=8)
     args = p.parse_args(argv)
     # data parallel with 2 processes, dp=2 x tp=2 with 4
-    rank, dp, tp, device_mesh = setup(tp_default=2 if int(os.environ.get("WORLD_SIZE", "1")) >= 4
-                                      else 1)
+    rank, dp, tp, device_mesh = setup(
+        tp_default=2 if int(os.environ.get("WORLD_SIZE", "1")) >= 4 else 1
+    )
     world = dp * tp
     model, params = model_and_params(args, device_mesh)
     mesh = None if device_mesh is None else ft.Mesh(device_mesh, data_axis="dp")
@@ -60,13 +68,19 @@ def main(argv=None):
         values.append(first)
         if rank == 0:
             step = "update" if bool(ft.has_updated(state)) else "accumulate"
-            print(f"iteration {it} ({step}), loss {float(loss):.4f}, collectives "
-                  f"{c.counts or 'none'}, first 10 elements of {name}: "
-                  f"{[round(v, 6) for v in first.tolist()]}", flush=True)
+            print(
+                f"iteration {it} ({step}), loss {float(loss):.4f}, collectives "
+                f"{c.counts or 'none'}, first 10 elements of {name}: "
+                f"{[round(v, 6) for v in first.tolist()]}",
+                flush=True,
+            )
     if rank == 0:
         changed = [i for i in range(1, len(values)) if not torch.equal(values[i], values[i - 1])]
-        print(f"the parameter changed at iterations {changed}: only on every "
-              f"{args.accum}-th micro-step", flush=True)
+        print(
+            f"the parameter changed at iterations {changed}: only on every "
+            f"{args.accum}-th micro-step",
+            flush=True,
+        )
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

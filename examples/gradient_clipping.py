@@ -2,9 +2,10 @@
 guide, functionally).
 
 A small byte-level Llama (``train_lm.py``'s model, on real text: the Python standard library's
-sources) is trained for a few iterations with ``ft.chain(ft.clip_by_global_norm(1.0), ft.sgd(...))``.
-Under ``torchrun`` the model is tensor parallel (q/k/v/gate/up column-wise, o/down row-wise, the
-rest replicated) on a ``dp x tp`` mesh. Each iteration prints:
+sources) is trained for a few iterations with
+``ft.chain(ft.clip_by_global_norm(1.0), ft.sgd(...))``. Under ``torchrun`` the model is tensor
+parallel (q/k/v/gate/up column-wise, o/down row-wise, the rest replicated) on a ``dp x tp``
+mesh. Each iteration prints:
 
 * the global gradient norm before clipping, as ``clip_by_global_norm`` computed it (its state keeps
   it: one scalar all-reduce for the whole model);
@@ -27,10 +28,16 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from _common import (  # noqa: E402
+    batches,
+    common_args,
+    ft,
+    lm_mean,
+    loss_and_grads,
+    model_and_params,
+    setup,
+)
 from torch.distributed.tensor import DTensor
-
-from _common import (batches, common_args, ft, lm_mean, loss_and_grads,  # noqa: E402
-                     model_and_params, setup)
 
 
 def main(argv=None):
@@ -52,8 +59,12 @@ def main(argv=None):
     for it, (x, y) in enumerate(batches(args, dp_rank, dp)):
         grads, loss = grad_fn(params, x, y)
         # what a hand-written clip would see on this rank: its local shards only
-        naive = torch.sqrt(sum((g.to_local() if isinstance(g, DTensor) else g).float().square().sum()
-                               for g in grads.values()))
+        naive = torch.sqrt(
+            sum(
+                (g.to_local() if isinstance(g, DTensor) else g).float().square().sum()
+                for g in grads.values()
+            )
+        )
         new_params, state = ft.step(tx, grads, state, params, mesh=mesh)  # pure: grads kept
         before = ft.tree_get(state, "global_norm")
         # the clipped gradients themselves: clip alone on the same (reduced) gradients
@@ -69,10 +80,13 @@ def main(argv=None):
         ele = (ele.full_tensor() if isinstance(ele, DTensor) else ele).flatten()[0]
         if rank == 0:
             naive_txt = ", ".join(f"{float(v):.4f}" for v in naive_all)
-            print(f"iteration {it}, loss: {float(loss):.4f}, grad norm before clipping: "
-                  f"{float(before):.4f}, after: {float(after):.4f} (max_norm {args.max_norm}); "
-                  f"naive per-rank local norms: [{naive_txt}]; "
-                  f"1st element of parameters: {float(ele):.6f}", flush=True)
+            print(
+                f"iteration {it}, loss: {float(loss):.4f}, grad norm before clipping: "
+                f"{float(before):.4f}, after: {float(after):.4f} (max_norm {args.max_norm}); "
+                f"naive per-rank local norms: [{naive_txt}]; "
+                f"1st element of parameters: {float(ele):.6f}",
+                flush=True,
+            )
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

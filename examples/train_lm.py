@@ -48,7 +48,7 @@ block-wise moments.
 
 Usage::
 
-    python examples/train_lm.py     # defaults: ~4.5 min on 2 idle CPU cores, val loss ~1.33 nats/byte
+    python examples/train_lm.py  # defaults: ~4.5 min on 2 idle CPU cores, val loss ~1.33 nats/byte
     python examples/train_lm.py --steps 3 --eval-every 0 --out /tmp/run1
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py # dp=2 x tp=2 on gloo
     torchrun --standalone --nproc-per-node 4 examples/train_lm.py --dp 1 --tp 4
@@ -98,7 +98,9 @@ from torch.distributed.tensor import DTensor
 
 try:
     import functional_train as ft
-except ImportError:  # a source checkout without `pip install -e .`: use the package beside examples/
+except (
+    ImportError
+):  # a source checkout without `pip install -e .`: use the package beside examples/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import functional_train as ft
 from functional_train.testing import count_collectives
@@ -218,10 +220,16 @@ class MoE(nn.Module):
     added to the training loss's gradient through :class:`AddAuxLoss` (not to the logged loss).
     """
 
-    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, aux_loss: float,
-                 stacked: bool):
+    def __init__(
+        self, d_model: int, d_ff: int, n_experts: int, top_k: int, aux_loss: float, stacked: bool
+    ):
         super().__init__()
-        self.n_experts, self.top_k, self.aux_loss, self.stacked = n_experts, top_k, aux_loss, stacked
+        self.n_experts, self.top_k, self.aux_loss, self.stacked = (
+            n_experts,
+            top_k,
+            aux_loss,
+            stacked,
+        )
         self.router = nn.Linear(d_model, n_experts, bias=False)
         if stacked:
             self.w_gate = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
@@ -240,7 +248,7 @@ class MoE(nn.Module):
         self.ep, self.ep_group = ep, group
         if self.stacked:
             for name in ("w_gate", "w_up", "w_down"):
-                mine = getattr(self, name).detach()[self.local.start:self.local.stop]
+                mine = getattr(self, name).detach()[self.local.start : self.local.stop]
                 setattr(self, name, nn.Parameter(mine.clone()))
         else:
             for e in range(self.n_experts):
@@ -327,8 +335,15 @@ class Transformer(nn.Module):
     ``moe``: :class:`MoE`'s keyword arguments (``n_experts``, ``top_k``, ``aux_loss``,
     ``stacked``) to make every MLP routed experts; ``None``: dense SwiGLU MLPs."""
 
-    def __init__(self, d_model: int, n_layers: int, n_heads: int, d_ff: int, max_seq_len: int,
-                 moe: dict | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        d_ff: int,
+        max_seq_len: int,
+        moe: dict | None = None,
+    ):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d_model)
         self.layers = nn.ModuleList(Block(d_model, n_heads, d_ff, moe) for _ in range(n_layers))
@@ -392,7 +407,7 @@ def tensor_parallel_plan(layers, moe: bool = False) -> dict:
 
     plan = {}
     mlp = () if moe else ("mlp.w_gate", "mlp.w_up")
-    for i in (range(layers) if isinstance(layers, int) else layers):
+    for i in range(layers) if isinstance(layers, int) else layers:
         for name in ("attn.wq", "attn.wk", "attn.wv") + mlp:
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         for name in ("attn.wo",) + (() if moe else ("mlp.w_down",)):
@@ -411,7 +426,7 @@ class Pipeline:
     an ``ft.step(..., donate=True)`` that updates in place updates the module, and
     :meth:`load` copies other results in."""
 
-    def __init__(self, args, model: Transformer, device_mesh, experts: "ExpertParallel | None"):
+    def __init__(self, args, model: Transformer, device_mesh, experts: ExpertParallel | None):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -421,17 +436,20 @@ class Pipeline:
         self.first, self.last = self.stage_index == 0, self.stage_index == args.pp - 1
         self.module = Stage(model, ids, self.first, self.last)
         if args.tp > 1:
-            parallelize_module(self.module, device_mesh["tp"],
-                               tensor_parallel_plan(ids, moe=bool(args.moe)))
+            parallelize_module(
+                self.module, device_mesh["tp"], tensor_parallel_plan(ids, moe=bool(args.moe))
+            )
         self.group = device_mesh.get_group("pp")
         self.last_rank = dist.get_global_rank(self.group, args.pp - 1)
-        stage = PipelineStage(self.module, self.stage_index, args.pp, torch.device("cpu"),
-                              group=self.group)
+        stage = PipelineStage(
+            self.module, self.stage_index, args.pp, torch.device("cpu"), group=self.group
+        )
         kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
         # mean cross-entropy per micro-batch; the schedule divides the summed gradients by the
         # number of micro-batches (scale_grads): the gradient of the batch mean
-        self.schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=self._loss,
-                             scale_grads=True)
+        self.schedule = kind(
+            stage, n_microbatches=args.microbatches, loss_fn=self._loss, scale_grads=True
+        )
         self.microbatches = args.microbatches
         self.experts = experts
         self.views = {k: p.detach() for k, p in self.module.named_parameters()}
@@ -483,12 +501,16 @@ class Pipeline:
                 total += loss.double() * n * x.shape[1]
         return self._from_last(total)
 
-    def stage_norms(self, grads, mesh: "ft.Mesh") -> list:
+    def stage_norms(self, grads, mesh: ft.Mesh) -> list:
         """Per stage, the norm of its own (data-parallel mean) gradients alone: what a stage
         would clip by if it did not know the others (``ft.global_norm`` on the sub-mesh of
         its own stage's ranks), on every rank."""
-        alone = ft.Mesh(without(mesh.device_mesh, "pp"), data_axis=mesh.data_axis,
-                        expert_axis=mesh.expert_axis, is_expert=mesh.is_expert)
+        alone = ft.Mesh(
+            without(mesh.device_mesh, "pp"),
+            data_axis=mesh.data_axis,
+            expert_axis=mesh.expert_axis,
+            is_expert=mesh.is_expert,
+        )
         return norms_of_ranks(grads, alone, self.group)
 
     @torch.no_grad()
@@ -539,27 +561,40 @@ class ExpertParallel:
         for k, v in tree.items():
             if k.endswith(self.STACKED) and v is not None:
                 shape = (v.shape[0] * self.ep, *v.shape[1:])
-                v = DTensor.from_local(v, self.mesh, [Shard(0)], run_check=False, shape=shape,
-                                       stride=torch.empty(shape, device="meta").stride())
+                v = DTensor.from_local(
+                    v,
+                    self.mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=shape,
+                    stride=torch.empty(shape, device="meta").stride(),
+                )
             out[k] = v
         return out
 
     def local(self, params: dict) -> dict:
         """``params`` with the stacked expert DTensors as their local tensors (differentiably),
         for ``functional_call`` on the rank's own experts."""
-        return {k: v.to_local() if k.endswith(self.STACKED) and isinstance(v, DTensor) else v
-                for k, v in params.items()}
+        return {
+            k: v.to_local() if k.endswith(self.STACKED) and isinstance(v, DTensor) else v
+            for k, v in params.items()
+        }
 
-    def rank_norms(self, grads: dict, mesh: "ft.Mesh") -> list:
+    def rank_norms(self, grads: dict, mesh: ft.Mesh) -> list:
         """Per ep rank, the norm of what it would clip by if it took the ep axis for more
         model replicas: its own dense gradients (the dp mean of its tokens' only) and its own
         experts' (``ft.global_norm`` on the sub-mesh of the ranks sharing its ep coordinate),
         on every rank."""
-        own = {k: (g.to_local() if isinstance(g, DTensor) and k.endswith(self.STACKED) else g)
-                  / (self.ep if is_expert_path(k) or k.endswith(self.STACKED) else 1)
-               for k, g in grads.items()}
-        alone = ft.Mesh(without(mesh.device_mesh, "ep"), data_axis=mesh.data_axis,
-                        pipeline_axis=mesh.pipeline_axis)
+        own = {
+            k: (g.to_local() if isinstance(g, DTensor) and k.endswith(self.STACKED) else g)
+            / (self.ep if is_expert_path(k) or k.endswith(self.STACKED) else 1)
+            for k, g in grads.items()
+        }
+        alone = ft.Mesh(
+            without(mesh.device_mesh, "ep"),
+            data_axis=mesh.data_axis,
+            pipeline_axis=mesh.pipeline_axis,
+        )
         return norms_of_ranks(own, alone, self.group)
 
 
@@ -569,7 +604,7 @@ def without(device_mesh, name: str):
     return device_mesh[tuple(n for n in device_mesh.mesh_dim_names if n != name)]
 
 
-def norms_of_ranks(grads: dict, alone: "ft.Mesh", group) -> list:
+def norms_of_ranks(grads: dict, alone: ft.Mesh, group) -> list:
     """``ft.global_norm(grads)`` on the sub-mesh descriptor ``alone`` (this rank's own part of
     the model), from every rank of ``group`` in rank order, on every rank."""
     norm = ft.global_norm(grads, mesh=alone).reshape(1).float()
@@ -587,8 +622,10 @@ def full_params(params: dict, groups) -> dict:
     """The unsharded parameters of the whole model, on every rank: ``name -> tensor``. DTensors
     are gathered; ``groups``: process groups whose ranks hold other leaves (the expert-parallel
     group with separate experts, the pipeline group), gathered over in turn."""
-    mine = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in params.items()}
+    mine = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in params.items()
+    }
     for group in groups:
         every = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
@@ -675,23 +712,37 @@ def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int):
 
 # optimizer -> default peak learning rate on this model (sweeps at the default size; adamw and muon
 # over 1e-3 ... 3e-2 at the default 600 steps, see the README)
-OPTIMIZERS = {"adamw": 3e-3, "adafactor": 3e-3, "came": 3e-3, "lamb": 5e-2, "galore": 1e-2,
-              "muon": 1e-2}
+OPTIMIZERS = {
+    "adamw": 3e-3,
+    "adafactor": 3e-3,
+    "came": 3e-3,
+    "lamb": 5e-2,
+    "galore": 1e-2,
+    "muon": 1e-2,
+}
 
 
-def build_optimizer(name: str, lr, weight_decay: float, params: dict, *, eight_bit: bool = False,
-                    galore_rank: int = 32, galore_gap: int = 50) -> "ft.GradientTransformation":
+def build_optimizer(
+    name: str,
+    lr,
+    weight_decay: float,
+    params: dict,
+    *,
+    eight_bit: bool = False,
+    galore_rank: int = 32,
+    galore_gap: int = 50,
+) -> ft.GradientTransformation:
     """The ``--optimizer`` transform (``lr``: a float or a schedule).
 
     adamw: ``ft.adamw``; adafactor: ``ft.adafactor`` with an explicit lr (no relative step, no
     parameter scaling); came: ``ft.came``; lamb: ``ft.lamb``, each decaying only the weight
-    matrices (``mask=ft.decay_mask``: not the norms, nor the embedding); galore: ``ft.galore_adamw`` on the
-    2-D weights that ``ft.galore_param_labels`` selects (embeddings and the LM head included),
-    plain AdamW on the rest, no decay on norms; muon: ``ft.muon`` on the hidden weight matrices
-    (``ft.muon_param_labels``: not the embedding, the LM head, norms) with Moonlight's
-    ``adjust_lr_fn="match_rms_adamw"``, so that it shares AdamW's learning rate, and that AdamW
-    (decay mask as above) on the rest. ``eight_bit``: 8-bit block-wise Adam moments (adamw and
-    galore only).
+    matrices (``mask=ft.decay_mask``: not the norms, nor the embedding); galore:
+    ``ft.galore_adamw`` on the 2-D weights that ``ft.galore_param_labels`` selects (embeddings and
+    the LM head included), plain AdamW on the rest, no decay on norms; muon: ``ft.muon`` on the
+    hidden weight matrices (``ft.muon_param_labels``: not the embedding, the LM head, norms) with
+    Moonlight's ``adjust_lr_fn="match_rms_adamw"``, so that it shares AdamW's learning rate, and
+    that AdamW (decay mask as above) on the rest. ``eight_bit``: 8-bit block-wise Adam moments
+    (adamw and galore only).
     """
     bits = {"optim_bits": 8} if eight_bit else {}
     if eight_bit and name not in ("adamw", "galore"):
@@ -700,19 +751,29 @@ def build_optimizer(name: str, lr, weight_decay: float, params: dict, *, eight_b
     if name == "adamw":
         return ft.adamw(lr, weight_decay=weight_decay, mask=mask, **bits)
     if name == "adafactor":
-        return ft.adafactor(lr, relative_step=False, scale_parameter=False,
-                            weight_decay=weight_decay, mask=mask)
+        return ft.adafactor(
+            lr, relative_step=False, scale_parameter=False, weight_decay=weight_decay, mask=mask
+        )
     if name == "came":
         return ft.came(lr, weight_decay=weight_decay, mask=mask)
     if name == "lamb":
         return ft.lamb(lr, weight_decay=weight_decay, mask=mask)
     if name == "galore":
-        return ft.galore_adamw(lr, weight_decay=weight_decay, rank=galore_rank,
-                               update_proj_gap=galore_gap, labels=ft.galore_param_labels(params),
-                               **bits)
+        return ft.galore_adamw(
+            lr,
+            weight_decay=weight_decay,
+            rank=galore_rank,
+            update_proj_gap=galore_gap,
+            labels=ft.galore_param_labels(params),
+            **bits,
+        )
     if name == "muon":
-        return ft.muon(lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw",
-                       adam=ft.adamw(lr, weight_decay=weight_decay, mask=mask))
+        return ft.muon(
+            lr,
+            weight_decay=weight_decay,
+            adjust_lr_fn="match_rms_adamw",
+            adam=ft.adamw(lr, weight_decay=weight_decay, mask=mask),
+        )
     raise SystemExit(f"unknown optimizer {name!r}")
 
 
@@ -729,79 +790,168 @@ def state_bytes(state) -> int:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     g = p.add_argument_group("model")
     g.add_argument("--d-model", type=int, default=128, help="residual stream width")
     g.add_argument("--n-layers", type=int, default=4, help="number of transformer blocks")
     g.add_argument("--n-heads", type=int, default=4, help="attention heads (divisible by --tp)")
-    g.add_argument("--d-ff", type=int, default=0,
-                   help="SwiGLU hidden width; 0 = 8/3 * d-model rounded up to a multiple of 64")
+    g.add_argument(
+        "--d-ff",
+        type=int,
+        default=0,
+        help="SwiGLU hidden width; 0 = 8/3 * d-model rounded up to a multiple of 64",
+    )
     g.add_argument("--seq-len", type=int, default=256, help="context length in bytes")
-    g.add_argument("--moe", type=int, default=0, metavar="E",
-                   help="E routed SwiGLU experts in every MLP (0 = dense MLPs; see MoE)")
+    g.add_argument(
+        "--moe",
+        type=int,
+        default=0,
+        metavar="E",
+        help="E routed SwiGLU experts in every MLP (0 = dense MLPs; see MoE)",
+    )
     g.add_argument("--top-k", type=int, default=2, help="experts per token (with --moe)")
-    g.add_argument("--aux-loss", type=float, default=0.01,
-                   help="load-balancing loss coefficient (with --moe)")
-    g.add_argument("--experts", choices=["stacked", "separate"], default="stacked",
-                   help="expert parameters: stacked (E, ...) tensors, a DTensor Shard(0) over "
-                        "the ep axis under --ep; or one module per expert, declared to the "
-                        "optimizer with Mesh(expert_axis='ep', is_expert=...)")
+    g.add_argument(
+        "--aux-loss", type=float, default=0.01, help="load-balancing loss coefficient (with --moe)"
+    )
+    g.add_argument(
+        "--experts",
+        choices=["stacked", "separate"],
+        default="stacked",
+        help="expert parameters: stacked (E, ...) tensors, a DTensor Shard(0) over "
+        "the ep axis under --ep; or one module per expert, declared to the "
+        "optimizer with Mesh(expert_axis='ep', is_expert=...)",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    g.add_argument("--batch", type=int, default=32, help="global batch: sequences per optimizer step")
-    g.add_argument("--accum", type=int, default=1,
-                   help="micro-steps per optimizer step (the global batch is split into this many)")
-    g.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
-                   help="the optimizer after clipping (see build_optimizer)")
-    g.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default: per optimizer, see OPTIMIZERS)")
-    g.add_argument("--zero", action="store_true",
-                   help="ZeRO-1/2: ft.zero_redundancy over the dp axis (optimizer state 1/dp)")
-    g.add_argument("--8bit", dest="eight_bit", action="store_true",
-                   help="8-bit block-wise Adam moments (adamw, galore; leaves >= 4096 elements)")
+    g.add_argument(
+        "--batch", type=int, default=32, help="global batch: sequences per optimizer step"
+    )
+    g.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-steps per optimizer step (the global batch is split into this many)",
+    )
+    g.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default="adamw",
+        help="the optimizer after clipping (see build_optimizer)",
+    )
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: per optimizer, see OPTIMIZERS)",
+    )
+    g.add_argument(
+        "--zero",
+        action="store_true",
+        help="ZeRO-1/2: ft.zero_redundancy over the dp axis (optimizer state 1/dp)",
+    )
+    g.add_argument(
+        "--8bit",
+        dest="eight_bit",
+        action="store_true",
+        help="8-bit block-wise Adam moments (adamw, galore; leaves >= 4096 elements)",
+    )
     g.add_argument("--galore-rank", type=int, default=32, help="GaLore projection rank")
     g.add_argument("--galore-gap", type=int, default=50, help="GaLore update_proj_gap")
-    g.add_argument("--warmup", type=int, default=50,
-                   help="linear warmup steps (at most half of --steps, so short runs still train)")
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=50,
+        help="linear warmup steps (at most half of --steps, so short runs still train)",
+    )
     g.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled (AdamW) weight decay")
     g.add_argument("--seed", type=int, default=0, help="seeds initialisation and batch sampling")
-    g.add_argument("--step", choices=["donate", "pure", "update"], default="donate",
-                   help="optimizer step: ft.step(..., donate=True) (default), ft.step pure, or "
-                        "tx.update + ft.apply_updates")
+    g.add_argument(
+        "--step",
+        choices=["donate", "pure", "update"],
+        default="donate",
+        help="optimizer step: ft.step(..., donate=True) (default), ft.step pure, or "
+        "tx.update + ft.apply_updates",
+    )
     g = p.add_argument_group("data and evaluation")
-    g.add_argument("--data", default=None,
-                   help="text file or directory (all files under it, sorted); "
-                        "default: the Python standard library sources")
-    g.add_argument("--max-bytes", type=int, default=0, help="read at most this many bytes (0 = all)")
+    g.add_argument(
+        "--data",
+        default=None,
+        help="text file or directory (all files under it, sorted); "
+        "default: the Python standard library sources",
+    )
+    g.add_argument(
+        "--max-bytes", type=int, default=0, help="read at most this many bytes (0 = all)"
+    )
     g.add_argument("--val-fraction", type=float, default=0.05, help="held-out tail of the data")
-    g.add_argument("--eval-every", type=int, default=100,
-                   help="also evaluate every N steps (0 = only at the end)")
-    g.add_argument("--eval-windows", type=int, default=128,
-                   help="number of fixed, evenly spaced validation windows of --seq-len bytes")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=100,
+        help="also evaluate every N steps (0 = only at the end)",
+    )
+    g.add_argument(
+        "--eval-windows",
+        type=int,
+        default=128,
+        help="number of fixed, evenly spaced validation windows of --seq-len bytes",
+    )
     g = p.add_argument_group("parallelism and output")
     g.add_argument("--dp", type=int, default=0, help="data-parallel size (0 = world size // tp)")
-    g.add_argument("--tp", type=int, default=0,
-                   help="tensor-parallel size (0 = 2 if the world size is even, else 1)")
-    g.add_argument("--pp", type=int, default=1,
-                   help="pipeline stages (torch.distributed.pipelining; the layers split evenly)")
-    g.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel size (with --moe): each rank of the ep axis holds E / ep "
-                        "experts and its own slice of the batch (data parallel over dp x ep)")
-    g.add_argument("--microbatches", type=int, default=0,
-                   help="pipeline micro-batches per (accumulation) step (0 = the most, up to "
-                        "2 x --pp, that divide it evenly)")
-    g.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
-                   help="pipeline schedule: Schedule1F1B or ScheduleGPipe")
-    g.add_argument("--threads", type=int, default=0,
-                   help="torch threads per process (0 = all cores in one process, 1 under torchrun)")
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=0,
+        help="tensor-parallel size (0 = 2 if the world size is even, else 1)",
+    )
+    g.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages (torch.distributed.pipelining; the layers split evenly)",
+    )
+    g.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (with --moe): each rank of the ep axis holds E / ep "
+        "experts and its own slice of the batch (data parallel over dp x ep)",
+    )
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=0,
+        help="pipeline micro-batches per (accumulation) step (0 = the most, up to "
+        "2 x --pp, that divide it evenly)",
+    )
+    g.add_argument(
+        "--schedule",
+        choices=["1f1b", "gpipe"],
+        default="1f1b",
+        help="pipeline schedule: Schedule1F1B or ScheduleGPipe",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per process (0 = all cores in one process, 1 under torchrun)",
+    )
     g.add_argument("--out", default=None, help="output directory (default runs/<timestamp>)")
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--checkpoint-every", type=int, default=0,
-                   help="save <out>/checkpoint every N optimizer steps (0 = never)")
-    g.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from the checkpoint in DIR (e.g. runs/<timestamp>/checkpoint)")
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="save <out>/checkpoint every N optimizer steps (0 = never)",
+    )
+    g.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue from the checkpoint in DIR (e.g. runs/<timestamp>/checkpoint)",
+    )
     return p.parse_args(argv)
 
 
@@ -813,7 +963,9 @@ def setup_parallel(args):
         raise SystemExit("--ep needs routed experts (--moe E)")
     if world == 1:
         if args.dp not in (0, 1) or args.tp not in (0, 1) or args.pp != 1 or args.ep != 1:
-            raise SystemExit("--dp/--tp/--pp/--ep > 1 need several processes (launch with torchrun)")
+            raise SystemExit(
+                "--dp/--tp/--pp/--ep > 1 need several processes (launch with torchrun)"
+            )
         args.dp, args.tp = 1, 1
         return 1, 0, None
     from torch.distributed.device_mesh import init_device_mesh
@@ -824,16 +976,26 @@ def setup_parallel(args):
     tp = args.tp or (2 if rest % 2 == 0 else 1)
     dp = args.dp or rest // tp
     if args.pp * dp * args.ep * tp != world:
-        raise SystemExit(f"--pp {args.pp} x --dp {dp} x --ep {args.ep} x --tp {tp} != world size "
-                         f"{world}")
+        raise SystemExit(
+            f"--pp {args.pp} x --dp {dp} x --ep {args.ep} x --tp {tp} != world size {world}"
+        )
     args.dp, args.tp = dp, tp
     check_sizes(args)  # before any process group: a bad layout stops every rank at once
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    dims = [("pp", args.pp)] * (args.pp > 1) + [("dp", dp)] + [("ep", args.ep)] * (args.ep > 1) \
+    dims = (
+        [("pp", args.pp)] * (args.pp > 1)
+        + [("dp", dp)]
+        + [("ep", args.ep)] * (args.ep > 1)
         + [("tp", tp)]
-    return world, rank, init_device_mesh("cpu", tuple(n for _, n in dims),
-                                         mesh_dim_names=tuple(d for d, _ in dims))
+    )
+    return (
+        world,
+        rank,
+        init_device_mesh(
+            "cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
+        ),
+    )
 
 
 def check_sizes(args):
@@ -844,25 +1006,33 @@ def check_sizes(args):
     if args.d_model % args.n_heads or (args.d_model // args.n_heads) % 2:
         raise SystemExit("--d-model must be a multiple of --n-heads with an even head size")
     if args.n_heads % args.tp or args.d_ff % args.tp:
-        raise SystemExit(f"--n-heads {args.n_heads} and --d-ff {args.d_ff} must be divisible by --tp {args.tp}")
+        raise SystemExit(
+            f"--n-heads {args.n_heads} and --d-ff {args.d_ff} must be divisible by --tp {args.tp}"
+        )
     if args.steps < 1 or args.eval_windows < 1:
         raise SystemExit("--steps and --eval-windows must be at least 1")
     data = args.dp * args.ep  # ranks with their own slice of the batch
     if args.batch % (data * args.accum):
-        raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp} x --ep {args.ep}"
-                         f" x --accum {args.accum}")
+        raise SystemExit(
+            f"--batch {args.batch} must be divisible by --dp {args.dp} x --ep {args.ep}"
+            f" x --accum {args.accum}"
+        )
     if args.moe:
         if args.moe % args.ep:
             raise SystemExit(f"--moe {args.moe} experts must be divisible by --ep {args.ep}")
         if not 1 <= args.top_k <= args.moe:
             raise SystemExit(f"--top-k {args.top_k} must be between 1 and --moe {args.moe}")
     if args.moe and args.experts == "stacked" and args.optimizer == "muon":
-        raise SystemExit("--optimizer muon orthogonalises 2-D matrices and flattens more dims "
-                         "(a (E, d_ff, d) expert stack would be one E x (d_ff d) matrix): use "
-                         "--experts separate")
+        raise SystemExit(
+            "--optimizer muon orthogonalises 2-D matrices and flattens more dims "
+            "(a (E, d_ff, d) expert stack would be one E x (d_ff d) matrix): use "
+            "--experts separate"
+        )
     if args.ep > 1 and args.eval_windows % data:  # every ep rank runs the same forwards
-        raise SystemExit(f"--eval-windows {args.eval_windows} must be divisible by --dp {args.dp} "
-                         f"x --ep {args.ep}")
+        raise SystemExit(
+            f"--eval-windows {args.eval_windows} must be divisible by --dp {args.dp} "
+            f"x --ep {args.ep}"
+        )
     if args.ep > 1 and (args.checkpoint_every or args.resume):
         raise SystemExit("--checkpoint-every / --resume are not supported with --ep yet")
     if args.checkpoint_every < 0:
@@ -873,20 +1043,46 @@ def check_sizes(args):
         micro = args.batch // (data * args.accum)
         # default: the most micro-batches up to 2 per stage that split the micro-step evenly
         args.microbatches = args.microbatches or max(
-            n for n in range(1, 2 * args.pp + 1) if micro % n == 0)
+            n for n in range(1, 2 * args.pp + 1) if micro % n == 0
+        )
         if micro % args.microbatches:
-            raise SystemExit(f"the per-rank micro-step batch {micro} (--batch / (--dp x --ep x --accum)) "
-                             f"must be divisible by --microbatches {args.microbatches}")
+            raise SystemExit(
+                f"the per-rank micro-step batch {micro} (--batch / (--dp x --ep x --accum)) "
+                f"must be divisible by --microbatches {args.microbatches}"
+            )
         if args.checkpoint_every or args.resume:
             raise SystemExit("--checkpoint-every / --resume are not supported with --pp yet")
 
 
 # the settings that shape the trajectory: a checkpoint resumes only with the same ones
 # (--steps too, but it only warns: the learning rate schedule decays over --steps)
-TRAJECTORY = ("d_model", "n_layers", "n_heads", "d_ff", "seq_len", "moe", "top_k", "aux_loss",
-              "experts", "batch", "accum", "optimizer",
-              "lr", "zero", "eight_bit", "galore_rank", "galore_gap", "warmup", "clip",
-              "weight_decay", "seed", "data", "max_bytes", "val_fraction", "steps")
+TRAJECTORY = (
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "seq_len",
+    "moe",
+    "top_k",
+    "aux_loss",
+    "experts",
+    "batch",
+    "accum",
+    "optimizer",
+    "lr",
+    "zero",
+    "eight_bit",
+    "galore_rank",
+    "galore_gap",
+    "warmup",
+    "clip",
+    "weight_decay",
+    "seed",
+    "data",
+    "max_bytes",
+    "val_fraction",
+    "steps",
+)
 
 
 def check_resume(args, saved: dict, log) -> None:
@@ -895,12 +1091,18 @@ def check_resume(args, saved: dict, log) -> None:
     saved = {"moe": 0, "top_k": 2, "aux_loss": 0.01, "experts": "stacked"} | saved  # older runs
     diff = [k for k in TRAJECTORY if k != "steps" and saved.get(k) != now[k]]
     if diff:
-        raise SystemExit(f"--resume {args.resume}: the checkpoint was written with other settings: "
-                         + ", ".join(f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs "
-                                     f"{now[k]} (now)" for k in diff))
+        raise SystemExit(
+            f"--resume {args.resume}: the checkpoint was written with other settings: "
+            + ", ".join(
+                f"--{k.replace('_', '-')} {saved.get(k)} (checkpoint) vs {now[k]} (now)"
+                for k in diff
+            )
+        )
     if saved.get("steps") != args.steps:
-        log(f"warning: the checkpoint's run had --steps {saved.get('steps')}, this one "
-            f"{args.steps}: the learning rate schedule differs from both")
+        log(
+            f"warning: the checkpoint's run had --steps {saved.get('steps')}, this one "
+            f"{args.steps}: the learning rate schedule differs from both"
+        )
 
 
 def main(argv=None):
@@ -925,10 +1127,18 @@ def main(argv=None):
     val_starts = torch.linspace(0, len(val_data) - args.seq_len - 1, args.eval_windows).long()
     log(f"data: {len(train_data):,} train bytes, {len(val_data):,} validation bytes")
 
-    # ---- model: the full model initialised identically everywhere, then sharded -------------------
+    # ---- model: the full model initialised identically everywhere, then sharded ------------------
     torch.manual_seed(args.seed)
-    moe = (dict(n_experts=args.moe, top_k=args.top_k, aux_loss=args.aux_loss,
-                stacked=args.experts == "stacked") if args.moe else None)
+    moe = (
+        dict(
+            n_experts=args.moe,
+            top_k=args.top_k,
+            aux_loss=args.aux_loss,
+            stacked=args.experts == "stacked",
+        )
+        if args.moe
+        else None
+    )
     model = Transformer(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len, moe)
     n_params = sum(p.numel() for p in model.parameters())
     mesh, data_rank, data_groups, pipe, experts = None, 0, [], None, None
@@ -940,16 +1150,25 @@ def main(argv=None):
         if args.pp > 1:  # this rank's stage: its own leaves
             pipe = Pipeline(args, model, device_mesh, experts)
         elif args.tp > 1:
-            parallelize_module(model, device_mesh["tp"],
-                               tensor_parallel_plan(args.n_layers, moe=bool(args.moe)))
-        mesh = ft.Mesh(device_mesh, data_axis="dp", pipeline_axis="pp" if args.pp > 1 else None,
-                       **(experts.mesh_args() if experts else {}))
+            parallelize_module(
+                model, device_mesh["tp"], tensor_parallel_plan(args.n_layers, moe=bool(args.moe))
+            )
+        mesh = ft.Mesh(
+            device_mesh,
+            data_axis="dp",
+            pipeline_axis="pp" if args.pp > 1 else None,
+            **(experts.mesh_args() if experts else {}),
+        )
         # ranks with their own slice of the batch: dp, and ep (its ranks are data parallel too)
         data_rank = device_mesh.get_local_rank("dp") * args.ep + (
-            device_mesh.get_local_rank("ep") if experts else 0)
-        data_groups = [device_mesh.get_group(d) for d in ("dp", "ep")
-                       if d in device_mesh.mesh_dim_names and device_mesh.size(
-                           device_mesh.mesh_dim_names.index(d)) > 1]
+            device_mesh.get_local_rank("ep") if experts else 0
+        )
+        data_groups = [
+            device_mesh.get_group(d)
+            for d in ("dp", "ep")
+            if d in device_mesh.mesh_dim_names
+            and device_mesh.size(device_mesh.mesh_dim_names.index(d)) > 1
+        ]
     if pipe is not None:
         params = pipe.views
     else:
@@ -957,11 +1176,17 @@ def main(argv=None):
         if experts is not None:  # stacked experts: DTensor views over the ep axis
             params = experts.views(params)
     n_data = args.dp * args.ep
-    log(f"model: {n_params / 1e6:.2f}M parameters"
-        + (f" ({args.moe} experts, top-{args.top_k})" if args.moe else "") + f"; world {world}"
-        + (" = " + " x ".join(f"{d} {n}" for d, n in zip(device_mesh.mesh_dim_names,
-                                                          device_mesh.shape))
-           if world > 1 else ""))
+    log(
+        f"model: {n_params / 1e6:.2f}M parameters"
+        + (f" ({args.moe} experts, top-{args.top_k})" if args.moe else "")
+        + f"; world {world}"
+        + (
+            " = "
+            + " x ".join(f"{d} {n}" for d, n in zip(device_mesh.mesh_dim_names, device_mesh.shape))
+            if world > 1
+            else ""
+        )
+    )
 
     def loss_fn(params, x, y):
         if experts is not None:
@@ -985,7 +1210,7 @@ def main(argv=None):
     def evaluate(params):
         # dp (x ep) ranks split the fixed windows; tp ranks of a group evaluate the same ones.
         per_rank = math.ceil(len(val_starts) / n_data)
-        mine = val_starts[data_rank * per_rank: (data_rank + 1) * per_rank]
+        mine = val_starts[data_rank * per_rank : (data_rank + 1) * per_rank]
         total = torch.zeros((), dtype=torch.float64)
         for chunk in mine.split(32):
             x, y = windows(val_data, chunk, args.seq_len)
@@ -993,18 +1218,31 @@ def main(argv=None):
                 total += pipe.loss_sum(x, y)
                 continue
             logits = torch.func.functional_call(
-                model, experts.local(params) if experts else params, (x,))
-            total += F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum").double()
+                model, experts.local(params) if experts else params, (x,)
+            )
+            total += F.cross_entropy(
+                logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum"
+            ).double()
         return (data_sum(total) / (len(val_starts) * args.seq_len)).item()
 
-    # ---- optimizer --------------------------------------------------------------------------------
+    # ---- optimizer -------------------------------------------------------------------------------
     warmup = min(args.warmup, args.steps // 2)
     schedule = ft.schedules.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=args.lr, warmup_steps=warmup, decay_steps=args.steps,
-        end_value=args.lr * 0.1)
-    opt = build_optimizer(args.optimizer, schedule, args.weight_decay, params,
-                          eight_bit=args.eight_bit, galore_rank=args.galore_rank,
-                          galore_gap=args.galore_gap)
+        init_value=0.0,
+        peak_value=args.lr,
+        warmup_steps=warmup,
+        decay_steps=args.steps,
+        end_value=args.lr * 0.1,
+    )
+    opt = build_optimizer(
+        args.optimizer,
+        schedule,
+        args.weight_decay,
+        params,
+        eight_bit=args.eight_bit,
+        galore_rank=args.galore_rank,
+        galore_gap=args.galore_gap,
+    )
     tx = ft.chain(ft.clip_by_global_norm(args.clip), opt)
     if args.zero:  # clipping runs on the dp shards too: one scalar all-reduce either way
         tx = ft.zero_redundancy(tx, axis="dp", device_mesh=device_mesh)
@@ -1012,7 +1250,7 @@ def main(argv=None):
         tx = ft.multi_steps(tx, every_k=args.accum)
     state = tx.init(params)
 
-    # ---- training loop ----------------------------------------------------------------------------
+    # ---- training loop ---------------------------------------------------------------------------
     from tqdm import tqdm
 
     batch_gen = torch.Generator().manual_seed(args.seed + 1)  # same global batches on every rank
@@ -1027,7 +1265,9 @@ def main(argv=None):
         params, state, start, extra = ft.checkpoint.load(args.resume, params, state)
         check_resume(args, extra["args"], log)
         if start > args.steps:
-            raise SystemExit(f"--resume {args.resume}: checkpoint at step {start} > --steps {args.steps}")
+            raise SystemExit(
+                f"--resume {args.resume}: checkpoint at step {start} > --steps {args.steps}"
+            )
         batch_gen.set_state(extra["batch_gen"])
         torch.set_rng_state(extra["torch_rng"])  # unused by this job; restored for extensions
         history, val_history = extra["history"], extra["val_history"]
@@ -1038,41 +1278,71 @@ def main(argv=None):
     def save_checkpoint(done):
         t0 = time.perf_counter()
         path = ft.checkpoint.save(
-            os.path.join(args.out, "checkpoint"), params=params, state=state, step=done,
-            extra={"batch_gen": batch_gen.get_state(), "torch_rng": torch.get_rng_state(),
-                   "history": history, "val_history": val_history, "train_time": train_time,
-                   "elapsed": time.perf_counter() - t_start,
-                   "args": {k: getattr(args, k) for k in TRAJECTORY}})
+            os.path.join(args.out, "checkpoint"),
+            params=params,
+            state=state,
+            step=done,
+            extra={
+                "batch_gen": batch_gen.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "history": history,
+                "val_history": val_history,
+                "train_time": train_time,
+                "elapsed": time.perf_counter() - t_start,
+                "args": {k: getattr(args, k) for k in TRAJECTORY},
+            },
+        )
         if is_main:
-            bar.write(f"step {done}: checkpoint {path} ({time.perf_counter() - t0:.2f} s)",
-                      file=sys.stderr)
+            bar.write(
+                f"step {done}: checkpoint {path} ({time.perf_counter() - t0:.2f} s)",
+                file=sys.stderr,
+            )
 
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=not is_main,
-               desc="train", dynamic_ncols=True)
+    bar = tqdm(
+        range(start, args.steps),
+        initial=start,
+        total=args.steps,
+        disable=not is_main,
+        desc="train",
+        dynamic_ncols=True,
+    )
     for step in bar:
-        starts = torch.randint(0, len(train_data) - args.seq_len - 1, (args.batch,), generator=batch_gen)
-        starts = starts[data_rank * local_batch: (data_rank + 1) * local_batch]  # this rank's slice
+        starts = torch.randint(
+            0, len(train_data) - args.seq_len - 1, (args.batch,), generator=batch_gen
+        )
+        starts = starts[
+            data_rank * local_batch : (data_rank + 1) * local_batch
+        ]  # this rank's slice
         t0 = time.perf_counter()
         loss_sum = torch.zeros(())
+        mean_grads = None  # with pipe / experts: the step's mean gradient, summed over micro-steps
         for m in range(args.accum):
-            x, y = windows(train_data, starts[m * micro: (m + 1) * micro], args.seq_len)
+            x, y = windows(train_data, starts[m * micro : (m + 1) * micro], args.seq_len)
             grads, loss = grad_fn(params, x, y)
             if pipe is not None or experts is not None:  # the step's mean gradient, for what
                 # each stage / expert-parallel rank alone sees
-                mean_grads = ({k: g / args.accum for k, g in grads.items()} if m == 0 else
-                              {k: mean_grads[k] + g / args.accum for k, g in grads.items()})
-            counting = count_collectives() if step == start and m == args.accum - 1 else nullcontext()
+                mean_grads = (
+                    {k: g / args.accum for k, g in grads.items()}
+                    if mean_grads is None
+                    else {k: mean_grads[k] + g / args.accum for k, g in grads.items()}
+                )
+            counting = (
+                count_collectives() if step == start and m == args.accum - 1 else nullcontext()
+            )
             with counting as counted:
                 if args.step == "update":  # the two calls ft.step makes one of
                     updates, state = tx.update(grads, state, params, mesh=mesh)
                     params = ft.apply_updates(params, updates)
                 else:  # fused kernels where they apply; --step donate writes into the old buffers
-                    params, state = ft.step(tx, grads, state, params, mesh=mesh,
-                                            donate=args.step == "donate")
+                    params, state = ft.step(
+                        tx, grads, state, params, mesh=mesh, donate=args.step == "donate"
+                    )
             if counted is not None and world > 1 and is_main:
-                bar.write("optimizer step collectives per update: " + (", ".join(
-                    f"{k} {v}" for k, v in sorted(counted.counts.items())) or "none"),
-                    file=sys.stderr)
+                bar.write(
+                    "optimizer step collectives per update: "
+                    + (", ".join(f"{k} {v}" for k, v in sorted(counted.counts.items())) or "none"),
+                    file=sys.stderr,
+                )
             if pipe is not None:  # the stage module runs on its own parameters
                 params = pipe.load(params)
             loss_sum += loss.detach()
@@ -1083,30 +1353,61 @@ def main(argv=None):
             assert bool(ft.has_updated(state)), "multi_steps did not update on the last micro-step"
         grad_norm = float(ft.tree_get(state, "global_norm"))
         lr = float(schedule(torch.tensor(step)))
-        history.append({"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                        "tokens_per_s": tokens_per_step / dt, "time_s": time.perf_counter() - t_start})
+        history.append(
+            {
+                "step": step + 1,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "tokens_per_s": tokens_per_step / dt,
+                "time_s": time.perf_counter() - t_start,
+            }
+        )
         reports = []  # what each ep rank / stage alone would clip by, beside the global norm
         if experts is not None:
-            reports.append(("ep_rank_grad_norms", experts.rank_norms(mean_grads, mesh), "rank",
-                            "each expert-parallel rank's own norm (its own tokens' gradients "
-                            "for the dense leaves, its own experts)", lambda norms: ""))
+            reports.append(
+                (
+                    "ep_rank_grad_norms",
+                    experts.rank_norms(mean_grads, mesh),
+                    "rank",
+                    "each expert-parallel rank's own norm (its own tokens' gradients "
+                    "for the dense leaves, its own experts)",
+                    lambda norms: "",
+                )
+            )
         if pipe is not None:
-            reports.append(("stage_grad_norms", pipe.stage_norms(mean_grads, mesh), "stage",
-                            "each stage's own norm", lambda norms: (
-                                f" (their root sum of squares {math.hypot(*norms):.4f}: a stage "
-                                f"clipping by its own norm would scale its gradients "
-                                f"differently)")))
+            reports.append(
+                (
+                    "stage_grad_norms",
+                    pipe.stage_norms(mean_grads, mesh),
+                    "stage",
+                    "each stage's own norm",
+                    lambda norms: (
+                        f" (their root sum of squares {math.hypot(*norms):.4f}: a stage "
+                        f"clipping by its own norm would scale its gradients "
+                        f"differently)"
+                    ),
+                )
+            )
         for key, norms, who, what, tail in reports:
             history[-1][key] = norms
             if step == start and is_main:
-                bar.write(f"step {step + 1}: global gradient norm {grad_norm:.4f} (what every "
-                          f"{who} clips by); {what}: " + ", ".join(f"{n:.4f}" for n in norms)
-                          + tail(norms), file=sys.stderr)
-        bar.set_postfix(loss=f"{loss:.3f}", gnorm=f"{grad_norm:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                bar.write(
+                    f"step {step + 1}: global gradient norm {grad_norm:.4f} (what every "
+                    f"{who} clips by); {what}: "
+                    + ", ".join(f"{n:.4f}" for n in norms)
+                    + tail(norms),
+                    file=sys.stderr,
+                )
+        bar.set_postfix(
+            loss=f"{loss:.3f}", gnorm=f"{grad_norm:.2f}", tok_s=f"{tokens_per_step / dt:,.0f}"
+        )
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             val_history.append({"step": step + 1, "val_loss": evaluate(params)})
             if is_main:
-                bar.write(f"step {step + 1}: val loss {val_history[-1]['val_loss']:.4f}", file=sys.stderr)
+                bar.write(
+                    f"step {step + 1}: val loss {val_history[-1]['val_loss']:.4f}", file=sys.stderr
+                )
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             save_checkpoint(step + 1)  # dcp.save has written every byte when it returns
     bar.close()
@@ -1114,10 +1415,13 @@ def main(argv=None):
     val_history.append({"step": args.steps, "val_loss": val_loss})
     wall = time.perf_counter() - t_start
 
-    # ---- outputs ----------------------------------------------------------------------------------
+    # ---- outputs ---------------------------------------------------------------------------------
     # separate experts: each ep rank holds its own names (stacked ones gather as DTensors)
-    full = full_params(params, ([experts.group] if experts and not experts.stacked else [])
-                       + ([pipe.group] if pipe else []))
+    full = full_params(
+        params,
+        ([experts.group] if experts and not experts.stacked else [])
+        + ([pipe.group] if pipe else []),
+    )
     summary = {
         "initial_loss": history[0]["loss"] if history else None,
         "final_loss": history[-1]["loss"] if history else None,
@@ -1130,8 +1434,16 @@ def main(argv=None):
         "n_params": n_params,
         "world_size": world,
         "mesh": (dict(zip(device_mesh.mesh_dim_names, device_mesh.shape)) if world > 1 else None),
-        "moe": ({"experts": args.moe, "top_k": args.top_k, "aux_loss": args.aux_loss,
-                 "stacked": args.experts == "stacked"} if args.moe else None),
+        "moe": (
+            {
+                "experts": args.moe,
+                "top_k": args.top_k,
+                "aux_loss": args.aux_loss,
+                "stacked": args.experts == "stacked",
+            }
+            if args.moe
+            else None
+        ),
         "optimizer": args.optimizer,
         "zero": args.zero,
         "8bit": args.eight_bit,
@@ -1144,7 +1456,11 @@ def main(argv=None):
         summary["out"] = os.path.abspath(out)
         torch.save(full, os.path.join(out, "params.pt"))
         with open(os.path.join(out, "metrics.json"), "w") as f:
-            json.dump({"args": vars(args), "steps": history, "val": val_history, "summary": summary}, f, indent=1)
+            json.dump(
+                {"args": vars(args), "steps": history, "val": val_history, "summary": summary},
+                f,
+                indent=1,
+            )
         plot(history, val_history, os.path.join(out, "loss.png"))
         print(json.dumps(summary), flush=True)
     if world > 1:
@@ -1161,7 +1477,12 @@ def plot(history, val_history, path):
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8, label="train")
-    ax.plot([v["step"] for v in val_history], [v["val_loss"] for v in val_history], "o-", label="validation")
+    ax.plot(
+        [v["step"] for v in val_history],
+        [v["val_loss"] for v in val_history],
+        "o-",
+        label="validation",
+    )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats / byte)")
     ax.set_ylim(bottom=0)

@@ -9,9 +9,17 @@ from typing import Any
 import torch
 
 
-def number(name: str, value: Any, *, where: str, low: float | None = None,
-           high: float | None = None, low_open: bool = False, high_open: bool = False,
-           finite: bool = False) -> float:
+def number(
+    name: str,
+    value: Any,
+    *,
+    where: str,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    finite: bool = False,
+) -> float:
     """Check ``value`` is a real number within the given bounds; return it as a float.
 
     Accepted: ``int``, ``float``, any ``numbers.Real`` (NumPy scalars) and 0-dim real
@@ -20,12 +28,18 @@ def number(name: str, value: Any, *, where: str, low: float | None = None,
     """
     if getattr(value, "injected", False):
         return value
-    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_complex() and (
-            value.dtype != torch.bool):
+    if (
+        isinstance(value, torch.Tensor)
+        and value.ndim == 0
+        and not value.is_complex()
+        and (value.dtype != torch.bool)
+    ):
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where}: {name} must be a real number (int, float, a NumPy scalar or "
-                        f"a 0-dim real tensor), got {type(value).__name__}")
+        raise TypeError(
+            f"{where}: {name} must be a real number (int, float, a NumPy scalar or "
+            f"a 0-dim real tensor), got {type(value).__name__}"
+        )
     v = float(value)
     if math.isnan(v):
         raise ValueError(f"{where}: {name} must not be NaN")
@@ -34,7 +48,9 @@ def number(name: str, value: Any, *, where: str, low: float | None = None,
     if low is not None and (v < low or (low_open and v == low)):
         raise ValueError(f"{where}: {name} must be {'>' if low_open else '>='} {low}, got {value}")
     if high is not None and (v > high or (high_open and v == high)):
-        raise ValueError(f"{where}: {name} must be {'<' if high_open else '<='} {high}, got {value}")
+        raise ValueError(
+            f"{where}: {name} must be {'<' if high_open else '<='} {high}, got {value}"
+        )
     return v
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -10,11 +11,17 @@ import torch
 from . import _validate as V
 from .autograd import detached
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
-from .mesh import Mesh
 from .engine.dtensor import spec_of, to_local, wrap
 from .engine.plan import describe
-from .tree import (flatten_as, format_path, state_zeros_like, tree_flatten, tree_unflatten,
-                   tree_zeros_like)
+from .mesh import Mesh
+from .tree import (
+    flatten_as,
+    format_path,
+    state_zeros_like,
+    tree_flatten,
+    tree_unflatten,
+    tree_zeros_like,
+)
 
 __all__ = ["multi_steps", "MultiStepsState", "has_updated"]
 
@@ -48,9 +55,13 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = {}
 
 
-def multi_steps(inner: GradientTransformation, every_k: int, *,
-                acc_dtype: Optional[torch.dtype] = None,
-                should_skip_update_fn: Optional[Callable] = None) -> GradientTransformation:
+def multi_steps(
+    inner: GradientTransformation,
+    every_k: int,
+    *,
+    acc_dtype: torch.dtype | None = None,
+    should_skip_update_fn: Callable | None = None,
+) -> GradientTransformation:
     """Accumulate gradients over ``every_k`` micro-steps, then apply ``inner`` once (optax
     ``MultiSteps`` semantics).
 
@@ -92,7 +103,9 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
     """
     every_k = V.integer("every_k", every_k, where="multi_steps", low=1)
     if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"multi_steps: inner must be a GradientTransformation, got {type(inner).__name__}")
+        raise TypeError(
+            f"multi_steps: inner must be a GradientTransformation, got {type(inner).__name__}"
+        )
 
     def init_fn(params):
         gradient_step = torch.zeros((), dtype=torch.int64, device="cpu")
@@ -111,45 +124,57 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, MultiStepsState):
-            raise ValueError(f"multi_steps: expected a MultiStepsState from multi_steps.init, "
-                             f"got {type(state).__name__}")
+            raise ValueError(
+                f"multi_steps: expected a MultiStepsState from multi_steps.init, "
+                f"got {type(state).__name__}"
+            )
         if mesh is not None and not isinstance(mesh, Mesh):
-            raise TypeError(f"multi_steps: mesh must be a functional_train.Mesh or None, "
-                            f"got {type(mesh).__name__}")
+            raise TypeError(
+                f"multi_steps: mesh must be a functional_train.Mesh or None, "
+                f"got {type(mesh).__name__}"
+            )
         skip_state = state.skip_state
         if should_skip_update_fn is not None:
-            skip, skip_state = should_skip_update_fn(updates, state.gradient_step, params,
-                                                     mesh=mesh)
+            skip, skip_state = should_skip_update_fn(
+                updates, state.gradient_step, params, mesh=mesh
+            )
             if bool(skip):  # the micro-step is dropped: zero updates, nothing accumulated
-                return (_zeros_for(updates, params),
-                        state._replace(skip_state=skip_state))
+                return (_zeros_for(updates, params), state._replace(skip_state=skip_state))
         paths_raw, g, treedef = optree.tree_flatten_with_path(updates, none_is_leaf=True)
         g = detached(g)  # no graph into the accumulators (see functional_train.autograd)
         acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
-        p = None if params is None else flatten_as(params, treedef, "params", "the updates")
+        if params is not None:  # the result is unused: the call validates params' structure
+            flatten_as(params, treedef, "params", "the updates")
         for i, (x, a) in enumerate(zip(g, acc)):
             if x is not None and a is not None and tuple(x.shape) != tuple(a.shape):
-                raise ValueError(f"multi_steps: update leaf '{format_path(paths_raw[i])}' has shape "
-                                 f"{tuple(x.shape)}, expected {tuple(a.shape)}")
+                raise ValueError(
+                    f"multi_steps: update leaf '{format_path(paths_raw[i])}' has shape "
+                    f"{tuple(x.shape)}, expected {tuple(a.shape)}"
+                )
         k = int(state.mini_step)  # CPU counter: a host read without device synchronisation
         seen = [int(f) for f in state.seen]  # CPU flags: no device synchronisation either
         if len(seen) != len(g):
-            raise ValueError(f"multi_steps: MultiStepsState.seen has {len(seen)} flags for "
-                             f"{len(g)} leaves; the state comes from another tree")
+            raise ValueError(
+                f"multi_steps: MultiStepsState.seen has {len(seen)} flags for "
+                f"{len(g)} leaves; the state comes from another tree"
+            )
         active, fresh = [], []  # leaves with a gradient now; of those, the first in the cycle
         for i, x in enumerate(g):
             if x is None or acc[i] is None:
                 continue
             if not (x.dtype.is_floating_point or x.dtype.is_complex):
-                raise TypeError(f"multi_steps: update leaf '{format_path(paths_raw[i])}' has "
-                                f"dtype {x.dtype}; "
-                                f"gradients must be floating point (give integer or bool "
-                                f"parameters a None gradient)")
+                raise TypeError(
+                    f"multi_steps: update leaf '{format_path(paths_raw[i])}' has "
+                    f"dtype {x.dtype}; "
+                    f"gradients must be floating point (give integer or bool "
+                    f"parameters a None gradient)"
+                )
             if seen[i] and spec_of(x) is not spec_of(acc[i]) and spec_of(x) != spec_of(acc[i]):
                 raise ValueError(
                     f"multi_steps: update leaf '{format_path(paths_raw[i])}' has the layout "
                     f"{describe(x)} on this micro-step but {describe(acc[i])} on an earlier "
-                    f"one of the cycle; the gradients of one cycle must keep one layout")
+                    f"one of the cycle; the gradients of one cycle must keep one layout"
+                )
             active.append(i)
             if not seen[i]:
                 fresh.append(i)
@@ -175,10 +200,15 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
             new_acc[i] = wrap(new_acc[i], specs[i])
         if k + 1 < every_k:
             return _zeros_for(updates, params), MultiStepsState(
-                state.mini_step + 1, state.gradient_step, state.inner_state,
+                state.mini_step + 1,
+                state.gradient_step,
+                state.inner_state,
                 tree_unflatten(treedef, new_acc),
-                tuple(_flag(1) if not s and n else f
-                      for f, s, n in zip(state.seen, seen, new_seen)), skip_state)
+                tuple(
+                    _flag(1) if not s and n else f for f, s, n in zip(state.seen, seen, new_seen)
+                ),
+                skip_state,
+            )
         # the final micro-step: every leaf with a gradient in the cycle gets the mean, a
         # None gradient now counting as zero; the accumulators are cleared
         cycle = [i for i, f in enumerate(new_seen) if f and acc[i] is not None]
@@ -191,19 +221,28 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
             grads[i] = wrap(m, spec)
             new_acc[i] = wrap(torch.zeros_like(m), spec)
         # a foreign inner transform gets the reduced mean (call_reduced)
-        new_updates, inner_state, _ = call_reduced(inner, tree_unflatten(treedef, grads),
-                                                   state.inner_state, params, mesh, extra)
+        new_updates, inner_state, _ = call_reduced(
+            inner, tree_unflatten(treedef, grads), state.inner_state, params, mesh, extra
+        )
         # the inner transform saw the accumulator's dtype (float32 for bfloat16 gradients):
         # return updates in the gradients' dtypes, as the non-final micro-steps do
         out = flatten_as(new_updates, treedef, "multi_steps' inner updates", "the updates")
         if any(o is not None and x is not None and o.dtype != x.dtype for o, x in zip(out, g)):
-            new_updates = tree_unflatten(treedef, [
-                o if o is None or x is None or o.dtype == x.dtype else o.to(x.dtype)
-                for o, x in zip(out, g)])
+            new_updates = tree_unflatten(
+                treedef,
+                [
+                    o if o is None or x is None or o.dtype == x.dtype else o.to(x.dtype)
+                    for o, x in zip(out, g)
+                ],
+            )
         return new_updates, MultiStepsState(
-            torch.zeros_like(state.mini_step), state.gradient_step + 1, inner_state,
+            torch.zeros_like(state.mini_step),
+            state.gradient_step + 1,
+            inner_state,
             tree_unflatten(treedef, new_acc),
-            tuple(_flag(0) if v else f for f, v in zip(state.seen, new_seen)), skip_state)
+            tuple(_flag(0) if v else f for f, v in zip(state.seen, new_seen)),
+            skip_state,
+        )
 
     # what comes out is what inner returns: still unreduced if inner passes unreduced values on
     update_fn.passes_unreduced = passes_unreduced(inner)  # type: ignore[attr-defined]
@@ -213,13 +252,13 @@ def multi_steps(inner: GradientTransformation, every_k: int, *,
 def _zeros_for(updates, params):
     """Zero updates in the parameters' layout (the updates' layout without params) and the
     updates' dtype; ``None`` stays ``None``."""
+
     def zero(u, r):
         if u is None or r is None:
             return None
         return wrap(torch.zeros_like(to_local(r), dtype=to_local(u).dtype), spec_of(r))
 
-    return optree.tree_map(zero, updates, updates if params is None else params,
-                           none_is_leaf=True)
+    return optree.tree_map(zero, updates, updates if params is None else params, none_is_leaf=True)
 
 
 def _flag(v: int) -> torch.Tensor:
@@ -241,10 +280,12 @@ def has_updated(state: Any) -> torch.Tensor:
     return torch.logical_and(found.mini_step == 0, found.gradient_step > 0)
 
 
-def _find(node: Any) -> Optional[MultiStepsState]:
+def _find(node: Any) -> MultiStepsState | None:
     if isinstance(node, MultiStepsState):
         return node
-    children = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
+    children = (
+        node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
+    )
     for c in children:
         r = _find(c)
         if r is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -30,8 +30,9 @@ class EmaParamsState(NamedTuple):
     ema: Any
 
 
-def ema_params(decay: float, *, warmup: bool = False,
-               ema_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+def ema_params(
+    decay: float, *, warmup: bool = False, ema_dtype: torch.dtype | None = None
+) -> GradientTransformation:
     """Keep an exponential moving average of the parameters *after* each update, in the state
     (torch ``AveragedModel`` with ``get_ema_multi_avg_fn(decay)``): put it LAST in a chain,
     ``chain(clip_by_global_norm(1.0), adamw(1e-3), ema_params(0.999))``; it returns the updates
@@ -62,15 +63,22 @@ def ema_params(decay: float, *, warmup: bool = False,
     def init_fn(params):
         # a copy of the parameters, as AveragedModel's deepcopy of the module
         ema = optree.tree_map(
-            lambda x: None if x is None else x.detach().to(
-                dtype=state_dtype(x.dtype, ema_dtype), copy=True),
-            params, none_is_leaf=True)
+            lambda x: (
+                None
+                if x is None
+                else x.detach().to(dtype=state_dtype(x.dtype, ema_dtype), copy=True)
+            ),
+            params,
+            none_is_leaf=True,
+        )
         return EmaParamsState(zero_count(params), ema)
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, EmaParamsState):
-            raise ValueError("ema_params: expected the EmaParamsState from ema_params.init, "
-                             f"got {type(state).__name__}")
+            raise ValueError(
+                "ema_params: expected the EmaParamsState from ema_params.init, "
+                f"got {type(state).__name__}"
+            )
         b = prepare(updates, params, mesh, need_params=True, name="ema_params")
         old_ema = flatten_as(state.ema, b.treedef, "EmaParamsState.ema", "the updates")
         idx = [i for i, p in enumerate(b.params) if p is not None and old_ema[i] is not None]
@@ -86,13 +94,17 @@ def ema_params(decay: float, *, warmup: bool = False,
         else:
             d = torch.tensor(decay, dtype=torch.float64, device=state.count.device)
         w = torch.where(state.count == 0, torch.ones_like(d), 1.0 - d)
-        new = [torch.lerp(ei, ci, w.to(device=ei.device, dtype=ei.dtype))
-               for ei, ci in zip(e, cur)] if e else []
+        new = (
+            [torch.lerp(ei, ci, w.to(device=ei.device, dtype=ei.dtype)) for ei, ci in zip(e, cur)]
+            if e
+            else []
+        )
         leaves = list(old_ema)
         for i, v in zip(idx, wraps_like(new, [old_ema[i] for i in idx])):
             leaves[i] = v
-        return b.rebuild(b.locals), EmaParamsState(state.count + 1,
-                                                   tree_unflatten(b.treedef, leaves))
+        return b.rebuild(b.locals), EmaParamsState(
+            state.count + 1, tree_unflatten(b.treedef, leaves)
+        )
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Protocol
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
     "GradientTransformation",
@@ -22,8 +22,15 @@ class InitFn(Protocol):
 
 
 class UpdateFn(Protocol):
-    def __call__(self, updates: PyTree, state: PyTree, params: Optional[PyTree] = None, *,
-                 mesh: Any = None, **extra: Any) -> tuple[PyTree, PyTree]: ...
+    def __call__(
+        self,
+        updates: PyTree,
+        state: PyTree,
+        params: PyTree | None = None,
+        *,
+        mesh: Any = None,
+        **extra: Any,
+    ) -> tuple[PyTree, PyTree]: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -118,8 +125,9 @@ def identity() -> GradientTransformation:
 def _check_txs(txs, where: str) -> None:
     for i, tx in enumerate(txs):
         if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"{where}: argument {i} must be a GradientTransformation, "
-                            f"got {type(tx).__name__}")
+            raise TypeError(
+                f"{where}: argument {i} must be a GradientTransformation, got {type(tx).__name__}"
+            )
 
 
 def _run_sequence(txs, states, updates, params, mesh, extra):
@@ -132,8 +140,12 @@ def _run_sequence(txs, states, updates, params, mesh, extra):
     given_view = isinstance(updates, Prepared)
     new_states = []
     for tx, s in zip(txs, states):
-        if (accepts_view(tx) and not passes_unreduced(tx) and len(txs) > 1
-                and not isinstance(updates, Prepared)):
+        if (
+            accepts_view(tx)
+            and not passes_unreduced(tx)
+            and len(txs) > 1
+            and not isinstance(updates, Prepared)
+        ):
             updates = prepare(updates, params, mesh, name="chain", view=True)
             mesh = updates.mesh
         updates, s, mesh = call_reduced(tx, updates, s, params, mesh, extra)
@@ -159,11 +171,19 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return tuple(tx.init(params) for tx in transforms)
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        if not isinstance(state, tuple) or len(state) != len(transforms) or hasattr(state, "_fields"):
-            got = (f"a tuple of {len(state)}" if isinstance(state, tuple) and not hasattr(state, "_fields")
-                   else f"a {type(state).__name__}")
-            raise ValueError(f"chain: expected a tuple of {len(transforms)} states from chain.init, "
-                             f"got {got}")
+        if (
+            not isinstance(state, tuple)
+            or len(state) != len(transforms)
+            or hasattr(state, "_fields")
+        ):
+            got = (
+                f"a tuple of {len(state)}"
+                if isinstance(state, tuple) and not hasattr(state, "_fields")
+                else f"a {type(state).__name__}"
+            )
+            raise ValueError(
+                f"chain: expected a tuple of {len(transforms)} states from chain.init, got {got}"
+            )
         updates, new_states = _run_sequence(transforms, state, updates, params, mesh, extra)
         return updates, tuple(new_states)
 
@@ -196,8 +216,9 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         if not isinstance(state, dict) or list(state) != names:
             got = list(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"named_chain: expected a state dict with keys {names}, got {got}")
-        updates, new_states = _run_sequence(txs, [state[n] for n in names], updates, params,
-                                            mesh, extra)
+        updates, new_states = _run_sequence(
+            txs, [state[n] for n in names], updates, params, mesh, extra
+        )
         return updates, dict(zip(names, new_states))
 
     update_fn.passes_unreduced = all(passes_unreduced(t) for t in txs)  # type: ignore[attr-defined]

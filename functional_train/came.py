@@ -14,22 +14,41 @@ learning rate in place; this module does neither.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
 from . import _validate as V
-from .hyperparams import injectable, is_injected, value_of
-from .base import EmptyState, GradientTransformation, declare, chain
-from .factored import (ScaleByFactoredRmsState, _block_rms, _factored_ema, _factored_rms,
-                       _is_factored, _leaf_rms, _new_state_tree, _placeholder, _square,
-                       _state_leaves, _zeros_reduced, per_leaf_result, per_leaf_view,
-                       scale_by_factored_rms)
+from .base import EmptyState, GradientTransformation, chain, declare
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import prepare
-from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _check_state, _div,
-                         add_decayed_weights, scale_by_learning_rate)
+from .factored import (
+    ScaleByFactoredRmsState,
+    _block_rms,
+    _factored_ema,
+    _factored_rms,
+    _is_factored,
+    _leaf_rms,
+    _new_state_tree,
+    _placeholder,
+    _square,
+    _state_leaves,
+    _zeros_reduced,
+    per_leaf_result,
+    per_leaf_view,
+    scale_by_factored_rms,
+)
+from .hyperparams import injectable, is_injected, value_of
+from .transforms import (
+    ScalarOrSchedule,
+    ScaleByScheduleState,
+    _check_state,
+    _div,
+    add_decayed_weights,
+    scale_by_learning_rate,
+)
 from .tree import state_dtype, state_zeros_like, tree_paths
 
 __all__ = ["scale_by_came", "ScaleByCameState", "came"]
@@ -67,9 +86,11 @@ def _pair_or_triple(name: str, value: Any, n: int, where: str) -> tuple:
     return tuple(value)
 
 
-def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
-                  eps: Sequence[float] = (1e-30, 1e-16),
-                  clip_threshold: float = 1.0) -> GradientTransformation:
+def scale_by_came(
+    betas: Sequence[float] = (0.9, 0.999, 0.9999),
+    eps: Sequence[float] = (1e-30, 1e-16),
+    clip_threshold: float = 1.0,
+) -> GradientTransformation:
     """CAME's confidence-guided update direction, exactly as ``came_pytorch.CAME`` computes it
     (without learning rate and weight decay, see :func:`came`).
 
@@ -114,8 +135,7 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
     b3 = V.beta("betas[2]", betas[2], where=where)
     eps1 = V.number("eps[0]", eps[0], where=where, low=0.0)
     eps2 = V.number("eps[1]", eps[1], where=where, low=0.0)
-    clip_threshold = V.number("clip_threshold", clip_threshold, where=where, low=0.0,
-                              low_open=True)
+    clip_threshold = V.number("clip_threshold", clip_threshold, where=where, low=0.0, low_open=True)
     second = scale_by_factored_rms(eps=eps1, beta2=b2)
 
     def init_fn(params):
@@ -136,33 +156,47 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
             else:
                 rows.append(_placeholder(x, dt))
                 cols.append(_placeholder(x, dt))
-        return ScaleByCameState(s.count, s.v_row, s.v_col, s.v, state_zeros_like(params),
-                                optree.tree_unflatten(treedef, rows),
-                                optree.tree_unflatten(treedef, cols))
+        return ScaleByCameState(
+            s.count,
+            s.v_row,
+            s.v_col,
+            s.v,
+            state_zeros_like(params),
+            optree.tree_unflatten(treedef, rows),
+            optree.tree_unflatten(treedef, cols),
+        )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, ScaleByCameState, where)
         # 1. u: the factored second moment (materialises unreduced gradients)
         u_tree, s = second.update(
-            updates, ScaleByFactoredRmsState(state.count, state.v_row, state.v_col, state.v),
-            params, mesh=mesh)
+            updates,
+            ScaleByFactoredRmsState(state.count, state.v_row, state.v_col, state.v),
+            params,
+            mesh=mesh,
+        )
         b = prepare(u_tree, params, None if mesh is None else mesh.reduced(), name=where)
         m_all = b.state_locals(state.exp_avg, "ScaleByCameState.exp_avg")
         fac = [i for i in b.active if _is_factored(b.updates[i].shape, 0)]
         empty = (0,)
         fset = set(fac)
         e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in b.active}
-        e_col = {i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset
-                     else empty) for i in b.active}
+        e_col = {
+            i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset else empty)
+            for i in b.active
+        }
         row_leaves, row_loc = _state_leaves(b, state.res_row, f"{where}: res_row", e_row, fac)
         col_leaves, col_loc = _state_leaves(b, state.res_col, f"{where}: res_col", e_col, fac)
         if not b.active:
             return b.rebuild_active([]), ScaleByCameState(
-                s.count, s.v_row, s.v_col, s.v, state.exp_avg, state.res_row, state.res_col)
+                s.count, s.v_row, s.v_col, s.v, state.exp_avg, state.res_row, state.res_col
+            )
         act = b.active
         m_old = [m_all[i] for i in act]
-        u = [b.locals[i] if b.locals[i].dtype == m.dtype else b.locals[i].to(m.dtype)
-             for i, m in zip(act, m_old)]
+        u = [
+            b.locals[i] if b.locals[i].dtype == m.dtype else b.locals[i].to(m.dtype)
+            for i, m in zip(act, m_old)
+        ]
         # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves
         den = _div(_block_rms(b, u, act), value_of(clip_threshold))
         torch._foreach_clamp_min_(den, 1.0)
@@ -176,8 +210,15 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
             out[i] = m.to(b.locals[i].dtype, copy=True)
         # 4. confidence statistics of the factored leaves: one batched leaf_sums
         dts = {i: row_loc[i].dtype for i in fac}
-        items = ((i, _square(u[pos[i]].to(dts[i]) - m_new[pos[i]].to(dts[i])).add_(eps2),
-                  row_loc[i], col_loc[i]) for i in fac)
+        items = (
+            (
+                i,
+                _square(u[pos[i]].to(dts[i]) - m_new[pos[i]].to(dts[i])).add_(eps2),
+                row_loc[i],
+                col_loc[i],
+            )
+            for i in fac
+        )
         beta3 = torch.full((), b3, dtype=torch.float64, device=state.count.device)
         new_row, new_col = {}, {}
         for i, (r, c, f) in zip(fac, _factored_ema(b, items, beta3)):
@@ -185,18 +226,29 @@ def scale_by_came(betas: Sequence[float] = (0.9, 0.999, 0.9999),
             m = m_new[pos[i]]
             out[i] = f.mul_(m.to(f.dtype)).to(b.locals[i].dtype)
         new_state = ScaleByCameState(
-            s.count, s.v_row, s.v_col, s.v,
+            s.count,
+            s.v_row,
+            s.v_col,
+            s.v,
             b.state_tree(state.exp_avg, "ScaleByCameState.exp_avg", m_new),
-            _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col))
+            _new_state_tree(b, row_leaves, new_row),
+            _new_state_tree(b, col_leaves, new_col),
+        )
         return b.rebuild(out), new_state
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
 @injectable(tensors=("clip_threshold", "weight_decay"))
-def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 0.9999),
-         eps: Sequence[float] = (1e-30, 1e-16), clip_threshold: float = 1.0,
-         weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:
+def came(
+    learning_rate: ScalarOrSchedule,
+    betas: Sequence[float] = (0.9, 0.999, 0.9999),
+    eps: Sequence[float] = (1e-30, 1e-16),
+    clip_threshold: float = 1.0,
+    weight_decay: float = 0.0,
+    *,
+    mask=None,
+) -> GradientTransformation:
     """``came_pytorch.CAME`` as a chain: same arguments, defaults and numbers.
 
     ``theta <- theta - lr * weight_decay * theta - lr * update`` with ``update`` from
@@ -231,10 +283,14 @@ def came(learning_rate: ScalarOrSchedule, betas: Sequence[float] = (0.9, 0.999, 
     betas = _pair_or_triple("betas", betas, 3, where)
     eps = _pair_or_triple("eps", eps, 2, where)
     tx.update.fused = FusedCame(  # type: ignore[attr-defined]  (ft.step)
-        *(float(x) for x in betas), *(float(x) for x in eps),
+        *(float(x) for x in betas),
+        *(float(x) for x in eps),
         clip_threshold if is_injected(clip_threshold) else float(clip_threshold),
-        weight_decay, learning_rate,
-        txs[1].update.keep_of if (weight_decay and mask is not None) else None, len(txs))
+        weight_decay,
+        learning_rate,
+        txs[1].update.keep_of if (weight_decay and mask is not None) else None,
+        len(txs),
+    )
     return tx
 
 
@@ -261,8 +317,9 @@ class FusedCame:
         return MIN_MEAN_BYTES
 
 
-def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh: Any,
-                    donate: bool) -> Optional[tuple]:
+def fused_came_step(
+    fused: FusedCame, grads: Any, state: Any, params: Any, mesh: Any, donate: bool
+) -> tuple | None:
     """``ft.step`` of ``came`` when no leaf needs communication (plain tensors, one process):
     each leaf is finished while it is in cache -- second moment, RMS clip, momentum,
     confidence statistics, decay and learning rate, added to its parameter (in place with
@@ -272,9 +329,12 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
     ``engine.pool.MIN_MEAN_BYTES``, 64 KiB, where the chain's batched operations are faster)."""
     lr_state = state[-1] if isinstance(state, tuple) and state else None
     schedule = callable(fused.learning_rate)
-    if not (isinstance(state, tuple) and len(state) == fused.parts
-            and isinstance(state[0], ScaleByCameState)
-            and isinstance(lr_state, ScaleByScheduleState if schedule else EmptyState)):
+    if not (
+        isinstance(state, tuple)
+        and len(state) == fused.parts
+        and isinstance(state[0], ScaleByCameState)
+        and isinstance(lr_state, ScaleByScheduleState if schedule else EmptyState)
+    ):
         return None
     s = state[0]
     view = per_leaf_view(grads, params, mesh, "came", fused.min_mean_bytes)
@@ -288,8 +348,10 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
     fset = set(fac)
     empty = (0,)
     e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in act}
-    e_col = {i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset
-                 else empty) for i in act}
+    e_col = {
+        i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset else empty)
+        for i in act
+    }
     row_leaves, row_loc = _state_leaves(b, s.res_row, f"{where}: res_row", e_row, fac)
     col_leaves, col_loc = _state_leaves(b, s.res_col, f"{where}: res_col", e_col, fac)
     if schedule:  # scale_by_learning_rate's numbers
@@ -320,8 +382,9 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
             dt = row_loc[i].dtype
             res = torch.sub(x.to(dt), m.to(dt), out=scratch2.view(0, x.shape, dt, x.device))
             res = res.mul_(res).add_(fused.eps2)
-            ((r, c, f),) = _factored_ema(b, [(i, res, row_loc[i], col_loc[i])], beta3, scratch2,
-                                         local=True)
+            ((r, c, f),) = _factored_ema(
+                b, [(i, res, row_loc[i], col_loc[i])], beta3, scratch2, local=True
+            )
             new_row[i], new_col[i] = r, c
             out = f.mul_(m.to(f.dtype)).to(g.dtype)
         else:
@@ -335,13 +398,30 @@ def fused_came_step(fused: FusedCame, grads: Any, state: Any, params: Any, mesh:
             torch.add(p, out, out=new_p[i])
 
     with torch.no_grad():
-        _, new_fac = _factored_rms(b, ScaleByFactoredRmsState(s.count, s.v_row, s.v_col, s.v),
-                                   "scale_by_factored_rms", -0.8, fused.b2, fused.eps1, 0,
-                                   finish, scratch, local=True)
+        _, new_fac = _factored_rms(
+            b,
+            ScaleByFactoredRmsState(s.count, s.v_row, s.v_col, s.v),
+            "scale_by_factored_rms",
+            -0.8,
+            fused.b2,
+            fused.eps1,
+            0,
+            finish,
+            scratch,
+            local=True,
+        )
     new_s = ScaleByCameState(
-        new_fac.count, new_fac.v_row, new_fac.v_col, new_fac.v,
+        new_fac.count,
+        new_fac.v_row,
+        new_fac.v_col,
+        new_fac.v,
         b.state_tree(s.exp_avg, "ScaleByCameState.exp_avg", [new_m[i] for i in act]),
-        _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col))
-    new_state = (new_s, *state[1:-1],
-                 ScaleByScheduleState(lr_state.count + 1) if schedule else lr_state)
+        _new_state_tree(b, row_leaves, new_row),
+        _new_state_tree(b, col_leaves, new_col),
+    )
+    new_state = (
+        new_s,
+        *state[1:-1],
+        ScaleByScheduleState(lr_state.count + 1) if schedule else lr_state,
+    )
     return per_leaf_result(params, pl, treedef, new_p, new_state, donate)

@@ -100,23 +100,30 @@ def _flatten(params, state) -> tuple[dict[str, torch.Tensor], list[str], list]:
         seen = set()
         for key, leaf in zip(keys, leaves):
             if key in seen:
-                raise ValueError(f"two leaves of {name} have the same path {key!r} (a dict key "
-                                 "containing '.' next to a nested dict?): cannot name them apart")
+                raise ValueError(
+                    f"two leaves of {name} have the same path {key!r} (a dict key "
+                    "containing '.' next to a nested dict?): cannot name them apart"
+                )
             seen.add(key)
             if leaf is None:
                 nones.append(key)
             elif isinstance(leaf, torch.Tensor):
                 tensors[key] = leaf
             else:
-                raise TypeError(f"leaf {key!r} is a {type(leaf).__name__}: checkpoint trees hold "
-                                "tensors, DTensors and None only")
+                raise TypeError(
+                    f"leaf {key!r} is a {type(leaf).__name__}: checkpoint trees hold "
+                    "tensors, DTensors and None only"
+                )
         structure.append((treedef, keys))
     return tensors, nones, structure
 
 
 def _describe(x: torch.Tensor) -> dict:
-    return {"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
-            "dtensor": isinstance(x, DTensor)}
+    return {
+        "shape": list(x.shape),
+        "dtype": str(x.dtype).removeprefix("torch."),
+        "dtensor": isinstance(x, DTensor),
+    }
 
 
 def _listing(keys) -> str:
@@ -231,8 +238,9 @@ def _async_group():
     return _ASYNC_GROUPS[id(default)]
 
 
-def save(directory, *, params, state, step: int, extra: dict | None = None,
-         async_save: bool = False):
+def save(
+    directory, *, params, state, step: int, extra: dict | None = None, async_save: bool = False
+):
     """Write ``params``, ``state``, ``step`` and ``extra`` to ``directory``, atomically.
 
     Args:
@@ -291,10 +299,16 @@ def save(directory, *, params, state, step: int, extra: dict | None = None,
     msg: list[Any] = [uuid.uuid4().hex[:12], None, None]
     extra_bytes = None
     if _rank() == 0:
-        if os.path.lexists(directory) and not _is_checkpoint(directory) and (
-                not os.path.isdir(directory) or os.listdir(directory)):
-            msg[1:] = [FileExistsError, f"checkpoint directory {directory!r} exists and is not a "
-                                        f"checkpoint (no {MANIFEST}): refusing to replace it"]
+        if (
+            os.path.lexists(directory)
+            and not _is_checkpoint(directory)
+            and (not os.path.isdir(directory) or os.listdir(directory))
+        ):
+            msg[1:] = [
+                FileExistsError,
+                f"checkpoint directory {directory!r} exists and is not a "
+                f"checkpoint (no {MANIFEST}): refusing to replace it",
+            ]
         elif extra is not None:
             try:
                 buf = io.BytesIO()
@@ -309,9 +323,13 @@ def save(directory, *, params, state, step: int, extra: dict | None = None,
         raise error_type(error)
     tmp = f"{directory}.tmp-{token}"
     manifest = {
-        "format": FORMAT, "version": FORMAT_VERSION, "step": step,
-        "keys": {k: _describe(v) for k, v in tensors.items()}, "none": nones,
-        "extra": extra is not None, "world_size": dist.get_world_size() if on else 1,
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "keys": {k: _describe(v) for k, v in tensors.items()},
+        "none": nones,
+        "extra": extra is not None,
+        "world_size": dist.get_world_size() if on else 1,
     }
 
     def discard():
@@ -350,8 +368,12 @@ def save(directory, *, params, state, step: int, extra: dict | None = None,
             if not async_save:
                 dcp.save(tensors, checkpoint_id=tmp, no_dist=not on)
             else:
-                response = dcp.async_save(tensors, checkpoint_id=tmp, no_dist=not on,
-                                          process_group=_async_group() if on else None)
+                response = dcp.async_save(
+                    tensors,
+                    checkpoint_id=tmp,
+                    no_dist=not on,
+                    process_group=_async_group() if on else None,
+                )
                 future = getattr(response, "upload_completion", response)
     except BaseException:
         discard()
@@ -385,8 +407,9 @@ def _resolve(directory: str) -> str:
     if os.path.isdir(directory):
         if not _is_checkpoint(directory):
             raise FileNotFoundError(
-                f"checkpoint {directory!r} has no {MANIFEST}: it is incomplete (a save that did not "
-                "finish) or not a functional_train checkpoint")
+                f"checkpoint {directory!r} has no {MANIFEST}: it is incomplete (a save that did "
+                "not finish) or not a functional_train checkpoint"
+            )
         return directory
     old = [p for p in _siblings(directory, "old") if _is_checkpoint(p)]
     if old:
@@ -406,8 +429,10 @@ def read_manifest(directory) -> dict:
     if manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int):
         raise ValueError(f"{os.path.join(path, MANIFEST)} is not a {FORMAT} manifest")
     if manifest["version"] > FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path!r} has format version {manifest['version']}; this "
-                         f"functional_train reads versions up to {FORMAT_VERSION}")
+        raise ValueError(
+            f"checkpoint {path!r} has format version {manifest['version']}; this "
+            f"functional_train reads versions up to {FORMAT_VERSION}"
+        )
     manifest["path"] = path
     return manifest
 
@@ -455,23 +480,29 @@ def load(directory, params, state):
     if unexpected:
         problems.append(f"in the checkpoint but not in the templates: {_listing(unexpected)}")
     if t_tensor & saved_none:
-        problems.append(f"None in the checkpoint, a tensor in the templates: "
-                        f"{_listing(t_tensor & saved_none)}")
+        problems.append(
+            f"None in the checkpoint, a tensor in the templates: {_listing(t_tensor & saved_none)}"
+        )
     if t_none & set(saved):
-        problems.append(f"a tensor in the checkpoint, None in the templates: "
-                        f"{_listing(t_none & set(saved))}")
+        problems.append(
+            f"a tensor in the checkpoint, None in the templates: {_listing(t_none & set(saved))}"
+        )
     wrong = []
     for k, x in tensors.items():
         if k in saved:
             want = saved[k]
             got = _describe(x)
             if want["shape"] != got["shape"] or want["dtype"] != got["dtype"]:
-                wrong.append(f"{k} (saved {tuple(want['shape'])} {want['dtype']}, template "
-                             f"{tuple(got['shape'])} {got['dtype']})")
+                wrong.append(
+                    f"{k} (saved {tuple(want['shape'])} {want['dtype']}, template "
+                    f"{tuple(got['shape'])} {got['dtype']})"
+                )
     if wrong:
         problems.append(f"global shape or dtype mismatches: {_listing(wrong)}")
     if problems:
-        raise ValueError(f"checkpoint {path!r} does not match the templates: " + "; ".join(problems))
+        raise ValueError(
+            f"checkpoint {path!r} does not match the templates: " + "; ".join(problems)
+        )
 
     out = {k: torch.empty_like(x, requires_grad=False) for k, x in tensors.items()}
     with _single_process_quiet(_distributed()):
@@ -479,8 +510,9 @@ def load(directory, params, state):
     for k, x in tensors.items():
         if x.requires_grad:
             out[k].requires_grad_(True)
-    trees = [optree.tree_unflatten(treedef, [out.get(k) for k in keys])
-             for treedef, keys in structure]
+    trees = [
+        optree.tree_unflatten(treedef, [out.get(k) for k in keys]) for treedef, keys in structure
+    ]
     extra = None
     if manifest["extra"]:
         extra = torch.load(os.path.join(path, EXTRA), weights_only=True)

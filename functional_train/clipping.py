@@ -6,7 +6,8 @@ Colossal-AI's ``clip_grad_by_value`` / ``clip_grad_by_norm`` (seeds 000/001) as 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import optree
 import torch
@@ -147,20 +148,23 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         ValueError: ``max_norm <= 0`` or ``norm_type <= 0``; at update, a state from another
             transform.
     """
-    max_norm = V.number("max_norm", max_norm, where="clip_by_global_norm", low=0.0, low_open=True,
-                        finite=True)
-    norm_type = V.number("norm_type", norm_type, where="clip_by_global_norm", low=0.0, low_open=True)
+    max_norm = V.number(
+        "max_norm", max_norm, where="clip_by_global_norm", low=0.0, low_open=True, finite=True
+    )
+    norm_type = V.number(
+        "norm_type", norm_type, where="clip_by_global_norm", low=0.0, low_open=True
+    )
 
     def init_fn(params):
         leaves = [x for x in optree.tree_leaves(params) if isinstance(x, torch.Tensor)]
-        dtype = (torch.float64 if any(x.dtype == torch.float64 for x in leaves)
-                 else torch.float32)
+        dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
         return ClipByGlobalNormState(torch.zeros((), dtype=dtype, device=first_device(params)))
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, ClipByGlobalNormState):
-            raise ValueError("clip_by_global_norm: expected a ClipByGlobalNormState, "
-                             f"got {type(state).__name__}")
+            raise ValueError(
+                f"clip_by_global_norm: expected a ClipByGlobalNormState, got {type(state).__name__}"
+            )
         b = prepare(updates, params, mesh, name="clip_by_global_norm")
         total = global_norm_of(b, norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

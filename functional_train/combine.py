@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Union
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -61,7 +62,8 @@ class _PerLeaf:
                 raise RuntimeError(
                     f"{self._name}: under torch.compile the labels come from an eager call: "
                     "call init (or one eager update) on params of these shapes first"
-                    + (" (two param trees of these shapes have different labels)" if hit else ""))
+                    + (" (two param trees of these shapes have different labels)" if hit else "")
+                )
             return hit
         key = (treedef, sig)
         values = self._eager.get(key)
@@ -82,8 +84,10 @@ def _materialized(updates, params, mesh, name):
     return b.rebuild(b.locals), b.mesh, b.treedef
 
 
-def partition(transforms: Mapping[str, GradientTransformation],
-              param_labels: Union[PyTree, Callable[[PyTree], PyTree]]) -> GradientTransformation:
+def partition(
+    transforms: Mapping[str, GradientTransformation],
+    param_labels: PyTree | Callable[[PyTree], PyTree],
+) -> GradientTransformation:
     """Apply ``transforms[label]`` to the leaves labelled ``label`` (optax ``partition``).
 
     Args:
@@ -111,8 +115,10 @@ def partition(transforms: Mapping[str, GradientTransformation],
         for i, lab in enumerate(labels):
             if lab not in transforms:
                 paths = paths or tree_paths(params)
-                raise ValueError(f"partition: leaf '{paths[i]}' has label {lab!r}, which names no "
-                                 f"transform (labels: {names})")
+                raise ValueError(
+                    f"partition: leaf '{paths[i]}' has label {lab!r}, which names no "
+                    f"transform (labels: {names})"
+                )
         return labels
 
     labels_of = _PerLeaf(resolve_labels, "partition")
@@ -120,9 +126,14 @@ def partition(transforms: Mapping[str, GradientTransformation],
     def init_fn(params):
         leaves, treedef = tree_flatten(params)
         labels = labels_of(params)
-        return PartitionState({
-            n: transforms[n].init(tree_unflatten(treedef, _select(leaves, [l == n for l in labels])))
-            for n in names})
+        return PartitionState(
+            {
+                n: transforms[n].init(
+                    tree_unflatten(treedef, _select(leaves, [lab == n for lab in labels]))
+                )
+                for n in names
+            }
+        )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, PartitionState) or list(state.inner_states) != names:
@@ -136,10 +147,14 @@ def partition(transforms: Mapping[str, GradientTransformation],
         out = list(u_leaves)
         new_states = {}
         for n in names:
-            keep = [l == n for l in labels]
+            keep = [lab == n for lab in labels]
             new, new_states[n] = transforms[n].update(
-                tree_unflatten(treedef, _select(u_leaves, keep)), state.inner_states[n],
-                tree_unflatten(treedef, _select(p_leaves, keep)), mesh=mesh, **extra)
+                tree_unflatten(treedef, _select(u_leaves, keep)),
+                state.inner_states[n],
+                tree_unflatten(treedef, _select(p_leaves, keep)),
+                mesh=mesh,
+                **extra,
+            )
             for i, (k, x) in enumerate(zip(keep, tree_flatten(new)[0])):
                 if k:
                     out[i] = x
@@ -150,25 +165,29 @@ def partition(transforms: Mapping[str, GradientTransformation],
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
-def mask_of(mask: Union[PyTree, Callable[[PyTree], PyTree]], where: str) -> "_PerLeaf":
+def mask_of(mask: PyTree | Callable[[PyTree], PyTree], where: str) -> _PerLeaf:
     """``params -> [bool per leaf]`` for a mask given as a tree of bools with the structure of
     the params or as ``params -> mask tree`` (optax semantics), resolved once per params
-    structure and leaf shapes, and reused under ``torch.compile`` (see :class:`_PerLeaf`). Calling it raises ValueError for a mask whose
-    structure differs from the params and TypeError for a leaf that is not a bool, naming the
-    leaf path."""
+    structure and leaf shapes, and reused under ``torch.compile`` (see :class:`_PerLeaf`).
+    Calling it raises ValueError for a mask whose structure differs from the params and
+    TypeError for a leaf that is not a bool, naming the leaf path."""
+
     def resolve_mask(params):
         keep = _resolve(mask, params, "mask")
         for i, k in enumerate(keep):
             if not isinstance(k, bool):
-                raise TypeError(f"{where}: mask leaf '{tree_paths(params)[i]}' must be a bool, "
-                                f"got {type(k).__name__}")
+                raise TypeError(
+                    f"{where}: mask leaf '{tree_paths(params)[i]}' must be a bool, "
+                    f"got {type(k).__name__}"
+                )
         return keep
 
     return _PerLeaf(resolve_mask, where)
 
 
-def masked(inner: GradientTransformation,
-           mask: Union[PyTree, Callable[[PyTree], PyTree]]) -> GradientTransformation:
+def masked(
+    inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTree]
+) -> GradientTransformation:
     """Apply ``inner`` to the leaves where ``mask`` is True; the others pass through unchanged
     (optax ``masked``) and hold no state in ``inner``.
 
@@ -197,8 +216,12 @@ def masked(inner: GradientTransformation,
         keep = keep_of(params)
         u_leaves = tree_flatten(updates)[0]
         new, inner_state = inner.update(
-            tree_unflatten(treedef, _select(u_leaves, keep)), state.inner_state,
-            tree_unflatten(treedef, _select(tree_flatten(params)[0], keep)), mesh=mesh, **extra)
+            tree_unflatten(treedef, _select(u_leaves, keep)),
+            state.inner_state,
+            tree_unflatten(treedef, _select(tree_flatten(params)[0], keep)),
+            mesh=mesh,
+            **extra,
+        )
         out = [x if k else u for x, u, k in zip(tree_flatten(new)[0], u_leaves, keep)]
         return tree_unflatten(treedef, out), MaskedState(inner_state)
 

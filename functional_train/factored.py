@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -31,17 +32,35 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
 from .autograd import requires_grad_like
-from .hyperparams import injectable, value_of
-from .base import EmptyState, GradientTransformation, declare, chain
+from .base import EmptyState, GradientTransformation, chain, declare
+from .combine import mask_of
 from .engine.dtensor import spec_of, to_local
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
-from .combine import mask_of
 from .engine.view import Prepared, prepare
-from .transforms import (ScalarOrSchedule, ScaleByScheduleState, _cast_like, _check_state,
-                         _div, _lerp, _nonzero, reject_complex, scale, scale_by_learning_rate,
-                         stateless, zero_count)
-from .tree import (contiguous_stride, flatten_as, state_dtype, state_zeros_like, tree_flatten,
-                   tree_paths, tree_unflatten)
+from .hyperparams import injectable, value_of
+from .transforms import (
+    ScalarOrSchedule,
+    ScaleByScheduleState,
+    _cast_like,
+    _check_state,
+    _div,
+    _lerp,
+    _nonzero,
+    reject_complex,
+    scale,
+    scale_by_learning_rate,
+    stateless,
+    zero_count,
+)
+from .tree import (
+    contiguous_stride,
+    flatten_as,
+    state_dtype,
+    state_zeros_like,
+    tree_flatten,
+    tree_paths,
+    tree_unflatten,
+)
 
 __all__ = [
     "scale_by_factored_rms",
@@ -66,8 +85,10 @@ def _reduced_placements(x: DTensor, dim: int, path: str) -> list:
     out = []
     for p in x.placements:
         if isinstance(p, Partial):
-            raise ValueError(f"parameter '{path}' is Partial; optimizer states need parameters "
-                             "in Shard/Replicate placements")
+            raise ValueError(
+                f"parameter '{path}' is Partial; optimizer states need parameters "
+                "in Shard/Replicate placements"
+            )
         if isinstance(p, Shard):
             d = p.dim % nd
             if d == dim:
@@ -89,9 +110,14 @@ def _zeros_reduced(x: Any, dim: int, dtype: torch.dtype, path: str) -> Any:
         z = local.narrow(dim, 0, 0).sum(dim, dtype=dtype)
         shape = list(x.shape)
         del shape[dim % x.ndim]
-        return DTensor.from_local(z, x.device_mesh, _reduced_placements(x, dim, path),
-                                  run_check=False, shape=torch.Size(shape),
-                                  stride=contiguous_stride(shape))
+        return DTensor.from_local(
+            z,
+            x.device_mesh,
+            _reduced_placements(x, dim, path),
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=contiguous_stride(shape),
+        )
     return x.narrow(dim, 0, 0).sum(dim, dtype=dtype)
 
 
@@ -100,8 +126,14 @@ def _placeholder(x: Any, dtype: torch.dtype) -> Any:
     on the leaf's mesh for DTensor leaves."""
     if isinstance(x, DTensor):
         z = torch.zeros((0,), dtype=dtype, device=x.device)
-        return DTensor.from_local(z, x.device_mesh, [Replicate()] * x.device_mesh.ndim,
-                                  run_check=False, shape=torch.Size([0]), stride=(1,))
+        return DTensor.from_local(
+            z,
+            x.device_mesh,
+            [Replicate()] * x.device_mesh.ndim,
+            run_check=False,
+            shape=torch.Size([0]),
+            stride=(1,),
+        )
     return torch.zeros((0,), dtype=dtype, device=x.device)
 
 
@@ -114,8 +146,9 @@ def _is_factored(shape: Sequence[int], min_dim: int) -> bool:
     return len(shape) >= 2 and min(shape[-2], shape[-1]) >= min_dim
 
 
-def _state_leaves(b: Prepared, tree: Any, what: str, expected: dict,
-                  used: Sequence[int]) -> tuple[list, dict]:
+def _state_leaves(
+    b: Prepared, tree: Any, what: str, expected: dict, used: Sequence[int]
+) -> tuple[list, dict]:
     """Flatten a per-leaf state tree (structure of the updates), check the shapes of the active
     leaves against ``expected[i]`` and return ``(leaves, {i: local shard for i in used})``."""
     leaves = flatten_as(tree, b.treedef, what, "the updates")
@@ -123,9 +156,11 @@ def _state_leaves(b: Prepared, tree: Any, what: str, expected: dict,
         x = leaves[i]
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{what}: leaf '{b.paths[i]}' has shape {got}, expected "
-                             f"{tuple(shape)} for a parameter of shape "
-                             f"{tuple(b.updates[i].shape)}")
+            raise ValueError(
+                f"{what}: leaf '{b.paths[i]}' has shape {got}, expected "
+                f"{tuple(shape)} for a parameter of shape "
+                f"{tuple(b.updates[i].shape)}"
+            )
     return leaves, {i: to_local(leaves[i]) for i in used}
 
 
@@ -135,8 +170,13 @@ def _new_state_tree(b: Prepared, leaves: list, new_locals: dict) -> Any:
     out = list(leaves)
     for i, loc in new_locals.items():
         s = spec_of(leaves[i])
-        out[i] = loc if s is None else DTensor.from_local(
-            loc, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
+        out[i] = (
+            loc
+            if s is None
+            else DTensor.from_local(
+                loc, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride
+            )
+        )
     return tree_unflatten(b.treedef, out)
 
 
@@ -148,14 +188,22 @@ def _shards_of(x: Any, dim: int) -> int:
     if not isinstance(x, DTensor):
         return 1
     dim %= x.ndim
-    return math.prod([x.device_mesh.size(m) for m, p in enumerate(x.placements)
-                      if isinstance(p, Shard) and p.dim % x.ndim == dim])
+    return math.prod(
+        [
+            x.device_mesh.size(m)
+            for m, p in enumerate(x.placements)
+            if isinstance(p, Shard) and p.dim % x.ndim == dim
+        ]
+    )
 
 
-def _factored_ema(b: Prepared,
-                  items: Iterable[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
-                  beta: torch.Tensor, scratch: Optional[Scratch] = None, local: bool = False
-                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _factored_ema(
+    b: Prepared,
+    items: Iterable[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
+    beta: torch.Tensor,
+    scratch: Scratch | None = None,
+    local: bool = False,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Exact factored moving averages of per-leaf squared quantities, one ``leaf_sums`` call.
 
     Args:
@@ -185,9 +233,9 @@ def _factored_ema(b: Prepared,
         kept.append((i, r_old, c_old))  # it is made (while in cache), then dropped
         x = b.updates[i]
         n_cols = int(x.shape[-1])
-        row = s.sum(-1)                       # partial over local columns
+        row = s.sum(-1)  # partial over local columns
         reqs.append((i, row, (-1,)))
-        reqs.append((i, s.sum(-2), (-2,)))    # partial over local rows
+        reqs.append((i, s.sum(-2), (-2,)))  # partial over local rows
         # sum_rows R_new = beta sum_rows R_old + (1-beta) sum(S) / n_cols, one partial sum over
         # the local block: R_old is the same on every column shard, so it is divided by their
         # number before the sum over rows AND columns adds it up again
@@ -202,7 +250,7 @@ def _factored_ema(b: Prepared,
     # local: the caller knows no leaf needs communication (one process, plain tensors)
     red = [t for _, t, _ in reqs] if local else b.leaf_sums(reqs)
     for k, (i, r_old, c_old) in enumerate(kept):
-        row_sum, col_sum, r_total = red[3 * k: 3 * k + 3]
+        row_sum, col_sum, r_total = red[3 * k : 3 * k + 3]
         shape = b.updates[i].shape
         n_rows, n_cols = int(shape[-2]), int(shape[-1])
         r = r_old * beta + (row_sum / n_cols) * one_minus
@@ -246,11 +294,18 @@ class ScaleByFactoredRmsState(NamedTuple):
     v: Any
 
 
-def _factored_rms(b: Prepared, state: ScaleByFactoredRmsState, where: str, decay_rate: float,
-                  beta2: Optional[float], eps: float, min_dim: int,
-                  on_update: Optional[Callable[[int, torch.Tensor], None]] = None,
-                  scratch: Optional[Scratch] = None, local: bool = False
-                  ) -> tuple[list, ScaleByFactoredRmsState]:
+def _factored_rms(
+    b: Prepared,
+    state: ScaleByFactoredRmsState,
+    where: str,
+    decay_rate: float,
+    beta2: float | None,
+    eps: float,
+    min_dim: int,
+    on_update: Callable[[int, torch.Tensor], None] | None = None,
+    scratch: Scratch | None = None,
+    local: bool = False,
+) -> tuple[list, ScaleByFactoredRmsState]:
     """:func:`scale_by_factored_rms`'s update on a prepared view: ``(new locals, new state)``.
 
     ``on_update(i, u)``, when given, is called with each active leaf's update as soon as it is
@@ -266,8 +321,10 @@ def _factored_rms(b: Prepared, state: ScaleByFactoredRmsState, where: str, decay
     dense = [i for i in b.active if i not in fset]
     empty = (0,)
     e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in b.active}
-    e_col = {i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset
-                 else empty) for i in b.active}
+    e_col = {
+        i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset else empty)
+        for i in b.active
+    }
     e_v = {i: (empty if i in fset else tuple(b.updates[i].shape)) for i in b.active}
     row_leaves, row_loc = _state_leaves(b, state.v_row, f"{where}: v_row", e_row, fac)
     col_leaves, col_loc = _state_leaves(b, state.v_col, f"{where}: v_col", e_col, fac)
@@ -297,14 +354,16 @@ def _factored_rms(b: Prepared, state: ScaleByFactoredRmsState, where: str, decay
             out[i] = x.to(gi.dtype)
             if on_update is not None:
                 on_update(i, out[i])
+
     # factored leaves: one batched leaf_sums for all of them
     def square(x):
         if scratch is None:
             return _square(x)
         return torch.mul(x, x, out=scratch.view(0, x.shape, x.dtype, x.device))
 
-    items = ((i, square(b.locals[i].to(row_loc[i].dtype)).add_(eps), row_loc[i],
-              col_loc[i]) for i in fac)
+    items = (
+        (i, square(b.locals[i].to(row_loc[i].dtype)).add_(eps), row_loc[i], col_loc[i]) for i in fac
+    )
     for i, (r, c, f) in zip(fac, _factored_ema(b, items, b2, scratch, local)):
         g = b.locals[i]
         new_row[i], new_col[i] = r, c
@@ -312,14 +371,22 @@ def _factored_rms(b: Prepared, state: ScaleByFactoredRmsState, where: str, decay
         if on_update is not None:
             on_update(i, out[i])
     new_state = ScaleByFactoredRmsState(
-        count, _new_state_tree(b, row_leaves, new_row), _new_state_tree(b, col_leaves, new_col),
-        _new_state_tree(b, v_leaves, new_v))
+        count,
+        _new_state_tree(b, row_leaves, new_row),
+        _new_state_tree(b, col_leaves, new_col),
+        _new_state_tree(b, v_leaves, new_v),
+    )
     return out, new_state
 
 
-def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
-                          beta2: Optional[float] = None, min_dim_size_to_factor: int = 0,
-                          v_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+def scale_by_factored_rms(
+    decay_rate: float = -0.8,
+    eps: float = 1e-30,
+    *,
+    beta2: float | None = None,
+    min_dim_size_to_factor: int = 0,
+    v_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
     """Adafactor's factored second-moment scaling, exactly as HF ``Adafactor`` computes it.
 
     With ``t = count + 1`` (1 on the first update) and ``b2t = 1 - t^decay_rate`` (or the
@@ -389,15 +456,17 @@ def scale_by_factored_rms(decay_rate: float = -0.8, eps: float = 1e-30, *,
                 rows.append(_placeholder(x, dt))
                 cols.append(_placeholder(x, dt))
                 vs.append(state_zeros_like(x, v_dtype))
-        return ScaleByFactoredRmsState(zero_count(params), optree.tree_unflatten(treedef, rows),
-                                       optree.tree_unflatten(treedef, cols),
-                                       optree.tree_unflatten(treedef, vs))
+        return ScaleByFactoredRmsState(
+            zero_count(params),
+            optree.tree_unflatten(treedef, rows),
+            optree.tree_unflatten(treedef, cols),
+            optree.tree_unflatten(treedef, vs),
+        )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, ScaleByFactoredRmsState, where)
         b = prepare(updates, params, mesh, name=where)
-        out, new_state = _factored_rms(b, state, where, value_of(decay_rate), beta2, eps,
-                                       min_dim)
+        out, new_state = _factored_rms(b, state, where, value_of(decay_rate), beta2, eps, min_dim)
         return b.rebuild(out), new_state
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
@@ -433,8 +502,9 @@ def _block_rms(b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]) ->
     return torch._foreach_sqrt(ms)
 
 
-def _block_rms_vector(b: Prepared, locs: Sequence[torch.Tensor],
-                      idx: Sequence[int]) -> Optional[torch.Tensor]:
+def _block_rms_vector(
+    b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]
+) -> torch.Tensor | None:
     """:func:`_block_rms` as one vector (the same numbers: every operation is elementwise on
     the per-leaf values) when every tensor of ``locs`` has one dtype; ``None`` otherwise."""
     dtype = locs[0].dtype
@@ -523,10 +593,10 @@ def _clip_and_scale_by_param_rms(threshold: float, min_scale: float) -> Gradient
         g = [b.locals[i] for i in act]
         p = [b.params[i] for i in act]
         rms = _block_rms(b, g + p, act + act)
-        den = _div(rms[:len(act)], value_of(threshold))
+        den = _div(rms[: len(act)], value_of(threshold))
         torch._foreach_clamp_min_(den, 1.0)
         out = [x / d.to(x.dtype) for x, d in zip(g, den)]
-        scale = rms[len(act):]
+        scale = rms[len(act) :]
         torch._foreach_clamp_min_(scale, min_scale)
         return [x * s.to(x.dtype) for x, s in zip(out, scale)]
 
@@ -547,8 +617,9 @@ def relative_step_schedule(warmup_init: bool = False):
     Reference: HF ``Adafactor._get_lr`` (``relative_step=True``).
     """
     if not isinstance(warmup_init, bool):
-        raise TypeError(f"relative_step_schedule: warmup_init must be a bool, "
-                        f"got {type(warmup_init).__name__}")
+        raise TypeError(
+            f"relative_step_schedule: warmup_init must be a bool, got {type(warmup_init).__name__}"
+        )
 
     def schedule(count):
         t = torch.as_tensor(count).to(torch.float64) + 1.0
@@ -566,8 +637,9 @@ class EmaState(NamedTuple):
     ema: Any
 
 
-def ema(decay: float, debias: bool = False, *,
-        accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+def ema(
+    decay: float, debias: bool = False, *, accumulator_dtype: torch.dtype | None = None
+) -> GradientTransformation:
     """Exponential moving average of the updates: ``m <- decay m + (1 - decay) u``; the update
     is ``m``, or ``m / (1 - decay^t)`` with ``debias`` (t counted from 1).
 
@@ -615,8 +687,9 @@ def ema(decay: float, debias: bool = False, *,
 
 # ---------------------------------------------------------------------------------------------
 # the alias
-def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay: float,
-                     rho, mask=None) -> GradientTransformation:
+def _adafactor_scale(
+    threshold: float, min_scale: float | None, weight_decay: float, rho, mask=None
+) -> GradientTransformation:
     """Private: Adafactor's tail without ``beta1`` as ONE multiplication per leaf,
     ``u <- -alpha_t (u / max(1, RMS(u) / threshold) + weight_decay theta)`` with
     ``alpha_t = rho_t * max(min_scale, RMS(theta))`` (``rho_t`` when ``min_scale`` is None).
@@ -648,8 +721,9 @@ def _adafactor_scale(threshold: float, min_scale: Optional[float], weight_decay:
             return b.rebuild_active([]), new_state
         g = [b.locals[i] for i in act]
         p = [b.params[i] for i in act] if need_params else []
-        factors, steps = _adafactor_factors(b, act, g, p, _rho_at(rho, state),
-                                            value_of(threshold), min_scale)
+        factors, steps = _adafactor_factors(
+            b, act, g, p, _rho_at(rho, state), value_of(threshold), min_scale
+        )
         out = torch._foreach_mul(g, factors)
         wd = value_of(weight_decay)
         if _nonzero(wd):
@@ -671,20 +745,26 @@ def _rho_at(rho, state) -> torch.Tensor:
     return torch.as_tensor(rho(state.count) if callable(rho) else rho, dtype=torch.float64)
 
 
-def _adafactor_factors(b: Prepared, idx: Sequence[int], u: Sequence[torch.Tensor],
-                       p: Sequence[torch.Tensor], lr: torch.Tensor, threshold: float,
-                       min_scale: Optional[float]) -> tuple[list, list]:
+def _adafactor_factors(
+    b: Prepared,
+    idx: Sequence[int],
+    u: Sequence[torch.Tensor],
+    p: Sequence[torch.Tensor],
+    lr: torch.Tensor,
+    threshold: float,
+    min_scale: float | None,
+) -> tuple[list, list]:
     """Per leaf ``(factor, step)``: ``step = -lr * max(min_scale, RMS(p))`` (float64; ``-lr``
     when ``min_scale`` is None) and ``factor = step / max(1, RMS(u) / threshold)`` in ``u``'s
     dtype, the RMS over the global leaves (one ``leaf_totals`` for both)."""
     n = len(idx)
     scaled = min_scale is not None
-    vec = _block_rms_vector(b, list(u) + list(p) if scaled else list(u),
-                            list(idx) * (2 if scaled else 1))
+    vec = _block_rms_vector(
+        b, list(u) + list(p) if scaled else list(u), list(idx) * (2 if scaled else 1)
+    )
     if vec is not None:  # one dtype: the same numbers as below, as vectors
         den = (vec[:n] / threshold).clamp_min(1.0)
-        step = (-lr * vec[n:].clamp_min(min_scale).to(torch.float64) if scaled
-                else (-lr).expand(n))
+        step = -lr * vec[n:].clamp_min(min_scale).to(torch.float64) if scaled else (-lr).expand(n)
         factors = (step / den.to(torch.float64)).to(u[0].dtype)
         return list(factors.unbind()), list(step.unbind())
     if scaled:
@@ -700,8 +780,9 @@ def _adafactor_factors(b: Prepared, idx: Sequence[int], u: Sequence[torch.Tensor
     return [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, u)], steps
 
 
-def _add_decay(out: Sequence[torch.Tensor], p: Sequence[torch.Tensor], steps: Sequence,
-               weight_decay: float) -> None:
+def _add_decay(
+    out: Sequence[torch.Tensor], p: Sequence[torch.Tensor], steps: Sequence, weight_decay: float
+) -> None:
     """``out += step * weight_decay * p`` in place, per leaf (HF's decay ``-alpha_t wd theta``)."""
     decay = [(a * weight_decay).to(x.dtype) for a, x in zip(steps, out)]
     torch._foreach_add_(out, torch._foreach_mul(_cast_like(p, out), decay))
@@ -716,7 +797,7 @@ class FusedAdafactor:
     decay_rate: float
     eps: float
     threshold: float
-    min_scale: Optional[float]
+    min_scale: float | None
     weight_decay: float
     rho: Any
     mask: Any = None  # params -> [bool per leaf]: the leaves decayed (None: all)
@@ -724,8 +805,9 @@ class FusedAdafactor:
     min_mean_bytes = 0  # small leaves are finished together: the path pays on any tree
 
 
-def per_leaf_view(grads: Any, params: Any, mesh: Any, name: str,
-                  min_mean_bytes: int = 0) -> Optional[tuple]:
+def per_leaf_view(
+    grads: Any, params: Any, mesh: Any, name: str, min_mean_bytes: int = 0
+) -> tuple | None:
     """``(prepared view, flat params, treedef)`` for a per-leaf ``ft.step`` path, or ``None``
     where it does not apply: a mesh of more than one rank, no active leaf, DTensor, complex or
     tensor-subclass leaves, gradients of another dtype than their parameters, or active
@@ -735,18 +817,25 @@ def per_leaf_view(grads: Any, params: Any, mesh: Any, name: str,
         return None
     pl, treedef = tree_flatten(params)
     act = b.active
-    if not act or any(isinstance(pl[i], DTensor) or b.params[i].dtype != b.locals[i].dtype
-                      or b.locals[i].dtype.is_complex or type(b.locals[i]) is not torch.Tensor
-                      or type(b.params[i]) is not torch.Tensor for i in act):
+    if not act or any(
+        isinstance(pl[i], DTensor)
+        or b.params[i].dtype != b.locals[i].dtype
+        or b.locals[i].dtype.is_complex
+        or type(b.locals[i]) is not torch.Tensor
+        or type(b.params[i]) is not torch.Tensor
+        for i in act
+    ):
         return None
-    if min_mean_bytes and sum(b.locals[i].numel() * b.locals[i].element_size()
-                              for i in act) < min_mean_bytes * len(act):
+    if min_mean_bytes and sum(
+        b.locals[i].numel() * b.locals[i].element_size() for i in act
+    ) < min_mean_bytes * len(act):
         return None
     return b, pl, treedef
 
 
-def per_leaf_result(params: Any, pl: list, treedef: Any, new_p: dict, new_state: Any,
-                    donate: bool) -> tuple:
+def per_leaf_result(
+    params: Any, pl: list, treedef: Any, new_p: dict, new_state: Any, donate: bool
+) -> tuple:
     """A per-leaf step's ``(params, state)``: the donated ``params`` (updated in place), or the
     params tree with the new leaves ``new_p`` (position -> tensor) marked as requiring grad
     where the old ones did."""
@@ -758,8 +847,9 @@ def per_leaf_result(params: Any, pl: list, treedef: Any, new_p: dict, new_state:
     return tree_unflatten(treedef, leaves), new_state
 
 
-def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: Any,
-                         mesh: Any, donate: bool) -> Optional[tuple]:
+def fused_adafactor_step(
+    fused: FusedAdafactor, grads: Any, state: Any, params: Any, mesh: Any, donate: bool
+) -> tuple | None:
     """``ft.step`` of ``adafactor`` (without ``beta1``) when no leaf needs communication (plain
     tensors, one process): each leaf is finished while its buffers are in cache, its update
     made, scaled by the clip and parameter-scale factor (the RMS of a local leaf is its global
@@ -768,9 +858,12 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
     on one leaf at a time). Returns ``None`` where the general path must run (a mesh of more
     than one rank, DTensor or complex leaves, gradients of another dtype than their
     parameters, or a state that is not this chain's: the chain then raises its error)."""
-    if not (isinstance(state, tuple) and len(state) == 2
-            and isinstance(state[0], ScaleByFactoredRmsState)
-            and isinstance(state[1], ScaleByScheduleState if callable(fused.rho) else EmptyState)):
+    if not (
+        isinstance(state, tuple)
+        and len(state) == 2
+        and isinstance(state[0], ScaleByFactoredRmsState)
+        and isinstance(state[1], ScaleByScheduleState if callable(fused.rho) else EmptyState)
+    ):
         return None
     fac_state, tail_state = state
     view = per_leaf_view(grads, params, mesh, "adafactor")
@@ -782,8 +875,9 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
     neg_lr = -lr
     new_p: dict = {}
     if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
-        new_p = dict(zip(act, of_plan(b.plan, "pool", Pool).take(
-            "params", [b.params[i] for i in act])))
+        new_p = dict(
+            zip(act, of_plan(b.plan, "pool", Pool).take("params", [b.params[i] for i in act]))
+        )
     small: list = []  # (i, u) of small leaves, finished together at the end
     keep = fused.mask(params) if fused.mask is not None else None
 
@@ -811,19 +905,34 @@ def fused_adafactor_step(fused: FusedAdafactor, grads: Any, state: Any, params: 
 
     scratch = of_plan(b.plan, "scratch", Scratch)
     with torch.no_grad():
-        _, new_fac = _factored_rms(b, fac_state, "scale_by_factored_rms", fused.decay_rate, None,
-                                   fused.eps, 0, finish, scratch, local=True)
+        _, new_fac = _factored_rms(
+            b,
+            fac_state,
+            "scale_by_factored_rms",
+            fused.decay_rate,
+            None,
+            fused.eps,
+            0,
+            finish,
+            scratch,
+            local=True,
+        )
         if small:
             idx = [i for i, _ in small]
             us = [u for _, u in small]
             ps = [b.params[i] for i in idx]
-            factors, steps = _adafactor_factors(b, idx, us, ps, lr, fused.threshold,
-                                                fused.min_scale)
+            factors, steps = _adafactor_factors(
+                b, idx, us, ps, lr, fused.threshold, fused.min_scale
+            )
             torch._foreach_mul_(us, factors)
             if fused.weight_decay:
                 ks = range(len(idx)) if keep is None else _kept(keep, idx)
-                _add_decay([us[k] for k in ks], [ps[k] for k in ks], [steps[k] for k in ks],
-                           fused.weight_decay)
+                _add_decay(
+                    [us[k] for k in ks],
+                    [ps[k] for k in ks],
+                    [steps[k] for k in ks],
+                    fused.weight_decay,
+                )
             for i, u in small:
                 apply(i, u)
     new_tail = ScaleByScheduleState(tail_state.count + 1) if callable(fused.rho) else tail_state
@@ -835,8 +944,9 @@ class _StepSizeDecayState(NamedTuple):
     count: torch.Tensor
 
 
-def _add_step_size_decayed_weights(weight_decay: float, rho, scale_parameter: bool,
-                                   min_scale: float, mask=None) -> GradientTransformation:
+def _add_step_size_decayed_weights(
+    weight_decay: float, rho, scale_parameter: bool, min_scale: float, mask=None
+) -> GradientTransformation:
     """Private: ``u <- u + weight_decay * alpha_t * param`` with Adafactor's step size
     ``alpha_t = rho(count) * (max(min_scale, RMS(param)) if scale_parameter else 1)``.
 
@@ -870,19 +980,29 @@ def _add_step_size_decayed_weights(weight_decay: float, rho, scale_parameter: bo
         else:
             coef = [lr * wd] * len(g)
         keep = [True] * len(b.updates) if keep_of is None else keep_of(params)
-        out = [x + y.to(x.dtype) * c.to(x.dtype) if keep[i] else x
-               for i, x, y, c in zip(b.active, g, p, coef)]
+        out = [
+            x + y.to(x.dtype) * c.to(x.dtype) if keep[i] else x
+            for i, x, y, c in zip(b.active, g, p, coef)
+        ]
         return b.rebuild_active(out), _StepSizeDecayState(state.count + 1)
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
 @injectable(tensors=("clip_threshold", "decay_rate", "beta1", "weight_decay"))
-def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
-              eps: tuple[float, float] = (1e-30, 1e-3), clip_threshold: float = 1.0,
-              decay_rate: float = -0.8, beta1: Optional[float] = None, weight_decay: float = 0.0,
-              scale_parameter: bool = True, relative_step: bool = True,
-              warmup_init: bool = False, *, mask=None) -> GradientTransformation:
+def adafactor(
+    learning_rate: ScalarOrSchedule | None = None,
+    eps: tuple[float, float] = (1e-30, 1e-3),
+    clip_threshold: float = 1.0,
+    decay_rate: float = -0.8,
+    beta1: float | None = None,
+    weight_decay: float = 0.0,
+    scale_parameter: bool = True,
+    relative_step: bool = True,
+    warmup_init: bool = False,
+    *,
+    mask=None,
+) -> GradientTransformation:
     """``transformers.optimization.Adafactor`` as a chain: same arguments, defaults and numbers.
 
     With ``t`` the step (1 on the first update) and per leaf:
@@ -945,13 +1065,18 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
     Colossal-AI's ``DistributedAdaFactor`` copies).
     """
     where = "adafactor"
-    for name, flag in (("scale_parameter", scale_parameter), ("relative_step", relative_step),
-                       ("warmup_init", warmup_init)):
+    for name, flag in (
+        ("scale_parameter", scale_parameter),
+        ("relative_step", relative_step),
+        ("warmup_init", warmup_init),
+    ):
         if not isinstance(flag, bool):
             raise TypeError(f"{where}: {name} must be a bool, got {type(flag).__name__}")
     if learning_rate is not None and relative_step:
-        raise ValueError(f"{where}: cannot combine a manual learning_rate with "
-                         "relative_step=True; pass relative_step=False to use learning_rate")
+        raise ValueError(
+            f"{where}: cannot combine a manual learning_rate with "
+            "relative_step=True; pass relative_step=False to use learning_rate"
+        )
     if warmup_init and not relative_step:
         raise ValueError(f"{where}: warmup_init=True requires relative_step=True")
     if not relative_step:
@@ -963,8 +1088,7 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
         raise TypeError(f"{where}: eps must be a pair (eps1, eps2), got {eps!r}")
     eps1 = V.number("eps[0]", eps[0], where=where, low=0.0)
     eps2 = V.number("eps[1]", eps[1], where=where, low=0.0)
-    clip_threshold = V.number("clip_threshold", clip_threshold, where=where, low=0.0,
-                              low_open=True)
+    clip_threshold = V.number("clip_threshold", clip_threshold, where=where, low=0.0, low_open=True)
     decay_rate = V.number("decay_rate", decay_rate, where=where, high=0.0)
     if beta1 is not None:
         beta1 = V.beta("beta1", beta1, where=where)
@@ -981,8 +1105,8 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
         txs.append(_adafactor_scale(clip_threshold, min_scale, weight_decay, rho, mask))
         tx = chain(*txs)
         tx.update.fused = FusedAdafactor(  # type: ignore[attr-defined]  (ft.step)
-            decay_rate, eps1, clip_threshold, min_scale, weight_decay, rho,
-            txs[-1].update.keep_of)
+            decay_rate, eps1, clip_threshold, min_scale, weight_decay, rho, txs[-1].update.keep_of
+        )
         return tx
     else:
         if scale_parameter:
@@ -993,7 +1117,8 @@ def adafactor(learning_rate: Optional[ScalarOrSchedule] = None,
         txs.append(ema(beta1))
         if _nonzero(weight_decay):
             rho_fn = rho if callable(rho) else (lambda count, _v=float(rho): _v)
-            txs.append(_add_step_size_decayed_weights(weight_decay, rho_fn, scale_parameter, eps2,
-                                                      mask))
+            txs.append(
+                _add_step_size_decayed_weights(weight_decay, rho_fn, scale_parameter, eps2, mask)
+            )
         txs.append(scale(-1.0))
     return chain(*txs)

@@ -32,25 +32,44 @@ on its local shard:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
-from .hyperparams import injectable, value_of
-from .base import GradientTransformation, declare, chain
-from .base import EmptyState
+from .base import EmptyState, GradientTransformation, chain, declare
 from .combine import PartitionState, partition
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import Prepared, prepare
-from .engine.whole import gather_global as _gather_global, is_sharded as _is_sharded, \
-    local_part as _local_part, per_rank as _per_rank
+from .engine.whole import (
+    gather_global as _gather_global,
+)
+from .engine.whole import (
+    is_sharded as _is_sharded,
+)
+from .engine.whole import (
+    local_part as _local_part,
+)
+from .engine.whole import (
+    per_rank as _per_rank,
+)
 from .factored import per_leaf_result, per_leaf_view
-from .transforms import (AdamLeaf, ScalarOrSchedule, ScaleByAdamState, ScaleByScheduleState,
-                         _check_state, _nonzero, reject_complex, scale_by_adam,
-                         scale_by_learning_rate, stateless)
+from .hyperparams import injectable, value_of
+from .transforms import (
+    AdamLeaf,
+    ScalarOrSchedule,
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    _check_state,
+    _nonzero,
+    reject_complex,
+    scale_by_adam,
+    scale_by_learning_rate,
+    stateless,
+)
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
@@ -129,19 +148,27 @@ def _low_rank_shape(shape: Sequence[int], side: str, rank: int) -> tuple[int, in
 def _check_placements(spec: Spec, path: str) -> None:
     for p in spec.placements:
         if isinstance(p, Partial):
-            raise ValueError(f"galore: parameter '{path}' is Partial; GaLore needs parameters in "
-                             "Shard/Replicate placements")
+            raise ValueError(
+                f"galore: parameter '{path}' is Partial; GaLore needs parameters in "
+                "Shard/Replicate placements"
+            )
         if isinstance(p, Shard) and type(p) is not Shard:
-            raise ValueError(f"galore: leaf '{path}' has placement {p!r}; only Shard and "
-                             "Replicate placements are supported on projected (2-D) leaves")
+            raise ValueError(
+                f"galore: leaf '{path}' has placement {p!r}; only Shard and "
+                "Replicate placements are supported on projected (2-D) leaves"
+            )
 
 
 def _low_rank_spec(spec: Spec, side: str, rank: int) -> Spec:
     """Layout of ``R``: the leaf's placements with the contracted dim's ``Shard`` replaced by
     ``Replicate``; global shape ``(m, r)`` or ``(r, n)``."""
     c = _contracted(side)
-    pl = tuple(Replicate() if isinstance(p, Shard) and p.dim % 2 == c
-               else (Shard(p.dim % 2) if isinstance(p, Shard) else p) for p in spec.placements)
+    pl = tuple(
+        Replicate()
+        if isinstance(p, Shard) and p.dim % 2 == c
+        else (Shard(p.dim % 2) if isinstance(p, Shard) else p)
+        for p in spec.placements
+    )
     shape = _low_rank_shape(spec.shape, side, rank)
     return Spec(spec.mesh, pl, torch.Size(shape), contiguous_stride(shape))
 
@@ -149,16 +176,19 @@ def _low_rank_spec(spec: Spec, side: str, rank: int) -> Spec:
 def _proj_spec(spec: Spec, side: str, rank: int) -> Spec:
     """Layout of the projector in the state: replicated, global shape."""
     shape = _proj_shape(spec.shape, side, rank)
-    return Spec(spec.mesh, (Replicate(),) * spec.mesh.ndim, torch.Size(shape),
-                contiguous_stride(shape))
+    return Spec(
+        spec.mesh, (Replicate(),) * spec.mesh.ndim, torch.Size(shape), contiguous_stride(shape)
+    )
 
 
 def _slice_placements(spec: Spec, side: str) -> tuple:
     """Placements under which the local part of the projector is the slice that matches the
     local shard of the leaf along the contracted dim (``P``'s dim ``c`` is the leaf's dim ``c``)."""
     c = _contracted(side)
-    return tuple(Shard(c) if isinstance(p, Shard) and p.dim % 2 == c else Replicate()
-                 for p in spec.placements)
+    return tuple(
+        Shard(c) if isinstance(p, Shard) and p.dim % 2 == c else Replicate()
+        for p in spec.placements
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,22 +211,25 @@ def _orthogonal(full: torch.Tensor, side: str, rank: int) -> torch.Tensor:
     return (Vh[:rank, :] if side == _RIGHT else U[:, :rank]).contiguous()
 
 
-def _like_dim(spec: Optional[Spec], dim: int) -> tuple:
+def _like_dim(spec: Spec | None, dim: int) -> tuple:
     """Placements under which the local part of a ``(size of dim, k)`` matrix matches the local
     shard of the leaf along its tensor dim ``dim``."""
-    return tuple(Shard(0) if isinstance(p, Shard) and p.dim % 2 == dim else Replicate()
-                 for p in spec.placements)
+    return tuple(
+        Shard(0) if isinstance(p, Shard) and p.dim % 2 == dim else Replicate()
+        for p in spec.placements
+    )
 
 
-def _rows_for(x: torch.Tensor, spec: Optional[Spec], dim: int) -> torch.Tensor:
+def _rows_for(x: torch.Tensor, spec: Spec | None, dim: int) -> torch.Tensor:
     """The rows of the replicated matrix ``x`` matching this rank's shard of leaf dim ``dim``."""
     if spec is None or not _is_sharded(spec, dim):
         return x
     return _local_part(x, spec.mesh, _like_dim(spec, dim))
 
 
-def _randomized(b: Prepared, proj: Sequence[tuple[int, str]], rank: int, oversample: int,
-                seed: int) -> dict:
+def _randomized(
+    b: Prepared, proj: Sequence[tuple[int, str]], rank: int, oversample: int, seed: int
+) -> dict:
     """Projectors from a randomized range finder (Halko, Martinsson & Tropp 2011) of the GLOBAL
     gradients, communicating ``O(k (m + n))`` per leaf (``k = min(r + oversample, m, n)``)
     instead of gathering ``m n``: two all-reduces for all leaves (``leaf_sums(whole=True)``).
@@ -233,9 +266,9 @@ def _randomized(b: Prepared, proj: Sequence[tuple[int, str]], rank: int, oversam
         q = torch.linalg.qr(y.T if side == _RIGHT else y).Q  # (n, k) or (m, k)
         qs[i] = q
         if side == _RIGHT:
-            items.append((i, g @ _rows_for(q, s, 1), (1,)))      # (m_local, k)
+            items.append((i, g @ _rows_for(q, s, 1), (1,)))  # (m_local, k)
         else:
-            items.append((i, _rows_for(q, s, 0).T @ g, (0,)))    # (k, n_local)
+            items.append((i, _rows_for(q, s, 0).T @ g, (0,)))  # (k, n_local)
     bs = b.leaf_sums(items, whole=True)
     out = {}
     for (i, (side, r, _)), bm in zip(geo.items(), bs):
@@ -286,9 +319,17 @@ def _scaled_(u: torch.Tensor, scale) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # galore
 # ---------------------------------------------------------------------------------------------
-def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
-           scale: float = 0.25, proj_type: str = "std", *, refresh: str = "svd",
-           oversample: int = 10, seed: int = 0) -> GradientTransformation:
+def galore(
+    inner: GradientTransformation,
+    rank: int,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    proj_type: str = "std",
+    *,
+    refresh: str = "svd",
+    oversample: int = 10,
+    seed: int = 0,
+) -> GradientTransformation:
     """GaLore's gradient low-rank projection around ``inner`` (Zhao et al. 2024), exactly as
     galore-torch's ``GaLoreProjector`` computes it.
 
@@ -369,8 +410,9 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
     """
     where = "galore"
     if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"{where}: inner must be a GradientTransformation, "
-                        f"got {type(inner).__name__}")
+        raise TypeError(
+            f"{where}: inner must be a GradientTransformation, got {type(inner).__name__}"
+        )
     rank = V.integer("rank", rank, where=where, low=1)
     gap = V.integer("update_proj_gap", update_proj_gap, where=where, low=1)
     scale_arg = V.number("scale", scale, where=where)
@@ -406,9 +448,11 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
             _check_placements(s, paths[k])
             projs.append(wrap(z, _proj_spec(s, side, rank)))
             low.append(wrap(_low_rank_zeros(local, side, r), _low_rank_spec(s, side, rank)))
-        return GaLoreState(torch.zeros((), dtype=torch.int64, device="cpu"),
-                           tree_unflatten(treedef, projs),
-                           inner.init(tree_unflatten(treedef, low)))
+        return GaLoreState(
+            torch.zeros((), dtype=torch.int64, device="cpu"),
+            tree_unflatten(treedef, projs),
+            inner.init(tree_unflatten(treedef, low)),
+        )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         return run(updates, state, params, mesh, extra, None, None)
@@ -437,17 +481,21 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
             g, p = b.updates[i], old[i]
             if not _is_projected(g):
                 if p is not None:
-                    raise ValueError(f"{where}: update leaf '{b.paths[i]}' has shape "
-                                     f"{tuple(g.shape)}, but the state holds a projector for it "
-                                     "(a state for other parameters?)")
+                    raise ValueError(
+                        f"{where}: update leaf '{b.paths[i]}' has shape "
+                        f"{tuple(g.shape)}, but the state holds a projector for it "
+                        "(a state for other parameters?)"
+                    )
                 continue
             side = _side(g.shape, proj_type)
             want = _proj_shape(g.shape, side, rank)
             if p is None or tuple(p.shape) != want:
                 got = "none" if p is None else f"one of shape {tuple(p.shape)}"
-                raise ValueError(f"{where}: update leaf '{b.paths[i]}' of shape "
-                                 f"{tuple(g.shape)} needs a projector of shape {want}, the "
-                                 f"state holds {got} (a state for other parameters?)")
+                raise ValueError(
+                    f"{where}: update leaf '{b.paths[i]}' of shape "
+                    f"{tuple(g.shape)} needs a projector of shape {want}, the "
+                    f"state holds {got} (a state for other parameters?)"
+                )
             proj.append((i, side))
         refresh = int(state.count) % gap == 0  # CPU counter: a host read without device sync
         randomized = refresh_kind == "randomized"
@@ -455,8 +503,7 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
         new_proj = list(old)
         full = {}
         if refresh and proj and randomized:
-            for i, p_new in _randomized(b, proj, rank, oversample,
-                                        seed + int(state.count)).items():
+            for i, p_new in _randomized(b, proj, rank, oversample, seed + int(state.count)).items():
                 p_full[i] = p_new
                 new_proj[i] = wrap_like(p_new, old[i])
         elif refresh and proj:
@@ -465,12 +512,28 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
                 p_full[i] = _orthogonal(full.get(i, b.locals[i]), side, rank)
                 new_proj[i] = wrap_like(p_full[i], old[i])
         leafwise = getattr(inner.update, "leafwise", None)
-        if (on_update is not None and outputs is not None and leafwise is not None
-                and not refresh and isinstance(state.inner_state, ScaleByAdamState)):
-            inner_state = _leafwise(b, dict(proj), p_full, state.inner_state, leafwise,
-                                    on_update, scratch, outputs, scale, rank)
-            return None, GaLoreState(state.count + 1, tree_unflatten(b.treedef, new_proj),
-                                     inner_state)
+        if (
+            on_update is not None
+            and outputs is not None
+            and leafwise is not None
+            and not refresh
+            and isinstance(state.inner_state, ScaleByAdamState)
+        ):
+            inner_state = _leafwise(
+                b,
+                dict(proj),
+                p_full,
+                state.inner_state,
+                leafwise,
+                on_update,
+                scratch,
+                outputs,
+                scale,
+                rank,
+            )
+            return None, GaLoreState(
+                state.count + 1, tree_unflatten(b.treedef, new_proj), inner_state
+            )
         # projection: local products, partial sums completed by one bucketed all-reduce
         low: dict = {}
         p_slice: dict = {}
@@ -497,18 +560,24 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
         for i, side in proj:
             s = b.specs[i]
             inner_in[i] = low[i] if s is None else wrap(low[i], _low_rank_spec(s, side, rank))
-        inner_out, inner_state = inner.update(tree_unflatten(b.treedef, inner_in),
-                                              state.inner_state, None, mesh=b.mesh, **extra)
-        out = flatten_as(inner_out, b.treedef, f"{where}: the inner transform's updates",
-                         "the updates")
+        inner_out, inner_state = inner.update(
+            tree_unflatten(b.treedef, inner_in), state.inner_state, None, mesh=b.mesh, **extra
+        )
+        out = flatten_as(
+            inner_out, b.treedef, f"{where}: the inner transform's updates", "the updates"
+        )
         out = list(out)
         new_state = GaLoreState(state.count + 1, tree_unflatten(b.treedef, new_proj), inner_state)
         if on_update is not None:  # ft.step's per-leaf path: plain tensors, one process
             sides = dict(proj)
             for i in b.active:
                 r = out[i]
-                on_update(i, r if i not in sides else
-                          BackProjection(r, p_slice[i].to(r.dtype), sides[i], scale))
+                on_update(
+                    i,
+                    r
+                    if i not in sides
+                    else BackProjection(r, p_slice[i].to(r.dtype), sides[i], scale),
+                )
             return None, new_state
         for i, side in proj:
             u = _project_back(to_local(out[i]), p_slice[i], side)
@@ -519,9 +588,18 @@ def galore(inner: GradientTransformation, rank: int, update_proj_gap: int = 200,
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
-def _leafwise(b: Prepared, sides: dict, proj: dict, state: ScaleByAdamState, adam: AdamLeaf,
-              on_update: Callable, scratch: Scratch, outputs: Callable, scale: float,
-              rank: int) -> ScaleByAdamState:
+def _leafwise(
+    b: Prepared,
+    sides: dict,
+    proj: dict,
+    state: ScaleByAdamState,
+    adam: AdamLeaf,
+    on_update: Callable,
+    scratch: Scratch,
+    outputs: Callable,
+    scale: float,
+    rank: int,
+) -> ScaleByAdamState:
     """:func:`galore`'s per-leaf update with its ``inner`` Adam one leaf at a time (plain
     tensors, one process, no refresh): per active leaf, ``R`` projected into scratch slot 2,
     Adam's moments into ``outputs``' buffers and its update into slot 3, then ``on_update``;
@@ -538,9 +616,11 @@ def _leafwise(b: Prepared, sides: dict, proj: dict, state: ScaleByAdamState, ada
         for what, x in (("mu", mu[k]), ("nu", nu[k])):
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"galore: update leaf '{b.paths[i]}' needs a "
-                                 f"ScaleByAdamState.{what} of shape {want}, the state holds "
-                                 f"{got} (a state for other parameters?)")
+                raise ValueError(
+                    f"galore: update leaf '{b.paths[i]}' needs a "
+                    f"ScaleByAdamState.{what} of shape {want}, the state holds "
+                    f"{got} (a state for other parameters?)"
+                )
     mu_out, nu_out = outputs("galore.mu", mu), outputs("galore.nu", nu)
     count = state.count + 1
     factors = adam.factors(count)
@@ -550,23 +630,36 @@ def _leafwise(b: Prepared, sides: dict, proj: dict, state: ScaleByAdamState, ada
         if side is not None:
             p = proj[i].to(g.dtype)  # _project's product, into the scratch
             if side == _RIGHT:
-                g = torch.matmul(g, p.T, out=scratch.view(2, (g.shape[0], p.shape[0]), g.dtype,
-                                                          g.device))
+                g = torch.matmul(
+                    g, p.T, out=scratch.view(2, (g.shape[0], p.shape[0]), g.dtype, g.device)
+                )
             else:
-                g = torch.matmul(p.T, g, out=scratch.view(2, (p.shape[1], g.shape[1]), g.dtype,
-                                                          g.device))
-        r = adam.step(g, mu[k], nu[k], mu_out[k], nu_out[k],
-                      scratch.view(3, g.shape, nu[k].dtype, g.device), factors)
+                g = torch.matmul(
+                    p.T, g, out=scratch.view(2, (p.shape[1], g.shape[1]), g.dtype, g.device)
+                )
+        r = adam.step(
+            g,
+            mu[k],
+            nu[k],
+            mu_out[k],
+            nu_out[k],
+            scratch.view(3, g.shape, nu[k].dtype, g.device),
+            factors,
+        )
         on_update(i, r if side is None else BackProjection(r, p.to(r.dtype), side, scale))
-    return ScaleByAdamState(count, b.state_tree(state.mu, "ScaleByAdamState.mu", mu_out),
-                            b.state_tree(state.nu, "ScaleByAdamState.nu", nu_out))
+    return ScaleByAdamState(
+        count,
+        b.state_tree(state.mu, "ScaleByAdamState.mu", mu_out),
+        b.state_tree(state.nu, "ScaleByAdamState.nu", nu_out),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # galore_adamw
 # ---------------------------------------------------------------------------------------------
-def _decay_after_update(learning_rate: ScalarOrSchedule,
-                        weight_decay: float) -> GradientTransformation:
+def _decay_after_update(
+    learning_rate: ScalarOrSchedule, weight_decay: float
+) -> GradientTransformation:
     """HF AdamW's decoupled weight decay, applied to the already-updated parameter
     (``p <- p - lr * wd * p`` after ``p <- p + u``): ``u <- u - lr * wd * (param + u)``.
 
@@ -611,19 +704,22 @@ def _decay_after_update(learning_rate: ScalarOrSchedule,
 
     if not callable(learning_rate):
         lr = float(learning_rate)
-        return stateless(where, lambda b: decayed(b, lr * value_of(weight_decay)),
-                         need_params=True)
+        return stateless(where, lambda b: decayed(b, lr * value_of(weight_decay)), need_params=True)
 
     def init_fn(params):
-        return ScaleByScheduleState(torch.zeros((), dtype=torch.int64,
-                                                device=_first_device(params)))
+        return ScaleByScheduleState(
+            torch.zeros((), dtype=torch.int64, device=_first_device(params))
+        )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, ScaleByScheduleState, where)
         b = prepare(updates, params, mesh, need_params=True, name=where)
         wd = value_of(weight_decay)
-        c = torch.as_tensor(learning_rate(state.count), dtype=torch.float64) * wd \
-            if _nonzero(wd) else 0.0
+        c = (
+            torch.as_tensor(learning_rate(state.count), dtype=torch.float64) * wd
+            if _nonzero(wd)
+            else 0.0
+        )
         out = decayed(b, c) if b.active else []
         return b.rebuild_active(out), ScaleByScheduleState(state.count + 1)
 
@@ -638,7 +734,7 @@ def _first_device(tree: PyTree) -> torch.device:
 _LABELS = ("galore", "decay", "no_decay")
 
 
-def _canonical_labels(labels: Union[None, PyTree, Callable[[PyTree], PyTree]]):
+def _canonical_labels(labels: None | PyTree | Callable[[PyTree], PyTree]):
     """``params -> labels tree`` over ``_LABELS``: ``"galore"`` and ``"no_decay"`` kept, every
     other label ``"decay"``; with ``labels=None`` every 2-D leaf is ``"galore"``."""
 
@@ -652,30 +748,44 @@ def _canonical_labels(labels: Union[None, PyTree, Callable[[PyTree], PyTree]]):
             out = []
             for k, lab in enumerate(given):
                 if not isinstance(lab, str):
-                    raise TypeError(f"galore_adamw: label of leaf '{tree_paths(params)[k]}' must "
-                                    f"be a str, got {type(lab).__name__}")
+                    raise TypeError(
+                        f"galore_adamw: label of leaf '{tree_paths(params)[k]}' must "
+                        f"be a str, got {type(lab).__name__}"
+                    )
                 out.append(lab if lab in ("galore", "no_decay") else "decay")
         return tree_unflatten(treedef, out)
 
     return fn
 
 
-def _hf_adam(b1: float, b2: float, eps: float, optim_bits: int = 32,
-             min_8bit_size: int = 4096) -> GradientTransformation:
+def _hf_adam(
+    b1: float, b2: float, eps: float, optim_bits: int = 32, min_8bit_size: int = 4096
+) -> GradientTransformation:
     """The Adam scaling of HF / galore-torch AdamW (eps added to sqrt(v) before the bias
     correction, bias correction on), with 32- or 8-bit moments. The one place galore_adamw
     builds it."""
-    return scale_by_adam(b1, b2, eps, eps_before_correction=True, optim_bits=optim_bits,
-                         min_8bit_size=min_8bit_size)
+    return scale_by_adam(
+        b1, b2, eps, eps_before_correction=True, optim_bits=optim_bits, min_8bit_size=min_8bit_size
+    )
 
 
 @injectable(tensors=("b1", "b2", "eps", "weight_decay", "scale"))
-def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
-                 eps: float = 1e-6, weight_decay: float = 0.0, *, rank: int = 128,
-                 update_proj_gap: int = 200, scale: float = 0.25, proj_type: str = "std",
-                 labels: Union[None, PyTree, Callable[[PyTree], PyTree]] = None,
-                 optim_bits: int = 32, min_8bit_size: int = 4096,
-                 refresh: str = "svd") -> GradientTransformation:
+def galore_adamw(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    *,
+    rank: int = 128,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    proj_type: str = "std",
+    labels: None | PyTree | Callable[[PyTree], PyTree] = None,
+    optim_bits: int = 32,
+    min_8bit_size: int = 4096,
+    refresh: str = "svd",
+) -> GradientTransformation:
     """``galore_torch.GaLoreAdamW`` as a chain (HF ``AdamW`` heritage, ``correct_bias=True``).
 
     Per leaf labelled ``"galore"`` (2-D; see :func:`galore` for the projection), with
@@ -739,20 +849,35 @@ def galore_adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: fl
         return txs
 
     transforms = {
-        "galore": chain(galore(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size), rank,
-                               update_proj_gap, scale, proj_type, refresh=refresh),
-                        *tail(True)),
+        "galore": chain(
+            galore(
+                _hf_adam(b1, b2, eps, optim_bits, min_8bit_size),
+                rank,
+                update_proj_gap,
+                scale,
+                proj_type,
+                refresh=refresh,
+            ),
+            *tail(True),
+        ),
         "decay": chain(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size), *tail(True)),
     }
     if labels is not None:
-        transforms["no_decay"] = chain(_hf_adam(b1, b2, eps, optim_bits, min_8bit_size),
-                                       *tail(False))
-    tx = partition({k: _skip_when_empty(t) for k, t in transforms.items()},
-                   _canonical_labels(labels))
+        transforms["no_decay"] = chain(
+            _hf_adam(b1, b2, eps, optim_bits, min_8bit_size), *tail(False)
+        )
+    tx = partition(
+        {k: _skip_when_empty(t) for k, t in transforms.items()}, _canonical_labels(labels)
+    )
     tx.update.fused = FusedGaLore(  # type: ignore[attr-defined]
-        transforms["galore"].update.parts[0], lr, wd, update_proj_gap, tx.update.labels_of,
+        transforms["galore"].update.parts[0],
+        lr,
+        wd,
+        update_proj_gap,
+        tx.update.labels_of,
         {k: _skip_when_empty(t) for k, t in transforms.items() if k != "galore"},
-        len(transforms["galore"].update.parts) == 3)
+        len(transforms["galore"].update.parts) == 3,
+    )
     return tx
 
 
@@ -774,8 +899,9 @@ class FusedGaLore:
     min_mean_bytes = MIN_MEAN_BYTES  # per-leaf Python work pays only on large leaves
 
 
-def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, mesh: Any,
-                      donate: bool) -> Optional[tuple]:
+def fused_galore_step(
+    fused: FusedGaLore, grads: Any, state: Any, params: Any, mesh: Any, donate: bool
+) -> tuple | None:
     """``ft.step`` of ``galore_adamw`` between projector refreshes, when no leaf needs
     communication (plain tensors, one process, leaves averaging 64 KiB or more), leaf by leaf
     as galore-torch's per-parameter loop does: each ``"galore"`` leaf's gradient is projected,
@@ -792,9 +918,13 @@ def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, m
     if not (isinstance(state, PartitionState) and "galore" in state.inner_states):
         return None
     gst = state.inner_states["galore"]
-    if not (isinstance(gst, tuple) and len(gst) == 2 + fused.decayed
-            and isinstance(gst[0], GaLoreState) and isinstance(gst[0].count, torch.Tensor)
-            and int(gst[0].count) % fused.update_proj_gap != 0):
+    if not (
+        isinstance(gst, tuple)
+        and len(gst) == 2 + fused.decayed
+        and isinstance(gst[0], GaLoreState)
+        and isinstance(gst[0].count, torch.Tensor)
+        and int(gst[0].count) % fused.update_proj_gap != 0
+    ):
         return None
     lr, wd = fused.learning_rate, fused.weight_decay
     decayed = fused.decayed and wd != 0.0  # (an injected weight decay: a float here)
@@ -817,8 +947,12 @@ def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, m
     neg = None if not decayed else -c
     new_p: dict = {}
     if not donate:
-        new_p = dict(zip(b.active, of_plan(b.plan, "pool", Pool).take(
-            "params", [b.params[i] for i in b.active])))
+        new_p = dict(
+            zip(
+                b.active,
+                of_plan(b.plan, "pool", Pool).take("params", [b.params[i] for i in b.active]),
+            )
+        )
     scratch = of_plan(b.plan, "scratch", Scratch)
     g_leaves = [b.locals[i] if labels[i] == "galore" else None for i in range(len(pl))]
     p_leaves = [b.params[i] if labels[i] == "galore" else None for i in range(len(pl))]
@@ -855,18 +989,26 @@ def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, m
     with torch.no_grad():
         pool = of_plan(b.plan, "pool", Pool)
         new_galore = fused.galore.update.per_leaf(
-            tree_unflatten(treedef, g_leaves), gst[0], tree_unflatten(treedef, p_leaves),
-            finish, scratch, (lambda kind, xs: xs) if donate else pool.take)
+            tree_unflatten(treedef, g_leaves),
+            gst[0],
+            tree_unflatten(treedef, p_leaves),
+            finish,
+            scratch,
+            (lambda kind, xs: xs) if donate else pool.take,
+        )
         # the other labels: their chains, then one add per leaf
-        states = {"galore": (new_galore,) + tuple(
-            ScaleByScheduleState(x.count + 1) if sched else x for x in gst[1:])}
+        states = {
+            "galore": (new_galore,)
+            + tuple(ScaleByScheduleState(x.count + 1) if sched else x for x in gst[1:])
+        }
         upd: dict = {}
         for name, tx in fused.others.items():
             keep = [labels[i] == name for i in range(len(pl))]
             new, states[name] = tx.update(
                 tree_unflatten(treedef, [b.locals[i] if k else None for i, k in enumerate(keep)]),
                 state.inner_states[name],
-                tree_unflatten(treedef, [pl[i] if k else None for i, k in enumerate(keep)]))
+                tree_unflatten(treedef, [pl[i] if k else None for i, k in enumerate(keep)]),
+            )
             for i, (k, x) in enumerate(zip(keep, tree_flatten(new)[0])):
                 if k and x is not None and b.locals[i] is not None:
                     upd[i] = x
@@ -875,8 +1017,9 @@ def fused_galore_step(fused: FusedGaLore, grads: Any, state: Any, params: Any, m
             if donate:
                 torch._foreach_add_([b.params[i] for i in idx], [upd[i] for i in idx])
             else:
-                for i, x in zip(idx, torch._foreach_add([b.params[i] for i in idx],
-                                                        [upd[i] for i in idx])):
+                for i, x in zip(
+                    idx, torch._foreach_add([b.params[i] for i in idx], [upd[i] for i in idx])
+                ):
                     new_p[i] = x
     new_state = PartitionState({k: states[k] for k in state.inner_states})
     return per_leaf_result(params, pl, treedef, new_p, new_state, donate)
@@ -895,8 +1038,9 @@ def _skip_when_empty(tx: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(tx.init, declare(update_fn, unreduced=True))
 
 
-def galore_param_labels(params: PyTree,
-                        no_decay: Sequence[str] = ("bias", "LayerNorm.weight", "norm")) -> PyTree:
+def galore_param_labels(
+    params: PyTree, no_decay: Sequence[str] = ("bias", "LayerNorm.weight", "norm")
+) -> PyTree:
     """Labels for :func:`galore_adamw` from dotted parameter paths, as Colossal-AI's
     ``get_galore_param_groups`` (``colossalai/nn/optimizer/galore.py``) groups parameters.
 

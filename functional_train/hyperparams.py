@@ -6,15 +6,21 @@ import functools
 import inspect
 import numbers
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from .base import GradientTransformation
 from .tree import find_state
 
-__all__ = ["inject_hyperparams", "InjectHyperparamsState", "set_hyperparams", "get_hyperparams",
-           "injectable"]
+__all__ = [
+    "inject_hyperparams",
+    "InjectHyperparamsState",
+    "set_hyperparams",
+    "get_hyperparams",
+    "injectable",
+]
 
 # hyperparameters this library's factories accept as a schedule ``count -> value``: an injected
 # one is handed to them as a schedule reading the state's tensor (no host read, no rebuild)
@@ -83,8 +89,11 @@ def _is_number(v: Any) -> bool:
     if isinstance(v, bool):
         return False
     if isinstance(v, torch.Tensor):
-        return v.ndim == 0 and (v.is_floating_point() or not v.dtype.is_complex) and (
-            v.dtype != torch.bool)
+        return (
+            v.ndim == 0
+            and (v.is_floating_point() or not v.dtype.is_complex)
+            and (v.dtype != torch.bool)
+        )
     return isinstance(v, numbers.Real)
 
 
@@ -92,8 +101,9 @@ def _as_value(v: Any) -> torch.Tensor:
     return torch.as_tensor(v, dtype=torch.float64).detach().to("cpu").reshape(())
 
 
-def injectable(factory: Callable = None, *, tensors: tuple = (),
-               nonzero_tensors: tuple = ()) -> Callable:
+def injectable(
+    factory: Callable = None, *, tensors: tuple = (), nonzero_tensors: tuple = ()
+) -> Callable:
     """Decorate a transform factory so that the transforms it builds remember how (their
     ``update.built_with = (factory, arguments)``): :class:`~functional_train.TorchOptimizer`
     uses it to turn ``adamw(1e-3)`` into ``inject_hyperparams(adamw)(learning_rate=1e-3)``.
@@ -117,13 +127,16 @@ def injectable(factory: Callable = None, *, tensors: tuple = (),
         return tx
 
     build.__wrapped_factory__ = factory  # type: ignore[attr-defined]
-    build.tensor_hyperparams = (frozenset(tensors),  # type: ignore[attr-defined]
-                                frozenset(nonzero_tensors))
+    build.tensor_hyperparams = (  # type: ignore[attr-defined]
+        frozenset(tensors),
+        frozenset(nonzero_tensors),
+    )
     return build
 
 
-def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
-                       static_args: tuple = ()) -> Callable[..., GradientTransformation]:
+def inject_hyperparams(
+    inner_factory: Callable[..., GradientTransformation], *, static_args: tuple = ()
+) -> Callable[..., GradientTransformation]:
     """Make the numeric hyperparameters of ``inner_factory`` part of the state (optax
     ``inject_hyperparams``): ``inject_hyperparams(ft.adamw)(learning_rate=1e-3, b1=0.9)``.
 
@@ -178,8 +191,10 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
             the initial values, and whenever a host-read value changes).
     """
     if not callable(inner_factory):
-        raise TypeError(f"inject_hyperparams: inner_factory must be callable, "
-                        f"got {type(inner_factory).__name__}")
+        raise TypeError(
+            f"inject_hyperparams: inner_factory must be callable, "
+            f"got {type(inner_factory).__name__}"
+        )
     base = getattr(inner_factory, "__wrapped_factory__", inner_factory)
     sig = inspect.signature(inner_factory)
     ours = (getattr(base, "__module__", "") or "").startswith("functional_train")
@@ -191,9 +206,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
         injected, static = {}, {}
         for name, value in arguments.items():
             p = sig.parameters[name]
-            int_default = (isinstance(p.default, int) and not isinstance(p.default, bool))
-            if name in static_args or name == "mask" or p.kind in (p.VAR_POSITIONAL,
-                                                                   p.VAR_KEYWORD):
+            int_default = isinstance(p.default, int) and not isinstance(p.default, bool)
+            if name in static_args or name == "mask" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 static[name] = value
             elif callable(value) and not isinstance(value, torch.Tensor):
                 injected[name] = value
@@ -201,16 +215,22 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
                 injected[name] = value
             else:
                 static[name] = value
-        schedules = {n: v for n, v in injected.items()
-                     if callable(v) and not isinstance(v, torch.Tensor)}
+        schedules = {
+            n: v for n, v in injected.items() if callable(v) and not isinstance(v, torch.Tensor)
+        }
 
         def initial(name):
             v = injected[name]
             return _as_value(v(0) if name in schedules else v)
 
         tensors, nonzero = getattr(inner_factory, "tensor_hyperparams", ((), ()))
-        native = {n for n in injected if (n in _NATIVE and ours) or n in tensors
-                  or (n in nonzero and float(initial(n)) != 0.0)}
+        native = {
+            n
+            for n in injected
+            if (n in _NATIVE and ours)
+            or n in tensors
+            or (n in nonzero and float(initial(n)) != 0.0)
+        }
         cells = {n: _Cell(n) for n in native}
 
         builds: OrderedDict = OrderedDict()
@@ -255,24 +275,31 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
             hp = {n: initial(n) for n in injected}
             # the count on the CPU, like the values: evaluating a schedule and storing its
             # value never waits for a device
-            return InjectHyperparamsState(torch.zeros((), dtype=torch.int64), hp,
-                                          first.init(params))
+            return InjectHyperparamsState(
+                torch.zeros((), dtype=torch.int64), hp, first.init(params)
+            )
 
         def resolve(state):
             """``(inner transform, hyperparams of this update)``, with the cells set."""
             if not isinstance(state, InjectHyperparamsState):
-                raise ValueError("inject_hyperparams: expected the InjectHyperparamsState "
-                                 f"from init, got {type(state).__name__}")
+                raise ValueError(
+                    "inject_hyperparams: expected the InjectHyperparamsState "
+                    f"from init, got {type(state).__name__}"
+                )
             hp = dict(state.hyperparams)
             missing = [n for n in injected if n not in hp]
             if missing:
-                raise ValueError(f"inject_hyperparams: the state has no hyperparameter(s) "
-                                 f"{missing}; it comes from another transform")
+                raise ValueError(
+                    f"inject_hyperparams: the state has no hyperparameter(s) "
+                    f"{missing}; it comes from another transform"
+                )
             for n, v in hp.items():  # (optax's idiom may have put a Python number there)
                 if not isinstance(v, torch.Tensor):
                     if not _is_number(v):
-                        raise TypeError(f"inject_hyperparams: hyperparams['{n}'] must be a real "
-                                        f"number or a 0-dim real tensor, got {type(v).__name__}")
+                        raise TypeError(
+                            f"inject_hyperparams: hyperparams['{n}'] must be a real "
+                            f"number or a 0-dim real tensor, got {type(v).__name__}"
+                        )
                     hp[n] = _as_value(v)
             for n, fn in schedules.items():
                 hp[n] = _as_value(fn(state.count))
@@ -286,8 +313,9 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
         def update_fn(updates, state, params=None, *, mesh=None, **extra):
             inner, hp = resolve(state)
             try:
-                updates, inner_state = inner.update(updates, state.inner_state, params,
-                                                    mesh=mesh, **extra)
+                updates, inner_state = inner.update(
+                    updates, state.inner_state, params, mesh=mesh, **extra
+                )
             except (ValueError, TypeError) as e:
                 err = explain(inner, hp, e)
                 if err is e:
@@ -306,7 +334,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
                 f"inject_hyperparams: the update failed after the host-read hyperparameter(s) "
                 f"{now} changed from {was} (a factory may leave a transform out of its chain "
                 f"for a value of 0, so a non-zero value needs another state: inject it "
-                f"non-zero, or build a new transform and state): {error}")
+                f"non-zero, or build a new transform and state): {error}"
+            )
 
         inner_update = first.update
         for attr in ("accepts_unreduced", "accepts_view", "passes_unreduced"):
@@ -316,7 +345,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation], *,
         update_fn.explain = explain  # type: ignore[attr-defined]  (ft.step: its errors)
         # names given as tensors (TorchOptimizer keeps them as tensors in its param_groups)
         update_fn.given_as_tensors = frozenset(  # type: ignore[attr-defined]
-            n for n, v in injected.items() if isinstance(v, torch.Tensor))
+            n for n, v in injected.items() if isinstance(v, torch.Tensor)
+        )
         return GradientTransformation(init_fn, update_fn)
 
     wrapped.__wrapped_factory__ = base  # type: ignore[attr-defined]
@@ -332,17 +362,22 @@ def set_hyperparams(state: Any, **values) -> Any:
         ValueError: no, or several, InjectHyperparamsState in ``state``; a name it does not hold.
         TypeError: a value that is not a real number or a 0-dim real tensor.
     """
+
     def visit(node):
         if isinstance(node, InjectHyperparamsState):
             unknown = sorted(set(values) - set(node.hyperparams))
             if unknown:
-                raise ValueError(f"set_hyperparams: no hyperparameter(s) {unknown}; the state "
-                                 f"holds {sorted(node.hyperparams)}")
+                raise ValueError(
+                    f"set_hyperparams: no hyperparameter(s) {unknown}; the state "
+                    f"holds {sorted(node.hyperparams)}"
+                )
             hp = dict(node.hyperparams)
             for k, v in values.items():
                 if not _is_number(v):
-                    raise TypeError(f"set_hyperparams: {k} must be a real number or a 0-dim "
-                                    f"real tensor, got {type(v).__name__}")
+                    raise TypeError(
+                        f"set_hyperparams: {k} must be a real number or a 0-dim "
+                        f"real tensor, got {type(v).__name__}"
+                    )
                 hp[k] = _as_value(v)
             found.append(1)
             return node._replace(hyperparams=hp)
@@ -357,8 +392,9 @@ def set_hyperparams(state: Any, **values) -> Any:
     found: list = []
     out = visit(state)
     if len(found) != 1:
-        raise ValueError(f"set_hyperparams: expected one InjectHyperparamsState in the state, "
-                         f"found {len(found)}")
+        raise ValueError(
+            f"set_hyperparams: expected one InjectHyperparamsState in the state, found {len(found)}"
+        )
     return out
 
 

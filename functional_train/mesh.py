@@ -9,7 +9,7 @@ experts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -52,17 +52,22 @@ class Mesh:
         TypeError: ``device_mesh`` is not a ``DeviceMesh`` or ``is_expert`` is not callable.
     """
 
-    device_mesh: Optional[DeviceMesh] = None
-    data_axis: Optional[str] = None
-    pipeline_axis: Optional[str] = None
-    expert_axis: Optional[str] = None
-    is_expert: Optional[Callable[[str], bool]] = None
+    device_mesh: DeviceMesh | None = None
+    data_axis: str | None = None
+    pipeline_axis: str | None = None
+    expert_axis: str | None = None
+    is_expert: Callable[[str], bool] | None = None
 
     def __post_init__(self) -> None:
-        axes = {"data_axis": self.data_axis, "pipeline_axis": self.pipeline_axis,
-                "expert_axis": self.expert_axis}
+        axes = {
+            "data_axis": self.data_axis,
+            "pipeline_axis": self.pipeline_axis,
+            "expert_axis": self.expert_axis,
+        }
         if self.device_mesh is not None and not isinstance(self.device_mesh, DeviceMesh):
-            raise TypeError(f"Mesh: device_mesh must be a DeviceMesh, got {type(self.device_mesh).__name__}")
+            raise TypeError(
+                f"Mesh: device_mesh must be a DeviceMesh, got {type(self.device_mesh).__name__}"
+            )
         if self.is_expert is not None and not callable(self.is_expert):
             raise TypeError("Mesh: is_expert must be a callable path -> bool")
         if self.is_expert is not None and self.expert_axis is None:
@@ -76,11 +81,16 @@ class Mesh:
                 raise ValueError(f"Mesh: {role}={name!r} needs a device_mesh")
             if name not in names:
                 raise ValueError(
-                    f"Mesh: {role}={name!r} is not a dim of the device mesh (dims: {names})")
+                    f"Mesh: {role}={name!r} is not a dim of the device mesh (dims: {names})"
+                )
             if name in used:
                 raise ValueError(f"Mesh: {role} and {used[name]} both name mesh dim {name!r}")
             used[name] = role
-        if self.device_mesh is not None and self.device_mesh.ndim > 1 and len(names) != self.device_mesh.ndim:
+        if (
+            self.device_mesh is not None
+            and self.device_mesh.ndim > 1
+            and len(names) != self.device_mesh.ndim
+        ):
             raise ValueError("Mesh: every dim of a multi-dimensional device_mesh must be named")
 
     # -- queries ---------------------------------------------------------------------------
@@ -88,7 +98,9 @@ class Mesh:
     def dim_names(self) -> tuple[str, ...]:
         if self.device_mesh is None:
             return ()
-        return tuple(self.device_mesh.mesh_dim_names or (f"dim{i}" for i in range(self.device_mesh.ndim)))
+        return tuple(
+            self.device_mesh.mesh_dim_names or (f"dim{i}" for i in range(self.device_mesh.ndim))
+        )
 
     def dim(self, name: str) -> int:
         """Index of the mesh dim called ``name``."""
@@ -100,24 +112,27 @@ class Mesh:
     @property
     def pending_data_reduction(self) -> bool:
         """True while plain-tensor gradients are per-replica contributions over ``data_axis``."""
-        return self.data_axis is not None and (
-            self.size(self.data_axis) > 1 or self.expert_data)
+        return self.data_axis is not None and (self.size(self.data_axis) > 1 or self.expert_data)
 
     @property
     def expert_data(self) -> bool:
         """True when the expert axis is data parallel too (``data_axis`` is given, and the
         expert axis has more than one rank): see the class docstring."""
-        return (self.data_axis is not None and self.expert_axis is not None
-                and self.size(self.expert_axis) > 1)
+        return (
+            self.data_axis is not None
+            and self.expert_axis is not None
+            and self.size(self.expert_axis) > 1
+        )
 
     @property
     def data_dims(self) -> list:
         """Indices of the mesh dims whose ranks train on different data: the data axis, and the
         expert axis when it is data parallel too (:attr:`expert_data`)."""
-        return [self.dim(self.data_axis)] + ([self.dim(self.expert_axis)] if self.expert_data
-                                             else [])
+        return [self.dim(self.data_axis)] + (
+            [self.dim(self.expert_axis)] if self.expert_data else []
+        )
 
-    def reduced(self) -> "Mesh":
+    def reduced(self) -> Mesh:
         """The descriptor of the same mesh once gradients have been averaged over ``data_axis``."""
         if self.data_axis is None:
             return self
@@ -128,6 +143,10 @@ class Mesh:
         return hit
 
     def __repr__(self) -> str:
-        shape = None if self.device_mesh is None else dict(zip(self.dim_names, self.device_mesh.shape))
-        return (f"Mesh({shape}, data_axis={self.data_axis!r}, pipeline_axis={self.pipeline_axis!r}, "
-                f"expert_axis={self.expert_axis!r})")
+        shape = (
+            None if self.device_mesh is None else dict(zip(self.dim_names, self.device_mesh.shape))
+        )
+        return (
+            f"Mesh({shape}, data_axis={self.data_axis!r}, pipeline_axis={self.pipeline_axis!r}, "
+            f"expert_axis={self.expert_axis!r})"
+        )

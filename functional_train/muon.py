@@ -36,24 +36,39 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from . import _validate as V
 from .base import GradientTransformation, chain, declare
 from .combine import partition
-from .engine.view import prepare
 from .engine.owners import run_at_owners
+from .engine.view import prepare
 from .engine.whole import gather_global, is_sharded, local_part, per_rank
 from .hyperparams import injectable, value_of
 from .optimizers import adamw
-from .transforms import (ScalarOrSchedule, _cast_like, _check_state, _lerp, add_decayed_weights,
-                         reject_complex, scale_by_learning_rate, zero_count)
+from .transforms import (
+    ScalarOrSchedule,
+    _cast_like,
+    _check_state,
+    _lerp,
+    add_decayed_weights,
+    reject_complex,
+    scale_by_learning_rate,
+    zero_count,
+)
 from .tree import state_zeros_like, tree_flatten, tree_paths, tree_unflatten
 
-__all__ = ["ScaleByMuonState", "scale_by_muon", "muon", "muon_param_labels", "newton_schulz",
-           "NS_COEFFICIENTS"]
+__all__ = [
+    "ScaleByMuonState",
+    "scale_by_muon",
+    "muon",
+    "muon_param_labels",
+    "newton_schulz",
+    "NS_COEFFICIENTS",
+]
 
 PyTree = Any
 
@@ -69,9 +84,13 @@ class ScaleByMuonState(NamedTuple):
     mu: Any
 
 
-def newton_schulz(x: torch.Tensor, ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
-                  ns_steps: int = 5, eps: float = 1e-7,
-                  ns_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def newton_schulz(
+    x: torch.Tensor,
+    ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
+    ns_steps: int = 5,
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """The quintic Newton-Schulz orthogonalisation of the 2-D ``x`` (``torch.optim.Muon``'s
     ``_zeropower_via_newtonschulz`` with its dtype a parameter), in ``ns_dtype``: an
     approximation of ``U V^T`` for ``x = U S V^T`` whose singular values land in about
@@ -95,7 +114,7 @@ def newton_schulz(x: torch.Tensor, ns_coefficients: Sequence[float] = NS_COEFFIC
     return y.T if tall else y
 
 
-def _ratio(adjust_lr_fn: Optional[str], rows: int, cols: int) -> float:
+def _ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     return math.sqrt(max(1.0, rows / cols))
@@ -108,8 +127,9 @@ def _matrix_shape(shape: Sequence[int]) -> tuple:
     return int(shape[0]), cols
 
 
-def _orthogonalised_global(u: torch.Tensor, shape: tuple, coeffs, steps, eps, ns_dtype, adjust,
-                           out_dtype) -> torch.Tensor:
+def _orthogonalised_global(
+    u: torch.Tensor, shape: tuple, coeffs, steps, eps, ns_dtype, adjust, out_dtype
+) -> torch.Tensor:
     rows, cols = _matrix_shape(shape)
     o = newton_schulz(u.reshape(rows, cols), coeffs, steps, eps, ns_dtype)
     return (o.to(out_dtype) * _ratio(adjust, rows, cols)).reshape(shape)
@@ -131,11 +151,17 @@ def _ns_cost(shape: Sequence[int]) -> float:
 _DISTRIBUTED = True
 
 
-def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
-                  ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_steps: int = 5,
-                  eps: float = 1e-7, ns_dtype: torch.dtype = torch.bfloat16,
-                  adjust_lr_fn: Optional[str] = None, *,
-                  mu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+def scale_by_muon(
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
+    ns_steps: int = 5,
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    adjust_lr_fn: str | None = None,
+    *,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
     """Muon's direction (see the module docstring): momentum, Newton-Schulz orthogonalisation
     of each leaf's matrix, times the shape ratio of ``adjust_lr_fn``. Follow it with the
     learning rate (and ``add_decayed_weights`` for torch's decoupled decay), or use
@@ -175,14 +201,17 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
         raise ValueError(f"scale_by_muon: ns_steps must be below 100, got {ns_steps}")
     coeffs = tuple(float(c) for c in ns_coefficients)
     if len(coeffs) != 3:
-        raise ValueError(f"scale_by_muon: ns_coefficients must be 3 numbers (a, b, c), "
-                         f"got {ns_coefficients!r}")
+        raise ValueError(
+            f"scale_by_muon: ns_coefficients must be 3 numbers (a, b, c), got {ns_coefficients!r}"
+        )
     if adjust_lr_fn not in _ADJUST:
-        raise ValueError(f"scale_by_muon: adjust_lr_fn must be one of {_ADJUST}, "
-                         f"got {adjust_lr_fn!r}")
+        raise ValueError(
+            f"scale_by_muon: adjust_lr_fn must be one of {_ADJUST}, got {adjust_lr_fn!r}"
+        )
     if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
-        raise ValueError(f"scale_by_muon: ns_dtype must be a floating torch.dtype, "
-                         f"got {ns_dtype!r}")
+        raise ValueError(
+            f"scale_by_muon: ns_dtype must be a floating torch.dtype, got {ns_dtype!r}"
+        )
 
     def init_fn(params):
         return ScaleByMuonState(zero_count(params), state_zeros_like(params, mu_dtype))
@@ -203,13 +232,15 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
                     f"scale_by_muon: leaf '{b.paths[i]}' has shape {shape}; Muon "
                     f"orthogonalises matrices (2 or more dims). Give vectors and scalars "
                     f"(biases, norms) to another transform: muon() labels them 'adam' "
-                    f"(muon_param_labels)")
+                    f"(muon_param_labels)"
+                )
             shapes[i] = shape
         g = [b.locals[i] for i in act]
         mu_all = b.state_locals(state.mu, "ScaleByMuonState.mu")
         beta_now, eps = value_of(beta), value_of(eps_arg)
-        mu = _lerp([mu_all[i] for i in act], _cast_like(g, [mu_all[i] for i in act]),
-                   1.0 - beta_now)
+        mu = _lerp(
+            [mu_all[i] for i in act], _cast_like(g, [mu_all[i] for i in act]), 1.0 - beta_now
+        )
         u = _lerp(_cast_like(g, mu), mu, beta_now) if nesterov else mu
         out = dict(zip(act, u))
         on_mesh = defaultdict(list)  # DTensor leaves: Newton-Schulz once per leaf, at its owner
@@ -219,11 +250,19 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
                 continue
             on_mesh[(s.mesh, out[i].dtype, gi.dtype)].append(i)
         for (_, _, dtype), idx in on_mesh.items():
+
             def fn(j, full, idx=idx, dtype=dtype):
-                return _orthogonalised_global(full, shapes[idx[j]], coeffs, ns_steps, eps,
-                                              ns_dtype, adjust_lr_fn, dtype)
-            res = run_at_owners([b.specs[i] for i in idx], [out[i] for i in idx], fn, dtype,
-                                [_ns_cost(shapes[i]) for i in idx])
+                return _orthogonalised_global(
+                    full, shapes[idx[j]], coeffs, ns_steps, eps, ns_dtype, adjust_lr_fn, dtype
+                )
+
+            res = run_at_owners(
+                [b.specs[i] for i in idx],
+                [out[i] for i in idx],
+                fn,
+                dtype,
+                [_ns_cost(shapes[i]) for i in idx],
+            )
             out.update(zip(idx, res))
         done = {i for idx in on_mesh.values() for i in idx}
         if not _DISTRIBUTED:
@@ -231,14 +270,16 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
             full = gather_global(b, sharded, out) if sharded else {}
             for i, gi in zip(act, g):
                 if i in full:
-                    o = _orthogonalised(full[i], shapes[i], coeffs, ns_steps, eps, ns_dtype,
-                                        adjust_lr_fn, gi.dtype)
+                    o = _orthogonalised(
+                        full[i], shapes[i], coeffs, ns_steps, eps, ns_dtype, adjust_lr_fn, gi.dtype
+                    )
                     out[i] = local_part(o, b.specs[i].mesh, b.specs[i].placements)
                     done.add(i)
         for i, gi in zip(act, g):
             if i not in done:
-                out[i] = _orthogonalised(out[i], shapes[i], coeffs, ns_steps, eps, ns_dtype,
-                                         adjust_lr_fn, gi.dtype)
+                out[i] = _orthogonalised(
+                    out[i], shapes[i], coeffs, ns_steps, eps, ns_dtype, adjust_lr_fn, gi.dtype
+                )
         out = [out[i] for i in act]
         new_mu = b.state_tree(state.mu, "ScaleByMuonState.mu", mu)
         return b.rebuild_active(out), ScaleByMuonState(state.count + 1, new_mu)
@@ -246,9 +287,9 @@ def scale_by_muon(beta: float = 0.95, nesterov: bool = True,
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def muon_param_labels(params: PyTree,
-                      exclude: Sequence[str] = ("embed", "lm_head", "wte", "wpe", "head",
-                                                "output")) -> PyTree:
+def muon_param_labels(
+    params: PyTree, exclude: Sequence[str] = ("embed", "lm_head", "wte", "wpe", "head", "output")
+) -> PyTree:
     """Labels for :func:`muon`: ``"muon"`` for the hidden weight matrices, ``"adam"`` for the
     rest, as Keller Jordan and Moonlight split a model.
 
@@ -268,19 +309,31 @@ def muon_param_labels(params: PyTree,
     out = []
     for path, x in zip(tree_paths(params), leaves):
         parts = path.replace("[", ".").replace("]", "").replace("'", "").split(".")
-        hidden = isinstance(x, torch.Tensor) and x.ndim >= 2 and not any(
-            e in part for part in parts for e in exclude)
+        hidden = (
+            isinstance(x, torch.Tensor)
+            and x.ndim >= 2
+            and not any(e in part for part in parts for e in exclude)
+        )
         out.append("muon" if hidden else "adam")
     return tree_unflatten(treedef, out)
 
 
 @injectable(tensors=("beta", "eps", "weight_decay"))
-def muon(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1, beta: float = 0.95,
-         nesterov: bool = True, ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
-         ns_steps: int = 5, eps: float = 1e-7, ns_dtype: torch.dtype = torch.bfloat16,
-         adjust_lr_fn: Optional[str] = None, *, adam: Optional[GradientTransformation] = None,
-         param_labels: Union[PyTree, Callable[[PyTree], PyTree], None] = None,
-         mu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+def muon(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    weight_decay: float = 0.1,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
+    ns_steps: int = 5,
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    adjust_lr_fn: str | None = None,
+    *,
+    adam: GradientTransformation | None = None,
+    param_labels: PyTree | Callable[[PyTree], PyTree] | None = None,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
     """Muon for the hidden weight matrices and AdamW for everything else, through
     :func:`~functional_train.partition` (as Moonlight and Kimi train).
 
@@ -308,26 +361,54 @@ def muon(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1, beta
     """
     V.learning_rate(learning_rate, where="muon")
     V.number("weight_decay", weight_decay, where="muon", low=0.0)
-    matrices = _muon_matrices(learning_rate, weight_decay, beta, nesterov, ns_coefficients,
-                              ns_steps, eps, ns_dtype, adjust_lr_fn, mu_dtype)
+    matrices = _muon_matrices(
+        learning_rate,
+        weight_decay,
+        beta,
+        nesterov,
+        ns_coefficients,
+        ns_steps,
+        eps,
+        ns_dtype,
+        adjust_lr_fn,
+        mu_dtype,
+    )
     other = adamw(learning_rate, weight_decay=weight_decay) if adam is None else adam
-    return partition({"muon": matrices, "adam": other},
-                     muon_param_labels if param_labels is None else param_labels)
+    return partition(
+        {"muon": matrices, "adam": other},
+        muon_param_labels if param_labels is None else param_labels,
+    )
 
 
 @injectable(tensors=("beta", "eps", "weight_decay"))
-def _muon_matrices(learning_rate: ScalarOrSchedule = 1e-3, weight_decay: float = 0.1,
-                   beta: float = 0.95, nesterov: bool = True,
-                   ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_steps: int = 5,
-                   eps: float = 1e-7, ns_dtype: torch.dtype = torch.bfloat16,
-                   adjust_lr_fn: Optional[str] = None,
-                   mu_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+def _muon_matrices(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    weight_decay: float = 0.1,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
+    ns_steps: int = 5,
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    adjust_lr_fn: str | None = None,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
     """:func:`muon`'s transform of the matrices, built by a factory of its own so that
     ``inject_hyperparams`` and :class:`~functional_train.TorchOptimizer` (its ``"muon"`` group:
     ``lr``, ``weight_decay``, ``beta``, ``eps``) can set its hyperparameters (defaults: as
     :func:`muon`'s, so that the integer ``ns_steps`` stays static)."""
-    txs = [scale_by_muon(beta, nesterov, ns_coefficients, ns_steps, eps, ns_dtype, adjust_lr_fn,
-                         mu_dtype=mu_dtype)]
+    txs = [
+        scale_by_muon(
+            beta,
+            nesterov,
+            ns_coefficients,
+            ns_steps,
+            eps,
+            ns_dtype,
+            adjust_lr_fn,
+            mu_dtype=mu_dtype,
+        )
+    ]
     if weight_decay:
         txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))

@@ -24,9 +24,18 @@ from .engine.view import Prepared, prepare
 from .transforms import _cast_like
 from .tree import find_state, first_device
 
-__all__ = ["apply_if_finite", "ApplyIfFiniteState", "zero_nans", "ZeroNansState",
-           "dynamic_loss_scale", "DynamicLossScaleState", "loss_scale", "all_finite",
-           "skip_not_finite", "skip_large_updates"]
+__all__ = [
+    "apply_if_finite",
+    "ApplyIfFiniteState",
+    "zero_nans",
+    "ZeroNansState",
+    "dynamic_loss_scale",
+    "DynamicLossScaleState",
+    "loss_scale",
+    "all_finite",
+    "skip_not_finite",
+    "skip_large_updates",
+]
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -141,8 +150,9 @@ def _zeros_where_not(ok: torch.Tensor, updates):
 
     if isinstance(updates, Prepared):
         return updates.with_locals([None if x is None else pick(x) for x in updates.locals])
-    return optree.tree_map(lambda x: None if x is None else wrap_like(pick(to_local(x)), x),
-                           updates, none_is_leaf=True)
+    return optree.tree_map(
+        lambda x: None if x is None else wrap_like(pick(to_local(x)), x), updates, none_is_leaf=True
+    )
 
 
 def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, device):
@@ -156,8 +166,9 @@ def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, devi
     return finite.to(device), updates, new_inner
 
 
-def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int
-                    ) -> GradientTransformation:
+def apply_if_finite(
+    inner: GradientTransformation, max_consecutive_errors: int
+) -> GradientTransformation:
     """Apply ``inner`` only when every gradient element is finite (optax ``apply_if_finite``).
 
     When a NaN or an infinity is anywhere in the updates (any leaf, any rank), the update is
@@ -181,36 +192,45 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int
         ValueError: ``max_consecutive_errors < 0``; at update, a state from another transform.
     """
     if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"apply_if_finite: inner must be a GradientTransformation, "
-                        f"got {type(inner).__name__}")
-    max_consecutive_errors = V.integer("max_consecutive_errors", max_consecutive_errors,
-                                       where="apply_if_finite", low=0)
+        raise TypeError(
+            f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}"
+        )
+    max_consecutive_errors = V.integer(
+        "max_consecutive_errors", max_consecutive_errors, where="apply_if_finite", low=0
+    )
     clip_norm = _leading_clip_norm(inner)
 
     def init_fn(params):
         dev = first_device(params)
         zero = torch.zeros((), dtype=torch.int64, device=dev)
-        return ApplyIfFiniteState(zero, torch.ones((), dtype=torch.bool, device=dev),
-                                  zero.clone(), inner.init(params))
+        return ApplyIfFiniteState(
+            zero, torch.ones((), dtype=torch.bool, device=dev), zero.clone(), inner.init(params)
+        )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, ApplyIfFiniteState):
-            raise ValueError("apply_if_finite: expected the ApplyIfFiniteState from "
-                             f"apply_if_finite.init, got {type(state).__name__}")
+            raise ValueError(
+                "apply_if_finite: expected the ApplyIfFiniteState from "
+                f"apply_if_finite.init, got {type(state).__name__}"
+            )
         given_view = isinstance(updates, Prepared)
         b = prepare(updates, params, mesh, name="apply_if_finite", view=True)
-        finite, new_updates, new_inner = _run_checked(inner, clip_norm, b, state.inner_state,
-                                                      params, extra,
-                                                      state.notfinite_count.device)
-        count = torch.where(finite, torch.zeros_like(state.notfinite_count),
-                            state.notfinite_count + 1)
+        finite, new_updates, new_inner = _run_checked(
+            inner, clip_norm, b, state.inner_state, params, extra, state.notfinite_count.device
+        )
+        count = torch.where(
+            finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1
+        )
         ok = finite | (count > max_consecutive_errors)
         new_updates = _zeros_where_not(ok, new_updates)
         if isinstance(new_updates, Prepared) and not given_view:
             new_updates = new_updates.tree()
         return new_updates, ApplyIfFiniteState(
-            count, finite, state.total_notfinite + (~finite).to(torch.int64),
-            _where_tree(ok, new_inner, state.inner_state))
+            count,
+            finite,
+            state.total_notfinite + (~finite).to(torch.int64),
+            _where_tree(ok, new_inner, state.inner_state),
+        )
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
@@ -223,41 +243,59 @@ def zero_nans() -> GradientTransformation:
     """
 
     def init_fn(params):
-        return ZeroNansState(optree.tree_map(
-            lambda x: None if x is None else torch.zeros((), dtype=torch.bool, device=x.device),
-            params, none_is_leaf=True))
+        return ZeroNansState(
+            optree.tree_map(
+                lambda x: None if x is None else torch.zeros((), dtype=torch.bool, device=x.device),
+                params,
+                none_is_leaf=True,
+            )
+        )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, ZeroNansState):
-            raise ValueError("zero_nans: expected the ZeroNansState from zero_nans.init, "
-                             f"got {type(state).__name__}")
+            raise ValueError(
+                "zero_nans: expected the ZeroNansState from zero_nans.init, "
+                f"got {type(state).__name__}"
+            )
         b = prepare(updates, params, mesh, name="zero_nans")
         g = [b.locals[i] for i in b.active]
         found = [torch.isnan(x).any() for x in g]
         dims = [tuple(range(b.updates[i].ndim)) for i in b.active]
-        found = b.leaf_sums([(i, f.to(torch.float32), d)
-                             for i, f, d in zip(b.active, found, dims)], op="max")
-        out = [torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-               if not x.is_complex() else torch.where(torch.isnan(x), torch.zeros_like(x), x)
-               for x in g]
+        found = b.leaf_sums(
+            [(i, f.to(torch.float32), d) for i, f, d in zip(b.active, found, dims)], op="max"
+        )
+        out = [
+            torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+            if not x.is_complex()
+            else torch.where(torch.isnan(x), torch.zeros_like(x), x)
+            for x in g
+        ]
         flags: list = [None] * len(b.locals)
         for i, f in zip(b.active, found):
             flags[i] = f > 0
         old = optree.tree_leaves(state.found_nan, none_is_leaf=True)
         if len(old) != len(flags):
-            raise ValueError(f"zero_nans: the state has {len(old)} flags for {len(flags)} "
-                             f"leaves; it comes from another tree")
+            raise ValueError(
+                f"zero_nans: the state has {len(old)} flags for {len(flags)} "
+                f"leaves; it comes from another tree"
+            )
         new_flags = [n if n is not None else o for n, o in zip(flags, old)]
         return b.rebuild_active(out), ZeroNansState(
-            optree.tree_unflatten(optree.tree_structure(state.found_nan, none_is_leaf=True),
-                                  new_flags))
+            optree.tree_unflatten(
+                optree.tree_structure(state.found_nan, none_is_leaf=True), new_flags
+            )
+        )
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def dynamic_loss_scale(inner: GradientTransformation, init_scale: float = 2.0 ** 16,
-                       growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                       growth_interval: int = 2000) -> GradientTransformation:
+def dynamic_loss_scale(
+    inner: GradientTransformation,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> GradientTransformation:
     """Dynamic loss scaling for float16 training, ``torch.amp.GradScaler``'s semantics as a
     transform around ``inner``.
 
@@ -289,15 +327,26 @@ def dynamic_loss_scale(inner: GradientTransformation, init_scale: float = 2.0 **
         ValueError: out-of-range arguments; at update, a state from another transform.
     """
     if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"dynamic_loss_scale: inner must be a GradientTransformation, "
-                        f"got {type(inner).__name__}")
+        raise TypeError(
+            f"dynamic_loss_scale: inner must be a GradientTransformation, "
+            f"got {type(inner).__name__}"
+        )
     where = "dynamic_loss_scale"
-    init_scale = V.number("init_scale", init_scale, where=where, low=0.0, low_open=True,
-                          finite=True)
-    growth_factor = V.number("growth_factor", growth_factor, where=where, low=1.0,
-                             low_open=True, finite=True)
-    backoff_factor = V.number("backoff_factor", backoff_factor, where=where, low=0.0,
-                              high=1.0, low_open=True, high_open=True)
+    init_scale = V.number(
+        "init_scale", init_scale, where=where, low=0.0, low_open=True, finite=True
+    )
+    growth_factor = V.number(
+        "growth_factor", growth_factor, where=where, low=1.0, low_open=True, finite=True
+    )
+    backoff_factor = V.number(
+        "backoff_factor",
+        backoff_factor,
+        where=where,
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        high_open=True,
+    )
     growth_interval = V.integer("growth_interval", growth_interval, where=where, low=1)
     clip_norm = _leading_clip_norm(inner)
 
@@ -307,38 +356,52 @@ def dynamic_loss_scale(inner: GradientTransformation, init_scale: float = 2.0 **
             torch.full((), init_scale, dtype=torch.float32, device=dev),
             torch.zeros((), dtype=torch.int64, device=dev),
             torch.ones((), dtype=torch.bool, device=dev),
-            torch.zeros((), dtype=torch.int64, device=dev), inner.init(params))
+            torch.zeros((), dtype=torch.int64, device=dev),
+            inner.init(params),
+        )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, DynamicLossScaleState):
-            raise ValueError("dynamic_loss_scale: expected the DynamicLossScaleState from "
-                             f"dynamic_loss_scale.init, got {type(state).__name__}")
+            raise ValueError(
+                "dynamic_loss_scale: expected the DynamicLossScaleState from "
+                f"dynamic_loss_scale.init, got {type(state).__name__}"
+            )
         given_view = isinstance(updates, Prepared)
         b = prepare(updates, params, mesh, name=where, view=True)
         inv = state.scale.double().reciprocal().float()
         g = [b.locals[i] for i in b.active]
         unscaled: list = [None] * len(b.locals)
         # (the float32 factor would promote 0-dim low-precision leaves: keep their dtype)
-        for i, x in zip(b.active, _cast_like(torch._foreach_mul(g, inv.to(g[0].device)), g)
-                        if g else []):
+        for i, x in zip(
+            b.active, _cast_like(torch._foreach_mul(g, inv.to(g[0].device)), g) if g else []
+        ):
             unscaled[i] = x
         b = b.with_locals(unscaled)
-        finite, new_updates, new_inner = _run_checked(inner, clip_norm, b, state.inner_state,
-                                                      params, extra, state.scale.device)
+        finite, new_updates, new_inner = _run_checked(
+            inner, clip_norm, b, state.inner_state, params, extra, state.scale.device
+        )
         new_updates = _zeros_where_not(finite, new_updates)
         if isinstance(new_updates, Prepared) and not given_view:
             new_updates = new_updates.tree()
         # torch's _amp_update_scale_, as tensor ops
-        tracker = torch.where(finite, state.growth_tracker + 1,
-                              torch.zeros_like(state.growth_tracker))
+        tracker = torch.where(
+            finite, state.growth_tracker + 1, torch.zeros_like(state.growth_tracker)
+        )
         grown = state.scale * growth_factor
         grow = finite & (tracker == growth_interval)
-        scale = torch.where(~finite, state.scale * backoff_factor,
-                            torch.where(grow & torch.isfinite(grown), grown, state.scale))
+        scale = torch.where(
+            ~finite,
+            state.scale * backoff_factor,
+            torch.where(grow & torch.isfinite(grown), grown, state.scale),
+        )
         tracker = torch.where(grow, torch.zeros_like(tracker), tracker)
         return new_updates, DynamicLossScaleState(
-            scale, tracker, finite, state.total_notfinite + (~finite).to(torch.int64),
-            _where_tree(finite, new_inner, state.inner_state))
+            scale,
+            tracker,
+            finite,
+            state.total_notfinite + (~finite).to(torch.int64),
+            _where_tree(finite, new_inner, state.inner_state),
+        )
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
@@ -357,14 +420,15 @@ def skip_not_finite(updates, gradient_step, params=None, *, mesh=None):
     del gradient_step
     b = prepare(updates, None, mesh, name="skip_not_finite")
     counts = [(~torch.isfinite(b.locals[i])).sum().to(torch.float64) for i in b.active]
-    total = (b.global_sum(counts, b.active) if counts else torch.zeros((), dtype=torch.float64))
+    total = b.global_sum(counts, b.active) if counts else torch.zeros((), dtype=torch.float64)
     num = total.round().to(torch.int64)
     skip = num > 0
     return skip, {"should_skip": skip, "num_not_finite": num}
 
 
-def skip_large_updates(updates, gradient_step, params=None, max_squared_norm: float = 1.0, *,
-                       mesh=None):
+def skip_large_updates(
+    updates, gradient_step, params=None, max_squared_norm: float = 1.0, *, mesh=None
+):
     """For ``multi_steps(..., should_skip_update_fn=functools.partial(skip_large_updates,
     max_squared_norm=...))`` (optax's): skip a micro-step whose global squared norm is not
     below ``max_squared_norm`` (a non-finite norm skips too).

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import _validate as V
-from .hyperparams import injectable, is_injected
 from .base import GradientTransformation, chain
+from .hyperparams import injectable, is_injected
 from .quantization import FusedAdam8bit
 from .step import FusedAdam, FusedSGD
-from .transforms import (ScalarOrSchedule, add_decayed_weights, scale, scale_by_adam,
-                         scale_by_learning_rate, scale_by_trust_ratio, trace)
+from .transforms import (
+    ScalarOrSchedule,
+    add_decayed_weights,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_trust_ratio,
+    trace,
+)
 
 __all__ = ["sgd", "adam", "adamw", "lamb"]
 
@@ -22,9 +27,16 @@ def _maybe_maximize(maximize: bool, txs):
 
 
 @injectable(tensors=("momentum", "dampening", "weight_decay"))
-def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-        weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-        accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+def sgd(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+    accumulator_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
     """``torch.optim.SGD`` as a chain, same arguments and defaults.
 
     ``g <- -g`` if maximize; ``g <- g + weight_decay * param``; momentum as :func:`trace`
@@ -37,13 +49,21 @@ def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening
     V.learning_rate(learning_rate, where="sgd")
     V.number("momentum", momentum, where="sgd", low=0.0)
     V.number("weight_decay", weight_decay, where="sgd", low=0.0)
-    if nesterov and ((not is_injected(momentum) and momentum <= 0)
-                     or (not is_injected(dampening) and dampening != 0)):
+    if nesterov and (
+        (not is_injected(momentum) and momentum <= 0)
+        or (not is_injected(dampening) and dampening != 0)
+    ):
         raise ValueError("sgd: nesterov momentum requires momentum > 0 and dampening == 0")
     txs = [add_decayed_weights(weight_decay)] if weight_decay else []
     if momentum:
-        txs.append(trace(momentum, nesterov=nesterov, dampening=dampening,
-                         accumulator_dtype=accumulator_dtype))
+        txs.append(
+            trace(
+                momentum,
+                nesterov=nesterov,
+                dampening=dampening,
+                accumulator_dtype=accumulator_dtype,
+            )
+        )
     txs.append(scale_by_learning_rate(learning_rate))
     tx = chain(*_maybe_maximize(maximize, txs))
     # torch's fused kernel starts a damped buffer undamped: fused only without dampening (an
@@ -51,14 +71,34 @@ def sgd(learning_rate: ScalarOrSchedule = 1e-3, momentum: float = 0.0, dampening
     if not (momentum and dampening) or is_injected(dampening):
         shift = 1 if maximize else 0
         tx.update.fused = FusedSGD(  # type: ignore[attr-defined]
-            learning_rate, momentum, weight_decay, nesterov, maximize,
-            shift + len(txs) - 2 if momentum else None, shift + len(txs) - 1,
-            dampening if momentum else 0.0)
+            learning_rate,
+            momentum,
+            weight_decay,
+            nesterov,
+            maximize,
+            shift + len(txs) - 2 if momentum else None,
+            shift + len(txs) - 1,
+            dampening if momentum else 0.0,
+        )
     return tx
 
 
-def _fused_adam(tx, decoupled, learning_rate, b1, b2, eps, weight_decay, amsgrad, maximize,
-                optim_bits, n_parts, mask=None, block_size=256, min_8bit_size=4096):
+def _fused_adam(
+    tx,
+    decoupled,
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    weight_decay,
+    amsgrad,
+    maximize,
+    optim_bits,
+    n_parts,
+    mask=None,
+    block_size=256,
+    min_8bit_size=4096,
+):
     """Attach what ``ft.step``'s fused kernels need to an Adam chain (32-bit moments: torch's
     fused kernels; 8-bit without amsgrad: the compiled 8-bit kernel)."""
     shift = 1 if maximize else 0
@@ -66,23 +106,53 @@ def _fused_adam(tx, decoupled, learning_rate, b1, b2, eps, weight_decay, amsgrad
     decay = tx.update.parts[adam_index + 1] if (mask is not None and weight_decay) else None
     if optim_bits == 8 and not amsgrad:
         tx.update.fused = FusedAdam8bit(  # type: ignore[attr-defined]
-            decoupled, learning_rate, b1, b2, eps, weight_decay, maximize, adam_index,
-            n_parts - 1, None if decay is None else decay.update.keep_of, block_size,
-            min_8bit_size)
+            decoupled,
+            learning_rate,
+            b1,
+            b2,
+            eps,
+            weight_decay,
+            maximize,
+            adam_index,
+            n_parts - 1,
+            None if decay is None else decay.update.keep_of,
+            block_size,
+            min_8bit_size,
+        )
     if optim_bits == 32:
-        tx.update.fused = FusedAdam(decoupled, learning_rate, b1, b2, eps,  # type: ignore
-                                    weight_decay, amsgrad, maximize, adam_index, n_parts - 1,
-                                    None if decay is None else decay.update.keep_of)
+        tx.update.fused = FusedAdam(  # type: ignore
+            decoupled,
+            learning_rate,
+            b1,
+            b2,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize,
+            adam_index,
+            n_parts - 1,
+            None if decay is None else decay.update.keep_of,
+        )
     return tx
 
 
 @injectable(tensors=("b1", "b2", "eps", "weight_decay"))
-def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
-         eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
-         maximize: bool = False, decoupled_weight_decay: bool = False,
-         mu_dtype: Optional[torch.dtype] = None,
-         nu_dtype: Optional[torch.dtype] = None, optim_bits: int = 32,
-         min_8bit_size: int = 4096, block_size: int = 256) -> GradientTransformation:
+def adam(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    decoupled_weight_decay: bool = False,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    optim_bits: int = 32,
+    min_8bit_size: int = 4096,
+    block_size: int = 256,
+) -> GradientTransformation:
     """``torch.optim.Adam`` as a chain, same arguments and defaults (``betas=(b1, b2)``).
 
     ``weight_decay`` is L2 added to the gradient before the moments, or AdamW's decoupled decay
@@ -99,23 +169,59 @@ def adam(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
     V.number("weight_decay", weight_decay, where="adam", low=0.0)
     q = dict(optim_bits=optim_bits, min_8bit_size=min_8bit_size, block_size=block_size)
     if decoupled_weight_decay:
-        return adamw(learning_rate, b1, b2, eps, weight_decay, amsgrad, maximize=maximize,
-                     mu_dtype=mu_dtype, nu_dtype=nu_dtype, **q)
+        return adamw(
+            learning_rate,
+            b1,
+            b2,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            mu_dtype=mu_dtype,
+            nu_dtype=nu_dtype,
+            **q,
+        )
     txs = [add_decayed_weights(weight_decay)] if weight_decay else []
-    txs += [scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-                          **q),
-            scale_by_learning_rate(learning_rate)]
+    txs += [
+        scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype, **q),
+        scale_by_learning_rate(learning_rate),
+    ]
     txs = _maybe_maximize(maximize, txs)
-    return _fused_adam(chain(*txs), False, learning_rate, b1, b2, eps, weight_decay, amsgrad,
-                       maximize, optim_bits, len(txs), None, block_size, min_8bit_size)
+    return _fused_adam(
+        chain(*txs),
+        False,
+        learning_rate,
+        b1,
+        b2,
+        eps,
+        weight_decay,
+        amsgrad,
+        maximize,
+        optim_bits,
+        len(txs),
+        None,
+        block_size,
+        min_8bit_size,
+    )
 
 
 @injectable(tensors=("b1", "b2", "eps", "weight_decay"))
-def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
-          eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-          maximize: bool = False, mu_dtype: Optional[torch.dtype] = None,
-          nu_dtype: Optional[torch.dtype] = None, optim_bits: int = 32,
-          min_8bit_size: int = 4096, block_size: int = 256, mask=None) -> GradientTransformation:
+def adamw(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    optim_bits: int = 32,
+    min_8bit_size: int = 4096,
+    block_size: int = 256,
+    mask=None,
+) -> GradientTransformation:
     """``torch.optim.AdamW`` as a chain, same arguments and defaults (``betas=(b1, b2)``).
 
     ``param <- param - lr * (adam_update + weight_decay * param)``: torch's decoupled decay
@@ -134,22 +240,54 @@ def adamw(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0
     """
     V.learning_rate(learning_rate, where="adamw")
     V.number("weight_decay", weight_decay, where="adamw", low=0.0)
-    txs = [scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-                         optim_bits=optim_bits, min_8bit_size=min_8bit_size,
-                         block_size=block_size)]
+    txs = [
+        scale_by_adam(
+            b1,
+            b2,
+            eps,
+            amsgrad=amsgrad,
+            mu_dtype=mu_dtype,
+            nu_dtype=nu_dtype,
+            optim_bits=optim_bits,
+            min_8bit_size=min_8bit_size,
+            block_size=block_size,
+        )
+    ]
     if weight_decay:
         txs.append(add_decayed_weights(weight_decay, mask=mask))
     txs.append(scale_by_learning_rate(learning_rate))
     txs = _maybe_maximize(maximize, txs)
-    return _fused_adam(chain(*txs), True, learning_rate, b1, b2, eps, weight_decay, amsgrad,
-                       maximize, optim_bits, len(txs), mask, block_size, min_8bit_size)
+    return _fused_adam(
+        chain(*txs),
+        True,
+        learning_rate,
+        b1,
+        b2,
+        eps,
+        weight_decay,
+        amsgrad,
+        maximize,
+        optim_bits,
+        len(txs),
+        mask,
+        block_size,
+        min_8bit_size,
+    )
 
 
 @injectable(tensors=("b1", "b2", "eps", "weight_decay"))
-def lamb(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.999,
-         eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True, *,
-         mu_dtype: Optional[torch.dtype] = None,
-         nu_dtype: Optional[torch.dtype] = None, mask=None) -> GradientTransformation:
+def lamb(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    *,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    mask=None,
+) -> GradientTransformation:
     """LAMB (You et al. 2019), as the paper states it and optax ``lamb`` computes it.
 
     ``m, v`` Adam moments (bias-corrected when ``bias_correction``);
@@ -165,8 +303,11 @@ def lamb(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float = 0.
     """
     V.learning_rate(learning_rate, where="lamb")
     V.number("weight_decay", weight_decay, where="lamb", low=0.0)
-    txs = [scale_by_adam(b1, b2, eps, bias_correction=bias_correction, mu_dtype=mu_dtype,
-                         nu_dtype=nu_dtype)]
+    txs = [
+        scale_by_adam(
+            b1, b2, eps, bias_correction=bias_correction, mu_dtype=mu_dtype, nu_dtype=nu_dtype
+        )
+    ]
     if weight_decay:
         txs.append(add_decayed_weights(weight_decay, mask=mask))
     txs += [scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]

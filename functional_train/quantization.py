@@ -27,7 +27,8 @@ Public helpers for plain tensors: :func:`create_dynamic_map`, :func:`quantize_bl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +37,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from .autograd import requires_grad_like
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.view import Prepared
-from .tree import (contiguous_stride, flatten_as, state_dtype, tree_flatten, tree_paths,
-                   tree_unflatten)
+from .tree import (
+    contiguous_stride,
+    flatten_as,
+    state_dtype,
+    tree_flatten,
+    tree_paths,
+    tree_unflatten,
+)
 
 __all__ = [
     "create_dynamic_map",
@@ -50,8 +57,9 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # the dynamic code map
 # ---------------------------------------------------------------------------------------------
-def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7,
-                       total_bits: int = 8) -> torch.Tensor:
+def create_dynamic_map(
+    signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8
+) -> torch.Tensor:
     """The dynamic quantisation map of bitsandbytes (Dettmers 2016, "8-Bit Approximations for
     Parallelism in Deep Learning"), as a sorted float32 tensor of 256 values in ``[-1, 1]``.
 
@@ -74,8 +82,10 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7,
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"create_dynamic_map: {name} must be an int, got {type(v).__name__}")
     if not 1 <= max_exponent_bits < total_bits <= 8:
-        raise ValueError("create_dynamic_map: need 1 <= max_exponent_bits < total_bits <= 8, got "
-                         f"max_exponent_bits={max_exponent_bits}, total_bits={total_bits}")
+        raise ValueError(
+            "create_dynamic_map: need 1 <= max_exponent_bits < total_bits <= 8, got "
+            f"max_exponent_bits={max_exponent_bits}, total_bits={total_bits}"
+        )
     frac_bits = total_bits - 1 - max_exponent_bits
 
     def decade(count: int, e: int) -> torch.Tensor:
@@ -83,18 +93,21 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7,
         mids = (edges[1:] + edges[:-1]) / 2.0
         return mids * (10.0 ** (e - (max_exponent_bits - 1)))
 
-    parts = [decade(2 ** (frac_bits + e + (0 if signed else 1)), e)
-             for e in range(max_exponent_bits)]
-    if 2 ** frac_bits - 1 > 0:
-        parts.append(decade(2 ** frac_bits - 1, max_exponent_bits - 1))
+    parts = [
+        decade(2 ** (frac_bits + e + (0 if signed else 1)), e) for e in range(max_exponent_bits)
+    ]
+    if 2**frac_bits - 1 > 0:
+        parts.append(decade(2**frac_bits - 1, max_exponent_bits - 1))
     positive = torch.cat(parts)
     values = [positive, -positive] if signed else [positive]
     values.append(torch.tensor([0.0, 1.0], dtype=torch.float32))
     out = torch.cat(values)
-    if out.numel() != 2 ** total_bits:
-        raise ValueError(f"create_dynamic_map: signed={signed}, max_exponent_bits="
-                         f"{max_exponent_bits}, total_bits={total_bits} gives {out.numel()} "
-                         f"values, not 2**total_bits = {2 ** total_bits}")
+    if out.numel() != 2**total_bits:
+        raise ValueError(
+            f"create_dynamic_map: signed={signed}, max_exponent_bits="
+            f"{max_exponent_bits}, total_bits={total_bits} gives {out.numel()} "
+            f"values, not 2**total_bits = {2**total_bits}"
+        )
     out = torch.cat([out, torch.zeros(256 - out.numel(), dtype=torch.float32)])
     return torch.sort(out).values
 
@@ -108,8 +121,11 @@ class _Maps:
         self._dev: dict = {}
         for signed in (True, False):
             code = create_dynamic_map(signed)
-            self._cpu[signed] = (code, (code[:-1] + code[1:]) / 2.0,
-                                 int(torch.nonzero(code == 0)[0, 0]))
+            self._cpu[signed] = (
+                code,
+                (code[:-1] + code[1:]) / 2.0,
+                int(torch.nonzero(code == 0)[0, 0]),
+            )
 
     def get(self, signed: bool, device: torch.device):
         """``(code map, midpoints, index of 0)`` on ``device``."""
@@ -143,8 +159,9 @@ def kernel_maps(device: torch.device) -> tuple:
             code, mid, _ = _MAPS.get(signed, torch.device("cpu"))
             near = _NearestCode(mid, shift=16)
             out[signed] = (code, near.table, near.mid_inf)
-        hit = _KERNEL_MAPS[device] = tuple(out[sg][k].to(device) for k in range(3)
-                                           for sg in (True, False))
+        hit = _KERNEL_MAPS[device] = tuple(
+            out[sg][k].to(device) for k in range(3) for sg in (True, False)
+        )
     return hit
 
 
@@ -183,7 +200,7 @@ def _check_block_size(block_size: Any, where: str) -> int:
     return block_size
 
 
-def _code_arg(code: Optional[torch.Tensor], signed: bool, device: torch.device, where: str):
+def _code_arg(code: torch.Tensor | None, signed: bool, device: torch.device, where: str):
     """(code map, midpoints) for ``code`` or the default map."""
     if code is None:
         c, mid, _ = _MAPS.get(signed, device)
@@ -201,8 +218,12 @@ def _codes_of(scaled: torch.Tensor, mid: torch.Tensor) -> torch.Tensor:
     the clamp: their midpoints lie strictly inside ``(-1, 1)``, so a value past +-1 (the
     reciprocal's rounding) already has the code of +-1, and NaN stays NaN either way.
     Otherwise clamped (in place), then ``torch.bucketize``."""
-    if (type(scaled) is torch.Tensor and scaled.dtype == torch.float32 and scaled.is_cpu
-            and not torch.compiler.is_compiling()):
+    if (
+        type(scaled) is torch.Tensor
+        and scaled.dtype == torch.float32
+        and scaled.is_cpu
+        and not torch.compiler.is_compiling()
+    ):
         table = _nearest_table(mid)
         if table is not None:
             return table(scaled)
@@ -254,11 +275,12 @@ class _NearestCode:
         return below.add_(x > _lookup(self.mid_inf, below)).to(torch.uint8)
 
 
-_NEAREST: dict = {id(_MAPS.get(signed, torch.device("cpu"))[1]): None
-                  for signed in (True, False)}  # the default maps' CPU midpoints -> table
+_NEAREST: dict = {
+    id(_MAPS.get(signed, torch.device("cpu"))[1]): None for signed in (True, False)
+}  # the default maps' CPU midpoints -> table
 
 
-def _nearest_table(mid: torch.Tensor) -> Optional[_NearestCode]:
+def _nearest_table(mid: torch.Tensor) -> _NearestCode | None:
     """The lookup table of ``mid`` if it is a default map's CPU midpoints (the cached tensors,
     alive as long as the module: their ids are never reused), built on first use."""
     key = id(mid)
@@ -270,9 +292,13 @@ def _nearest_table(mid: torch.Tensor) -> Optional[_NearestCode]:
     return table
 
 
-def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None,
-                       block_size: int = 256, *, signed: bool = True
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(
+    x: torch.Tensor,
+    code: torch.Tensor | None = None,
+    block_size: int = 256,
+    *,
+    signed: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a plain tensor block-wise along its last dim.
 
     Args:
@@ -296,8 +322,10 @@ def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None,
     """
     block_size = _check_block_size(block_size, "quantize_blockwise")
     if isinstance(x, DTensor):
-        raise TypeError("quantize_blockwise: plain tensors only (scale_by_adam(optim_bits=8) "
-                        "quantises DTensor moments exactly)")
+        raise TypeError(
+            "quantize_blockwise: plain tensors only (scale_by_adam(optim_bits=8) "
+            "quantises DTensor moments exactly)"
+        )
     code, mid = _code_arg(code, signed, x.device, "quantize_blockwise")
     rows = _as_rows(x.to(torch.float32))
     lay = _Layout.of(rows, rows, block_size)
@@ -305,9 +333,14 @@ def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None,
     return _from_rows(_quantize_many([rows], [absmax], [mid], [lay])[0], x.ndim), absmax
 
 
-def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor,
-                         code: Optional[torch.Tensor] = None, block_size: int = 256, *,
-                         signed: bool = True) -> torch.Tensor:
+def dequantize_blockwise(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor | None = None,
+    block_size: int = 256,
+    *,
+    signed: bool = True,
+) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: ``code[codes] * absmax`` of each element's block,
     float32, shaped like ``codes``.
 
@@ -317,9 +350,11 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor,
     block_size = _check_block_size(block_size, "dequantize_blockwise")
     want = _absmax_shape(codes.shape, block_size)
     if tuple(absmax.shape) != want:
-        raise ValueError(f"dequantize_blockwise: absmax has shape {tuple(absmax.shape)}, expected "
-                         f"{want} for codes of shape {tuple(codes.shape)} and block_size "
-                         f"{block_size}")
+        raise ValueError(
+            f"dequantize_blockwise: absmax has shape {tuple(absmax.shape)}, expected "
+            f"{want} for codes of shape {tuple(codes.shape)} and block_size "
+            f"{block_size}"
+        )
     code, _ = _code_arg(code, signed, codes.device, "dequantize_blockwise")
     rows = _as_rows(codes)
     lay = _Layout.of(rows, rows, block_size)
@@ -350,7 +385,7 @@ class _Layout:
         self.lead, self.right, self.k, self.b0 = lead, right, k, b0
 
     @classmethod
-    def of(cls, u: Any, local: torch.Tensor, B: int) -> "_Layout":
+    def of(cls, u: Any, local: torch.Tensor, B: int) -> _Layout:
         """The layout of ``local``, the local shard (or, for a 0-dim leaf, the one-element row)
         of update leaf ``u``."""
         shape = tuple(u.shape)
@@ -399,24 +434,33 @@ class _Layout:
         return part
 
 
-def _dequantize_many(codes: Sequence[torch.Tensor], absmax: Sequence[torch.Tensor],
-                     maps: Sequence[torch.Tensor], layouts: Sequence[_Layout]) -> list:
+def _dequantize_many(
+    codes: Sequence[torch.Tensor],
+    absmax: Sequence[torch.Tensor],
+    maps: Sequence[torch.Tensor],
+    layouts: Sequence[_Layout],
+) -> list:
     """float32 values ``map[codes] * absmax`` of each element's block, for lists of leaves."""
     if not codes:
         return []
     return [lay.mul(_lookup(m, c.int()), a) for m, c, a, lay in zip(maps, codes, absmax, layouts)]
 
 
-def _quantize_many(vals: Sequence[torch.Tensor], absmax: Sequence[torch.Tensor],
-                   mids: Sequence[torch.Tensor], layouts: Sequence[_Layout]) -> list:
+def _quantize_many(
+    vals: Sequence[torch.Tensor],
+    absmax: Sequence[torch.Tensor],
+    mids: Sequence[torch.Tensor],
+    layouts: Sequence[_Layout],
+) -> list:
     """uint8 codes of float32 ``vals`` (``(..., L)``) against their global block maxima
     ``absmax`` (``(..., nb)``), as bitsandbytes does it: ``x * (1 / max(absmax, 1e-38))``
     clamped to ``[-1, 1]`` (an all-zero block gives zeros), then the nearest code."""
     if not vals:
         return []
     inv = torch._foreach_reciprocal(torch._foreach_clamp_min(list(absmax), 1e-38))
-    return [_codes_of(lay.mul(x, v, out=True), mid)
-            for x, v, mid, lay in zip(vals, inv, mids, layouts)]
+    return [
+        _codes_of(lay.mul(x, v, out=True), mid) for x, v, mid, lay in zip(vals, inv, mids, layouts)
+    ]
 
 
 def _last_dim_sharded(x: DTensor) -> bool:
@@ -460,8 +504,12 @@ class ScaleByAdam8bitState(NamedTuple):
 def is_quantized(x: Any, min_8bit_size: int) -> bool:
     """Whether a params leaf gets 8-bit moments: a non-empty floating tensor whose GLOBAL numel
     is at least ``min_8bit_size``."""
-    return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0
-            and x.numel() >= min_8bit_size)
+    return (
+        isinstance(x, torch.Tensor)
+        and x.is_floating_point()
+        and x.numel() > 0
+        and x.numel() >= min_8bit_size
+    )
 
 
 def _absmax_spec(s: Spec, block_size: int, where: str) -> Spec:
@@ -471,8 +519,10 @@ def _absmax_spec(s: Spec, block_size: int, where: str) -> Spec:
     placements = []
     for p in s.placements:
         if isinstance(p, Partial):
-            raise ValueError(f"{where} is Partial; optimizer states need parameters in "
-                             "Shard/Replicate placements")
+            raise ValueError(
+                f"{where} is Partial; optimizer states need parameters in "
+                "Shard/Replicate placements"
+            )
         if isinstance(p, Shard) and (nd == 0 or p.dim % nd == nd - 1):
             placements.append(Replicate())
         else:
@@ -499,22 +549,32 @@ def _zero_absmax(x: Any, block_size: int, path: str) -> Any:
     return z
 
 
-def init_8bit(params: Any, count: torch.Tensor, block_size: int, min_8bit_size: int,
-              mu_dtype: Optional[torch.dtype], nu_dtype: Optional[torch.dtype]
-              ) -> ScaleByAdam8bitState:
+def init_8bit(
+    params: Any,
+    count: torch.Tensor,
+    block_size: int,
+    min_8bit_size: int,
+    mu_dtype: torch.dtype | None,
+    nu_dtype: torch.dtype | None,
+) -> ScaleByAdam8bitState:
     """The initial :class:`ScaleByAdam8bitState` (zero moments) of ``params``."""
     leaves, treedef = tree_flatten(params)
     paths = tree_paths(params)
     quant = [is_quantized(x, min_8bit_size) for x in leaves]
 
     def tree(fn):
-        return tree_unflatten(treedef, [fn(x, p) if q else None
-                                        for x, p, q in zip(leaves, paths, quant)])
+        return tree_unflatten(
+            treedef, [fn(x, p) if q else None for x, p, q in zip(leaves, paths, quant)]
+        )
 
     def full(dtype):
-        return tree_unflatten(treedef, [
-            None if x is None or q else torch.zeros_like(x, dtype=state_dtype(x.dtype, dtype))
-            for x, q in zip(leaves, quant)])
+        return tree_unflatten(
+            treedef,
+            [
+                None if x is None or q else torch.zeros_like(x, dtype=state_dtype(x.dtype, dtype))
+                for x, q in zip(leaves, quant)
+            ],
+        )
 
     zero_mu = _MAPS.get(True, torch.device("cpu"))[2]
     zero_nu = _MAPS.get(False, torch.device("cpu"))[2]
@@ -523,11 +583,14 @@ def init_8bit(params: Any, count: torch.Tensor, block_size: int, min_8bit_size: 
             _MAPS.get(True, to_local(x).device)
             _MAPS.get(False, to_local(x).device)
     return ScaleByAdam8bitState(
-        count, full(mu_dtype), full(nu_dtype),
+        count,
+        full(mu_dtype),
+        full(nu_dtype),
         tree(lambda x, p: _zero_codes(x, zero_mu)),
         tree(lambda x, p: _zero_absmax(x, block_size, p)),
         tree(lambda x, p: _zero_codes(x, zero_nu)),
-        tree(lambda x, p: _zero_absmax(x, block_size, p)))
+        tree(lambda x, p: _zero_absmax(x, block_size, p)),
+    )
 
 
 class Dequantized:
@@ -545,8 +608,9 @@ _NAME = "ScaleByAdam8bitState"
 _QFIELDS = (("mu_codes", "mu_absmax", True), ("nu_codes", "nu_absmax", False))
 
 
-def dequantize_state(b: Prepared, state: ScaleByAdam8bitState, block_size: int,
-                     min_8bit_size: int) -> tuple[list, list, Dequantized]:
+def dequantize_state(
+    b: Prepared, state: ScaleByAdam8bitState, block_size: int, min_8bit_size: int
+) -> tuple[list, list, Dequantized]:
     """The moments of the active leaves as local float tensors: the float state of
     full-precision leaves, the float32 dequantised values of quantised ones (no communication).
 
@@ -556,8 +620,11 @@ def dequantize_state(b: Prepared, state: ScaleByAdam8bitState, block_size: int,
     """
     mu_all = b.state_locals(state.mu, f"{_NAME}.mu")
     nu_all = b.state_locals(state.nu, f"{_NAME}.nu")
-    fields = {f: flatten_as(getattr(state, f), b.treedef, f"{_NAME}.{f}", "the updates")
-              for c, a, _ in _QFIELDS for f in (c, a)}
+    fields = {
+        f: flatten_as(getattr(state, f), b.treedef, f"{_NAME}.{f}", "the updates")
+        for c, a, _ in _QFIELDS
+        for f in (c, a)
+    }
     mu, nu, qpos, layouts = [], [], [], []
     for pos, i in enumerate(b.active):
         u = b.updates[i]
@@ -569,7 +636,8 @@ def dequantize_state(b: Prepared, state: ScaleByAdam8bitState, block_size: int,
                 f"{_NAME}: leaf '{b.paths[i]}' (shape {tuple(u.shape)}) needs "
                 f"{'8-bit' if quant else 'float'} moments (min_8bit_size={min_8bit_size}), but "
                 "its state entries do not hold them; was the state built by scale_by_adam.init "
-                "with the same optim_bits and min_8bit_size?")
+                "with the same optim_bits and min_8bit_size?"
+            )
         if not quant:
             mu.append(mu_all[i])
             nu.append(nu_all[i])
@@ -580,31 +648,46 @@ def dequantize_state(b: Prepared, state: ScaleByAdam8bitState, block_size: int,
             is_abs = f.endswith("absmax")
             want, dt = (want_abs, torch.float32) if is_abs else (tuple(u.shape), torch.uint8)
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or x.dtype != dt:
-                got = (f"shape {tuple(x.shape)} and dtype {x.dtype}"
-                       if isinstance(x, torch.Tensor) else f"a {type(x).__name__}")
-                raise ValueError(f"{_NAME}.{f}: leaf '{b.paths[i]}' has {got}, expected shape "
-                                 f"{want} and dtype {dt} for a parameter of shape "
-                                 f"{tuple(u.shape)} and block_size {block_size}")
+                got = (
+                    f"shape {tuple(x.shape)} and dtype {x.dtype}"
+                    if isinstance(x, torch.Tensor)
+                    else f"a {type(x).__name__}"
+                )
+                raise ValueError(
+                    f"{_NAME}.{f}: leaf '{b.paths[i]}' has {got}, expected shape "
+                    f"{want} and dtype {dt} for a parameter of shape "
+                    f"{tuple(u.shape)} and block_size {block_size}"
+                )
         local = b.locals[i]
         layouts.append(_Layout.of(u, _as_rows(local), block_size))
         qpos.append(pos)
         mu.append(None)
         nu.append(None)
     # dequantise every quantised moment (mu and nu of each leaf) in one batch
-    items = [(pos, b.active[pos], lay, f, out) for pos, lay in zip(qpos, layouts)
-             for f, out in zip(_QFIELDS, (mu, nu))]
+    items = [
+        (pos, b.active[pos], lay, f, out)
+        for pos, lay in zip(qpos, layouts)
+        for f, out in zip(_QFIELDS, (mu, nu))
+    ]
     vals = _dequantize_many(
         [_as_rows(to_local(fields[f[0]][i])) for _, i, _, f, _ in items],
         [to_local(fields[f[1]][i]) for _, i, _, f, _ in items],
         [_MAPS.get(f[2], b.locals[i].device)[0] for _, i, _, f, _ in items],
-        [lay for _, _, lay, _, _ in items])
+        [lay for _, _, lay, _, _ in items],
+    )
     for (pos, i, _, _, out), v in zip(items, vals):
         out[pos] = _from_rows(v, b.locals[i].ndim)
     return mu, nu, Dequantized(qpos, layouts, fields)
 
 
-def quantize_state(b: Prepared, state: ScaleByAdam8bitState, count: torch.Tensor, mu: list,
-                   nu: list, deq: Dequantized) -> ScaleByAdam8bitState:
+def quantize_state(
+    b: Prepared,
+    state: ScaleByAdam8bitState,
+    count: torch.Tensor,
+    mu: list,
+    nu: list,
+    deq: Dequantized,
+) -> ScaleByAdam8bitState:
     """The new state from the updated float moments ``mu``, ``nu`` of the active leaves (local
     shards): full-precision leaves keep them; quantised leaves are requantised with the new
     absmax of each global block.
@@ -615,15 +698,21 @@ def quantize_state(b: Prepared, state: ScaleByAdam8bitState, count: torch.Tensor
     """
     act = b.active
     qset = set(deq.qpos)
-    mu_new = b.state_tree(state.mu, f"{_NAME}.mu",
-                          [None if p in qset else m for p, m in enumerate(mu)])
-    nu_new = b.state_tree(state.nu, f"{_NAME}.nu",
-                          [None if p in qset else v for p, v in enumerate(nu)])
+    mu_new = b.state_tree(
+        state.mu, f"{_NAME}.mu", [None if p in qset else m for p, m in enumerate(mu)]
+    )
+    nu_new = b.state_tree(
+        state.nu, f"{_NAME}.nu", [None if p in qset else v for p, v in enumerate(nu)]
+    )
     # 1. local block maxima of every quantised moment (mu and nu of each leaf)
-    items = [(act[pos], lay, fs, v) for pos, lay in zip(deq.qpos, deq.layouts)
-             for fs, v in zip(_QFIELDS, (mu[pos], nu[pos]))]
-    vals = [_as_rows(v if v.dtype == torch.float32 else v.to(torch.float32))
-            for _, _, _, v in items]
+    items = [
+        (act[pos], lay, fs, v)
+        for pos, lay in zip(deq.qpos, deq.layouts)
+        for fs, v in zip(_QFIELDS, (mu[pos], nu[pos]))
+    ]
+    vals = [
+        _as_rows(v if v.dtype == torch.float32 else v.to(torch.float32)) for _, _, _, v in items
+    ]
     absx = torch._foreach_abs(vals) if vals else []
     absmax = [lay.partial_absmax(a) for (_, lay, _, _), a in zip(items, absx)]
     # 2. complete the maxima of blocks that straddle shards: one all-reduce for all leaves
@@ -633,18 +722,27 @@ def quantize_state(b: Prepared, state: ScaleByAdam8bitState, count: torch.Tensor
         for n, full in zip(sharded, done):
             absmax[n] = full
     # 3. requantise against the completed maxima
-    codes = _quantize_many(vals, absmax,
-                           [_MAPS.get(fs[2], v.device)[1] for (_, _, fs, _), v in
-                            zip(items, vals)],
-                           [lay for _, lay, _, _ in items])
+    codes = _quantize_many(
+        vals,
+        absmax,
+        [_MAPS.get(fs[2], v.device)[1] for (_, _, fs, _), v in zip(items, vals)],
+        [lay for _, lay, _, _ in items],
+    )
     out = {f: list(v) for f, v in deq.fields.items()}
     for (i, _, (codes_f, abs_f, _), _), c, a in zip(items, codes, absmax):
         old_codes, old_abs = deq.fields[codes_f][i], deq.fields[abs_f][i]
         out[codes_f][i] = wrap_like(_from_rows(c, old_codes.ndim), old_codes)
         out[abs_f][i] = wrap_like(a, old_abs)
     trees = {f: tree_unflatten(b.treedef, v) for f, v in out.items()}
-    return ScaleByAdam8bitState(count, mu_new, nu_new, trees["mu_codes"], trees["mu_absmax"],
-                                trees["nu_codes"], trees["nu_absmax"])
+    return ScaleByAdam8bitState(
+        count,
+        mu_new,
+        nu_new,
+        trees["mu_codes"],
+        trees["mu_absmax"],
+        trees["nu_codes"],
+        trees["nu_absmax"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,8 +768,16 @@ class FusedAdam8bit:
     min_8bit_size: int
 
 
-def fused_adam8bit_step(tx: Any, fused: FusedAdam8bit, grads: Any, state: Any, params: Any,
-                        mesh: Any, donate: bool, apply: Any) -> Optional[tuple]:
+def fused_adam8bit_step(
+    tx: Any,
+    fused: FusedAdam8bit,
+    grads: Any,
+    state: Any,
+    params: Any,
+    mesh: Any,
+    donate: bool,
+    apply: Any,
+) -> tuple | None:
     """``ft.step`` of 8-bit Adam / AdamW on plain float32 CPU tensors in one process: each
     quantised leaf whose last dim is a multiple of ``block_size``, or below it (each row one
     block, as the chain's padded block), goes through ONE compiled loop nest
@@ -687,9 +793,12 @@ def fused_adam8bit_step(tx: Any, fused: FusedAdam8bit, grads: Any, state: Any, p
     from .engine import kernels
     from .factored import per_leaf_view
 
-    if not (isinstance(state, tuple) and not hasattr(state, "_fields")
-            and len(state) > max(fused.adam_index, fused.lr_index)
-            and isinstance(state[fused.adam_index], ScaleByAdam8bitState)):
+    if not (
+        isinstance(state, tuple)
+        and not hasattr(state, "_fields")
+        and len(state) > max(fused.adam_index, fused.lr_index)
+        and isinstance(state[fused.adam_index], ScaleByAdam8bitState)
+    ):
         return None
     if not (fused.b1 > 0.5 and kernels.ENABLED and not kernels._failed):
         return None
@@ -699,27 +808,41 @@ def fused_adam8bit_step(tx: Any, fused: FusedAdam8bit, grads: Any, state: Any, p
     b, pl, treedef = view
     st = state[fused.adam_index]
     B = fused.block_size
-    fields = {f: flatten_as(getattr(st, f), treedef, f"{_NAME}.{f}", "params")
-              for c, a, _ in _QFIELDS for f in (c, a)}
+    fields = {
+        f: flatten_as(getattr(st, f), treedef, f"{_NAME}.{f}", "params")
+        for c, a, _ in _QFIELDS
+        for f in (c, a)
+    }
 
-    def block(n: int) -> Optional[int]:
+    def block(n: int) -> int | None:
         """The kernel's block for a last dim ``n``: ``B`` when it divides ``n``; ``n`` when
         ``n < B`` (each row is one block, as the chain's padded last block); else none."""
         return B if n % B == 0 else (n if 1 < n < B else None)
 
     def fits(i):
         u, g, p = b.updates[i], b.locals[i], b.params[i]
-        if not (is_quantized(u, fused.min_8bit_size) and g.dtype == torch.float32
-                and g.ndim >= 1 and block(g.shape[-1]) is not None and g.is_contiguous()
-                and p.is_contiguous() and kernels._usable([g, p])):
+        if not (
+            is_quantized(u, fused.min_8bit_size)
+            and g.dtype == torch.float32
+            and g.ndim >= 1
+            and block(g.shape[-1]) is not None
+            and g.is_contiguous()
+            and p.is_contiguous()
+            and kernels._usable([g, p])
+        ):
             return False
-        want = {"mu_codes": (tuple(g.shape), torch.uint8), "nu_codes": (tuple(g.shape),
-                                                                       torch.uint8),
-                "mu_absmax": (_absmax_shape(g.shape, B), torch.float32),
-                "nu_absmax": (_absmax_shape(g.shape, B), torch.float32)}
-        return all(type(fields[f][i]) is torch.Tensor and fields[f][i].is_contiguous()
-                   and (tuple(fields[f][i].shape), fields[f][i].dtype) == w
-                   for f, w in want.items())
+        want = {
+            "mu_codes": (tuple(g.shape), torch.uint8),
+            "nu_codes": (tuple(g.shape), torch.uint8),
+            "mu_absmax": (_absmax_shape(g.shape, B), torch.float32),
+            "nu_absmax": (_absmax_shape(g.shape, B), torch.float32),
+        }
+        return all(
+            type(fields[f][i]) is torch.Tensor
+            and fields[f][i].is_contiguous()
+            and (tuple(fields[f][i].shape), fields[f][i].dtype) == w
+            for f, w in want.items()
+        )
 
     mine = [i for i in b.active if fits(i)]
     if not mine:
@@ -732,27 +855,41 @@ def fused_adam8bit_step(tx: Any, fused: FusedAdam8bit, grads: Any, state: Any, p
         lr = torch.as_tensor(lr(lr_state.count), dtype=torch.float64)
     keep = fused.mask(params) if fused.mask is not None else None
     decays = [bool(fused.weight_decay) and (keep is None or bool(keep[i])) for i in mine]
-    ins = [(b.params[i], b.locals[i], *(fields[f][i] for f in
-                                        ("mu_codes", "mu_absmax", "nu_codes", "nu_absmax")))
-           for i in mine]
+    ins = [
+        (
+            b.params[i],
+            b.locals[i],
+            *(fields[f][i] for f in ("mu_codes", "mu_absmax", "nu_codes", "nu_absmax")),
+        )
+        for i in mine
+    ]
     if donate:
         outs = [(x[0], x[2], x[3], x[4], x[5]) for x in ins]
     else:  # result buffers the caller has dropped are reused (see engine/pool.py)
         from .engine.pool import Pool, of_plan
+
         pool = of_plan(b.plan, "pool", Pool)
-        outs = list(zip(*(pool.take(f"adam8bit.{k}", [x[k] for x in ins])
-                          for k in (0, 2, 3, 4, 5))))
+        outs = list(
+            zip(*(pool.take(f"adam8bit.{k}", [x[k] for x in ins]) for k in (0, 2, 3, 4, 5)))
+        )
     mset = set(mine)
-    rest = [x if k not in mset else None for k, x in enumerate(
-        tree_flatten(grads)[0])]
+    rest = [x if k not in mset else None for k, x in enumerate(tree_flatten(grads)[0])]
     with torch.no_grad():
         ok = kernels.adam8bit(
-            ins, outs, lr=lr, weight_decay=fused.weight_decay, b1=fused.b1, b2=fused.b2,
-            eps=fused.eps, count=st.count + 1,
+            ins,
+            outs,
+            lr=lr,
+            weight_decay=fused.weight_decay,
+            b1=fused.b1,
+            b2=fused.b2,
+            eps=fused.eps,
+            count=st.count + 1,
             decoupled=[d and fused.decoupled for d in decays],
-            l2=[d and not fused.decoupled for d in decays], maximize=fused.maximize,
+            l2=[d and not fused.decoupled for d in decays],
+            maximize=fused.maximize,
             blocks=[block(b.locals[i].shape[-1]) for i in mine],
-            maps=kernel_maps(b.params[mine[0]].device))
+            maps=kernel_maps(b.params[mine[0]].device),
+        )
     if not ok:
         return None
     # the other leaves through the chain (its counters advance once, the kernel's leaves'

@@ -13,7 +13,7 @@ negative ``transition_steps`` or ``transition_begin``), these raise ``ValueError
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -54,21 +54,30 @@ def _scales(boundaries_and_scales, where: str) -> tuple:
     if boundaries_and_scales is None:
         return (), ()
     if not isinstance(boundaries_and_scales, dict):
-        raise TypeError(f"{where}: boundaries_and_scales must be a dict {{step: scale}}, got "
-                        f"{type(boundaries_and_scales).__name__}")
-    items = sorted((V.integer("boundary", b, where=where, low=0),
-                    V.number(f"the scale at step {b}", v, where=where, low=0.0))
-                   for b, v in boundaries_and_scales.items())
+        raise TypeError(
+            f"{where}: boundaries_and_scales must be a dict {{step: scale}}, got "
+            f"{type(boundaries_and_scales).__name__}"
+        )
+    items = sorted(
+        (
+            V.integer("boundary", b, where=where, low=0),
+            V.number(f"the scale at step {b}", v, where=where, low=0.0),
+        )
+        for b, v in boundaries_and_scales.items()
+    )
     return tuple(b for b, _ in items), tuple(v for _, v in items)
 
 
-def _transition_args(where: str, init_value, end_value, transition_steps,
-                     transition_begin) -> tuple:
+def _transition_args(
+    where: str, init_value, end_value, transition_steps, transition_begin
+) -> tuple:
     """The linear and polynomial schedules' shared arguments, checked."""
-    return (V.number("init_value", init_value, where=where),
-            V.number("end_value", end_value, where=where),
-            V.integer("transition_steps", transition_steps, where=where, low=0),
-            V.integer("transition_begin", transition_begin, where=where, low=0))
+    return (
+        V.number("init_value", init_value, where=where),
+        V.number("end_value", end_value, where=where),
+        V.integer("transition_steps", transition_steps, where=where, low=0),
+        V.integer("transition_begin", transition_begin, where=where, low=0),
+    )
 
 
 def constant_schedule(value: float) -> Schedule:
@@ -81,8 +90,9 @@ def constant_schedule(value: float) -> Schedule:
     return schedule
 
 
-def linear_schedule(init_value: float, end_value: float, transition_steps: int,
-                    transition_begin: int = 0) -> Schedule:
+def linear_schedule(
+    init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0
+) -> Schedule:
     """Linear from ``init_value`` to ``end_value`` over ``transition_steps`` steps, starting at
     ``transition_begin``; constant outside. ``transition_steps=0`` gives ``init_value`` always.
 
@@ -90,7 +100,8 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
         ValueError: negative ``transition_steps`` or ``transition_begin``.
     """
     init_value, end_value, transition_steps, transition_begin = _transition_args(
-        "linear_schedule", init_value, end_value, transition_steps, transition_begin)
+        "linear_schedule", init_value, end_value, transition_steps, transition_begin
+    )
 
     def schedule(count):
         c = _count(count)
@@ -102,8 +113,13 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int,
     return schedule
 
 
-def polynomial_schedule(init_value: float, end_value: float, power: float, transition_steps: int,
-                        transition_begin: int = 0) -> Schedule:
+def polynomial_schedule(
+    init_value: float,
+    end_value: float,
+    power: float,
+    transition_steps: int,
+    transition_begin: int = 0,
+) -> Schedule:
     """``(init_value - end_value) * (1 - t / transition_steps)^power + end_value`` with
     ``t = clip(count - transition_begin, 0, transition_steps)`` (optax ``polynomial_schedule``):
     ``init_value`` before ``transition_begin``, ``end_value`` from ``transition_begin +
@@ -114,7 +130,8 @@ def polynomial_schedule(init_value: float, end_value: float, power: float, trans
     """
     where = "polynomial_schedule"
     init_value, end_value, transition_steps, transition_begin = _transition_args(
-        where, init_value, end_value, transition_steps, transition_begin)
+        where, init_value, end_value, transition_steps, transition_begin
+    )
     power = V.number("power", power, where=where)
 
     def schedule(count):
@@ -128,8 +145,9 @@ def polynomial_schedule(init_value: float, end_value: float, power: float, trans
     return schedule
 
 
-def piecewise_constant_schedule(init_value: float,
-                                boundaries_and_scales: Optional[dict] = None) -> Schedule:
+def piecewise_constant_schedule(
+    init_value: float, boundaries_and_scales: dict | None = None
+) -> Schedule:
     """``init_value`` times the product of the scales of every boundary ``<= count``
     (optax ``piecewise_constant_schedule``): ``{100: 0.1, 200: 0.1}`` divides by 10 at step 100
     and again at step 200.
@@ -159,8 +177,9 @@ def _cosine_interpolate(start, end, pct):
     return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1.0)
 
 
-def piecewise_interpolate_schedule(interpolate_type: str, init_value: float,
-                                   boundaries_and_scales: Optional[dict] = None) -> Schedule:
+def piecewise_interpolate_schedule(
+    interpolate_type: str, init_value: float, boundaries_and_scales: dict | None = None
+) -> Schedule:
     """Values ``v_0 = init_value``, ``v_k = v_{k-1} * scale_k`` at the sorted boundaries
     ``b_k`` (``b_0 = 0``), interpolated linearly or by half a cosine between consecutive
     boundaries (over ``max(b_k - b_{k-1}, 1)`` steps), the last value from the last boundary on
@@ -172,8 +191,9 @@ def piecewise_interpolate_schedule(interpolate_type: str, init_value: float,
     """
     where = "piecewise_interpolate_schedule"
     if interpolate_type not in ("linear", "cosine"):
-        raise ValueError(f"{where}: interpolate_type must be 'linear' or 'cosine', "
-                         f"got {interpolate_type!r}")
+        raise ValueError(
+            f"{where}: interpolate_type must be 'linear' or 'cosine', got {interpolate_type!r}"
+        )
     interpolate = _linear_interpolate if interpolate_type == "linear" else _cosine_interpolate
     init_value = V.number("init_value", init_value, where=where)
     boundaries, scales = _scales(boundaries_and_scales, where)
@@ -195,9 +215,14 @@ def piecewise_interpolate_schedule(interpolate_type: str, init_value: float,
     return schedule
 
 
-def exponential_decay(init_value: float, transition_steps: int, decay_rate: float,
-                      transition_begin: int = 0, staircase: bool = False,
-                      end_value: Optional[float] = None) -> Schedule:
+def exponential_decay(
+    init_value: float,
+    transition_steps: int,
+    decay_rate: float,
+    transition_begin: int = 0,
+    staircase: bool = False,
+    end_value: float | None = None,
+) -> Schedule:
     """``init_value * decay_rate^((count - transition_begin) / transition_steps)`` from
     ``transition_begin`` on, ``init_value`` before (optax ``exponential_decay``); the exponent
     floored with ``staircase``; bounded by ``end_value`` (below when ``decay_rate < 1``, above
@@ -232,8 +257,9 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
     return schedule
 
 
-def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0,
-                          exponent: float = 1.0) -> Schedule:
+def cosine_decay_schedule(
+    init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0
+) -> Schedule:
     """``init_value * ((1 - alpha) * (0.5 (1 + cos(pi t / decay_steps)))^exponent + alpha)`` for
     ``t = min(count, decay_steps)`` (optax ``cosine_decay_schedule``).
 
@@ -254,9 +280,14 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     return schedule
 
 
-def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_steps: int,
-                                 decay_steps: int, end_value: float = 0.0,
-                                 exponent: float = 1.0) -> Schedule:
+def warmup_cosine_decay_schedule(
+    init_value: float,
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    end_value: float = 0.0,
+    exponent: float = 1.0,
+) -> Schedule:
     """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then cosine
     decay to ``end_value`` at ``decay_steps`` (total, warmup included), constant after (optax
     ``warmup_cosine_decay_schedule``).
@@ -271,8 +302,9 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     warmup_steps = V.integer("warmup_steps", warmup_steps, where=where, low=0)
     decay_steps = V.integer("decay_steps", decay_steps, where=where, low=1)
     if decay_steps <= warmup_steps:
-        raise ValueError(f"{where}: decay_steps ({decay_steps}) must exceed warmup_steps "
-                         f"({warmup_steps})")
+        raise ValueError(
+            f"{where}: decay_steps ({decay_steps}) must exceed warmup_steps ({warmup_steps})"
+        )
     alpha = 0.0 if peak_value == 0.0 else end_value / peak_value
     warm = linear_schedule(init_value, peak_value, warmup_steps)
     decay = cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha, exponent)
@@ -299,8 +331,10 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     schedules = list(schedules)
     boundaries = [V.integer("boundary", b, where=where, low=0) for b in boundaries]
     if not schedules or len(boundaries) != len(schedules) - 1:
-        raise ValueError(f"{where}: needs one boundary fewer than schedules, got "
-                         f"{len(schedules)} schedules and {len(boundaries)} boundaries")
+        raise ValueError(
+            f"{where}: needs one boundary fewer than schedules, got "
+            f"{len(schedules)} schedules and {len(boundaries)} boundaries"
+        )
     for k, f in enumerate(schedules):
         if not callable(f):
             raise TypeError(f"{where}: schedules[{k}] must be callable, got {type(f).__name__}")
@@ -326,10 +360,16 @@ def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps:
     return linear_schedule(init_value, peak_value, warmup_steps)
 
 
-def warmup_exponential_decay_schedule(init_value: float, peak_value: float, warmup_steps: int,
-                                      transition_steps: int, decay_rate: float,
-                                      transition_begin: int = 0, staircase: bool = False,
-                                      end_value: Optional[float] = None) -> Schedule:
+def warmup_exponential_decay_schedule(
+    init_value: float,
+    peak_value: float,
+    warmup_steps: int,
+    transition_steps: int,
+    decay_rate: float,
+    transition_begin: int = 0,
+    staircase: bool = False,
+    end_value: float | None = None,
+) -> Schedule:
     """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
     :func:`exponential_decay` of ``peak_value`` counted from the end of the warmup (optax
     ``warmup_exponential_decay_schedule``).
@@ -338,26 +378,37 @@ def warmup_exponential_decay_schedule(init_value: float, peak_value: float, warm
         ValueError: as :func:`linear_schedule` and :func:`exponential_decay`.
     """
     return join_schedules(
-        [linear_schedule(init_value, peak_value, warmup_steps),
-         exponential_decay(peak_value, transition_steps, decay_rate, transition_begin, staircase,
-                           end_value)],
-        [V.integer("warmup_steps", warmup_steps, where="warmup_exponential_decay_schedule",
-                   low=0)])
+        [
+            linear_schedule(init_value, peak_value, warmup_steps),
+            exponential_decay(
+                peak_value, transition_steps, decay_rate, transition_begin, staircase, end_value
+            ),
+        ],
+        [V.integer("warmup_steps", warmup_steps, where="warmup_exponential_decay_schedule", low=0)],
+    )
 
 
-def _onecycle_args(where: str, transition_steps, peak_value, pct_start, div_factor,
-                   final_div_factor) -> tuple:
+def _onecycle_args(
+    where: str, transition_steps, peak_value, pct_start, div_factor, final_div_factor
+) -> tuple:
     """The one-cycle schedules' shared arguments, checked."""
-    return (V.integer("transition_steps", transition_steps, where=where, low=1),
-            V.number("peak_value", peak_value, where=where),
-            V.number("pct_start", pct_start, where=where, low=0.0, high=1.0),
-            V.number("div_factor", div_factor, where=where, low=0.0, low_open=True),
-            V.number("final_div_factor", final_div_factor, where=where, low=0.0, low_open=True))
+    return (
+        V.integer("transition_steps", transition_steps, where=where, low=1),
+        V.number("peak_value", peak_value, where=where),
+        V.number("pct_start", pct_start, where=where, low=0.0, high=1.0),
+        V.number("div_factor", div_factor, where=where, low=0.0, low_open=True),
+        V.number("final_div_factor", final_div_factor, where=where, low=0.0, low_open=True),
+    )
 
 
-def linear_onecycle_schedule(transition_steps: int, peak_value: float, pct_start: float = 0.3,
-                             pct_final: float = 0.85, div_factor: float = 25.0,
-                             final_div_factor: float = 1e4) -> Schedule:
+def linear_onecycle_schedule(
+    transition_steps: int,
+    peak_value: float,
+    pct_start: float = 0.3,
+    pct_final: float = 0.85,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> Schedule:
     """The one-cycle schedule (Smith & Topin 2017), linear pieces (optax
     ``linear_onecycle_schedule``): from ``peak_value / div_factor`` up to ``peak_value`` at step
     ``int(pct_start * transition_steps)``, down to ``peak_value / div_factor`` at
@@ -369,16 +420,27 @@ def linear_onecycle_schedule(transition_steps: int, peak_value: float, pct_start
     """
     where = "linear_onecycle_schedule"
     T, peak_value, pct_start, div_factor, final_div_factor = _onecycle_args(
-        where, transition_steps, peak_value, pct_start, div_factor, final_div_factor)
+        where, transition_steps, peak_value, pct_start, div_factor, final_div_factor
+    )
     pct_final = V.number("pct_final", pct_final, where=where, low=0.0, high=1.0)
     return piecewise_interpolate_schedule(
-        "linear", peak_value / div_factor,
-        {int(pct_start * T): div_factor, int(pct_final * T): 1.0 / div_factor,
-         T: 1.0 / final_div_factor})
+        "linear",
+        peak_value / div_factor,
+        {
+            int(pct_start * T): div_factor,
+            int(pct_final * T): 1.0 / div_factor,
+            T: 1.0 / final_div_factor,
+        },
+    )
 
 
-def cosine_onecycle_schedule(transition_steps: int, peak_value: float, pct_start: float = 0.3,
-                             div_factor: float = 25.0, final_div_factor: float = 1e4) -> Schedule:
+def cosine_onecycle_schedule(
+    transition_steps: int,
+    peak_value: float,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> Schedule:
     """The one-cycle schedule with half-cosine pieces (optax ``cosine_onecycle_schedule``, torch
     ``OneCycleLR``'s shape): from ``peak_value / div_factor`` up to ``peak_value`` at step
     ``int(pct_start * transition_steps)``, then down to ``peak_value / (div_factor *
@@ -388,11 +450,18 @@ def cosine_onecycle_schedule(transition_steps: int, peak_value: float, pct_start
         ValueError: ``transition_steps < 1``; non-positive factors.
     """
     T, peak_value, pct_start, div_factor, final_div_factor = _onecycle_args(
-        "cosine_onecycle_schedule", transition_steps, peak_value, pct_start, div_factor,
-        final_div_factor)
+        "cosine_onecycle_schedule",
+        transition_steps,
+        peak_value,
+        pct_start,
+        div_factor,
+        final_div_factor,
+    )
     return piecewise_interpolate_schedule(
-        "cosine", peak_value / div_factor,
-        {int(pct_start * T): div_factor, T: 1.0 / (div_factor * final_div_factor)})
+        "cosine",
+        peak_value / div_factor,
+        {int(pct_start * T): div_factor, T: 1.0 / (div_factor * final_div_factor)},
+    )
 
 
 def sgdr_schedule(cosine_kwargs: Iterable[dict]) -> Schedule:
@@ -407,9 +476,11 @@ def sgdr_schedule(cosine_kwargs: Iterable[dict]) -> Schedule:
     schedules, boundaries, step = [], [], 0
     for k, kwargs in enumerate(cosine_kwargs):
         if not isinstance(kwargs, dict):
-            raise TypeError(f"sgdr_schedule: cosine_kwargs[{k}] must be a dict of "
-                            f"warmup_cosine_decay_schedule's arguments, got "
-                            f"{type(kwargs).__name__}")
+            raise TypeError(
+                f"sgdr_schedule: cosine_kwargs[{k}] must be a dict of "
+                f"warmup_cosine_decay_schedule's arguments, got "
+                f"{type(kwargs).__name__}"
+            )
         schedules.append(warmup_cosine_decay_schedule(**kwargs))
         step += kwargs["decay_steps"]
         boundaries.append(step)

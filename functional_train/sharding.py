@@ -33,8 +33,20 @@ from .engine.layout import World, shard_region
 from .engine.plan import plan_for
 from .engine.view import Prepared, leaf_paths, prepare
 
-__all__ = ["prepare", "Prepared", "declare", "Spec", "spec_of", "to_local", "wrap", "World",
-           "all_reduce_buckets", "per_rank", "shard_region", "leaf_paths"]
+__all__ = [
+    "prepare",
+    "Prepared",
+    "declare",
+    "Spec",
+    "spec_of",
+    "to_local",
+    "wrap",
+    "World",
+    "all_reduce_buckets",
+    "per_rank",
+    "shard_region",
+    "leaf_paths",
+]
 
 
 def materialize(grads: list, params, paths, mesh, world=None) -> list:
@@ -45,6 +57,6 @@ def materialize(grads: list, params, paths, mesh, world=None) -> list:
     import optree
 
     treedef = optree.tree_structure([None] * len(grads), none_is_leaf=True)
-    return plan_for(treedef, list(grads), None if params is None else list(params),
-                    mesh).materialize(list(grads), None if params is None else list(params))
-
+    return plan_for(
+        treedef, list(grads), None if params is None else list(params), mesh
+    ).materialize(list(grads), None if params is None else list(params))

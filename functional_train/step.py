@@ -31,23 +31,24 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view
+from .came import FusedCame, fused_came_step
 from .clipping import ClipByGlobalNormState, global_norm_of, global_norm_start
 from .engine import kernels
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
 from .engine.view import Prepared, prepare
-from .hyperparams import InjectHyperparamsState, is_injected, value_of
-from .came import FusedCame, fused_came_step
 from .factored import FusedAdafactor, fused_adafactor_step, per_leaf_view
 from .galore import FusedGaLore, fused_galore_step
-from .quantization import FusedAdam8bit, fused_adam8bit_step
+from .hyperparams import InjectHyperparamsState, is_injected, value_of
 from .mesh import Mesh
+from .quantization import FusedAdam8bit, fused_adam8bit_step
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
 from .tree import flatten_as, tree_flatten, tree_unflatten
 from .update import apply_updates, paired_locals
@@ -64,7 +65,7 @@ class FusedAdam:
     state sit in the chain's state tuple."""
 
     decoupled: bool
-    learning_rate: Union[float, Callable]
+    learning_rate: float | Callable
     b1: float
     b2: float
     eps: float
@@ -73,19 +74,19 @@ class FusedAdam:
     maximize: bool
     adam_index: int
     lr_index: int
-    mask: Optional[Callable] = None  # params -> [bool per leaf]: the leaves decayed
+    mask: Callable | None = None  # params -> [bool per leaf]: the leaves decayed
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedSGD:
     """What ``sgd`` computes, for ``torch._fused_sgd_`` (see :class:`FusedAdam`)."""
 
-    learning_rate: Union[float, Callable]
+    learning_rate: float | Callable
     momentum: float
     weight_decay: float
     nesterov: bool
     maximize: bool
-    trace_index: Optional[int]
+    trace_index: int | None
     lr_index: int
     dampening: float = 0.0  # of the momentum (an injected one; the kernel takes only 0)
 
@@ -115,15 +116,19 @@ def _injected_after_clip(tx, grads, state, params, mesh, donate):
     resolve = getattr(parts[1].update, "resolve", None)
     if clip is None or resolve is None or torch.compiler.is_compiling() or is_differentiable():
         return None
-    if not (isinstance(state, tuple) and len(state) == 2
-            and isinstance(state[1], InjectHyperparamsState)):
+    if not (
+        isinstance(state, tuple)
+        and len(state) == 2
+        and isinstance(state[1], InjectHyperparamsState)
+    ):
         return None
     inner, hp = resolve(state[1])
     fused = getattr(inner.update, "fused", None)
     if fused is None:
         return None
-    out = _run_fused(None, clip, fused, grads, (state[0], state[1].inner_state), params, mesh,
-                     donate)
+    out = _run_fused(
+        None, clip, fused, grads, (state[0], state[1].inner_state), params, mesh, donate
+    )
     if out is None:
         return None
     new_params, (new_clip, new_inner) = out
@@ -145,9 +150,15 @@ def _fusable(ts_lists) -> bool:
     if dtype not in _KERNEL_DTYPES:
         return False
     if torch.compiler.is_compiling():  # (dynamo does not trace attrgetter)
-        return all(x is not None and x.shape == y.shape and x.dtype == dtype
-                   and x.is_contiguous() and x.device == device
-                   for lst in ts_lists for x, y in zip(lst, first))
+        return all(
+            x is not None
+            and x.shape == y.shape
+            and x.dtype == dtype
+            and x.is_contiguous()
+            and x.device == device
+            for lst in ts_lists
+            for x, y in zip(lst, first)
+        )
     shapes = list(map(_SHAPE, first))
     cpu = device.type == "cpu"
     for lst in ts_lists:  # whole-list checks in C loops: this runs for every step
@@ -158,8 +169,7 @@ def _fusable(ts_lists) -> bool:
             return False
         if set(map(_DTYPE, lst)) != {dtype} or not all(map(_CONTIGUOUS, lst)):
             return False
-        if not (all(map(_IS_CPU, lst)) if cpu else
-                all(x.device == device for x in lst)):
+        if not (all(map(_IS_CPU, lst)) if cpu else all(x.device == device for x in lst)):
             return False
     return True
 
@@ -174,8 +184,11 @@ def _resolved(fused):
     the kernels take Python numbers (eagerly only: a compiled step takes the chain)."""
     if not dataclasses.is_dataclass(fused):
         return fused
-    names = [f.name for f in dataclasses.fields(fused)  # (the learning rate: a schedule)
-             if is_injected(v := getattr(fused, f.name)) and v.name != "learning_rate"]
+    names = [
+        f.name
+        for f in dataclasses.fields(fused)  # (the learning rate: a schedule)
+        if is_injected(v := getattr(fused, f.name)) and v.name != "learning_rate"
+    ]
     if not names:
         return fused
     return dataclasses.replace(fused, **{n: value_of(getattr(fused, n)) for n in names})
@@ -188,24 +201,41 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     is fused, as one opaque operator (:func:`_pure_op`); everything else takes the chain."""
     fused = _resolved(fused)
     compiled = torch.compiler.is_compiling()
-    if compiled and (donate or not isinstance(fused, (FusedAdam, FusedSGD)) or (
-            isinstance(fused, FusedSGD) and (isinstance(fused.momentum, torch.Tensor)
-                                             or isinstance(fused.dampening, torch.Tensor)))):
+    if compiled and (
+        donate
+        or not isinstance(fused, (FusedAdam, FusedSGD))
+        or (
+            isinstance(fused, FusedSGD)
+            and (
+                isinstance(fused.momentum, torch.Tensor)
+                or isinstance(fused.dampening, torch.Tensor)
+            )
+        )
+    ):
         return None
     if isinstance(fused, FusedAdam8bit):
-        return None if clip is not None or tx is None else \
-            fused_adam8bit_step(tx, fused, grads, state, params, mesh, donate, _apply)
+        return (
+            None
+            if clip is not None or tx is None
+            else fused_adam8bit_step(tx, fused, grads, state, params, mesh, donate, _apply)
+        )
     if isinstance(fused, FusedGaLore):
-        return None if clip is not None else \
-            fused_galore_step(fused, grads, state, params, mesh, donate)
+        return (
+            None
+            if clip is not None
+            else fused_galore_step(fused, grads, state, params, mesh, donate)
+        )
     if isinstance(fused, (FusedAdafactor, FusedCame)):
         run = fused_adafactor_step if isinstance(fused, FusedAdafactor) else fused_came_step
         if clip is None:
             return run(fused, grads, state, params, mesh, donate)
         return _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate)
     if clip is not None:
-        if not (isinstance(state, tuple) and len(state) == 2
-                and isinstance(state[0], ClipByGlobalNormState)):
+        if not (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and isinstance(state[0], ClipByGlobalNormState)
+        ):
             return None
         clip_state, opt_state = state
     else:
@@ -222,20 +252,25 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     if isinstance(fused, FusedAdam):
         st = opt_state[fused.adam_index]
         if type(st) not in (ScaleByAdamState, ScaleByAmsgradState) or (
-                fused.amsgrad != isinstance(st, ScaleByAmsgradState)):
+            fused.amsgrad != isinstance(st, ScaleByAmsgradState)
+        ):
             return None
         fields = ("mu", "nu", "nu_max") if fused.amsgrad else ("mu", "nu")
     else:
         if fused.dampening != 0.0:
             return None
         # (an injected momentum of 0: no buffer work, the trace state kept, as trace does)
-        st = None if fused.trace_index is None or fused.momentum == 0.0 else \
-            opt_state[fused.trace_index]
+        st = (
+            None
+            if fused.trace_index is None or fused.momentum == 0.0
+            else opt_state[fused.trace_index]
+        )
         if st is not None and not isinstance(st, TraceState):
             return None
         fields = () if st is None else ("trace",)
-    trees = {f: flatten_as(getattr(st, f), treedef, f"{type(st).__name__}.{f}", "params")
-             for f in fields}
+    trees = {
+        f: flatten_as(getattr(st, f), treedef, f"{type(st).__name__}.{f}", "params") for f in fields
+    }
     bufs = {f: to_locals([trees[f][i] for i in act]) for f in fields}
     if not _fusable([p, g, *bufs.values()]) or (compiled and not p[0].is_cpu):
         return None
@@ -246,27 +281,32 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     # the clip factor, from the same one scalar all-reduce as clip_by_global_norm, issued
     # here and waited for once the result buffers are allocated (_pure)
     coef = None if clip is None else _ClipFactor(global_norm_start(b, clip[1]), clip[0])
-    lr = _learning_rate(fused.learning_rate, count, torch.empty((), dtype=torch.float64,
-                                                                 device=p[0].device))
+    lr = _learning_rate(
+        fused.learning_rate, count, torch.empty((), dtype=torch.float64, device=p[0].device)
+    )
     new_count = st.count + 1 if st is not None else None
     groups = [(list(range(len(p))), fused.weight_decay)]
     if isinstance(fused, FusedAdam) and fused.mask is not None:  # decayed leaves, the others
         keep = fused.mask(params)
         if compiled and not all(isinstance(keep[i], bool) for i in act):
             return None
-        groups = [([k for k, i in enumerate(act) if bool(keep[i]) == on], wd)
-                  for on, wd in ((True, fused.weight_decay), (False, 0.0))]
+        groups = [
+            ([k for k, i in enumerate(act) if bool(keep[i]) == on], wd)
+            for on, wd in ((True, fused.weight_decay), (False, 0.0))
+        ]
         groups = [(ks, wd) for ks, wd in groups if ks]
     with torch.no_grad():
         if donate:
             new_p, new_bufs = p, bufs
             _in_place(fused, groups, new_p, g, new_bufs, _resolve(coef), lr, new_count)
         elif compiled:
-            new_p, new_bufs = _pure_compiled(fused, groups, p, g, bufs, _resolve(coef), lr,
-                                             new_count)
+            new_p, new_bufs = _pure_compiled(
+                fused, groups, p, g, bufs, _resolve(coef), lr, new_count
+            )
         else:
-            new_p, new_bufs = _pure(fused, groups, of_plan(b.plan, "pool", Pool), p, g, bufs,
-                                    coef, lr, new_count)
+            new_p, new_bufs = _pure(
+                fused, groups, of_plan(b.plan, "pool", Pool), p, g, bufs, coef, lr, new_count
+            )
     # the new trees
     if donate:
         out_params = params
@@ -286,8 +326,9 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
         new_fields[f] = tree_unflatten(treedef, leaves)
     new_opt = list(opt_state)
     if st is not None:
-        new_opt[fused.adam_index if isinstance(fused, FusedAdam) else fused.trace_index] = \
+        new_opt[fused.adam_index if isinstance(fused, FusedAdam) else fused.trace_index] = (
             st._replace(count=new_count, **new_fields)
+        )
     if count is not None:
         new_opt[fused.lr_index] = ScaleByScheduleState(count + 1)
     new_opt = tuple(new_opt)
@@ -335,22 +376,26 @@ def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
     new_p, new_bufs = list(p), {f: list(v) for f, v in bufs.items()}  # filled below
     big = kernels.large_leaves(p)
     if big:
+
         def sub(xs):
             return [xs[k] for k in big]
+
         for f, dst, src in [("params/large", new_p, p)] + [
-                (f + "/large", new_bufs[f], bufs[f]) for f in bufs]:
+            (f + "/large", new_bufs[f], bufs[f]) for f in bufs
+        ]:
             for k, x in zip(big, pool.take(f, sub(src))):
                 dst[k] = x
         coef = _resolve(coef)
-        if _out_of_place(fused, groups, set(big), p, g, bufs, new_p, new_bufs, coef, lr,
-                         count):
+        if _out_of_place(fused, groups, set(big), p, g, bufs, new_p, new_bufs, coef, lr, count):
             groups = [([k for k in ks if k not in big], wd) for ks, wd in groups]
     groups = [(ks, wd) for ks, wd in groups if ks]
     rest = sorted(k for ks, _ in groups for k in ks)
     if not rest:
         return new_p, new_bufs
+
     def sub(xs):
         return [xs[k] for k in rest] if len(rest) < len(xs) else list(xs)
+
     src, dst = [], []  # the copies, made by one foreach copy below
 
     def copies(kind, xs, scratch=False):
@@ -358,6 +403,7 @@ def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
         src.extend(xs)
         dst.extend(taken)
         return taken
+
     for k, x in zip(rest, copies("params", sub(p))):
         new_p[k] = x
     for f in bufs:
@@ -383,9 +429,18 @@ _MAX_POOLS = 4
 
 
 @torch.library.custom_op("functional_train::pure_fused_step", mutates_args=())
-def _pure_op(p: list[torch.Tensor], g: list[torch.Tensor], bufs: list[torch.Tensor],
-             coef: Optional[torch.Tensor], scalars: torch.Tensor, count: torch.Tensor,
-             kind: str, fields: str, flags: list[bool], decayed: list[bool]) -> list[torch.Tensor]:
+def _pure_op(
+    p: list[torch.Tensor],
+    g: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    coef: torch.Tensor | None,
+    scalars: torch.Tensor,
+    count: torch.Tensor,
+    kind: str,
+    fields: str,
+    flags: list[bool],
+    decayed: list[bool],
+) -> list[torch.Tensor]:
     """The new parameters then the new moments of one pure fused step. ``kind``: ``"adam"``
     or ``"sgd"``; ``bufs``: the moments named by the comma-separated ``fields``, field after
     field; ``scalars``: float64 ``(lr, b1, b2, eps, weight_decay, momentum)``; ``flags``:
@@ -399,8 +454,9 @@ def _pure_op(p: list[torch.Tensor], g: list[torch.Tensor], bufs: list[torch.Tens
         fused = FusedAdam(decoupled, lr, b1, b2, eps, wd, amsgrad, maximize, 0, 0)
     names = fields.split(",") if fields else []
     n = len(p)
-    groups = [([k for k in range(n) if decayed[k] == on], w) for on, w in ((True, wd),
-                                                                            (False, 0.0))]
+    groups = [
+        ([k for k in range(n) if decayed[k] == on], w) for on, w in ((True, wd), (False, 0.0))
+    ]
     groups = [(ks, w) for ks, w in groups if ks]
     key = (kind,) + tuple((tuple(x.shape), x.dtype, x.device) for x in p)
     pool = _POOLS.pop(key, None) or Pool()
@@ -408,9 +464,17 @@ def _pure_op(p: list[torch.Tensor], g: list[torch.Tensor], bufs: list[torch.Tens
     while len(_POOLS) > _MAX_POOLS:
         del _POOLS[next(iter(_POOLS))]
     with torch.no_grad():
-        new_p, new_bufs = _pure(fused, groups, pool, list(p), list(g),
-                                {f: list(bufs[j * n:(j + 1) * n]) for j, f in enumerate(names)},
-                                coef, lr, count)
+        new_p, new_bufs = _pure(
+            fused,
+            groups,
+            pool,
+            list(p),
+            list(g),
+            {f: list(bufs[j * n : (j + 1) * n]) for j, f in enumerate(names)},
+            coef,
+            lr,
+            count,
+        )
     return new_p + [x for f in names for x in new_bufs[f]]
 
 
@@ -435,10 +499,20 @@ def _pure_compiled(fused, groups, p, g, bufs, coef, lr, count):
             for k in ks:
                 decayed[k] = True
     count = torch.zeros((), dtype=torch.float64) if count is None else count
-    out = _pure_op(p, g, [x for xs in bufs.values() for x in xs], coef, scalars.cpu(), count,
-                   kind, ",".join(bufs), flags, decayed)
+    out = _pure_op(
+        p,
+        g,
+        [x for xs in bufs.values() for x in xs],
+        coef,
+        scalars.cpu(),
+        count,
+        kind,
+        ",".join(bufs),
+        flags,
+        decayed,
+    )
     n = len(p)
-    return out[:n], {f: out[(j + 1) * n:(j + 2) * n] for j, f in enumerate(bufs)}
+    return out[:n], {f: out[(j + 1) * n : (j + 2) * n] for j, f in enumerate(bufs)}
 
 
 def _in_place(fused, groups, p, g, bufs, coef, lr, count):
@@ -449,22 +523,45 @@ def _in_place(fused, groups, p, g, bufs, coef, lr, count):
     if coef is not None and p[0].dtype != torch.float64:
         grad_scale = (1.0 / coef).to(torch.float32)
     for ks, wd in groups:
+
         def sub(xs):
             return [xs[k] for k in ks] if len(ks) < len(xs) else xs
+
         if coef is not None and grad_scale is None:  # the kernels take a float32 scale
             torch._foreach_mul_(sub(g), coef)
         if isinstance(fused, FusedAdam):
             kernel = torch._fused_adamw_ if fused.decoupled else torch._fused_adam_
             steps = [count.to(device=p[0].device, dtype=torch.float32)] * len(ks)
-            kernel(sub(p), sub(g), sub(bufs["mu"]), sub(bufs["nu"]),
-                   sub(bufs["nu_max"]) if fused.amsgrad else [], steps, lr=lr, beta1=fused.b1,
-                   beta2=fused.b2, weight_decay=wd, eps=fused.eps, amsgrad=fused.amsgrad,
-                   maximize=fused.maximize, grad_scale=grad_scale)
+            kernel(
+                sub(p),
+                sub(g),
+                sub(bufs["mu"]),
+                sub(bufs["nu"]),
+                sub(bufs["nu_max"]) if fused.amsgrad else [],
+                steps,
+                lr=lr,
+                beta1=fused.b1,
+                beta2=fused.b2,
+                weight_decay=wd,
+                eps=fused.eps,
+                amsgrad=fused.amsgrad,
+                maximize=fused.maximize,
+                grad_scale=grad_scale,
+            )
         else:
-            torch._fused_sgd_(sub(p), sub(g), sub(bufs["trace"]) if "trace" in bufs else [],
-                              weight_decay=fused.weight_decay, momentum=fused.momentum, lr=lr,
-                              dampening=0.0, nesterov=fused.nesterov, maximize=fused.maximize,
-                              is_first_step=False, grad_scale=grad_scale)
+            torch._fused_sgd_(
+                sub(p),
+                sub(g),
+                sub(bufs["trace"]) if "trace" in bufs else [],
+                weight_decay=fused.weight_decay,
+                momentum=fused.momentum,
+                lr=lr,
+                dampening=0.0,
+                nesterov=fused.nesterov,
+                maximize=fused.maximize,
+                is_first_step=False,
+                grad_scale=grad_scale,
+            )
 
 
 def _out_of_place(fused, groups, big, p, g, bufs, new_p, new_bufs, coef, lr, count) -> bool:
@@ -478,21 +575,47 @@ def _out_of_place(fused, groups, big, p, g, bufs, new_p, new_bufs, coef, lr, cou
 
         def pick(xs):
             return [xs[k] for k in ks]
+
         if isinstance(fused, FusedAdam):
             nm = "nu_max" if fused.amsgrad else None
             ok = kernels.adam_pure(
-                pick(p), pick(g), pick(bufs["mu"]), pick(bufs["nu"]), nm and pick(bufs[nm]),
-                pick(new_p), pick(new_bufs["mu"]), pick(new_bufs["nu"]),
-                nm and pick(new_bufs[nm]), coef=coef, lr=lr, weight_decay=wd, b1=fused.b1,
-                b2=fused.b2, eps=fused.eps, count=count, decoupled=fused.decoupled,
-                amsgrad=fused.amsgrad, maximize=fused.maximize, checked=True)
+                pick(p),
+                pick(g),
+                pick(bufs["mu"]),
+                pick(bufs["nu"]),
+                nm and pick(bufs[nm]),
+                pick(new_p),
+                pick(new_bufs["mu"]),
+                pick(new_bufs["nu"]),
+                nm and pick(new_bufs[nm]),
+                coef=coef,
+                lr=lr,
+                weight_decay=wd,
+                b1=fused.b1,
+                b2=fused.b2,
+                eps=fused.eps,
+                count=count,
+                decoupled=fused.decoupled,
+                amsgrad=fused.amsgrad,
+                maximize=fused.maximize,
+                checked=True,
+            )
         else:
             tr = "trace" in bufs
             ok = kernels.sgd_pure(
-                pick(p), pick(g), tr and pick(bufs["trace"]), pick(new_p),
-                tr and pick(new_bufs["trace"]), coef=coef, lr=lr, weight_decay=wd,
-                momentum=fused.momentum if tr else 0.0, nesterov=fused.nesterov,
-                maximize=fused.maximize, checked=True)
+                pick(p),
+                pick(g),
+                tr and pick(bufs["trace"]),
+                pick(new_p),
+                tr and pick(new_bufs["trace"]),
+                coef=coef,
+                lr=lr,
+                weight_decay=wd,
+                momentum=fused.momentum if tr else 0.0,
+                nesterov=fused.nesterov,
+                maximize=fused.maximize,
+                checked=True,
+            )
         if not ok:
             return False
     return True
@@ -502,8 +625,9 @@ def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
     """``chain(clip_by_global_norm, adafactor / came)`` through their per-leaf step: the clip's
     numbers (one norm over every gradient, then ``g * coef`` into pooled buffers), then ``run``
     on the clipped gradients; ``None`` (general path) where ``run`` does not apply."""
-    if not (isinstance(state, tuple) and len(state) == 2
-            and isinstance(state[0], ClipByGlobalNormState)):
+    if not (
+        isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], ClipByGlobalNormState)
+    ):
         return None
     view = per_leaf_view(grads, params, mesh, "step", fused.min_mean_bytes)
     if view is None:  # checked before the clip's work, which run would otherwise waste
@@ -518,8 +642,11 @@ def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
     leaves = list(g_tree)
     with torch.no_grad():  # clip_by_global_norm's g * coef, in each gradient's dtype
         for i, x, buf in zip(b.active, g, pool.take("clipped", g)):
-            leaves[i] = torch.mul(x, coef, out=buf) if x.ndim or x.dtype == coef.dtype else \
-                (x * coef).to(x.dtype)
+            leaves[i] = (
+                torch.mul(x, coef, out=buf)
+                if x.ndim or x.dtype == coef.dtype
+                else (x * coef).to(x.dtype)
+            )
     out = run(fused, tree_unflatten(treedef, leaves), state[1], params, mesh, donate)
     if out is None:
         return None
@@ -532,8 +659,9 @@ def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
         return apply_updates(params, updates.tree() if isinstance(updates, Prepared) else updates)
     if isinstance(updates, Prepared):  # the chain's view: the plan checked the layout
         pl, treedef = tree_flatten(params)
-        idx = [i for i, (x, u) in enumerate(zip(pl, updates.locals))
-               if x is not None and u is not None]
+        idx = [
+            i for i, (x, u) in enumerate(zip(pl, updates.locals)) if x is not None and u is not None
+        ]
         p_loc = [to_local(pl[i]) for i in idx]
         u_loc = [updates.locals[i] for i in idx]
     else:
@@ -552,8 +680,16 @@ def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
     return tree_unflatten(treedef, out)
 
 
-def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTree, *,
-         mesh: Optional[Mesh] = None, donate: bool = False, **extra: Any) -> tuple[PyTree, PyTree]:
+def step(
+    tx: GradientTransformation,
+    grads: PyTree,
+    state: PyTree,
+    params: PyTree,
+    *,
+    mesh: Mesh | None = None,
+    donate: bool = False,
+    **extra: Any,
+) -> tuple[PyTree, PyTree]:
     """One optimizer step: ``updates, state = tx.update(grads, state, params, mesh=mesh)`` then
     ``params = apply_updates(params, updates)``, fused where possible.
 
@@ -583,17 +719,16 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     local shards of all leaves in one call, the clip factor as its gradient scale (a pure step
     runs it on copies; on CPU, the large leaves of a tree holding 16 MiB or more in them take a
     compiled out-of-place kernel instead, built by inductor on first use in the process: see
-    :mod:`functional_train.engine.kernels`). ``tx`` is ``adafactor`` without ``beta1`` or ``came`` (alone or after ``clip_by_global_norm``), on
-    plain tensors in one process, gradients of their parameters' dtypes: each leaf is finished
-    in cache before the next is read (for adafactor the leaves under 64 KiB together; came
-    only where leaves average 64 KiB or more), the chain's numbers bit for bit; so is
-    ``galore_adamw`` on steps that do not refresh its projectors (leaves averaging 64 KiB or
-    more; not after a ``clip_by_global_norm``). Otherwise
-    the general path: the transform's primitives on the local view, then one add per leaf.
-    Under ``torch.compile`` only the pure fused step of sgd / adam / adamw on CPU is kept (as
-    the operator ``functional_train::pure_fused_step``, see the module's docstring); the rest
-    compiles the general path. Collectives: those of ``tx.update`` (the fused path issues the
-    same ones).
+    :mod:`functional_train.engine.kernels`). ``tx`` is ``adafactor`` without ``beta1`` or
+    ``came`` (alone or after ``clip_by_global_norm``), on plain tensors in one process, gradients of
+    their parameters' dtypes: each leaf is finished in cache before the next is read (for adafactor
+    the leaves under 64 KiB together; came only where leaves average 64 KiB or more), the chain's
+    numbers bit for bit; so is ``galore_adamw`` on steps that do not refresh its projectors (leaves
+    averaging 64 KiB or more; not after a ``clip_by_global_norm``). Otherwise the general path: the
+    transform's primitives on the local view, then one add per leaf. Under ``torch.compile`` only
+    the pure fused step of sgd / adam / adamw on CPU is kept (as the operator
+    ``functional_train::pure_fused_step``, see the module's docstring); the rest compiles the
+    general path. Collectives: those of ``tx.update`` (the fused path issues the same ones).
 
     Raises:
         ValueError / TypeError: as ``tx.update`` and ``apply_updates`` do; ``params`` missing.
@@ -606,8 +741,9 @@ def step(tx: GradientTransformation, grads: PyTree, state: PyTree, params: PyTre
     if resolve is not None:  # inject_hyperparams: the transform built for this step, stepped
         inner, hp = resolve(state)
         try:
-            new_params, inner_state = step(inner, grads, state.inner_state, params, mesh=mesh,
-                                           donate=donate, **extra)
+            new_params, inner_state = step(
+                inner, grads, state.inner_state, params, mesh=mesh, donate=donate, **extra
+            )
         except (ValueError, TypeError) as e:
             err = tx.update.explain(inner, hp, e)
             if err is e:

@@ -4,8 +4,8 @@ nothing else (HF ``Trainer``, Lightning, torch's LR schedulers)."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from typing import Any, Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import optree
 import torch
@@ -26,8 +26,10 @@ def _injected_groups(tx: GradientTransformation):
     parameter group per label; otherwise one group, label ``None``."""
     spec = getattr(tx.update, "partition", None)
     done = None if spec is None else {k: _injected(v) for k, v in spec[0].items()}
-    if done is None or (getattr(tx.update, "built_with", None) is not None
-                        and all(path is None for _, path, _ in done.values())):
+    if done is None or (
+        getattr(tx.update, "built_with", None) is not None
+        and all(path is None for _, path, _ in done.values())
+    ):
         # (an alias made of a partition whose labels have no hyperparameters of their own,
         # galore_adamw: one group, the alias' hyperparameters injected)
         t, path, tensors = _injected(tx)
@@ -35,8 +37,10 @@ def _injected_groups(tx: GradientTransformation):
     from .combine import partition
 
     labels = spec[1]
-    paths = {k: (None if path is None else (0, k, *path), tensors)
-             for k, (_, path, tensors) in done.items()}
+    paths = {
+        k: (None if path is None else (0, k, *path), tensors)
+        for k, (_, path, tensors) in done.items()
+    }
     return partition({k: t for k, (t, _, _) in done.items()}, labels), paths
 
 
@@ -51,8 +55,11 @@ def _injected(tx: GradientTransformation):
     if built is not None:
         factory, arguments = built
         sig = inspect.signature(factory)
-        kw = {n: p.default for n, p in sig.parameters.items()
-              if isinstance(p.default, float) and n not in arguments}
+        kw = {
+            n: p.default
+            for n, p in sig.parameters.items()
+            if isinstance(p.default, float) and n not in arguments
+        }
         kw.update(arguments)
         t = inject_hyperparams(factory)(**kw)
         return t, (), t.update.given_as_tensors
@@ -90,8 +97,9 @@ def _leaf_keys(state, names: list) -> list:
     def is_params_dict(node) -> bool:
         hit = params_shaped.get(id(node))
         if hit is None:
-            hit = params_shaped[id(node)] = (isinstance(node, dict) and len(node) == len(nameset)
-                                             and set(node) == nameset)
+            hit = params_shaped[id(node)] = (
+                isinstance(node, dict) and len(node) == len(nameset) and set(node) == nameset
+            )
         return hit
 
     paths, _, _ = optree.tree_flatten_with_path(state, none_is_leaf=True)
@@ -126,7 +134,7 @@ class _StateView(Mapping):
 
     __slots__ = ("_opt",)
 
-    def __init__(self, opt: "TorchOptimizer"):
+    def __init__(self, opt: TorchOptimizer):
         self._opt = opt
 
     def _params(self) -> list:
@@ -182,8 +190,10 @@ def _group_defaults(hs, tensors=frozenset()) -> dict:
     recompiling)."""
     if hs is None:
         return {}
-    out = {_TORCH_NAMES.get(k, k): v.detach().clone() if k in tensors else float(v)
-           for k, v in hs.hyperparams.items()}
+    out = {
+        _TORCH_NAMES.get(k, k): v.detach().clone() if k in tensors else float(v)
+        for k, v in hs.hyperparams.items()
+    }
     if "b1" in out and "b2" in out:  # torch's "betas" (OneCycleLR cycles it)
         out["betas"] = (out.pop("b1"), out.pop("b2"))
     return out
@@ -224,8 +234,9 @@ class TorchOptimizer(torch.optim.Optimizer):
             is a 0-dim float64 tensor in the group, which the schedulers update in place: a
             ``torch.compile``-d ``step`` then does not recompile when the learning rate
             changes (other hyperparameters than the learning rate are read on the host, and a
-            change of theirs rebuilds the transform). A transform built with
-            ``inject_hyperparams`` exposes what it injected. Any other transform runs as given, with no hyperparameter in the group.
+            change of theirs rebuilds the transform). A transform built with ``inject_hyperparams``
+            exposes what it injected. Any other transform runs as given, with no hyperparameter in
+            the group.
             A :func:`~functional_train.partition` gives one group per label (``"label"`` in
             the group, its parameters in model order), each with its own transform's
             hyperparameters: ``partition({"decay": adamw(1e-3, weight_decay=0.1),
@@ -261,8 +272,9 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], tx: GradientTransformation, *, mesh=None):
         if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"TorchOptimizer: tx must be a GradientTransformation, "
-                            f"got {type(tx).__name__}")
+            raise TypeError(
+                f"TorchOptimizer: tx must be a GradientTransformation, got {type(tx).__name__}"
+            )
         items = list(params)
         if not items:
             raise ValueError("TorchOptimizer: got no parameters")
@@ -272,8 +284,9 @@ class TorchOptimizer(torch.optim.Optimizer):
             names, tensors = [str(i) for i in range(len(items))], items
         for n, p in zip(names, tensors):
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"TorchOptimizer: parameter '{n}' is a {type(p).__name__}, "
-                                f"not a tensor")
+                raise TypeError(
+                    f"TorchOptimizer: parameter '{n}' is a {type(p).__name__}, not a tensor"
+                )
         if len(set(names)) != len(names):
             raise ValueError("TorchOptimizer: duplicate parameter names")
         self._tx, paths = _injected_groups(tx)
@@ -283,8 +296,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         else:  # one group per partition label (labels resolved on the params tree)
             labels_of = self._tx.update.labels_of
             tree = {n: p.detach() for n, p in zip(names, tensors)}
-            by_name = dict(zip([pth[0] for pth in optree.tree_flatten_with_path(
-                tree, none_is_leaf=True)[0]], labels_of(tree)))
+            by_name = dict(
+                zip(
+                    [pth[0] for pth in optree.tree_flatten_with_path(tree, none_is_leaf=True)[0]],
+                    labels_of(tree),
+                )
+            )
             groups = {k: [i for i, n in enumerate(names) if by_name[n] == k] for k in paths}
             groups = {k: v for k, v in groups.items() if v}
         # parameters numbered group after group, as torch.optim numbers them in state_dict
@@ -306,8 +323,11 @@ class TorchOptimizer(torch.optim.Optimizer):
         # (schedulers read ``defaults``: OneCycleLR looks for "betas" / "momentum" there; the
         # keys every group has, as torch.optim.Optimizer fills each group's missing keys from
         # them: another group's hyperparameter would appear where nothing reads it)
-        defaults = {k: v for k, v in param_groups[0].items() if k not in ("params", "label")
-                    and all(k in g for g in param_groups)}
+        defaults = {
+            k: v
+            for k, v in param_groups[0].items()
+            if k not in ("params", "label") and all(k in g for g in param_groups)
+        }
         super().__init__(param_groups, defaults)
         self._constructing = False
 
@@ -362,10 +382,12 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_constructing", False):
-            raise ValueError("TorchOptimizer: add_param_group is not supported (the transform's "
-                             "state was built for the parameters given at construction; "
-                             "create a new optimizer, or give every parameter at once and "
-                             "use ft.partition for per-group settings)")
+            raise ValueError(
+                "TorchOptimizer: add_param_group is not supported (the transform's "
+                "state was built for the parameters given at construction; "
+                "create a new optimizer, or give every parameter at once and "
+                "use ft.partition for per-group settings)"
+            )
         super().add_param_group(param_group)
 
     def _sync_hyperparams(self) -> None:
@@ -401,8 +423,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         from .step import step as ft_step
 
         old_state = self._ft_state
-        new, self._ft_state = ft_step(self._tx, grads, old_state, params, mesh=self._mesh,
-                                      donate=True)
+        new, self._ft_state = ft_step(
+            self._tx, grads, old_state, params, mesh=self._mesh, donate=True
+        )
         if torch.compiler.is_compiling():
             # dynamo takes an optimizer's tensors as static (as torch.optim updates its state
             # in place): a graph that assigned new state tensors would read the old ones at
@@ -428,7 +451,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             n = len(g["params"])
             group = {k: v for k, v in g.items() if k != "params"}
             group["params"] = list(range(start, start + n))
-            group["param_names"] = self._names[start:start + n]
+            group["param_names"] = self._names[start : start + n]
             groups.append(group)
             start += n
         out = {"state": dict(enumerate(self._per_param())), "param_groups": groups}
@@ -454,24 +477,34 @@ class TorchOptimizer(torch.optim.Optimizer):
                 holds a DTensor or the other way round (reshard through
                 ``torch.distributed.checkpoint``).
         """
-        if not isinstance(state_dict, dict) or not ("ft_state" in state_dict or (
-                "state" in state_dict and "param_groups" in state_dict)):
-            raise ValueError("TorchOptimizer.load_state_dict: expected the dict of "
-                             "TorchOptimizer.state_dict() (with 'state' and 'param_groups')")
+        if not isinstance(state_dict, dict) or not (
+            "ft_state" in state_dict or ("state" in state_dict and "param_groups" in state_dict)
+        ):
+            raise ValueError(
+                "TorchOptimizer.load_state_dict: expected the dict of "
+                "TorchOptimizer.state_dict() (with 'state' and 'param_groups')"
+            )
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
         groups = state_dict.get("param_groups") or [{}]
         if len(groups) != len(self.param_groups):
-            raise ValueError(f"TorchOptimizer.load_state_dict: {len(groups)} parameter groups; "
-                             f"this optimizer has {len(self.param_groups)}")
-        names = ([n for g in groups for n in g["param_names"]]
-                 if all("param_names" in g for g in groups) else self._names)
+            raise ValueError(
+                f"TorchOptimizer.load_state_dict: {len(groups)} parameter groups; "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        names = (
+            [n for g in groups for n in g["param_names"]]
+            if all("param_names" in g for g in groups)
+            else self._names
+        )
         if list(names) != self._names:
-            raise ValueError(f"TorchOptimizer.load_state_dict: the state was saved for "
-                             f"parameters {list(names)[:4]}..., this optimizer has "
-                             f"{self._names[:4]}...")
+            raise ValueError(
+                f"TorchOptimizer.load_state_dict: the state was saved for "
+                f"parameters {list(names)[:4]}..., this optimizer has "
+                f"{self._names[:4]}..."
+            )
         if "ft_state" in state_dict:  # the layout of earlier versions
             self._ft_state = state_dict["ft_state"]
         else:
@@ -487,16 +520,23 @@ class TorchOptimizer(torch.optim.Optimizer):
         """The transform's state from the per-parameter entries, on the current one as
         template (validated before anything is replaced)."""
         where = "TorchOptimizer.load_state_dict"
-        saved = ([k for g in groups for k in g["params"]]
-                 if all("params" in g for g in groups) else list(range(len(self._names))))
+        saved = (
+            [k for g in groups for k in g["params"]]
+            if all("params" in g for g in groups)
+            else list(range(len(self._names)))
+        )
         if len(saved) != len(self._names):
-            raise ValueError(f"{where}: the state was saved for {len(saved)} parameters, this "
-                             f"optimizer has {len(self._names)}")
+            raise ValueError(
+                f"{where}: the state was saved for {len(saved)} parameters, this "
+                f"optimizer has {len(self._names)}"
+            )
         position = {k: i for i, k in enumerate(saved)}
         unknown = [k for k in state if k not in position]
         if unknown:
-            raise ValueError(f"{where}: state entries {unknown[:4]} name no parameter of the "
-                             f"group ({saved[:4]}...)")
+            raise ValueError(
+                f"{where}: state entries {unknown[:4]} name no parameter of the "
+                f"group ({saved[:4]}...)"
+            )
         entries: list = [None] * len(saved)
         for k, v in state.items():
             entries[position[k]] = v
@@ -519,15 +559,22 @@ class TorchOptimizer(torch.optim.Optimizer):
                     new.append(old)  # torch's loader leaves frozen parameters out
                     continue
                 what = "the optimizer" if owner is None else f"parameter '{self._names[owner]}'"
-                raise ValueError(f"{where}: no '{key}' for {what}: the state comes from "
-                                 f"another transform")
+                raise ValueError(
+                    f"{where}: no '{key}' for {what}: the state comes from another transform"
+                )
             used.add((owner, key))
             new.append(self._conform(source[key], old, key))
-        extra = [k for i, e in enumerate(entries) for k in (e or {})
-                 if (None if isinstance(k, str) and k.startswith(_GLOBAL) else i, k) not in used]
+        extra = [
+            k
+            for i, e in enumerate(entries)
+            for k in (e or {})
+            if (None if isinstance(k, str) and k.startswith(_GLOBAL) else i, k) not in used
+        ]
         if extra:
-            raise ValueError(f"{where}: unexpected state keys {sorted(map(str, extra))[:4]}: "
-                             f"the state comes from another transform")
+            raise ValueError(
+                f"{where}: unexpected state keys {sorted(map(str, extra))[:4]}: "
+                f"the state comes from another transform"
+            )
         return tree_unflatten(treedef, new)
 
     @staticmethod
@@ -538,21 +585,29 @@ class TorchOptimizer(torch.optim.Optimizer):
             return value
         from torch.distributed.tensor import DTensor
 
-        if not isinstance(value, torch.Tensor) or (isinstance(value, DTensor)
-                                                   != isinstance(old, DTensor)):
-            raise ValueError(f"TorchOptimizer.load_state_dict: '{key}' is a "
-                             f"{type(value).__name__} where the state holds a "
-                             f"{type(old).__name__} (load DTensor states through "
-                             f"torch.distributed.checkpoint's set_optimizer_state_dict)")
+        if not isinstance(value, torch.Tensor) or (
+            isinstance(value, DTensor) != isinstance(old, DTensor)
+        ):
+            raise ValueError(
+                f"TorchOptimizer.load_state_dict: '{key}' is a "
+                f"{type(value).__name__} where the state holds a "
+                f"{type(old).__name__} (load DTensor states through "
+                f"torch.distributed.checkpoint's set_optimizer_state_dict)"
+            )
         if value.shape != old.shape:
-            raise ValueError(f"TorchOptimizer.load_state_dict: '{key}' has shape "
-                             f"{tuple(value.shape)}, the state {tuple(old.shape)}")
-        if isinstance(value, DTensor) and (value.device_mesh != old.device_mesh
-                                           or value.placements != old.placements):
+            raise ValueError(
+                f"TorchOptimizer.load_state_dict: '{key}' has shape "
+                f"{tuple(value.shape)}, the state {tuple(old.shape)}"
+            )
+        if isinstance(value, DTensor) and (
+            value.device_mesh != old.device_mesh or value.placements != old.placements
+        ):
             if value.device_mesh != old.device_mesh:
-                raise ValueError(f"TorchOptimizer.load_state_dict: '{key}' lives on "
-                                 f"{value.device_mesh}, the state on {old.device_mesh} (reshard "
-                                 f"through torch.distributed.checkpoint)")
+                raise ValueError(
+                    f"TorchOptimizer.load_state_dict: '{key}' lives on "
+                    f"{value.device_mesh}, the state on {old.device_mesh} (reshard "
+                    f"through torch.distributed.checkpoint)"
+                )
             value = value.redistribute(old.device_mesh, old.placements)
         if value.dtype != old.dtype or value.device != old.device:
             value = value.to(device=old.device, dtype=old.dtype)

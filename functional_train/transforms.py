@@ -2,23 +2,24 @@
 
 Each ``update`` flattens its trees once, reduces unreduced gradients (see
 :func:`functional_train.sharding.prepare`), and computes on lists of local shards with
-``torch._foreach_*`` ops. Moments are kept in float32 by default (float64 for float64 params; ``*_dtype`` sets them) and
-have the placements of their parameter.
+``torch._foreach_*`` ops. Moments are kept in float32 by default (float64 for float64 params;
+``*_dtype`` sets them) and have the placements of their parameter.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from . import _validate as V
 from . import quantization as Q
 from .base import EmptyState, GradientTransformation, declare
-from .quantization import ScaleByAdam8bitState
-from .engine.view import prepare
 from .combine import mask_of
+from .engine.view import prepare
 from .hyperparams import is_injected, value_of
+from .quantization import ScaleByAdam8bitState
 from .tree import first_device, state_zeros_like, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
 ]
 
 Schedule = Callable[[torch.Tensor], Any]
-ScalarOrSchedule = Union[float, Schedule]
+ScalarOrSchedule = float | Schedule
 
 
 def zero_count(params: Any) -> torch.Tensor:
@@ -45,8 +46,9 @@ def zero_count(params: Any) -> torch.Tensor:
 
 def _check_state(state: Any, cls: type, name: str) -> None:
     if not isinstance(state, cls):
-        raise ValueError(f"{name}: expected the {cls.__name__} from {name}.init, "
-                         f"got {type(state).__name__}")
+        raise ValueError(
+            f"{name}: expected the {cls.__name__} from {name}.init, got {type(state).__name__}"
+        )
 
 
 def stateless(name: str, fn, *, need_params: bool = False) -> GradientTransformation:
@@ -70,7 +72,7 @@ def _active_locals(b) -> list:
 
 
 def _cast_like(xs, likes):
-    return [x if x.dtype == l.dtype else x.to(l.dtype) for x, l in zip(xs, likes)]
+    return [x if x.dtype == like.dtype else x.to(like.dtype) for x, like in zip(xs, likes)]
 
 
 def _add_scaled(xs: list, ys: list, alpha) -> list:
@@ -162,8 +164,9 @@ class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor
 
 
-def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True
-                           ) -> GradientTransformation:
+def scale_by_learning_rate(
+    learning_rate: ScalarOrSchedule, *, flip_sign: bool = True
+) -> GradientTransformation:
     """Scale updates by ``-learning_rate`` (``+`` with ``flip_sign=False``).
 
     Args:
@@ -181,8 +184,9 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     sign = -1.0 if flip_sign else 1.0
     if not callable(lr):
         step = sign * lr
-        return stateless("scale_by_learning_rate",
-                         lambda b: torch._foreach_mul(_active_locals(b), step))
+        return stateless(
+            "scale_by_learning_rate", lambda b: torch._foreach_mul(_active_locals(b), step)
+        )
 
     def init_fn(params):
         return ScaleByScheduleState(zero_count(params))
@@ -218,6 +222,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
     where = "add_decayed_weights"
     wd_arg = V.number("weight_decay", weight_decay, where=where, low=0.0)
     if mask is None:
+
         def decay(b):
             g = _active_locals(b)
             wd = value_of(wd_arg)
@@ -273,8 +278,11 @@ def decay_mask(params: Any, *, exclude: tuple = NO_DECAY_NAMES) -> Any:
     out = []
     for x, path in zip(leaves, tree_paths(params)):
         parts = path.lower().split(".")
-        out.append(x is not None and getattr(x, "ndim", 0) >= 2
-                   and not any(p in part for part in parts for p in pats))
+        out.append(
+            x is not None
+            and getattr(x, "ndim", 0) >= 2
+            and not any(p in part for part in parts for p in pats)
+        )
     return tree_unflatten(treedef, out)
 
 
@@ -285,8 +293,12 @@ class TraceState(NamedTuple):
     trace: Any
 
 
-def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
-          accumulator_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
+def trace(
+    decay: float,
+    nesterov: bool = False,
+    dampening: float = 0.0,
+    accumulator_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
     """Momentum, as ``torch.optim.SGD`` computes it.
 
     ``buf_1 = g``; ``buf_t = decay * buf_{t-1} + (1 - dampening) * g``; the update is ``buf_t``,
@@ -301,15 +313,18 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
         decay: momentum factor in [0, 1).
         nesterov: Nesterov momentum (needs ``dampening == 0``, like torch).
         dampening: dampening in [0, 1].
-        accumulator_dtype: dtype of the buffer (default ``None``: float32, or the params' dtype when wider).
+        accumulator_dtype: dtype of the buffer (default ``None``: float32, or the params' dtype
+            when wider).
 
     Raises:
         ValueError: out-of-range hyper-parameters.
     """
     decay_arg = V.number("decay", decay, where="trace", low=0.0)
     damp_arg = V.number("dampening", dampening, where="trace", low=0.0, high=1.0)
-    if nesterov and ((not is_injected(decay_arg) and decay_arg <= 0)
-                     or (not is_injected(damp_arg) and damp_arg != 0)):
+    if nesterov and (
+        (not is_injected(decay_arg) and decay_arg <= 0)
+        or (not is_injected(damp_arg) and damp_arg != 0)
+    ):
         raise ValueError("trace: nesterov momentum requires decay > 0 and dampening == 0")
 
     injected = is_injected(decay_arg)
@@ -341,8 +356,10 @@ def trace(decay: float, nesterov: bool = False, dampening: float = 0.0,
             new = [torch.where(on, n, t) for n, t in zip(new, tr)]
             out = [torch.where(on, o, x) for o, x in zip(out, g32)]
             count = state.count + on.to(state.count.dtype)
-        return (b.rebuild_active(_cast_like(out, g)),
-                TraceState(count, b.state_tree(state.trace, "TraceState.trace", new)))
+        return (
+            b.rebuild_active(_cast_like(out, g)),
+            TraceState(count, b.state_tree(state.trace, "TraceState.trace", new)),
+        )
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
@@ -365,11 +382,20 @@ class ScaleByAmsgradState(NamedTuple):
     nu_max: Any
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-                  amsgrad: bool = False, bias_correction: bool = True,
-                  eps_before_correction: bool = False, mu_dtype: Optional[torch.dtype] = None,
-                  nu_dtype: Optional[torch.dtype] = None, optim_bits: int = 32,
-                  min_8bit_size: int = 4096, block_size: int = 256) -> GradientTransformation:
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    amsgrad: bool = False,
+    bias_correction: bool = True,
+    eps_before_correction: bool = False,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    optim_bits: int = 32,
+    min_8bit_size: int = 4096,
+    block_size: int = 256,
+) -> GradientTransformation:
     """Adam's scaling (Kingma & Ba 2015), exactly as ``torch.optim.Adam`` computes it.
 
     ``mu = b1 mu + (1-b1) g``, ``nu = b2 nu + (1-b2) g^2``, t counted from 1;
@@ -385,7 +411,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         eps_before_correction: add ``eps`` to ``sqrt(nu)`` before the bias correction, as
             HF transformers' / galore-torch's AdamW do: update =
             ``sqrt(1 - b2^t) / (1 - b1^t) * mu / (sqrt(nu) + eps)``. Default ``False`` (torch).
-        mu_dtype, nu_dtype: moment dtypes (default ``None``: float32, or the params' dtype when wider).
+        mu_dtype, nu_dtype: moment dtypes (default ``None``: float32, or the params' dtype when
+            wider).
         optim_bits: 32 (the default) keeps float moments (:class:`ScaleByAdamState`); 8 keeps
             the moments of every floating leaf whose GLOBAL numel is at least ``min_8bit_size``
             block-wise quantised to 8 bits (Dettmers et al. 2022, bitsandbytes ``Adam8bit``):
@@ -419,19 +446,25 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     min_8bit_size = V.integer("min_8bit_size", min_8bit_size, where="scale_by_adam", low=0)
     eight_bit = optim_bits == 8
     if eight_bit and amsgrad:
-        raise ValueError("scale_by_adam: amsgrad is not supported with optim_bits=8 "
-                         "(bitsandbytes' 8-bit Adam has no amsgrad either)")
-    state_cls = (ScaleByAdam8bitState if eight_bit
-                 else ScaleByAmsgradState if amsgrad else ScaleByAdamState)
+        raise ValueError(
+            "scale_by_adam: amsgrad is not supported with optim_bits=8 "
+            "(bitsandbytes' 8-bit Adam has no amsgrad either)"
+        )
+    state_cls = (
+        ScaleByAdam8bitState if eight_bit else ScaleByAmsgradState if amsgrad else ScaleByAdamState
+    )
 
     def init_fn(params):
         if eight_bit:
-            return Q.init_8bit(params, zero_count(params), block_size, min_8bit_size, mu_dtype,
-                               nu_dtype)
+            return Q.init_8bit(
+                params, zero_count(params), block_size, min_8bit_size, mu_dtype, nu_dtype
+            )
         mu = state_zeros_like(params, mu_dtype)
         nu = state_zeros_like(params, nu_dtype)
         if amsgrad:
-            return ScaleByAmsgradState(zero_count(params), mu, nu, state_zeros_like(params, nu_dtype))
+            return ScaleByAmsgradState(
+                zero_count(params), mu, nu, state_zeros_like(params, nu_dtype)
+            )
         return ScaleByAdamState(zero_count(params), mu, nu)
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
@@ -484,8 +517,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             out = torch._foreach_div(_cast_like(mu, denom), denom)
             torch._foreach_div_(out, bc1)
         if eight_bit:
-            return b.rebuild_active(_cast_like(out, g)), Q.quantize_state(b, state, count, mu,
-                                                                          nu, deq)
+            return b.rebuild_active(_cast_like(out, g)), Q.quantize_state(
+                b, state, count, mu, nu, deq
+            )
         if cx:
             like = [b.locals[i] for i in act]
             mu, nu, out = _as_complex(mu, like), _as_complex(nu, like), _as_complex(out, like)
@@ -495,15 +529,20 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         new_mu = b.state_tree(state.mu, "ScaleByAdamState.mu", mu)
         new_nu = b.state_tree(state.nu, "ScaleByAdamState.nu", nu)
         if amsgrad:
-            new_state = ScaleByAmsgradState(count, new_mu, new_nu, b.state_tree(
-                state.nu_max, "ScaleByAmsgradState.nu_max", nu_max))
+            new_state = ScaleByAmsgradState(
+                count,
+                new_mu,
+                new_nu,
+                b.state_tree(state.nu_max, "ScaleByAmsgradState.nu_max", nu_max),
+            )
         else:
             new_state = ScaleByAdamState(count, new_mu, new_nu)
         return b.rebuild_active(_cast_like(out, g)), new_state
 
     if not (eight_bit or amsgrad):
-        update_fn.leafwise = AdamLeaf(b1_arg, b2_arg, eps_arg, bias_correction,
-                                      eps_before_correction)
+        update_fn.leafwise = AdamLeaf(
+            b1_arg, b2_arg, eps_arg, bias_correction, eps_before_correction
+        )
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
@@ -520,7 +559,7 @@ class AdamLeaf(NamedTuple):
     bias_correction: bool
     eps_before_correction: bool
 
-    def resolved(self) -> "AdamLeaf":
+    def resolved(self) -> AdamLeaf:
         """This with injected hyperparameters (``inject_hyperparams``) read as floats: the
         per-leaf steps run eagerly only."""
         if not any(map(is_injected, (self.b1, self.b2, self.eps))):
@@ -537,8 +576,16 @@ class AdamLeaf(NamedTuple):
         bc1, bc2_sqrt = 1.0 - torch.pow(self.b1, t), torch.sqrt(1.0 - torch.pow(self.b2, t))
         return bc1, bc2_sqrt, bc2_sqrt / bc1
 
-    def step(self, g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor, mu_out: torch.Tensor,
-             nu_out: torch.Tensor, buf: torch.Tensor, factors: tuple) -> torch.Tensor:
+    def step(
+        self,
+        g: torch.Tensor,
+        mu: torch.Tensor,
+        nu: torch.Tensor,
+        mu_out: torch.Tensor,
+        nu_out: torch.Tensor,
+        buf: torch.Tensor,
+        factors: tuple,
+    ) -> torch.Tensor:
         """New moments written into ``mu_out`` / ``nu_out`` (which may be ``mu`` / ``nu``:
         in place) and the update into ``buf`` (contiguous, the leaf's shape, ``nu``'s dtype);
         returns the update in ``g``'s dtype."""
@@ -561,8 +608,10 @@ def _as_real(ts: list) -> list:
 
 def _as_complex(ts: list, like: list) -> list:
     """Back to complex where ``like`` (the gradients) is complex."""
-    return [torch.view_as_complex(x) if y.is_complex() and not x.is_complex() else x
-            for x, y in zip(ts, like)]
+    return [
+        torch.view_as_complex(x) if y.is_complex() and not x.is_complex() else x
+        for x, y in zip(ts, like)
+    ]
 
 
 def reject_complex(b, where: str) -> None:
@@ -573,14 +622,17 @@ def reject_complex(b, where: str) -> None:
     """
     for i in b.active:
         if b.locals[i].is_complex():
-            raise TypeError(f"{where}: update leaf '{b.paths[i]}' is {b.locals[i].dtype}; "
-                            f"this transform has no complex definition (Adam, AdamW, SGD, "
-                            f"LAMB and the elementwise transforms follow torch.optim on "
-                            f"complex leaves)")
+            raise TypeError(
+                f"{where}: update leaf '{b.paths[i]}' is {b.locals[i].dtype}; "
+                f"this transform has no complex definition (Adam, AdamW, SGD, "
+                f"LAMB and the elementwise transforms follow torch.optim on "
+                f"complex leaves)"
+            )
 
 
-def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
-                         eps: float = 0.0) -> GradientTransformation:
+def scale_by_trust_ratio(
+    min_norm: float = 0.0, trust_coefficient: float = 1.0, eps: float = 0.0
+) -> GradientTransformation:
     """Scale each leaf's update by its trust ratio ``||param|| / ||update||`` (LARS / LAMB, You
     et al. 2019; optax ``scale_by_trust_ratio``).
 
@@ -595,16 +647,19 @@ def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
     """
     where = "scale_by_trust_ratio"
     min_norm = V.number("min_norm", min_norm, where=where, low=0.0)
-    trust_coefficient = V.number("trust_coefficient", trust_coefficient, where=where, low=0.0,
-                                 low_open=True)
+    trust_coefficient = V.number(
+        "trust_coefficient", trust_coefficient, where=where, low=0.0, low_open=True
+    )
     eps = V.number("eps", eps, where=where, low=0.0)
 
     def trust(b):
         act = b.active
         g = _active_locals(b)
         p = [b.params[i] for i in act]
-        sq = [n.to(torch.promote_types(n.dtype, torch.float32)).square()
-              for n in torch._foreach_norm(p + g, 2)]
+        sq = [
+            n.to(torch.promote_types(n.dtype, torch.float32)).square()
+            for n in torch._foreach_norm(p + g, 2)
+        ]
         totals = b.leaf_totals(list(zip(act + act, sq)))
         ratios: list = [None] * len(act)
         n = len(act)

@@ -7,7 +7,8 @@ leaves. Paths are rendered as dotted strings (``layers.0.attn.wq``) in error mes
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -66,8 +67,9 @@ def _first_mismatch(expected: PyTree, got: PyTree) -> str:
     return "same leaf paths but different container types"
 
 
-def flatten_as(tree: PyTree, treedef, what: str, reference: str = "params",
-               reference_tree: PyTree = None) -> list:
+def flatten_as(
+    tree: PyTree, treedef, what: str, reference: str = "params", reference_tree: PyTree = None
+) -> list:
     """Flatten ``tree`` and check it has the structure ``treedef``.
 
     Raises:
@@ -79,16 +81,17 @@ def flatten_as(tree: PyTree, treedef, what: str, reference: str = "params",
         # structure was checked by the eager calls (init builds the state), count the leaves
         leaves = optree.tree_leaves(tree, none_is_leaf=True)
         if len(leaves) != treedef.num_leaves:
-            raise ValueError(f"{what} has {len(leaves)} leaves, {reference} "
-                             f"{treedef.num_leaves}")
+            raise ValueError(f"{what} has {len(leaves)} leaves, {reference} {treedef.num_leaves}")
         return leaves
     leaves, td = tree_flatten(tree)
     if td != treedef:
-        expected = (reference_tree if reference_tree is not None
-                    else tree_unflatten(treedef, [0] * treedef.num_leaves))
+        expected = (
+            reference_tree
+            if reference_tree is not None
+            else tree_unflatten(treedef, [0] * treedef.num_leaves)
+        )
         raise ValueError(
-            f"{what} does not have the structure of {reference}: "
-            f"{_first_mismatch(expected, tree)}"
+            f"{what} does not have the structure of {reference}: {_first_mismatch(expected, tree)}"
         )
     return leaves
 
@@ -124,7 +127,9 @@ def state_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
     mesh and placements); ``None`` stays ``None``."""
     return optree.tree_map(
         lambda x: None if x is None else torch.zeros_like(x, dtype=state_dtype(x.dtype, dtype)),
-        tree, none_is_leaf=True)
+        tree,
+        none_is_leaf=True,
+    )
 
 
 def first_device(tree: PyTree) -> torch.device:
@@ -134,7 +139,8 @@ def first_device(tree: PyTree) -> torch.device:
 
 
 def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
-    """Cast every floating tensor leaf to ``dtype`` (no-op for ``None`` dtype or ``None`` leaves)."""
+    """Cast every floating tensor leaf to ``dtype`` (no-op for ``None`` dtype or ``None``
+    leaves)."""
     if dtype is None:
         return tree
     return optree.tree_map(
@@ -162,7 +168,8 @@ def _namedtuples(node: Any):
 
 
 def tree_get(tree: PyTree, key: str, default: Any = None) -> Any:
-    """Find the field named ``key`` in the NamedTuple states nested in ``tree`` (optax ``tree_get``).
+    """Find the field named ``key`` in the NamedTuple states nested in ``tree`` (optax
+    ``tree_get``).
 
     Example: ``ft.tree_get(state, "global_norm")`` returns the pre-clip norm kept by
     ``clip_by_global_norm`` wherever it sits in a chain / ``multi_steps`` state.
@@ -187,8 +194,7 @@ def find_state(tree: PyTree, cls: type, where: str) -> Any:
     """
     found = [n for n in _namedtuples(tree) if isinstance(n, cls)]
     if len(found) != 1:
-        raise ValueError(f"{where}: expected one {cls.__name__} in the state, found "
-                         f"{len(found)}")
+        raise ValueError(f"{where}: expected one {cls.__name__} in the state, found {len(found)}")
     return found[0]
 
 

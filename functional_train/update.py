@@ -35,20 +35,28 @@ def paired_locals(params: Any, updates: Any):
     for i in idx:
         d, x = u[i], p[i]
         if tuple(d.shape) != tuple(x.shape):
-            raise ValueError(f"apply_updates: update for '{path(i)}' has shape "
-                             f"{tuple(d.shape)}, expected {tuple(x.shape)}")
+            raise ValueError(
+                f"apply_updates: update for '{path(i)}' has shape "
+                f"{tuple(d.shape)}, expected {tuple(x.shape)}"
+            )
         # dtype attributes, not is_floating_point(): a DTensor method call dispatches
         if not (x.dtype.is_floating_point or x.dtype.is_complex) and (
-                d.dtype.is_floating_point or d.dtype.is_complex):
-            raise TypeError(f"apply_updates: params leaf '{path(i)}' has dtype {x.dtype} but its "
-                            f"update is {d.dtype}; integer and bool parameters cannot take "
-                            f"floating updates (give them a None gradient to freeze them)")
+            d.dtype.is_floating_point or d.dtype.is_complex
+        ):
+            raise TypeError(
+                f"apply_updates: params leaf '{path(i)}' has dtype {x.dtype} but its "
+                f"update is {d.dtype}; integer and bool parameters cannot take "
+                f"floating updates (give them a None gradient to freeze them)"
+            )
         sd, sp = spec_of(d), spec_of(x)
         if (sd is None) != (sp is None) or (
-                sd is not None and sd.mesh is not sp.mesh and sd.mesh != sp.mesh):
-            raise ValueError(f"apply_updates: update for '{path(i)}' is {describe(d)}, but the "
-                             f"parameter is {describe(x)}; an update must have its parameter's "
-                             f"layout (the updates of a transform fed these params have it)")
+            sd is not None and sd.mesh is not sp.mesh and sd.mesh != sp.mesh
+        ):
+            raise ValueError(
+                f"apply_updates: update for '{path(i)}' is {describe(d)}, but the "
+                f"parameter is {describe(x)}; an update must have its parameter's "
+                f"layout (the updates of a transform fed these params have it)"
+            )
         if sd is not None and tuple(d.placements) != tuple(x.placements):
             d = d.redistribute(x.device_mesh, x.placements)
         ul.append(to_local(d))

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .base import GradientTransformation, declare
-from .mesh import Mesh
 from .engine.collectives import all_gather, all_reduce_buckets, per_rank, reduce_scatter
 from .engine.dtensor import Spec, spec_of, to_local, wrap
 from .engine.plan import agree_presence, data_mean, plan_for
 from .engine.view import leaf_paths, mesh_coordinates
+from .mesh import Mesh
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_unflatten
 
 __all__ = ["zero_redundancy", "ZeroRedundancyState"]
@@ -57,11 +58,11 @@ class _View:
     view's layout; ``size``: the leaf's (local, = global) size along ``dim``; ``coord``: global
     rank -> coordinate along the data axis."""
 
-    dim: Optional[int]
-    spec: Optional[Spec]
+    dim: int | None
+    spec: Spec | None
     size: int = 0
     parts: int = 1
-    coord: Optional[dict] = None
+    coord: dict | None = None
 
     def chunk(self, rank: int) -> tuple[int, int]:
         return _chunk(self.size, self.parts, self.coord[rank])
@@ -74,7 +75,7 @@ class _View:
         return per_rank([local], lambda r, t: t[0].narrow(d, *self.chunk(r)).contiguous())
 
 
-def _root_of(mesh: Optional[Mesh], leaves: Sequence[Any], device_mesh: Optional[DeviceMesh]):
+def _root_of(mesh: Mesh | None, leaves: Sequence[Any], device_mesh: DeviceMesh | None):
     if mesh is not None and mesh.device_mesh is not None:
         return mesh.device_mesh
     for x in leaves:
@@ -83,15 +84,15 @@ def _root_of(mesh: Optional[Mesh], leaves: Sequence[Any], device_mesh: Optional[
     return device_mesh
 
 
-def _views(leaves: Sequence[Any], paths: Sequence[str], root: Optional[DeviceMesh],
-           axis: str) -> list:
+def _views(leaves: Sequence[Any], paths: Sequence[str], root: DeviceMesh | None, axis: str) -> list:
     """The zero view of each leaf (``None`` for ``None`` leaves)."""
     if root is None:
         return [None if x is None else _View(None, spec_of(x)) for x in leaves]
     names = tuple(root.mesh_dim_names or ())
     if axis not in names:
-        raise ValueError(f"zero_redundancy: axis={axis!r} is not a dim of the device mesh "
-                         f"(dims: {names})")
+        raise ValueError(
+            f"zero_redundancy: axis={axis!r} is not a dim of the device mesh (dims: {names})"
+        )
     a = names.index(axis)
     parts = root.size(a)
     coord = {r: c[a] for r, c in mesh_coordinates(root).items()}  # rank -> index along axis
@@ -104,8 +105,10 @@ def _views(leaves: Sequence[Any], paths: Sequence[str], root: Optional[DeviceMes
             m = x.device_mesh
             lnames = tuple(m.mesh_dim_names or ())
             if m._get_root_mesh() is not root and m is not root and not set(lnames) <= set(names):
-                raise ValueError(f"zero_redundancy: leaf '{path}' is a DTensor on {m}, which is "
-                                 f"not part of the mesh {root}")
+                raise ValueError(
+                    f"zero_redundancy: leaf '{path}' is a DTensor on {m}, which is "
+                    f"not part of the mesh {root}"
+                )
             by_name = dict(zip(lnames, x.placements))
             if isinstance(by_name.get(axis), Shard):  # already sharded over the data axis (FSDP)
                 out.append(_View(None, spec_of(x)))
@@ -123,17 +126,17 @@ def _views(leaves: Sequence[Any], paths: Sequence[str], root: Optional[DeviceMes
         vmesh = root if len(vnames) == root.ndim else root[vnames]
         placements = tuple(Shard(dim) if n == axis else by_name[n] for n in vnames)
         stride = tuple(x.stride()) if isinstance(x, DTensor) else contiguous_stride(x.shape)
-        out.append(_View(dim, Spec(vmesh, placements, x.shape, stride), x.shape[dim], parts,
-                         coord))
+        out.append(_View(dim, Spec(vmesh, placements, x.shape, stride), x.shape[dim], parts, coord))
     return out
 
 
 def _rest(shape, dim: int) -> tuple:
-    return tuple(shape[:dim]) + tuple(shape[dim + 1:])
+    return tuple(shape[:dim]) + tuple(shape[dim + 1 :])
 
 
-def _enter(locals_: Sequence[torch.Tensor], views: Sequence[_View], ops: Sequence[str],
-           group) -> list:
+def _enter(
+    locals_: Sequence[torch.Tensor], views: Sequence[_View], ops: Sequence[str], group
+) -> list:
     """Reduce-scatter full local tensors into their chunks: ONE collective per (op, dtype).
 
     Local shapes may differ between tensor parallel ranks (uneven shards), never between the
@@ -169,10 +172,10 @@ def _enter(locals_: Sequence[torch.Tensor], views: Sequence[_View], ops: Sequenc
                 v = vs[k]
                 rest = _rest(ts_r[k].shape, v.dim)
                 _, n = v.chunk(r)
-                piece = f[offset:offset + n * math.prod(rest)]
+                piece = f[offset : offset + n * math.prod(rest)]
                 return piece.reshape(n, *rest).movedim(0, v.dim).contiguous()
 
-            out[i] = per_rank([red] + ts[:k + 1], take)
+            out[i] = per_rank([red] + ts[: k + 1], take)
     return out
 
 
@@ -191,8 +194,9 @@ def _leave(chunks: Sequence[torch.Tensor], views: Sequence[_View], group) -> lis
             for c, v in zip(cs_, vs):
                 width = -(-v.size // v.parts) * math.prod(_rest(c.shape, v.dim))
                 f = c.movedim(v.dim, 0).reshape(-1)
-                flats.append(torch.cat([f, f.new_zeros(width - f.numel())])
-                             if f.numel() < width else f)
+                flats.append(
+                    torch.cat([f, f.new_zeros(width - f.numel())]) if f.numel() < width else f
+                )
             return flats[0] if len(flats) == 1 else torch.cat(flats)
 
         buf = per_rank(ts, pack)
@@ -208,15 +212,16 @@ def _leave(chunks: Sequence[torch.Tensor], views: Sequence[_View], group) -> lis
                 v = vs[k]
                 rest = _rest(cs_[k].shape, v.dim)
                 cs = -(-v.size // v.parts)
-                part = f[:, offset:offset + cs * math.prod(rest)]
-                return part.reshape(parts * cs, *rest)[:v.size].movedim(0, v.dim).contiguous()
+                part = f[:, offset : offset + cs * math.prod(rest)]
+                return part.reshape(parts * cs, *rest)[: v.size].movedim(0, v.dim).contiguous()
 
-            out[i] = per_rank([full] + ts[:k + 1], unpack)
+            out[i] = per_rank([full] + ts[: k + 1], unpack)
     return out
 
 
-def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
-                    device_mesh: Optional[DeviceMesh] = None) -> GradientTransformation:
+def zero_redundancy(
+    inner: GradientTransformation, axis: str = "dp", *, device_mesh: DeviceMesh | None = None
+) -> GradientTransformation:
     """ZeRO-1/2 for any inner transform: its state sharded over the data parallel mesh dim.
 
     Every leaf is given a *zero view*: its own placements (tensor parallel ``Shard`` /
@@ -261,18 +266,25 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
             ``device_mesh`` was not given (``init`` could not have sharded the state).
     """
     if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"zero_redundancy: inner must be a GradientTransformation, "
-                        f"got {type(inner).__name__}")
+        raise TypeError(
+            f"zero_redundancy: inner must be a GradientTransformation, got {type(inner).__name__}"
+        )
     if not isinstance(axis, str):
         raise TypeError(f"zero_redundancy: axis must be a mesh dim name (str), got {axis!r}")
     if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"zero_redundancy: device_mesh must be a DeviceMesh, "
-                        f"got {type(device_mesh).__name__}")
+        raise TypeError(
+            f"zero_redundancy: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}"
+        )
 
     def view_tree(tree, views):
         leaves, treedef = tree_flatten(tree)
-        return tree_unflatten(treedef, [None if x is None else wrap(v.slice(to_local(x)), v.spec)
-                                        for x, v in zip(leaves, views)])
+        return tree_unflatten(
+            treedef,
+            [
+                None if x is None else wrap(v.slice(to_local(x)), v.spec)
+                for x, v in zip(leaves, views)
+            ],
+        )
 
     def init_fn(params):
         leaves, _ = tree_flatten(params)
@@ -284,26 +296,34 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         if not isinstance(state, ZeroRedundancyState):
-            raise ValueError(f"zero_redundancy: expected a ZeroRedundancyState from "
-                             f"zero_redundancy.init, got {type(state).__name__}")
+            raise ValueError(
+                f"zero_redundancy: expected a ZeroRedundancyState from "
+                f"zero_redundancy.init, got {type(state).__name__}"
+            )
         if mesh is not None and not isinstance(mesh, Mesh):
-            raise TypeError(f"zero_redundancy: mesh must be a functional_train.Mesh or None, "
-                            f"got {type(mesh).__name__}")
+            raise TypeError(
+                f"zero_redundancy: mesh must be a functional_train.Mesh or None, "
+                f"got {type(mesh).__name__}"
+            )
         g, treedef = tree_flatten(updates)
         p = None if params is None else flatten_as(params, treedef, "params", "the updates")
         paths = leaf_paths(updates)
         root = _root_of(mesh, list(p or []) + list(g), device_mesh)
         if root is not None and axis not in (root.mesh_dim_names or ()):
             _views([], [], root, axis)  # raises: the mesh has no such dim
-        if (root is not None and device_mesh is None and root.size(root.mesh_dim_names.index(axis)) > 1
-                and not any(isinstance(x, DTensor) for x in list(p or []) + list(g))):
+        if (
+            root is not None
+            and device_mesh is None
+            and root.size(root.mesh_dim_names.index(axis)) > 1
+            and not any(isinstance(x, DTensor) for x in list(p or []) + list(g))
+        ):
             raise ValueError(
                 "zero_redundancy: no parameter is a DTensor, so init could not see the device "
                 f"mesh and built the inner state on whole leaves; pass the mesh at construction: "
-                f"zero_redundancy(inner, axis={axis!r}, device_mesh=...)")
+                f"zero_redundancy(inner, axis={axis!r}, device_mesh=...)"
+            )
         if root is None or root.size(root.mesh_dim_names.index(axis)) == 1:
-            new, inner_state = inner.update(updates, state.inner_state, params, mesh=mesh,
-                                            **extra)
+            new, inner_state = inner.update(updates, state.inner_state, params, mesh=mesh, **extra)
             return new, ZeroRedundancyState(inner_state)
         if mesh is None:
             # no descriptor: the gradients are each rank's own over the declared axis (ZeRO-2
@@ -359,8 +379,9 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
         sc = [i for i, x in enumerate(g) if x is not None and ops[i] and views[i].dim is not None]
         whole = [i for i, x in enumerate(g) if x is not None and ops[i] and views[i].dim is None]
         zg: list = [None] * len(g)
-        for i, r in zip(sc, _enter([locs[i] for i in sc], [views[i] for i in sc],
-                                   [ops[i] for i in sc], group)):
+        for i, r in zip(
+            sc, _enter([locs[i] for i in sc], [views[i] for i in sc], [ops[i] for i in sc], group)
+        ):
             zg[i] = r
         red = all_reduce_buckets([(locs[i], (group,), ops[i]) for i in whole])
         for i, r in zip(whole, red):
@@ -368,8 +389,9 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
         for i, x in enumerate(g):
             if x is not None and not ops[i]:
                 zg[i] = views[i].slice(locs[i])
-        zgrads = tree_unflatten(treedef, [None if z is None else wrap(z, v.spec)
-                                          for z, v in zip(zg, views)])
+        zgrads = tree_unflatten(
+            treedef, [None if z is None else wrap(z, v.spec) for z, v in zip(zg, views)]
+        )
         zparams = None if params is None else view_tree(params, views)
         # 2. the inner transform on the shards
         new, inner_state = inner.update(zgrads, state.inner_state, zparams, mesh=rest, **extra)
@@ -380,8 +402,8 @@ def zero_redundancy(inner: GradientTransformation, axis: str = "dp", *,
         for i, r in zip(ga, _leave([out[i] for i in ga], [views[i] for i in ga], group)):
             out[i] = r
         specs = [None if x is None else spec_of(x) for x in layout]
-        return tree_unflatten(treedef, [None if o is None else wrap(o, s)
-                                        for o, s in zip(out, specs)]), \
-            ZeroRedundancyState(inner_state)
+        return tree_unflatten(
+            treedef, [None if o is None else wrap(o, s) for o, s in zip(out, specs)]
+        ), ZeroRedundancyState(inner_state)
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))

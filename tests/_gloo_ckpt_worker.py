@@ -28,11 +28,16 @@ def optimizers():
 
 def problem(steps=3):
     g = torch.Generator().manual_seed(0)
-    params = {"wq": torch.randn(6, 5, generator=g), "wo": torch.randn(5, 7, generator=g),
-              "b": torch.randn(7, generator=g), "n": torch.randn(5, generator=g),
-              "e": torch.randn(9, 4, generator=g)}
-    grads = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-             for _ in range(steps)]
+    params = {
+        "wq": torch.randn(6, 5, generator=g),
+        "wo": torch.randn(5, 7, generator=g),
+        "b": torch.randn(7, generator=g),
+        "n": torch.randn(5, generator=g),
+        "e": torch.randn(9, 4, generator=g),
+    }
+    grads = [
+        {k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(steps)
+    ]
     return params, grads
 
 
@@ -56,8 +61,7 @@ def main(rank, world, init_file, out):
         tx = ft.zero_redundancy(make())
         state = tx.init(p)
         for g in grads:  # every replica gets the same gradient: the mean is g
-            updates, state = tx.update({k: place(v, k) for k, v in g.items()}, state, p,
-                                       mesh=fmesh)
+            updates, state = tx.update({k: place(v, k) for k, v in g.items()}, state, p, mesh=fmesh)
             p = ft.apply_updates(p, updates)
         dcp.save(flat(state), checkpoint_id=f"{out}/{name}")
     dist.barrier()

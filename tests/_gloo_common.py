@@ -13,16 +13,17 @@ def replica_problem(shapes: dict, steps: int, replicas: int = 2, seed: int = 0):
     per data-parallel replica (their mean is what one process applies)."""
     g = torch.Generator().manual_seed(seed)
     params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-    grads = [[{k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-              for _ in range(replicas)] for _ in range(steps)]
+    grads = [
+        [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(replicas)]
+        for _ in range(steps)
+    ]
     return params, grads
 
 
 def start():
     """Join the gloo process group named by ``sys.argv``; returns ``(rank, world, out)``."""
     rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     return rank, world, out
 
 

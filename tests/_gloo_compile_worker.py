@@ -25,23 +25,39 @@ import _sweep_registry as reg  # noqa: E402
 from _gloo_common import finish, start  # noqa: E402
 
 # inductor for the user-facing optimizers (and the main job's chain), eager for the rest
-ALIASES = {"sgd", "adam", "adamw", "lamb", "adafactor", "came", "galore_adamw", "adamw[8bit]",
-           "chain"}
+ALIASES = {
+    "sgd",
+    "adam",
+    "adamw",
+    "lamb",
+    "adafactor",
+    "came",
+    "galore_adamw",
+    "adamw[8bit]",
+    "chain",
+}
 
 
 def problem(mesh):
     g = torch.Generator().manual_seed(0)
-    shapes = {"w": ((6, 4), [Shard(0)]), "m": ((4, 6), [Shard(1)]), "v": ((5,), [Replicate()]),
-              "p": ((3,), None)}
+    shapes = {
+        "w": ((6, 4), [Shard(0)]),
+        "m": ((4, 6), [Shard(1)]),
+        "v": ((5,), [Replicate()]),
+        "p": ((3,), None),
+    }
     params = {k: torch.randn(s, generator=g) for k, (s, _) in shapes.items()}
     grads = [{k: torch.randn(s, generator=g) for k, (s, _) in shapes.items()} for _ in range(3)]
 
     def dist_(tree):
         # placements objects of its own for every tree, as autograd gives gradients (a
         # Replicate() shared by a param and its gradient is an aliasing dynamo guards on)
-        return {k: v if shapes[k][1] is None else
-                distribute_tensor(v, mesh, copy.deepcopy(shapes[k][1]))
-                for k, v in tree.items()}
+        return {
+            k: v
+            if shapes[k][1] is None
+            else distribute_tensor(v, mesh, copy.deepcopy(shapes[k][1]))
+            for k, v in tree.items()
+        }
 
     return dist_(params), [dist_(t) for t in grads]
 
@@ -64,9 +80,11 @@ def check(name, mesh):
 
         return compile_fx(gm, inputs)
 
-    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, mesh=fmesh),
-                         backend=counting_backend,
-                         fullgraph=name not in reg.COMPILE_GRAPH_BREAKS)
+    step = torch.compile(
+        lambda g, s, p: ft.step(tx, g, s, p, mesh=fmesh),
+        backend=counting_backend,
+        fullgraph=name not in reg.COMPILE_GRAPH_BREAKS,
+    )
     se = sc = tx.init(params)
     pe = pc = params
     for t, g in enumerate(grads):

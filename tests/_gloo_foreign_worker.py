@@ -28,8 +28,9 @@ def foreign_sign() -> ft.GradientTransformation:
         return ft.EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
-        return optree.tree_map(lambda g: None if g is None else torch.sign(g), updates,
-                               none_is_leaf=True), state
+        return optree.tree_map(
+            lambda g: None if g is None else torch.sign(g), updates, none_is_leaf=True
+        ), state
 
     return ft.GradientTransformation(init_fn, update_fn)
 
@@ -39,8 +40,9 @@ def foreign_scale(s) -> ft.GradientTransformation:
         return ft.EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
-        return optree.tree_map(lambda g: None if g is None else g * s, updates,
-                               none_is_leaf=True), state
+        return optree.tree_map(
+            lambda g: None if g is None else g * s, updates, none_is_leaf=True
+        ), state
 
     return ft.GradientTransformation(init_fn, update_fn)
 
@@ -50,18 +52,22 @@ def compositions():
     return {
         "chain_scale_sgd": lambda: ft.chain(foreign_scale(0.5), ft.sgd(1.0)),
         "chain_sign_sgd": lambda: ft.chain(foreign_sign(), ft.sgd(0.1)),
-        "chain_clip_sign_adam": lambda: ft.chain(ft.clip_by_global_norm(1.0), foreign_sign(),
-                                                 ft.adam(1e-2)),
+        "chain_clip_sign_adam": lambda: ft.chain(
+            ft.clip_by_global_norm(1.0), foreign_sign(), ft.adam(1e-2)
+        ),
         "named_chain": lambda: ft.named_chain(("sign", foreign_sign()), ("sgd", ft.sgd(0.1))),
         "multi_steps": lambda: ft.multi_steps(ft.chain(foreign_sign(), ft.sgd(0.1)), 2),
         "multi_steps_foreign_inner": lambda: ft.multi_steps(foreign_sign(), 2),
-        "partition": lambda: ft.partition({"a": ft.chain(foreign_sign(), ft.sgd(0.1)),
-                                           "b": ft.adamw(1e-2)},
-                                          {"w": "a", "b": "b", "p": "a"}),
-        "masked": lambda: ft.chain(ft.masked(foreign_sign(), {"w": True, "b": False, "p": True}),
-                                   ft.sgd(0.1)),
-        "zero_redundancy": lambda: ft.zero_redundancy(ft.chain(foreign_sign(), ft.adam(1e-2)),
-                                                      "dp"),
+        "partition": lambda: ft.partition(
+            {"a": ft.chain(foreign_sign(), ft.sgd(0.1)), "b": ft.adamw(1e-2)},
+            {"w": "a", "b": "b", "p": "a"},
+        ),
+        "masked": lambda: ft.chain(
+            ft.masked(foreign_sign(), {"w": True, "b": False, "p": True}), ft.sgd(0.1)
+        ),
+        "zero_redundancy": lambda: ft.zero_redundancy(
+            ft.chain(foreign_sign(), ft.adam(1e-2)), "dp"
+        ),
     }
 
 
@@ -79,16 +85,20 @@ def main():
     fmesh = ft.Mesh(mesh, data_axis="dp")
     results = {}
     for name, make in compositions().items():
-        params = {k: distribute_tensor(v, tp, place[k]) if k in place else v.clone()
-                  for k, v in params0.items()}
+        params = {
+            k: distribute_tensor(v, tp, place[k]) if k in place else v.clone()
+            for k, v in params0.items()
+        }
         tx = make()
         state = tx.init(params)
         for step in grads:
             g = step[dp_rank]
-            dg = {"w": distribute_tensor(g["w"], tp, [Shard(0)]),
-                  # each tp rank holds half of this replica's value, unreduced
-                  "b": DTensor.from_local(g["b"] / 2, tp, [Partial()], run_check=False),
-                  "p": g["p"]}
+            dg = {
+                "w": distribute_tensor(g["w"], tp, [Shard(0)]),
+                # each tp rank holds half of this replica's value, unreduced
+                "b": DTensor.from_local(g["b"] / 2, tp, [Partial()], run_check=False),
+                "p": g["p"],
+            }
             updates, state = tx.update(dg, state, params, mesh=fmesh)
             params = ft.apply_updates(params, updates)
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in params.items()}

@@ -9,24 +9,33 @@ first update's collectives and their input bytes, the Newton-Schulz multiply-add
 (``newton_schulz`` patched to count them) and the bytes of its local Muon-managed parameters.
 """
 
+import importlib
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import functional_train as ft
-import importlib
-fm = importlib.import_module("functional_train.muon")  # (ft.muon is the function)
 from functional_train.testing import count_collectives
 
-import sys
+fm = importlib.import_module("functional_train.muon")  # (ft.muon is the function)
+
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 from _gloo_common import finish, start  # noqa: E402
 
 # two layers: tensor parallel Shard(0) for wq / wk / wv / w1 / w3, Shard(1) for wo / w2;
 # odd sizes, so shards are uneven
-LAYER = {"wq": (25, 16), "wk": (25, 16), "wv": (25, 16), "wo": (16, 25), "w1": (41, 16),
-         "w3": (41, 16), "w2": (16, 41)}
+LAYER = {
+    "wq": (25, 16),
+    "wk": (25, 16),
+    "wv": (25, 16),
+    "wo": (16, 25),
+    "w1": (41, 16),
+    "w3": (41, 16),
+    "w2": (16, 41),
+}
 SHAPES = {f"l{i}.{k}": s for i in range(2) for k, s in LAYER.items()}
 SHAPES["norm"] = (16,)
 STEPS = 3
@@ -73,8 +82,9 @@ def main():
         for scheme in ("owners", "gather"):
             fm._DISTRIBUTED = scheme == "owners"
             params0, grads = problem()
-            params = {k: distribute_tensor(v, mesh, placements(k, layout))
-                      for k, v in params0.items()}
+            params = {
+                k: distribute_tensor(v, mesh, placements(k, layout)) for k, v in params0.items()
+            }
             tx = make_tx(layout)
             state = tx.init(params)
             m = ft.Mesh(mesh, data_axis="dp") if layout == "zero+tp" else ft.Mesh(mesh)
@@ -84,8 +94,14 @@ def main():
                 with count_collectives() as c:
                     params, state = ft.step(tx, g, state, params, mesh=m)
                 if step == 0:
-                    stats = dict(counts=c.counts, bytes=c.bytes, flops=flops[0], share=sum(
-                        v.to_local().numel() * 4 for k, v in params.items() if k != "norm"))
+                    stats = dict(
+                        counts=c.counts,
+                        bytes=c.bytes,
+                        flops=flops[0],
+                        share=sum(
+                            v.to_local().numel() * 4 for k, v in params.items() if k != "norm"
+                        ),
+                    )
             every = [None] * world
             dist.all_gather_object(every, stats)
             full = {k: v.full_tensor() for k, v in params.items()}

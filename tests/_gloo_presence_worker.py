@@ -38,8 +38,9 @@ def grads_of(step_grads, step, rank):
 
 def transforms():
     return {
-        "chain_clip_adamw": lambda: ft.chain(ft.clip_by_global_norm(1.0),
-                                             ft.adamw(1e-2, weight_decay=0.1)),
+        "chain_clip_adamw": lambda: ft.chain(
+            ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1)
+        ),
         "sgd_momentum": lambda: ft.sgd(0.1, momentum=0.9),
         "multi_steps": lambda: ft.multi_steps(ft.adamw(1e-2), 2),
     }
@@ -52,9 +53,10 @@ def main():
     params0, grads = problem()
     result = {}
     runs = [(name, "update", make) for name, make in transforms().items()]
-    runs += [("chain_clip_adamw", "step", transforms()["chain_clip_adamw"]),
-             ("zero_adamw", "update",
-              lambda: ft.zero_redundancy(ft.adamw(1e-2), "dp", device_mesh=dm))]
+    runs += [
+        ("chain_clip_adamw", "step", transforms()["chain_clip_adamw"]),
+        ("zero_adamw", "update", lambda: ft.zero_redundancy(ft.adamw(1e-2), "dp", device_mesh=dm)),
+    ]
     for name, how, make in runs:
         tx = make()
         params = {k: v.clone() for k, v in params0.items()}
@@ -69,8 +71,10 @@ def main():
         flat = torch.cat([params[k].reshape(-1) for k in SHAPES])
         every = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(every, flat)
-        result[f"{name}/{how}"] = [dict(zip(SHAPES, torch.split(
-            e, [torch.Size(s).numel() for s in SHAPES.values()]))) for e in every]
+        result[f"{name}/{how}"] = [
+            dict(zip(SHAPES, torch.split(e, [torch.Size(s).numel() for s in SHAPES.values()])))
+            for e in every
+        ]
     finish(rank, result, out)
 
 

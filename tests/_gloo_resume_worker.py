@@ -32,9 +32,11 @@ SAVE_AT = 2
 def optimizers():
     return {
         "adamw_zero": lambda: ft.zero_redundancy(
-            ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1))),
+            ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1))
+        ),
         "adafactor_accum": lambda: ft.multi_steps(
-            ft.chain(ft.clip_by_global_norm(1.0), ft.adafactor(beta1=0.9)), every_k=2),
+            ft.chain(ft.clip_by_global_norm(1.0), ft.adafactor(beta1=0.9)), every_k=2
+        ),
     }
 
 
@@ -46,14 +48,20 @@ def problem(steps=4):
 def full(tree):
     """Flat {path: whole tensor} of a tree's tensor leaves (DTensors gathered: collectives)."""
     leaves = optree.tree_leaves(tree, none_is_leaf=True)
-    return {p: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
-            for p, v in zip(tree_paths(tree), leaves) if isinstance(v, torch.Tensor)}
+    return {
+        p: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+        for p, v in zip(tree_paths(tree), leaves)
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def local(tree):
     leaves = optree.tree_leaves(tree, none_is_leaf=True)
-    return {p: v.to_local() if isinstance(v, DTensor) else v
-            for p, v in zip(tree_paths(tree), leaves) if isinstance(v, torch.Tensor)}
+    return {
+        p: v.to_local() if isinstance(v, DTensor) else v
+        for p, v in zip(tree_paths(tree), leaves)
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def mismatches(a, b):
@@ -70,8 +78,10 @@ def main(rank, world, init_file, out):
     params0, grads = problem()
 
     def place(tree):
-        return {k: v.clone() if PLACE[k] is None else distribute_tensor(v, mesh["tp"], PLACE[k])
-                for k, v in tree.items()}
+        return {
+            k: v.clone() if PLACE[k] is None else distribute_tensor(v, mesh["tp"], PLACE[k])
+            for k, v in tree.items()
+        }
 
     results = {}
 
@@ -90,8 +100,9 @@ def main(rank, world, init_file, out):
         saved = None
         for i, g in enumerate(grads):
             if i == SAVE_AT:
-                ft.checkpoint.save(f"{root}/dt-{name}", params=p, state=s, step=i,
-                                   extra={"rank0": rank})
+                ft.checkpoint.save(
+                    f"{root}/dt-{name}", params=p, state=s, step=i, extra={"rank0": rank}
+                )
                 saved = {"params": full(p), "state": full(s)}
             p, s = ft.step(tx, place(g), s, p, mesh=fmesh, donate=True)  # overwrites p, s
         p_t = place({k: torch.zeros_like(v) for k, v in params0.items()})
@@ -99,8 +110,11 @@ def main(rank, world, init_file, out):
         assert step == SAVE_AT and extra == {"rank0": 0}, (step, extra)
         for g in grads[step:]:
             p2, s2 = ft.step(tx, place(g), s2, p2, mesh=fmesh, donate=True)
-        results[name] = {"saved": saved, "params_mismatch": mismatches(p, p2),
-                         "state_mismatch": mismatches(s, s2)}
+        results[name] = {
+            "saved": saved,
+            "params_mismatch": mismatches(p, p2),
+            "state_mismatch": mismatches(s, s2),
+        }
 
     # 3. asynchronous save: the tensors are staged before save returns, then donated
     want = {"params": full(p), "state": full(s)}
@@ -110,8 +124,12 @@ def main(rank, world, init_file, out):
     p_t = place({k: torch.zeros_like(v) for k, v in params0.items()})
     p3, s3, step, _ = ft.checkpoint.load(f"{root}/async", p_t, tx.init(p_t))
     got = {"params": full(p3), "state": full(s3)}
-    results["async"] = {"step": step, "mismatch": [
-        f"{t}/{k}" for t in want for k in want[t] if not torch.equal(want[t][k], got[t][k])]}
+    results["async"] = {
+        "step": step,
+        "mismatch": [
+            f"{t}/{k}" for t in want for k in want[t] if not torch.equal(want[t][k], got[t][k])
+        ],
+    }
 
     if rank == 0:
         torch.save(results, out)

@@ -4,7 +4,6 @@ leaves, per-replica gradients over dp, a weight matrix sharded over tp."""
 
 import sys
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -21,8 +20,9 @@ def problem(steps=3):
     """Per stage ``s``: params and per-dp-replica gradients of ``w`` (6, 4) and ``b`` (4,)."""
     stages = [replica_problem({"w": (6, 4), "b": (4,)}, steps, seed=s) for s in range(2)]
     params = {f"s{s}": stages[s][0] for s in range(2)}
-    grads = [[{f"s{s}": stages[s][1][t][r] for s in range(2)} for r in range(2)]
-             for t in range(steps)]
+    grads = [
+        [{f"s{s}": stages[s][1][t][r] for s in range(2)} for r in range(2)] for t in range(steps)
+    ]
     return params, grads
 
 
@@ -37,8 +37,10 @@ def main():
     tp = mesh["tp"]
 
     def mine(tree):  # this stage's leaves: w sharded over tp, b a plain tensor
-        return {"w": distribute_tensor(tree[f"s{pp}"]["w"], tp, [Shard(0)]),
-                "b": tree[f"s{pp}"]["b"].clone()}
+        return {
+            "w": distribute_tensor(tree[f"s{pp}"]["w"], tp, [Shard(0)]),
+            "b": tree[f"s{pp}"]["b"].clone(),
+        }
 
     params, grads = problem()
     params = mine(params)
@@ -54,9 +56,16 @@ def main():
     stage = {"w": params["w"].full_tensor(), "b": params["b"]}
     every = [None] * 2
     dist.all_gather_object(every, stage, group=mesh.get_group("pp"))
-    finish(rank, {"params": {f"s{s}": every[s] for s in range(2)}, "counts": counts,
-                  "norm": ft.tree_get(state, "global_norm"),
-                  "groups": len(groups_over(mesh, [1, 2]))}, out)
+    finish(
+        rank,
+        {
+            "params": {f"s{s}": every[s] for s in range(2)},
+            "counts": counts,
+            "norm": ft.tree_get(state, "global_norm"),
+            "groups": len(groups_over(mesh, [1, 2])),
+        },
+        out,
+    )
 
 
 if __name__ == "__main__":

@@ -15,16 +15,17 @@ import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                     get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import functional_train as ft
 from functional_train.tree import tree_flatten
@@ -55,8 +56,9 @@ def make_tx():
 def batches(n: int = STEPS + MORE, seed: int = 1) -> list:
     """Global batches (FSDP2: rank r takes half r; tensor parallel: every rank all of it)."""
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(12, 8, generator=gen), torch.randn(12, 5, generator=gen))
-            for _ in range(n)]
+    return [
+        (torch.randn(12, 8, generator=gen), torch.randn(12, 5, generator=gen)) for _ in range(n)
+    ]
 
 
 def train(m, opt, data, rank=0, world=1, split=False) -> None:
@@ -69,8 +71,10 @@ def train(m, opt, data, rank=0, world=1, split=False) -> None:
 
 
 def full(m) -> dict:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in m.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in m.named_parameters()
+    }
 
 
 def build(layout: str, mesh):
@@ -97,20 +101,24 @@ def main():
         assert all(isinstance(p, DTensor) for p in m.parameters())
         # torch's state-dict helpers on a fresh optimizer: no zero-gradient "init" step
         fresh = get_optimizer_state_dict(m, opt)
-        r["fresh"] = {"count": int(opt.ft_state.count),
-                      "grads": [p.grad is None for p in m.parameters()],
-                      "same": all(torch.equal(a, b) for a, b in zip(full(m).values(),
-                                                                    r["start"].values())),
-                      "keys": sorted(fresh["state"])}
+        r["fresh"] = {
+            "count": int(opt.ft_state.count),
+            "grads": [p.grad is None for p in m.parameters()],
+            "same": all(torch.equal(a, b) for a, b in zip(full(m).values(), r["start"].values())),
+            "keys": sorted(fresh["state"]),
+        }
         train(m, opt, data[:STEPS], rank, world, split)
         r["steps"] = full(m)
         osd = get_optimizer_state_dict(m, opt)
         r["state_keys"] = {k: sorted(v) for k, v in osd["state"].items()}
         r["params"] = list(osd["param_groups"][0]["params"])
-        r["mu_placements"] = {k: str(v["inner_state.0.mu"].placements)
-                              for k, v in osd["state"].items()}
-        dcp.save({"model": get_model_state_dict(m), "optim": osd},
-                 checkpoint_id=os.path.join(ckpt, f"ckpt_{layout}"))
+        r["mu_placements"] = {
+            k: str(v["inner_state.0.mu"].placements) for k, v in osd["state"].items()
+        }
+        dcp.save(
+            {"model": get_model_state_dict(m), "optim": osd},
+            checkpoint_id=os.path.join(ckpt, f"ckpt_{layout}"),
+        )
         train(m, opt, data[STEPS:], rank, world, split)
         r["more"] = full(m)
         if layout == "fsdp":  # the 2-rank checkpoint back on 2 ranks
@@ -129,9 +137,11 @@ def main():
             opt3 = ft.TorchOptimizer(m2.named_parameters(), make_tx())
             set_optimizer_state_dict(m2, opt3, optim_state_dict=whole, options=opts)
             r["full_round_trip"] = all(
-                torch.equal(a.to_local(), b.to_local()) if isinstance(a, DTensor)
+                torch.equal(a.to_local(), b.to_local())
+                if isinstance(a, DTensor)
                 else torch.equal(a, b)
-                for a, b in zip(tree_flatten(opt2.ft_state)[0], tree_flatten(opt3.ft_state)[0]))
+                for a, b in zip(tree_flatten(opt2.ft_state)[0], tree_flatten(opt3.ft_state)[0])
+            )
     finish(rank, result, out)
 
 

@@ -24,7 +24,9 @@ def problem(steps=4):
 
 
 def make_tx():
-    return ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)), 2)
+    return ft.multi_steps(
+        ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)), 2
+    )
 
 
 def main(rank, world, init_file, out):

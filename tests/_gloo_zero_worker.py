@@ -30,8 +30,7 @@ def aliases():
 
 
 def problem(steps=3):
-    return replica_problem({"wq": (6, 5), "wo": (5, 7), "b": (7,), "n": (5,), "e": (9, 4)},
-                           steps)
+    return replica_problem({"wq": (6, 5), "wo": (5, 7), "b": (7,), "n": (5,), "e": (9, 4)}, steps)
 
 
 def main(rank, world, init_file, out):

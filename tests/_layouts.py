@@ -7,11 +7,10 @@ import sys
 
 import optree
 import torch
-
-import functional_train as ft
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+import functional_train as ft
 from functional_train.testing import count_collectives, per_rank, simulate
 
 
@@ -31,14 +30,14 @@ S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
 LEAVES_2x2 = {
     "a": ((5, 7), [S0, S1]),
     "b": ((5, 7), [R, S1]),
-    "c": ((5, 7), [S1, S1]),      # nested sharding of the columns
+    "c": ((5, 7), [S1, S1]),  # nested sharding of the columns
     "d": ((5, 7), [S0, R]),
-    "e": ((3, 5, 6), [S0, S1]),   # batch dim and rows sharded
-    "f": ((3, 5, 6), [S2, S1]),   # columns and rows sharded
+    "e": ((3, 5, 6), [S0, S1]),  # batch dim and rows sharded
+    "f": ((3, 5, 6), [S2, S1]),  # columns and rows sharded
     "g": ((9,), [S0, R]),
-    "h": ((2,), [S0, S0]),        # empty shards
-    "i": ((1, 3), [S0, S1]),      # empty row shards
-    "j": ((4, 3), None),          # plain tensor
+    "h": ((2,), [S0, S0]),  # empty shards
+    "i": ((1, 3), [S0, S1]),  # empty row shards
+    "j": ((4, 3), None),  # plain tensor
 }
 LEAVES_2 = {
     "a": ((5, 7), [S0]),
@@ -50,9 +49,18 @@ LEAVES_2 = {
 
 
 # (shape, placements) cycled to build trees of any size for the collective-count tests
-MIXED = [((5, 7), [S0, S1]), ((5, 7), [R, S1]), ((5, 7), [S1, S1]), ((5, 7), [S0, R]),
-         ((3, 5, 6), [S0, S1]), ((9,), [S0, R]), ((6, 4), [R, R]), ((4,), [R, S0]),
-         ((3, 5, 6), [S2, S1]), ((7, 3), [S0, S1])]
+MIXED = [
+    ((5, 7), [S0, S1]),
+    ((5, 7), [R, S1]),
+    ((5, 7), [S1, S1]),
+    ((5, 7), [S0, R]),
+    ((3, 5, 6), [S0, S1]),
+    ((9,), [S0, R]),
+    ((6, 4), [R, R]),
+    ((4,), [R, S0]),
+    ((3, 5, 6), [S2, S1]),
+    ((7, 3), [S0, S1]),
+]
 
 
 def update_collectives(make_tx, n_leaves, mesh_shape=(2, 2), names=("dp", "tp"), mixed=MIXED):
@@ -62,10 +70,13 @@ def update_collectives(make_tx, n_leaves, mesh_shape=(2, 2), names=("dp", "tp"),
         m = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         spec = [mixed[i % len(mixed)] for i in range(n_leaves)]
         gen = torch.Generator().manual_seed(0)
-        params = {f"l{i}": shard(torch.randn(s, generator=gen), m, pl)
-                  for i, (s, pl) in enumerate(spec)}
-        grads = {k: shard(torch.randn(v.shape, generator=gen), m, list(v.placements))
-                 for k, v in params.items()}
+        params = {
+            f"l{i}": shard(torch.randn(s, generator=gen), m, pl) for i, (s, pl) in enumerate(spec)
+        }
+        grads = {
+            k: shard(torch.randn(v.shape, generator=gen), m, list(v.placements))
+            for k, v in params.items()
+        }
         tx = make_tx()
         state = tx.init(params)
         with count_collectives() as c:
@@ -77,8 +88,10 @@ def values(shapes, steps, dtype, seed=0):
     """Parameters and ``steps`` gradient trees of the given shapes (full-rank random values)."""
     gen = torch.Generator().manual_seed(seed)
     params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-             for _ in range(steps)]
+    grads = [
+        {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
+        for _ in range(steps)
+    ]
     return params, grads
 
 
@@ -136,17 +149,28 @@ def run_on_tp_submesh(make, leaves, params, grads, deltas, collect):
         tp = m["tp"]
 
         def on_tp(values, pl):  # values[dp coordinate]
-            return distribute_tensor(per_rank(4, lambda r: values[r // 2]), tp, pl,
-                                     src_data_rank=None)
+            return distribute_tensor(
+                per_rank(4, lambda r: values[r // 2]), tp, pl, src_data_rank=None
+            )
 
         dp = {k: on_tp([params[k]] * 2, pl) for k, (_, pl) in leaves.items()}
-        dg = [{k: on_tp([g[k] + d[k], g[k] - d[k]], pl) for k, (_, pl) in leaves.items()}
-              for g, d in zip(grads, deltas)]
+        dg = [
+            {k: on_tp([g[k] + d[k], g[k] - d[k]], pl) for k, (_, pl) in leaves.items()}
+            for g, d in zip(grads, deltas)
+        ]
         return collect(*run_steps(make(), dp, dg, ft.Mesh(m, data_axis="dp")))
 
 
-def check_fused_step(make_tx, dtype, monkeypatch, fused_name: str, shapes=None, steps: int = 3,
-                     taken_at=None, param_rounding: bool = False) -> None:
+def check_fused_step(
+    make_tx,
+    dtype,
+    monkeypatch,
+    fused_name: str,
+    shapes=None,
+    steps: int = 3,
+    taken_at=None,
+    param_rounding: bool = False,
+) -> None:
     """``ft.step`` through the fused per-leaf path ``functional_train.step.<fused_name>`` equals
     the chain's update + apply_updates bit for bit, pure (inputs unchanged) and donated, over
     ``steps`` steps, for leaves above and below 64 KiB, factored and not (or ``shapes``), with a
@@ -156,18 +180,31 @@ def check_fused_step(make_tx, dtype, monkeypatch, fused_name: str, shapes=None, 
     ``param_rounding``: the fused path computes the parameters in another order (one matrix
     product for several of the chain's passes), so they equal the chain's to float rounding
     only: within 2 units in the last place of the parameter plus 2 units of the largest
-    parameter change, per fused step taken so far (the states still bit for bit, and pure == donated bit
-    for bit)."""
+    parameter change, per fused step taken so far (the states still bit for bit, and pure ==
+    donated bit for bit)."""
     step_module = sys.modules["functional_train.step"]
     taken = []
     real = getattr(step_module, fused_name)
     monkeypatch.setattr(step_module, fused_name, lambda *a: taken.append(real(*a)) or taken[-1])
     gen = torch.Generator().manual_seed(0)
-    shapes = shapes or {"w": (6, 5), "b": (7,), "t": (3, 4, 5), "s": (), "big": (130, 140),
-                        "vec": (20000,), "stack": (2, 90, 100), "frozen": (40, 30)}
+    shapes = shapes or {
+        "w": (6, 5),
+        "b": (7,),
+        "t": (3, 4, 5),
+        "s": (),
+        "big": (130, 140),
+        "vec": (20000,),
+        "stack": (2, 90, 100),
+        "frozen": (40, 30),
+    }
     params = {k: torch.randn(v, generator=gen).to(dtype) for k, v in shapes.items()}
-    grads = [{k: (None if k == "frozen" else torch.randn(v, generator=gen).to(dtype))
-              for k, v in shapes.items()} for _ in range(steps)]
+    grads = [
+        {
+            k: (None if k == "frozen" else torch.randn(v, generator=gen).to(dtype))
+            for k, v in shapes.items()
+        }
+        for _ in range(steps)
+    ]
     tx = make_tx()
     s_ref = s_pure = s_don = tx.init(params)
     p_ref = p_pure = params
@@ -180,8 +217,13 @@ def check_fused_step(make_tx, dtype, monkeypatch, fused_name: str, shapes=None, 
         p_pure, s_pure = ft.step(tx, g, s_pure, p_pure)
         for x, y in zip(before, optree.tree_leaves(old)):
             assert torch.equal(x, y)  # pure: nothing written
-        p_don, s_don = ft.step(tx, {k: (None if v is None else v.clone()) for k, v in g.items()},
-                               s_don, p_don, donate=True)
+        p_don, s_don = ft.step(
+            tx,
+            {k: (None if v is None else v.clone()) for k, v in g.items()},
+            s_don,
+            p_don,
+            donate=True,
+        )
         for got in ((p_pure, s_pure), (p_don, s_don)):
             for x, y in zip(optree.tree_leaves(got[1]), optree.tree_leaves(s_ref)):
                 torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)

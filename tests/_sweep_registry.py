@@ -20,7 +20,7 @@ Besides the builders:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import optree
 import torch
@@ -29,31 +29,31 @@ import functional_train as ft
 
 # the properties of test_sweep.py (test function name without "test_" -> property)
 PROPERTIES = (
-    "sharded",               # sharded == unsharded, hypothesis-drawn meshes / placements / trees
-    "sharded_data_axis",     # sharded == unsharded with a data axis and Partial gradients
-    "purity",                # params, grads and state are bitwise unchanged by update
-    "state_structure",       # treedef / shapes / dtypes / devices: init == after updates
-    "torch_load",            # torch.save / torch.load(weights_only=True) round trip of the state
-    "state_placements",      # the same for a simulated sharded run, placements included
-    "chain",                 # chain(clip_by_global_norm, T) == clip, then T
-    "named_chain",           # named_chain(("clip", ...), ("tx", T)) == clip, then T
-    "multi_steps",           # multi_steps(T, 2) == T on the mean of two micro-gradients
-    "zero_redundancy",       # zero_redundancy(T) in one process == T
-    "zero_redundancy_dp",    # zero_redundancy(T) on a simulated dp x tp mesh == T unsharded
-    "partition",             # partition({"a": T, "b": sgd}) == T on the "a" leaves
-    "masked",                # masked(T, mask) == T on the masked-in leaves, others unchanged
-    "none_leaves",           # a None gradient leaf passes through; the others are unaffected
-    "mixed_dtypes",          # float32 + float64 leaves: each leaf's updates as when alone
-    "bf16_states",           # bf16 params: floating states are float32 (init and after updates)
-    "bf16_close",            # bf16 run within bf16 tolerance of the float32 run
-    "update_dtype",          # the updates have the gradients' dtype (bf16 in, bf16 out)
-    "update_dtype_f64",      # the same for float64
-    "no_host_sync",          # no aten._local_scalar_dense / aten.item in update
-    "compile",               # torch.compile(update, fullgraph=True) == eager
-    "step_counter",          # int64 counters go past 2**31 - 1 without overflow
-    "step",                  # ft.step pure / donated == update + apply_updates; pure is pure
-    "step_sharded",          # ft.step sharded == unsharded (data-axis layout), pure and donated
-    "compile_dtensor",       # torch.compile(ft.step, fullgraph=True) on DTensors, 2 gloo ranks
+    "sharded",  # sharded == unsharded, hypothesis-drawn meshes / placements / trees
+    "sharded_data_axis",  # sharded == unsharded with a data axis and Partial gradients
+    "purity",  # params, grads and state are bitwise unchanged by update
+    "state_structure",  # treedef / shapes / dtypes / devices: init == after updates
+    "torch_load",  # torch.save / torch.load(weights_only=True) round trip of the state
+    "state_placements",  # the same for a simulated sharded run, placements included
+    "chain",  # chain(clip_by_global_norm, T) == clip, then T
+    "named_chain",  # named_chain(("clip", ...), ("tx", T)) == clip, then T
+    "multi_steps",  # multi_steps(T, 2) == T on the mean of two micro-gradients
+    "zero_redundancy",  # zero_redundancy(T) in one process == T
+    "zero_redundancy_dp",  # zero_redundancy(T) on a simulated dp x tp mesh == T unsharded
+    "partition",  # partition({"a": T, "b": sgd}) == T on the "a" leaves
+    "masked",  # masked(T, mask) == T on the masked-in leaves, others unchanged
+    "none_leaves",  # a None gradient leaf passes through; the others are unaffected
+    "mixed_dtypes",  # float32 + float64 leaves: each leaf's updates as when alone
+    "bf16_states",  # bf16 params: floating states are float32 (init and after updates)
+    "bf16_close",  # bf16 run within bf16 tolerance of the float32 run
+    "update_dtype",  # the updates have the gradients' dtype (bf16 in, bf16 out)
+    "update_dtype_f64",  # the same for float64
+    "no_host_sync",  # no aten._local_scalar_dense / aten.item in update
+    "compile",  # torch.compile(update, fullgraph=True) == eager
+    "step_counter",  # int64 counters go past 2**31 - 1 without overflow
+    "step",  # ft.step pure / donated == update + apply_updates; pure is pure
+    "step_sharded",  # ft.step sharded == unsharded (data-axis layout), pure and donated
+    "compile_dtensor",  # torch.compile(ft.step, fullgraph=True) on DTensors, 2 gloo ranks
 )
 
 
@@ -68,8 +68,9 @@ def by_ndim(two_d, other) -> Callable:
     transform)."""
 
     def labels(params):
-        return optree.tree_map(lambda x: two_d if x is not None and x.ndim >= 2 else other,
-                               params, none_is_leaf=True)
+        return optree.tree_map(
+            lambda x: two_d if x is not None and x.ndim >= 2 else other, params, none_is_leaf=True
+        )
 
     return labels
 
@@ -86,10 +87,10 @@ FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
     # base combinators
     "identity": lambda: ft.identity(),
     "chain": lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1)),
-    "named_chain": lambda: ft.named_chain(("clip", ft.clip(0.5)),
-                                          ("opt", ft.sgd(0.1, momentum=0.9))),
-    "partition": lambda: ft.partition({"a": ft.adamw(1e-2), "b": ft.sgd(0.1)},
-                                      by_ndim("a", "b")),
+    "named_chain": lambda: ft.named_chain(
+        ("clip", ft.clip(0.5)), ("opt", ft.sgd(0.1, momentum=0.9))
+    ),
+    "partition": lambda: ft.partition({"a": ft.adamw(1e-2), "b": ft.sgd(0.1)}, by_ndim("a", "b")),
     "masked": lambda: ft.masked(ft.adamw(1e-2), by_ndim(True, False)),
     # clipping
     "clip": lambda: ft.clip(0.5),
@@ -101,13 +102,15 @@ FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
     "ema_params": lambda: ft.ema_params(0.9, warmup=True),
     # hyperparameters as state: the learning rate handed to the alias as a schedule of the state
     "inject_hyperparams": lambda: ft.inject_hyperparams(ft.adamw, static_args=("weight_decay",))(
-        learning_rate=1e-2, weight_decay=0.1),
+        learning_rate=1e-2, weight_decay=0.1
+    ),
     # non-finite gradients (the swept gradients are finite: the applied branch, and the
     # selection between it and the kept state)
     "apply_if_finite": lambda: ft.apply_if_finite(ft.adamw(1e-2), 2),
     "zero_nans": lambda: ft.zero_nans(),
-    "dynamic_loss_scale": lambda: ft.dynamic_loss_scale(ft.adamw(1e-2), init_scale=4.0,
-                                                        growth_interval=2),
+    "dynamic_loss_scale": lambda: ft.dynamic_loss_scale(
+        ft.adamw(1e-2), init_scale=4.0, growth_interval=2
+    ),
     # elementwise transforms
     "scale": lambda: ft.scale(-0.5),
     "scale_by_learning_rate": lambda: ft.scale_by_learning_rate(_warmup_cosine()),
@@ -144,23 +147,25 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
     "adafactor[default]": lambda: ft.adafactor(),
     # 8-bit block-wise quantised moments: every leaf quantised (min_8bit_size=0), blocks of 2
     # elements so that the tiny test leaves have several blocks per row
-    "adamw[8bit]": lambda: ft.adamw(1e-2, weight_decay=0.1, optim_bits=8, min_8bit_size=0,
-                                    block_size=2),
-    "galore_adamw[8bit]": lambda: ft.galore_adamw(1e-2, weight_decay=0.1, rank=2,
-                                                  update_proj_gap=2, optim_bits=8,
-                                                  min_8bit_size=0),
+    "adamw[8bit]": lambda: ft.adamw(
+        1e-2, weight_decay=0.1, optim_bits=8, min_8bit_size=0, block_size=2
+    ),
+    "galore_adamw[8bit]": lambda: ft.galore_adamw(
+        1e-2, weight_decay=0.1, rank=2, update_proj_gap=2, optim_bits=8, min_8bit_size=0
+    ),
     # a weight-decay mask: the masked decay, and ft.step's fused kernel in two calls
     "adamw[mask]": lambda: ft.adamw(1e-2, weight_decay=0.1, mask=ft.decay_mask),
     # b1, eps and the (L2) weight decay as tensors the transforms read at every update
     "inject_hyperparams[tensors]": lambda: ft.inject_hyperparams(ft.adam)(
-        learning_rate=1e-2, b1=0.8, eps=1e-7, weight_decay=0.1),
+        learning_rate=1e-2, b1=0.8, eps=1e-7, weight_decay=0.1
+    ),
     # hyperparameters read on the host (a factory that declares none as tensors: trace's decay
     # and dampening): the transform rebuilt when they change
-    "inject_hyperparams[host]": lambda: ft.inject_hyperparams(ft.trace)(decay=0.9,
-                                                                         dampening=0.1),
+    "inject_hyperparams[host]": lambda: ft.inject_hyperparams(ft.trace)(decay=0.9, dampening=0.1),
     # finiteness read from the leading clip's norm instead of its own all-reduce
     "apply_if_finite[clip]": lambda: ft.apply_if_finite(
-        ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), 2),
+        ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), 2
+    ),
 }
 
 EXCLUDED: dict[str, str] = {
@@ -168,7 +173,7 @@ EXCLUDED: dict[str, str] = {
     "EmptyState": "a state type (checked through the transforms that return it)",
     "differentiable": "a context manager for autograd (tests/test_unusual_input.py)",
     "decay_mask": "builds a mask tree, not a transform (swept as adamw[mask]; "
-                  "tests/test_decay_mask.py)",
+    "tests/test_decay_mask.py)",
     "is_differentiable": "its query",
     "PartitionState": "a state type",
     "MaskedState": "a state type",
@@ -185,43 +190,42 @@ EXCLUDED: dict[str, str] = {
     "GaLoreState": "a state type",
     "InjectHyperparamsState": "a state type",
     "EmaParamsState": "a state type",
-    "averaged_params": "reads the average from a state, not a transform "
-                       "(tests/test_ema_params.py)",
+    "averaged_params": "reads the average from a state, not a transform (tests/test_ema_params.py)",
     "TorchOptimizer": "a torch.optim.Optimizer running a transform, not a transform "
-                      "(tests/test_torch_optimizer.py)",
+    "(tests/test_torch_optimizer.py)",
     "set_hyperparams": "sets values in a state, not a transform (tests/test_hyperparams.py)",
     "get_hyperparams": "reads values from a state, not a transform (tests/test_hyperparams.py)",
     "ApplyIfFiniteState": "a state type",
     "ZeroNansState": "a state type",
     "DynamicLossScaleState": "a state type",
     "skip_not_finite": "a should_skip_update_fn for multi_steps, not a transform "
-                       "(tests/test_nonfinite.py)",
+    "(tests/test_nonfinite.py)",
     "skip_large_updates": "a should_skip_update_fn for multi_steps, not a transform "
-                          "(tests/test_nonfinite.py)",
+    "(tests/test_nonfinite.py)",
     "all_finite": "a query returning a 0-dim bool, not a transform (tests/test_nonfinite.py)",
     "loss_scale": "reads the scale from a state, not a transform (tests/test_nonfinite.py)",
     "ScaleByAdam8bitState": "a state type (adamw[8bit] and galore_adamw[8bit] return it)",
     "create_dynamic_map": "builds the 8-bit code map (a tensor), not a transform (swept through "
-                          "the [8bit] variants)",
+    "the [8bit] variants)",
     "quantize_blockwise": "a tensor -> (codes, absmax) helper, not a transform",
     "dequantize_blockwise": "a (codes, absmax) -> tensor helper, not a transform",
     "Mesh": "the mesh descriptor, an argument of update, not a transform",
     "step": "update + apply_updates as one call, not a transform (swept as the step and "
-            "step_sharded properties of every transform)",
+    "step_sharded properties of every transform)",
     "apply_updates": "params + updates, not a transform (used by every property that steps)",
     "tree_get": "a state-inspection helper, not a transform",
     "has_updated": "reads a MultiStepsState, not a transform",
     "global_norm": "a function of a gradient tree returning a tensor, not a transform "
-                   "(swept through clip_by_global_norm)",
+    "(swept through clip_by_global_norm)",
     "galore_param_labels": "builds galore_adamw's labels tree, not a transform",
     "muon_param_labels": "builds muon's labels tree, not a transform",
     "newton_schulz": "a function of one matrix (tests/test_muon.py), not a transform",
     "ScaleByMuonState": "a state type (checked through scale_by_muon and muon)",
     "relative_step_schedule": "a schedule (count -> step size), not a transform (swept through "
-                              "adafactor[default])",
+    "adafactor[default])",
     "schedules": "the module of learning-rate schedules (swept through scale_by_learning_rate)",
     "checkpoint": "a module: save / load of params and states on torch.distributed.checkpoint "
-                  "(tests/test_resume.py)",
+    "(tests/test_resume.py)",
 }
 
 
@@ -236,15 +240,18 @@ def base_name(entry: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # exceptions by design
 # ---------------------------------------------------------------------------------------------
-_GLOBAL_NORM = ("the clip factor is one number from the norm of the whole tree: a leaf's update "
-                "depends on the other leaves by design")
+_GLOBAL_NORM = (
+    "the clip factor is one number from the norm of the whole tree: a leaf's update "
+    "depends on the other leaves by design"
+)
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("clip_by_global_norm", "mixed_dtypes"): _GLOBAL_NORM,
     ("chain", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[clip]", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): (
         "identity passes gradients that are unreduced over the data axis on unreduced, by "
-        "design (passes_unreduced): each replica's contribution is its correct output"),
+        "design (passes_unreduced): each replica's contribution is its correct output"
+    ),
 }
 
 # Transforms whose update may read a documented CPU step counter on the host (a 0-dim int64 CPU
@@ -253,18 +260,18 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
 # found in the input state, and nothing else.
 HOST_COUNTER_READS: dict[str, str] = {
     "multi_steps": "MultiStepsState.mini_step decides on the host whether the micro-step is the "
-                   "final one, and MultiStepsState.seen which leaves had a gradient in the cycle "
-                   "(documented in multi_steps' state docstring)",
+    "final one, and MultiStepsState.seen which leaves had a gradient in the cycle "
+    "(documented in multi_steps' state docstring)",
     "galore": "GaLoreState.count decides on the host whether the projector is refreshed "
-              "(documented in GaLoreState's docstring)",
+    "(documented in GaLoreState's docstring)",
     "galore_adamw": "a galore chain: GaLoreState.count, as galore",
     "inject_hyperparams[tensors]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) are "
-                                   "read as floats eagerly (no device synchronisation; a compiled "
-                                   "step takes them as tensors; documented in value_of)",
+    "read as floats eagerly (no device synchronisation; a compiled "
+    "step takes them as tensors; documented in value_of)",
     "inject_hyperparams[host]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) that "
-                                "the factory does not declare as tensors (trace's) are read "
-                                "on the host to rebuild it when they change (documented in "
-                                "inject_hyperparams)",
+    "the factory does not declare as tensors (trace's) are read "
+    "on the host to rebuild it when they change (documented in "
+    "inject_hyperparams)",
 }
 
 # Transforms that torch.compile only with graph breaks (compiled with fullgraph=False; the
@@ -272,7 +279,7 @@ HOST_COUNTER_READS: dict[str, str] = {
 # at all traces as ONE graph.
 COMPILE_GRAPH_BREAKS: dict[str, str] = {
     "inject_hyperparams[host]": "trace's decay and dampening are read on the host (a factory "
-                                "without @injectable; documented in inject_hyperparams)",
+    "without @injectable; documented in inject_hyperparams)",
 }
 
 # transforms that need at least one DTensor parameter (or a mesh at construction) to shard: on a

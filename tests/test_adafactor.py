@@ -22,14 +22,20 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from transformers.optimization import Adafactor as HFAdafactor  # the reference (test extra)
 
 import functional_train as ft
-from functional_train.factored import (EmaState, ScaleByFactoredRmsState, adafactor,
-                                       clip_by_block_rms, ema, relative_step_schedule,
-                                       scale_by_factored_rms, scale_by_param_block_rms)
+from functional_train.factored import (
+    EmaState,
+    ScaleByFactoredRmsState,
+    adafactor,
+    clip_by_block_rms,
+    ema,
+    relative_step_schedule,
+    scale_by_factored_rms,
+    scale_by_param_block_rms,
+)
 from functional_train.testing import on_rank, simulate
-
-from transformers.optimization import Adafactor as HFAdafactor  # the reference (test extra)
 
 SHAPES = {"w": (6, 5), "b": (7,), "t": (3, 4, 5), "row": (1, 8), "s": ()}
 
@@ -42,8 +48,16 @@ CONFIGS = [
     ("wd", {"weight_decay": 0.1}),
     ("beta1_wd", {"beta1": 0.9, "weight_decay": 0.1}),
     ("lr_beta1_wd", {"lr": 3e-3, "relative_step": False, "beta1": 0.8, "weight_decay": 0.05}),
-    ("lr_beta1_wd_noscale", {"lr": 3e-3, "relative_step": False, "beta1": 0.8,
-                             "weight_decay": 0.05, "scale_parameter": False}),
+    (
+        "lr_beta1_wd_noscale",
+        {
+            "lr": 3e-3,
+            "relative_step": False,
+            "beta1": 0.8,
+            "weight_decay": 0.05,
+            "scale_parameter": False,
+        },
+    ),
     ("warmup_init", {"warmup_init": True}),
     ("noscale", {"scale_parameter": False}),
     ("clip_decay", {"clip_threshold": 0.5, "decay_rate": -0.5, "eps": (1e-20, 1e-2)}),
@@ -54,10 +68,6 @@ def _alias(kw):
     kw = dict(kw)
     lr = kw.pop("lr", None)
     return adafactor(lr, **kw)
-
-
-
-
 
 
 # =============================================================================================
@@ -77,8 +87,13 @@ def test_matches_transformers_adafactor(name, kw, dtype):
         want = hp[k].detach()
         # the parameter change, to a relative tolerance (float32 rounding of the parameter itself
         # accumulates over 20 steps: atol of a few ulps of |theta| per step)
-        _close(p[k] - params[k], want - params[k], rtol,
-               steps * 2 * torch.finfo(dtype).eps * params[k].abs().max().item(), f"{k} change")
+        _close(
+            p[k] - params[k],
+            want - params[k],
+            rtol,
+            steps * 2 * torch.finfo(dtype).eps * params[k].abs().max().item(),
+            f"{k} change",
+        )
         hs = opt.state[hp[k]]
         fac = len(SHAPES[k]) >= 2
         st = state[0]
@@ -100,8 +115,10 @@ def test_matches_transformers_adafactor(name, kw, dtype):
 
 def test_default_adafactor_state_layout_and_bf16():
     """States are float32 for bf16 params; the update has the params' dtype."""
-    params = {"w": torch.randn(4, 6, dtype=torch.bfloat16),
-              "b": torch.randn(6, dtype=torch.bfloat16)}
+    params = {
+        "w": torch.randn(4, 6, dtype=torch.bfloat16),
+        "b": torch.randn(6, dtype=torch.bfloat16),
+    }
     tx = adafactor()
     st = tx.init(params)[0]
     assert st.count.dtype == torch.int64 and st.count.ndim == 0
@@ -121,8 +138,9 @@ def test_frozen_leaves_pass_through_and_update_is_pure():
     u, new = tx.update(g, state, params)
     assert u["f"] is None
     # the frozen leaf's statistics are untouched; the input tensors are unmodified
-    assert new[0].v_row["f"] is state[0].v_row["f"] and torch.equal(new[0].v_row["f"],
-                                                                     torch.zeros(2))
+    assert new[0].v_row["f"] is state[0].v_row["f"] and torch.equal(
+        new[0].v_row["f"], torch.zeros(2)
+    )
     for a, b in zip(grads[0].values(), snap[0]):
         assert torch.equal(a, b)
     for a, b in zip(params.values(), snap[1]):
@@ -174,7 +192,7 @@ def test_ema_equation(debias):
         u, state = tx.update(x, state)
         m = 0.7 * m + 0.3 * x
         torch.testing.assert_close(state.ema, m)
-        torch.testing.assert_close(u, m / (1 - 0.7 ** t) if debias else m)
+        torch.testing.assert_close(u, m / (1 - 0.7**t) if debias else m)
     assert isinstance(state, EmaState) and state.count.item() == 4
 
 
@@ -185,8 +203,8 @@ def test_factored_rms_constant_beta2_and_min_dim():
     st = tx.init(g1)
     _, st = tx.update(g1, st)
     u, st = tx.update(g2, st)
-    r = 0.9 * 0.1 * (g1 ** 2).mean(-1) + 0.1 * (g2 ** 2).mean(-1)
-    c = 0.9 * 0.1 * (g1 ** 2).mean(-2) + 0.1 * (g2 ** 2).mean(-2)
+    r = 0.9 * 0.1 * (g1**2).mean(-1) + 0.1 * (g2**2).mean(-1)
+    c = 0.9 * 0.1 * (g1**2).mean(-2) + 0.1 * (g2**2).mean(-2)
     torch.testing.assert_close(st.v_row, r)
     torch.testing.assert_close(st.v_col, c)
     torch.testing.assert_close(u, g2 * (r / r.mean()).rsqrt()[:, None] * c.rsqrt()[None, :])
@@ -194,19 +212,28 @@ def test_factored_rms_constant_beta2_and_min_dim():
     st = tx.init(g1)
     u, st = tx.update(g1, st)
     assert st.v.shape == (3, 8) and st.v_row.shape == (0,)
-    torch.testing.assert_close(u, g1 * (g1 ** 2 + 1e-30).rsqrt())
+    torch.testing.assert_close(u, g1 * (g1**2 + 1e-30).rsqrt())
 
 
 # =============================================================================================
 # 3. sharded == unsharded (simulation)
 # =============================================================================================
-from _layouts import LEAVES_2, LEAVES_2x2, R, S0, S1, S2  # noqa: E402
-from _layouts import close as _close, run_steps as _run, values as _values  # noqa: E402
-from _layouts import run_with_reference  # noqa: E402
-from _layouts import run_on_tp_submesh  # noqa: E402
-from _layouts import MIXED, update_collectives  # noqa: E402
+from _layouts import (  # noqa: E402
+    LEAVES_2,
+    MIXED,
+    S0,
+    S1,
+    S2,
+    LEAVES_2x2,
+    R,
+    run_on_tp_submesh,
+    run_with_reference,
+    update_collectives,
+)
+from _layouts import close as _close  # noqa: E402
+from _layouts import run_steps as _run  # noqa: E402
 from _layouts import shard as _shard  # noqa: E402
-
+from _layouts import values as _values  # noqa: E402
 
 SHARDED_CONFIGS = [
     ("default", {}),
@@ -226,8 +253,6 @@ def _row_col_placements(pl, ndim):
         else:
             rows.append(R), cols.append(R)
     return rows, cols
-
-
 
 
 def _shard_index(x: DTensor, r: int) -> tuple:
@@ -256,13 +281,15 @@ def _per_rank(tree, world):
     of size 2 on a 2x2 mesh returns wrong values in the simulation once the mesh has been
     flattened (``DeviceMesh._flatten``, which the reductions do), so shards are compared in place.
     """
+
     def one(x):
         if isinstance(x, DTensor):
             return [(on_rank(x._local_tensor, r), _shard_index(x, r)) for r in range(world)]
         return [(on_rank(x, r), ...) for r in range(world)]
 
-    return optree.tree_map(one, tree, none_is_leaf=True,
-                           is_leaf=lambda x: isinstance(x, torch.Tensor))
+    return optree.tree_map(
+        one, tree, none_is_leaf=True, is_leaf=lambda x: isinstance(x, torch.Tensor)
+    )
 
 
 def _close_views(views, want, rtol, atol, what):
@@ -309,8 +336,13 @@ def _check_sharded(leaves, mesh_shape, names, tx_fn, steps=3, seed=1):
     for k in shapes:
         _close_views(got_out[k], ref_p[k], 1e-5, 1e-7, f"param {k}")
         for field in ("v_row", "v_col", "v"):
-            _close_views(getattr(got_state[0], field)[k], getattr(ref_state[0], field)[k],
-                         1e-5, 0.0, f"{field} {k}")
+            _close_views(
+                getattr(got_state[0], field)[k],
+                getattr(ref_state[0], field)[k],
+                1e-5,
+                0.0,
+                f"{field} {k}",
+            )
     m_ref = ft.tree_get(ref_state, "ema")
     if m_ref is not None:
         m_got = ft.tree_get(got_state, "ema")
@@ -331,23 +363,38 @@ def test_sharded_equals_unsharded_1d(name, kw):
 def test_data_axis_and_sub_mesh_leaves():
     """Leaves on the ``tp`` sub-mesh of a dp x tp mesh with per-replica gradients (averaged over
     ``Mesh.data_axis`` by the first transform): equal to the unsharded run on the mean gradient."""
-    leaves = {"a": ((5, 7), [S0]), "b": ((5, 7), [S1]), "e": ((3, 5, 6), [S2]), "g": ((9,), [S0]),
-              "r": ((3, 4), [R])}
+    leaves = {
+        "a": ((5, 7), [S0]),
+        "b": ((5, 7), [S1]),
+        "e": ((3, 5, 6), [S2]),
+        "g": ((9,), [S0]),
+        "r": ((3, 4), [R]),
+    }
     shapes = {k: s for k, (s, _) in leaves.items()}
     params, grads = _values(shapes, 2, torch.float32, seed=5)
     _, deltas = _values(shapes, 2, torch.float32, seed=6)
     kw = {"beta1": 0.9, "weight_decay": 0.1}
     ref_ups, ref_state, ref_p = _run(_alias(kw), params, grads)
     got_ups, got_state, got_out = run_on_tp_submesh(
-        lambda: _alias(kw), leaves, params, grads, deltas,
-        lambda u, st, o: ([_per_rank(x, 4) for x in u], _per_rank(st, 4), _per_rank(o, 4)))
+        lambda: _alias(kw),
+        leaves,
+        params,
+        grads,
+        deltas,
+        lambda u, st, o: ([_per_rank(x, 4) for x in u], _per_rank(st, 4), _per_rank(o, 4)),
+    )
     for k in shapes:
         for t in range(2):
             _close_views(got_ups[t][k], ref_ups[t][k], 1e-5, 1e-7, f"step {t} update {k}")
         _close_views(got_out[k], ref_p[k], 1e-5, 1e-7, f"param {k}")
         for field in ("v_row", "v_col", "v"):
-            _close_views(getattr(got_state[0], field)[k], getattr(ref_state[0], field)[k],
-                         1e-5, 0.0, f"{field} {k}")
+            _close_views(
+                getattr(got_state[0], field)[k],
+                getattr(ref_state[0], field)[k],
+                1e-5,
+                0.0,
+                f"{field} {k}",
+            )
 
 
 @pytest.mark.parametrize("seed", [0, 12, 19, 20])
@@ -356,9 +403,12 @@ def test_leaves_are_independent_mixed_dtypes(seed):
     bit for bit: a float32 leaf's RMS is not computed in float64 because another leaf is
     float64 (seeds 12, 19 and 20 differed by 1 ulp when ``leaf_totals`` returned float64)."""
     torch.manual_seed(seed)
-    params = {"a": torch.randn(4, 3), "b": torch.randn(5, dtype=torch.float64),
-              "c": torch.randn(2, 3, 4, dtype=torch.bfloat16),
-              "d": torch.randn(3, 3, dtype=torch.float64)}
+    params = {
+        "a": torch.randn(4, 3),
+        "b": torch.randn(5, dtype=torch.float64),
+        "c": torch.randn(2, 3, 4, dtype=torch.bfloat16),
+        "d": torch.randn(3, 3, dtype=torch.float64),
+    }
     grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(3)]
     kw = {"beta1": 0.9, "weight_decay": 0.1}
     _, st, whole = _run(_alias(kw), params, grads)
@@ -372,9 +422,15 @@ def test_leaves_are_independent_mixed_dtypes(seed):
 
 def test_sharded_primitives_2x2():
     """The primitives on their own (constant beta2, debiased ema, clip, parameter scaling)."""
+
     def tx():
-        return ft.chain(scale_by_factored_rms(beta2=0.95, eps=1e-20), clip_by_block_rms(0.3),
-                        scale_by_param_block_rms(0.5), ema(0.5, debias=True))
+        return ft.chain(
+            scale_by_factored_rms(beta2=0.95, eps=1e-20),
+            clip_by_block_rms(0.3),
+            scale_by_param_block_rms(0.5),
+            ema(0.5, debias=True),
+        )
+
     _check_sharded(LEAVES_2x2, (2, 2), ("dp", "tp"), tx, steps=2, seed=3)
 
 
@@ -396,13 +452,16 @@ def test_collectives_constant_in_the_number_of_leaves():
     assert _count(10, {}) == _count(40, {}) == {"all_reduce": 2}
 
 
-@pytest.mark.parametrize("kw,expected", [
-    ({"scale_parameter": False}, 2),
-    ({"weight_decay": 0.1}, 2),
-    # the weight decay after the momentum recomputes RMS(param): 1 more
-    ({"beta1": 0.9, "weight_decay": 0.1}, 3),
-    ({"beta1": 0.9}, 2),
-])
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        ({"scale_parameter": False}, 2),
+        ({"weight_decay": 0.1}, 2),
+        # the weight decay after the momentum recomputes RMS(param): 1 more
+        ({"beta1": 0.9, "weight_decay": 0.1}, 3),
+        ({"beta1": 0.9}, 2),
+    ],
+)
 def test_collectives_per_option(kw, expected):
     # the first 4 leaves of _MIXED already span the mesh-dim sets {tp}, {dp}, {dp, tp}
     assert _count(4, kw) == {"all_reduce": expected}
@@ -421,26 +480,32 @@ def test_collectives_uniform_placements():
 # =============================================================================================
 # 5. errors
 # =============================================================================================
-@pytest.mark.parametrize("make,exc,match", [
-    (lambda: adafactor(1e-3), ValueError, "relative_step=True"),
-    (lambda: adafactor(relative_step=False), ValueError, "learning_rate is required"),
-    (lambda: adafactor(0.0, relative_step=False), ValueError, "learning_rate must be >"),
-    (lambda: adafactor(warmup_init=True, relative_step=False, learning_rate=1e-3), ValueError,
-     "warmup_init=True requires relative_step=True"),
-    (lambda: adafactor(eps=1e-30), TypeError, "eps must be a pair"),
-    (lambda: adafactor(eps=(-1.0, 1e-3)), ValueError, r"eps\[0\]"),
-    (lambda: adafactor(clip_threshold=0.0), ValueError, "clip_threshold"),
-    (lambda: adafactor(decay_rate=0.8), ValueError, "decay_rate"),
-    (lambda: adafactor(beta1=1.0), ValueError, "beta1"),
-    (lambda: adafactor(weight_decay=-0.1), ValueError, "weight_decay"),
-    (lambda: adafactor(relative_step=1), TypeError, "relative_step must be a bool"),
-    (lambda: scale_by_factored_rms(beta2=1.5), ValueError, "beta2"),
-    (lambda: scale_by_factored_rms(min_dim_size_to_factor=-1), ValueError, "min_dim"),
-    (lambda: clip_by_block_rms(0.0), ValueError, "threshold"),
-    (lambda: scale_by_param_block_rms(-1.0), ValueError, "min_scale"),
-    (lambda: ema(1.0), ValueError, "decay"),
-    (lambda: relative_step_schedule("yes"), TypeError, "warmup_init"),
-])
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: adafactor(1e-3), ValueError, "relative_step=True"),
+        (lambda: adafactor(relative_step=False), ValueError, "learning_rate is required"),
+        (lambda: adafactor(0.0, relative_step=False), ValueError, "learning_rate must be >"),
+        (
+            lambda: adafactor(warmup_init=True, relative_step=False, learning_rate=1e-3),
+            ValueError,
+            "warmup_init=True requires relative_step=True",
+        ),
+        (lambda: adafactor(eps=1e-30), TypeError, "eps must be a pair"),
+        (lambda: adafactor(eps=(-1.0, 1e-3)), ValueError, r"eps\[0\]"),
+        (lambda: adafactor(clip_threshold=0.0), ValueError, "clip_threshold"),
+        (lambda: adafactor(decay_rate=0.8), ValueError, "decay_rate"),
+        (lambda: adafactor(beta1=1.0), ValueError, "beta1"),
+        (lambda: adafactor(weight_decay=-0.1), ValueError, "weight_decay"),
+        (lambda: adafactor(relative_step=1), TypeError, "relative_step must be a bool"),
+        (lambda: scale_by_factored_rms(beta2=1.5), ValueError, "beta2"),
+        (lambda: scale_by_factored_rms(min_dim_size_to_factor=-1), ValueError, "min_dim"),
+        (lambda: clip_by_block_rms(0.0), ValueError, "threshold"),
+        (lambda: scale_by_param_block_rms(-1.0), ValueError, "min_scale"),
+        (lambda: ema(1.0), ValueError, "decay"),
+        (lambda: relative_step_schedule("yes"), TypeError, "warmup_init"),
+    ],
+)
 def test_invalid_hyper_parameters(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
@@ -459,8 +524,16 @@ def test_learning_rate_schedule_with_relative_step_off():
     """A schedule as learning_rate (an extension: HF takes a float) gives the float's numbers
     when constant."""
     params, grads = _values({"w": (4, 3), "b": (3,)}, 3, torch.float64)
-    a = _run(adafactor(lambda c: 0.01 + 0 * torch.as_tensor(c, dtype=torch.float64),
-                       relative_step=False, beta1=0.5, weight_decay=0.1), params, grads)[2]
+    a = _run(
+        adafactor(
+            lambda c: 0.01 + 0 * torch.as_tensor(c, dtype=torch.float64),
+            relative_step=False,
+            beta1=0.5,
+            weight_decay=0.1,
+        ),
+        params,
+        grads,
+    )[2]
     b = _run(adafactor(0.01, relative_step=False, beta1=0.5, weight_decay=0.1), params, grads)[2]
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=0)
@@ -473,9 +546,16 @@ _STEP = sys.modules["functional_train.step"]
 from _layouts import check_fused_step  # noqa: E402
 
 
-@pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.1}, {"scale_parameter": False},
-                                {"lr": 1e-2, "relative_step": False, "clip_threshold": 0.5}],
-                         ids=["default", "wd", "noscale", "lr_clip"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"weight_decay": 0.1},
+        {"scale_parameter": False},
+        {"lr": 1e-2, "relative_step": False, "clip_threshold": 0.5},
+    ],
+    ids=["default", "wd", "noscale", "lr_clip"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
     """``ft.step`` of adafactor (no beta1) in one process finishes each leaf in cache: bit for
@@ -488,20 +568,24 @@ def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_step_fused_path_after_a_clip(dtype, monkeypatch):
     """``chain(clip_by_global_norm, adafactor())`` (the main job's chain) takes it too."""
-    check_fused_step(lambda: ft.chain(ft.clip_by_global_norm(0.5), adafactor()), dtype,
-                     monkeypatch, "fused_adafactor_step")
+    check_fused_step(
+        lambda: ft.chain(ft.clip_by_global_norm(0.5), adafactor()),
+        dtype,
+        monkeypatch,
+        "fused_adafactor_step",
+    )
 
 
 def test_step_fused_path_only_where_it_applies(monkeypatch):
     """With beta1, or on DTensors, the general path runs (same numbers)."""
     taken = []
     real = _STEP.fused_adafactor_step
-    monkeypatch.setattr(_STEP, "fused_adafactor_step",
-                        lambda *a: taken.append(real(*a)) or taken[-1])
+    monkeypatch.setattr(
+        _STEP, "fused_adafactor_step", lambda *a: taken.append(real(*a)) or taken[-1]
+    )
     params = {"w": torch.randn(4, 3)}
     g = {"w": torch.randn(4, 3)}
-    for tx in (adafactor(beta1=0.9),
-               ft.chain(ft.clip_by_global_norm(1.0), adafactor(beta1=0.5))):
+    for tx in (adafactor(beta1=0.9), ft.chain(ft.clip_by_global_norm(1.0), adafactor(beta1=0.5))):
         p, _ = ft.step(tx, g, tx.init(params), params)
         u, _ = tx.update(g, tx.init(params), params)
         assert torch.equal(p["w"], params["w"] + u["w"])

@@ -16,7 +16,11 @@ def params():
 
 
 def grads():
-    return {"a": torch.full((2, 3), 0.5), "b": torch.full((4,), -0.5), "c": {"d": torch.tensor(2.0)}}
+    return {
+        "a": torch.full((2, 3), 0.5),
+        "b": torch.full((4,), -0.5),
+        "c": {"d": torch.tensor(2.0)},
+    }
 
 
 TRANSFORMS = [
@@ -72,8 +76,10 @@ STATEFUL_NO_PARAMS = [  # params are optional for these (no weight decay)
     ("adam", lambda: ft.adam(0.01)),
     ("adam_amsgrad", lambda: ft.adam(0.01, amsgrad=True)),
     ("adamw_no_decay", lambda: ft.adamw(0.01, weight_decay=0.0)),
-    ("adamw_schedule", lambda: ft.adamw(ft.schedules.cosine_decay_schedule(0.1, 10),
-                                        weight_decay=0.0)),
+    (
+        "adamw_schedule",
+        lambda: ft.adamw(ft.schedules.cosine_decay_schedule(0.1, 10), weight_decay=0.0),
+    ),
     ("multi_steps_1", lambda: ft.multi_steps(ft.adam(0.01), 1)),
     ("multi_steps_3", lambda: ft.multi_steps(ft.adam(0.01), 3)),
 ]
@@ -102,8 +108,11 @@ def test_apply_updates_structure_mismatch():
 # ---------------------------------------------------------------------------------------------
 # shape mismatches
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("leaf,bad", [("b", torch.ones(5)), ("a", torch.ones(3, 2)),
-                                      ("c.d", torch.ones(1))], ids=["b", "a", "c.d"])
+@pytest.mark.parametrize(
+    "leaf,bad",
+    [("b", torch.ones(5)), ("a", torch.ones(3, 2)), ("c.d", torch.ones(1))],
+    ids=["b", "a", "c.d"],
+)
 @pytest.mark.parametrize("name,make", TRANSFORMS, ids=TX_IDS)
 def test_shape_mismatch_names_the_leaf(name, make, leaf, bad):
     tx = make()
@@ -117,13 +126,21 @@ def test_shape_mismatch_names_the_leaf(name, make, leaf, bad):
         tx.update(g, tx.init(p), p)
 
 
-@pytest.mark.parametrize("bad", [torch.ones(1), torch.ones(5), torch.ones(2, 4)],
-                         ids=["broadcastable", "longer", "rank2"])
-@pytest.mark.parametrize("name,make", [("sgd_momentum", lambda: ft.sgd(0.1, momentum=0.9)),
-                                       ("adam", lambda: ft.adam(0.01)),
-                                       ("adamw", lambda: ft.adamw(0.01, weight_decay=0.0, amsgrad=True)),
-                                       ("multi_steps", lambda: ft.multi_steps(ft.adam(0.01), 2))],
-                         ids=["sgd_momentum", "adam", "adamw", "multi_steps"])
+@pytest.mark.parametrize(
+    "bad",
+    [torch.ones(1), torch.ones(5), torch.ones(2, 4)],
+    ids=["broadcastable", "longer", "rank2"],
+)
+@pytest.mark.parametrize(
+    "name,make",
+    [
+        ("sgd_momentum", lambda: ft.sgd(0.1, momentum=0.9)),
+        ("adam", lambda: ft.adam(0.01)),
+        ("adamw", lambda: ft.adamw(0.01, weight_decay=0.0, amsgrad=True)),
+        ("multi_steps", lambda: ft.multi_steps(ft.adam(0.01), 2)),
+    ],
+    ids=["sgd_momentum", "adam", "adamw", "multi_steps"],
+)
 def test_shape_mismatch_against_state_without_params(name, make, bad):
     # params are optional for these transforms; the params-shaped state then fixes the shapes.
     # A gradient whose shape differs from its state leaf must be rejected, naming the leaf (not
@@ -153,24 +170,50 @@ def test_non_tensor_leaf():
 STATE_SWAPS = [
     ("adam->sgd", lambda: ft.adam(0.01), lambda: ft.sgd(0.1), "chain"),
     ("adam->sgd_momentum", lambda: ft.adam(0.01), lambda: ft.sgd(0.1, momentum=0.9), "TraceState"),
-    ("sgd_momentum->adam", lambda: ft.sgd(0.1, momentum=0.9), lambda: ft.adam(0.01),
-     "ScaleByAdamState"),
+    (
+        "sgd_momentum->adam",
+        lambda: ft.sgd(0.1, momentum=0.9),
+        lambda: ft.adam(0.01),
+        "ScaleByAdamState",
+    ),
     ("adam->adamw", lambda: ft.adam(0.01), lambda: ft.adamw(0.01), "chain"),
-    ("adam->amsgrad", lambda: ft.adam(0.01), lambda: ft.adam(0.01, amsgrad=True),
-     "ScaleByAmsgradState"),
-    ("amsgrad->adam", lambda: ft.adam(0.01, amsgrad=True), lambda: ft.adam(0.01),
-     "ScaleByAdamState"),
-    ("adam->multi_steps", lambda: ft.adam(0.01), lambda: ft.multi_steps(ft.adam(0.01), 2),
-     "MultiStepsState"),
-    ("multi_steps->adam", lambda: ft.multi_steps(ft.adam(0.01), 2), lambda: ft.adam(0.01),
-     "chain"),
-    ("clip->clip_by_global_norm", lambda: ft.clip(1.0), lambda: ft.clip_by_global_norm(1.0),
-     "ClipByGlobalNormState"),
-    ("clip_by_global_norm->clip", lambda: ft.clip_by_global_norm(1.0), lambda: ft.clip(1.0),
-     "EmptyState"),
-    ("const_lr->scheduled_lr", lambda: ft.scale_by_learning_rate(0.1),
-     lambda: ft.scale_by_learning_rate(ft.schedules.constant_schedule(0.1)),
-     "ScaleByScheduleState"),
+    (
+        "adam->amsgrad",
+        lambda: ft.adam(0.01),
+        lambda: ft.adam(0.01, amsgrad=True),
+        "ScaleByAmsgradState",
+    ),
+    (
+        "amsgrad->adam",
+        lambda: ft.adam(0.01, amsgrad=True),
+        lambda: ft.adam(0.01),
+        "ScaleByAdamState",
+    ),
+    (
+        "adam->multi_steps",
+        lambda: ft.adam(0.01),
+        lambda: ft.multi_steps(ft.adam(0.01), 2),
+        "MultiStepsState",
+    ),
+    ("multi_steps->adam", lambda: ft.multi_steps(ft.adam(0.01), 2), lambda: ft.adam(0.01), "chain"),
+    (
+        "clip->clip_by_global_norm",
+        lambda: ft.clip(1.0),
+        lambda: ft.clip_by_global_norm(1.0),
+        "ClipByGlobalNormState",
+    ),
+    (
+        "clip_by_global_norm->clip",
+        lambda: ft.clip_by_global_norm(1.0),
+        lambda: ft.clip(1.0),
+        "EmptyState",
+    ),
+    (
+        "const_lr->scheduled_lr",
+        lambda: ft.scale_by_learning_rate(0.1),
+        lambda: ft.scale_by_learning_rate(ft.schedules.constant_schedule(0.1)),
+        "ScaleByScheduleState",
+    ),
 ]
 
 
@@ -231,8 +274,12 @@ BAD_HYPER = [
     ("sgd_lr", lambda: ft.sgd(-0.1), ValueError, r"sgd.*learning_rate"),
     ("adam_lr", lambda: ft.adam(-0.1), ValueError, r"adam.*learning_rate"),
     ("adamw_lr", lambda: ft.adamw(-0.1), ValueError, r"adamw.*learning_rate"),
-    ("sblr_lr", lambda: ft.scale_by_learning_rate(-0.1), ValueError,
-     r"scale_by_learning_rate.*learning_rate"),
+    (
+        "sblr_lr",
+        lambda: ft.scale_by_learning_rate(-0.1),
+        ValueError,
+        r"scale_by_learning_rate.*learning_rate",
+    ),
     ("sgd_lr_nan", lambda: ft.sgd(float("nan")), ValueError, r"learning_rate"),
     ("adam_lr_str", lambda: ft.adam("1e-3"), TypeError, r"learning_rate"),
     ("sblr_lr_none", lambda: ft.scale_by_learning_rate(None), TypeError, r"learning_rate"),
@@ -247,10 +294,13 @@ BAD_HYPER = [
     ("cgn_max_norm_str", lambda: ft.clip_by_global_norm("1"), TypeError, r"max_norm"),
     ("cgn_norm_type_0", lambda: ft.clip_by_global_norm(1.0, 0.0), ValueError, r"norm_type"),
     ("cgn_norm_type_neg", lambda: ft.clip_by_global_norm(1.0, -2.0), ValueError, r"norm_type"),
-    ("cgn_norm_type_-inf", lambda: ft.clip_by_global_norm(1.0, -math.inf), ValueError,
-     r"norm_type"),
-    ("cgn_norm_type_nan", lambda: ft.clip_by_global_norm(1.0, math.nan), ValueError,
-     r"norm_type"),
+    (
+        "cgn_norm_type_-inf",
+        lambda: ft.clip_by_global_norm(1.0, -math.inf),
+        ValueError,
+        r"norm_type",
+    ),
+    ("cgn_norm_type_nan", lambda: ft.clip_by_global_norm(1.0, math.nan), ValueError, r"norm_type"),
     ("clip_0", lambda: ft.clip(0.0), ValueError, r"max_delta"),
     ("clip_neg", lambda: ft.clip(-0.5), ValueError, r"max_delta"),
     ("clip_none", lambda: ft.clip(None), TypeError, r"max_delta"),
@@ -266,35 +316,68 @@ BAD_HYPER = [
     ("scale_by_adam_b1", lambda: ft.scale_by_adam(b1=1.0), ValueError, r"b1"),
     ("sgd_wd", lambda: ft.sgd(weight_decay=-0.1), ValueError, r"weight_decay"),
     ("adam_wd", lambda: ft.adam(weight_decay=-0.1), ValueError, r"weight_decay"),
-    ("adam_decoupled_wd", lambda: ft.adam(weight_decay=-0.1, decoupled_weight_decay=True),
-     ValueError, r"weight_decay"),
+    (
+        "adam_decoupled_wd",
+        lambda: ft.adam(weight_decay=-0.1, decoupled_weight_decay=True),
+        ValueError,
+        r"weight_decay",
+    ),
     ("adamw_wd", lambda: ft.adamw(weight_decay=-0.1), ValueError, r"weight_decay"),
     ("add_decayed_weights", lambda: ft.add_decayed_weights(-0.1), ValueError, r"weight_decay"),
     ("sgd_momentum_neg", lambda: ft.sgd(momentum=-0.5), ValueError, r"momentum"),
-    ("sgd_dampening_neg", lambda: ft.sgd(momentum=0.5, dampening=-0.5), ValueError,
-     r"dampening"),
+    ("sgd_dampening_neg", lambda: ft.sgd(momentum=0.5, dampening=-0.5), ValueError, r"dampening"),
     ("sgd_nesterov_no_momentum", lambda: ft.sgd(0.1, nesterov=True), ValueError, r"nesterov"),
-    ("sgd_nesterov_dampening", lambda: ft.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True),
-     ValueError, r"nesterov"),
+    (
+        "sgd_nesterov_dampening",
+        lambda: ft.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True),
+        ValueError,
+        r"nesterov",
+    ),
     ("trace_nesterov_no_decay", lambda: ft.trace(0.0, nesterov=True), ValueError, r"nesterov"),
     ("trace_decay_neg", lambda: ft.trace(-0.1), ValueError, r"decay"),
-    ("chain_non_transform", lambda: ft.chain(ft.sgd(), lambda g: g), TypeError,
-     r"chain: argument 1"),
-    ("named_chain_duplicate", lambda: ft.named_chain(("a", ft.sgd()), ("a", ft.adam())),
-     ValueError, r"duplicate"),
+    (
+        "chain_non_transform",
+        lambda: ft.chain(ft.sgd(), lambda g: g),
+        TypeError,
+        r"chain: argument 1",
+    ),
+    (
+        "named_chain_duplicate",
+        lambda: ft.named_chain(("a", ft.sgd()), ("a", ft.adam())),
+        ValueError,
+        r"duplicate",
+    ),
     ("named_chain_not_pair", lambda: ft.named_chain(ft.sgd()), TypeError, r"argument 0"),
-    ("warmup_cosine_decay_le_warmup",
-     lambda: ft.schedules.warmup_cosine_decay_schedule(0.0, 1.0, 10, 10), ValueError,
-     r"decay_steps"),
-    ("warmup_cosine_warmup_neg",
-     lambda: ft.schedules.warmup_cosine_decay_schedule(0.0, 1.0, -1, 10), ValueError,
-     r"warmup_steps"),
-    ("cosine_decay_steps_0", lambda: ft.schedules.cosine_decay_schedule(1.0, 0), ValueError,
-     r"decay_steps"),
-    ("linear_steps_neg", lambda: ft.schedules.linear_schedule(1.0, 0.0, -1), ValueError,
-     r"transition_steps"),
-    ("linear_steps_float", lambda: ft.schedules.linear_schedule(1.0, 0.0, 2.5), TypeError,
-     r"transition_steps"),
+    (
+        "warmup_cosine_decay_le_warmup",
+        lambda: ft.schedules.warmup_cosine_decay_schedule(0.0, 1.0, 10, 10),
+        ValueError,
+        r"decay_steps",
+    ),
+    (
+        "warmup_cosine_warmup_neg",
+        lambda: ft.schedules.warmup_cosine_decay_schedule(0.0, 1.0, -1, 10),
+        ValueError,
+        r"warmup_steps",
+    ),
+    (
+        "cosine_decay_steps_0",
+        lambda: ft.schedules.cosine_decay_schedule(1.0, 0),
+        ValueError,
+        r"decay_steps",
+    ),
+    (
+        "linear_steps_neg",
+        lambda: ft.schedules.linear_schedule(1.0, 0.0, -1),
+        ValueError,
+        r"transition_steps",
+    ),
+    (
+        "linear_steps_float",
+        lambda: ft.schedules.linear_schedule(1.0, 0.0, 2.5),
+        TypeError,
+        r"transition_steps",
+    ),
 ]
 
 
@@ -350,12 +433,16 @@ def dp_mesh():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"data_axis": "tp"}, r"data_axis='tp'"),
-    ({"pipeline_axis": "pp"}, r"pipeline_axis='pp'"),
-    ({"expert_axis": "ep"}, r"expert_axis='ep'"),
-    ({"data_axis": "dp", "pipeline_axis": "dp"}, r"'dp'"),
-], ids=["data", "pipeline", "expert", "two_roles"])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"data_axis": "tp"}, r"data_axis='tp'"),
+        ({"pipeline_axis": "pp"}, r"pipeline_axis='pp'"),
+        ({"expert_axis": "ep"}, r"expert_axis='ep'"),
+        ({"data_axis": "dp", "pipeline_axis": "dp"}, r"'dp'"),
+    ],
+    ids=["data", "pipeline", "expert", "two_roles"],
+)
 def test_mesh_axis_not_in_device_mesh(dp_mesh, kw, match):
     with pytest.raises(ValueError, match=match):
         ft.Mesh(dp_mesh, **kw)
@@ -384,15 +471,23 @@ def two_meshes():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("make", [lambda: ft.clip_by_global_norm(1.0), lambda: ft.adamw(1e-2),
-                                  lambda: ft.multi_steps(ft.sgd(0.1), 1)],
-                         ids=["clip_by_global_norm", "adamw", "multi_steps"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ft.clip_by_global_norm(1.0),
+        lambda: ft.adamw(1e-2),
+        lambda: ft.multi_steps(ft.sgd(0.1), 1),
+    ],
+    ids=["clip_by_global_norm", "adamw", "multi_steps"],
+)
 def test_dtensor_on_a_mesh_that_is_not_part_of_mesh(two_meshes, make):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     world, other = two_meshes
-    p = {"a": distribute_tensor(torch.ones(4, 2), world, [Shard(0), Shard(1)]),
-         "moe": {"w": distribute_tensor(torch.ones(8, 2), other, [Shard(0)])}}
+    p = {
+        "a": distribute_tensor(torch.ones(4, 2), world, [Shard(0), Shard(1)]),
+        "moe": {"w": distribute_tensor(torch.ones(8, 2), other, [Shard(0)])},
+    }
     g = {k: v for k, v in p.items()}
     tx = make()
     with pytest.raises(ValueError, match=r"'moe\.w'.*not part of the mesh"):
@@ -403,8 +498,10 @@ def test_dtensors_on_different_meshes_without_mesh(two_meshes):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     world, other = two_meshes
-    p = {"a": distribute_tensor(torch.ones(4, 2), world, [Shard(0), Shard(1)]),
-         "b": distribute_tensor(torch.ones(8, 2), other, [Shard(0)])}
+    p = {
+        "a": distribute_tensor(torch.ones(4, 2), world, [Shard(0), Shard(1)]),
+        "b": distribute_tensor(torch.ones(8, 2), other, [Shard(0)]),
+    }
     tx = ft.clip_by_global_norm(1.0)
     with pytest.raises(ValueError, match=r"'b' is a DTensor on .*different meshes need mesh="):
         tx.update(p, tx.init(p), p)

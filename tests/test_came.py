@@ -19,6 +19,7 @@ import sys
 import optree
 import pytest
 import torch
+from came_pytorch import CAME as RefCAME  # the reference
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -26,27 +27,27 @@ import functional_train as ft
 from functional_train.came import ScaleByCameState, came, scale_by_came
 from functional_train.testing import on_rank, simulate
 
-from came_pytorch import CAME as RefCAME  # the reference
-
 SHAPES = {"w": (6, 5), "b": (7,), "t": (3, 4, 5), "row": (1, 8), "s": ()}
 
 CONFIGS = [
     ("default", {"lr": 1e-2}),
     ("wd", {"lr": 1e-2, "weight_decay": 0.1}),
-    ("custom", {"lr": 3e-2, "betas": (0.8, 0.99, 0.999), "eps": (1e-20, 1e-10),
-                "clip_threshold": 0.5, "weight_decay": 0.05}),
+    (
+        "custom",
+        {
+            "lr": 3e-2,
+            "betas": (0.8, 0.99, 0.999),
+            "eps": (1e-20, 1e-10),
+            "clip_threshold": 0.5,
+            "weight_decay": 0.05,
+        },
+    ),
 ]
 
 
 def _alias(kw):
     kw = dict(kw)
     return came(kw.pop("lr"), **kw)
-
-
-
-
-
-
 
 
 # =============================================================================================
@@ -67,8 +68,13 @@ def test_matches_came_pytorch(name, kw, dtype):
     assert st.count.item() == steps
     for k in SHAPES:
         want = hp[k].detach()
-        _close(p[k] - params[k], want - params[k], rtol,
-               steps * 2 * torch.finfo(dtype).eps * params[k].abs().max().item(), f"{k} change")
+        _close(
+            p[k] - params[k],
+            want - params[k],
+            rtol,
+            steps * 2 * torch.finfo(dtype).eps * params[k].abs().max().item(),
+            f"{k} change",
+        )
         hs = opt.state[hp[k]]
         assert hs["step"] == steps
         _close(st.exp_avg[k], hs["exp_avg"], rtol, 1e-12, f"{k} exp_avg")
@@ -112,16 +118,22 @@ def test_scale_by_came_equations_two_steps():
 
 
 def test_state_layout_bf16_frozen_and_purity():
-    params = {"w": torch.randn(4, 6, dtype=torch.bfloat16),
-              "b": torch.randn(6, dtype=torch.bfloat16), "f": torch.randn(2, 3)}
+    params = {
+        "w": torch.randn(4, 6, dtype=torch.bfloat16),
+        "b": torch.randn(6, dtype=torch.bfloat16),
+        "f": torch.randn(2, 3),
+    }
     tx = came(1e-3, weight_decay=0.1)
     st = tx.init(params)[0]
     assert st.count.dtype == torch.int64 and st.count.ndim == 0
     assert st.res_row["w"].shape == (4,) and st.res_col["w"].shape == (6,)
     assert st.res_row["b"].shape == (0,) and st.exp_avg["b"].shape == (6,)
     assert all(x.dtype == torch.float32 for x in (st.res_row["w"], st.exp_avg["w"], st.v["b"]))
-    g = {"w": torch.randn(4, 6, dtype=torch.bfloat16), "b": torch.randn(6, dtype=torch.bfloat16),
-         "f": None}
+    g = {
+        "w": torch.randn(4, 6, dtype=torch.bfloat16),
+        "b": torch.randn(6, dtype=torch.bfloat16),
+        "f": None,
+    }
     snap = [x.clone() for x in params.values()]
     state = tx.init(params)
     u, new = tx.update(g, state, params)
@@ -134,8 +146,11 @@ def test_state_layout_bf16_frozen_and_purity():
 
 def test_learning_rate_schedule():
     params, grads = _values({"w": (4, 3), "b": (3,)}, 3, torch.float64)
-    a = _run(came(lambda c: 0.01 + 0 * torch.as_tensor(c, dtype=torch.float64),
-                  weight_decay=0.1), params, grads)[2]
+    a = _run(
+        came(lambda c: 0.01 + 0 * torch.as_tensor(c, dtype=torch.float64), weight_decay=0.1),
+        params,
+        grads,
+    )[2]
     b = _run(came(0.01, weight_decay=0.1), params, grads)[2]
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=0)
@@ -144,12 +159,22 @@ def test_learning_rate_schedule():
 # =============================================================================================
 # 2. sharded == unsharded (simulation)
 # =============================================================================================
-from _layouts import LEAVES_2, LEAVES_2x2, R, S0, S1, S2  # noqa: E402
-from _layouts import close as _close, run_steps as _run, values as _values  # noqa: E402
-from _layouts import run_with_reference  # noqa: E402
-from _layouts import run_on_tp_submesh  # noqa: E402
-from _layouts import MIXED, update_collectives  # noqa: E402
+from _layouts import (  # noqa: E402
+    LEAVES_2,
+    MIXED,
+    S0,
+    S1,
+    S2,
+    LEAVES_2x2,
+    R,
+    run_on_tp_submesh,
+    run_with_reference,
+    update_collectives,
+)
+from _layouts import close as _close  # noqa: E402
+from _layouts import run_steps as _run  # noqa: E402
 from _layouts import shard as _shard  # noqa: E402
+from _layouts import values as _values  # noqa: E402
 
 
 def _row_col_placements(pl, ndim):
@@ -185,13 +210,15 @@ def _shard_index(x: DTensor, r: int) -> tuple:
 def _per_rank(tree, world):
     """Per rank, ``(local shard, index into the global tensor)`` of every leaf (compared in
     place: ``full_tensor`` of nested uneven shards is unreliable in the simulation)."""
+
     def one(x):
         if isinstance(x, DTensor):
             return [(on_rank(x._local_tensor, r), _shard_index(x, r)) for r in range(world)]
         return [(on_rank(x, r), ...) for r in range(world)]
 
-    return optree.tree_map(one, tree, none_is_leaf=True,
-                           is_leaf=lambda x: isinstance(x, torch.Tensor))
+    return optree.tree_map(
+        one, tree, none_is_leaf=True, is_leaf=lambda x: isinstance(x, torch.Tensor)
+    )
 
 
 def _close_views(views, want, rtol, atol, what):
@@ -210,8 +237,13 @@ FIELDS = ("v_row", "v_col", "v", "exp_avg", "res_row", "res_col")
 def _check_state_views(got_state, ref_state, shapes):
     for k in shapes:
         for field in FIELDS:
-            _close_views(getattr(got_state[0], field)[k], getattr(ref_state[0], field)[k],
-                         1e-5, 1e-12, f"{field} {k}")
+            _close_views(
+                getattr(got_state[0], field)[k],
+                getattr(ref_state[0], field)[k],
+                1e-5,
+                1e-12,
+                f"{field} {k}",
+            )
 
 
 def _check_sharded(leaves, mesh_shape, names, tx_fn, steps=3, seed=1):
@@ -266,16 +298,26 @@ def test_sharded_equals_unsharded_1d():
 def test_data_axis_and_sub_mesh_leaves():
     """Leaves on the ``tp`` sub-mesh of a dp x tp mesh with per-replica gradients (averaged over
     ``Mesh.data_axis`` once): equal to the unsharded run on the mean gradient."""
-    leaves = {"a": ((5, 7), [S0]), "b": ((5, 7), [S1]), "e": ((3, 5, 6), [S2]), "g": ((9,), [S0]),
-              "r": ((3, 4), [R])}
+    leaves = {
+        "a": ((5, 7), [S0]),
+        "b": ((5, 7), [S1]),
+        "e": ((3, 5, 6), [S2]),
+        "g": ((9,), [S0]),
+        "r": ((3, 4), [R]),
+    }
     shapes = {k: s for k, (s, _) in leaves.items()}
     params, grads = _values(shapes, 2, torch.float32, seed=5)
     _, deltas = _values(shapes, 2, torch.float32, seed=6)
     kw = CONFIGS[1][1]
     ref_ups, ref_state, ref_p = _run(_alias(kw), params, grads)
     got_ups, got_state, got_out = run_on_tp_submesh(
-        lambda: _alias(kw), leaves, params, grads, deltas,
-        lambda u, st, o: ([_per_rank(x, 4) for x in u], _per_rank(st, 4), _per_rank(o, 4)))
+        lambda: _alias(kw),
+        leaves,
+        params,
+        grads,
+        deltas,
+        lambda u, st, o: ([_per_rank(x, 4) for x in u], _per_rank(st, 4), _per_rank(o, 4)),
+    )
     for k in shapes:
         for t in range(2):
             _close_views(got_ups[t][k], ref_ups[t][k], 1e-5, 1e-7, f"step {t} update {k}")
@@ -312,22 +354,25 @@ def test_collectives_tensor_parallel_one_dim():
 # =============================================================================================
 # 4. errors
 # =============================================================================================
-@pytest.mark.parametrize("make,exc,match", [
-    (lambda: came(None), ValueError, "learning_rate is required"),
-    (lambda: came(0.0), ValueError, "learning_rate must be >"),
-    (lambda: came(-1e-3), ValueError, "learning_rate must be >"),
-    (lambda: came(1e-3, weight_decay=-0.1), ValueError, "weight_decay"),
-    (lambda: came(1e-3, betas=(0.9, 0.999)), TypeError, "betas must be a tuple of 3"),
-    (lambda: came(1e-3, betas=(1.0, 0.999, 0.9999)), ValueError, r"betas\[0\]"),
-    (lambda: came(1e-3, betas=(0.9, -0.1, 0.9999)), ValueError, r"betas\[1\]"),
-    (lambda: came(1e-3, betas=(0.9, 0.999, 1.5)), ValueError, r"betas\[2\]"),
-    (lambda: came(1e-3, eps=1e-30), TypeError, "eps must be a tuple of 2"),
-    (lambda: came(1e-3, eps=(-1.0, 1e-16)), ValueError, r"eps\[0\]"),
-    (lambda: came(1e-3, eps=(1e-30, float("nan"))), ValueError, r"eps\[1\]"),
-    (lambda: came(1e-3, clip_threshold=0.0), ValueError, "clip_threshold"),
-    (lambda: scale_by_came(clip_threshold=-1.0), ValueError, "clip_threshold"),
-    (lambda: came("0.1"), TypeError, "learning_rate must be a real number"),
-])
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: came(None), ValueError, "learning_rate is required"),
+        (lambda: came(0.0), ValueError, "learning_rate must be >"),
+        (lambda: came(-1e-3), ValueError, "learning_rate must be >"),
+        (lambda: came(1e-3, weight_decay=-0.1), ValueError, "weight_decay"),
+        (lambda: came(1e-3, betas=(0.9, 0.999)), TypeError, "betas must be a tuple of 3"),
+        (lambda: came(1e-3, betas=(1.0, 0.999, 0.9999)), ValueError, r"betas\[0\]"),
+        (lambda: came(1e-3, betas=(0.9, -0.1, 0.9999)), ValueError, r"betas\[1\]"),
+        (lambda: came(1e-3, betas=(0.9, 0.999, 1.5)), ValueError, r"betas\[2\]"),
+        (lambda: came(1e-3, eps=1e-30), TypeError, "eps must be a tuple of 2"),
+        (lambda: came(1e-3, eps=(-1.0, 1e-16)), ValueError, r"eps\[0\]"),
+        (lambda: came(1e-3, eps=(1e-30, float("nan"))), ValueError, r"eps\[1\]"),
+        (lambda: came(1e-3, clip_threshold=0.0), ValueError, "clip_threshold"),
+        (lambda: scale_by_came(clip_threshold=-1.0), ValueError, "clip_threshold"),
+        (lambda: came("0.1"), TypeError, "learning_rate must be a real number"),
+    ],
+)
 def test_invalid_hyper_parameters(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
@@ -348,11 +393,19 @@ def test_state_for_other_params_names_the_leaf():
 from _layouts import check_fused_step  # noqa: E402
 
 
-@pytest.mark.parametrize("kw", [{"learning_rate": 2e-4}, {"learning_rate": 2e-4,
-                                                           "weight_decay": 0.01},
-                                {"learning_rate": lambda c: 1e-3 / (c + 1.0),
-                                 "clip_threshold": 0.5, "betas": (0.8, 0.99, 0.999)}],
-                         ids=["default", "wd", "schedule"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"learning_rate": 2e-4},
+        {"learning_rate": 2e-4, "weight_decay": 0.01},
+        {
+            "learning_rate": lambda c: 1e-3 / (c + 1.0),
+            "clip_threshold": 0.5,
+            "betas": (0.8, 0.99, 0.999),
+        },
+    ],
+    ids=["default", "wd", "schedule"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
     """``ft.step`` of came in one process finishes each leaf in cache (as ``came_pytorch``'s
@@ -366,8 +419,12 @@ def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
 def test_step_fused_path_after_a_clip(dtype, monkeypatch):
     """``chain(clip_by_global_norm, came(...))`` takes it too (the clip's numbers first)."""
     monkeypatch.setattr(sys.modules["functional_train.came"], "MIN_MEAN_BYTES", 0)
-    check_fused_step(lambda: ft.chain(ft.clip_by_global_norm(0.5), came(2e-4, weight_decay=0.01)),
-                     dtype, monkeypatch, "fused_came_step")
+    check_fused_step(
+        lambda: ft.chain(ft.clip_by_global_norm(0.5), came(2e-4, weight_decay=0.01)),
+        dtype,
+        monkeypatch,
+        "fused_came_step",
+    )
 
 
 def test_step_small_leaves_take_the_chain(monkeypatch):
@@ -376,8 +433,9 @@ def test_step_small_leaves_take_the_chain(monkeypatch):
     taken = []
     step_module = sys.modules["functional_train.step"]
     real = step_module.fused_came_step
-    monkeypatch.setattr(step_module, "fused_came_step",
-                        lambda *a: taken.append(real(*a)) or taken[-1])
+    monkeypatch.setattr(
+        step_module, "fused_came_step", lambda *a: taken.append(real(*a)) or taken[-1]
+    )
     params = {"w": torch.randn(64, 68), "b": torch.randn(64)}
     g = {"w": torch.randn(64, 68), "b": torch.randn(64)}
     tx = came(2e-4)

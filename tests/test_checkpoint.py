@@ -31,11 +31,14 @@ def test_states_saved_sharded_load_unsharded(tmp_path):
         for g in grads:
             updates, state = tx.update(g, state, p)
             p = ft.apply_updates(p, updates)
-        template = optree.tree_map(lambda x: torch.full_like(x, -7) if x.is_floating_point()
-                                   else torch.zeros_like(x), worker.flat(state))
+        template = optree.tree_map(
+            lambda x: torch.full_like(x, -7) if x.is_floating_point() else torch.zeros_like(x),
+            worker.flat(state),
+        )
         dcp.load(template, checkpoint_id=str(tmp_path / "out.pt" / name), no_dist=True)
         want = worker.flat(state)
         assert set(template) == set(want)
         for k in want:
-            torch.testing.assert_close(template[k], want[k], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name} {k}: {m}")
+            torch.testing.assert_close(
+                template[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}"
+            )

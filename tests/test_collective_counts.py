@@ -109,8 +109,10 @@ def test_adamw_issues_no_collective_on_reduced_grads(mesh_kind):
             gen = torch.Generator().manual_seed(1)
             vals = [torch.randn(kinds[i % len(kinds)][2], generator=gen) for i in range(n)]
             params = {f"l{i}": _leaf(m, kinds[i % len(kinds)], v) for i, v in enumerate(vals)}
-            grads = {k: _leaf(m, kinds[i % len(kinds)], v * 0.1)
-                     for i, (k, v) in enumerate(zip(params, vals))}
+            grads = {
+                k: _leaf(m, kinds[i % len(kinds)], v * 0.1)
+                for i, (k, v) in enumerate(zip(params, vals))
+            }
             mesh = ft.Mesh(m, data_axis="dp")
         else:
             params = _tree(m, _values(n, seed=1))
@@ -128,8 +130,12 @@ def _unreduced_grads(m, n, with_partial=False):
     """Per-dp-rank contributions: plain tensors and DTensors on the tp sub-mesh (unreduced over
     dp), optionally Partial over tp as well (then one contribution per rank)."""
     gen = torch.Generator().manual_seed(3)
-    kinds = [("plain", None, (3,)), ("tp", (Shard(0),), (5, 2)), ("tp", (Replicate(),), (2,)),
-             ("tp", (Shard(-1),), (2, 1))]
+    kinds = [
+        ("plain", None, (3,)),
+        ("tp", (Shard(0),), (5, 2)),
+        ("tp", (Replicate(),), (2,)),
+        ("tp", (Shard(-1),), (2, 1)),
+    ]
     if with_partial:
         kinds.append(("tp_partial", (Partial(),), (3, 2)))
     out = {}
@@ -140,12 +146,18 @@ def _unreduced_grads(m, n, with_partial=False):
             out[f"l{i:02d}"] = per_rank(WORLD, lambda r: contrib[r // 2])
         elif home == "tp_partial":
             full = torch.empty(shape)
-            out[f"l{i:02d}"] = DTensor.from_local(per_rank(WORLD, lambda r: contrib[r]), m["tp"],
-                                                  [Partial()], run_check=False,
-                                                  shape=full.shape, stride=full.stride())
+            out[f"l{i:02d}"] = DTensor.from_local(
+                per_rank(WORLD, lambda r: contrib[r]),
+                m["tp"],
+                [Partial()],
+                run_check=False,
+                shape=full.shape,
+                stride=full.stride(),
+            )
         else:
-            out[f"l{i:02d}"] = distribute_tensor(per_rank(WORLD, lambda r: contrib[r // 2]), m["tp"],
-                                                 list(pl), src_data_rank=None)
+            out[f"l{i:02d}"] = distribute_tensor(
+                per_rank(WORLD, lambda r: contrib[r // 2]), m["tp"], list(pl), src_data_rank=None
+            )
     return out, kinds
 
 
@@ -158,11 +170,13 @@ def _params_like(m, n, kinds):
         if home == "plain":
             out[f"l{i:02d}"] = _replicated(v)
         elif home == "tp_partial":
-            out[f"l{i:02d}"] = distribute_tensor(_replicated(v), m["tp"], [Replicate()],
-                                                 src_data_rank=None)
+            out[f"l{i:02d}"] = distribute_tensor(
+                _replicated(v), m["tp"], [Replicate()], src_data_rank=None
+            )
         else:
-            out[f"l{i:02d}"] = distribute_tensor(_replicated(v), m["tp"], list(pl),
-                                                 src_data_rank=None)
+            out[f"l{i:02d}"] = distribute_tensor(
+                _replicated(v), m["tp"], list(pl), src_data_rank=None
+            )
     return out
 
 
@@ -176,7 +190,9 @@ def test_multi_steps_no_sync_then_three_all_reduces(n_leaves):
         mesh = ft.Mesh(m, data_axis="dp")
         grads, kinds = _unreduced_grads(m, n_leaves)  # the same micro-batch gradients each time
         params = _params_like(m, n_leaves, kinds)
-        tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1)), k)
+        tx = ft.multi_steps(
+            ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1)), k
+        )
         state = tx.init(params)
         counts = []
         for step in range(k):
@@ -188,7 +204,8 @@ def test_multi_steps_no_sync_then_three_all_reduces(n_leaves):
             assert bool(on_rank(ft.has_updated(state), 0)) == final
             if not final:
                 assert _same(_locals(state.inner_state), inner_before), (
-                    f"micro-step {step}: inner_state changed")
+                    f"micro-step {step}: inner_state changed"
+                )
                 for x in optree.tree_leaves(u):
                     loc = x._local_tensor if isinstance(x, DTensor) else x
                     assert all(torch.count_nonzero(on_rank(loc, r)) == 0 for r in range(WORLD))
@@ -200,8 +217,10 @@ def test_multi_steps_no_sync_then_three_all_reduces(n_leaves):
 
 
 def _same(a, b) -> bool:
-    return all((x is None and y is None) or all(torch.equal(p, q) for p, q in zip(x, y))
-               for x, y in zip(a, b))
+    return all(
+        (x is None and y is None) or all(torch.equal(p, q) for p, q in zip(x, y))
+        for x, y in zip(a, b)
+    )
 
 
 def test_multi_steps_count_does_not_grow_with_leaves_with_partial_grads():
@@ -219,7 +238,7 @@ def test_multi_steps_count_does_not_grow_with_leaves_with_partial_grads():
             tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), k)
             state = tx.init(params)
             counts = []
-            for step in range(k):
+            for _step in range(k):
                 with count_collectives() as c:
                     _, state = tx.update(grads, state, params, mesh=mesh)
                 counts.append(c.counts)

@@ -12,8 +12,10 @@ from functional_train.testing import count_collectives, on_rank, per_rank, simul
 def tree(seed, shapes=None):
     g = torch.Generator().manual_seed(seed)
     shapes = shapes or {"w": (4, 3), "b": (3,), "emb": {"table": (5, 2)}}
-    return {k: tree(seed + 1, v) if isinstance(v, dict) else torch.randn(v, generator=g)
-            for k, v in shapes.items()}
+    return {
+        k: tree(seed + 1, v) if isinstance(v, dict) else torch.randn(v, generator=g)
+        for k, v in shapes.items()
+    }
 
 
 LABELS = {"w": "adam", "b": "sgd", "emb": {"table": "adam"}}
@@ -30,12 +32,15 @@ def run(tx, params, grads, mesh=None):
 def test_partition_equals_each_transform_on_its_leaves():
     params = tree(0)
     grads = [tree(10 + i) for i in range(4)]
-    tx = ft.partition({"adam": ft.adamw(1e-2, weight_decay=0.1), "sgd": ft.sgd(0.1, momentum=0.9)},
-                      LABELS)
+    tx = ft.partition(
+        {"adam": ft.adamw(1e-2, weight_decay=0.1), "sgd": ft.sgd(0.1, momentum=0.9)}, LABELS
+    )
     got, state = run(tx, params, grads)
-    adam_p, _ = run(ft.adamw(1e-2, weight_decay=0.1),
-                    {"w": params["w"], "t": params["emb"]["table"]},
-                    [{"w": g["w"], "t": g["emb"]["table"]} for g in grads])
+    adam_p, _ = run(
+        ft.adamw(1e-2, weight_decay=0.1),
+        {"w": params["w"], "t": params["emb"]["table"]},
+        [{"w": g["w"], "t": g["emb"]["table"]} for g in grads],
+    )
     sgd_p, _ = run(ft.sgd(0.1, momentum=0.9), {"b": params["b"]}, [{"b": g["b"]} for g in grads])
     torch.testing.assert_close(got["w"], adam_p["w"], rtol=0, atol=0)
     torch.testing.assert_close(got["emb"]["table"], adam_p["t"], rtol=0, atol=0)
@@ -83,11 +88,24 @@ def test_partition_reduces_unreduced_gradients_once():
     the inner transforms (here two clipping norms, local: every leaf is whole on every rank)."""
     params = tree(0)
     per_replica = [[tree(100 + 10 * s + r) for r in range(2)] for s in range(3)]
-    mean = [{k: (torch.stack([g[r][k] for r in range(2)]).mean(0) if k != "emb" else
-                 {"table": (g[0]["emb"]["table"] + g[1]["emb"]["table"]) / 2}) for k in params}
-            for g in per_replica]
-    tx = ft.partition({"adam": ft.chain(ft.clip_by_global_norm(0.5), ft.adam(1e-2)),
-                       "sgd": ft.chain(ft.clip_by_global_norm(0.5), ft.sgd(0.1))}, LABELS)
+    mean = [
+        {
+            k: (
+                torch.stack([g[r][k] for r in range(2)]).mean(0)
+                if k != "emb"
+                else {"table": (g[0]["emb"]["table"] + g[1]["emb"]["table"]) / 2}
+            )
+            for k in params
+        }
+        for g in per_replica
+    ]
+    tx = ft.partition(
+        {
+            "adam": ft.chain(ft.clip_by_global_norm(0.5), ft.adam(1e-2)),
+            "sgd": ft.chain(ft.clip_by_global_norm(0.5), ft.sgd(0.1)),
+        },
+        LABELS,
+    )
     expected, _ = run(tx, params, mean)
     with simulate(2):
         m = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
@@ -95,14 +113,20 @@ def test_partition_reduces_unreduced_gradients_once():
         def leaf(get):
             return per_rank(2, lambda r: get(r))
 
-        dparams = {"w": leaf(lambda r: params["w"]), "b": leaf(lambda r: params["b"]),
-                   "emb": {"table": leaf(lambda r: params["emb"]["table"])}}
+        dparams = {
+            "w": leaf(lambda r: params["w"]),
+            "b": leaf(lambda r: params["b"]),
+            "emb": {"table": leaf(lambda r: params["emb"]["table"])},
+        }
         mesh = ft.Mesh(m, data_axis="dp")
         state = tx.init(dparams)
         counts = []
         for g in per_replica:
-            dg = {"w": leaf(lambda r: g[r]["w"]), "b": leaf(lambda r: g[r]["b"]),
-                  "emb": {"table": leaf(lambda r: g[r]["emb"]["table"])}}
+            dg = {
+                "w": leaf(lambda r: g[r]["w"]),
+                "b": leaf(lambda r: g[r]["b"]),
+                "emb": {"table": leaf(lambda r: g[r]["emb"]["table"])},
+            }
             with count_collectives() as c:
                 u, state = tx.update(dg, state, dparams, mesh=mesh)
             counts.append(c.counts)
@@ -110,8 +134,9 @@ def test_partition_reduces_unreduced_gradients_once():
         for rank in range(2):
             torch.testing.assert_close(on_rank(dparams["w"], rank), expected["w"])
             torch.testing.assert_close(on_rank(dparams["b"], rank), expected["b"])
-            torch.testing.assert_close(on_rank(dparams["emb"]["table"], rank),
-                                       expected["emb"]["table"])
+            torch.testing.assert_close(
+                on_rank(dparams["emb"]["table"], rank), expected["emb"]["table"]
+            )
     # the presence agreement over dp (which ranks have which gradient), then the one mean
     assert counts == [{"all_reduce": 2}] * 3
 
@@ -124,9 +149,13 @@ def test_partition_and_masked_compile():
 
     params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
     grads = {"w": torch.randn(4, 3), "b": torch.randn(3)}
-    for tx in (ft.partition({"a": ft.adamw(1e-2), "s": ft.sgd(0.1)},
-                            lambda p: {k: "a" if v.ndim == 2 else "s" for k, v in p.items()}),
-               ft.masked(ft.adamw(1e-2), {"w": True, "b": False})):
+    for tx in (
+        ft.partition(
+            {"a": ft.adamw(1e-2), "s": ft.sgd(0.1)},
+            lambda p: {k: "a" if v.ndim == 2 else "s" for k, v in p.items()},
+        ),
+        ft.masked(ft.adamw(1e-2), {"w": True, "b": False}),
+    ):
         torch._dynamo.reset()
         state = tx.init(params)
         want, _ = tx.update(grads, state, params)
@@ -134,10 +163,11 @@ def test_partition_and_masked_compile():
         for k in params:
             torch.testing.assert_close(got[k], want[k])
     torch._dynamo.reset()
-    tx = ft.partition({"a": ft.adamw(1e-2), "s": ft.sgd(0.1)},
-                      lambda p: {k: "a" if k == "w" else "s" for k in p})
-    tx.init({"w": torch.zeros(3), "z": torch.zeros(3)})        # leaves (w, z): labels (a, s)
-    other = {"b": torch.zeros(3), "w": torch.zeros(3)}         # leaves (b, w): labels (s, a)
+    tx = ft.partition(
+        {"a": ft.adamw(1e-2), "s": ft.sgd(0.1)}, lambda p: {k: "a" if k == "w" else "s" for k in p}
+    )
+    tx.init({"w": torch.zeros(3), "z": torch.zeros(3)})  # leaves (w, z): labels (a, s)
+    other = {"b": torch.zeros(3), "w": torch.zeros(3)}  # leaves (b, w): labels (s, a)
     state = tx.init(other)
     with pytest.raises(Exception, match="different labels"):
         torch.compile(tx.update, backend="eager", fullgraph=True)(other, state, other)

@@ -36,9 +36,16 @@ def test_import_does_not_load_dynamo_and_its_marker_is_dynamos():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", "import sys, functional_train; "
-                          "print('torch._dynamo' in sys.modules)"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, functional_train; print('torch._dynamo' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip() == "False"
     from functional_train.engine.owners import assume_constant_result
 
@@ -47,4 +54,5 @@ def test_import_does_not_load_dynamo_and_its_marker_is_dynamos():
 
     def b():
         return 1
+
     assert vars(torch._dynamo.assume_constant_result(a)) == vars(assume_constant_result(b)) != {}

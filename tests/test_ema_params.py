@@ -78,11 +78,17 @@ def test_updates_pass_through_and_dtypes():
 @pytest.mark.parametrize("warmup", [False, True])
 def test_sharded_equals_unsharded(warmup):
     gen = torch.Generator().manual_seed(2)
-    params = {"a": torch.randn(7, 5, generator=gen), "b": torch.randn(3, 6, generator=gen),
-              "c": torch.randn(4, generator=gen)}
-    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
-             for _ in range(4)]
+    params = {
+        "a": torch.randn(7, 5, generator=gen),
+        "b": torch.randn(3, 6, generator=gen),
+        "c": torch.randn(4, generator=gen),
+    }
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(4)]
     tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2), ft.ema_params(0.8, warmup=warmup))
-    assert_sharded_equivalent(tx, params, grads, mesh_shape=(2, 2),
-                              placements={"a": [Shard(0), Shard(1)],
-                                          "b": [Replicate(), Shard(1)], "c": None})
+    assert_sharded_equivalent(
+        tx,
+        params,
+        grads,
+        mesh_shape=(2, 2),
+        placements={"a": [Shard(0), Shard(1)], "b": [Replicate(), Shard(1)], "c": None},
+    )

@@ -4,15 +4,14 @@ taking torch's fused kernels where they apply."""
 
 import pytest
 import torch
+from _layouts import shard  # noqa: E402  (tests/ is on sys.path)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import functional_train as ft
 from functional_train.engine import dtensor as engine_dtensor
 from functional_train.engine.view import prepare
 from functional_train.testing import simulate
-from torch.distributed.device_mesh import init_device_mesh
-
-from _layouts import shard  # noqa: E402  (tests/ is on sys.path)
 
 
 def make_mesh(shape, names):
@@ -38,8 +37,9 @@ def test_eager_wrap_equals_from_local():
         x = shard(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])
         local = x._local_tensor * 2
         got = engine_dtensor.wrap(local, engine_dtensor.spec_of(x))
-        want = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=x.shape,
-                                  stride=x.stride())
+        want = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=x.shape, stride=x.stride()
+        )
         like = engine_dtensor.wrap_like(local, x)
         for y in (got, like):
             assert type(y) is DTensor and not y.requires_grad
@@ -83,8 +83,9 @@ def test_chain_builds_dtensors_once(monkeypatch):
         made.clear()
         u, state = tx.update(grads, state, params)
         assert len(made) == 3 * n, len(made)
-        assert all(type(x) is DTensor and x.placements == params[k].placements
-                   for k, x in u.items())
+        assert all(
+            type(x) is DTensor and x.placements == params[k].placements for k, x in u.items()
+        )
 
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -96,18 +97,28 @@ def test_step_takes_the_fused_kernel(monkeypatch, donate):
 
     calls = []
     real = torch._fused_adamw_
-    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(len(a[0])) or
-                        real(*a, **k))
+    monkeypatch.setattr(
+        torch, "_fused_adamw_", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k)
+    )
     real_native = native._call
-    monkeypatch.setattr(native, "_call", lambda kind, lists, *a: calls.append(
-        (kind, len(lists[0]))) or real_native(kind, lists, *a))
+    monkeypatch.setattr(
+        native,
+        "_call",
+        lambda kind, lists, *a: calls.append((kind, len(lists[0]))) or real_native(kind, lists, *a),
+    )
     gen = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(3, generator=gen),
-              "frozen": torch.randn(2, generator=gen)}
+    params = {
+        "w": torch.randn(5, 3, generator=gen),
+        "b": torch.randn(3, generator=gen),
+        "frozen": torch.randn(2, generator=gen),
+    }
     tx = ft.chain(ft.clip_by_global_norm(0.1), ft.adamw(1e-2, weight_decay=0.1))
     state = tx.init(params)
-    grads = {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(3, generator=gen),
-             "frozen": None}
+    grads = {
+        "w": torch.randn(5, 3, generator=gen),
+        "b": torch.randn(3, generator=gen),
+        "frozen": None,
+    }
     want_u, want_s = tx.update(grads, state, params)
     want_p = ft.apply_updates(params, want_u)
     w_buf, mu_buf = params["w"].data_ptr(), state[1][0].mu["w"].data_ptr()

@@ -37,9 +37,15 @@ def test_issue_example_replicas_agree_on_the_mean():
     ``data_axis="dp"`` at dp=2 x tp=2 on replica gradients 1 and 2 gives -0.75 everywhere."""
     params = {"w": torch.zeros(4, 2)}
     grads = [{"w": torch.full((4, 2), 1.5)}]  # the harness spreads it as 1.5 +- d per replica
-    assert_sharded_equivalent(fw.compositions()["chain_scale_sgd"](), params, grads,
-                              placements={"w": None}, mesh_shape=(2, 2),
-                              mesh_dim_names=("dp", "tp"), data_axis="dp")
+    assert_sharded_equivalent(
+        fw.compositions()["chain_scale_sgd"](),
+        params,
+        grads,
+        placements={"w": None},
+        mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"),
+        data_axis="dp",
+    )
 
 
 @pytest.mark.parametrize("name", list(fw.compositions()))
@@ -49,13 +55,17 @@ def test_simulated(name):
     params, grads = fw.problem(2)
     mean = [{k: (s[0][k] + s[1][k]) / 2 for k in params} for s in grads]
     ignore = (lambda p: "acc_grads" in p) if name.startswith("multi_steps") else None
-    assert_sharded_equivalent(fw.compositions()[name](), params, mean,
-                              placements={"w": [Replicate(), Shard(0)],
-                                          "b": [Replicate(), Replicate()], "p": None},
-                              grad_placements={"w": [Replicate(), Shard(0)],
-                                               "b": [Replicate(), Partial()], "p": None},
-                              mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), data_axis="dp",
-                              ignore_state=ignore)
+    assert_sharded_equivalent(
+        fw.compositions()[name](),
+        params,
+        mean,
+        placements={"w": [Replicate(), Shard(0)], "b": [Replicate(), Replicate()], "p": None},
+        grad_placements={"w": [Replicate(), Shard(0)], "b": [Replicate(), Partial()], "p": None},
+        mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"),
+        data_axis="dp",
+        ignore_state=ignore,
+    )
 
 
 def test_undeclared_transform_gets_reduced_gradients_not_partial():
@@ -73,12 +83,16 @@ def test_undeclared_transform_gets_reduced_gradients_not_partial():
     spy = ft.GradientTransformation(init_fn, update_fn)
     params, grads = fw.problem(1)
     mean = [{k: (s[0][k] + s[1][k]) / 2 for k in params} for s in grads]
-    assert_sharded_equivalent(ft.chain(spy, ft.sgd(0.1)), params, mean,
-                              placements={"w": [Replicate(), Shard(0)],
-                                          "b": [Replicate(), Replicate()], "p": None},
-                              grad_placements={"w": [Replicate(), Shard(0)],
-                                               "b": [Replicate(), Partial()], "p": None},
-                              mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), data_axis="dp")
+    assert_sharded_equivalent(
+        ft.chain(spy, ft.sgd(0.1)),
+        params,
+        mean,
+        placements={"w": [Replicate(), Shard(0)], "b": [Replicate(), Replicate()], "p": None},
+        grad_placements={"w": [Replicate(), Shard(0)], "b": [Replicate(), Partial()], "p": None},
+        mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"),
+        data_axis="dp",
+    )
     sharded = seen[-1]
     assert sharded["b"].placements == (Replicate(), Replicate()), sharded["b"].placements
     assert sharded["w"].placements == (Replicate(), Shard(0)), sharded["w"].placements
@@ -93,5 +107,10 @@ def test_gloo_replicas_agree(tmp_path):
         want = _one_process(make, dict(params0), grads)
         for rank, got in enumerate(res[name]):
             for k in params0:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{name}, rank {rank}, {k}: {m}")
+                torch.testing.assert_close(
+                    got[k],
+                    want[k],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m: f"{name}, rank {rank}, {k}: {m}",
+                )

@@ -19,11 +19,11 @@ S0, S1, R = Shard(0), Shard(1), Replicate()
 
 SHAPES = {"w": (7, 5), "v": (5, 6), "e": (9, 4), "b": (5,), "n": (3,)}
 PLACEMENTS = {
-    "w": [S0, S1],   # rows over dp (FSDP), columns over tp
-    "v": [S1, S0],   # columns over dp, rows over tp
-    "e": [S0, R],    # pure FSDP, uneven (9 rows on 2 ranks)
-    "b": [S0, R],    # a 1-D FSDP leaf, uneven
-    "n": None,       # a plain tensor: per-replica gradients averaged over dp
+    "w": [S0, S1],  # rows over dp (FSDP), columns over tp
+    "v": [S1, S0],  # columns over dp, rows over tp
+    "e": [S0, R],  # pure FSDP, uneven (9 rows on 2 ranks)
+    "b": [S0, R],  # a 1-D FSDP leaf, uneven
+    "n": None,  # a plain tensor: per-replica gradients averaged over dp
 }
 
 ALIASES = {
@@ -39,8 +39,10 @@ ALIASES = {
 def _problem(steps=3, seed=0):
     gen = torch.Generator().manual_seed(seed)
     params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
-    grads = [{k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
-             for _ in range(steps)]
+    grads = [
+        {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in SHAPES.items()}
+        for _ in range(steps)
+    ]
     return params, grads
 
 
@@ -48,9 +50,21 @@ def _problem(steps=3, seed=0):
 @pytest.mark.parametrize("name", list(ALIASES))
 def test_fsdp_parameters(name, wrap):
     make = ALIASES[name]
-    tx = {"plain": make, "multi_steps": lambda: ft.multi_steps(make(), 1),
-          "zero": lambda: ft.zero_redundancy(make(), axis="dp")}[wrap]()
+    tx = {
+        "plain": make,
+        "multi_steps": lambda: ft.multi_steps(make(), 1),
+        "zero": lambda: ft.zero_redundancy(make(), axis="dp"),
+    }[wrap]()
     params, grads = _problem()
-    assert_sharded_equivalent(tx, params, grads, placements=PLACEMENTS, mesh_shape=(2, 2),
-                              mesh_dim_names=("dp", "tp"), data_axis="dp", rtol=1e-9, atol=1e-12,
-                              ignore_state=lambda path: "acc_grads" in path)
+    assert_sharded_equivalent(
+        tx,
+        params,
+        grads,
+        placements=PLACEMENTS,
+        mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"),
+        data_axis="dp",
+        rtol=1e-9,
+        atol=1e-12,
+        ignore_state=lambda path: "acc_grads" in path,
+    )

@@ -29,26 +29,29 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import functional_train as ft
-from functional_train.galore import (GaLoreState, galore, galore_adamw, galore_param_labels)
+from functional_train.galore import GaLoreState, galore, galore_adamw, galore_param_labels
 from functional_train.testing import count_collectives, gather, per_rank, simulate
 
 with warnings.catch_warnings():  # galore-torch imports bitsandbytes, which warns without a GPU
     warnings.simplefilter("ignore")
     from galore_torch import GaLoreAdamW  # the reference (test extra)
 
-from _layouts import LEAVES_2, LEAVES_2x2, MIXED, R, S0, S1  # noqa: E402
-from _layouts import close as _close, run_steps as _run, values as _values  # noqa: E402
-from _layouts import run_on_tp_submesh  # noqa: E402
+from _layouts import (  # noqa: E402
+    LEAVES_2,
+    MIXED,
+    S0,
+    S1,
+    LEAVES_2x2,
+    R,
+    run_on_tp_submesh,
+)
+from _layouts import close as _close  # noqa: E402
+from _layouts import run_steps as _run
 from _layouts import shard as _shard  # noqa: E402
+from _layouts import values as _values
 
 SHAPES = {"tall": (8, 5), "wide": (4, 9), "square": (6, 6), "bias": (7,)}
 GALORE_KEYS = ("tall", "wide", "square")
-
-
-
-
-
-
 
 
 def _galore_state(state) -> GaLoreState:
@@ -63,8 +66,11 @@ def _reference(params, grads, groups, lr=1e-2, weight_decay=0.1, lr_of_step=None
     hp = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = GaLoreAdamW([dict(params=[hp[k] for k in keys], **kw) for keys, kw in groups],
-                          lr=lr, weight_decay=weight_decay)
+        opt = GaLoreAdamW(
+            [dict(params=[hp[k] for k in keys], **kw) for keys, kw in groups],
+            lr=lr,
+            weight_decay=weight_decay,
+        )
     for t, g in enumerate(grads):
         if lr_of_step is not None:
             for group in opt.param_groups:
@@ -85,14 +91,18 @@ def test_matches_galore_torch(proj_type, dtype):
     params, grads = _values(SHAPES, steps, dtype)
     galore_group = {"rank": rank, "update_proj_gap": gap, "scale": 0.25, "proj_type": proj_type}
     hp, opt = _reference(params, grads, [(["bias"], {}), (GALORE_KEYS, galore_group)])
-    tx = galore_adamw(1e-2, weight_decay=0.1, rank=rank, update_proj_gap=gap,
-                      proj_type=proj_type)
+    tx = galore_adamw(1e-2, weight_decay=0.1, rank=rank, update_proj_gap=gap, proj_type=proj_type)
     _, state, p = _run(tx, params, grads)
     rtol = 1e-4 if dtype == torch.float32 else 1e-9
     for k in SHAPES:
         want = hp[k].detach()
-        _close(p[k] - params[k], want - params[k], rtol,
-               steps * 2 * torch.finfo(dtype).eps * params[k].abs().max().item(), f"{k} change")
+        _close(
+            p[k] - params[k],
+            want - params[k],
+            rtol,
+            steps * 2 * torch.finfo(dtype).eps * params[k].abs().max().item(),
+            f"{k} change",
+        )
     st = _galore_state(state)
     assert st.count.item() == steps and st.count.device.type == "cpu"
     inner = st.inner_state
@@ -117,26 +127,40 @@ def test_matches_galore_torch(proj_type, dtype):
 def test_matches_galore_torch_colossalai_groups_and_schedule():
     """Colossal-AI's ``get_galore_param_groups`` groups (GaLore with decay, others with decay,
     ``bias`` / ``LayerNorm.weight`` without), a decreasing learning rate, rank above min(m, n)."""
-    shapes = {"attn.wq.weight": (8, 5), "attn.wq.bias": (8,), "mlp.up.weight": (3, 9),
-              "LayerNorm.weight": (5,), "head.scale": (4,)}
+    shapes = {
+        "attn.wq.weight": (8, 5),
+        "attn.wq.bias": (8,),
+        "mlp.up.weight": (3, 9),
+        "LayerNorm.weight": (5,),
+        "head.scale": (4,),
+    }
     steps = 12
     params, grads = _values(shapes, steps, torch.float64, seed=3)
     labels = galore_param_labels(params, no_decay=("bias", "LayerNorm.weight"))
-    assert labels == {"attn.wq.weight": "galore", "attn.wq.bias": "no_decay",
-                      "mlp.up.weight": "galore", "LayerNorm.weight": "no_decay",
-                      "head.scale": "decay"}
+    assert labels == {
+        "attn.wq.weight": "galore",
+        "attn.wq.bias": "no_decay",
+        "mlp.up.weight": "galore",
+        "LayerNorm.weight": "no_decay",
+        "head.scale": "decay",
+    }
 
     def sched(count):
         return 2e-2 / torch.sqrt(1.0 + count.to(torch.float64))
 
     galore_group = {"rank": 4, "update_proj_gap": 4, "scale": 0.5, "proj_type": "std"}
     hp, opt = _reference(
-        params, grads,
-        [(["attn.wq.weight", "mlp.up.weight"], galore_group), (["head.scale"], {}),
-         (["attn.wq.bias", "LayerNorm.weight"], {"weight_decay": 0.0})],
-        weight_decay=0.2, lr_of_step=lambda t: float(sched(torch.tensor(t))))
-    tx = galore_adamw(sched, weight_decay=0.2, rank=4, update_proj_gap=4, scale=0.5,
-                      labels=labels)
+        params,
+        grads,
+        [
+            (["attn.wq.weight", "mlp.up.weight"], galore_group),
+            (["head.scale"], {}),
+            (["attn.wq.bias", "LayerNorm.weight"], {"weight_decay": 0.0}),
+        ],
+        weight_decay=0.2,
+        lr_of_step=lambda t: float(sched(torch.tensor(t))),
+    )
+    tx = galore_adamw(sched, weight_decay=0.2, rank=4, update_proj_gap=4, scale=0.5, labels=labels)
     _, state, p = _run(tx, params, grads)
     for k in shapes:
         want = hp[k].detach()
@@ -150,10 +174,20 @@ def test_labels_callable_and_other_strings():
     """A callable labels function; any label but "galore" / "no_decay" means plain AdamW with
     weight decay; a 1-D leaf labelled "galore" gets plain AdamW with decay."""
     params, grads = _values({"w": (6, 4), "v": (5, 3), "b": (4,)}, 3, torch.float64)
-    ref = galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2,
-                       labels={"w": "galore", "v": "decay", "b": "decay"})
-    got = galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2,
-                       labels=lambda p: {"w": "galore", "v": "other", "b": "galore"})
+    ref = galore_adamw(
+        1e-2,
+        weight_decay=0.1,
+        rank=2,
+        update_proj_gap=2,
+        labels={"w": "galore", "v": "decay", "b": "decay"},
+    )
+    got = galore_adamw(
+        1e-2,
+        weight_decay=0.1,
+        rank=2,
+        update_proj_gap=2,
+        labels=lambda p: {"w": "galore", "v": "other", "b": "galore"},
+    )
     _, _, want = _run(ref, params, grads)
     _, _, p = _run(got, params, grads)
     for k in params:
@@ -163,9 +197,17 @@ def test_labels_callable_and_other_strings():
 # =============================================================================================
 # 2. equations, state layout, purity
 # =============================================================================================
-@pytest.mark.parametrize("proj_type,shape,side", [
-    ("std", (7, 4), "right"), ("std", (3, 6), "left"), ("reverse_std", (7, 4), "left"),
-    ("reverse_std", (3, 6), "right"), ("left", (7, 4), "left"), ("right", (3, 6), "right")])
+@pytest.mark.parametrize(
+    "proj_type,shape,side",
+    [
+        ("std", (7, 4), "right"),
+        ("std", (3, 6), "left"),
+        ("reverse_std", (7, 4), "left"),
+        ("reverse_std", (3, 6), "right"),
+        ("left", (7, 4), "left"),
+        ("right", (3, 6), "right"),
+    ],
+)
 def test_projection_equations(proj_type, shape, side):
     """galore(identity): u = scale * g P^T P (right) or scale * P P^T g (left), P from the SVD
     of the gradient of the last refresh step."""
@@ -190,8 +232,13 @@ def test_projection_equations(proj_type, shape, side):
 
 
 def test_state_layout_frozen_leaves_purity_bf16():
-    params = {"w": torch.randn(6, 4, dtype=torch.bfloat16), "v": torch.randn(3, 8),
-              "b": torch.randn(5), "f": torch.randn(4, 4), "e": torch.randn(0, 3)}
+    params = {
+        "w": torch.randn(6, 4, dtype=torch.bfloat16),
+        "v": torch.randn(3, 8),
+        "b": torch.randn(5),
+        "f": torch.randn(4, 4),
+        "e": torch.randn(0, 3),
+    }
     tx = galore(ft.scale_by_adam(), rank=2, update_proj_gap=3)
     state = tx.init(params)
     assert state.projectors["w"].shape == (2, 4) and state.projectors["v"].shape == (3, 2)
@@ -276,8 +323,7 @@ def _check_sharded(leaves, mesh_shape, names, proj_type, steps=3, seed=1):
     params, grads = _values(shapes, steps, torch.float32, seed)
 
     def make():
-        return galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2,
-                            proj_type=proj_type)
+        return galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2, proj_type=proj_type)
 
     ref_ups, ref_state, ref_p = _run(make(), params, grads)
     with simulate(math.prod(mesh_shape)):
@@ -311,8 +357,7 @@ def _check_sharded(leaves, mesh_shape, names, proj_type, steps=3, seed=1):
             assert g.projectors[k] is None and r.projectors[k] is None
             got, want = g_adam, r_adam
         for field in ("mu", "nu"):
-            _close(getattr(got, field)[k], getattr(want, field)[k], 1e-5, 1e-12,
-                   f"{field} {k}")
+            _close(getattr(got, field)[k], getattr(want, field)[k], 1e-5, 1e-12, f"{field} {k}")
 
 
 @pytest.mark.parametrize("proj_type", ["std", "reverse_std"])
@@ -338,11 +383,11 @@ def test_data_axis_and_sub_mesh_leaves():
     def make():
         return galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2)
 
-    mean = [{k: ((g[k] + d[k]) + (g[k] - d[k])) / 2 for k in shapes}
-            for g, d in zip(grads, deltas)]
+    mean = [{k: ((g[k] + d[k]) + (g[k] - d[k])) / 2 for k in shapes} for g, d in zip(grads, deltas)]
     ref_ups, ref_state, ref_p = _run(make(), params, mean)
     got_ups, got_state, got_out = run_on_tp_submesh(
-        make, leaves, params, grads, deltas, lambda u, st, o: (gather(u), gather(st), gather(o)))
+        make, leaves, params, grads, deltas, lambda u, st, o: (gather(u), gather(st), gather(o))
+    )
     for k in shapes:
         for t in range(steps):
             _close(got_ups[t][k], ref_ups[t][k], 1e-5, 1e-7, f"step {t} update {k}")
@@ -388,8 +433,7 @@ def test_collectives_row_and_column_sharded():
     assert _step_collectives(spec * 3) == [{"all_gather_into_tensor": 1}, {"all_reduce": 1}]
     # galore_adamw adds nothing: Adam, the learning rate and the decay are local
     adamw = lambda: galore_adamw(rank=2, update_proj_gap=3, weight_decay=0.1)  # noqa: E731
-    assert _step_collectives(spec, make=adamw) == [{"all_gather_into_tensor": 1},
-                                                   {"all_reduce": 1}]
+    assert _step_collectives(spec, make=adamw) == [{"all_gather_into_tensor": 1}, {"all_reduce": 1}]
 
 
 def test_collectives_none_when_contracted_dims_are_whole():
@@ -420,25 +464,31 @@ def test_collectives_2x2_constant_in_the_number_of_leaves():
 # =============================================================================================
 # 5. bad input
 # =============================================================================================
-@pytest.mark.parametrize("make,exc,match", [
-    (lambda: galore(ft.scale_by_adam(), rank=0), ValueError, "rank must be >= 1"),
-    (lambda: galore(ft.scale_by_adam(), rank=-3), ValueError, "rank must be >= 1"),
-    (lambda: galore(ft.scale_by_adam(), rank=2.5), TypeError, "rank must be an int"),
-    (lambda: galore(ft.scale_by_adam(), 4, update_proj_gap=0), ValueError, "update_proj_gap"),
-    (lambda: galore(ft.scale_by_adam(), 4, proj_type="full"), ValueError, "proj_type"),
-    (lambda: galore(ft.scale_by_adam(), 4, proj_type="Std"), ValueError, "proj_type"),
-    (lambda: galore(ft.scale_by_adam(), 4, scale="0.25"), TypeError, "scale"),
-    (lambda: galore(lambda g: g, 4), TypeError, "inner must be a GradientTransformation"),
-    (lambda: galore_adamw(rank=0), ValueError, "rank"),
-    (lambda: galore_adamw(update_proj_gap=-1), ValueError, "update_proj_gap"),
-    (lambda: galore_adamw(proj_type="diagonal"), ValueError, "proj_type"),
-    (lambda: galore_adamw(weight_decay=-0.1), ValueError, "weight_decay"),
-    (lambda: galore_adamw(-1e-3), ValueError, "learning_rate"),
-    (lambda: galore_adamw(b1=1.0), ValueError, "b1"),
-    (lambda: galore_adamw(eps=-1.0), ValueError, "eps"),
-    (lambda: galore_param_labels({"a": torch.zeros(2, 2)}, no_decay="bias"), TypeError,
-     "no_decay"),
-])
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: galore(ft.scale_by_adam(), rank=0), ValueError, "rank must be >= 1"),
+        (lambda: galore(ft.scale_by_adam(), rank=-3), ValueError, "rank must be >= 1"),
+        (lambda: galore(ft.scale_by_adam(), rank=2.5), TypeError, "rank must be an int"),
+        (lambda: galore(ft.scale_by_adam(), 4, update_proj_gap=0), ValueError, "update_proj_gap"),
+        (lambda: galore(ft.scale_by_adam(), 4, proj_type="full"), ValueError, "proj_type"),
+        (lambda: galore(ft.scale_by_adam(), 4, proj_type="Std"), ValueError, "proj_type"),
+        (lambda: galore(ft.scale_by_adam(), 4, scale="0.25"), TypeError, "scale"),
+        (lambda: galore(lambda g: g, 4), TypeError, "inner must be a GradientTransformation"),
+        (lambda: galore_adamw(rank=0), ValueError, "rank"),
+        (lambda: galore_adamw(update_proj_gap=-1), ValueError, "update_proj_gap"),
+        (lambda: galore_adamw(proj_type="diagonal"), ValueError, "proj_type"),
+        (lambda: galore_adamw(weight_decay=-0.1), ValueError, "weight_decay"),
+        (lambda: galore_adamw(-1e-3), ValueError, "learning_rate"),
+        (lambda: galore_adamw(b1=1.0), ValueError, "b1"),
+        (lambda: galore_adamw(eps=-1.0), ValueError, "eps"),
+        (
+            lambda: galore_param_labels({"a": torch.zeros(2, 2)}, no_decay="bias"),
+            TypeError,
+            "no_decay",
+        ),
+    ],
+)
 def test_invalid_hyper_parameters(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
@@ -461,10 +511,17 @@ def test_state_for_other_params_names_the_leaf():
 # =============================================================================================
 # 6. real collectives (gloo, 2 processes)
 # =============================================================================================
-_GLOO_LEAVES = {"a": ((5, 7), "S0"), "b": ((7, 3), "S1"), "c": ((3, 8), "S0"),
-                "d": ((8, 3), "S0"), "e": ((9,), "S0"), "f": ((4, 3), None), "r": ((3, 5), "R")}
+_GLOO_LEAVES = {
+    "a": ((5, 7), "S0"),
+    "b": ((7, 3), "S1"),
+    "c": ((3, 8), "S0"),
+    "d": ((8, 3), "S0"),
+    "e": ((9,), "S0"),
+    "f": ((4, 3), None),
+    "r": ((3, 5), "R"),
+}
 
-_GLOO_WORKER = r'''
+_GLOO_WORKER = r"""
 import sys
 import torch
 import torch.distributed as dist
@@ -505,7 +562,7 @@ if rank == 0:
     torch.save({"params": full, "counts": counts}, out)
 dist.barrier()
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_gloo_2_processes_match_one_process(tmp_path):
@@ -516,30 +573,53 @@ def test_gloo_2_processes_match_one_process(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    )
     out = tmp_path / "out.pt"
-    procs = [subprocess.Popen([sys.executable, "-c", _GLOO_WORKER, str(r), "2",
-                               str(tmp_path / "init"), str(out), repr(_GLOO_LEAVES)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _GLOO_WORKER,
+                str(r),
+                "2",
+                str(tmp_path / "init"),
+                str(out),
+                repr(_GLOO_LEAVES),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
     logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
     res = torch.load(out)
     gen = torch.Generator().manual_seed(7)
     params = {k: torch.randn(s, generator=gen) for k, (s, _) in _GLOO_LEAVES.items()}
-    grads = [{k: torch.randn(s, generator=gen) for k, (s, _) in _GLOO_LEAVES.items()}
-             for _ in range(3)]
-    _, _, want = _run(galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2),
-                      params, grads)
+    grads = [
+        {k: torch.randn(s, generator=gen) for k, (s, _) in _GLOO_LEAVES.items()} for _ in range(3)
+    ]
+    _, _, want = _run(
+        galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2), params, grads
+    )
     for k in params:
         _close(res["params"][k] - params[k], want[k] - params[k], 1e-5, 1e-7, f"param {k}")
     # refreshes (steps 1, 3): the sharded 2-D leaves a, b, c, d share one all-gather;
     # step 2: a (5, 7) left-projected with rows sharded and b (7, 3) right-projected with
     # columns sharded: one all-reduce (c, d: only the kept dim sharded)
-    assert res["counts"] == [{"all_gather_into_tensor": 1}, {"all_reduce": 1},
-                             {"all_gather_into_tensor": 1}]
+    assert res["counts"] == [
+        {"all_gather_into_tensor": 1},
+        {"all_reduce": 1},
+        {"all_gather_into_tensor": 1},
+    ]
 
 
 # =============================================================================================
@@ -559,8 +639,9 @@ def test_galore_adamw_8bit_moments():
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(6)]
 
     def run(bits):
-        tx = galore_adamw(1e-2, rank=4, update_proj_gap=3, weight_decay=0.01, optim_bits=bits,
-                          min_8bit_size=8)
+        tx = galore_adamw(
+            1e-2, rank=4, update_proj_gap=3, weight_decay=0.01, optim_bits=bits, min_8bit_size=8
+        )
         p, s = dict(params), tx.init(params)
         for g in grads:
             u, s = tx.update(g, s, p)
@@ -578,8 +659,13 @@ def test_galore_adamw_8bit_moments():
         assert (d8 - d32).norm() / d32.norm() < 0.05, k
     assert_sharded_equivalent(
         galore_adamw(1e-2, rank=4, update_proj_gap=3, optim_bits=8, min_8bit_size=8),
-        params, grads[:4], mesh_shape=(2, 2), rtol=1e-6, atol=1e-7,
-        placements={"w": [S0, S1], "b": [Rep(), S0]})
+        params,
+        grads[:4],
+        mesh_shape=(2, 2),
+        rtol=1e-6,
+        atol=1e-7,
+        placements={"w": [S0, S1], "b": [Rep(), S0]},
+    )
 
 
 # =============================================================================================
@@ -593,8 +679,7 @@ def test_randomized_refresh_recovers_a_low_rank_subspace(shape):
     g = torch.randn(shape[0], 3, generator=gen) @ torch.randn(3, shape[1], generator=gen)
     spans = {}
     for refresh in ("svd", "randomized"):
-        tx = galore(ft.scale_by_adam(), rank=3, update_proj_gap=5, refresh=refresh,
-                    oversample=2)
+        tx = galore(ft.scale_by_adam(), rank=3, update_proj_gap=5, refresh=refresh, oversample=2)
         params = {"w": torch.zeros(shape)}
         _, state = tx.update({"w": g}, tx.init(params), params)
         p = state.projectors["w"]
@@ -609,23 +694,45 @@ def test_randomized_refresh_sharded_equals_unsharded_and_communicates_less():
     from functional_train.testing import assert_sharded_equivalent
 
     gen = torch.Generator().manual_seed(1)
-    params = {"w": torch.randn(9, 5, generator=gen), "v": torch.randn(5, 11, generator=gen),
-              "b": torch.randn(5, generator=gen)}
-    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
-             for _ in range(4)]
+    params = {
+        "w": torch.randn(9, 5, generator=gen),
+        "v": torch.randn(5, 11, generator=gen),
+        "b": torch.randn(5, generator=gen),
+    }
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(4)]
     placements = {"w": [S0, S1], "v": [S1, R], "b": [R, S0]}
     assert_sharded_equivalent(
-        galore(ft.scale_by_adam(), 2, update_proj_gap=2, refresh="randomized"), params, grads,
-        mesh_shape=(2, 2), placements=placements, rtol=1e-4, atol=1e-5)
+        galore(ft.scale_by_adam(), 2, update_proj_gap=2, refresh="randomized"),
+        params,
+        grads,
+        mesh_shape=(2, 2),
+        placements=placements,
+        rtol=1e-4,
+        atol=1e-5,
+    )
     assert_sharded_equivalent(
-        galore_adamw(1e-2, rank=2, update_proj_gap=2, refresh="randomized"), params, grads,
-        mesh_shape=(2, 2), placements=placements, rtol=1e-4, atol=1e-5)
+        galore_adamw(1e-2, rank=2, update_proj_gap=2, refresh="randomized"),
+        params,
+        grads,
+        mesh_shape=(2, 2),
+        placements=placements,
+        rtol=1e-4,
+        atol=1e-5,
+    )
     with simulate(4):
         m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        p = {k: distribute_tensor(per_rank(4, lambda r, v=v: v), m, placements[k],
-                                  src_data_rank=None) for k, v in params.items()}
-        g = {k: distribute_tensor(per_rank(4, lambda r, v=v: v), m, placements[k],
-                                  src_data_rank=None) for k, v in grads[0].items()}
+        p = {
+            k: distribute_tensor(
+                per_rank(4, lambda r, v=v: v), m, placements[k], src_data_rank=None
+            )
+            for k, v in params.items()
+        }
+        g = {
+            k: distribute_tensor(
+                per_rank(4, lambda r, v=v: v), m, placements[k], src_data_rank=None
+            )
+            for k, v in grads[0].items()
+        }
         tx = galore(ft.scale_by_adam(), 2, update_proj_gap=2, refresh="randomized")
         with count_collectives() as c:
             tx.update(g, tx.init(p), p)
@@ -644,33 +751,51 @@ def test_randomized_refresh_bad_input():
 # =============================================================================================
 from _layouts import check_fused_step  # noqa: E402
 
-_GALORE_SHAPES = {"w": (6, 5), "b": (7,), "s": (), "tall": (400, 300), "wide": (200, 600),
-                  "vec": (60000,), "stack": (2, 90, 100), "frozen": (40, 30)}
+_GALORE_SHAPES = {
+    "w": (6, 5),
+    "b": (7,),
+    "s": (),
+    "tall": (400, 300),
+    "wide": (200, 600),
+    "vec": (60000,),
+    "stack": (2, 90, 100),
+    "frozen": (40, 30),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kw", [
-    dict(weight_decay=0.1),
-    dict(weight_decay=0.0, proj_type="reverse_std"),
-    dict(weight_decay=0.1, learning_rate="schedule", optim_bits=8),
-    dict(weight_decay=0.05, labels=True, scale=0.3),
-], ids=["decay", "no_decay_reverse", "schedule_8bit", "labels_scale"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(weight_decay=0.1),
+        dict(weight_decay=0.0, proj_type="reverse_std"),
+        dict(weight_decay=0.1, learning_rate="schedule", optim_bits=8),
+        dict(weight_decay=0.05, labels=True, scale=0.3),
+    ],
+    ids=["decay", "no_decay_reverse", "schedule_8bit", "labels_scale"],
+)
 def test_step_per_leaf_path_equals_the_chain(kw, dtype, monkeypatch):
     """``ft.step(galore_adamw(...))`` between refreshes (update_proj_gap=2: steps 2 and 4) runs
     each projected leaf's back-projection, scale, learning rate, decay and add as one matrix
     product into the parameter (``fused_galore_step``): the chain's update + apply_updates to
-    float rounding (the states bit for bit), pure and donated; refresh steps (1 and 3) take the general path. Right and left projections, a 3-D
-    leaf, a vector, the "no_decay" label, a schedule, 8-bit moments."""
+    float rounding (the states bit for bit), pure and donated; refresh steps (1 and 3) take the
+    general path. Right and left projections, a 3-D leaf, a vector, the "no_decay" label, a
+    schedule, 8-bit moments."""
     kw = dict(kw)
     if kw.get("learning_rate") == "schedule":
         kw["learning_rate"] = ft.schedules.linear_schedule(1e-2, 1e-3, 10)
     if kw.pop("labels", False):
-        kw["labels"] = {k: ("no_decay" if k in ("b", "vec") else "galore")
-                        for k in _GALORE_SHAPES}
-    check_fused_step(lambda: galore_adamw(rank=8, update_proj_gap=2, **kw), dtype, monkeypatch,
-                     "fused_galore_step", shapes=_GALORE_SHAPES, steps=4,
-                     taken_at=[False, True, False, True],
-                     param_rounding=True)
+        kw["labels"] = {k: ("no_decay" if k in ("b", "vec") else "galore") for k in _GALORE_SHAPES}
+    check_fused_step(
+        lambda: galore_adamw(rank=8, update_proj_gap=2, **kw),
+        dtype,
+        monkeypatch,
+        "fused_galore_step",
+        shapes=_GALORE_SHAPES,
+        steps=4,
+        taken_at=[False, True, False, True],
+        param_rounding=True,
+    )
 
 
 def test_step_per_leaf_path_declines_small_leaves(monkeypatch):
@@ -680,8 +805,9 @@ def test_step_per_leaf_path_declines_small_leaves(monkeypatch):
     step_module = sys.modules["functional_train.step"]
     taken = []
     real = step_module.fused_galore_step
-    monkeypatch.setattr(step_module, "fused_galore_step",
-                        lambda *a: taken.append(real(*a)) or taken[-1])
+    monkeypatch.setattr(
+        step_module, "fused_galore_step", lambda *a: taken.append(real(*a)) or taken[-1]
+    )
     params = {"w": torch.randn(20, 30), "b": torch.randn(30)}
     tx = galore_adamw(1e-2, rank=4, update_proj_gap=5)
     s = tx.init(params)
@@ -691,9 +817,11 @@ def test_step_per_leaf_path_declines_small_leaves(monkeypatch):
     assert taken == [None, None]
 
 
-@pytest.mark.parametrize("kw", [dict(eps_before_correction=True), dict(),
-                                dict(bias_correction=False, eps=1e-3)],
-                         ids=["hf", "torch", "no_correction"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(eps_before_correction=True), dict(), dict(bias_correction=False, eps=1e-3)],
+    ids=["hf", "torch", "no_correction"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adam_leaf_equals_scale_by_adam(kw, dtype):
     """``scale_by_adam``'s one-leaf form (``update.leafwise``, used by the per-leaf GaLore step)
@@ -702,7 +830,10 @@ def test_adam_leaf_equals_scale_by_adam(kw, dtype):
     tx = ft.scale_by_adam(0.8, 0.95, **kw)
     adam = tx.update.leafwise
     gen = torch.Generator().manual_seed(1)
-    g = {"a": torch.randn(30, 40, generator=gen).to(dtype), "b": torch.randn(7, generator=gen).to(dtype)}
+    g = {
+        "a": torch.randn(30, 40, generator=gen).to(dtype),
+        "b": torch.randn(7, generator=gen).to(dtype),
+    }
     s = tx.init(g)
     mu = {k: v.clone() for k, v in s.mu.items()}
     nu = {k: v.clone() for k, v in s.nu.items()}

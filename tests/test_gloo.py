@@ -22,12 +22,20 @@ def _spawn_raw(world, tmp_path, module, timeout=240):
     """Run ``module`` on ``world`` gloo ranks; returns the ``out`` path it was given."""
     init_file = tmp_path / "init"
     out = tmp_path / "out.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(HERE / module), str(r), str(world),
-                               str(init_file), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / module), str(r), str(world), str(init_file), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
     logs = []
     for p in procs:
         stdout, _ = p.communicate(timeout=timeout)
@@ -74,8 +82,13 @@ def test_zero_aliases_tp2_dp2_match_one_process(tmp_path):
             updates, state = tx.update(g, state, params)
             params = ft.apply_updates(params, updates)
         for k in params:
-            torch.testing.assert_close(res[name]["params"][k], params[k], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name} {k}: {m}")
+            torch.testing.assert_close(
+                res[name]["params"][k],
+                params[k],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m: f"{name} {k}: {m}",
+            )
         for step, c in enumerate(res[name]["counts"]):
             assert c.get("reduce_scatter_tensor") == 1, (name, c)
             gathers = c.get("all_gather_into_tensor")
@@ -103,7 +116,6 @@ def test_statistics_over_two_mesh_dims_take_one_all_reduce(tmp_path):
     for s in params:
         for k in params[s]:
             torch.testing.assert_close(res["params"][s][k], params[s][k], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(res["norm"], ft.tree_get(state, "global_norm"), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(res["norm"], ft.tree_get(state, "global_norm"), rtol=1e-5, atol=1e-6)
     assert res["groups"] == 1
     assert res["counts"] == [{"all_reduce": 4}] * len(grads), res["counts"]

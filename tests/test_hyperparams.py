@@ -9,10 +9,9 @@ import sys
 
 import pytest
 import torch
+from _layouts import step_by_mode  # noqa: E402
 
 import functional_train as ft
-
-from _layouts import step_by_mode  # noqa: E402
 
 
 def _problem(steps=4, seed=0, big=False):
@@ -20,10 +19,14 @@ def _problem(steps=4, seed=0, big=False):
     ``ft.step`` takes its per-leaf paths (came, galore_adamw)."""
     gen = torch.Generator().manual_seed(seed)
     (n, m), k = ((256, 128), 160) if big else ((40, 30), 8)
-    params = {"w": torch.randn(n, m, generator=gen), "v": torch.randn(m, k, generator=gen),
-              "b": torch.randn(m, generator=gen)}
-    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
-             for _ in range(steps)]
+    params = {
+        "w": torch.randn(n, m, generator=gen),
+        "v": torch.randn(m, k, generator=gen),
+        "b": torch.randn(m, generator=gen),
+    }
+    grads = [
+        {k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(steps)
+    ]
     return params, grads
 
 
@@ -91,25 +94,27 @@ def test_injected_equals_the_alias_bitwise(name, mode, monkeypatch):
         h = got_s.hyperparams[k]
         assert h.dtype == torch.float64 and h.device.type == "cpu" and float(h) == kw[k]
     # (the inner state may hold one more counter: the injected learning rate is a schedule)
-    got_leaves = [x for x in torch.utils._pytree.tree_leaves(got_s.inner_state)
-                  if x is not None and x.ndim]
-    want_leaves = [x for x in torch.utils._pytree.tree_leaves(want_s)
-                   if x is not None and x.ndim]
+    got_leaves = [
+        x for x in torch.utils._pytree.tree_leaves(got_s.inner_state) if x is not None and x.ndim
+    ]
+    want_leaves = [x for x in torch.utils._pytree.tree_leaves(want_s) if x is not None and x.ndim]
     assert len(got_leaves) == len(want_leaves)
     for a, b in zip(got_leaves, want_leaves):
         assert torch.equal(a, b)
 
 
 def _switch_schedule(before, after, at):
-    return lambda c: torch.where(torch.as_tensor(c) < at, torch.tensor(before, dtype=torch.float64),
-                                 torch.tensor(after, dtype=torch.float64))
+    return lambda c: torch.where(
+        torch.as_tensor(c) < at,
+        torch.tensor(before, dtype=torch.float64),
+        torch.tensor(after, dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("mode", ["update", "pure"])
 def test_set_learning_rate_between_steps_equals_a_schedule(mode):
     params, grads = _problem(steps=5)
-    want, _ = _run(ft.adamw(_switch_schedule(1e-2, 3e-3, 2), weight_decay=0.1), params, grads,
-                   mode)
+    want, _ = _run(ft.adamw(_switch_schedule(1e-2, 3e-3, 2), weight_decay=0.1), params, grads, mode)
     tx = ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, weight_decay=0.1)
 
     def between(t, s):
@@ -121,10 +126,14 @@ def test_set_learning_rate_between_steps_equals_a_schedule(mode):
     assert float(ft.get_hyperparams(s)["learning_rate"]) == 3e-3
 
 
-@pytest.mark.parametrize("factory,name,kw", [
-    (ft.adam, "b1", dict(learning_rate=1e-2, b1=0.9)),  # read as a tensor
-    (ft.sgd, "dampening", dict(learning_rate=1e-2, momentum=0.9, dampening=0.9)),  # host read
-], ids=["tensor", "host"])
+@pytest.mark.parametrize(
+    "factory,name,kw",
+    [
+        (ft.adam, "b1", dict(learning_rate=1e-2, b1=0.9)),  # read as a tensor
+        (ft.sgd, "dampening", dict(learning_rate=1e-2, momentum=0.9, dampening=0.9)),  # host read
+    ],
+    ids=["tensor", "host"],
+)
 def test_optax_in_place_idiom(factory, name, kw):
     """``state.hyperparams['b1'] = ...`` (optax's idiom): the alias takes the new value from
     that step on, the moments carried over (a host-read one by rebuilding the alias)."""
@@ -164,9 +173,13 @@ def test_compiled_step_does_not_recompile_when_the_learning_rate_changes():
     torch._dynamo.reset()
     params, grads = _problem(steps=4)
     tx = ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, weight_decay=0.1)
-    want, _ = _run(ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, weight_decay=0.1),
-                   params, grads, "update",
-                   lambda t, s: ft.set_hyperparams(s, learning_rate=1e-2 / (t + 1)))
+    want, _ = _run(
+        ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, weight_decay=0.1),
+        params,
+        grads,
+        "update",
+        lambda t, s: ft.set_hyperparams(s, learning_rate=1e-2 / (t + 1)),
+    )
 
     @torch.compile(fullgraph=True)
     def train_step(g, s, p):
@@ -185,7 +198,8 @@ def test_compiled_step_does_not_recompile_when_the_learning_rate_changes():
 
 def test_static_and_non_numeric_arguments_are_not_injected():
     tx = ft.inject_hyperparams(ft.adamw, static_args=("eps",))(
-        1e-3, eps=1e-6, weight_decay=0.0, optim_bits=32, mask=ft.decay_mask)
+        1e-3, eps=1e-6, weight_decay=0.0, optim_bits=32, mask=ft.decay_mask
+    )
     s = tx.init({"w": torch.zeros(4, 4), "b": torch.zeros(4)})
     # positional learning_rate injected; eps static; the int optim_bits and the mask callable not
     assert set(s.hyperparams) == {"learning_rate", "weight_decay"}
@@ -214,28 +228,63 @@ def test_bad_input():
 TENSOR_CASES = {
     "adam": (ft.adam, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05)),
     "adam_no_decay": (ft.adam, dict(learning_rate=1e-2, weight_decay=0.0)),  # (changed to 0.2)
-    "sgd_dampening": (ft.sgd, dict(learning_rate=0.1, momentum=0.9, dampening=0.0,
-                                   weight_decay=0.01)),  # (dampening changed to 0.3)
+    "sgd_dampening": (
+        ft.sgd,
+        dict(learning_rate=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01),
+    ),  # (dampening changed to 0.3)
     "sgd_momentum_from_0": (ft.sgd, dict(learning_rate=0.1, momentum=0.0, weight_decay=0.01)),
-    "adafactor": (ft.adafactor, dict(learning_rate=1e-2, relative_step=False,
-                                     clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.1)),
-    "adafactor_beta1": (ft.adafactor, dict(clip_threshold=1.0, decay_rate=-0.8, beta1=0.9,
-                                           weight_decay=0.0, mask=ft.decay_mask)),
-    "galore_adamw": (ft.galore_adamw, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6,
-                                           weight_decay=0.1, scale=0.25, rank=4,
-                                           update_proj_gap=3)),
-    "adamw_mask": (ft.adamw, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6,
-                                  weight_decay=0.1, mask=ft.decay_mask)),
+    "adafactor": (
+        ft.adafactor,
+        dict(
+            learning_rate=1e-2,
+            relative_step=False,
+            clip_threshold=1.0,
+            decay_rate=-0.8,
+            weight_decay=0.1,
+        ),
+    ),
+    "adafactor_beta1": (
+        ft.adafactor,
+        dict(clip_threshold=1.0, decay_rate=-0.8, beta1=0.9, weight_decay=0.0, mask=ft.decay_mask),
+    ),
+    "galore_adamw": (
+        ft.galore_adamw,
+        dict(
+            learning_rate=1e-2,
+            b1=0.8,
+            b2=0.99,
+            eps=1e-6,
+            weight_decay=0.1,
+            scale=0.25,
+            rank=4,
+            update_proj_gap=3,
+        ),
+    ),
+    "adamw_mask": (
+        ft.adamw,
+        dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1, mask=ft.decay_mask),
+    ),
     "lamb": (ft.lamb, dict(learning_rate=1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1)),
-    "sgd_nesterov": (ft.sgd, dict(learning_rate=0.1, momentum=0.9, weight_decay=0.01,
-                                  nesterov=True)),
-    "muon": (ft.muon, dict(learning_rate=1e-2, beta=0.9, weight_decay=0.1,
-                           ns_dtype=torch.float32)),
+    "sgd_nesterov": (
+        ft.sgd,
+        dict(learning_rate=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+    ),
+    "muon": (ft.muon, dict(learning_rate=1e-2, beta=0.9, weight_decay=0.1, ns_dtype=torch.float32)),
     "came": (ft.came, dict(learning_rate=1e-2, weight_decay=0.1, clip_threshold=1.0)),
 }
-_CHANGED = {"b1": 0.6, "b2": 0.9, "eps": 1e-3, "weight_decay": 0.2, "momentum": 0.5,
-            "beta": 0.7, "dampening": 0.3, "clip_threshold": 0.5, "decay_rate": -0.6,
-            "beta1": 0.7, "scale": 0.5}
+_CHANGED = {
+    "b1": 0.6,
+    "b2": 0.9,
+    "eps": 1e-3,
+    "weight_decay": 0.2,
+    "momentum": 0.5,
+    "beta": 0.7,
+    "dampening": 0.3,
+    "clip_threshold": 0.5,
+    "decay_rate": -0.6,
+    "beta1": 0.7,
+    "scale": 0.5,
+}
 
 
 def _carried(state, tx, params, t):
@@ -252,8 +301,11 @@ def _carried(state, tx, params, t):
         if old and type(old[0]) is type(s):
             out.append(old.pop(0))
         else:
-            out.append(s._replace(count=torch.full_like(s.count, t)) if "count" in getattr(s, "_fields", ())
-                       else s)
+            out.append(
+                s._replace(count=torch.full_like(s.count, t))
+                if "count" in getattr(s, "_fields", ())
+                else s
+            )
     assert not old
     return type(fresh)(out)
 
@@ -278,8 +330,7 @@ def test_tensor_hyperparameters_are_read_per_update(name, mode):
     factory, kw = TENSOR_CASES[name]
     params, grads = _problem(steps=5, big=name in BIG)
     tx = ft.inject_hyperparams(factory)(**kw)
-    got, _ = _run(tx, params, grads, mode,
-                  lambda t, s: ft.set_hyperparams(s, **_changes(kw, t)))
+    got, _ = _run(tx, params, grads, mode, lambda t, s: ft.set_hyperparams(s, **_changes(kw, t)))
     ref_state, want = None, {k: v.clone() for k, v in params.items()}
     for t, g in enumerate(grads):
         ref = factory(**{**kw, **_changes(kw, t)})
@@ -292,8 +343,11 @@ def test_tensor_hyperparameters_are_read_per_update(name, mode):
     assert any(not torch.equal(got[k], unchanged[k]) for k in params)
 
 
-@pytest.mark.parametrize("name,backend", [(n, "aot_eager") for n in sorted(TENSOR_CASES)]
-                         + [("adam", "inductor"), ("adafactor", "inductor")])  # (foreach and factored ops)
+@pytest.mark.parametrize(
+    "name,backend",
+    [(n, "aot_eager") for n in sorted(TENSOR_CASES)]
+    + [("adam", "inductor"), ("adafactor", "inductor")],
+)  # (foreach and factored ops)
 def test_compiled_step_does_not_recompile_when_tensor_hyperparameters_change(name, backend):
     """``torch.compile(ft.step, fullgraph=True)`` with b1, b2, eps, the weight decay and the
     momentum changed between steps: no recompile (``error_on_recompile``), the parameters of
@@ -324,8 +378,9 @@ def test_compiled_step_does_not_recompile_when_tensor_hyperparameters_change(nam
     fused = factory is ft.adam or factory is ft.adamw
     for k in params:
         change = (want[k] - params[k]).abs().max()
-        torch.testing.assert_close(p[k], want[k], rtol=0,
-                                   atol=0 if fused else 1e-5 * float(change) + 1e-7)
+        torch.testing.assert_close(
+            p[k], want[k], rtol=0, atol=0 if fused else 1e-5 * float(change) + 1e-7
+        )
 
 
 def test_tensor_hyperparameters_are_checked_when_set():
@@ -341,8 +396,9 @@ def test_tensor_hyperparameters_are_checked_when_set():
     s = ft.set_hyperparams(tx.init(params), weight_decay=-1.0)
     with pytest.raises(ValueError, match="weight_decay"):
         ft.step(tx, grads[0], s, params)
-    zero = ft.inject_hyperparams(lambda learning_rate, momentum: ft.sgd(
-        learning_rate, momentum=momentum))(learning_rate=0.1, momentum=0.0)
+    zero = ft.inject_hyperparams(
+        lambda learning_rate, momentum: ft.sgd(learning_rate, momentum=momentum)
+    )(learning_rate=0.1, momentum=0.0)
     s = zero.init(params)
     with pytest.raises(ValueError, match=r"host-read.*momentum.*another state"):
         ft.step(zero, grads[0], ft.set_hyperparams(s, momentum=0.5), params)
@@ -354,8 +410,9 @@ def test_momentum_injected_as_0_and_set_later_follows_torch_sgd(mode):
     step 2, the parameters follow ``torch.optim.SGD`` whose ``param_groups`` get the same
     values at the same step (its buffer starts undamped then), to float32 rounding."""
     params, grads = _problem(steps=6)
-    tx = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=0.0, dampening=0.3,
-                                       weight_decay=0.01)
+    tx = ft.inject_hyperparams(ft.sgd)(
+        learning_rate=0.1, momentum=0.0, dampening=0.3, weight_decay=0.01
+    )
 
     def between(t, s):
         return ft.set_hyperparams(s, momentum=0.9) if t == 2 else s
@@ -364,8 +421,9 @@ def test_momentum_injected_as_0_and_set_later_follows_torch_sgd(mode):
     trace = state.inner_state[1]
     assert isinstance(trace, ft.TraceState) and int(trace.count) == 4  # steps with momentum
     ref = {k: v.clone().requires_grad_() for k, v in params.items()}
-    opt = torch.optim.SGD(list(ref.values()), lr=0.1, momentum=0.0, dampening=0.3,
-                          weight_decay=0.01, foreach=False)
+    opt = torch.optim.SGD(
+        list(ref.values()), lr=0.1, momentum=0.0, dampening=0.3, weight_decay=0.01, foreach=False
+    )
     for t, g in enumerate(grads):
         if t == 2:
             opt.param_groups[0]["momentum"] = 0.9
@@ -374,5 +432,4 @@ def test_momentum_injected_as_0_and_set_later_follows_torch_sgd(mode):
         opt.step()
     for k in params:
         change = (ref[k].detach() - params[k]).abs().max()
-        torch.testing.assert_close(got[k], ref[k].detach(), rtol=0,
-                                   atol=1e-6 * float(change))
+        torch.testing.assert_close(got[k], ref[k].detach(), rtol=0, atol=1e-6 * float(change))

@@ -31,8 +31,13 @@ def native_calls(monkeypatch):
     assert native.available(torch.float32), "no C compiler: the native kernels are untested"
     calls = []
     real = native._call
-    monkeypatch.setattr(native, "_call", lambda kind, lists, *a: (
-        calls.append([x.numel() for x in lists[0]]) or real(kind, lists, *a)))
+    monkeypatch.setattr(
+        native,
+        "_call",
+        lambda kind, lists, *a: (
+            calls.append([x.numel() for x in lists[0]]) or real(kind, lists, *a)
+        ),
+    )
     return calls
 
 
@@ -48,20 +53,30 @@ def out_of_place(request):
 
 def _tree(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shapes = {"emb": (37, 20), "w": (20, 20), "w2": (13, 11), "bias": (20,), "scale": (3,),
-              "tall": (65, 3)}  # uneven sizes; bias and scale stay on torch's kernel
+    shapes = {
+        "emb": (37, 20),
+        "w": (20, 20),
+        "w2": (13, 11),
+        "bias": (20,),
+        "scale": (3,),
+        "tall": (65, 3),
+    }  # uneven sizes; bias and scale stay on torch's kernel
     return {k: torch.randn(s, generator=g, dtype=dtype) for k, s in shapes.items()}
 
 
 CONFIGS = {
     "clip+adamw": lambda: ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)),
-    "adam l2 amsgrad maximize": lambda: ft.adam(1e-2, b1=0.8, weight_decay=0.1, amsgrad=True,
-                                                maximize=True),
+    "adam l2 amsgrad maximize": lambda: ft.adam(
+        1e-2, b1=0.8, weight_decay=0.1, amsgrad=True, maximize=True
+    ),
     "adamw mask schedule": lambda: ft.adamw(
-        ft.schedules.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.1,
-        mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+        ft.schedules.linear_schedule(1e-2, 1e-3, 10),
+        weight_decay=0.1,
+        mask=lambda p: {k: v.ndim > 1 for k, v in p.items()},
+    ),
     "clip+sgd nesterov wd": lambda: ft.chain(
-        ft.clip_by_global_norm(0.5), ft.sgd(1e-2, momentum=0.9, nesterov=True, weight_decay=0.1)),
+        ft.clip_by_global_norm(0.5), ft.sgd(1e-2, momentum=0.9, nesterov=True, weight_decay=0.1)
+    ),
 }
 
 
@@ -72,8 +87,10 @@ def _gradients_and_inputs(i, p, s, exact_norm=False):
     in float32 in any order."""
     gen = torch.Generator().manual_seed(100 + i)
     if exact_norm:
-        g = {k: torch.randint(-8, 9, v.shape, generator=gen).float() * (i + 1) / 4
-             for k, v in p.items()}
+        g = {
+            k: torch.randint(-8, 9, v.shape, generator=gen).float() * (i + 1) / 4
+            for k, v in p.items()
+        }
     else:
         g = {k: torch.randn(v.shape, generator=gen) * (i + 1) for k, v in p.items()}
     inputs = [x for x in torch.utils._pytree.tree_leaves((g, p, s)) if isinstance(x, torch.Tensor)]
@@ -95,8 +112,11 @@ def test_pure_step_equals_the_primitives(out_of_place, monkeypatch, name):
     sizes = []
     for kernel in ("_fused_adamw_", "_fused_adam_", "_fused_sgd_"):
         real = getattr(torch, kernel)
-        monkeypatch.setattr(torch, kernel, lambda *a, _r=real, **k: sizes.extend(
-            x.numel() for x in a[0]) or _r(*a, **k))
+        monkeypatch.setattr(
+            torch,
+            kernel,
+            lambda *a, _r=real, **k: sizes.extend(x.numel() for x in a[0]) or _r(*a, **k),
+        )
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(5):
             g, inputs, before = _gradients_and_inputs(i, p, s)
@@ -152,8 +172,18 @@ def test_a_shard_computes_what_the_whole_tensor_computes(out_of_place):
     gen = torch.Generator().manual_seed(1)
     p, g, m, v = (torch.randn(n, generator=gen) for _ in range(4))
     v = v.abs()
-    kw = dict(coef=torch.tensor(0.7), lr=1e-2, weight_decay=0.1, b1=0.9, b2=0.999, eps=1e-8,
-              count=torch.tensor(3), decoupled=True, amsgrad=False, maximize=False)
+    kw = dict(
+        coef=torch.tensor(0.7),
+        lr=1e-2,
+        weight_decay=0.1,
+        b1=0.9,
+        b2=0.999,
+        eps=1e-8,
+        count=torch.tensor(3),
+        decoupled=True,
+        amsgrad=False,
+        maximize=False,
+    )
     whole = [torch.empty(n) for _ in range(3)]
     assert kernels.adam_pure([p], [g], [m], [v], None, *[[w] for w in whole], None, **kw)
     parts = [(0, 333), (333, 334), (334, 999), (999, 1001)]
@@ -171,6 +201,7 @@ def test_fallback_when_compiling_fails(compiled, monkeypatch):
 
     def broken(*a, **k):
         raise RuntimeError("no compiler here")
+
     monkeypatch.setattr(torch, "compile", broken)
     _step_warns_and_equals_the_chain("no compiler here")
     assert kernels._failed
@@ -207,14 +238,18 @@ def _leaves(sizes, n_in, dtype=torch.float32, seed=0):
     return [[x.abs() for x in L] if j in (3, 4) else L for j, L in enumerate(ins)]
 
 
-ADAM_FLAGS = {"adam l2 amsgrad maximize clip": dict(decoupled=False, amsgrad=True, maximize=True,
-                                                    weight_decay=0.1, coef=0.7),
-              "adamw": dict(decoupled=True, amsgrad=False, maximize=False, weight_decay=0.1,
-                            coef=None)}
-SGD_FLAGS = {"sgd nesterov wd clip maximize": dict(momentum=0.9, nesterov=True, maximize=True,
-                                                   weight_decay=0.1, coef=0.7),
-             "sgd": dict(momentum=0.0, nesterov=False, maximize=False, weight_decay=0.0,
-                         coef=None)}
+ADAM_FLAGS = {
+    "adam l2 amsgrad maximize clip": dict(
+        decoupled=False, amsgrad=True, maximize=True, weight_decay=0.1, coef=0.7
+    ),
+    "adamw": dict(decoupled=True, amsgrad=False, maximize=False, weight_decay=0.1, coef=None),
+}
+SGD_FLAGS = {
+    "sgd nesterov wd clip maximize": dict(
+        momentum=0.9, nesterov=True, maximize=True, weight_decay=0.1, coef=0.7
+    ),
+    "sgd": dict(momentum=0.0, nesterov=False, maximize=False, weight_decay=0.0, coef=None),
+}
 
 
 def _run_pure(kind, flags, sizes, dtype=torch.float32):
@@ -227,8 +262,9 @@ def _run_pure(kind, flags, sizes, dtype=torch.float32):
         outs = [[torch.full_like(x, float("nan")) for x in p] for _ in range(4)]
         if not f["amsgrad"]:
             nm, outs[3] = None, None
-        assert kernels.adam_pure(p, g, m, v, nm, *outs, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8,
-                                 count=torch.tensor(3), **f)
+        assert kernels.adam_pure(
+            p, g, m, v, nm, *outs, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, count=torch.tensor(3), **f
+        )
     else:
         p, g, buf = _leaves(sizes, 3, dtype)
         outs = [[torch.full_like(x, float("nan")) for x in p] for _ in range(2)]
@@ -238,8 +274,9 @@ def _run_pure(kind, flags, sizes, dtype=torch.float32):
     return [x for L in outs if L is not None for x in L]
 
 
-CASES = [("adam", n, f) for n, f in ADAM_FLAGS.items()] + [("sgd", n, f) for n, f in
-                                                           SGD_FLAGS.items()]
+CASES = [("adam", n, f) for n, f in ADAM_FLAGS.items()] + [
+    ("sgd", n, f) for n, f in SGD_FLAGS.items()
+]
 
 
 @pytest.mark.parametrize("kind,name,flags", CASES, ids=[c[1] for c in CASES])
@@ -256,19 +293,40 @@ def test_native_equals_the_primitives_math(monkeypatch, kind, name, flags):
     if kind == "adam":
         ins = [[x.double() for x in L] for L in _leaves(sizes, 5)]
         bc1, bc2 = kernels._bias_corrections(0.9, 0.999, torch.tensor(3))
-        s = torch.tensor([f["coef"] or 1.0, f["weight_decay"], 0.1, 0.999, 0.001, 1e-8, bc1,
-                          bc2, 1e-2], dtype=torch.float64)
+        s = torch.tensor(
+            [f["coef"] or 1.0, f["weight_decay"], 0.1, 0.999, 0.001, 1e-8, bc1, bc2, 1e-2],
+            dtype=torch.float64,
+        )
         wd = bool(f["weight_decay"])
-        res = [kernels._adam_math(*[L[k] for L in ins], s, clip, maximize,
-                                  wd and not f["decoupled"], wd and f["decoupled"],
-                                  f["amsgrad"]) for k in range(len(sizes))]
+        res = [
+            kernels._adam_math(
+                *[L[k] for L in ins],
+                s,
+                clip,
+                maximize,
+                wd and not f["decoupled"],
+                wd and f["decoupled"],
+                f["amsgrad"],
+            )
+            for k in range(len(sizes))
+        ]
     else:
         ins = [[x.double() for x in L] for L in _leaves(sizes, 3)]
-        s = torch.tensor([f["coef"] or 1.0, f["weight_decay"], f["momentum"], 1e-2],
-                         dtype=torch.float64)
-        res = [kernels._sgd_math(*[L[k] for L in ins], s, clip, maximize,
-                                 bool(f["weight_decay"]), bool(f["momentum"]), f["nesterov"])
-               for k in range(len(sizes))]
+        s = torch.tensor(
+            [f["coef"] or 1.0, f["weight_decay"], f["momentum"], 1e-2], dtype=torch.float64
+        )
+        res = [
+            kernels._sgd_math(
+                *[L[k] for L in ins],
+                s,
+                clip,
+                maximize,
+                bool(f["weight_decay"]),
+                bool(f["momentum"]),
+                f["nesterov"],
+            )
+            for k in range(len(sizes))
+        ]
     want = [r[j] for j in range(len(res[0])) if res[0][j] is not None for r in res]
     assert len(got) == len(want)
     eps = torch.finfo(torch.float32).eps
@@ -314,13 +372,22 @@ def test_native_declines_what_it_does_not_take(native_calls):
     (``False``, nothing written)."""
     p, g, m, v = _leaves([64], 4)
     out = [[torch.full((64,), float("nan"))] for _ in range(3)]
-    kw = dict(coef=1.0, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8, bc1=0.1, bc2_sqrt=0.1,
-              lr=1e-3, decoupled=True, amsgrad=False)
+    kw = dict(
+        coef=1.0,
+        weight_decay=0.0,
+        b1=0.9,
+        b2=0.999,
+        eps=1e-8,
+        bc1=0.1,
+        bc2_sqrt=0.1,
+        lr=1e-3,
+        decoupled=True,
+        amsgrad=False,
+    )
     strided = [torch.zeros(128)[::2]]
     assert not native.adam(strided, g, m, v, None, *out, None, **kw)
     assert not native.adam(p, [g[0].double()], m, v, None, *out, None, **kw)
-    assert not native.adam(p, g, m, v, None, [torch.nn.Parameter(out[0][0])], *out[1:], None,
-                           **kw)
+    assert not native.adam(p, g, m, v, None, [torch.nn.Parameter(out[0][0])], *out[1:], None, **kw)
     assert all(x[0].isnan().all() for x in out)
     assert native.adam(p, g, m, v, None, *out, None, **kw)
     assert not any(x[0].isnan().any() for x in out)
@@ -343,15 +410,22 @@ def test_native_sum_squares(native_calls, dtype):
     assert float(got[0]) == 0.0
     base = torch.randn(5000, generator=g, dtype=dtype)
     for start in (0, 1, 3, 7):  # unaligned starts: the same order of additions
-        a = native.sum_squares([base[start:start + 4099]])
-        assert torch.equal(a, native.sum_squares([base[start:start + 4099].clone()]))
+        a = native.sum_squares([base[start : start + 4099]])
+        assert torch.equal(a, native.sum_squares([base[start : start + 4099].clone()]))
     strided = base[:4000].view(40, 100).t()[3:, 1:]  # a non-contiguous view: copied first
     assert torch.equal(native.sum_squares([strided]), native.sum_squares([strided.contiguous()]))
     other = torch.float64 if dtype == torch.float32 else torch.float32
     mixed = native.sum_squares([xs[5], xs[6].to(other), xs[7]])  # one call per dtype
-    assert torch.equal(mixed, torch.cat([native.sum_squares([xs[5]]),
-                                         native.sum_squares([xs[6].to(other)]),
-                                         native.sum_squares([xs[7]])]))
+    assert torch.equal(
+        mixed,
+        torch.cat(
+            [
+                native.sum_squares([xs[5]]),
+                native.sum_squares([xs[6].to(other)]),
+                native.sum_squares([xs[7]]),
+            ]
+        ),
+    )
     assert native.sum_squares([xs[1], xs[2].half()]) is None
     assert native.sum_squares([torch.nn.Parameter(xs[1])]) is None
     assert native.sum_squares([torch.ones(3, dtype=torch.int32)]) is None
@@ -402,18 +476,29 @@ def test_native_fallback_when_the_compiler_is_missing(monkeypatch, tmp_path):
 CONFIGS_8BIT = {
     "adamw": lambda: ft.adamw(1e-2, weight_decay=0.1, optim_bits=8),
     "adamw mask schedule": lambda: ft.adamw(
-        ft.schedules.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.1, optim_bits=8,
-        mask=lambda p: {k: k != "v" for k in p}),
-    "adam l2 maximize": lambda: ft.adam(1e-2, b1=0.8, weight_decay=0.1, optim_bits=8,
-                                        maximize=True),
+        ft.schedules.linear_schedule(1e-2, 1e-3, 10),
+        weight_decay=0.1,
+        optim_bits=8,
+        mask=lambda p: {k: k != "v" for k in p},
+    ),
+    "adam l2 maximize": lambda: ft.adam(
+        1e-2, b1=0.8, weight_decay=0.1, optim_bits=8, maximize=True
+    ),
     "injected adamw": lambda: ft.inject_hyperparams(ft.adamw)(
-        learning_rate=1e-2, b1=0.9, weight_decay=0.1, optim_bits=8),
+        learning_rate=1e-2, b1=0.9, weight_decay=0.1, optim_bits=8
+    ),
 }
 
 
-@pytest.mark.parametrize("name,donate", [  # each configuration, pure and donated alternately
-    ("adamw", False), ("adamw mask schedule", True), ("adam l2 maximize", False),
-    ("injected adamw", True)])
+@pytest.mark.parametrize(
+    "name,donate",
+    [  # each configuration, pure and donated alternately
+        ("adamw", False),
+        ("adamw mask schedule", True),
+        ("adam l2 maximize", False),
+        ("injected adamw", True),
+    ],
+)
 def test_8bit_step_through_the_compiled_kernel(monkeypatch, name, donate):
     """``ft.step`` of 8-bit Adam / AdamW: the quantised leaves whose last dim is a multiple of
     the block size, or below it (96: each row one block), go through the compiled kernel (one
@@ -430,12 +515,20 @@ def test_8bit_step_through_the_compiled_kernel(monkeypatch, name, donate):
     monkeypatch.setattr(kernels, "_failed", False)
     calls = []
     real = kernels.adam8bit
-    monkeypatch.setattr(kernels, "adam8bit", lambda ins, *a, **k: calls.append(
-        [tuple(x[0].shape) for x in ins]) or real(ins, *a, **k))
+    monkeypatch.setattr(
+        kernels,
+        "adam8bit",
+        lambda ins, *a, **k: calls.append([tuple(x[0].shape) for x in ins]) or real(ins, *a, **k),
+    )
     gen = torch.Generator().manual_seed(3)
-    p0 = {"w": torch.randn(40, 512, generator=gen), "v": torch.randn(24, 256, generator=gen),
-          "u": torch.randn(5120, generator=gen), "b": torch.randn(300, generator=gen),
-          "narrow": torch.randn(50, 96, generator=gen), "odd": torch.randn(15, 300, generator=gen)}
+    p0 = {
+        "w": torch.randn(40, 512, generator=gen),
+        "v": torch.randn(24, 256, generator=gen),
+        "u": torch.randn(5120, generator=gen),
+        "b": torch.randn(300, generator=gen),
+        "narrow": torch.randn(50, 96, generator=gen),
+        "odd": torch.randn(15, 300, generator=gen),
+    }
     tx = CONFIGS_8BIT[name]()
     p, s = {k: v.clone() for k, v in p0.items()}, tx.init(p0)
     q, r = p0, tx.init(p0)
@@ -444,8 +537,9 @@ def test_8bit_step_through_the_compiled_kernel(monkeypatch, name, donate):
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(4):
             g = {k: torch.randn(v.shape, generator=gen) * (i + 1) for k, v in p0.items()}
-            inputs = [x for x in torch.utils._pytree.tree_leaves((g, p, s))
-                      if isinstance(x, torch.Tensor)]
+            inputs = [
+                x for x in torch.utils._pytree.tree_leaves((g, p, s)) if isinstance(x, torch.Tensor)
+            ]
             before = [x.clone() for x in inputs]
             p, s = ft.step(tx, g, s, p, donate=donate)
             if not donate:
@@ -453,8 +547,7 @@ def test_8bit_step_through_the_compiled_kernel(monkeypatch, name, donate):
             u, r = tx.update(g, r, q)
             q_new = ft.apply_updates(q, u)
             for k in p0:  # per step: an ulp of the update's two roundings, one of the sum's
-                tol[k] = tol[k] + eps * (2 * u[k].abs() + torch.maximum(q[k].abs(),
-                                                                       q_new[k].abs()))
+                tol[k] = tol[k] + eps * (2 * u[k].abs() + torch.maximum(q[k].abs(), q_new[k].abs()))
             q = q_new
     assert not kernels._failed
     assert [sorted(c) for c in calls] == [[(24, 256), (40, 512), (50, 96), (5120,)]] * 4
@@ -466,8 +559,9 @@ def test_8bit_step_through_the_compiled_kernel(monkeypatch, name, donate):
             assert torch.equal(p[k], q[k]), k
 
 
-@pytest.mark.parametrize("name,path", [(n, "native") for n in CONFIGS] + [
-    ("clip+adamw", "inductor")])
+@pytest.mark.parametrize(
+    "name,path", [(n, "native") for n in CONFIGS] + [("clip+adamw", "inductor")]
+)
 def test_compiled_step_runs_the_eager_kernels(request, monkeypatch, name, path):
     """``torch.compile(ft.step, fullgraph=True)`` of sgd / adam / adamw (after a clip, with a
     mask and a schedule) calls the eager pure step through one operator
@@ -480,6 +574,7 @@ def test_compiled_step_runs_the_eager_kernels(request, monkeypatch, name, path):
     torch._dynamo.reset()
     kernels._compiled.clear()
     import sys
+
     mod = sys.modules["functional_train.step"]
     calls = []
     real = mod._pure

@@ -17,13 +17,16 @@ SHAPES = {"w": (6, 5), "t": (3, 4, 5), "b": (7,), "s": ()}
 def make(shapes=SHAPES, steps=20, seed=0):
     g = torch.Generator().manual_seed(seed)
     params = {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
-             for _ in range(steps)]
+    grads = [
+        {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+        for _ in range(steps)
+    ]
     return params, grads
 
 
 def reference_lamb(params, grads, lr, b1, b2, eps, wd, bias_correction):
-    """The LAMB equations (You et al. 2019, as optax's lamb computes them), leaf by leaf, in float64."""
+    """The LAMB equations (You et al. 2019, as optax's lamb computes them), leaf by leaf, in
+    float64."""
     p = {k: v.clone() for k, v in params.items()}
     m = {k: torch.zeros_like(v) for k, v in p.items()}
     v = {k: torch.zeros_like(x) for k, x in p.items()}
@@ -31,7 +34,7 @@ def reference_lamb(params, grads, lr, b1, b2, eps, wd, bias_correction):
         for k in p:
             m[k] = b1 * m[k] + (1 - b1) * g[k]
             v[k] = b2 * v[k] + (1 - b2) * g[k] ** 2
-            mh, vh = (m[k] / (1 - b1 ** t), v[k] / (1 - b2 ** t)) if bias_correction else (m[k], v[k])
+            mh, vh = (m[k] / (1 - b1**t), v[k] / (1 - b2**t)) if bias_correction else (m[k], v[k])
             r = mh / (vh.sqrt() + eps) + wd * p[k]
             pn, rn = p[k].norm(), r.norm()
             trust = 1.0 if pn == 0 or rn == 0 else pn / rn
@@ -47,17 +50,32 @@ def run(tx, params, grads, mesh=None):
     return params, state
 
 
-@pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.1}, {"bias_correction": False},
-                                {"learning_rate": 3e-2, "b1": 0.8, "b2": 0.99, "eps": 1e-4,
-                                 "weight_decay": 0.01}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"weight_decay": 0.1},
+        {"bias_correction": False},
+        {"learning_rate": 3e-2, "b1": 0.8, "b2": 0.99, "eps": 1e-4, "weight_decay": 0.01},
+    ],
+)
 def test_matches_the_lamb_equations(kw):
     params, grads = make()
-    args = dict(learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.0,
-                bias_correction=True)
+    args = dict(
+        learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.0, bias_correction=True
+    )
     args.update(kw)
     ours, state = run(ft.lamb(**args), params, grads)
-    ref, m, v = reference_lamb(params, grads, args["learning_rate"], args["b1"], args["b2"],
-                               args["eps"], args["weight_decay"], args["bias_correction"])
+    ref, m, v = reference_lamb(
+        params,
+        grads,
+        args["learning_rate"],
+        args["b1"],
+        args["b2"],
+        args["eps"],
+        args["weight_decay"],
+        args["bias_correction"],
+    )
     adam = state[0]
     for k in params:
         torch.testing.assert_close(ours[k] - params[k], ref[k] - params[k], rtol=1e-9, atol=1e-12)
@@ -86,9 +104,14 @@ def test_trust_ratio_is_one_for_zero_norms():
     torch.testing.assert_close(u["w"], torch.full((3, 2), 1.0))  # g * ||p|| / ||g|| = 2 * 1/2
 
 
-@pytest.mark.parametrize("kw,exc", [({"min_norm": -1.0}, ValueError),
-                                    ({"trust_coefficient": 0.0}, ValueError),
-                                    ({"eps": -1e-3}, ValueError)])
+@pytest.mark.parametrize(
+    "kw,exc",
+    [
+        ({"min_norm": -1.0}, ValueError),
+        ({"trust_coefficient": 0.0}, ValueError),
+        ({"eps": -1e-3}, ValueError),
+    ],
+)
 def test_scale_by_trust_ratio_bad_hyper_parameters(kw, exc):
     with pytest.raises(exc, match=next(iter(kw))):
         ft.scale_by_trust_ratio(**kw)
@@ -104,8 +127,14 @@ def test_lamb_bad_hyper_parameters():
 
 
 S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
-MIXED = [((5, 7), [S0, S1]), ((3, 5, 6), [R, S2]), ((9,), [S0, S0]), ((1, 3), [S1, R]),
-         ((4, 6), [R, R]), ((7, 2), [S1, S0])]
+MIXED = [
+    ((5, 7), [S0, S1]),
+    ((3, 5, 6), [R, S2]),
+    ((9,), [S0, S0]),
+    ((1, 3), [S1, R]),
+    ((4, 6), [R, R]),
+    ((7, 2), [S1, S0]),
+]
 
 
 def _f32(tree):
@@ -121,9 +150,9 @@ def test_sharded_equals_unsharded(mesh_shape):
     expected, exp_state = run(tx, params, grads)
     n = math.prod(mesh_shape)
     with simulate(n):
-        names = ("dp", "tp")[-len(mesh_shape):]
+        names = ("dp", "tp")[-len(mesh_shape) :]
         m = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        place = {f"l{i}": pl[-len(mesh_shape):] for i, (_, pl) in enumerate(MIXED)}
+        place = {f"l{i}": pl[-len(mesh_shape) :] for i, (_, pl) in enumerate(MIXED)}
         dparams = {k: distribute_tensor(v, m, place[k]) for k, v in params.items()}
         dgrads = [{k: distribute_tensor(v, m, place[k]) for k, v in g.items()} for g in grads]
         got, state = run(tx, dparams, dgrads, ft.Mesh(m))
@@ -148,20 +177,28 @@ def test_pipeline_stages_keep_their_own_trust_ratios():
         def stage_leaf(get):
             return per_rank(4, lambda r: get(stages[r // 2]))
 
-        dparams = {"w": distribute_tensor(stage_leaf(lambda s: s[0]["w"]), tp, [S0],
-                                          src_data_rank=None),
-                   "b": stage_leaf(lambda s: s[0]["b"])}
-        dgrads = [{"w": distribute_tensor(stage_leaf(lambda s, i=i: s[1][i]["w"]), tp, [S0],
-                                          src_data_rank=None),
-                   "b": stage_leaf(lambda s, i=i: s[1][i]["b"])} for i in range(3)]
+        dparams = {
+            "w": distribute_tensor(stage_leaf(lambda s: s[0]["w"]), tp, [S0], src_data_rank=None),
+            "b": stage_leaf(lambda s: s[0]["b"]),
+        }
+        dgrads = [
+            {
+                "w": distribute_tensor(
+                    stage_leaf(lambda s, i=i: s[1][i]["w"]), tp, [S0], src_data_rank=None
+                ),
+                "b": stage_leaf(lambda s, i=i: s[1][i]["b"]),
+            }
+            for i in range(3)
+        ]
         got, _ = run(tx, dparams, dgrads, ft.Mesh(m, pipeline_axis="pp"))
         for rank in range(4):
             stage, tp_rank = divmod(rank, 2)
             w = on_rank(got["w"]._local_tensor, rank)
-            rows = expected[stage]["w"][2 * tp_rank:2 * tp_rank + 2]
+            rows = expected[stage]["w"][2 * tp_rank : 2 * tp_rank + 2]
             torch.testing.assert_close(w, rows, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(on_rank(got["b"], rank), expected[stage]["b"], rtol=1e-5,
-                                       atol=1e-6)
+            torch.testing.assert_close(
+                on_rank(got["b"], rank), expected[stage]["b"], rtol=1e-5, atol=1e-6
+            )
 
 
 @pytest.mark.parametrize("n_leaves", [10, 40])
@@ -170,10 +207,14 @@ def test_one_collective_per_update(n_leaves):
         m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         gen = torch.Generator().manual_seed(0)
         spec = [MIXED[i % len(MIXED)] for i in range(n_leaves)]
-        params = {f"l{i}": distribute_tensor(torch.randn(s, generator=gen), m, pl)
-                  for i, (s, pl) in enumerate(spec)}
-        grads = {k: distribute_tensor(torch.randn(v.shape, generator=gen), m, list(v.placements))
-                 for k, v in params.items()}
+        params = {
+            f"l{i}": distribute_tensor(torch.randn(s, generator=gen), m, pl)
+            for i, (s, pl) in enumerate(spec)
+        }
+        grads = {
+            k: distribute_tensor(torch.randn(v.shape, generator=gen), m, list(v.placements))
+            for k, v in params.items()
+        }
         tx = ft.lamb(1e-3, weight_decay=0.01)
         state = tx.init(params)
         with count_collectives() as c:
@@ -187,10 +228,16 @@ def test_leaves_are_independent_mixed_dtypes(seed):
     trust ratio of a float32 leaf is computed in float32 whatever the other leaves' dtypes."""
     g = torch.Generator().manual_seed(seed)
     f64 = torch.float64
-    params = {"a": torch.randn(6, 5, generator=g), "b": torch.randn(7, dtype=f64, generator=g),
-              "c": torch.randn(3, 4, dtype=f64, generator=g), "d": torch.randn(5, generator=g)}
-    grads = [{k: torch.randn(v.shape, dtype=v.dtype, generator=g) for k, v in params.items()}
-             for _ in range(3)]
+    params = {
+        "a": torch.randn(6, 5, generator=g),
+        "b": torch.randn(7, dtype=f64, generator=g),
+        "c": torch.randn(3, 4, dtype=f64, generator=g),
+        "d": torch.randn(5, generator=g),
+    }
+    grads = [
+        {k: torch.randn(v.shape, dtype=v.dtype, generator=g) for k, v in params.items()}
+        for _ in range(3)
+    ]
     tx = lambda: ft.lamb(1e-2, weight_decay=0.1)  # noqa: E731
     whole = run(tx(), params, grads)[0]
     for k in params:

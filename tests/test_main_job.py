@@ -13,14 +13,40 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_lm.py"
-SMALL = ["--steps", "3", "--batch", "8", "--accum", "2", "--d-model", "32", "--n-layers", "2",
-         "--n-heads", "4", "--seq-len", "32", "--max-bytes", "200000", "--eval-windows", "8",
-         "--warmup", "1", "--lr", "1e-2", "--seed", "1"]
+SMALL = [
+    "--steps",
+    "3",
+    "--batch",
+    "8",
+    "--accum",
+    "2",
+    "--d-model",
+    "32",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "4",
+    "--seq-len",
+    "32",
+    "--max-bytes",
+    "200000",
+    "--eval-windows",
+    "8",
+    "--warmup",
+    "1",
+    "--lr",
+    "1e-2",
+    "--seed",
+    "1",
+]
 
 
 def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
@@ -28,8 +54,13 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 def _run(cmd, out, extra=()):
     """The job as ``cmd`` + SMALL + ``extra``; returns ``(summary, params, its stderr)``."""
-    res = subprocess.run(cmd + SMALL + [*extra, "--out", str(out)], env=_env(),
-                         capture_output=True, text=True, timeout=420)
+    res = subprocess.run(
+        cmd + SMALL + [*extra, "--out", str(out)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     return summary, torch.load(out / "params.pt"), res.stderr.replace("\r", "\n")
@@ -99,9 +130,14 @@ def _covering(first: list, second: list, cover: list) -> list:
 OPTIMIZERS = ["adamw", "adafactor", "lamb"]
 
 
-@pytest.mark.parametrize("optimizer,layout", _covering(
-    OPTIMIZERS, ["pp2-tp2", "pp2-dp2"],
-    [("adamw", "pp2-tp2"), ("adafactor", "pp2-dp2"), ("lamb", "pp2-dp2")]))
+@pytest.mark.parametrize(
+    "optimizer,layout",
+    _covering(
+        OPTIMIZERS,
+        ["pp2-tp2", "pp2-dp2"],
+        [("adamw", "pp2-tp2"), ("adafactor", "pp2-dp2"), ("lamb", "pp2-dp2")],
+    ),
+)
 def test_pipeline_stages_equal_one_process(layout, optimizer, tmp_path, tmp_path_factory):
     """3 steps with the decoder's 2 layers in 2 pipeline stages (torch.distributed.pipelining,
     1F1B over micro-batches; with tensor or data parallelism beside it) on 4 gloo processes
@@ -112,12 +148,17 @@ def test_pipeline_stages_equal_one_process(layout, optimizer, tmp_path, tmp_path
     number of layers, see below) are the clip's one and the optimizer's statistics (adafactor
     2, lamb 1) at pp=2 x tp=2; at pp=2 x dp=2, where ``multi_steps`` (``--accum 2``) averages
     the gradients over dp on the last micro-step, the data-parallel reductions come on top."""
-    dims = {"pp2-tp2": ["--pp", "2", "--tp", "2"], "pp2-dp2": ["--pp", "2", "--dp", "2",
-                                                               "--tp", "1"]}[layout]
+    dims = {
+        "pp2-tp2": ["--pp", "2", "--tp", "2"],
+        "pp2-dp2": ["--pp", "2", "--dp", "2", "--tp", "1"],
+    }[layout]
     one, p1 = _one_process(optimizer, tmp_path_factory)
     four, p4, log = _torchrun(["--optimizer", optimizer, *dims], tmp_path)
-    assert four["mesh"] == {"pp": 2, "dp": 2 if "dp2" in layout else 1,
-                            "tp": 2 if "tp2" in layout else 1}
+    assert four["mesh"] == {
+        "pp": 2,
+        "dp": 2 if "dp2" in layout else 1,
+        "tp": 2 if "tp2" in layout else 1,
+    }
     for a in _same_training(one, p1, p4, tmp_path):
         stage = a["stage_grad_norms"]
         assert len(stage) == 2 and all(s < a["grad_norm"] for s in stage)
@@ -130,15 +171,21 @@ def test_pipeline_stages_equal_one_process(layout, optimizer, tmp_path, tmp_path
     assert collectives and collectives[0].endswith(f"all_reduce {want}"), collectives
 
 
-COLLECTIVES = {"adamw": {"pp2-tp2": 1, "pp2-dp2": 3}, "adafactor": {"pp2-tp2": 3, "pp2-dp2": 4},
-               "lamb": {"pp2-tp2": 2, "pp2-dp2": 4}}
+COLLECTIVES = {
+    "adamw": {"pp2-tp2": 1, "pp2-dp2": 3},
+    "adafactor": {"pp2-tp2": 3, "pp2-dp2": 4},
+    "lamb": {"pp2-tp2": 2, "pp2-dp2": 4},
+}
 
 
 def test_pipeline_collectives_do_not_grow_with_layers(tmp_path):
     """Twice the layers per stage (4 in 2 stages, pp=2 x tp=2): the same 3 all-reduces for
     clip + adafactor as with 2 layers."""
-    _, _, log = _torchrun(["--optimizer", "adafactor", "--pp", "2", "--tp", "2"], tmp_path,
-                          ["--n-layers", "4", "--steps", "1"])
+    _, _, log = _torchrun(
+        ["--optimizer", "adafactor", "--pp", "2", "--tp", "2"],
+        tmp_path,
+        ["--n-layers", "4", "--steps", "1"],
+    )
     collectives = _collectives(log)
     assert collectives and collectives[0].endswith("all_reduce 3"), collectives
 
@@ -151,17 +198,23 @@ def _one_process_moe(optimizer, experts, tmp_path_factory):
     key = (optimizer, experts)
     if key not in _ONE_MOE:
         out = tmp_path_factory.mktemp(f"one-moe-{optimizer}-{experts}")
-        _ONE_MOE[key] = _run([sys.executable, str(SCRIPT), "--optimizer", optimizer,
-                              *MOE, "--experts", experts], out)[:2]
+        _ONE_MOE[key] = _run(
+            [sys.executable, str(SCRIPT), "--optimizer", optimizer, *MOE, "--experts", experts], out
+        )[:2]
     return _ONE_MOE[key]
 
 
 MOE = ["--moe", "4", "--top-k", "2"]
 
 
-@pytest.mark.parametrize("optimizer,experts", _covering(
-    OPTIMIZERS, ["stacked", "separate"],
-    [("adamw", "stacked"), ("adafactor", "separate"), ("lamb", "separate")]))
+@pytest.mark.parametrize(
+    "optimizer,experts",
+    _covering(
+        OPTIMIZERS,
+        ["stacked", "separate"],
+        [("adamw", "stacked"), ("adafactor", "separate"), ("lamb", "separate")],
+    ),
+)
 def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_path_factory):
     """3 steps of the MoE decoder (4 SwiGLU experts per layer, top-2, load-balancing loss,
     dropless) at ep=2 x dp=2 on 4 gloo processes (tokens dispatched by all-to-all; each rank
@@ -172,11 +225,28 @@ def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_pa
     present gradients, the mean over dp, the mean over ep (experts: over dp, divided by ep), the
     clip's norm, and adafactor's or lamb's per-leaf statistics."""
     one, p1 = _one_process_moe(optimizer, experts, tmp_path_factory)
-    four, p4, log = _torchrun(["--optimizer", optimizer, *MOE, "--experts", experts, "--ep", "2",
-                               "--dp", "2", "--tp", "1"], tmp_path)
+    four, p4, log = _torchrun(
+        [
+            "--optimizer",
+            optimizer,
+            *MOE,
+            "--experts",
+            experts,
+            "--ep",
+            "2",
+            "--dp",
+            "2",
+            "--tp",
+            "1",
+        ],
+        tmp_path,
+    )
     assert four["mesh"] == {"dp": 2, "ep": 2, "tp": 1}
-    assert four["moe"] == one["moe"] == {"experts": 4, "top_k": 2, "aux_loss": 0.01,
-                                         "stacked": experts == "stacked"}
+    assert (
+        four["moe"]
+        == one["moe"]
+        == {"experts": 4, "top_k": 2, "aux_loss": 0.01, "stacked": experts == "stacked"}
+    )
     expert_names = [k for k in p1 if ".experts." in k or k.endswith(("mlp.w_up", "mlp.w_gate"))]
     assert len(expert_names) == (2 * 2 if experts == "stacked" else 2 * 4 * 3)
     for a in _same_training(one, p1, p4, tmp_path):
@@ -190,14 +260,30 @@ def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_pa
 
 
 @pytest.mark.parametrize("optimizer, experts", [("adafactor", "stacked"), ("adamw", "separate")])
-def test_expert_parallel_with_zero_equals_one_process(optimizer, experts, tmp_path,
-                                                      tmp_path_factory):
+def test_expert_parallel_with_zero_equals_one_process(
+    optimizer, experts, tmp_path, tmp_path_factory
+):
     """``--zero`` at ep=2 x dp=2: the optimizer state sharded over dp, the gradients averaged
     over ep first (one all-reduce), then reduce-scattered over dp; the same parameters and
     gradient norms as one process."""
     one, p1 = _one_process_moe(optimizer, experts, tmp_path_factory)
-    four, p4, log = _torchrun(["--optimizer", optimizer, *MOE, "--experts", experts, "--ep", "2",
-                               "--dp", "2", "--tp", "1", "--zero"], tmp_path)
+    four, p4, log = _torchrun(
+        [
+            "--optimizer",
+            optimizer,
+            *MOE,
+            "--experts",
+            experts,
+            "--ep",
+            "2",
+            "--dp",
+            "2",
+            "--tp",
+            "1",
+            "--zero",
+        ],
+        tmp_path,
+    )
     assert four["zero"] and four["mesh"] == {"dp": 2, "ep": 2, "tp": 1}
     _same_training(one, p1, p4, tmp_path)
     collectives = _collectives(log)
@@ -207,8 +293,11 @@ def test_expert_parallel_with_zero_equals_one_process(optimizer, experts, tmp_pa
 def test_expert_collectives_do_not_grow_with_experts(tmp_path):
     """Twice the experts (8 per layer, 4 per ep rank): the same 5 all-reduces for clip +
     adafactor at ep=2 x dp=2 as with 4."""
-    _, _, log = _torchrun(["--optimizer", "adafactor", "--moe", "8", "--ep", "2", "--dp", "2",
-                           "--tp", "1"], tmp_path, ["--steps", "1"])
+    _, _, log = _torchrun(
+        ["--optimizer", "adafactor", "--moe", "8", "--ep", "2", "--dp", "2", "--tp", "1"],
+        tmp_path,
+        ["--steps", "1"],
+    )
     collectives = _collectives(log)
     assert collectives and collectives[0].endswith("all_reduce 5"), collectives
 
@@ -222,17 +311,22 @@ def _job_module():
     return mod
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--ep", "2"], "--ep needs routed experts"),
-    (["--moe", "3", "--ep", "2", "--tp", "1"], "experts must be divisible by --ep 2"),
-    (["--moe", "4", "--ep", "3"], "does not divide the world size 4"),
-    (["--moe", "4", "--ep", "2", "--dp", "2", "--tp", "2"], "!= world size 4"),
-    (["--pp", "2", "--n-layers", "3", "--tp", "2"], "--n-layers 3 must be divisible by --pp 2"),
-    (["--moe", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --moe 4"),
-    (["--moe", "4", "--optimizer", "muon"], "use --experts separate"),
-    (["--moe", "4", "--ep", "2", "--tp", "1", "--eval-windows", "6"],
-     "--eval-windows 6 must be divisible by --dp 2 x --ep 2"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ep", "2"], "--ep needs routed experts"),
+        (["--moe", "3", "--ep", "2", "--tp", "1"], "experts must be divisible by --ep 2"),
+        (["--moe", "4", "--ep", "3"], "does not divide the world size 4"),
+        (["--moe", "4", "--ep", "2", "--dp", "2", "--tp", "2"], "!= world size 4"),
+        (["--pp", "2", "--n-layers", "3", "--tp", "2"], "--n-layers 3 must be divisible by --pp 2"),
+        (["--moe", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --moe 4"),
+        (["--moe", "4", "--optimizer", "muon"], "use --experts separate"),
+        (
+            ["--moe", "4", "--ep", "2", "--tp", "1", "--eval-windows", "6"],
+            "--eval-windows 6 must be divisible by --dp 2 x --ep 2",
+        ),
+    ],
+)
 def test_bad_layouts_stop_at_start(monkeypatch, argv, message):
     """Sizes that cannot make the launched world stop before any process group is made, with
     a message naming them (here as if launched on 4 processes)."""

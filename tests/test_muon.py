@@ -32,8 +32,9 @@ OPTIONS = {
     "defaults": dict(),
     "no nesterov": dict(nesterov=False),
     "match_rms_adamw": dict(adjust_lr_fn="match_rms_adamw"),
-    "original, 3 steps, own coefficients, eps": dict(adjust_lr_fn="original", ns_steps=3,
-                                                     ns_coefficients=(3.0, -3.2, 1.2), eps=1e-3),
+    "original, 3 steps, own coefficients, eps": dict(
+        adjust_lr_fn="original", ns_steps=3, ns_coefficients=(3.0, -3.2, 1.2), eps=1e-3
+    ),
     "no decay": dict(weight_decay=0.0),
 }
 
@@ -84,8 +85,11 @@ def _reference_muon(p, grads, lr, wd, beta, nesterov, coeffs, steps, eps, adjust
             x = a * x + (b * A + c * A @ A) @ x
         o = (x.T if m.shape[0] > m.shape[1] else x).reshape(p.shape)
         rows, cols = m.shape
-        ratio = 0.2 * math.sqrt(max(rows, cols)) if adjust == "match_rms_adamw" else \
-            math.sqrt(max(1, rows / cols))
+        ratio = (
+            0.2 * math.sqrt(max(rows, cols))
+            if adjust == "match_rms_adamw"
+            else math.sqrt(max(1, rows / cols))
+        )
         p = p - lr * (ratio * o + wd * p)
     return p
 
@@ -98,29 +102,57 @@ def test_float64_equals_the_equations(x64, adjust, nesterov):
     1e-12 of the parameter change."""
     shapes = SHAPES + [(6, 2, 3, 3)]
     gen = torch.Generator().manual_seed(2)
-    p0 = {f"w{i}": torch.randn(s, generator=gen, dtype=torch.float64)
-          for i, s in enumerate(shapes)}
-    grads = [{k: torch.randn(v.shape, generator=gen, dtype=torch.float64)
-              for k, v in p0.items()} for _ in range(6)]
-    tx = ft.muon(3e-2, weight_decay=0.05, beta=0.8, nesterov=nesterov, ns_dtype=torch.float64,
-                 adjust_lr_fn=adjust)
+    p0 = {f"w{i}": torch.randn(s, generator=gen, dtype=torch.float64) for i, s in enumerate(shapes)}
+    grads = [
+        {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in p0.items()}
+        for _ in range(6)
+    ]
+    tx = ft.muon(
+        3e-2,
+        weight_decay=0.05,
+        beta=0.8,
+        nesterov=nesterov,
+        ns_dtype=torch.float64,
+        adjust_lr_fn=adjust,
+    )
     p, s = p0, tx.init(p0)
     for g in grads:
         p, s = ft.step(tx, g, s, p)
     for k in p0:
-        ref = _reference_muon(p0[k], [g[k] for g in grads], 3e-2, 0.05, 0.8, nesterov,
-                              (3.4445, -4.775, 2.0315), 5, 1e-7, adjust)
+        ref = _reference_muon(
+            p0[k],
+            [g[k] for g in grads],
+            3e-2,
+            0.05,
+            0.8,
+            nesterov,
+            (3.4445, -4.775, 2.0315),
+            5,
+            1e-7,
+            adjust,
+        )
         assert (p[k] - ref).abs().max() <= 1e-12 * (ref - p0[k]).abs().max(), k
 
 
 def test_labels_route_vectors_embeddings_and_head_to_adam():
-    params = {"embed": torch.zeros(10, 4), "layers.0.wq": torch.zeros(4, 4),
-              "layers.0.norm": torch.zeros(4), "layers.0.b1": torch.zeros(8),
-              "conv.weight": torch.zeros(3, 2, 3, 3), "lm_head": torch.zeros(10, 4),
-              "scale": torch.zeros(())}
+    params = {
+        "embed": torch.zeros(10, 4),
+        "layers.0.wq": torch.zeros(4, 4),
+        "layers.0.norm": torch.zeros(4),
+        "layers.0.b1": torch.zeros(8),
+        "conv.weight": torch.zeros(3, 2, 3, 3),
+        "lm_head": torch.zeros(10, 4),
+        "scale": torch.zeros(()),
+    }
     assert ft.muon_param_labels(params) == {
-        "embed": "adam", "layers.0.wq": "muon", "layers.0.norm": "adam", "layers.0.b1": "adam",
-        "conv.weight": "muon", "lm_head": "adam", "scale": "adam"}
+        "embed": "adam",
+        "layers.0.wq": "muon",
+        "layers.0.norm": "adam",
+        "layers.0.b1": "adam",
+        "conv.weight": "muon",
+        "lm_head": "adam",
+        "scale": "adam",
+    }
     assert ft.muon_param_labels(params, exclude=("wq",))["embed"] == "muon"
     with pytest.raises(TypeError, match="sequence of strings"):
         ft.muon_param_labels(params, exclude="embed")
@@ -130,8 +162,11 @@ def test_muon_trains_the_others_with_adamw():
     """The ``adam`` leaves take exactly ``adamw(learning_rate, weight_decay=weight_decay)``
     (or the transform given)."""
     gen = torch.Generator().manual_seed(3)
-    params = {"embed": torch.randn(10, 4, generator=gen), "w": torch.randn(4, 4, generator=gen),
-              "bias": torch.randn(4, generator=gen)}
+    params = {
+        "embed": torch.randn(10, 4, generator=gen),
+        "w": torch.randn(4, 4, generator=gen),
+        "bias": torch.randn(4, generator=gen),
+    }
     grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
     for adam in (None, ft.sgd(0.5)):
         tx = ft.muon(1e-2, weight_decay=0.1, adam=adam)
@@ -161,23 +196,39 @@ def test_errors_name_the_leaf_and_the_expectation():
         ft.muon(param_labels={"w": "sgd"}).init({"w": torch.zeros(2, 2)})
 
 
-@pytest.mark.parametrize("mesh_shape,placements", [
-    ((2,), {"w": [Shard(0)], "t": [Shard(1)], "c": [Replicate()]}),
-    ((3,), {"w": [Shard(1)], "t": [Shard(0)], "c": [Shard(0)]}),       # uneven and empty shards
-    ((2, 2), {"w": [Shard(0), Shard(1)], "t": [Shard(1), Shard(0)], "c": [Replicate(), Shard(2)]}),
-])
+@pytest.mark.parametrize(
+    "mesh_shape,placements",
+    [
+        ((2,), {"w": [Shard(0)], "t": [Shard(1)], "c": [Replicate()]}),
+        ((3,), {"w": [Shard(1)], "t": [Shard(0)], "c": [Shard(0)]}),  # uneven and empty shards
+        (
+            (2, 2),
+            {"w": [Shard(0), Shard(1)], "t": [Shard(1), Shard(0)], "c": [Replicate(), Shard(2)]},
+        ),
+    ],
+)
 def test_sharded_equals_unsharded_bit_for_bit(mesh_shape, placements):
     """Tensor-parallel placements on 1-D and 2-D simulated meshes, uneven and empty shards: each
     matrix's owner assembles it whole, so the result is the unsharded one bit for bit (bfloat16
     Newton-Schulz)."""
     gen = torch.Generator().manual_seed(4)
-    params = {"w": torch.randn(7, 5, generator=gen), "t": torch.randn(2, 9, generator=gen),
-              "c": torch.randn(4, 2, 3, generator=gen), "bias": torch.randn(5, generator=gen)}
-    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
-             for _ in range(3)]
+    params = {
+        "w": torch.randn(7, 5, generator=gen),
+        "t": torch.randn(2, 9, generator=gen),
+        "c": torch.randn(4, 2, 3, generator=gen),
+        "bias": torch.randn(5, generator=gen),
+    }
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
     pl = dict(placements, bias=[Replicate()] * len(mesh_shape))
-    assert_sharded_equivalent(ft.muon(1e-2, weight_decay=0.1), params, grads,
-                              mesh_shape=mesh_shape, placements=pl, rtol=0.0, atol=0.0)
+    assert_sharded_equivalent(
+        ft.muon(1e-2, weight_decay=0.1),
+        params,
+        grads,
+        mesh_shape=mesh_shape,
+        placements=pl,
+        rtol=0.0,
+        atol=0.0,
+    )
 
 
 def test_collectives_constant_in_the_number_of_leaves():
@@ -185,8 +236,9 @@ def test_collectives_constant_in_the_number_of_leaves():
     simulated 2 x 2 (dp, tp) mesh (uneven, empty shards). The leaves live on three meshes (the
     2-D mesh, which is the world, and its tp and dp sub-meshes), each routed on its own: one
     all-to-all each way on each: 6."""
-    from functional_train.testing import count_collectives, simulate
     from test_collective_counts import _KINDS, _leaf, _mesh
+
+    from functional_train.testing import count_collectives, simulate
 
     kinds = [k for k in _KINDS if len(k[2]) == 2]
     counts = []
@@ -194,9 +246,12 @@ def test_collectives_constant_in_the_number_of_leaves():
         gen = torch.Generator().manual_seed(n)
         with simulate(4):
             m = _mesh()
-            tree = {f"l{i:02d}": _leaf(m, kinds[i % len(kinds)],
-                                       torch.randn(kinds[i % len(kinds)][2], generator=gen))
-                    for i in range(n)}
+            tree = {
+                f"l{i:02d}": _leaf(
+                    m, kinds[i % len(kinds)], torch.randn(kinds[i % len(kinds)][2], generator=gen)
+                )
+                for i in range(n)
+            }
             tx = ft.scale_by_muon()
             state = tx.init(tree)
             with count_collectives() as c:
@@ -205,16 +260,20 @@ def test_collectives_constant_in_the_number_of_leaves():
     assert counts[0] == counts[1] == {"all_to_all_single": 6}, counts
 
 
-@pytest.mark.parametrize("mesh_shape,kind,flat,collectives,max_bytes", [
-    ((4,), "tp", False, 2, 2.0),          # 1-D tensor parallel: one all-to-all each way
-    ((4,), "replicated", False, 1, 1.0),  # data parallel: no gather, one all-to-all back
-    ((2, 2), "tp", True, 2, 2.0),         # (dp, tp), the world: one each way over the world
-    ((2, 2), "fsdp+tp", True, 2, 2.5),
-    ((2, 2), "tp", False, 3, 2.0),        # a sub-mesh: gather over tp; scatter over tp,
-    ((2, 2), "fsdp+tp", False, 4, 2.5),   # broadcast over dp; sharded over both: two each way
-])
-def test_owner_routing_balances_flops_and_bounds_bytes(mesh_shape, kind, flat, collectives,
-                                                       max_bytes):
+@pytest.mark.parametrize(
+    "mesh_shape,kind,flat,collectives,max_bytes",
+    [
+        ((4,), "tp", False, 2, 2.0),  # 1-D tensor parallel: one all-to-all each way
+        ((4,), "replicated", False, 1, 1.0),  # data parallel: no gather, one all-to-all back
+        ((2, 2), "tp", True, 2, 2.0),  # (dp, tp), the world: one each way over the world
+        ((2, 2), "fsdp+tp", True, 2, 2.5),
+        ((2, 2), "tp", False, 3, 2.0),  # a sub-mesh: gather over tp; scatter over tp,
+        ((2, 2), "fsdp+tp", False, 4, 2.5),  # broadcast over dp; sharded over both: two each way
+    ],
+)
+def test_owner_routing_balances_flops_and_bounds_bytes(
+    mesh_shape, kind, flat, collectives, max_bytes
+):
     """The routing of 42 matrices (a 6-layer model's, uneven shards): a constant number of
     all-to-alls (one over the whole mesh each way when the mesh is the world, else one per
     mesh dim); every rank's Newton-Schulz multiply-adds within 10% of 1/N of the total
@@ -227,8 +286,14 @@ def test_owner_routing_balances_flops_and_bounds_bytes(mesh_shape, kind, flat, c
     shapes = layer * 6
     tp = [Shard(1) if s[0] == 16 else Shard(0) for s in shapes]
     lead = {"tp": Replicate(), "fsdp+tp": Shard(0)}.get(kind)
-    pls = [(Replicate(),) * len(mesh_shape) if kind == "replicated"
-           else (t,) if len(mesh_shape) == 1 else (lead, t) for t in tp]
+    pls = [
+        (Replicate(),) * len(mesh_shape)
+        if kind == "replicated"
+        else (t,)
+        if len(mesh_shape) == 1
+        else (lead, t)
+        for t in tp
+    ]
     costs = [_ns_cost(s) for s in shapes]
     plan = owner_plan(mesh_shape, shapes, pls, costs, flat)
     assert plan.collectives == collectives
@@ -239,7 +304,7 @@ def test_owner_routing_balances_flops_and_bounds_bytes(mesh_shape, kind, flat, c
         assert plan.sent[c] <= max_bytes * plan.held[c], (c, plan.sent[c] / plan.held[c])
     # every owner's blocks and results are whole: an owner holds the global matrix
     for c in plan.coords:
-        for j, pieces, placed in plan.computed[c]:
+        for j, pieces, _placed in plan.computed[c]:
             assert plan.owners[j] == c
             assert sum(p[3] for p in pieces) == math.prod(shapes[j])
 
@@ -253,9 +318,8 @@ def test_owners_on_4_gloo_ranks(tmp_path):
     the mesh is the world: one all-to-all each way over it (inside ZeRO its all-gather of the
     updates comes on top), and every rank sends at most 2.25x the mean share of a rank to
     others (the messages are padded to the longest)."""
-    from test_gloo import _spawn_raw
-
     import _gloo_muon_worker as w
+    from test_gloo import _spawn_raw
 
     res = torch.load(_spawn_raw(4, tmp_path, "_gloo_muon_worker.py", timeout=600))
     params, grads = w.problem()
@@ -264,8 +328,11 @@ def test_owners_on_4_gloo_ranks(tmp_path):
     for g in grads:
         params, state = ft.step(tx, g, state, params)
     total = sum(w.ns_cost(s) for s in w.SHAPES.values() if len(s) == 2)
-    expected = {"tp": {"all_to_all_single": 2}, "fsdp+tp": {"all_to_all_single": 2},
-                "zero+tp": {"all_to_all_single": 2, "all_gather_into_tensor": 1}}
+    expected = {
+        "tp": {"all_to_all_single": 2},
+        "fsdp+tp": {"all_to_all_single": 2},
+        "zero+tp": {"all_to_all_single": 2, "all_gather_into_tensor": 1},
+    }
     for layout in w.LAYOUTS:
         for scheme in ("owners", "gather"):
             got = res[(layout, scheme)]
@@ -287,13 +354,20 @@ def test_torch_optimizer_groups_and_a_scheduler():
     ``weight_decay`` and ``beta``), so a torch LR scheduler drives both; the steps equal the
     functional ones under the same schedule."""
     gen = torch.Generator().manual_seed(5)
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8),
-                                torch.nn.Linear(8, 10))
-    labels = {"0.weight": "adam", "1.weight": "muon", "1.bias": "adam", "2.weight": "muon",
-              "2.bias": "adam"}
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10)
+    )
+    labels = {
+        "0.weight": "adam",
+        "1.weight": "muon",
+        "1.bias": "adam",
+        "2.weight": "muon",
+        "2.bias": "adam",
+    }
     p0 = {k: v.detach().clone() for k, v in model.named_parameters()}
-    opt = ft.TorchOptimizer(model.named_parameters(),
-                            ft.muon(1e-2, weight_decay=0.1, param_labels=labels))
+    opt = ft.TorchOptimizer(
+        model.named_parameters(), ft.muon(1e-2, weight_decay=0.1, param_labels=labels)
+    )
     assert sorted(g["label"] for g in opt.param_groups) == ["adam", "muon"]
     muon_group = next(g for g in opt.param_groups if g["label"] == "muon")
     assert muon_group["lr"] == 1e-2 and muon_group["weight_decay"] == 0.1
@@ -332,8 +406,12 @@ def test_pipeline_stages_and_expert_ranks_bit_for_bit(axis):
     gen = torch.Generator().manual_seed(7)
     shapes = {"a": ((7, 5), Shard(0)), "b": ((5, 9), Shard(1)), "c": ((3, 4), Replicate())}
     steps = 3
-    own = lambda: [{k: torch.randn(s, generator=gen) for k, (s, _) in shapes.items()}  # noqa: E731
-                   for _ in range(2)]  # per pp stage / ep rank
+
+    def own():  # per pp stage / ep rank
+        return [
+            {k: torch.randn(s, generator=gen) for k, (s, _) in shapes.items()} for _ in range(2)
+        ]
+
     P, G = own(), [own() for _ in range(steps)]
     tx = ft.muon(1e-2, weight_decay=0.1)
     want = []
@@ -345,26 +423,36 @@ def test_pipeline_stages_and_expert_ranks_bit_for_bit(axis):
     name = "pp" if axis == "pipeline" else "ep"
     with simulate(4):
         m = init_device_mesh("cpu", (2, 2), mesh_dim_names=(name, "tp"))
-        mesh = (ft.Mesh(m, pipeline_axis="pp") if axis == "pipeline" else
-                ft.Mesh(m, expert_axis="ep", is_expert=lambda path: path.startswith("expert")))
+        mesh = (
+            ft.Mesh(m, pipeline_axis="pp")
+            if axis == "pipeline"
+            else ft.Mesh(m, expert_axis="ep", is_expert=lambda path: path.startswith("expert"))
+        )
 
         def tree(per):
             out = {}
             for k, (_, pl) in shapes.items():
                 v = per_rank(4, lambda r, k=k: per[r // 2][k])
                 out[f"expert_{k}" if axis == "expert" else k] = distribute_tensor(
-                    v, m["tp"], [pl], src_data_rank=None)
+                    v, m["tp"], [pl], src_data_rank=None
+                )
             if axis == "expert":  # a dense matrix, the same on every rank
-                out["dense"] = distribute_tensor(per_rank(4, lambda r: P[0]["a"]), m["tp"],
-                                                 [Shard(0)], src_data_rank=None)
+                out["dense"] = distribute_tensor(
+                    per_rank(4, lambda r: P[0]["a"]), m["tp"], [Shard(0)], src_data_rank=None
+                )
             return out
+
         params = tree(P)
         state = tx.init(params)
         for t, g in enumerate(G):
             grads = tree(g)
             if axis == "expert":
-                grads["dense"] = distribute_tensor(per_rank(4, lambda r, t=t: G[t][0]["a"]),
-                                                   m["tp"], [Shard(0)], src_data_rank=None)
+                grads["dense"] = distribute_tensor(
+                    per_rank(4, lambda r, t=t: G[t][0]["a"]),
+                    m["tp"],
+                    [Shard(0)],
+                    src_data_rank=None,
+                )
             with count_collectives() as c:
                 params, state = ft.step(tx, grads, state, params, mesh=mesh)
             assert c.counts == {"all_to_all_single": 2}, c.counts

@@ -5,19 +5,22 @@ against ``torch.amp.GradScaler`` + ``torch.optim.AdamW`` in float16 autocast."""
 from __future__ import annotations
 
 import copy
-import math
 
 import numpy as np
 import pytest
 import torch
+from _layouts import step_by_mode  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import functional_train as ft
-from functional_train.testing import (assert_sharded_equivalent, count_collectives, on_rank,
-                                      per_rank, simulate)
-
-from _layouts import step_by_mode  # noqa: E402
+from functional_train.testing import (
+    assert_sharded_equivalent,
+    count_collectives,
+    on_rank,
+    per_rank,
+    simulate,
+)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -26,8 +29,10 @@ def _problem(steps=9, bad=None, dtype=torch.float64):
     """Params {w (5, 3), b (4,)} and ``steps`` gradient trees; ``bad[t] = (leaf, index, value)``
     poisons step ``t``."""
     gen = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(5, 3, generator=gen, dtype=dtype),
-              "b": torch.randn(4, generator=gen, dtype=dtype)}
+    params = {
+        "w": torch.randn(5, 3, generator=gen, dtype=dtype),
+        "b": torch.randn(4, generator=gen, dtype=dtype),
+    }
     grads = []
     for t in range(steps):
         g = {k: torch.randn(v.shape, generator=gen, dtype=dtype) for k, v in params.items()}
@@ -39,8 +44,12 @@ def _problem(steps=9, bad=None, dtype=torch.float64):
 
 # steps 1, 3, 4, 5 non-finite: with max_consecutive_errors=2 step 5 (the third in a row) is
 # applied anyway and poisons the parameters, as in optax
-_BAD = {1: [("w", (2, 1), NAN)], 3: [("b", (0,), INF)], 4: [("w", (0, 0), -INF)],
-        5: [("b", (3,), NAN), ("w", (4, 2), INF)]}
+_BAD = {
+    1: [("w", (2, 1), NAN)],
+    3: [("b", (0,), INF)],
+    4: [("w", (0, 0), -INF)],
+    5: [("b", (3,), NAN), ("w", (4, 2), INF)],
+}
 
 
 def _torch_clip(lib, max_norm):
@@ -93,8 +102,9 @@ def test_apply_if_finite_equals_optax(clip, mode, x64):
         p, state = step_by_mode(tx, g, state, p, mode)
         wp, ws = want[t]
         for k in p:
-            np.testing.assert_allclose(p[k].numpy(), wp[k], rtol=1e-12, atol=1e-14,
-                                       err_msg=f"step {t}, {k}")
+            np.testing.assert_allclose(
+                p[k].numpy(), wp[k], rtol=1e-12, atol=1e-14, err_msg=f"step {t}, {k}"
+            )
         assert int(state.notfinite_count) == int(ws.notfinite_count), t
         assert bool(state.last_finite) == bool(ws.last_finite), t
         assert int(state.total_notfinite) == int(ws.total_notfinite), t
@@ -110,8 +120,10 @@ def test_skipped_step_leaves_inner_state_and_params_unchanged():
     u, s2 = tx.update(grads[1], s1, p1)
     assert all(torch.equal(x, torch.zeros_like(x)) for x in u.values())
     assert torch.equal(ft.apply_updates(p1, u)["w"], p1["w"])
-    for a, b in zip(torch.utils._pytree.tree_leaves(s2.inner_state[1]),
-                    torch.utils._pytree.tree_leaves(s1.inner_state[1])):
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(s2.inner_state[1]),
+        torch.utils._pytree.tree_leaves(s1.inner_state[1]),
+    ):
         assert torch.equal(a, b)
     assert int(s2.notfinite_count) == 1 and not bool(s2.last_finite)
     # the whole inner state is kept, the clip's norm included (as optax keeps it)
@@ -128,8 +140,10 @@ def test_zero_nans_equals_optax(x64):
     ref_tx = optax.zero_nans()
     import jax.numpy as jnp
 
-    ru, rs = ref_tx.update({k: jnp.asarray(v.numpy()) for k, v in grads[0].items()},
-                           ref_tx.init({k: jnp.asarray(v.numpy()) for k, v in params.items()}))
+    ru, rs = ref_tx.update(
+        {k: jnp.asarray(v.numpy()) for k, v in grads[0].items()},
+        ref_tx.init({k: jnp.asarray(v.numpy()) for k, v in params.items()}),
+    )
     for k in u:
         np.testing.assert_array_equal(u[k].numpy(), np.asarray(ru[k]))
         assert bool(s.found_nan[k]) == bool(rs.found_nan[k])
@@ -143,8 +157,11 @@ def test_zero_nans_equals_optax(x64):
 # ---------------------------------------------------------------------------------------------
 def _sharded_problem():
     gen = torch.Generator().manual_seed(3)
-    params = {"a": torch.randn(7, 5, generator=gen), "b": torch.randn(3, 6, generator=gen),
-              "c": torch.randn(4, generator=gen)}
+    params = {
+        "a": torch.randn(7, 5, generator=gen),
+        "b": torch.randn(3, 6, generator=gen),
+        "c": torch.randn(4, generator=gen),
+    }
     grads = []
     for t in range(5):
         g = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
@@ -163,19 +180,28 @@ _PLACEMENTS = {"a": [Shard(0), Shard(1)], "b": [Replicate(), Shard(1)], "c": Non
 @pytest.mark.parametrize("step", [None, "pure"])
 def test_apply_if_finite_sharded_equals_unsharded(inner, step):
     params, grads = _sharded_problem()
-    make = {"adamw": lambda: ft.adamw(1e-2, weight_decay=0.1),
-            "clip+adamw": lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)),
-            "lamb": lambda: ft.lamb(1e-2, weight_decay=0.1)}[inner]
-    assert_sharded_equivalent(ft.apply_if_finite(make(), 3), params, grads,
-                              placements=_PLACEMENTS, mesh_shape=(2, 2), step=step)
+    make = {
+        "adamw": lambda: ft.adamw(1e-2, weight_decay=0.1),
+        "clip+adamw": lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)),
+        "lamb": lambda: ft.lamb(1e-2, weight_decay=0.1),
+    }[inner]
+    assert_sharded_equivalent(
+        ft.apply_if_finite(make(), 3),
+        params,
+        grads,
+        placements=_PLACEMENTS,
+        mesh_shape=(2, 2),
+        step=step,
+    )
 
 
 def test_dynamic_loss_scale_sharded_equals_unsharded():
     params, grads = _sharded_problem()
     grads = [{k: v * 1024 for k, v in g.items()} for g in grads]
     tx = ft.dynamic_loss_scale(ft.adamw(1e-2), init_scale=1024.0, growth_interval=2)
-    assert_sharded_equivalent(tx, params, grads, placements=_PLACEMENTS, mesh_shape=(2, 2),
-                              data_axis="d0")
+    assert_sharded_equivalent(
+        tx, params, grads, placements=_PLACEMENTS, mesh_shape=(2, 2), data_axis="d0"
+    )
 
 
 @pytest.mark.parametrize("clip", [False, True])
@@ -185,17 +211,25 @@ def test_apply_if_finite_collectives(clip):
         m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         gen = torch.Generator().manual_seed(0)
         vals = [torch.randn(6, 4, generator=gen) for _ in range(12)]
-        params = {f"l{i}": distribute_tensor(per_rank(4, lambda r, v=v: v), m,
-                                             [Shard(0), Shard(1)] if i % 2 else
-                                             [Replicate(), Shard(0)], src_data_rank=None)
-                  for i, v in enumerate(vals)}
+        params = {
+            f"l{i}": distribute_tensor(
+                per_rank(4, lambda r, v=v: v),
+                m,
+                [Shard(0), Shard(1)] if i % 2 else [Replicate(), Shard(0)],
+                src_data_rank=None,
+            )
+            for i, v in enumerate(vals)
+        }
 
         # leaf 3 is Shard(0), Shard(1): its element [5, 3] lives on rank 3 alone
         gvals = [v * 0.1 for v in vals]
         gvals[3][5, 3] = NAN
-        grads = {f"l{i}": distribute_tensor(per_rank(4, lambda r, v=v: v), m,
-                                            params[f"l{i}"].placements, src_data_rank=None)
-                 for i, v in enumerate(gvals)}
+        grads = {
+            f"l{i}": distribute_tensor(
+                per_rank(4, lambda r, v=v: v), m, params[f"l{i}"].placements, src_data_rank=None
+            )
+            for i, v in enumerate(gvals)
+        }
         inner = ft.adamw(1e-2)
         if clip:
             inner = ft.chain(ft.clip_by_global_norm(1.0), inner)
@@ -204,8 +238,7 @@ def test_apply_if_finite_collectives(clip):
         with count_collectives() as c:
             u, state = tx.update(grads, state, params, mesh=ft.Mesh(m))
         finite = [bool(on_rank(state.last_finite, r)) for r in range(4)]
-        zeros = [bool((on_rank(u[k]._local_tensor, r) == 0).all())
-                 for k in u for r in range(4)]
+        zeros = [bool((on_rank(u[k]._local_tensor, r) == 0).all()) for k in u for r in range(4)]
     assert c.counts == {"all_reduce": 1}, c
     assert finite == [False] * 4 and all(zeros)
 
@@ -222,9 +255,10 @@ def test_dynamic_loss_scale_matches_grad_scaler(mode):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 21, growth_interval=3)
-    tx = ft.dynamic_loss_scale(ft.adamw(1e-2, weight_decay=0.1), init_scale=2.0 ** 21,
-                               growth_interval=3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**21, growth_interval=3)
+    tx = ft.dynamic_loss_scale(
+        ft.adamw(1e-2, weight_decay=0.1), init_scale=2.0**21, growth_interval=3
+    )
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     p0 = {k: v.clone() for k, v in params.items()}
     state = tx.init(params)
@@ -251,24 +285,29 @@ def test_dynamic_loss_scale_matches_grad_scaler(mode):
         assert bool(state.last_finite) == (not torch_skipped), t
         skipped += torch_skipped
         for k, v in ref.named_parameters():
-            torch.testing.assert_close(params[k] - p0[k], v.detach() - p0[k], rtol=1e-5,
-                                       atol=1e-6, msg=f"step {t}, {k}")
+            torch.testing.assert_close(
+                params[k] - p0[k], v.detach() - p0[k], rtol=1e-5, atol=1e-6, msg=f"step {t}, {k}"
+            )
     assert 2 <= skipped <= 10 and int(state.total_notfinite) == skipped
 
 
 def test_loss_scale_reads_the_state():
-    tx = ft.chain(ft.clip_by_global_norm(1.0),
-                  ft.dynamic_loss_scale(ft.sgd(0.1), init_scale=8.0))
+    tx = ft.chain(ft.clip_by_global_norm(1.0), ft.dynamic_loss_scale(ft.sgd(0.1), init_scale=8.0))
     s = tx.init({"w": torch.zeros(2)})
     assert float(ft.loss_scale(s)) == 8.0
     with pytest.raises(ValueError, match="DynamicLossScaleState"):
         ft.loss_scale(ft.adamw().init({"w": torch.zeros(2)}))
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(init_scale=0.0), "init_scale"), (dict(growth_factor=1.0), "growth_factor"),
-    (dict(backoff_factor=1.0), "backoff_factor"), (dict(growth_interval=0), "growth_interval"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(init_scale=0.0), "init_scale"),
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(growth_interval=0), "growth_interval"),
+    ],
+)
 def test_dynamic_loss_scale_rejects_bad_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
         ft.dynamic_loss_scale(ft.sgd(0.1), **bad)
@@ -317,8 +356,9 @@ def test_multi_steps_skip_functions_equal_optax(which, x64):
         ru, rs = ref.update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, rs, rp)
         rp = optax.apply_updates(rp, ru)
         for k in p:
-            np.testing.assert_allclose(p[k].numpy(), np.asarray(rp[k]), rtol=1e-12, atol=1e-14,
-                                       err_msg=f"step {t}, {k}")
+            np.testing.assert_allclose(
+                p[k].numpy(), np.asarray(rp[k]), rtol=1e-12, atol=1e-14, err_msg=f"step {t}, {k}"
+            )
         for k, v in s.skip_state.items():
             np.testing.assert_allclose(v.numpy(), np.asarray(rs.skip_state[k]), rtol=1e-12)
         skipped += bool(s.skip_state["should_skip"])
@@ -339,15 +379,23 @@ def test_multi_steps_skip_functions_sharded_equal_unsharded(which, data_axis):
 
     params, grads = _sharded_problem()
     grads = grads + [{k: v * 30 for k, v in grads[0].items()}]  # the large one
-    fn = (ft.skip_not_finite if which == "skip_not_finite"
-          else functools.partial(ft.skip_large_updates, max_squared_norm=400.0))
+    fn = (
+        ft.skip_not_finite
+        if which == "skip_not_finite"
+        else functools.partial(ft.skip_large_updates, max_squared_norm=400.0)
+    )
     tx = ft.multi_steps(ft.adamw(1e-2), 2, should_skip_update_fn=fn)
     state, skipped = tx.init(params), 0  # the problem does make it skip (in one process)
     for g in grads:
         _, state = tx.update(g, state, params)
         skipped += bool(state.skip_state["should_skip"])
     assert skipped >= 2
-    assert_sharded_equivalent(tx, params, grads, placements=_PLACEMENTS, mesh_shape=(2, 2),
-                              data_axis=data_axis,
-                              ignore_state=(lambda path: "acc_grads" in path) if data_axis
-                              else None)
+    assert_sharded_equivalent(
+        tx,
+        params,
+        grads,
+        placements=_PLACEMENTS,
+        mesh_shape=(2, 2),
+        data_axis=data_axis,
+        ignore_state=(lambda path: "acc_grads" in path) if data_axis else None,
+    )

@@ -32,8 +32,10 @@ CELL_TIMEOUT_S = 300  # generous: the whole notebook takes ~30 s on a busy 2-cor
 
 # Cells the test adds around the notebook's own (in memory only).
 PROBE = "import sys\nprint('KERNEL-PYTHON', sys.executable)"
-REPORT = ("import json\nprint('RESULTS-JSON', json.dumps({name: {'losses': r['losses'], "
-          "'val_loss': r['val_loss']} for name, r in results.items()}))")
+REPORT = (
+    "import json\nprint('RESULTS-JSON', json.dumps({name: {'losses': r['losses'], "
+    "'val_loss': r['val_loss']} for name, r in results.items()}))"
+)
 
 
 class ThisInterpreterKernelManager(AsyncKernelManager):
@@ -42,9 +44,11 @@ class ThisInterpreterKernelManager(AsyncKernelManager):
 
     @property
     def kernel_spec(self) -> KernelSpec:
-        return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f",
-                                "{connection_file}"],
-                          display_name="Python 3 (test interpreter)", language="python")
+        return KernelSpec(
+            argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            display_name="Python 3 (test interpreter)",
+            language="python",
+        )
 
 
 def _outputs_text(cell) -> str:
@@ -74,9 +78,13 @@ def executed(tmp_path_factory):
         mp.setenv("HYPOTHESIS_STORAGE_DIRECTORY", str(scratch / "hypothesis"))
         mp.setenv("IPYTHONDIR", str(scratch / "ipython"))
         mp.setenv("JUPYTER_RUNTIME_DIR", str(scratch / "runtime"))
-        client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                kernel_manager_class=ThisInterpreterKernelManager,
-                                resources={"metadata": {"path": str(EXAMPLES)}})
+        client = NotebookClient(
+            nb,
+            timeout=CELL_TIMEOUT_S,
+            kernel_name="python3",
+            kernel_manager_class=ThisInterpreterKernelManager,
+            resources={"metadata": {"path": str(EXAMPLES)}},
+        )
         start = time.perf_counter()
         client.execute()  # raises CellExecutionError (with the traceback) if a cell fails
         seconds = time.perf_counter() - start
@@ -95,16 +103,24 @@ def test_runs_on_this_interpreter(executed):
 
 def test_no_cell_errors(executed):
     nb = executed[0]
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type == "error"]
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
+    ]
     assert not errors, errors
     assert all(c.execution_count is not None for c in nb.cells if c.cell_type == "code")
 
 
 def test_every_optimizer_lowers_the_loss(executed):
     results = executed[3]
-    assert set(results) == {"sgd + momentum", "adamw", "adafactor", "lamb", "came", "muon",
-                            "galore_adamw"}
+    assert set(results) == {
+        "sgd + momentum",
+        "adamw",
+        "adafactor",
+        "lamb",
+        "came",
+        "muon",
+        "galore_adamw",
+    }
     for name, r in results.items():
         losses = r["losses"]
         first, last = losses[0], sum(losses[-10:]) / 10
@@ -112,12 +128,12 @@ def test_every_optimizer_lowers_the_loss(executed):
         # from ~ln(256) = 5.55 nats/byte to below 3.5 (all reach 2.3 to 3.0 in 80 steps)
         assert first > 5.0 and last < 3.5 and last < first - 1.5, (name, first, last)
         assert r["val_loss"] < first - 1.0, (name, r["val_loss"])
-    train_cell, = _tagged(executed[0], "train")
+    (train_cell,) = _tagged(executed[0], "train")
     assert "validation" in _outputs_text(train_cell)
 
 
 def test_plot_is_shown(executed):
-    plot_cell, = _tagged(executed[0], "plot")
+    (plot_cell,) = _tagged(executed[0], "plot")
     images = [o for o in plot_cell.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 1, [o.output_type for o in plot_cell.outputs]
 
@@ -137,7 +153,10 @@ def test_stored_without_outputs():
     """The committed notebook has no outputs (small diffs; see the module docstring)."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
-    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-             and (c.outputs or c.execution_count is not None)]
+    dirty = [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and (c.outputs or c.execution_count is not None)
+    ]
     assert not dirty, f"cells {dirty} have outputs: clear them before committing"
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"

@@ -22,20 +22,30 @@ import math
 import optree
 import pytest
 import torch
+from _layouts import (
+    S0,
+    S1,
+    S2,
+    R,
+    run_with_reference,
+    shard,
+    update_collectives,
+)
+from _layouts import run_steps as _run  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import functional_train as ft
 from functional_train.optimizers import adam, adamw
-from functional_train.quantization import (ScaleByAdam8bitState, create_dynamic_map,
-                                           dequantize_blockwise, quantize_blockwise)
+from functional_train.quantization import (
+    ScaleByAdam8bitState,
+    create_dynamic_map,
+    dequantize_blockwise,
+    quantize_blockwise,
+)
 from functional_train.testing import gather, per_rank, simulate
 from functional_train.transforms import ScaleByAdamState, scale_by_adam
 from functional_train.tree import tree_paths
-
-from _layouts import R, S0, S1, S2, shard, update_collectives
-from _layouts import run_steps as _run  # noqa: E402
-from _layouts import run_with_reference  # noqa: E402
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 import bitsandbytes as bnb  # noqa: E402  (the reference, a test extra)
@@ -46,8 +56,7 @@ def _bnb_reference_quantize(x, code, block_size):
     """bitsandbytes' reference PyTorch kernel of ``quantize_blockwise`` (its "default" backend,
     registered as CompositeExplicitAutograd; the CPU backend overrides it with a C kernel)."""
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
-    return torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(keys, x, code,
-                                                                         block_size)
+    return torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(keys, x, code, block_size)
 
 
 # =============================================================================================
@@ -71,28 +80,29 @@ def _nearest_distance(xn, code):
 
 
 @pytest.mark.parametrize("signed", [True, False])
-@pytest.mark.parametrize("shape,block", [((3, 20), 8), ((50,), 16), ((2, 3, 16), 16), ((), 4),
-                                         ((4, 7), 256)])
+@pytest.mark.parametrize(
+    "shape,block", [((3, 20), 8), ((50,), 16), ((2, 3, 16), 16), ((), 4), ((4, 7), 256)]
+)
 def test_round_trip_within_resolution(shape, block, signed):
     gen = torch.Generator().manual_seed(sum(shape) + block)
     x = torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape, generator=gen))
     if not signed:
         x = x.abs()
     if len(shape) >= 2:
-        x[0] = 0.0                       # a row of all-zero blocks
+        x[0] = 0.0  # a row of all-zero blocks
     codes, absmax = quantize_blockwise(x, block_size=block, signed=signed)
     nb = math.ceil((shape[-1] if shape else 1) / block)
     assert codes.dtype == torch.uint8 and codes.shape == x.shape
-    assert absmax.dtype == torch.float32 and absmax.shape == (shape[:-1] + (nb,) if shape
-                                                              else (1,))
+    assert absmax.dtype == torch.float32 and absmax.shape == (shape[:-1] + (nb,) if shape else (1,))
     # blocks run along the last dim of each row
     rows = x.reshape(-1, shape[-1] if shape else 1)
     pad = torch.nn.functional.pad(rows, (0, nb * block - rows.shape[-1]))
     assert torch.equal(absmax.reshape(-1, nb), pad.abs().reshape(-1, nb, block).amax(-1))
     back = dequantize_blockwise(codes, absmax, block_size=block, signed=signed)
     assert back.dtype == torch.float32 and back.shape == x.shape
-    scale = absmax.reshape(-1, nb).repeat_interleave(block, -1)[:, :rows.shape[-1]].reshape(
-        x.shape)
+    scale = (
+        absmax.reshape(-1, nb).repeat_interleave(block, -1)[:, : rows.shape[-1]].reshape(x.shape)
+    )
     code = create_dynamic_map(signed)
     # the nearest code (up to float rounding of the normalised value) ...
     xn = x / torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -109,7 +119,7 @@ def test_round_trip_within_resolution(shape, block, signed):
     zero = 127 if signed else 0
     assert (codes[x == 0] == zero).all() and (back[x == 0] == 0).all()
     assert ((back == 0) | (back.sign() == x.sign())).all()
-    top = (x == scale) & (x > 0)          # positive block maxima map to the code 1.0: exact
+    top = (x == scale) & (x > 0)  # positive block maxima map to the code 1.0: exact
     assert torch.equal(back[top], x[top])
 
 
@@ -156,11 +166,11 @@ def test_quantize_equals_bitsandbytes_kernels(signed):
 def _values(shapes, steps, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     params = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
-             for _ in range(steps)]
+    grads = [
+        {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
+        for _ in range(steps)
+    ]
     return params, grads
-
-
 
 
 class _Ref8bit:
@@ -201,8 +211,9 @@ class _Ref8bit:
             quant = g.numel() >= self.min_size
             if k not in self.state:
                 z = torch.zeros_like(g)
-                self.state[k] = ((self.quantize(z, True), self.quantize(z, False)) if quant
-                                 else (z, z))
+                self.state[k] = (
+                    (self.quantize(z, True), self.quantize(z, False)) if quant else (z, z)
+                )
             if quant:
                 (mc, ma), (nc, na) = self.state[k]
                 m, v = self.dequantize(mc, ma, True, g), self.dequantize(nc, na, False, g)
@@ -211,28 +222,37 @@ class _Ref8bit:
             m = torch.lerp(m, g, 1 - self.b1)
             v = v * self.b2
             v.addcmul_(g, g, value=1 - self.b2)
-            bc1, bc2 = 1 - self.b1 ** self.t, math.sqrt(1 - self.b2 ** self.t)
+            bc1, bc2 = 1 - self.b1**self.t, math.sqrt(1 - self.b2**self.t)
             if self.ebc:
                 out[k] = m / (v.sqrt() + self.eps) * (bc2 / bc1)
             else:
                 out[k] = m / (v.sqrt() / bc2 + self.eps) / bc1
-            self.state[k] = ((self.quantize(m, True), self.quantize(v, False)) if quant
-                             else (m, v))
+            self.state[k] = (self.quantize(m, True), self.quantize(v, False)) if quant else (m, v)
         return out
 
 
-@pytest.mark.parametrize("kw", [
-    {},
-    {"b1": 0.8, "b2": 0.99, "eps": 1e-6},
-    {"eps_before_correction": True},
-], ids=["default", "betas_eps", "eps_before_correction"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"b1": 0.8, "b2": 0.99, "eps": 1e-6},
+        {"eps_before_correction": True},
+    ],
+    ids=["default", "betas_eps", "eps_before_correction"],
+)
 def test_matches_reference_loop(kw):
     shapes = {"w": (6, 40), "t": (2, 3, 33), "v": (50,), "s": (), "small": (3, 4)}
     params, grads = _values(shapes, 25)
     block, min_size = 16, 13
     tx = scale_by_adam(**kw, optim_bits=8, min_8bit_size=min_size, block_size=block)
-    ref = _Ref8bit(kw.get("b1", 0.9), kw.get("b2", 0.999), kw.get("eps", 1e-8), block, min_size,
-                   kw.get("eps_before_correction", False))
+    ref = _Ref8bit(
+        kw.get("b1", 0.9),
+        kw.get("b2", 0.999),
+        kw.get("eps", 1e-8),
+        block,
+        min_size,
+        kw.get("eps_before_correction", False),
+    )
     state = tx.init(params)
     for g in grads:
         u, state = tx.update(g, state, params)
@@ -244,15 +264,19 @@ def test_matches_reference_loop(kw):
         assert state.mu[k] is None and state.nu[k] is None
         for ours, theirs in ((state.mu_codes[k], mc), (state.nu_codes[k], nc)):
             n = shapes[k][-1]
-            assert torch.equal(ours.long(), theirs.reshape(theirs.shape[0], -1)[:, :n].reshape(
-                shapes[k]))
+            assert torch.equal(
+                ours.long(), theirs.reshape(theirs.shape[0], -1)[:, :n].reshape(shapes[k])
+            )
         assert torch.equal(state.mu_absmax[k].reshape(ma.shape), ma)
         assert torch.equal(state.nu_absmax[k].reshape(na.shape), na)
-        assert torch.equal(dequantize_blockwise(state.mu_codes[k], state.mu_absmax[k], None, block),
-                           ref.dequantize(mc, ma, True, params[k]))
-        assert torch.equal(dequantize_blockwise(state.nu_codes[k], state.nu_absmax[k], None,
-                                                block, signed=False),
-                           ref.dequantize(nc, na, False, params[k]))
+        assert torch.equal(
+            dequantize_blockwise(state.mu_codes[k], state.mu_absmax[k], None, block),
+            ref.dequantize(mc, ma, True, params[k]),
+        )
+        assert torch.equal(
+            dequantize_blockwise(state.nu_codes[k], state.nu_absmax[k], None, block, signed=False),
+            ref.dequantize(nc, na, False, params[k]),
+        )
     for k in ("s", "small"):
         assert state.mu_codes[k] is None and state.mu_absmax[k] is None
         torch.testing.assert_close(state.mu[k], ref.state[k][0], rtol=1e-6, atol=0)
@@ -350,23 +374,23 @@ def test_bf16_params_frozen_leaves_and_purity():
 LEAVES_2x2 = {
     "a": ((5, 21), [S0, S1]),
     "b": ((5, 21), [R, S1]),
-    "c": ((5, 21), [S1, S1]),      # nested uneven sharding of the last dim
-    "d": ((5, 21), [S0, R]),       # blocks whole on every rank
-    "k": ((6, 16), [S0, R]),       # whole blocks, no padding (the view path)
-    "e": ((3, 5, 13), [S2, S1]),   # last dim over dp, rows over tp
+    "c": ((5, 21), [S1, S1]),  # nested uneven sharding of the last dim
+    "d": ((5, 21), [S0, R]),  # blocks whole on every rank
+    "k": ((6, 16), [S0, R]),  # whole blocks, no padding (the view path)
+    "e": ((3, 5, 13), [S2, S1]),  # last dim over dp, rows over tp
     "f": ((3, 5, 13), [S0, S1]),
     "g": ((9,), [S0, R]),
-    "h": ((2,), [S0, S0]),         # empty shards
-    "i": ((1, 3), [S0, S1]),       # empty row shards
-    "j": ((4, 3), None),           # plain tensor
-    "s": ((), [R, R]),             # 0-dim
+    "h": ((2,), [S0, S0]),  # empty shards
+    "i": ((1, 3), [S0, S1]),  # empty row shards
+    "j": ((4, 3), None),  # plain tensor
+    "s": ((), [R, R]),  # 0-dim
 }
 LEAVES_2 = {
     "a": ((5, 21), [S0]),
     "b": ((5, 21), [S1]),
     "e": ((3, 5, 13), [S2]),
     "g": ((37,), [S0]),
-    "h": ((4, 1), [S1]),           # last dim of 1 over 2 ranks: one empty shard
+    "h": ((4, 1), [S1]),  # last dim of 1 over 2 ranks: one empty shard
 }
 
 
@@ -402,9 +426,13 @@ def _check_sharded(leaves, mesh_shape, names, make_tx, steps=3, seed=1):
         got = gather((ups, state, out))
     ref = (ref_ups, ref_state, ref_p)
     assert optree.tree_structure(ref, none_is_leaf=True) == optree.tree_structure(
-        got, none_is_leaf=True)
-    for path, a, b in zip(tree_paths(ref), optree.tree_leaves(ref, none_is_leaf=True),
-                          optree.tree_leaves(got, none_is_leaf=True)):
+        got, none_is_leaf=True
+    )
+    for path, a, b in zip(
+        tree_paths(ref),
+        optree.tree_leaves(ref, none_is_leaf=True),
+        optree.tree_leaves(got, none_is_leaf=True),
+    ):
         assert (a is None) == (b is None), path
         if a is not None:
             assert a.dtype == b.dtype and a.shape == b.shape, path
@@ -414,17 +442,24 @@ def _check_sharded(leaves, mesh_shape, names, make_tx, steps=3, seed=1):
 
 @pytest.mark.parametrize("block,min_size", [(4, 1), (8, 6)])
 def test_sharded_equals_unsharded_2x2(block, min_size):
-    st = _check_sharded(LEAVES_2x2, (2, 2), ("dp", "tp"),
-                        lambda: scale_by_adam(optim_bits=8, min_8bit_size=min_size,
-                                              block_size=block))
+    st = _check_sharded(
+        LEAVES_2x2,
+        (2, 2),
+        ("dp", "tp"),
+        lambda: scale_by_adam(optim_bits=8, min_8bit_size=min_size, block_size=block),
+    )
     quantised = {k for k in LEAVES_2x2 if st.mu_codes[k] is not None}
     assert quantised == (set(LEAVES_2x2) if min_size == 1 else set("abcdefgjk"))
 
 
 def test_sharded_equals_unsharded_1d_adamw():
-    _check_sharded(LEAVES_2, (2,), ("tp",),
-                   lambda: adamw(1e-2, weight_decay=0.1, optim_bits=8, min_8bit_size=8,
-                                 block_size=4), steps=3)
+    _check_sharded(
+        LEAVES_2,
+        (2,),
+        ("tp",),
+        lambda: adamw(1e-2, weight_decay=0.1, optim_bits=8, min_8bit_size=8, block_size=4),
+        steps=3,
+    )
 
 
 def test_data_axis_and_sub_mesh_leaves():
@@ -443,15 +478,21 @@ def test_data_axis_and_sub_mesh_leaves():
         m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
         def on_tp(values, pl):  # values[dp coordinate]
-            return distribute_tensor(per_rank(4, lambda r: values[r // 2]), m["tp"], pl,
-                                     src_data_rank=None)
+            return distribute_tensor(
+                per_rank(4, lambda r: values[r // 2]), m["tp"], pl, src_data_rank=None
+            )
 
         dp = {k: on_tp([params[k]] * 2, pl) for k, (_, pl) in leaves.items()}
-        dg = [{k: on_tp([g[k] + d[k], g[k] - d[k]], pl) for k, (_, pl) in leaves.items()}
-              for g, d in zip(grads, deltas)]
+        dg = [
+            {k: on_tp([g[k] + d[k], g[k] - d[k]], pl) for k, (_, pl) in leaves.items()}
+            for g, d in zip(grads, deltas)
+        ]
         got = gather(_run(make(), dp, dg, ft.Mesh(m, data_axis="dp")))
-    for path, a, b in zip(tree_paths(ref), optree.tree_leaves(ref, none_is_leaf=True),
-                          optree.tree_leaves(got, none_is_leaf=True)):
+    for path, a, b in zip(
+        tree_paths(ref),
+        optree.tree_leaves(ref, none_is_leaf=True),
+        optree.tree_leaves(got, none_is_leaf=True),
+    ):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), path
 
 
@@ -460,8 +501,12 @@ def test_data_axis_and_sub_mesh_leaves():
 # =============================================================================================
 def _counts(layouts, n_leaves, mesh_shape=(2, 2), names=("dp", "tp"), **kw):
     return update_collectives(
-        lambda: scale_by_adam(optim_bits=8, min_8bit_size=1, block_size=4, **kw), n_leaves,
-        mesh_shape, names, layouts)
+        lambda: scale_by_adam(optim_bits=8, min_8bit_size=1, block_size=4, **kw),
+        n_leaves,
+        mesh_shape,
+        names,
+        layouts,
+    )
 
 
 def test_collectives_one_all_reduce():
@@ -478,21 +523,25 @@ def test_collectives_one_all_reduce():
 
 
 def test_no_collectives_without_a_sharded_last_dim():
-    layouts = [((5, 21), [S0, R]), ((6, 8), [S0, S0]), ((3, 5, 13), [S1, S0]),
-               ((9,), [R, R])]
+    layouts = [((5, 21), [S0, R]), ((6, 8), [S0, S0]), ((3, 5, 13), [S1, S0]), ((9,), [R, R])]
     assert _counts(layouts, 10) == {}
     # leaves too small for 8 bits are float32, sharded last dims or not
     small = [((5, 21), [R, S1]), ((9,), [S0, R])]
-    assert update_collectives(lambda: scale_by_adam(optim_bits=8, min_8bit_size=200), 4,
-                              mixed=small) == {}
+    assert (
+        update_collectives(lambda: scale_by_adam(optim_bits=8, min_8bit_size=200), 4, mixed=small)
+        == {}
+    )
 
 
 # =============================================================================================
 # 5. memory, state layout, errors
 # =============================================================================================
 def _nbytes(tree):
-    return sum(x.numel() * x.element_size() for x in optree.tree_leaves(tree)
-               if isinstance(x, torch.Tensor))
+    return sum(
+        x.numel() * x.element_size()
+        for x in optree.tree_leaves(tree)
+        if isinstance(x, torch.Tensor)
+    )
 
 
 def test_state_memory_about_a_quarter():
@@ -512,8 +561,12 @@ def test_state_memory_about_a_quarter():
 
 
 def test_small_leaves_stay_float32_and_32_bit_is_unchanged():
-    params = {"big": torch.zeros(64, 64), "small": torch.zeros(10, 10), "b": torch.zeros(64),
-              "i": torch.zeros(5000, dtype=torch.int64)}
+    params = {
+        "big": torch.zeros(64, 64),
+        "small": torch.zeros(10, 10),
+        "b": torch.zeros(64),
+        "i": torch.zeros(5000, dtype=torch.int64),
+    }
     st = scale_by_adam(optim_bits=8).init(params)
     assert isinstance(st, ScaleByAdam8bitState)
     assert st.mu["big"] is None and st.mu_codes["big"].shape == (64, 64)
@@ -521,25 +574,28 @@ def test_small_leaves_stay_float32_and_32_bit_is_unchanged():
     for k in ("small", "b"):
         assert st.mu[k].dtype == torch.float32 and st.nu[k].dtype == torch.float32
         assert st.mu_codes[k] is None and st.nu_absmax[k] is None
-    assert st.mu_codes["i"] is None       # non-floating leaves are never quantised
+    assert st.mu_codes["i"] is None  # non-floating leaves are never quantised
     assert isinstance(adam(optim_bits=32).init(params)[0], ScaleByAdamState)
     assert isinstance(adam().init(params)[0], ScaleByAdamState)
 
 
-@pytest.mark.parametrize("make,exc,match", [
-    (lambda: scale_by_adam(optim_bits=16), ValueError, "optim_bits"),
-    (lambda: scale_by_adam(optim_bits=True), ValueError, "optim_bits"),
-    (lambda: adam(optim_bits=4), ValueError, "optim_bits"),
-    (lambda: adamw(optim_bits=64), ValueError, "optim_bits"),
-    (lambda: scale_by_adam(optim_bits=8, block_size=0), ValueError, "block_size"),
-    (lambda: adam(optim_bits=8, block_size=-8), ValueError, "block_size"),
-    (lambda: scale_by_adam(block_size=2.5), TypeError, "block_size"),
-    (lambda: scale_by_adam(optim_bits=8, min_8bit_size=-1), ValueError, "min_8bit_size"),
-    (lambda: adamw(optim_bits=8, min_8bit_size=-5), ValueError, "min_8bit_size"),
-    (lambda: scale_by_adam(optim_bits=8, amsgrad=True), ValueError, "amsgrad"),
-    (lambda: quantize_blockwise(torch.zeros(4), block_size=0), ValueError, "block_size"),
-    (lambda: create_dynamic_map(False, 5, 8), ValueError, "2\\*\\*total_bits"),
-])
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: scale_by_adam(optim_bits=16), ValueError, "optim_bits"),
+        (lambda: scale_by_adam(optim_bits=True), ValueError, "optim_bits"),
+        (lambda: adam(optim_bits=4), ValueError, "optim_bits"),
+        (lambda: adamw(optim_bits=64), ValueError, "optim_bits"),
+        (lambda: scale_by_adam(optim_bits=8, block_size=0), ValueError, "block_size"),
+        (lambda: adam(optim_bits=8, block_size=-8), ValueError, "block_size"),
+        (lambda: scale_by_adam(block_size=2.5), TypeError, "block_size"),
+        (lambda: scale_by_adam(optim_bits=8, min_8bit_size=-1), ValueError, "min_8bit_size"),
+        (lambda: adamw(optim_bits=8, min_8bit_size=-5), ValueError, "min_8bit_size"),
+        (lambda: scale_by_adam(optim_bits=8, amsgrad=True), ValueError, "amsgrad"),
+        (lambda: quantize_blockwise(torch.zeros(4), block_size=0), ValueError, "block_size"),
+        (lambda: create_dynamic_map(False, 5, 8), ValueError, "2\\*\\*total_bits"),
+    ],
+)
 def test_bad_hyper_parameters(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
@@ -558,8 +614,7 @@ def test_state_that_does_not_fit_names_the_leaf():
     with pytest.raises(ValueError, match="leaf 'w' .* needs 8-bit moments"):
         tx.update(g, other_min, params)
     with pytest.raises(ValueError, match="dequantize_blockwise: absmax has shape"):
-        dequantize_blockwise(torch.zeros(4, 20, dtype=torch.uint8), torch.zeros(4, 2),
-                             block_size=8)
+        dequantize_blockwise(torch.zeros(4, 20, dtype=torch.uint8), torch.zeros(4, 2), block_size=8)
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -568,13 +623,20 @@ def test_nearest_code_table_equals_bucketize(signed):
     every midpoint, its neighbouring floats on both sides, the codes, zeros of both signs,
     subnormals and the ends of the range."""
     from functional_train.quantization import _MAPS, _codes_of, _nearest_table
+
     code, mid, _ = _MAPS.get(signed, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(200_000, generator=gen) * 2 - 1
     lo = -1.0 if signed else 0.0
-    special = torch.cat([mid, torch.nextafter(mid, torch.tensor(2.0)),
-                         torch.nextafter(mid, torch.tensor(-2.0)), code,
-                         torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-38, -1e-38, 1e-45, -1e-45])])
+    special = torch.cat(
+        [
+            mid,
+            torch.nextafter(mid, torch.tensor(2.0)),
+            torch.nextafter(mid, torch.tensor(-2.0)),
+            code,
+            torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-38, -1e-38, 1e-45, -1e-45]),
+        ]
+    )
     x = torch.cat([x, x[:5000] * 1e-6, x[:5000] * 1e-3, special]).clamp(lo, 1.0)
     assert _nearest_table(mid) is not None  # the table path is taken for the default maps
     want = torch.bucketize(x, mid, out_int32=True).to(torch.uint8)
@@ -584,8 +646,16 @@ def test_nearest_code_table_equals_bucketize(signed):
     # past the ends (the reciprocal's rounding, infinities, NaN): the codes of the clamped
     # values, which the table gives without clamping
     one = torch.tensor(1.0)
-    past = torch.stack([torch.nextafter(one, torch.tensor(2.0)), torch.tensor(1.5),
-                        torch.tensor(float("inf")), torch.nextafter(-one, torch.tensor(-2.0)),
-                        torch.tensor(-3.0), torch.tensor(float("-inf")), torch.tensor(float("nan"))])
+    past = torch.stack(
+        [
+            torch.nextafter(one, torch.tensor(2.0)),
+            torch.tensor(1.5),
+            torch.tensor(float("inf")),
+            torch.nextafter(-one, torch.tensor(-2.0)),
+            torch.tensor(-3.0),
+            torch.tensor(float("-inf")),
+            torch.tensor(float("nan")),
+        ]
+    )
     want = torch.bucketize(past.clamp(-1.0, 1.0), mid, out_int32=True).to(torch.uint8)
     assert torch.equal(_codes_of(past, mid), want)

@@ -8,7 +8,7 @@ README = Path(__file__).parent.parent / "README.md"
 
 def _example_source() -> str:
     text = README.read_text()
-    section = text[text.index("## Testing your own transforms"):]
+    section = text[text.index("## Testing your own transforms") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

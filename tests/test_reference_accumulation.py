@@ -14,8 +14,8 @@ from torch.func import functional_call, grad
 
 import functional_train as ft
 
-BATCH = 8          # examples per optimizer step
-OPT_STEPS = 3      # optimizer steps
+BATCH = 8  # examples per optimizer step
+OPT_STEPS = 3  # optimizer steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -23,14 +23,21 @@ OPT_STEPS = 3      # optimizer steps
 # ---------------------------------------------------------------------------------------------
 def make_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6),
-                               torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 8),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 6),
+        torch.nn.Tanh(),
+        torch.nn.Linear(6, 3),
+    )
 
 
 def make_data(steps=OPT_STEPS, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, 5, generator=gen), torch.randn(BATCH, 3, generator=gen))
-            for _ in range(steps)]
+    return [
+        (torch.randn(BATCH, 5, generator=gen), torch.randn(BATCH, 3, generator=gen))
+        for _ in range(steps)
+    ]
 
 
 def param_dict(model):
@@ -49,8 +56,9 @@ def leaves(tree):
 
 
 def clone(tree):
-    return optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree,
-                           none_is_leaf=True)
+    return optree.tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True
+    )
 
 
 def assert_bitwise_equal(a, b):
@@ -78,7 +86,8 @@ def assert_change_close(ours, theirs, p0, rtol=1e-4, atol=1e-7, steps=OPT_STEPS)
         err = (da - db).abs()
         assert (err <= bound).all(), (
             f"{name}: change differs at {int((err > bound).sum())}/{err.numel()} elements, "
-            f"max |diff| {float(err.max()):.3g}\nours   {da}\ntheirs {db}")
+            f"max |diff| {float(err.max()):.3g}\nours   {da}\ntheirs {db}"
+        )
 
 
 def run_accumulated(tx, k, model, data, frozen=()):
@@ -91,7 +100,7 @@ def run_accumulated(tx, k, model, data, frozen=()):
     mb = BATCH // k
     for step, (x, y) in enumerate(data):
         for j in range(k):
-            g = grad(loss)(params, x[j * mb:(j + 1) * mb], y[j * mb:(j + 1) * mb])
+            g = grad(loss)(params, x[j * mb : (j + 1) * mb], y[j * mb : (j + 1) * mb])
             g = {n: (None if n in frozen else v) for n, v in g.items()}
             inner_before = clone(state.inner_state)
             updates, state = tx.update(g, state, params)
@@ -168,8 +177,12 @@ def test_multi_steps_chain_equals_big_batch_chain(k):
     acc, state = run_accumulated(ft.multi_steps(make(), k), k, model, data)
     full, full_state = run_full(make(), model, data)
     assert_change_close(acc, full, p0)
-    torch.testing.assert_close(ft.tree_get(state, "global_norm"),
-                               ft.tree_get(full_state, "global_norm"), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        ft.tree_get(state, "global_norm"),
+        ft.tree_get(full_state, "global_norm"),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -200,8 +213,15 @@ def test_counters_over_many_micro_steps():
     for i in range(7):
         _, state = tx.update({"w": torch.full((2, 3), float(i))}, state, params)
         seen.append((int(state.mini_step), int(state.gradient_step), bool(ft.has_updated(state))))
-    assert seen == [(1, 0, False), (2, 0, False), (0, 1, True), (1, 1, False), (2, 1, False),
-                    (0, 2, True), (1, 2, False)]
+    assert seen == [
+        (1, 0, False),
+        (2, 0, False),
+        (0, 1, True),
+        (1, 1, False),
+        (2, 1, False),
+        (0, 2, True),
+        (1, 2, False),
+    ]
 
 
 def test_has_updated_finds_nested_state_and_rejects_others():
@@ -252,7 +272,7 @@ def test_update_is_pure(k):
     tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.1), ft.adamw(0.01)), k)
     state = tx.init(params)
     for x, y in make_data(steps=2):
-        for j in range(k):
+        for _j in range(k):
             g = grad(loss)(params, x, y)
             p_c, g_c, s_c = clone(params), clone(g), clone(state)
             updates, new_state = tx.update(g, state, params)

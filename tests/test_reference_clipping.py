@@ -20,8 +20,9 @@ def _is_shape(x):
 
 def make_tree(seed=0, scale=1.0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    return optree.tree_map(lambda s: (scale * torch.randn(s, generator=gen)).to(dtype), SHAPES,
-                           is_leaf=_is_shape)
+    return optree.tree_map(
+        lambda s: (scale * torch.randn(s, generator=gen)).to(dtype), SHAPES, is_leaf=_is_shape
+    )
 
 
 def leaves(tree):
@@ -36,7 +37,11 @@ def torch_clip_norm(grads, max_norm, norm_type):
     """torch.nn.utils.clip_grad_norm_ on parameters holding ``grads``: (clipped leaves, norm)."""
     ps = []
     for g in leaves(grads):
-        p = torch.zeros_like(g, requires_grad=True) if g is not None else torch.zeros(1, requires_grad=True)
+        p = (
+            torch.zeros_like(g, requires_grad=True)
+            if g is not None
+            else torch.zeros(1, requires_grad=True)
+        )
         p.grad = None if g is None else g.clone()
         ps.append(p)
     total = torch.nn.utils.clip_grad_norm_(ps, max_norm, norm_type)

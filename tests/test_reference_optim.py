@@ -26,14 +26,17 @@ def _is_shape(x):
 
 def make_params(dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return optree.tree_map(lambda s: torch.randn(s, generator=gen).to(dtype), SHAPES,
-                           is_leaf=_is_shape)
+    return optree.tree_map(
+        lambda s: torch.randn(s, generator=gen).to(dtype), SHAPES, is_leaf=_is_shape
+    )
 
 
 def make_grads(params, steps=STEPS, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return [optree.tree_map(lambda p: torch.randn(p.shape, generator=gen).to(p.dtype), params)
-            for _ in range(steps)]
+    return [
+        optree.tree_map(lambda p: torch.randn(p.shape, generator=gen).to(p.dtype), params)
+        for _ in range(steps)
+    ]
 
 
 def leaves(tree):
@@ -115,7 +118,8 @@ def assert_change_close(ours, theirs, p0, rtol=1e-5, atol=1e-7, steps=STEPS):
         assert not bad.any(), (
             f"parameter change differs from torch at {int(bad.sum())}/{bad.numel()} elements: "
             f"max |diff| {float(err.max()):.3g}, max |diff|/|change| "
-            f"{float((err / db.abs().clamp_min(1e-30)).max()):.3g}\nours  {da}\ntheirs {db}")
+            f"{float((err / db.abs().clamp_min(1e-30)).max()):.3g}\nours  {da}\ntheirs {db}"
+        )
 
 
 def assert_leaves_close(ours_tree, theirs_list, rtol=1e-5, atol=1e-7):
@@ -163,14 +167,26 @@ SGD_CASES = [
     {"learning_rate": 0.1, "weight_decay": 0.1},
     {"learning_rate": 0.1, "maximize": True},
     {"momentum": 0.5},  # default lr with momentum
-    {"learning_rate": 0.05, "momentum": 0.8, "weight_decay": 0.2, "nesterov": True,
-     "maximize": True},
-    {"learning_rate": 0.05, "momentum": 0.7, "dampening": 0.3, "weight_decay": 0.05,
-     "maximize": True},
+    {
+        "learning_rate": 0.05,
+        "momentum": 0.8,
+        "weight_decay": 0.2,
+        "nesterov": True,
+        "maximize": True,
+    },
+    {
+        "learning_rate": 0.05,
+        "momentum": 0.7,
+        "dampening": 0.3,
+        "weight_decay": 0.05,
+        "maximize": True,
+    },
 ]
 
 
-@pytest.mark.parametrize("kw", SGD_CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "defaults")
+@pytest.mark.parametrize(
+    "kw", SGD_CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "defaults"
+)
 def test_sgd_matches_torch(kw):
     params = make_params()
     grads = make_grads(params)
@@ -211,10 +227,22 @@ ADAM_CASES = [
     {"learning_rate": 0.01, "amsgrad": True},
     {"learning_rate": 0.01, "maximize": True},
     {"learning_rate": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True},
-    {"learning_rate": 0.02, "b1": 0.85, "b2": 0.95, "eps": 1e-6, "weight_decay": 0.05,
-     "amsgrad": True, "maximize": True},
-    {"learning_rate": 0.02, "weight_decay": 0.3, "amsgrad": True, "maximize": True,
-     "decoupled_weight_decay": True},
+    {
+        "learning_rate": 0.02,
+        "b1": 0.85,
+        "b2": 0.95,
+        "eps": 1e-6,
+        "weight_decay": 0.05,
+        "amsgrad": True,
+        "maximize": True,
+    },
+    {
+        "learning_rate": 0.02,
+        "weight_decay": 0.3,
+        "amsgrad": True,
+        "maximize": True,
+        "decoupled_weight_decay": True,
+    },
 ]
 
 
@@ -267,8 +295,15 @@ ADAMW_CASES = [
     {"learning_rate": 0.01, "weight_decay": 0.5},
     {"learning_rate": 0.01, "amsgrad": True},
     {"learning_rate": 0.01, "maximize": True},
-    {"learning_rate": 0.02, "b1": 0.85, "b2": 0.95, "eps": 1e-6, "weight_decay": 0.2,
-     "amsgrad": True, "maximize": True},
+    {
+        "learning_rate": 0.02,
+        "b1": 0.85,
+        "b2": 0.95,
+        "eps": 1e-6,
+        "weight_decay": 0.2,
+        "amsgrad": True,
+        "maximize": True,
+    },
 ]
 
 
@@ -312,8 +347,12 @@ SCHEDULED = [
     ("sgd", ft.sgd, torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.1}),
     ("sgd_nesterov", ft.sgd, torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
     ("adam", ft.adam, torch.optim.Adam, {"weight_decay": 0.1}),
-    ("adam_decoupled", ft.adam, torch.optim.Adam, {"weight_decay": 0.1,
-                                                   "decoupled_weight_decay": True}),
+    (
+        "adam_decoupled",
+        ft.adam,
+        torch.optim.Adam,
+        {"weight_decay": 0.1, "decoupled_weight_decay": True},
+    ),
     ("adamw", ft.adamw, torch.optim.AdamW, {"weight_decay": 0.3, "amsgrad": True}),
 ]
 
@@ -327,11 +366,13 @@ def test_schedule_learning_rate_matches_torch(name, ours_fn, torch_cls, kw, how)
     tkw = torch_sgd_kwargs(kw) if torch_cls is torch.optim.SGD else torch_adam_kwargs(kw)
     if how == "lambda_lr":
         # LambdaLR sets lr = base_lr * lambda(epoch), epoch 0 before the first step
-        theirs, _ = run_torch(torch_cls, params, grads, dict(tkw, lr=1.0),
-                              lambda_lr=lambda i: float(SCHEDULE(i)))
+        theirs, _ = run_torch(
+            torch_cls, params, grads, dict(tkw, lr=1.0), lambda_lr=lambda i: float(SCHEDULE(i))
+        )
     else:
-        theirs, _ = run_torch(torch_cls, params, grads, dict(tkw, lr=1.0),
-                              lr_per_step=lambda i: float(SCHEDULE(i)))
+        theirs, _ = run_torch(
+            torch_cls, params, grads, dict(tkw, lr=1.0), lr_per_step=lambda i: float(SCHEDULE(i))
+        )
     assert_change_close(ours, theirs, params)
     sched_state = one_state(state, ft.ScaleByScheduleState)
     assert_count(sched_state.count, STEPS)
@@ -390,13 +431,19 @@ def test_bf16_sgd_momentum_trace_float32_matches_torch_fp32():
     assert all(x.dtype == torch.float32 for x in leaves(tr.trace))
     f32 = optree.tree_map(lambda p: p.float(), params)
     f32_grads = [optree.tree_map(lambda g: g.float(), g) for g in grads]
-    _, tstates = run_torch(torch.optim.SGD, f32, f32_grads,
-                           {"lr": 0.1, "momentum": 0.9, "dampening": 0.1})
+    _, tstates = run_torch(
+        torch.optim.SGD, f32, f32_grads, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1}
+    )
     assert_leaves_close(tr.trace, [s["momentum_buffer"] for s in tstates])
 
 
-@pytest.mark.parametrize("make", [lambda: ft.adam(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
-                                  lambda: ft.adamw(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ft.adam(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
+        lambda: ft.adamw(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16),
+    ],
+)
 def test_lowered_state_dtypes(make):
     params = make_params(torch.bfloat16)
     grads = make_grads(params, steps=2)
@@ -405,9 +452,14 @@ def test_lowered_state_dtypes(make):
     assert all(x.dtype == torch.bfloat16 for x in leaves(st.mu) + leaves(st.nu))
 
 
-@pytest.mark.parametrize("param_dtype, state_dtype", [(torch.bfloat16, torch.float32),
-                                                      (torch.float32, torch.float32),
-                                                      (torch.float64, torch.float64)])
+@pytest.mark.parametrize(
+    "param_dtype, state_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
 def test_default_state_dtype_is_float32_or_wider(param_dtype, state_dtype):
     params = make_params(param_dtype)
     grads = make_grads(params, steps=2)
@@ -420,8 +472,9 @@ def test_default_state_dtype_is_float32_or_wider(param_dtype, state_dtype):
 # purity: update modifies none of its inputs
 # ---------------------------------------------------------------------------------------------
 def _clone(tree):
-    return optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree,
-                           none_is_leaf=True)
+    return optree.tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True
+    )
 
 
 def _assert_bitwise_equal(a, b):
@@ -436,8 +489,10 @@ def _assert_bitwise_equal(a, b):
 
 PURITY = [
     ("sgd", lambda: ft.sgd(0.1)),
-    ("sgd_momentum", lambda: ft.sgd(0.1, momentum=0.9, dampening=0.2, weight_decay=0.1,
-                                    maximize=True)),
+    (
+        "sgd_momentum",
+        lambda: ft.sgd(0.1, momentum=0.9, dampening=0.2, weight_decay=0.1, maximize=True),
+    ),
     ("sgd_nesterov", lambda: ft.sgd(0.1, momentum=0.9, nesterov=True)),
     ("adam", lambda: ft.adam(0.01, weight_decay=0.1)),
     ("adam_amsgrad", lambda: ft.adam(0.01, amsgrad=True, maximize=True)),
@@ -474,8 +529,11 @@ def test_update_is_pure(name, make, dtype):
 def test_none_gradient_leaf_passes_through():
     params = make_params()
     grads = make_grads(params)
-    for tx in (ft.sgd(0.1, momentum=0.9, weight_decay=0.1), ft.adam(0.01, weight_decay=0.1),
-               ft.adamw(0.01, amsgrad=True)):
+    for tx in (
+        ft.sgd(0.1, momentum=0.9, weight_decay=0.1),
+        ft.adam(0.01, weight_decay=0.1),
+        ft.adamw(0.01, amsgrad=True),
+    ):
         state = tx.init(params)
         p = params
         for g in grads:

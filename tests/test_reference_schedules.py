@@ -50,9 +50,16 @@ def linear_closed(init, end, steps, begin):
     return f
 
 
-@pytest.mark.parametrize("init,end,steps,begin", [
-    (0.0, 1.0, 10, 0), (1.0, 0.1, 7, 3), (2e-3, 2e-3, 5, 0), (1.0, 0.0, 0, 0), (-1.0, 1.0, 1, 2),
-])
+@pytest.mark.parametrize(
+    "init,end,steps,begin",
+    [
+        (0.0, 1.0, 10, 0),
+        (1.0, 0.1, 7, 3),
+        (2e-3, 2e-3, 5, 0),
+        (1.0, 0.0, 0, 0),
+        (-1.0, 1.0, 1, 2),
+    ],
+)
 def test_linear_schedule(init, end, steps, begin):
     check(S.linear_schedule(init, end, steps, begin), linear_closed(init, end, steps, begin))
 
@@ -67,17 +74,25 @@ def cosine_closed(init, decay_steps, alpha, exponent):
     def f(c):
         t = min(c, decay_steps)
         cosine = 0.5 * (1.0 + math.cos(math.pi * t / decay_steps))
-        return init * ((1.0 - alpha) * cosine ** exponent + alpha)
+        return init * ((1.0 - alpha) * cosine**exponent + alpha)
 
     return f
 
 
-@pytest.mark.parametrize("init,decay_steps,alpha,exponent", [
-    (1.0, 10, 0.0, 1.0), (3e-4, 7, 0.1, 1.0), (0.1, 20, 0.0, 2.0), (0.5, 1, 0.5, 1.0),
-])
+@pytest.mark.parametrize(
+    "init,decay_steps,alpha,exponent",
+    [
+        (1.0, 10, 0.0, 1.0),
+        (3e-4, 7, 0.1, 1.0),
+        (0.1, 20, 0.0, 2.0),
+        (0.5, 1, 0.5, 1.0),
+    ],
+)
 def test_cosine_decay_schedule(init, decay_steps, alpha, exponent):
-    check(S.cosine_decay_schedule(init, decay_steps, alpha, exponent),
-          cosine_closed(init, decay_steps, alpha, exponent))
+    check(
+        S.cosine_decay_schedule(init, decay_steps, alpha, exponent),
+        cosine_closed(init, decay_steps, alpha, exponent),
+    )
 
 
 def test_cosine_decay_schedule_defaults_and_endpoints():
@@ -105,37 +120,45 @@ def warmup_cosine_closed(init, peak, warmup, decay, end, exponent):
             return init + (peak - init) * c / warmup
         t = min(c - warmup, decay - warmup)
         cosine = 0.5 * (1.0 + math.cos(math.pi * t / (decay - warmup)))
-        return end + (peak - end) * cosine ** exponent
+        return end + (peak - end) * cosine**exponent
 
     return f
 
 
-@pytest.mark.parametrize("init,peak,warmup,decay,end,exponent", [
-    (0.0, 1.0, 5, 20, 0.0, 1.0),
-    (1e-5, 3e-4, 3, 10, 1e-5, 1.0),
-    (0.1, 0.5, 4, 15, 0.05, 2.0),
-    (0.0, 1.0, 0, 10, 0.1, 1.0),   # no warmup
-    (0.2, 1.0, 1, 2, 0.0, 1.0),    # shortest schedule
-])
+@pytest.mark.parametrize(
+    "init,peak,warmup,decay,end,exponent",
+    [
+        (0.0, 1.0, 5, 20, 0.0, 1.0),
+        (1e-5, 3e-4, 3, 10, 1e-5, 1.0),
+        (0.1, 0.5, 4, 15, 0.05, 2.0),
+        (0.0, 1.0, 0, 10, 0.1, 1.0),  # no warmup
+        (0.2, 1.0, 1, 2, 0.0, 1.0),  # shortest schedule
+    ],
+)
 def test_warmup_cosine_decay_schedule(init, peak, warmup, decay, end, exponent):
-    check(S.warmup_cosine_decay_schedule(init, peak, warmup, decay, end, exponent),
-          warmup_cosine_closed(init, peak, warmup, decay, end, exponent))
+    check(
+        S.warmup_cosine_decay_schedule(init, peak, warmup, decay, end, exponent),
+        warmup_cosine_closed(init, peak, warmup, decay, end, exponent),
+    )
 
 
 def test_warmup_cosine_decay_endpoints():
     s = S.warmup_cosine_decay_schedule(0.0, 1.0, 4, 12, end_value=0.1)
-    assert float(s(0)) == 0.0                              # init_value at count 0
+    assert float(s(0)) == 0.0  # init_value at count 0
     assert float(s(2)) == pytest.approx(0.5)
-    assert float(s(4)) == pytest.approx(1.0)               # peak at warmup_steps
-    assert float(s(8)) == pytest.approx(0.55)              # half way through the cosine
-    assert float(s(12)) == pytest.approx(0.1)              # end_value at decay_steps
-    assert float(s(100)) == pytest.approx(0.1)             # constant after
+    assert float(s(4)) == pytest.approx(1.0)  # peak at warmup_steps
+    assert float(s(8)) == pytest.approx(0.55)  # half way through the cosine
+    assert float(s(12)) == pytest.approx(0.1)  # end_value at decay_steps
+    assert float(s(100)) == pytest.approx(0.1)  # constant after
 
 
 def test_schedules_vectorise_over_count_tensors():
     counts = torch.arange(0, 30)
-    for s in (S.linear_schedule(0.0, 1.0, 10, 2), S.cosine_decay_schedule(1.0, 9, 0.1),
-              S.warmup_cosine_decay_schedule(0.0, 1.0, 5, 20, 0.1)):
+    for s in (
+        S.linear_schedule(0.0, 1.0, 10, 2),
+        S.cosine_decay_schedule(1.0, 9, 0.1),
+        S.warmup_cosine_decay_schedule(0.0, 1.0, 5, 20, 0.1),
+    ):
         v = s(counts)
         assert v.shape == counts.shape
         for c in range(30):
@@ -207,32 +230,59 @@ def test_scale_by_learning_rate_schedule_state_on_bf16_updates():
 _CASES = {  # name -> list of (args, kwargs), the same call for ft.schedules and optax
     "constant_schedule": [((0.3,), {})],
     "linear_schedule": [((1.0, 0.1, 7, 3), {}), ((0.0, 2.0, 1), {})],
-    "polynomial_schedule": [((1.0, 0.01, 2.0, 10), {}), ((1.0, 0.5, 0.5, 7),
-                                                         {"transition_begin": 4}),
-                            ((2.0, 0.0, 3, 0), {})],
-    "piecewise_constant_schedule": [((0.1, {5: 0.5, 12: 0.1}), {}), ((1.0,), {}),
-                                    ((2.0, {0: 3.0, 4: 0.0}), {})],
-    "piecewise_interpolate_schedule": [(("linear", 1.0, {5: 2.0, 15: 0.1}), {}),
-                                       (("cosine", 0.5, {3: 4.0, 4: 0.5, 20: 0.01}), {}),
-                                       (("linear", 0.7), {})],
-    "exponential_decay": [((1.0, 5, 0.5), {}), ((2.0, 3, 0.9),
-                                                {"transition_begin": 4, "staircase": True}),
-                          ((1.0, 4, 0.5), {"end_value": 0.2}), ((0.1, 4, 1.5),
-                                                                 {"end_value": 0.3}),
-                          ((1.0, 0, 0.5), {}), ((1.0, 5, 0.0), {})],
+    "polynomial_schedule": [
+        ((1.0, 0.01, 2.0, 10), {}),
+        ((1.0, 0.5, 0.5, 7), {"transition_begin": 4}),
+        ((2.0, 0.0, 3, 0), {}),
+    ],
+    "piecewise_constant_schedule": [
+        ((0.1, {5: 0.5, 12: 0.1}), {}),
+        ((1.0,), {}),
+        ((2.0, {0: 3.0, 4: 0.0}), {}),
+    ],
+    "piecewise_interpolate_schedule": [
+        (("linear", 1.0, {5: 2.0, 15: 0.1}), {}),
+        (("cosine", 0.5, {3: 4.0, 4: 0.5, 20: 0.01}), {}),
+        (("linear", 0.7), {}),
+    ],
+    "exponential_decay": [
+        ((1.0, 5, 0.5), {}),
+        ((2.0, 3, 0.9), {"transition_begin": 4, "staircase": True}),
+        ((1.0, 4, 0.5), {"end_value": 0.2}),
+        ((0.1, 4, 1.5), {"end_value": 0.3}),
+        ((1.0, 0, 0.5), {}),
+        ((1.0, 5, 0.0), {}),
+    ],
     "cosine_decay_schedule": [((1.0, 9, 0.1, 2.0), {})],
     "warmup_constant_schedule": [((0.0, 1.0, 6), {}), ((0.5, 1.0, 0), {})],
     "warmup_cosine_decay_schedule": [((0.0, 1.0, 5, 20, 0.1), {})],
-    "warmup_exponential_decay_schedule": [((0.0, 1.0, 4, 3, 0.5), {}),
-                                          ((0.1, 1.0, 5, 2, 0.8),
-                                           {"transition_begin": 3, "staircase": True,
-                                            "end_value": 0.4})],
-    "linear_onecycle_schedule": [((20, 1.0), {}), ((33, 0.5, 0.2, 0.7, 10.0, 100.0), {}),
-                                 ((1, 1.0), {})],
+    "warmup_exponential_decay_schedule": [
+        ((0.0, 1.0, 4, 3, 0.5), {}),
+        ((0.1, 1.0, 5, 2, 0.8), {"transition_begin": 3, "staircase": True, "end_value": 0.4}),
+    ],
+    "linear_onecycle_schedule": [
+        ((20, 1.0), {}),
+        ((33, 0.5, 0.2, 0.7, 10.0, 100.0), {}),
+        ((1, 1.0), {}),
+    ],
     "cosine_onecycle_schedule": [((20, 1.0), {}), ((31, 2.0, 0.4, 5.0, 50.0), {})],
-    "sgdr_schedule": [(([dict(init_value=0.0, peak_value=1.0, warmup_steps=3, decay_steps=10),
-                         dict(init_value=0.1, peak_value=0.5, warmup_steps=0, decay_steps=7,
-                              end_value=0.05)],), {})],
+    "sgdr_schedule": [
+        (
+            (
+                [
+                    dict(init_value=0.0, peak_value=1.0, warmup_steps=3, decay_steps=10),
+                    dict(
+                        init_value=0.1,
+                        peak_value=0.5,
+                        warmup_steps=0,
+                        decay_steps=7,
+                        end_value=0.05,
+                    ),
+                ],
+            ),
+            {},
+        )
+    ],
 }
 
 
@@ -263,14 +313,21 @@ def test_join_schedules_equals_optax_and_counts_from_each_start(x64):
         seen.append(torch.as_tensor(count).clone())
         return 0.5 + 0.01 * torch.as_tensor(count).to(torch.float64)
 
-    ours = S.join_schedules([S.constant_schedule(1.0), mine, S.linear_schedule(1.0, 0.0, 4)],
-                            [3, 8])
-    theirs = optax.join_schedules([optax.constant_schedule(1.0),
-                                   lambda c: 0.5 + 0.01 * c, optax.linear_schedule(1.0, 0.0, 4)],
-                                  [3, 8])
+    ours = S.join_schedules(
+        [S.constant_schedule(1.0), mine, S.linear_schedule(1.0, 0.0, 4)], [3, 8]
+    )
+    theirs = optax.join_schedules(
+        [
+            optax.constant_schedule(1.0),
+            lambda c: 0.5 + 0.01 * c,
+            optax.linear_schedule(1.0, 0.0, 4),
+        ],
+        [3, 8],
+    )
     for c in range(15):
-        assert float(ours(torch.tensor(c))) == pytest.approx(float(np.asarray(theirs(c))),
-                                                             rel=1e-12)
+        assert float(ours(torch.tensor(c))) == pytest.approx(
+            float(np.asarray(theirs(c))), rel=1e-12
+        )
     assert seen[5].dtype == torch.int64 and int(seen[5]) == 5 - 3  # counted from its start
 
 
@@ -291,23 +348,31 @@ def test_every_schedule_vectorises_and_compiles_without_recompiling(name):
     compiled = torch.compile(s, fullgraph=True, backend="eager", dynamic=False)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for c in (0, 5, 17, 30):
-            assert float(compiled(torch.tensor(c))) == pytest.approx(float(s(c)), rel=1e-12,
-                                                                     abs=1e-15)
+            assert float(compiled(torch.tensor(c))) == pytest.approx(
+                float(s(c)), rel=1e-12, abs=1e-15
+            )
 
 
-@pytest.mark.parametrize("make, exc, match", [
-    (lambda: S.polynomial_schedule(1.0, 0.0, 1.0, -1), ValueError, "transition_steps"),
-    (lambda: S.piecewise_constant_schedule(1.0, {3: -0.5}), ValueError, "scale at step 3"),
-    (lambda: S.piecewise_constant_schedule(1.0, [(3, 0.5)]), TypeError, "dict"),
-    (lambda: S.piecewise_interpolate_schedule("quadratic", 1.0), ValueError, "interpolate_type"),
-    (lambda: S.exponential_decay(1.0, 5, -0.5), ValueError, "decay_rate"),
-    (lambda: S.join_schedules([S.constant_schedule(1.0)], [3]), ValueError, "one boundary"),
-    (lambda: S.join_schedules([S.constant_schedule(1.0), 2.0], [3]), TypeError, "callable"),
-    (lambda: S.linear_onecycle_schedule(0, 1.0), ValueError, "transition_steps"),
-    (lambda: S.cosine_onecycle_schedule(10, 1.0, div_factor=0.0), ValueError, "div_factor"),
-    (lambda: S.sgdr_schedule([]), ValueError, "at least one"),
-    (lambda: S.sgdr_schedule([(0.0, 1.0, 2, 5)]), TypeError, "dict"),
-])
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: S.polynomial_schedule(1.0, 0.0, 1.0, -1), ValueError, "transition_steps"),
+        (lambda: S.piecewise_constant_schedule(1.0, {3: -0.5}), ValueError, "scale at step 3"),
+        (lambda: S.piecewise_constant_schedule(1.0, [(3, 0.5)]), TypeError, "dict"),
+        (
+            lambda: S.piecewise_interpolate_schedule("quadratic", 1.0),
+            ValueError,
+            "interpolate_type",
+        ),
+        (lambda: S.exponential_decay(1.0, 5, -0.5), ValueError, "decay_rate"),
+        (lambda: S.join_schedules([S.constant_schedule(1.0)], [3]), ValueError, "one boundary"),
+        (lambda: S.join_schedules([S.constant_schedule(1.0), 2.0], [3]), TypeError, "callable"),
+        (lambda: S.linear_onecycle_schedule(0, 1.0), ValueError, "transition_steps"),
+        (lambda: S.cosine_onecycle_schedule(10, 1.0, div_factor=0.0), ValueError, "div_factor"),
+        (lambda: S.sgdr_schedule([]), ValueError, "at least one"),
+        (lambda: S.sgdr_schedule([(0.0, 1.0, 2, 5)]), TypeError, "dict"),
+    ],
+)
 def test_bad_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
         make()

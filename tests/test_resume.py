@@ -40,9 +40,34 @@ from test_gloo import _spawn_raw  # noqa: E402
 pytestmark = pytest.mark.usefixtures("no_fake_process_group")
 
 STEPS = 24
-SMALL = ["--steps", str(STEPS), "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
-         "--seq-len", "32", "--batch", "4", "--max-bytes", "200000", "--eval-every", "0",
-         "--eval-windows", "8", "--warmup", "2", "--lr", "1e-2", "--seed", "3", "--threads", "1"]
+SMALL = [
+    "--steps",
+    str(STEPS),
+    "--d-model",
+    "32",
+    "--n-layers",
+    "1",
+    "--n-heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch",
+    "4",
+    "--max-bytes",
+    "200000",
+    "--eval-every",
+    "0",
+    "--eval-windows",
+    "8",
+    "--warmup",
+    "2",
+    "--lr",
+    "1e-2",
+    "--seed",
+    "3",
+    "--threads",
+    "1",
+]
 
 
 class Extra(NamedTuple):
@@ -61,8 +86,11 @@ def _trained(tx, params, steps=3, seed=0):
 
 def _params():
     gen = torch.Generator().manual_seed(1)
-    return {"w": torch.randn(6, 5, generator=gen), "b": torch.randn(5, generator=gen),
-            "e": torch.randn(9, 4, generator=gen, dtype=torch.float64)}
+    return {
+        "w": torch.randn(6, 5, generator=gen),
+        "b": torch.randn(5, generator=gen),
+        "e": torch.randn(9, 4, generator=gen, dtype=torch.float64),
+    }
 
 
 def _zeros(tree):
@@ -87,16 +115,20 @@ def _assert_bitwise(a, b):
 
 @pytest.mark.parametrize("name", ["adamw", "adafactor"])
 def test_round_trip_bitwise(tmp_path, name):
-    tx = {"adamw": lambda: ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0),
-                                                   ft.adamw(1e-2, weight_decay=0.1)), every_k=2),
-          "adafactor": lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.adafactor(beta1=0.9))}[name]()
+    tx = {
+        "adamw": lambda: ft.multi_steps(
+            ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1)), every_k=2
+        ),
+        "adafactor": lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.adafactor(beta1=0.9)),
+    }[name]()
     params, state = _trained(tx, _params())
     params = dict(params, frozen=None)  # a None leaf in the params
     state = (state, None, Extra(torch.tensor(7), None))  # tuple, NamedTuple, None leaves
     gen = torch.Generator().manual_seed(5)
     extra = {"gen": gen.get_state(), "history": [{"loss": 1.5}], "name": name}
-    assert ft.checkpoint.save(tmp_path / "ck", params=params, state=state, step=3,
-                              extra=extra) == str(tmp_path / "ck")
+    assert ft.checkpoint.save(
+        tmp_path / "ck", params=params, state=state, step=3, extra=extra
+    ) == str(tmp_path / "ck")
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # the temporary directory was renamed
 
     templates = (_zeros(params), (tx.init(_zeros(_params())), None, Extra(torch.tensor(0), None)))
@@ -162,8 +194,11 @@ def test_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     real = ft.checkpoint.dcp.save
 
     def half_written(state_dict, *, checkpoint_id, **kw):
-        real({k: v for i, (k, v) in enumerate(state_dict.items()) if i < 2},
-             checkpoint_id=checkpoint_id, **kw)
+        real(
+            {k: v for i, (k, v) in enumerate(state_dict.items()) if i < 2},
+            checkpoint_id=checkpoint_id,
+            **kw,
+        )
         raise OSError("disk full")
 
     monkeypatch.setattr(ft.checkpoint.dcp, "save", half_written)
@@ -193,8 +228,9 @@ def test_async_save_stages_before_returning(tmp_path):
     tx = ft.adamw(1e-2)
     params, state = _trained(tx, _params(), steps=2)
     want = optree.tree_map(torch.clone, (params, state))
-    pending = ft.checkpoint.save(tmp_path / "ck", params=params, state=state, step=2,
-                                 extra={"a": 1}, async_save=True)
+    pending = ft.checkpoint.save(
+        tmp_path / "ck", params=params, state=state, step=2, extra={"a": 1}, async_save=True
+    )
     assert isinstance(pending, ft.checkpoint.PendingSave)
     for x in optree.tree_leaves((params, state)):
         x.add_(1)  # as a donated step would: overwrite the buffers just saved
@@ -221,8 +257,9 @@ def test_four_ranks_reshard_and_resume(tmp_path):
     for g in grads[:2]:
         p, s = ft.step(tx, g, s, p)
     gen_state = torch.Generator().manual_seed(9).get_state()
-    ft.checkpoint.save(tmp_path / "plain", params=p, state=(s, None), step=2,
-                       extra={"gen": gen_state})
+    ft.checkpoint.save(
+        tmp_path / "plain", params=p, state=(s, None), step=2, extra={"gen": gen_state}
+    )
 
     res = torch.load(_spawn_raw(4, tmp_path, "_gloo_resume_worker.py"))
 
@@ -239,11 +276,13 @@ def test_four_ranks_reshard_and_resume(tmp_path):
         assert res[name]["params_mismatch"] == [] and res[name]["state_mismatch"] == [], name
         # the DTensor checkpoint loaded into plain tensors in one process
         tx = make()
-        p, s, step, extra = ft.checkpoint.load(tmp_path / f"dt-{name}", _zeros(params0),
-                                               tx.init(_zeros(params0)))
+        p, s, step, extra = ft.checkpoint.load(
+            tmp_path / f"dt-{name}", _zeros(params0), tx.init(_zeros(params0))
+        )
         assert step == worker.SAVE_AT and extra == {"rank0": 0}
-        assert all(not isinstance(x, torch.distributed.tensor.DTensor)
-                   for x in optree.tree_leaves((p, s)))
+        assert all(
+            not isinstance(x, torch.distributed.tensor.DTensor) for x in optree.tree_leaves((p, s))
+        )
         saved = res[name]["saved"]
         for tree, have in (("params", _flat(p)), ("state", _flat(s))):
             assert set(have) == set(saved[tree]), name
@@ -259,13 +298,19 @@ def test_four_ranks_reshard_and_resume(tmp_path):
 
 
 def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
 
 
 def _cmd(nproc, out, *flags):
-    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
-                                  "--nproc-per-node", str(nproc)] if nproc > 1 else [])
+    launch = [sys.executable] + (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        if nproc > 1
+        else []
+    )
     return launch + [str(SCRIPT)] + SMALL + ["--out", str(out), *flags]
 
 
@@ -308,8 +353,9 @@ def _killed_after_checkpoint(cmd, ckpt, at_least=2):
     """Run ``cmd``; SIGKILL it (workers included) as soon as ``ckpt`` holds a checkpoint of step
     >= ``at_least``. Returns the step of the checkpoint left behind and whether the kill landed
     before the run ended (if the run finished first, its last checkpoint is resumed instead)."""
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     killed, deadline = False, time.monotonic() + 300
     try:
         while proc.poll() is None and time.monotonic() < deadline:
@@ -339,8 +385,9 @@ def uninterrupted(tmp_path_factory):
 
 def test_main_job_killed_and_resumed_is_bitwise(tmp_path, uninterrupted):
     ckpt = tmp_path / "killed" / "checkpoint"
-    step, killed = _killed_after_checkpoint(_cmd(1, tmp_path / "killed", "--checkpoint-every", "2"),
-                                            ckpt)
+    step, killed = _killed_after_checkpoint(
+        _cmd(1, tmp_path / "killed", "--checkpoint-every", "2"), ckpt
+    )
     assert step % 2 == 0 and 2 <= step <= STEPS
     if not killed:
         print(f"the run ended before the kill: resuming its last checkpoint (step {step})")
@@ -366,8 +413,9 @@ def four_killed(tmp_path_factory):
     return ckpt, step
 
 
-def test_main_job_four_process_checkpoint_resumes_in_one_process(tmp_path, uninterrupted,
-                                                                 four_killed):
+def test_main_job_four_process_checkpoint_resumes_in_one_process(
+    tmp_path, uninterrupted, four_killed
+):
     ckpt, step = four_killed
     assert ft.checkpoint.read_manifest(ckpt)["world_size"] == 4
     res = _run(_cmd(1, tmp_path / "resumed", "--resume", str(ckpt)))

@@ -43,11 +43,18 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import functional_train as ft
 from functional_train.base import passes_unreduced
-from functional_train.testing import (assert_sharded_equivalent, count_collectives, on_rank,
-                                      per_rank, sharded_cases, simulate)
+from functional_train.testing import (
+    assert_sharded_equivalent,
+    count_collectives,
+    on_rank,
+    per_rank,
+    sharded_cases,
+    simulate,
+)
 from functional_train.testing.strategies import _nest
 
 RTOL, ATOL = 1e-5, 1e-6
+
 
 # =============================================================================================
 # comparison helpers
@@ -110,12 +117,14 @@ def rank_views(tree, world: int) -> list:
     (each rank's own shard, so replicas are checked one by one), simulated tensors are read on
     each rank. Comparing every rank's view with the unsharded reference also proves that every
     rank holds the same value of replicated quantities."""
+
     def one(x):
         if isinstance(x, DTensor):
             loc = x._local_tensor  # to_local() without its autograd overhead (slow in simulation)
             gshape = tuple(int(s) for s in x.shape)
-            return [ShardView(on_rank(loc, r), shard_index(x, r), gshape, x.dtype)
-                    for r in range(world)]
+            return [
+                ShardView(on_rank(loc, r), shard_index(x, r), gshape, x.dtype) for r in range(world)
+            ]
         return [on_rank(x, r) for r in range(world)]
 
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, none_is_leaf=True)
@@ -139,13 +148,16 @@ def assert_tree_close(got, want, what: str) -> None:
             continue
         if isinstance(g, ShardView):
             assert g.global_shape == tuple(w.shape), (
-                f"{where}: global shape {g.global_shape}, want {tuple(w.shape)}")
+                f"{where}: global shape {g.global_shape}, want {tuple(w.shape)}"
+            )
             where = f"{where} shard {g.index}"
             g, w = g.local, w[g.index]
         assert isinstance(g, torch.Tensor), f"{where}: got {type(g).__name__}"
         assert not isinstance(g, DTensor), f"{where}: not a local value"
         assert g.dtype == w.dtype, f"{where}: dtype {g.dtype}, want {w.dtype}"
-        assert tuple(g.shape) == tuple(w.shape), f"{where}: shape {tuple(g.shape)}, want {tuple(w.shape)}"
+        assert tuple(g.shape) == tuple(w.shape), (
+            f"{where}: shape {tuple(g.shape)}, want {tuple(w.shape)}"
+        )
         if w.dtype.is_floating_point:
             torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where}: {m}")
         else:
@@ -163,7 +175,8 @@ def assert_placements_like(updates, params, what: str) -> None:
             assert isinstance(u, DTensor), f"{what} '{path}': plain tensor for a DTensor param"
             assert u.device_mesh == p.device_mesh, f"{what} '{path}': mesh {u.device_mesh}"
             assert tuple(u.placements) == tuple(p.placements), (
-                f"{what} '{path}': placements {u.placements}, param has {p.placements}")
+                f"{what} '{path}': placements {u.placements}, param has {p.placements}"
+            )
         else:
             assert not isinstance(u, DTensor), f"{what} '{path}': DTensor for a plain param"
 
@@ -213,20 +226,44 @@ def _f(lo, hi):
 
 
 _schedules = st.one_of(
-    st.builds(lambda a, b, n, s: ("schedule", "linear_schedule",
-                                  dict(init_value=a, end_value=b, transition_steps=n,
-                                       transition_begin=s)),
-              _f(0.0, 0.5), _f(0.0, 0.5), st.integers(0, 3), st.integers(0, 2)),
-    st.builds(lambda a, n, al: ("schedule", "cosine_decay_schedule",
-                                dict(init_value=a, decay_steps=n, alpha=al)),
-              _f(0.0, 0.5), st.integers(1, 4), _f(0.0, 1.0)),
-    st.builds(lambda a, p, w, n, e: ("schedule", "warmup_cosine_decay_schedule",
-                                     dict(init_value=a, peak_value=p, warmup_steps=w,
-                                          decay_steps=w + n, end_value=e)),
-              _f(0.0, 0.1), _f(0.0, 0.5), st.integers(0, 2), st.integers(1, 3), _f(0.0, 0.1)),
+    st.builds(
+        lambda a, b, n, s: (
+            "schedule",
+            "linear_schedule",
+            dict(init_value=a, end_value=b, transition_steps=n, transition_begin=s),
+        ),
+        _f(0.0, 0.5),
+        _f(0.0, 0.5),
+        st.integers(0, 3),
+        st.integers(0, 2),
+    ),
+    st.builds(
+        lambda a, n, al: (
+            "schedule",
+            "cosine_decay_schedule",
+            dict(init_value=a, decay_steps=n, alpha=al),
+        ),
+        _f(0.0, 0.5),
+        st.integers(1, 4),
+        _f(0.0, 1.0),
+    ),
+    st.builds(
+        lambda a, p, w, n, e: (
+            "schedule",
+            "warmup_cosine_decay_schedule",
+            dict(init_value=a, peak_value=p, warmup_steps=w, decay_steps=w + n, end_value=e),
+        ),
+        _f(0.0, 0.1),
+        _f(0.0, 0.5),
+        st.integers(0, 2),
+        st.integers(1, 3),
+        _f(0.0, 0.1),
+    ),
 )
-_schedules = st.one_of(_schedules, st.builds(
-    lambda w: ("schedule", "relative_step_schedule", dict(warmup_init=w)), st.booleans()))
+_schedules = st.one_of(
+    _schedules,
+    st.builds(lambda w: ("schedule", "relative_step_schedule", dict(warmup_init=w)), st.booleans()),
+)
 _lr = st.one_of(_f(0.0, 0.5), _schedules)
 
 
@@ -245,71 +282,143 @@ def _leaf_tx(kind: str):
     if kind == "clip":
         return st.builds(lambda d: ("clip", dict(max_delta=d)), _f(0.05, 2.0))
     if kind == "clip_by_global_norm":
-        return st.builds(lambda m, p: ("clip_by_global_norm", dict(max_norm=m, norm_type=p)),
-                         st.sampled_from([0.1, 0.5, 1.0, 3.0, 100.0]),
-                         st.sampled_from([2.0, 1.0, 3.0, math.inf]))
+        return st.builds(
+            lambda m, p: ("clip_by_global_norm", dict(max_norm=m, norm_type=p)),
+            st.sampled_from([0.1, 0.5, 1.0, 3.0, 100.0]),
+            st.sampled_from([2.0, 1.0, 3.0, math.inf]),
+        )
     if kind == "scale":
         return st.builds(lambda s: ("scale", dict(step_size=s)), _f(-2.0, 2.0))
     if kind == "scale_by_learning_rate":
-        return st.builds(lambda lr, f: ("scale_by_learning_rate",
-                                        dict(learning_rate=lr, flip_sign=f)),
-                         _lr, st.booleans())
+        return st.builds(
+            lambda lr, f: ("scale_by_learning_rate", dict(learning_rate=lr, flip_sign=f)),
+            _lr,
+            st.booleans(),
+        )
     if kind == "add_decayed_weights":
-        return st.builds(lambda w: ("add_decayed_weights", dict(weight_decay=w)),
-                         st.one_of(st.just(0.0), _f(0.0, 0.5)))
+        return st.builds(
+            lambda w: ("add_decayed_weights", dict(weight_decay=w)),
+            st.one_of(st.just(0.0), _f(0.0, 0.5)),
+        )
     if kind == "trace":
-        return st.builds(lambda a, dt: ("trace", dict(a, accumulator_dtype=dt)),
-                         _trace_args(), st.sampled_from([torch.float32, None]))
+        return st.builds(
+            lambda a, dt: ("trace", dict(a, accumulator_dtype=dt)),
+            _trace_args(),
+            st.sampled_from([torch.float32, None]),
+        )
     if kind == "scale_by_adam":
-        return st.builds(lambda b1, b2, eps, ams: ("scale_by_adam",
-                                                   dict(b1=b1, b2=b2, eps=eps, amsgrad=ams)),
-                         _f(0.0, 0.99), _f(0.5, 0.9999), st.sampled_from([1e-8, 1e-6, 1e-3]),
-                         st.booleans())
+        return st.builds(
+            lambda b1, b2, eps, ams: ("scale_by_adam", dict(b1=b1, b2=b2, eps=eps, amsgrad=ams)),
+            _f(0.0, 0.99),
+            _f(0.5, 0.9999),
+            st.sampled_from([1e-8, 1e-6, 1e-3]),
+            st.booleans(),
+        )
     if kind == "sgd":
-        return st.builds(lambda lr, tr, wd, mx: ("sgd", dict(
-            learning_rate=lr, momentum=tr["decay"], dampening=tr["dampening"],
-            nesterov=tr["nesterov"], weight_decay=wd, maximize=mx)),
-            _lr, _trace_args(), st.one_of(st.just(0.0), _f(0.0, 0.3)), st.booleans())
+        return st.builds(
+            lambda lr, tr, wd, mx: (
+                "sgd",
+                dict(
+                    learning_rate=lr,
+                    momentum=tr["decay"],
+                    dampening=tr["dampening"],
+                    nesterov=tr["nesterov"],
+                    weight_decay=wd,
+                    maximize=mx,
+                ),
+            ),
+            _lr,
+            _trace_args(),
+            st.one_of(st.just(0.0), _f(0.0, 0.3)),
+            st.booleans(),
+        )
     if kind in ("adam", "adamw"):
-        extra = {"adam": st.fixed_dictionaries({"decoupled_weight_decay": st.booleans()}),
-                 "adamw": st.just({})}[kind]
-        return st.builds(lambda lr, b1, b2, eps, wd, ams, mx, ex: (kind, dict(
-            learning_rate=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, amsgrad=ams,
-            maximize=mx, **ex)),
-            _lr, _f(0.0, 0.99), _f(0.5, 0.9999), st.sampled_from([1e-8, 1e-6, 1e-3]),
-            st.one_of(st.just(0.0), _f(0.0, 0.3)), st.booleans(), st.booleans(), extra)
+        extra = {
+            "adam": st.fixed_dictionaries({"decoupled_weight_decay": st.booleans()}),
+            "adamw": st.just({}),
+        }[kind]
+        return st.builds(
+            lambda lr, b1, b2, eps, wd, ams, mx, ex: (
+                kind,
+                dict(
+                    learning_rate=lr,
+                    b1=b1,
+                    b2=b2,
+                    eps=eps,
+                    weight_decay=wd,
+                    amsgrad=ams,
+                    maximize=mx,
+                    **ex,
+                ),
+            ),
+            _lr,
+            _f(0.0, 0.99),
+            _f(0.5, 0.9999),
+            st.sampled_from([1e-8, 1e-6, 1e-3]),
+            st.one_of(st.just(0.0), _f(0.0, 0.3)),
+            st.booleans(),
+            st.booleans(),
+            extra,
+        )
     if kind == "scale_by_factored_rms":
-        return st.builds(lambda d, e, b2, m: ("scale_by_factored_rms", dict(
-            decay_rate=d, eps=e, beta2=b2, min_dim_size_to_factor=m)),
-            _f(-1.0, -0.5), st.sampled_from([1e-30, 1e-3]),
-            st.one_of(st.none(), _f(0.0, 0.99)), st.sampled_from([0, 2, 3]))
+        return st.builds(
+            lambda d, e, b2, m: (
+                "scale_by_factored_rms",
+                dict(decay_rate=d, eps=e, beta2=b2, min_dim_size_to_factor=m),
+            ),
+            _f(-1.0, -0.5),
+            st.sampled_from([1e-30, 1e-3]),
+            st.one_of(st.none(), _f(0.0, 0.99)),
+            st.sampled_from([0, 2, 3]),
+        )
     if kind == "clip_by_block_rms":
         return st.builds(lambda t: ("clip_by_block_rms", dict(threshold=t)), _f(0.05, 2.0))
     if kind == "scale_by_param_block_rms":
         return st.builds(lambda m: ("scale_by_param_block_rms", dict(min_scale=m)), _f(0.0, 0.5))
     if kind == "ema":
-        return st.builds(lambda d, b: ("ema", dict(decay=d, debias=b)), _f(0.0, 0.95), st.booleans())
+        return st.builds(
+            lambda d, b: ("ema", dict(decay=d, debias=b)), _f(0.0, 0.95), st.booleans()
+        )
     if kind == "adafactor":
+
         @st.composite
         def _adafactor(draw):
             relative = draw(st.booleans())
-            kw = dict(relative_step=relative,
-                      learning_rate=None if relative else draw(st.one_of(_f(0.001, 0.5), _schedules)),
-                      warmup_init=relative and draw(st.booleans()),
-                      eps=(draw(st.sampled_from([1e-30, 1e-6])), draw(st.sampled_from([1e-3, 0.1]))),
-                      clip_threshold=draw(_f(0.1, 2.0)), decay_rate=draw(_f(-1.0, -0.5)),
-                      beta1=draw(st.one_of(st.none(), _f(0.0, 0.95))),
-                      weight_decay=draw(st.one_of(st.just(0.0), _f(0.0, 0.3))),
-                      scale_parameter=draw(st.booleans()))
+            kw = dict(
+                relative_step=relative,
+                learning_rate=None if relative else draw(st.one_of(_f(0.001, 0.5), _schedules)),
+                warmup_init=relative and draw(st.booleans()),
+                eps=(draw(st.sampled_from([1e-30, 1e-6])), draw(st.sampled_from([1e-3, 0.1]))),
+                clip_threshold=draw(_f(0.1, 2.0)),
+                decay_rate=draw(_f(-1.0, -0.5)),
+                beta1=draw(st.one_of(st.none(), _f(0.0, 0.95))),
+                weight_decay=draw(st.one_of(st.just(0.0), _f(0.0, 0.3))),
+                scale_parameter=draw(st.booleans()),
+            )
             return ("adafactor", kw)
+
         return _adafactor()
     raise AssertionError(kind)
 
 
-PRIMITIVES = ["identity", "clip", "clip_by_global_norm", "scale", "scale_by_learning_rate",
-              "add_decayed_weights", "trace", "scale_by_adam", "sgd", "adam", "adamw",
-              "scale_by_factored_rms", "clip_by_block_rms", "scale_by_param_block_rms", "ema",
-              "adafactor"]
+PRIMITIVES = [
+    "identity",
+    "clip",
+    "clip_by_global_norm",
+    "scale",
+    "scale_by_learning_rate",
+    "add_decayed_weights",
+    "trace",
+    "scale_by_adam",
+    "sgd",
+    "adam",
+    "adamw",
+    "scale_by_factored_rms",
+    "clip_by_block_rms",
+    "scale_by_param_block_rms",
+    "ema",
+    "adafactor",
+]
 COMBINATORS = ["chain", "named_chain", "multi_steps"]
 ALL_KINDS = PRIMITIVES + COMBINATORS
 
@@ -331,10 +440,12 @@ def tx_of(kind: str, depth: int = 2):
         return st.lists(inner, min_size=1, max_size=3).map(lambda ds: ("chain", ds))
     if kind == "named_chain":
         return st.lists(inner, min_size=1, max_size=3).map(
-            lambda ds: ("named_chain", [(f"t{i}", d) for i, d in enumerate(ds)]))
+            lambda ds: ("named_chain", [(f"t{i}", d) for i, d in enumerate(ds)])
+        )
     if kind == "multi_steps":
-        return st.builds(lambda d, k: ("multi_steps", dict(inner=("tx", d), every_k=k)),
-                         inner, st.integers(1, 3))
+        return st.builds(
+            lambda d, k: ("multi_steps", dict(inner=("tx", d), every_k=k)), inner, st.integers(1, 3)
+        )
     raise AssertionError(kind)
 
 
@@ -359,10 +470,17 @@ def cases(mesh_shapes=MESH_SHAPES, max_leaves=3, frozen=True):
     every placement pair on the 2-D mesh (nested ``[Shard(0), Shard(0)]``, ``Shard(-1)``
     included); a plain leaf now and then; a frozen leaf (``None`` gradients) now and then, never
     the only one; full-rank or rank-1 gradients at three scales; 3 or 4 steps."""
-    return sharded_cases(mesh_shapes=st.sampled_from(mesh_shapes), max_leaves=max_leaves,
-                         ndims=(1, 2, 3, 1, 2, 0), sizes=(1, 2, 3, 5, 7), max_numel=49,
-                         steps=st.integers(3, 4), grad_scale=st.sampled_from([0.01, 1.0, 10.0]),
-                         frozen=frozen, plain=0.17)
+    return sharded_cases(
+        mesh_shapes=st.sampled_from(mesh_shapes),
+        max_leaves=max_leaves,
+        ndims=(1, 2, 3, 1, 2, 0),
+        sizes=(1, 2, 3, 5, 7),
+        max_numel=49,
+        steps=st.integers(3, 4),
+        grad_scale=st.sampled_from([0.01, 1.0, 10.0]),
+        frozen=frozen,
+        plain=0.17,
+    )
 
 
 nest = _nest  # put a flat list of leaves into a small nested pytree (dict / list)
@@ -402,8 +520,11 @@ def _events(case) -> None:
         if pl is None:
             event("plain leaf")
             continue
-        sharded = [(shape[p.dim % len(shape)], n) for p, n in zip(pl, case.mesh_shape)
-                   if isinstance(p, Shard)]
+        sharded = [
+            (shape[p.dim % len(shape)], n)
+            for p, n in zip(pl, case.mesh_shape)
+            if isinstance(p, Shard)
+        ]
         if len(sharded) == 2 and pl[0] == pl[1]:
             event("nested sharding of one dim")
         if any(size % n for size, n in sharded):
@@ -420,8 +541,9 @@ def check_equivalence(case, desc, explicit_mesh: bool) -> None:
     shard against its slice of the unsharded values), updates and params in the parameters'
     placements, no tree modified in place."""
     _events(case)
-    assert_sharded_equivalent(build(desc), explicit_mesh=explicit_mesh, rtol=RTOL, atol=ATOL,
-                              **case)
+    assert_sharded_equivalent(
+        build(desc), explicit_mesh=explicit_mesh, rtol=RTOL, atol=ATOL, **case
+    )
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
@@ -440,11 +562,20 @@ def test_random_compositions_sharded_equal_unsharded(case, explicit_mesh, desc):
 # mesh (empty shards on some ranks), uneven sizes, nested sharding of one dim over both mesh
 # dims, Shard(-1), a 3-D leaf and a plain replicated leaf.
 _EDGE_LEAVES = {
-    (4,): (((3,), (Shard(0),)), ((5, 2), (Shard(-1),)), ((2, 1, 3), (Shard(1),)),
-           ((7,), (Replicate(),)), ((2, 3), None)),
-    (2, 2): (((5,), (Shard(0), Shard(0))), ((3, 1), (Shard(0), Shard(1))),
-             ((1, 5, 2), (Replicate(), Shard(-1))), ((2, 3), (Shard(1), Replicate())),
-             ((3,), None)),
+    (4,): (
+        ((3,), (Shard(0),)),
+        ((5, 2), (Shard(-1),)),
+        ((2, 1, 3), (Shard(1),)),
+        ((7,), (Replicate(),)),
+        ((2, 3), None),
+    ),
+    (2, 2): (
+        ((5,), (Shard(0), Shard(0))),
+        ((3, 1), (Shard(0), Shard(1))),
+        ((1, 5, 2), (Replicate(), Shard(-1))),
+        ((2, 3), (Shard(1), Replicate())),
+        ((3,), None),
+    ),
 }
 
 
@@ -454,27 +585,57 @@ def _edge_desc(kind: str):
         "clip": ("clip", dict(max_delta=0.5)),
         "clip_by_global_norm": ("clip_by_global_norm", dict(max_norm=0.5, norm_type=math.inf)),
         "scale": ("scale", dict(step_size=-0.5)),
-        "scale_by_learning_rate": ("scale_by_learning_rate", dict(learning_rate=(
-            "schedule", "warmup_cosine_decay_schedule",
-            dict(init_value=0.0, peak_value=0.1, warmup_steps=1, decay_steps=3))) ),
+        "scale_by_learning_rate": (
+            "scale_by_learning_rate",
+            dict(
+                learning_rate=(
+                    "schedule",
+                    "warmup_cosine_decay_schedule",
+                    dict(init_value=0.0, peak_value=0.1, warmup_steps=1, decay_steps=3),
+                )
+            ),
+        ),
         "add_decayed_weights": ("add_decayed_weights", dict(weight_decay=0.1)),
         "trace": ("trace", dict(decay=0.9, nesterov=True)),
         "scale_by_adam": ("scale_by_adam", dict(amsgrad=True)),
         "sgd": ("sgd", dict(learning_rate=0.1, momentum=0.9, dampening=0.5, weight_decay=0.1)),
         "adam": ("adam", dict(learning_rate=0.1, weight_decay=0.1, amsgrad=True)),
         "adamw": ("adamw", dict(learning_rate=0.1, weight_decay=0.1)),
-        "chain": ("chain", [("clip_by_global_norm", dict(max_norm=0.5, norm_type=1.0)),
-                            ("adamw", dict(learning_rate=0.1))]),
-        "named_chain": ("named_chain", [("clip", ("clip_by_global_norm", dict(max_norm=0.5))),
-                                        ("opt", ("sgd", dict(learning_rate=0.1, momentum=0.5)))]),
+        "chain": (
+            "chain",
+            [
+                ("clip_by_global_norm", dict(max_norm=0.5, norm_type=1.0)),
+                ("adamw", dict(learning_rate=0.1)),
+            ],
+        ),
+        "named_chain": (
+            "named_chain",
+            [
+                ("clip", ("clip_by_global_norm", dict(max_norm=0.5))),
+                ("opt", ("sgd", dict(learning_rate=0.1, momentum=0.5))),
+            ],
+        ),
         "scale_by_factored_rms": ("scale_by_factored_rms", dict()),
         "clip_by_block_rms": ("clip_by_block_rms", dict(threshold=0.5)),
         "scale_by_param_block_rms": ("scale_by_param_block_rms", dict(min_scale=0.01)),
         "ema": ("ema", dict(decay=0.9, debias=True)),
         "adafactor": ("adafactor", dict(beta1=0.9, weight_decay=0.1)),
-        "multi_steps": ("multi_steps", dict(inner=("tx", ("chain", [
-            ("clip_by_global_norm", dict(max_norm=0.5, norm_type=3.0)),
-            ("adam", dict(learning_rate=0.1))])), every_k=2)),
+        "multi_steps": (
+            "multi_steps",
+            dict(
+                inner=(
+                    "tx",
+                    (
+                        "chain",
+                        [
+                            ("clip_by_global_norm", dict(max_norm=0.5, norm_type=3.0)),
+                            ("adam", dict(learning_rate=0.1)),
+                        ],
+                    ),
+                ),
+                every_k=2,
+            ),
+        ),
     }[kind]
 
 
@@ -485,9 +646,16 @@ def test_uneven_and_empty_shards(kind, mesh_shape):
     gen = torch.Generator().manual_seed(7)
     params = nest([torch.randn(s, generator=gen) for s, _ in leaves])
     grads = [nest([torch.randn(s, generator=gen) for s, _ in leaves]) for _ in range(4)]
-    assert_sharded_equivalent(build(_edge_desc(kind)), params, grads, mesh_shape=mesh_shape,
-                              placements=nest([pl for _, pl in leaves]), rtol=RTOL, atol=ATOL,
-                              explicit_mesh=len(mesh_shape) == 2)
+    assert_sharded_equivalent(
+        build(_edge_desc(kind)),
+        params,
+        grads,
+        mesh_shape=mesh_shape,
+        placements=nest([pl for _, pl in leaves]),
+        rtol=RTOL,
+        atol=ATOL,
+        explicit_mesh=len(mesh_shape) == 2,
+    )
 
 
 def test_global_norm_function_matches_unsharded():
@@ -495,15 +663,19 @@ def test_global_norm_function_matches_unsharded():
     leaves = _EDGE_LEAVES[(2, 2)]
     gen = torch.Generator().manual_seed(3)
     vals = [torch.randn(s, generator=gen) for s, _ in leaves]
-    want = {p: torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in vals]), p)
-            for p in (2.0, 1.0, 3.0, math.inf)}
+    want = {
+        p: torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in vals]), p)
+        for p in (2.0, 1.0, 3.0, math.inf)
+    }
     with simulate(4):
         m = make_mesh((2, 2))
         tree = nest([shard(v, m, pl) for v, (_, pl) in zip(vals, leaves)])
         got = {p: [on_rank(ft.global_norm(tree, norm_type=p), r) for r in range(4)] for p in want}
     for p, w in want.items():
         for r, g in enumerate(got[p]):
-            torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL, msg=lambda m: f"p={p} rank {r}: {m}")
+            torch.testing.assert_close(
+                g, w, rtol=RTOL, atol=ATOL, msg=lambda m: f"p={p} rank {r}: {m}"
+            )
 
 
 # =============================================================================================
@@ -521,17 +693,23 @@ def stage_trees(draw):
     return tuple(leaves)
 
 
-@given(leaves=stage_trees(), norm_type=st.sampled_from([2.0, 1.0, math.inf]),
-       max_norm=st.sampled_from([0.1, 1.0, 100.0]), seed=st.integers(0, 2**16),
-       with_adam=st.booleans())
+@given(
+    leaves=stage_trees(),
+    norm_type=st.sampled_from([2.0, 1.0, math.inf]),
+    max_norm=st.sampled_from([0.1, 1.0, 100.0]),
+    seed=st.integers(0, 2**16),
+    with_adam=st.booleans(),
+)
 def test_pipeline_axis_norm_sums_over_stages(leaves, norm_type, max_norm, seed, with_adam):
     """(2 pp x 2 tp): stage s (ranks 2s, 2s+1) holds its own leaves (same shapes, different
     values). The clipping norm is the norm of the union of both stages' leaves and each stage's
     clipped updates (and, through adamw, its params) are those of the union tree."""
     gen = torch.Generator().manual_seed(seed)
     steps = 3
-    P = [[torch.randn(s, generator=gen) for s, _ in leaves] for _ in range(2)]      # [stage][leaf]
-    G = [[[torch.randn(s, generator=gen) for s, _ in leaves] for _ in range(2)] for _ in range(steps)]
+    P = [[torch.randn(s, generator=gen) for s, _ in leaves] for _ in range(2)]  # [stage][leaf]
+    G = [
+        [[torch.randn(s, generator=gen) for s, _ in leaves] for _ in range(2)] for _ in range(steps)
+    ]
 
     def desc():
         d = [("clip_by_global_norm", dict(max_norm=max_norm, norm_type=norm_type))]
@@ -540,20 +718,25 @@ def test_pipeline_axis_norm_sums_over_stages(leaves, norm_type, max_norm, seed, 
         return ("chain", d)
 
     union = lambda per_stage: {"s0": nest(per_stage[0]), "s1": nest(per_stage[1])}  # noqa: E731
-    ref_ups, ref_states, ref_params = run_steps(build(desc()), union(P), [union(g) for g in G], None)
+    ref_ups, ref_states, ref_params = run_steps(
+        build(desc()), union(P), [union(g) for g in G], None
+    )
 
     def stage_tensor(m, values, pl):
         if pl is None:
             return per_rank(4, lambda r: values[r // 2])
-        return distribute_tensor(per_rank(4, lambda r: values[r // 2]), m["tp"], [pl],
-                                 src_data_rank=None)
+        return distribute_tensor(
+            per_rank(4, lambda r: values[r // 2]), m["tp"], [pl], src_data_rank=None
+        )
 
     with simulate(4):
         m = make_mesh((2, 2), ("pp", "tp"))
         mesh = ft.Mesh(m, pipeline_axis="pp")
         dP = nest([stage_tensor(m, [P[0][i], P[1][i]], pl) for i, (_, pl) in enumerate(leaves)])
-        dG = [nest([stage_tensor(m, [g[0][i], g[1][i]], pl) for i, (_, pl) in enumerate(leaves)])
-              for g in G]
+        dG = [
+            nest([stage_tensor(m, [g[0][i], g[1][i]], pl) for i, (_, pl) in enumerate(leaves)])
+            for g in G
+        ]
         with count_collectives() as c:
             tx = build(desc())
             state = tx.init(dP)
@@ -566,8 +749,13 @@ def test_pipeline_axis_norm_sums_over_stages(leaves, norm_type, max_norm, seed, 
     for t in range(steps):
         want_norm = ft.tree_get(ref_states[t], "global_norm")
         for r in range(4):
-            torch.testing.assert_close(got_norms[t][r], want_norm, rtol=RTOL, atol=ATOL,
-                                       msg=lambda msg: f"step {t} rank {r} norm: {msg}")
+            torch.testing.assert_close(
+                got_norms[t][r],
+                want_norm,
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda msg: f"step {t} rank {r} norm: {msg}",
+            )
             stage = f"s{r // 2}"
             assert_tree_close(got_ups[t][r], ref_ups[t][stage], f"step {t} rank {r} updates")
     for r in range(4):
@@ -577,11 +765,17 @@ def test_pipeline_axis_norm_sums_over_stages(leaves, norm_type, max_norm, seed, 
 # =============================================================================================
 # 3. expert axis: expert leaves differ per ep rank, the others are replicated over it
 # =============================================================================================
-@given(n_experts=st.integers(1, 2), dense=stage_trees(), norm_type=st.sampled_from([2.0, 1.0, math.inf]),
-       max_norm=st.sampled_from([0.1, 1.0, 100.0]), seed=st.integers(0, 2**16),
-       expert_pl=st.sampled_from([None, Replicate(), Shard(0), Shard(1), Shard(-1)]))
-def test_expert_axis_norm_counts_every_expert_once(n_experts, dense, norm_type, max_norm, seed,
-                                                   expert_pl):
+@given(
+    n_experts=st.integers(1, 2),
+    dense=stage_trees(),
+    norm_type=st.sampled_from([2.0, 1.0, math.inf]),
+    max_norm=st.sampled_from([0.1, 1.0, 100.0]),
+    seed=st.integers(0, 2**16),
+    expert_pl=st.sampled_from([None, Replicate(), Shard(0), Shard(1), Shard(-1)]),
+)
+def test_expert_axis_norm_counts_every_expert_once(
+    n_experts, dense, norm_type, max_norm, seed, expert_pl
+):
     """(2 ep x 2 tp), ``Mesh(m, expert_axis="ep", is_expert=...)``: the norm is the norm over all
     experts of every ep rank plus the non-expert leaves counted once."""
     gen = torch.Generator().manual_seed(seed)
@@ -591,23 +785,36 @@ def test_expert_axis_norm_counts_every_expert_once(n_experts, dense, norm_type, 
     D = lambda: [torch.randn(s, generator=gen) for s, _ in dense]  # noqa: E731
     P_e, P_d = E(), D()
     G = [(E(), D()) for _ in range(steps)]
-    desc = ("chain", [("clip_by_global_norm", dict(max_norm=max_norm, norm_type=norm_type)),
-                      ("adamw", dict(learning_rate=0.1, weight_decay=0.1))])
+    desc = (
+        "chain",
+        [
+            ("clip_by_global_norm", dict(max_norm=max_norm, norm_type=norm_type)),
+            ("adamw", dict(learning_rate=0.1, weight_decay=0.1)),
+        ],
+    )
 
     def union(e, d):  # all experts of both ep ranks, the dense leaves once
         return {"experts": {f"ep{j}": e[j] for j in range(2)}, "dense": nest(d)}
 
-    ref_ups, ref_states, ref_params = run_steps(build(desc), union(P_e, P_d),
-                                                [union(e, d) for e, d in G], None)
+    ref_ups, ref_states, ref_params = run_steps(
+        build(desc), union(P_e, P_d), [union(e, d) for e, d in G], None
+    )
 
     def local_tree(m, e, d):
         def ex(i):
             v = per_rank(4, lambda r: e[r // 2][i])
-            return v if expert_pl is None else distribute_tensor(v, m["tp"], [expert_pl],
-                                                                 src_data_rank=None)
-        return {"experts": [ex(i) for i in range(n_experts)],
-                "dense": nest([shard(x, m["tp"], None if pl is None else [pl])
-                               for x, (_, pl) in zip(d, dense)])}
+            return (
+                v
+                if expert_pl is None
+                else distribute_tensor(v, m["tp"], [expert_pl], src_data_rank=None)
+            )
+
+        return {
+            "experts": [ex(i) for i in range(n_experts)],
+            "dense": nest(
+                [shard(x, m["tp"], None if pl is None else [pl]) for x, (_, pl) in zip(d, dense)]
+            ),
+        }
 
     with simulate(4):
         m = make_mesh((2, 2), ("ep", "tp"))
@@ -621,8 +828,13 @@ def test_expert_axis_norm_counts_every_expert_once(n_experts, dense, norm_type, 
     for t in range(steps):
         want_norm = ft.tree_get(ref_states[t], "global_norm")
         for r in range(4):
-            torch.testing.assert_close(got_norms[t][r], want_norm, rtol=RTOL, atol=ATOL,
-                                       msg=lambda msg: f"step {t} rank {r} norm: {msg}")
+            torch.testing.assert_close(
+                got_norms[t][r],
+                want_norm,
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda msg: f"step {t} rank {r} norm: {msg}",
+            )
             want = {"experts": ref_ups[t]["experts"][f"ep{r // 2}"], "dense": ref_ups[t]["dense"]}
             assert_tree_close(got_ups[t][r], want, f"step {t} rank {r} updates")
     for r in range(4):
@@ -630,10 +842,12 @@ def test_expert_axis_norm_counts_every_expert_once(n_experts, dense, norm_type, 
         assert_tree_close(got_params[r], want, f"rank {r} params")
 
 
-_STACKED_OPT = {"adam": (("adam", dict(learning_rate=0.1)), 0),
-                # per-leaf statistics over the whole stack: trust-ratio norms, update RMS
-                "lamb": (("lamb", dict(learning_rate=0.1, weight_decay=0.1)), 1),
-                "adafactor": (("adafactor", dict(learning_rate=0.1, relative_step=False, beta1=0.9)), 1)}
+_STACKED_OPT = {
+    "adam": (("adam", dict(learning_rate=0.1)), 0),
+    # per-leaf statistics over the whole stack: trust-ratio norms, update RMS
+    "lamb": (("lamb", dict(learning_rate=0.1, weight_decay=0.1)), 1),
+    "adafactor": (("adafactor", dict(learning_rate=0.1, relative_step=False, beta1=0.9)), 1),
+}
 
 
 @pytest.mark.parametrize("tp_pl", [Replicate(), Shard(1), Shard(0)])
@@ -646,19 +860,27 @@ def test_stacked_experts_need_no_declaration(tp_pl, declare, opt):
     expert dim joins their one all-reduce (it used to be left out, as for marked experts)."""
     gen = torch.Generator().manual_seed(0)
     steps = 3
-    mk = lambda: {"experts": torch.randn(3, 4, 5, generator=gen),  # noqa: E731  (3 over 2: uneven)
-                  "dense": torch.randn(4, 5, generator=gen)}
+
+    def mk():
+        return {
+            "experts": torch.randn(3, 4, 5, generator=gen),  # (3 over 2: uneven)
+            "dense": torch.randn(4, 5, generator=gen),
+        }
+
     P, G = mk(), [mk() for _ in range(steps)]
     inner, stats = _STACKED_OPT[opt]
     desc = ("chain", [("clip_by_global_norm", dict(max_norm=1.0)), inner])
     ref_ups, ref_states, ref_params = run_steps(build(desc), P, G, None)
     with simulate(4):
         m = make_mesh((2, 2), ("ep", "tp"))
-        mesh = (ft.Mesh(m, expert_axis="ep", is_expert=lambda p: False) if declare else ft.Mesh(m))
+        mesh = ft.Mesh(m, expert_axis="ep", is_expert=lambda p: False) if declare else ft.Mesh(m)
 
         def d(t):
-            return {"experts": shard(t["experts"], m, [Shard(0), tp_pl]),
-                    "dense": shard(t["dense"], m["tp"], [Replicate()])}
+            return {
+                "experts": shard(t["experts"], m, [Shard(0), tp_pl]),
+                "dense": shard(t["dense"], m["tp"], [Replicate()]),
+            }
+
         dP, dG = d(P), [d(g) for g in G]
         with count_collectives() as c:
             ups, states, out = run_steps(build(desc), dP, dG, mesh)
@@ -684,9 +906,14 @@ def test_stacked_and_marked_experts_together(opt):
     against the unsharded union of every rank's leaves."""
     gen = torch.Generator().manual_seed(1)
     steps = 3
-    mk = lambda: {"stack": torch.randn(4, 3, 5, generator=gen),  # noqa: E731
-                  "own": [torch.randn(3, 5, generator=gen) for _ in range(2)],  # per ep rank
-                  "dense": torch.randn(4, 5, generator=gen)}
+
+    def mk():
+        return {
+            "stack": torch.randn(4, 3, 5, generator=gen),
+            "own": [torch.randn(3, 5, generator=gen) for _ in range(2)],  # per ep rank
+            "dense": torch.randn(4, 5, generator=gen),
+        }
+
     P, G = mk(), [mk() for _ in range(steps)]
     inner, _ = _STACKED_OPT[opt]
     desc = ("chain", [("clip_by_global_norm", dict(max_norm=1.0)), inner])
@@ -696,10 +923,14 @@ def test_stacked_and_marked_experts_together(opt):
         mesh = ft.Mesh(m, expert_axis="ep", is_expert=lambda p: p.startswith("own"))
 
         def d(t):
-            return {"stack": shard(t["stack"], m, [Shard(0), Shard(1)]),
-                    "own": distribute_tensor(per_rank(4, lambda r: t["own"][r // 2]), m["tp"],
-                                             [Shard(0)], src_data_rank=None),
-                    "dense": shard(t["dense"], m["tp"], [Replicate()])}
+            return {
+                "stack": shard(t["stack"], m, [Shard(0), Shard(1)]),
+                "own": distribute_tensor(
+                    per_rank(4, lambda r: t["own"][r // 2]), m["tp"], [Shard(0)], src_data_rank=None
+                ),
+                "dense": shard(t["dense"], m["tp"], [Replicate()]),
+            }
+
         dP, dG = d(P), [d(g) for g in G]
         with count_collectives() as c:
             ups, _, out = run_steps(build(desc), dP, dG, mesh)
@@ -711,6 +942,7 @@ def test_stacked_and_marked_experts_together(opt):
 
     def of_rank(tree, r):
         return {"stack": tree["stack"], "own": tree["own"][r // 2], "dense": tree["dense"]}
+
     for t, gu in enumerate(got):
         for r in range(4):
             assert_tree_close(gu[r], of_rank(ref_ups[t], r), f"step {t} rank {r} updates")
@@ -734,8 +966,12 @@ _PARAM_PL = [Replicate(), Shard(0), Shard(-1)]
 @st.composite
 def data_cases(draw):
     kind = draw(st.sampled_from(["dp2", "dp4", "dp_tp", "tp_dp"]))
-    shape, names = {"dp2": ((2,), ("dp",)), "dp4": ((4,), ("dp",)),
-                    "dp_tp": ((2, 2), ("dp", "tp")), "tp_dp": ((2, 2), ("tp", "dp"))}[kind]
+    shape, names = {
+        "dp2": ((2,), ("dp",)),
+        "dp4": ((4,), ("dp",)),
+        "dp_tp": ((2, 2), ("dp", "tp")),
+        "tp_dp": ((2, 2), ("tp", "dp")),
+    }[kind]
     homes = ["plain", "full"] + (["sub"] if len(shape) == 2 else [])
     leaves = []
     for _ in range(draw(st.integers(1, 3))):
@@ -744,10 +980,19 @@ def data_cases(draw):
         home = draw(st.sampled_from(homes))
         nd = {"plain": 0, "sub": 1, "full": len(shape)}[home]
         ppl = tuple(draw(st.sampled_from(_PARAM_PL)) for _ in range(nd))
-        gpl = ppl if draw(st.booleans()) else tuple(draw(st.sampled_from(_GRAD_PL)) for _ in range(nd))
+        gpl = (
+            ppl
+            if draw(st.booleans())
+            else tuple(draw(st.sampled_from(_GRAD_PL)) for _ in range(nd))
+        )
         leaves.append((lshape, home, ppl, gpl))
-    return dict(mesh_shape=shape, names=names, leaves=tuple(leaves), seed=draw(st.integers(0, 2**16)),
-                steps=draw(st.integers(3, 4)))
+    return dict(
+        mesh_shape=shape,
+        names=names,
+        leaves=tuple(leaves),
+        seed=draw(st.integers(0, 2**16)),
+        steps=draw(st.integers(3, 4)),
+    )
 
 
 def _leaf_mesh_dims(case, home):
@@ -788,8 +1033,10 @@ def _expected_grad(case, home, gpl, contrib: dict) -> torch.Tensor:
         for key, v in items.items():
             rest = tuple(k for k in key if k[0] != dim)
             groups.setdefault(rest, []).append(v)
-        return {k: (torch.stack(vs).sum(0) if op == "sum" else torch.stack(vs).mean(0))
-                for k, vs in groups.items()}
+        return {
+            k: (torch.stack(vs).sum(0) if op == "sum" else torch.stack(vs).mean(0))
+            for k, vs in groups.items()
+        }
 
     for d, op in ops.items():
         items = reduce_dim(items, d, op)
@@ -807,8 +1054,9 @@ def _grad_leaf(case, m, home, ppl, gpl, contrib: dict, world: int, shape):
     no_partial = [Replicate() if isinstance(p, Partial) else p for p in gpl]
     loc = distribute_tensor(per_rank(world, fn), dm, no_partial, src_data_rank=None).to_local()
     full = torch.empty(shape)
-    return DTensor.from_local(loc, dm, list(gpl), run_check=False, shape=full.shape,
-                              stride=full.stride())
+    return DTensor.from_local(
+        loc, dm, list(gpl), run_check=False, shape=full.shape, stride=full.stride()
+    )
 
 
 def _param_leaf(m, home, ppl, value):
@@ -835,14 +1083,23 @@ def test_data_axis_mean_partial_sum_and_param_placements(case, desc):
     gen = torch.Generator().manual_seed(case["seed"])
     # every possible contribution key of every leaf, for every step
     keys_per_leaf = []
-    for shape, home, ppl, gpl in case["leaves"]:
+    for _shape, home, _ppl, gpl in case["leaves"]:
         keys = sorted({_contribution_key(case, home, gpl, r) for r in range(world)})
         keys_per_leaf.append(keys)
     P = [torch.randn(s, generator=gen) for s, *_ in case["leaves"]]
-    C = [[{k: torch.randn(s, generator=gen) for k in keys}
-          for (s, *_), keys in zip(case["leaves"], keys_per_leaf)] for _ in range(case["steps"])]
-    ref_grads = [nest([_expected_grad(case, home, gpl, c)
-                       for (_, home, _, gpl), c in zip(case["leaves"], cs)]) for cs in C]
+    C = [
+        [
+            {k: torch.randn(s, generator=gen) for k in keys}
+            for (s, *_), keys in zip(case["leaves"], keys_per_leaf)
+        ]
+        for _ in range(case["steps"])
+    ]
+    ref_grads = [
+        nest(
+            [_expected_grad(case, home, gpl, c) for (_, home, _, gpl), c in zip(case["leaves"], cs)]
+        )
+        for cs in C
+    ]
     if passes_unreduced(build(desc)):
         # identity-like transforms return the gradients still unreduced (see
         # test_identity_returns_unreduced_gradients); follow them with one that needs the values
@@ -853,8 +1110,15 @@ def test_data_axis_mean_partial_sum_and_param_placements(case, desc):
         m = make_mesh(case["mesh_shape"], case["names"])
         mesh = ft.Mesh(m, data_axis="dp")
         dP = nest([_param_leaf(m, home, ppl, p) for (_, home, ppl, _), p in zip(case["leaves"], P)])
-        dG = [nest([_grad_leaf(case, m, home, ppl, gpl, c, world, s)
-                    for (s, home, ppl, gpl), c in zip(case["leaves"], cs)]) for cs in C]
+        dG = [
+            nest(
+                [
+                    _grad_leaf(case, m, home, ppl, gpl, c, world, s)
+                    for (s, home, ppl, gpl), c in zip(case["leaves"], cs)
+                ]
+            )
+            for cs in C
+        ]
         ups, states, out = run_steps(build(desc), dP, dG, mesh)
         for t, u in enumerate(ups):
             assert_placements_like(u, dP, f"step {t} updates")
@@ -865,7 +1129,9 @@ def test_data_axis_mean_partial_sum_and_param_placements(case, desc):
     for r in range(world):
         for t in range(case["steps"]):
             assert_tree_close(got_ups[t][r], ref_ups[t], f"rank {r} step {t} updates")
-            assert_tree_close(got_states[t][r], _drop_acc(ref_states[t]), f"rank {r} step {t} state")
+            assert_tree_close(
+                got_states[t][r], _drop_acc(ref_states[t]), f"rank {r} step {t} state"
+            )
         assert_tree_close(got_params[r], ref_params, f"rank {r} final params")
 
 
@@ -887,7 +1153,10 @@ def test_shard0_grad_for_replicated_param_comes_out_replicated():
     gen = torch.Generator().manual_seed(1)
     P = {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(5, generator=gen)}
     G = [{k: torch.randn(v.shape, generator=gen) for k, v in P.items()} for _ in range(3)]
-    desc = ("chain", [("clip_by_global_norm", dict(max_norm=0.5)), ("adamw", dict(learning_rate=0.1))])
+    desc = (
+        "chain",
+        [("clip_by_global_norm", dict(max_norm=0.5)), ("adamw", dict(learning_rate=0.1))],
+    )
     ref_ups, _, ref_params = run_steps(build(desc), P, G, None)
     with simulate(4):
         m = make_mesh((2, 2), ("dp", "tp"))
@@ -913,7 +1182,10 @@ def test_nested_uneven_grad_for_replicated_param_after_a_norm():
     gen = torch.Generator().manual_seed(2)
     P = {"w": torch.randn(5, 3, generator=gen)}
     G = [{"w": torch.randn(5, 3, generator=gen)} for _ in range(3)]
-    desc = ("chain", [("clip_by_global_norm", dict(max_norm=1.0)), ("sgd", dict(learning_rate=0.1))])
+    desc = (
+        "chain",
+        [("clip_by_global_norm", dict(max_norm=1.0)), ("sgd", dict(learning_rate=0.1))],
+    )
     ref_ups, _, ref_params = run_steps(build(desc), P, G, None)
     with simulate(4):
         m = make_mesh((2, 2))
@@ -956,12 +1228,21 @@ def test_identity_returns_unreduced_gradients():
         mesh = ft.Mesh(m, data_axis="dp")
         gen = torch.Generator().manual_seed(0)
         c = [torch.randn(5, 2, generator=gen) for _ in range(2)]
-        grads = {"plain": per_rank(4, lambda r: c[r // 2][0]),
-                 "tp": distribute_tensor(per_rank(4, lambda r: c[r // 2]), m["tp"], [Shard(0)],
-                                         src_data_rank=None)}
-        params = {"plain": replicated(torch.zeros(2)), "tp": shard(torch.zeros(5, 2), m["tp"], [Shard(0)])}
-        for tx in (ft.identity(), ft.chain(ft.identity(), ft.identity()),
-                   ft.named_chain(("a", ft.identity()))):
+        grads = {
+            "plain": per_rank(4, lambda r: c[r // 2][0]),
+            "tp": distribute_tensor(
+                per_rank(4, lambda r: c[r // 2]), m["tp"], [Shard(0)], src_data_rank=None
+            ),
+        }
+        params = {
+            "plain": replicated(torch.zeros(2)),
+            "tp": shard(torch.zeros(5, 2), m["tp"], [Shard(0)]),
+        }
+        for tx in (
+            ft.identity(),
+            ft.chain(ft.identity(), ft.identity()),
+            ft.named_chain(("a", ft.identity())),
+        ):
             with count_collectives() as cnt:
                 u, _ = tx.update(grads, tx.init(params), params, mesh=mesh)
             assert cnt.total == 0, cnt
@@ -975,9 +1256,12 @@ def test_multi_steps_of_identity_then_reducing_transform():
     gen = torch.Generator().manual_seed(0)
     contrib = [[torch.randn(3, generator=gen) for _ in range(2)] for _ in range(2)]  # [step][dp]
     results = {}
-    for name, tx in {"chain(identity, scale)": ft.chain(ft.identity(), ft.scale(1.0)),
-                     "chain(multi_steps(identity), scale)":
-                         ft.chain(ft.multi_steps(ft.identity(), 2), ft.scale(1.0))}.items():
+    for name, tx in {
+        "chain(identity, scale)": ft.chain(ft.identity(), ft.scale(1.0)),
+        "chain(multi_steps(identity), scale)": ft.chain(
+            ft.multi_steps(ft.identity(), 2), ft.scale(1.0)
+        ),
+    }.items():
         with simulate(2):
             m = make_mesh((2,), ("dp",))
             mesh = ft.Mesh(m, data_axis="dp")
@@ -986,12 +1270,16 @@ def test_multi_steps_of_identity_then_reducing_transform():
             for g in contrib:
                 u, state = tx.update({"w": per_rank(2, lambda r: g[r])}, state, p, mesh=mesh)
             results[name] = [on_rank(u["w"], r).clone() for r in range(2)]
-    want = {"chain(identity, scale)": (contrib[1][0] + contrib[1][1]) / 2,  # last step's DDP mean
-            "chain(multi_steps(identity), scale)":  # the DDP mean of the 2 micro-steps' mean
-                (contrib[0][0] + contrib[0][1] + contrib[1][0] + contrib[1][1]) / 4}
+    want = {
+        "chain(identity, scale)": (contrib[1][0] + contrib[1][1]) / 2,  # last step's DDP mean
+        "chain(multi_steps(identity), scale)":  # the DDP mean of the 2 micro-steps' mean
+        (contrib[0][0] + contrib[0][1] + contrib[1][0] + contrib[1][1]) / 4,
+    }
     for name, per in results.items():
         for r in range(2):
-            torch.testing.assert_close(per[r], want[name], msg=lambda msg: f"{name} rank {r}: {msg}")
+            torch.testing.assert_close(
+                per[r], want[name], msg=lambda msg: f"{name} rank {r}: {msg}"
+            )
 
 
 def test_data_axis_worked_example_collective_count():
@@ -1000,19 +1288,42 @@ def test_data_axis_worked_example_collective_count():
     agreement over dp, the mean, the clip norm) and none between."""
     gen = torch.Generator().manual_seed(0)
     P = {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(7, generator=gen)}
-    G = [[{k: torch.randn(v.shape, generator=gen) for k, v in P.items()} for _ in range(2)]
-         for _ in range(4)]
-    desc = ("multi_steps", dict(inner=("tx", ("chain", [
-        ("clip_by_global_norm", dict(max_norm=0.5)),
-        ("adamw", dict(learning_rate=1e-2, weight_decay=0.1))])), every_k=2))
-    _, _, ref = run_steps(build(desc), P, [{k: (g[0][k] + g[1][k]) / 2 for k in P} for g in G], None)
+    G = [
+        [{k: torch.randn(v.shape, generator=gen) for k, v in P.items()} for _ in range(2)]
+        for _ in range(4)
+    ]
+    desc = (
+        "multi_steps",
+        dict(
+            inner=(
+                "tx",
+                (
+                    "chain",
+                    [
+                        ("clip_by_global_norm", dict(max_norm=0.5)),
+                        ("adamw", dict(learning_rate=1e-2, weight_decay=0.1)),
+                    ],
+                ),
+            ),
+            every_k=2,
+        ),
+    )
+    _, _, ref = run_steps(
+        build(desc), P, [{k: (g[0][k] + g[1][k]) / 2 for k in P} for g in G], None
+    )
     with simulate(4):
         m = make_mesh((2, 2), ("dp", "tp"))
         tp = m["tp"]
         dP = {"w": shard(P["w"], tp, [Shard(0)]), "b": replicated(P["b"])}
-        dG = [{"w": distribute_tensor(per_rank(4, lambda r: g[r // 2]["w"]), tp, [Shard(0)],
-                                      src_data_rank=None),
-               "b": per_rank(4, lambda r: g[r // 2]["b"])} for g in G]
+        dG = [
+            {
+                "w": distribute_tensor(
+                    per_rank(4, lambda r: g[r // 2]["w"]), tp, [Shard(0)], src_data_rank=None
+                ),
+                "b": per_rank(4, lambda r: g[r // 2]["b"]),
+            }
+            for g in G
+        ]
         with count_collectives() as c:
             _, _, out = run_steps(build(desc), dP, dG, ft.Mesh(m, data_axis="dp"))
         got = rank_views(out, 4)
@@ -1039,60 +1350,97 @@ def test_pp_dp_ep_tp_mesh_equals_unsharded_union():
     Pd = [rnd(5, 2) for _ in range(2)]
     Pe = [[rnd(3, 3) for _ in range(2)] for _ in range(2)]
     Pb = [rnd(3) for _ in range(2)]
-    # gradients, per step: dense [pp][dp][ep], experts [pp][ep][dp] (sums over ep), bias [pp][dp][ep]
-    Gd = [[[[rnd(5, 2) for _ in range(2)] for _ in range(2)] for _ in range(2)] for _ in range(steps)]
-    Ge = [[[[rnd(3, 3) for _ in range(2)] for _ in range(2)] for _ in range(2)] for _ in range(steps)]
+    # gradients, per step: dense [pp][dp][ep], experts [pp][ep][dp] (sums over ep),
+    # bias [pp][dp][ep]
+    Gd = [
+        [[[rnd(5, 2) for _ in range(2)] for _ in range(2)] for _ in range(2)] for _ in range(steps)
+    ]
+    Ge = [
+        [[[rnd(3, 3) for _ in range(2)] for _ in range(2)] for _ in range(2)] for _ in range(steps)
+    ]
     Gb = [[[[rnd(3) for _ in range(2)] for _ in range(2)] for _ in range(2)] for _ in range(steps)]
     mean = lambda xs: (xs[0] + xs[1]) / 2  # noqa: E731
     mean2 = lambda xs: (xs[0][0] + xs[0][1] + xs[1][0] + xs[1][1]) / 4  # noqa: E731
 
     def union(d, e, b):
-        return {f"s{p}": {"dense": d[p], "experts": {f"e{j}": e[p][j] for j in range(2)}, "b": b[p]}
-                for p in range(2)}
+        return {
+            f"s{p}": {"dense": d[p], "experts": {f"e{j}": e[p][j] for j in range(2)}, "b": b[p]}
+            for p in range(2)
+        }
 
     ref_P = union(Pd, Pe, Pb)
-    ref_G = [union([mean2(Gd[t][p]) for p in range(2)],
-                   [[mean(Ge[t][p][j]) / 2 for j in range(2)] for p in range(2)],
-                   [mean2(Gb[t][p]) for p in range(2)]) for t in range(steps)]
-    desc = ("chain", [("clip_by_global_norm", dict(max_norm=1.0)),
-                      ("adamw", dict(learning_rate=0.1, weight_decay=0.1))])
+    ref_G = [
+        union(
+            [mean2(Gd[t][p]) for p in range(2)],
+            [[mean(Ge[t][p][j]) / 2 for j in range(2)] for p in range(2)],
+            [mean2(Gb[t][p]) for p in range(2)],
+        )
+        for t in range(steps)
+    ]
+    desc = (
+        "chain",
+        [
+            ("clip_by_global_norm", dict(max_norm=1.0)),
+            ("adamw", dict(learning_rate=0.1, weight_decay=0.1)),
+        ],
+    )
     ref_ups, ref_states, ref_params = run_steps(build(desc), ref_P, ref_G, None)
 
     co = lambda r: dict(zip(names, _unravel(r, shape)))  # noqa: E731
     with simulate(world):
         m = make_mesh(shape, names)
         tp = m["tp"]
-        mesh = ft.Mesh(m, data_axis="dp", pipeline_axis="pp", expert_axis="ep",
-                       is_expert=lambda path: path.startswith("experts"))
+        mesh = ft.Mesh(
+            m,
+            data_axis="dp",
+            pipeline_axis="pp",
+            expert_axis="ep",
+            is_expert=lambda path: path.startswith("experts"),
+        )
 
         def on_tp(fn, pl):
             return distribute_tensor(per_rank(world, fn), tp, [pl], src_data_rank=None)
 
-        dP = {"dense": on_tp(lambda r: Pd[co(r)["pp"]], Shard(0)),
-              "experts": on_tp(lambda r: Pe[co(r)["pp"]][co(r)["ep"]], Shard(1)),
-              "b": per_rank(world, lambda r: Pb[co(r)["pp"]])}
-        dG = [{"dense": on_tp(lambda r: Gd[t][co(r)["pp"]][co(r)["dp"]][co(r)["ep"]], Shard(0)),
-               "experts": on_tp(lambda r: Ge[t][co(r)["pp"]][co(r)["ep"]][co(r)["dp"]], Shard(1)),
-               "b": per_rank(world, lambda r: Gb[t][co(r)["pp"]][co(r)["dp"]][co(r)["ep"]])}
-              for t in range(steps)]
+        dP = {
+            "dense": on_tp(lambda r: Pd[co(r)["pp"]], Shard(0)),
+            "experts": on_tp(lambda r: Pe[co(r)["pp"]][co(r)["ep"]], Shard(1)),
+            "b": per_rank(world, lambda r: Pb[co(r)["pp"]]),
+        }
+        dG = [
+            {
+                "dense": on_tp(lambda r: Gd[t][co(r)["pp"]][co(r)["dp"]][co(r)["ep"]], Shard(0)),
+                "experts": on_tp(lambda r: Ge[t][co(r)["pp"]][co(r)["ep"]][co(r)["dp"]], Shard(1)),
+                "b": per_rank(world, lambda r: Gb[t][co(r)["pp"]][co(r)["dp"]][co(r)["ep"]]),
+            }
+            for t in range(steps)
+        ]
         with count_collectives() as c:
             ups, states, out = run_steps(build(desc), dP, dG, mesh)
         got_ups = [rank_views(u, world) for u in ups]
-        got_norms = [[on_rank(ft.tree_get(st_, "global_norm"), r) for r in range(world)]
-                     for st_ in states]
+        got_norms = [
+            [on_rank(ft.tree_get(st_, "global_norm"), r) for r in range(world)] for st_ in states
+        ]
         got_params = rank_views(out, world)
     assert c.counts == {"all_reduce": 5 * steps}, c  # presence and mean over dp, ep; norm
 
     def mine(tree, r):
         p, e = co(r)["pp"], co(r)["ep"]
-        return {"dense": tree[f"s{p}"]["dense"], "experts": tree[f"s{p}"]["experts"][f"e{e}"],
-                "b": tree[f"s{p}"]["b"]}
+        return {
+            "dense": tree[f"s{p}"]["dense"],
+            "experts": tree[f"s{p}"]["experts"][f"e{e}"],
+            "b": tree[f"s{p}"]["b"],
+        }
 
     for t in range(steps):
         want_norm = ft.tree_get(ref_states[t], "global_norm")
         for r in range(world):
-            torch.testing.assert_close(got_norms[t][r], want_norm, rtol=RTOL, atol=ATOL,
-                                       msg=lambda msg: f"step {t} rank {r} norm: {msg}")
+            torch.testing.assert_close(
+                got_norms[t][r],
+                want_norm,
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda msg: f"step {t} rank {r} norm: {msg}",
+            )
             assert_tree_close(got_ups[t][r], mine(ref_ups[t], r), f"step {t} rank {r} updates")
     for r in range(world):
         assert_tree_close(got_params[r], mine(ref_params, r), f"rank {r} params")

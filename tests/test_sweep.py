@@ -53,8 +53,10 @@ from __future__ import annotations
 import inspect
 import os
 import zlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
+import _sweep_registry as reg  # noqa: E402  (tests/ is on sys.path)
 import optree
 import pytest
 import torch
@@ -67,10 +69,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_train as ft
-from functional_train.testing import (ShardedCase, assert_sharded_equivalent, on_rank,
-                                      replicated, sharded_cases, simulate)
-
-import _sweep_registry as reg  # noqa: E402  (tests/ is on sys.path)
+from functional_train.testing import (
+    ShardedCase,
+    assert_sharded_equivalent,
+    on_rank,
+    replicated,
+    sharded_cases,
+    simulate,
+)
 
 ENTRIES = reg.all_entries()
 # dynamo with the "eager" backend: tracing (graph breaks, guards, recompiles) is what this module
@@ -108,22 +114,31 @@ def cases(prop: str) -> list:
 # =============================================================================================
 # helpers
 # =============================================================================================
-def problem(steps: int = STEPS, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-            scale: float = 1.0, shapes: Optional[dict] = None):
+def problem(
+    steps: int = STEPS,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    scale: float = 1.0,
+    shapes: dict | None = None,
+):
     """``(params, [grads per step])``: standard normal params, full-rank gradients."""
     shapes = SHAPES if shapes is None else shapes
     gen = torch.Generator().manual_seed(seed)
 
     def tree(s=1.0):
-        return {k: (torch.randn(v, generator=gen, dtype=torch.float64) * s).to(dtype)
-                for k, v in shapes.items()}
+        return {
+            k: (torch.randn(v, generator=gen, dtype=torch.float64) * s).to(dtype)
+            for k, v in shapes.items()
+        }
 
     return tree(), [tree(scale) for _ in range(steps)]
 
 
 def clone_tree(tree: Any) -> Any:
-    return optree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x,
-                           tree, none_is_leaf=True)
+    return optree.tree_map(
+        lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True
+    )
 
 
 def walk(node: Any, path: tuple = ()):
@@ -159,7 +174,8 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 def assert_bitwise_unchanged(before: Any, after: Any, what: str) -> None:
     """Same structure, and every tensor leaf holds the same bits (dtype and shape too)."""
     assert optree.tree_structure(before, none_is_leaf=True) == optree.tree_structure(
-        after, none_is_leaf=True), f"{what}: the tree structure changed"
+        after, none_is_leaf=True
+    ), f"{what}: the tree structure changed"
     for (path, b), (_, a) in zip(walk(before), walk(after)):
         if not isinstance(b, torch.Tensor):
             continue
@@ -169,8 +185,9 @@ def assert_bitwise_unchanged(before: Any, after: Any, what: str) -> None:
         assert torch.equal(_bits(a), _bits(b)), f"{what}['{path}'] was modified in place"
 
 
-def assert_trees_equal(got: Any, want: Any, what: str, *, rtol: float = 0.0,
-                       atol: float = 0.0) -> None:
+def assert_trees_equal(
+    got: Any, want: Any, what: str, *, rtol: float = 0.0, atol: float = 0.0
+) -> None:
     """Same structure (NamedTuple types, dict keys, None leaves), dtypes, shapes and values
     (exactly by default)."""
     gt = optree.tree_structure(got, none_is_leaf=True)
@@ -184,8 +201,9 @@ def assert_trees_equal(got: Any, want: Any, what: str, *, rtol: float = 0.0,
             assert g == w, f"{what}['{path}']: got {g!r}, want {w!r}"
             continue
         assert g.dtype == w.dtype, f"{what}['{path}']: dtype {g.dtype}, want {w.dtype}"
-        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True,
-                                   msg=lambda m: f"{what}['{path}']: {m}")
+        torch.testing.assert_close(
+            g, w, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}['{path}']: {m}"
+        )
 
 
 def run(tx, params, grads_per_step, **kw):
@@ -213,8 +231,9 @@ def _returns_transform(obj: Any) -> bool:
     if not inspect.isfunction(obj):
         return False
     ann = obj.__annotations__.get("return")
-    return "GradientTransformation" in (ann if isinstance(ann, str) else
-                                        getattr(ann, "__name__", ""))
+    return "GradientTransformation" in (
+        ann if isinstance(ann, str) else getattr(ann, "__name__", "")
+    )
 
 
 def test_registry_covers_every_public_name():
@@ -223,8 +242,10 @@ def test_registry_covers_every_public_name():
     public = set(ft.__all__)
     swept, excluded = set(reg.FACTORIES), set(reg.EXCLUDED)
     missing = sorted(public - swept - excluded)
-    assert not missing, (f"public names neither swept nor excluded: {missing}; add a builder to "
-                         "FACTORIES in tests/_sweep_registry.py (or a reason to EXCLUDED)")
+    assert not missing, (
+        f"public names neither swept nor excluded: {missing}; add a builder to "
+        "FACTORIES in tests/_sweep_registry.py (or a reason to EXCLUDED)"
+    )
     both = sorted(swept & excluded)
     assert not both, f"names both swept and excluded: {both}"
     stale = sorted((swept | excluded) - public)
@@ -241,10 +262,12 @@ def test_registry_builders_and_exceptions_are_well_formed():
     # a function annotated to return a transform cannot hide in EXCLUDED
     for name in reg.EXCLUDED:
         assert not _returns_transform(getattr(ft, name)), (
-            f"{name} returns a GradientTransformation: sweep it (FACTORIES), do not exclude it")
+            f"{name} returns a GradientTransformation: sweep it (FACTORIES), do not exclude it"
+        )
     for name in reg.FACTORIES:
         assert _returns_transform(getattr(ft, name)), (
-            f"FACTORIES['{name}'] is not a function annotated to return a GradientTransformation")
+            f"FACTORIES['{name}'] is not a function annotated to return a GradientTransformation"
+        )
     for table in (reg.NOT_APPLICABLE, reg.KNOWN_BUGS):
         for (name, prop), why in table.items():
             assert name in ENTRIES and prop in reg.PROPERTIES and why.strip(), (name, prop)
@@ -285,9 +308,13 @@ def _n_examples() -> int:
     return max(1, settings().max_examples // 5)
 
 
-_SHARDED_CASES = sharded_cases(mesh_shapes=st.sampled_from([(2,), (3,), (2, 2)]),
-                               steps=st.integers(2, 3), max_leaves=3, sizes=(1, 2, 3, 5),
-                               max_numel=30)
+_SHARDED_CASES = sharded_cases(
+    mesh_shapes=st.sampled_from([(2,), (3,), (2, 2)]),
+    steps=st.integers(2, 3),
+    max_leaves=3,
+    sizes=(1, 2, 3, 5),
+    max_numel=30,
+)
 
 
 def _all_plain_case() -> ShardedCase:
@@ -296,14 +323,22 @@ def _all_plain_case() -> ShardedCase:
     gen = torch.Generator().manual_seed(3)
 
     def tree():
-        return {"w0": torch.randn(3, generator=gen),
-                "blk": {"w1": torch.randn(2, 3, generator=gen)}}
+        return {
+            "w0": torch.randn(3, generator=gen),
+            "blk": {"w1": torch.randn(2, 3, generator=gen)},
+        }
 
-    return ShardedCase(params=tree(), grads_per_step=[tree(), tree()], mesh_shape=(2,),
-                       placements={"w0": None, "blk": {"w1": None}},
-                       leaves=[("w0", (3,), torch.float32, None),
-                               ("blk.w1", (2, 3), torch.float32, None)],
-                       seed=3, grad_rank=None, grad_scale=1.0, frozen=None)
+    return ShardedCase(
+        params=tree(),
+        grads_per_step=[tree(), tree()],
+        mesh_shape=(2,),
+        placements={"w0": None, "blk": {"w1": None}},
+        leaves=[("w0", (3,), torch.float32, None), ("blk.w1", (2, 3), torch.float32, None)],
+        seed=3,
+        grad_rank=None,
+        grad_scale=1.0,
+        frozen=None,
+    )
 
 
 def _is_placements(x) -> bool:
@@ -315,19 +350,28 @@ def test_sharded(name):
     rtol, atol = _tol(name)
     expect_failure = (name, "sharded") in reg.KNOWN_BUGS
 
-    @settings(max_examples=_n_examples(), database=None,
-              phases=([Phase.explicit, Phase.generate] if expect_failure else
-                      list(settings().phases)),
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=_n_examples(),
+        database=None,
+        phases=([Phase.explicit, Phase.generate] if expect_failure else list(settings().phases)),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(case=_SHARDED_CASES)
     @example(case=_all_plain_case())
     def check(case):
         run = lambda: assert_sharded_equivalent(  # noqa: E731
-            build(name), mesh_dim_names=MESH_NAMES[len(case.mesh_shape)], rtol=rtol, atol=atol,
-            **case)
+            build(name),
+            mesh_dim_names=MESH_NAMES[len(case.mesh_shape)],
+            rtol=rtol,
+            atol=atol,
+            **case,
+        )
         if name in reg.NEEDS_A_DTENSOR and all(
-                p is None for p in optree.tree_leaves(case["placements"], none_is_leaf=True,
-                                                      is_leaf=_is_placements)):
+            p is None
+            for p in optree.tree_leaves(
+                case["placements"], none_is_leaf=True, is_leaf=_is_placements
+            )
+        ):
             with pytest.raises(ValueError, match=reg.NEEDS_A_DTENSOR[name]):
                 run()
             return
@@ -343,18 +387,26 @@ def test_sharded(name):
 # (contributions that sum), a leaf replicated over dp and sharded over tp (uneven), one sharded
 # over both (FSDP-style over dp, Shard(-1) over tp)
 DATA_AXIS_PARAMS = {"w": [R, S0], "m": [R, S1], "v": None, "t": [S0, Shard(-1)], "s": None}
-DATA_AXIS_GRADS = {"w": [R, S0], "m": [Partial(), S1], "v": None, "t": [S0, Shard(-1)],
-                   "s": None}
+DATA_AXIS_GRADS = {"w": [R, S0], "m": [Partial(), S1], "v": None, "t": [S0, Shard(-1)], "s": None}
 
 
 @pytest.mark.parametrize("name", cases("sharded_data_axis"))
 def test_sharded_data_axis(name):
     rtol, atol = _tol(name)
     params, grads = problem(3, seed=1)
-    assert_sharded_equivalent(build(name), params, grads, placements=DATA_AXIS_PARAMS,
-                              grad_placements=DATA_AXIS_GRADS, mesh_shape=(2, 2),
-                              mesh_dim_names=("dp", "tp"), data_axis="dp", rtol=rtol, atol=atol,
-                              ignore_state=_ignore_state(name, data_axis=True))
+    assert_sharded_equivalent(
+        build(name),
+        params,
+        grads,
+        placements=DATA_AXIS_PARAMS,
+        grad_placements=DATA_AXIS_GRADS,
+        mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"),
+        data_axis="dp",
+        rtol=rtol,
+        atol=atol,
+        ignore_state=_ignore_state(name, data_axis=True),
+    )
 
 
 # =============================================================================================
@@ -383,9 +435,15 @@ def _spec(x: Any):
     if isinstance(x, DTensor):
         loc = x._local_tensor
         world = torch.distributed.get_world_size()
-        return ("DTensor", tuple(x.shape), x.dtype, tuple(x.placements),
-                x.device_mesh.mesh_dim_names, tuple(x.device_mesh.shape),
-                tuple(tuple(on_rank(loc, r).shape) for r in range(world)))
+        return (
+            "DTensor",
+            tuple(x.shape),
+            x.dtype,
+            tuple(x.placements),
+            x.device_mesh.mesh_dim_names,
+            tuple(x.device_mesh.shape),
+            tuple(tuple(on_rank(loc, r).shape) for r in range(world)),
+        )
     return ("Tensor", tuple(x.shape), x.dtype, x.device.type)
 
 
@@ -393,8 +451,11 @@ def assert_same_structure(init: Any, later: Any, what: str) -> None:
     ti = optree.tree_structure(init, none_is_leaf=True)
     tl = optree.tree_structure(later, none_is_leaf=True)
     assert ti == tl, f"{what}: the state structure changed:\n  init  {ti}\n  later {tl}"
-    bad = [f"state['{path}'] was {_spec(a)} after init, is {_spec(b)}"
-           for (path, a), (_, b) in zip(walk(init), walk(later)) if _spec(a) != _spec(b)]
+    bad = [
+        f"state['{path}'] was {_spec(a)} after init, is {_spec(b)}"
+        for (path, a), (_, b) in zip(walk(init), walk(later))
+        if _spec(a) != _spec(b)
+    ]
     assert not bad, f"{what}: " + "; ".join(bad)
 
 
@@ -418,9 +479,12 @@ def test_torch_load(name, tmp_path):
     torch.save(states[-1], tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
     assert optree.tree_structure(loaded, none_is_leaf=True) == optree.tree_structure(
-        states[-1], none_is_leaf=True)
-    for a, b in zip(optree.tree_leaves(loaded, none_is_leaf=True),
-                    optree.tree_leaves(states[-1], none_is_leaf=True)):
+        states[-1], none_is_leaf=True
+    )
+    for a, b in zip(
+        optree.tree_leaves(loaded, none_is_leaf=True),
+        optree.tree_leaves(states[-1], none_is_leaf=True),
+    ):
         assert type(a) is type(b)
         if isinstance(a, torch.Tensor):
             assert a.dtype == b.dtype and torch.equal(a, b)
@@ -429,8 +493,9 @@ def test_torch_load(name, tmp_path):
     assert len(grads) > 2
     u1, _ = tx.update(grads[2], loaded, p)
     u2, _ = tx.update(grads[2], states[-1], p)
-    for a, b in zip(optree.tree_leaves(u1, none_is_leaf=True),
-                    optree.tree_leaves(u2, none_is_leaf=True)):
+    for a, b in zip(
+        optree.tree_leaves(u1, none_is_leaf=True), optree.tree_leaves(u2, none_is_leaf=True)
+    ):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
@@ -447,9 +512,14 @@ def test_state_placements(name):
         dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
         def lay(tree):
-            return {k: replicated(4, x) if PLACEMENT_LAYOUT[k] is None else distribute_tensor(
-                replicated(4, x), dm, PLACEMENT_LAYOUT[k], src_data_rank=None)
-                for k, x in tree.items()}
+            return {
+                k: replicated(4, x)
+                if PLACEMENT_LAYOUT[k] is None
+                else distribute_tensor(
+                    replicated(4, x), dm, PLACEMENT_LAYOUT[k], src_data_rank=None
+                )
+                for k, x in tree.items()
+            }
 
         dparams = lay(params)
         init = tx.init(dparams)
@@ -473,8 +543,9 @@ def test_purity_and_structure_checks_catch_bugs():
     with pytest.raises(AssertionError, match=r"grads\['m'\] was modified in place"):
         assert_bitwise_unchanged(before, grads[0], "grads")
     init_state = ft.TraceState(torch.zeros((), dtype=torch.int64), {"s": torch.zeros(())})
-    later = ft.TraceState(torch.ones((), dtype=torch.int64),
-                          {"s": torch.zeros((), dtype=torch.float64)})
+    later = ft.TraceState(
+        torch.ones((), dtype=torch.int64), {"s": torch.zeros((), dtype=torch.float64)}
+    )
     with pytest.raises(AssertionError, match=r"state\['trace.s'\] was .*float32.* is .*float64"):
         assert_same_structure(init_state, later, "step 0")
 
@@ -559,10 +630,19 @@ def test_zero_redundancy_dp(name):
     unsharded: ``T`` runs on the dp-sharded zero views and its state holds 1/dp of each leaf."""
     rtol, atol = _tol(name)
     params, grads = problem(2, seed=2)
-    assert_sharded_equivalent(ft.zero_redundancy(build(name)), params, grads,
-                              placements=DATA_AXIS_PARAMS, grad_placements=DATA_AXIS_GRADS,
-                              mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), data_axis="dp",
-                              rtol=rtol, atol=atol, ignore_state=_ignore_state(name, True))
+    assert_sharded_equivalent(
+        ft.zero_redundancy(build(name)),
+        params,
+        grads,
+        placements=DATA_AXIS_PARAMS,
+        grad_placements=DATA_AXIS_GRADS,
+        mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"),
+        data_axis="dp",
+        rtol=rtol,
+        atol=atol,
+        ignore_state=_ignore_state(name, True),
+    )
 
 
 # "a": the transform under test (a tall matrix, a vector and the 3-D leaf), "b": sgd
@@ -590,8 +670,7 @@ def test_masked(name):
     """``masked(T, mask)`` == ``T`` on a tree of the masked-in leaves; the others pass through
     unchanged."""
     params, grads = problem()
-    us, _, _ = run(ft.masked(build(name), {k: v == "a" for k, v in SPLIT.items()}), params,
-                   grads)
+    us, _, _ = run(ft.masked(build(name), {k: v == "a" for k, v in SPLIT.items()}), params, grads)
     ua, _, _ = run(build(name), subtree(params, A_KEYS), [subtree(g, A_KEYS) for g in grads])
     for t in range(len(grads)):
         assert_trees_equal(subtree(us[t], A_KEYS), ua[t], f"step {t}: masked-in updates")
@@ -634,8 +713,13 @@ def assert_float32_states(state: Any, what: str) -> None:
             assert x.dtype in STATE_INT_DTYPES, f"{what}: state['{path}'] is {x.dtype}"
 
 
-MIXED_DTYPES = {"w": torch.float32, "m": torch.float64, "v": torch.float64, "t": torch.float32,
-                "s": torch.float64}
+MIXED_DTYPES = {
+    "w": torch.float32,
+    "m": torch.float64,
+    "v": torch.float64,
+    "t": torch.float32,
+    "s": torch.float64,
+}
 
 
 @pytest.mark.parametrize("name", cases("mixed_dtypes"))
@@ -651,9 +735,15 @@ def test_mixed_dtypes(name):
         alone, _, _ = run(build(name), subtree(params, [k]), [subtree(g, [k]) for g in grads])
         for t, (u, a) in enumerate(zip(whole, alone)):
             assert u[k].dtype == params[k].dtype, (t, k, u[k].dtype)
-            torch.testing.assert_close(u[k], a[k], rtol=0, atol=0,
-                                       msg=lambda m: f"step {t}: update['{k}'] ({params[k].dtype}"
-                                                     f" in a mixed tree vs alone): {m}")
+            torch.testing.assert_close(
+                u[k],
+                a[k],
+                rtol=0,
+                atol=0,
+                msg=lambda m: (
+                    f"step {t}: update['{k}'] ({params[k].dtype} in a mixed tree vs alone): {m}"
+                ),
+            )
 
 
 @pytest.mark.parametrize("name", cases("bf16_states"))
@@ -682,8 +772,9 @@ def _assert_close_bf16(got: Any, want: Any, what: str) -> None:
             continue
         w64, g64 = w.detach().double(), g.detach().double()
         atol = BF16_ATOL * float(w64.abs().max())
-        torch.testing.assert_close(g64, w64, rtol=BF16_RTOL, atol=atol,
-                                   msg=lambda m: f"{what}['{path}']: {m}")
+        torch.testing.assert_close(
+            g64, w64, rtol=BF16_RTOL, atol=atol, msg=lambda m: f"{what}['{path}']: {m}"
+        )
 
 
 @pytest.mark.parametrize("name", cases("bf16_close"))
@@ -714,7 +805,8 @@ def check_update_dtype(name: str, dtype: torch.dtype) -> None:
         for path, x in walk(u):
             assert x.dtype == dtype and x.shape == params[path].shape, (
                 f"step {t}: update['{path}'] is {x.dtype} {tuple(x.shape)}, the gradient "
-                f"{dtype} {tuple(params[path].shape)}")
+                f"{dtype} {tuple(params[path].shape)}"
+            )
 
 
 @pytest.mark.parametrize("name", cases("update_dtype"))
@@ -737,9 +829,15 @@ _ATEN = torch.ops.aten
 # them reach ``_local_scalar_dense``), ``torch.equal`` / ``allclose`` (return a Python bool) and
 # ops whose output shape depends on values (the host waits for the count on an accelerator;
 # boolean-mask indexing, ``x[mask]``, too: see ``NoHostSync``)
-HOST_READS = {_ATEN._local_scalar_dense.default, _ATEN.item.default, _ATEN.equal.default,
-              _ATEN.allclose.default, _ATEN.is_nonzero.default, _ATEN.nonzero.default,
-              _ATEN.masked_select.default}
+HOST_READS = {
+    _ATEN._local_scalar_dense.default,
+    _ATEN.item.default,
+    _ATEN.equal.default,
+    _ATEN.allclose.default,
+    _ATEN.is_nonzero.default,
+    _ATEN.nonzero.default,
+    _ATEN.masked_select.default,
+}
 
 
 class HostSync(AssertionError):
@@ -757,19 +855,28 @@ class NoHostSync(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _ATEN.index.Tensor and any(
-                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                for i in args[1]):
-            raise HostSync("host synchronisation in update: boolean-mask indexing (the output "
-                           "shape depends on the values)")
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        ):
+            raise HostSync(
+                "host synchronisation in update: boolean-mask indexing (the output "
+                "shape depends on the values)"
+            )
         if func in HOST_READS:
             x = args[0] if args else None
-            ok = (func is _ATEN._local_scalar_dense.default and isinstance(x, torch.Tensor)
-                  and x.ndim == 0 and x.dtype in (torch.int64, torch.float64)
-                  and x.device.type == "cpu"
-                  and (x.untyped_storage().data_ptr(), x.storage_offset()) in self.allowed)
+            ok = (
+                func is _ATEN._local_scalar_dense.default
+                and isinstance(x, torch.Tensor)
+                and x.ndim == 0
+                and x.dtype in (torch.int64, torch.float64)
+                and x.device.type == "cpu"
+                and (x.untyped_storage().data_ptr(), x.storage_offset()) in self.allowed
+            )
             if not ok:
-                what = (f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
-                        if isinstance(x, torch.Tensor) else repr(x))
+                what = (
+                    f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
+                    if isinstance(x, torch.Tensor)
+                    else repr(x)
+                )
                 raise HostSync(f"host synchronisation in update: {func} on {what}")
             self.allowed_reads += 1
         return func(*args, **(kwargs or {}))
@@ -823,8 +930,13 @@ def test_no_host_sync_mode_catches_reads():
     counter passes, another 0-dim int64 tensor does not."""
     counter, other = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
     x = torch.ones(3)
-    for fn in (lambda: x.sum().item(), lambda: int(other), lambda: bool(x.sum() > 0),
-               lambda: torch.equal(x, x), lambda: x[x > 0]):
+    for fn in (
+        lambda: x.sum().item(),
+        lambda: int(other),
+        lambda: bool(x.sum() > 0),
+        lambda: torch.equal(x, x),
+        lambda: x[x > 0],
+    ):
         with pytest.raises(HostSync):
             with NoHostSync([counter]):
                 fn()
@@ -847,8 +959,9 @@ def test_compile(name):
     params, grads = problem()
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(tx.update, backend=COMPILE_BACKEND,
-                                 fullgraph=name not in reg.COMPILE_GRAPH_BREAKS)
+        compiled = torch.compile(
+            tx.update, backend=COMPILE_BACKEND, fullgraph=name not in reg.COMPILE_GRAPH_BREAKS
+        )
         se, sc = tx.init(params), tx.init(params)
         pe = pc = params
         for t, g in enumerate(grads):
@@ -882,11 +995,15 @@ def test_step_counter(name, count):
 
     def is_mini_step(path):  # multi_steps' micro-step counter and per-leaf flags, and the
         # counts of non-finite updates (apply_if_finite, dynamic_loss_scale): not step counters
-        return (path.endswith(("mini_step", "notfinite_count", "total_notfinite"))
-                or "seen" in path.split(".")[-2:])
+        return (
+            path.endswith(("mini_step", "notfinite_count", "total_notfinite"))
+            or "seen" in path.split(".")[-2:]
+        )
 
-    big = map_state(lambda p, x: torch.full_like(x, count)
-                    if _is_counter(x) and not is_mini_step(p) else x, state)
+    big = map_state(
+        lambda p, x: torch.full_like(x, count) if _is_counter(x) and not is_mini_step(p) else x,
+        state,
+    )
     counters = [p for p, x in walk(big) if _is_counter(x) and not is_mini_step(p)]
     updates, new = tx.update(grads[1], big, params)
     after = dict(walk(new))
@@ -929,10 +1046,12 @@ def test_step(name):
         p_don, s_don = ft.step(tx, clone_tree(g), s_don, p_don, donate=True)
         p_ref = ft.apply_updates(p_ref, want_u[t])
         for what, got in (("pure", (p_pure, s_pure)), ("donated", (p_don, s_don))):
-            assert_trees_equal(got[0], p_ref, f"step {t}: {what} params", rtol=STEP_TOL[0],
-                               atol=STEP_TOL[1])
-            assert_trees_equal(got[1], want_s[t], f"step {t}: {what} state", rtol=STEP_TOL[0],
-                               atol=STEP_TOL[1])
+            assert_trees_equal(
+                got[0], p_ref, f"step {t}: {what} params", rtol=STEP_TOL[0], atol=STEP_TOL[1]
+            )
+            assert_trees_equal(
+                got[1], want_s[t], f"step {t}: {what} state", rtol=STEP_TOL[0], atol=STEP_TOL[1]
+            )
 
 
 @pytest.mark.parametrize("name", cases("step_sharded"))
@@ -942,10 +1061,20 @@ def test_step_sharded(name, mode):
     ``ft.step`` unsharded, params and states, rank by rank."""
     rtol, atol = _tol(name)
     params, grads = problem(2, seed=1)
-    assert_sharded_equivalent(build(name), params, grads, placements=DATA_AXIS_PARAMS,
-                              grad_placements=DATA_AXIS_GRADS, mesh_shape=(2, 2),
-                              mesh_dim_names=("dp", "tp"), data_axis="dp", rtol=rtol, atol=atol,
-                              ignore_state=_ignore_state(name, data_axis=True), step=mode)
+    assert_sharded_equivalent(
+        build(name),
+        params,
+        grads,
+        placements=DATA_AXIS_PARAMS,
+        grad_placements=DATA_AXIS_GRADS,
+        mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"),
+        data_axis="dp",
+        rtol=rtol,
+        atol=atol,
+        ignore_state=_ignore_state(name, data_axis=True),
+        step=mode,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -953,8 +1082,7 @@ def _compiled_on_gloo(tmp_path_factory):
     """One 2-rank gloo job compiling every transform (see ``tests/_gloo_compile_worker.py``)."""
     from test_gloo import _spawn_raw
 
-    out = _spawn_raw(2, tmp_path_factory.mktemp("compile"), "_gloo_compile_worker.py",
-                     timeout=900)
+    out = _spawn_raw(2, tmp_path_factory.mktemp("compile"), "_gloo_compile_worker.py", timeout=900)
     return torch.load(out)
 
 

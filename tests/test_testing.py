@@ -28,14 +28,28 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from hypothesis import Phase, event, find, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import functional_train as ft
-from functional_train.testing import (assert_sharded_equivalent, gather, gradients,
-                                      gradients_like, leaf_placements, mesh_shapes, on_rank,
-                                      placements, pytrees, replicated, shapes, sharded_cases,
-                                      simulate, tensors, tree_placements)
+from functional_train.testing import (
+    assert_sharded_equivalent,
+    gather,
+    gradients,
+    gradients_like,
+    leaf_placements,
+    mesh_shapes,
+    on_rank,
+    placements,
+    pytrees,
+    replicated,
+    shapes,
+    sharded_cases,
+    simulate,
+    tensors,
+    tree_placements,
+)
 
 S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
 # find() an example without shrinking it (drawing tensors over and over is slow)
@@ -58,18 +72,18 @@ def _problem(spec, steps=3, seed=0):
 LAYOUT_1D = {  # mesh (3,)
     "w": ((5, 7), [S0]),
     "v": ((4, 5), [S1]),
-    "b": ((2,), [S0]),            # empty shard on rank 2
+    "b": ((2,), [S0]),  # empty shard on rank 2
     "e": ((2, 3, 5), [Shard(-1)]),
     "r": ((3, 2), [R]),
-    "s": ((), None),              # 0-dim plain
+    "s": ((), None),  # 0-dim plain
 }
 LAYOUT_2D = {  # mesh (2, 2)
     "w": ((5, 7), [S0, S1]),
-    "v": ((3, 5), [S1, S1]),      # nested: the columns split over both mesh dims
+    "v": ((3, 5), [S1, S1]),  # nested: the columns split over both mesh dims
     "b": ((3,), [S0, R]),
     "e": ((2, 3, 5), [S2, S0]),
-    "h": ((1, 4), [S0, S0]),      # empty row shards
-    "p": ((2, 2), None),          # plain
+    "h": ((1, 4), [S0, S0]),  # empty row shards
+    "p": ((2, 2), None),  # plain
 }
 REAL_TXS = {
     "adamw": lambda: ft.adamw(0.1, weight_decay=0.1),
@@ -83,12 +97,14 @@ REAL_TXS = {
 # the harness passes for the library's transforms
 # =============================================================================================
 @pytest.mark.parametrize("name", list(REAL_TXS))
-@pytest.mark.parametrize("mesh_shape,layout", [((3,), LAYOUT_1D), ((2, 2), LAYOUT_2D)],
-                         ids=["mesh3", "mesh2x2"])
+@pytest.mark.parametrize(
+    "mesh_shape,layout", [((3,), LAYOUT_1D), ((2, 2), LAYOUT_2D)], ids=["mesh3", "mesh2x2"]
+)
 def test_real_transforms_pass(name, mesh_shape, layout):
     params, grads, pls = _problem(layout)
-    assert_sharded_equivalent(REAL_TXS[name](), params, grads, placements=pls,
-                              mesh_shape=mesh_shape)
+    assert_sharded_equivalent(
+        REAL_TXS[name](), params, grads, placements=pls, mesh_shape=mesh_shape
+    )
 
 
 def test_frozen_leaves_implicit_mesh_and_callable_placements():
@@ -96,8 +112,14 @@ def test_frozen_leaves_implicit_mesh_and_callable_placements():
     for g in grads:
         g["v"] = None  # frozen
     pls = lambda path, x: None if x.ndim == 0 else [S0, R] if x.ndim == 1 else [S1, S0]  # noqa: E731
-    assert_sharded_equivalent(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(0.1)), params, grads,
-                              placements=pls, mesh_shape=(2, 2), explicit_mesh=False)
+    assert_sharded_equivalent(
+        ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(0.1)),
+        params,
+        grads,
+        placements=pls,
+        mesh_shape=(2, 2),
+        explicit_mesh=False,
+    )
 
 
 def test_partial_gradients_and_data_axis():
@@ -107,16 +129,29 @@ def test_partial_gradients_and_data_axis():
     pls = {"w": [R, S0], "b": [R, S0], "n": None}
     gpls = {"w": [R, S0], "b": [Partial(), Partial("avg")], "n": None}
     tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), every_k=2)
-    assert_sharded_equivalent(tx, params, grads + grads[:1], placements=pls,
-                              grad_placements=gpls, mesh_shape=(2, 2),
-                              mesh_dim_names=("dp", "tp"), data_axis="dp",
-                              ignore_state=lambda path: "acc_grads" in path)
+    assert_sharded_equivalent(
+        tx,
+        params,
+        grads + grads[:1],
+        placements=pls,
+        grad_placements=gpls,
+        mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"),
+        data_axis="dp",
+        ignore_state=lambda path: "acc_grads" in path,
+    )
 
 
 def test_shard_grad_for_replicated_param():
     params, grads, _ = _problem({"b": ((5,), None)})
-    assert_sharded_equivalent(ft.adamw(0.1), params, grads, placements={"b": [R]},
-                              grad_placements={"b": [S0]}, mesh_shape=(4,))
+    assert_sharded_equivalent(
+        ft.adamw(0.1),
+        params,
+        grads,
+        placements={"b": [R]},
+        grad_placements={"b": [S0]},
+        mesh_shape=(4,),
+    )
 
 
 # =============================================================================================
@@ -132,8 +167,14 @@ def _rewrap(local, like):
     """``local`` as a DTensor in ``like``'s layout (a plain tensor for a plain ``like``)."""
     if not isinstance(like, DTensor):
         return local
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def _local(x):
@@ -166,23 +207,26 @@ def buggy_clip_by_global_norm(max_norm, reduce_over=None):
 def test_catches_norm_from_the_local_shard():
     params, grads, pls = _problem(LAYOUT_2D)
     with pytest.raises(AssertionError) as info:
-        assert_sharded_equivalent(buggy_clip_by_global_norm(0.5), params, grads, placements=pls,
-                                  mesh_shape=(2, 2))
+        assert_sharded_equivalent(
+            buggy_clip_by_global_norm(0.5), params, grads, placements=pls, mesh_shape=(2, 2)
+        )
     msg = str(info.value)
     # optree orders dict keys: 'b' is the first leaf
     assert msg.startswith("sharded != unsharded: step 0, updates['b']: max abs error "), msg
     assert "placements [Shard(0), Replicate()] on mesh (2, 2)" in msg, msg
     assert re.search(r"at index \(\d+,\) on rank \d \(mesh coordinate \(\d, \d\)\)", msg), msg
     # the correct transform passes on the same problem
-    assert_sharded_equivalent(ft.clip_by_global_norm(0.5), params, grads, placements=pls,
-                              mesh_shape=(2, 2))
+    assert_sharded_equivalent(
+        ft.clip_by_global_norm(0.5), params, grads, placements=pls, mesh_shape=(2, 2)
+    )
 
 
 def test_catches_norm_from_the_local_shard_on_1d_mesh_and_plain_leaves():
     params, grads, pls = _problem(LAYOUT_1D)
     with pytest.raises(AssertionError, match=r"step 0, updates\['b'\]: max abs error"):
-        assert_sharded_equivalent(buggy_clip_by_global_norm(0.5), params, grads, placements=pls,
-                                  mesh_shape=(3,))
+        assert_sharded_equivalent(
+            buggy_clip_by_global_norm(0.5), params, grads, placements=pls, mesh_shape=(3,)
+        )
 
 
 def test_catches_a_reduction_over_one_of_two_mesh_dims():
@@ -196,16 +240,20 @@ def test_catches_a_reduction_over_one_of_two_mesh_dims():
     msg = str(info.value)
     assert "step 0, updates['v']" in msg and "mesh (2, 2)" in msg, msg
     # the same transform passes on a 1-D mesh: the bug needs a 2-D mesh to show
-    assert_sharded_equivalent(tx, params, grads, placements={"w": [S0], "v": [S1]},
-                              mesh_shape=(4,))
+    assert_sharded_equivalent(tx, params, grads, placements={"w": [S0], "v": [S1]}, mesh_shape=(4,))
     # reducing over both dims is right
-    assert_sharded_equivalent(buggy_clip_by_global_norm(0.5, reduce_over=(0, 1)), params, grads,
-                              placements=pls, mesh_shape=(2, 2))
+    assert_sharded_equivalent(
+        buggy_clip_by_global_norm(0.5, reduce_over=(0, 1)),
+        params,
+        grads,
+        placements=pls,
+        mesh_shape=(2, 2),
+    )
 
 
 class SquaredNormState(NamedTuple):
-    sq_norm: torch.Tensor    # a plain scalar: must be the same global value on every rank
-    total: dict              # params-shaped running sums of the gradients (DTensors)
+    sq_norm: torch.Tensor  # a plain scalar: must be the same global value on every rank
+    total: dict  # params-shaped running sums of the gradients (DTensors)
 
 
 def running_sum(local_norm_bug=False, layout_bug=False):
@@ -226,8 +274,9 @@ def running_sum(local_norm_bug=False, layout_bug=False):
         for k, g in updates.items():
             s = _local(state.total[k]) + _local(g)
             if layout_bug and isinstance(g, DTensor):
-                total[k] = DTensor.from_local(s, g.device_mesh, [R] * g.device_mesh.ndim,
-                                              run_check=False)
+                total[k] = DTensor.from_local(
+                    s, g.device_mesh, [R] * g.device_mesh.ndim, run_check=False
+                )
             else:
                 total[k] = _rewrap(s, g)
         return updates, SquaredNormState(sq, total)
@@ -237,22 +286,44 @@ def running_sum(local_norm_bug=False, layout_bug=False):
 
 def test_catches_state_bugs():
     params, grads, pls = _problem({"w": ((5, 7), [S0, S1]), "b": ((3,), [R, S0])})
-    assert_sharded_equivalent(running_sum(), params, grads, placements=pls, mesh_shape=(2, 2),
-                              rtol=1e-4)
+    assert_sharded_equivalent(
+        running_sum(), params, grads, placements=pls, mesh_shape=(2, 2), rtol=1e-4
+    )
     with pytest.raises(AssertionError) as info:
-        assert_sharded_equivalent(running_sum(local_norm_bug=True), params, grads,
-                                  placements=pls, mesh_shape=(2, 2), rtol=1e-4)
+        assert_sharded_equivalent(
+            running_sum(local_norm_bug=True),
+            params,
+            grads,
+            placements=pls,
+            mesh_shape=(2, 2),
+            rtol=1e-4,
+        )
     msg = str(info.value)
     assert "step 0, state['sq_norm']" in msg, msg
     assert "a plain tensor on mesh (2, 2): every rank must hold the unsharded value" in msg, msg
-    with pytest.raises(AssertionError, match=r"step 0, state\['total.b'\]: global shape "
-                                             r"\(per-rank \{0: 2, 1: 1, 2: 2, 3: 1\},\), "
-                                             r"unsharded \(3,\)"):
-        assert_sharded_equivalent(running_sum(layout_bug=True), params, grads, placements=pls,
-                                  mesh_shape=(2, 2), rtol=1e-4)
+    with pytest.raises(
+        AssertionError,
+        match=r"step 0, state\['total.b'\]: global shape "
+        r"\(per-rank \{0: 2, 1: 1, 2: 2, 3: 1\},\), "
+        r"unsharded \(3,\)",
+    ):
+        assert_sharded_equivalent(
+            running_sum(layout_bug=True),
+            params,
+            grads,
+            placements=pls,
+            mesh_shape=(2, 2),
+            rtol=1e-4,
+        )
     # compare_state=False looks at updates and params only
-    assert_sharded_equivalent(running_sum(local_norm_bug=True), params, grads, placements=pls,
-                              mesh_shape=(2, 2), compare_state=False)
+    assert_sharded_equivalent(
+        running_sum(local_norm_bug=True),
+        params,
+        grads,
+        placements=pls,
+        mesh_shape=(2, 2),
+        compare_state=False,
+    )
 
 
 def test_catches_in_place_mutation_and_wrong_placements():
@@ -263,24 +334,33 @@ def test_catches_in_place_mutation_and_wrong_placements():
             for g in updates.values():
                 _local(g).mul_(0.5)  # modifies the caller's gradients
             return updates, state
+
         return ft.GradientTransformation(lambda p: ft.EmptyState(), update)
 
     with pytest.raises(AssertionError, match=r"step 0, grads\['w'\] was modified in place"):
-        assert_sharded_equivalent(scales_its_input(), params, grads, placements=pls,
-                                  mesh_shape=(2,))
+        assert_sharded_equivalent(
+            scales_its_input(), params, grads, placements=pls, mesh_shape=(2,)
+        )
 
     def replicates():
         def update(updates, state, params=None, *, mesh=None, **extra):
-            return {k: g.redistribute(g.device_mesh, [R]) if isinstance(g, DTensor) else g
-                    for k, g in updates.items()}, state
+            return {
+                k: g.redistribute(g.device_mesh, [R]) if isinstance(g, DTensor) else g
+                for k, g in updates.items()
+            }, state
+
         return ft.GradientTransformation(lambda p: ft.EmptyState(), update)
 
-    with pytest.raises(AssertionError, match=r"step 0, updates\['w'\]: the sharded update has "
-                                             r"placements \[Replicate\(\)\], its parameter "
-                                             r"\[Shard\(0\)\]"):
+    with pytest.raises(
+        AssertionError,
+        match=r"step 0, updates\['w'\]: the sharded update has "
+        r"placements \[Replicate\(\)\], its parameter "
+        r"\[Shard\(0\)\]",
+    ):
         assert_sharded_equivalent(replicates(), params, grads, placements=pls, mesh_shape=(2,))
-    assert_sharded_equivalent(replicates(), params, grads, placements=pls, mesh_shape=(2,),
-                              check_placements=False)
+    assert_sharded_equivalent(
+        replicates(), params, grads, placements=pls, mesh_shape=(2,), check_placements=False
+    )
 
 
 def test_transform_errors_carry_a_note():
@@ -291,6 +371,7 @@ def test_transform_errors_carry_a_note():
             if isinstance(updates["w"], DTensor):
                 raise RuntimeError("boom")
             return updates, state
+
         return ft.GradientTransformation(lambda p: ft.EmptyState(), update)
 
     with pytest.raises(RuntimeError, match="boom") as info:
@@ -298,16 +379,19 @@ def test_transform_errors_carry_a_note():
     assert "raised by the sharded run at step 0" in "".join(getattr(info.value, "__notes__", []))
 
 
-@pytest.mark.parametrize("kwargs,err,match", [
-    (dict(placements={"w": [S0, S1]}, mesh_shape=(2,)), ValueError, "has 2 placements"),
-    (dict(placements={"w": [S2]}, mesh_shape=(2,)), ValueError, r"Shard\(2\).*shape \(4, 3\)"),
-    (dict(placements={"x": [S0]}, mesh_shape=(2,)), ValueError, "structure of params"),
-    (dict(placements={"w": [Partial()]}, mesh_shape=(2,)), ValueError, "only grad_placements"),
-    (dict(placements={"w": [S0]}), ValueError, "mesh_shape is required"),
-    (dict(placements={"w": [S0]}, mesh_shape=(2,), data_axis="dp"), ValueError, "data_axis"),
-    (dict(placements={"w": ["S0"]}, mesh_shape=(2,)), TypeError, "sequence of placements"),
-    (dict(placements={"w": [S0], "b": None}, mesh_shape=(2,)), ValueError, "extra key"),
-])
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(placements={"w": [S0, S1]}, mesh_shape=(2,)), ValueError, "has 2 placements"),
+        (dict(placements={"w": [S2]}, mesh_shape=(2,)), ValueError, r"Shard\(2\).*shape \(4, 3\)"),
+        (dict(placements={"x": [S0]}, mesh_shape=(2,)), ValueError, "structure of params"),
+        (dict(placements={"w": [Partial()]}, mesh_shape=(2,)), ValueError, "only grad_placements"),
+        (dict(placements={"w": [S0]}), ValueError, "mesh_shape is required"),
+        (dict(placements={"w": [S0]}, mesh_shape=(2,), data_axis="dp"), ValueError, "data_axis"),
+        (dict(placements={"w": ["S0"]}, mesh_shape=(2,)), TypeError, "sequence of placements"),
+        (dict(placements={"w": [S0], "b": None}, mesh_shape=(2,)), ValueError, "extra key"),
+    ],
+)
 def test_bad_arguments(kwargs, err, match):
     params, grads, _ = _problem({"w": ((4, 3), None)}, steps=1)
     with pytest.raises(err, match=match):
@@ -340,8 +424,9 @@ def test_freed_sub_meshes_do_not_lend_their_coordinates():
             tp = root["tp"]
             if id(tp) in freed:  # a freed dp sub-mesh's id: is the tp coordinate still right?
                 reused += 1
-                x = distribute_tensor(replicated(4, torch.arange(5.0)), tp, [S0],
-                                      src_data_rank=None)
+                x = distribute_tensor(
+                    replicated(4, torch.arange(5.0)), tp, [S0], src_data_rank=None
+                )
                 got = [on_rank(x._local_tensor, r).tolist() for r in range(4)]
                 assert got == [[0, 1, 2], [3, 4]] * 2, (i, got)
                 del x
@@ -354,8 +439,9 @@ def test_freed_sub_meshes_do_not_lend_their_coordinates():
 def test_grads_must_be_shaped_like_params():
     params, grads, pls = _problem({"w": ((4, 3), [S0])}, steps=1)
     with pytest.raises(ValueError, match=r"grads_per_step\[0\] does not have the structure"):
-        assert_sharded_equivalent(ft.sgd(0.1), params, [{"v": grads[0]["w"]}], placements=pls,
-                                  mesh_shape=(2,))
+        assert_sharded_equivalent(
+            ft.sgd(0.1), params, [{"v": grads[0]["w"]}], placements=pls, mesh_shape=(2,)
+        )
     with pytest.raises(TypeError, match="list of gradient trees"):
         assert_sharded_equivalent(ft.sgd(0.1), params, grads[0], placements=pls, mesh_shape=(2,))
 
@@ -407,13 +493,13 @@ def test_placements_are_valid_for_torch(data):
 
 
 def test_placement_options():
-    find(placements(2, 2), lambda pl: pl == (S0, S0))                 # nested
-    find(placements(3, 1), lambda pl: pl == (Shard(-1),))              # negative dims
-    with pytest.raises(Exception):
+    find(placements(2, 2), lambda pl: pl == (S0, S0))  # nested
+    find(placements(3, 1), lambda pl: pl == (Shard(-1),))  # negative dims
+    with pytest.raises(NoSuchExample):
         find(placements(2, 2, nested=False), lambda pl: pl == (S0, S0))
-    with pytest.raises(Exception):
+    with pytest.raises(NoSuchExample):
         find(placements(2, 1, replicate=False), lambda pl: pl == (R,))
-    assert find(placements(0, 2), lambda pl: True) == (R, R)          # 0-dim: only Replicate
+    assert find(placements(0, 2), lambda pl: True) == (R, R)  # 0-dim: only Replicate
     assert find(leaf_placements((3,), (2,)), lambda pl: pl is None) is None  # plain leaves
 
 
@@ -423,14 +509,21 @@ def test_pytrees_have_none_0d_1d_3d_leaves_and_dtypes():
     leaves = lambda t: optree.tree_leaves(t, none_is_leaf=True)  # noqa: E731
     find(pytrees(), lambda t: any(x is None for x in leaves(t)), settings=NO_SHRINK)
     for nd in (0, 1, 3):
-        find(pytrees(), lambda t: any(x is not None and x.ndim == nd for x in leaves(t)),
-             settings=NO_SHRINK)
-    t = find(pytrees(dtypes=(torch.float64, torch.bfloat16), none_leaves=False),
-             lambda t: {x.dtype for x in leaves(t)} == {torch.float64, torch.bfloat16},
-             settings=NO_SHRINK)
+        find(
+            pytrees(),
+            lambda t: any(x is not None and x.ndim == nd for x in leaves(t)),
+            settings=NO_SHRINK,
+        )
+    t = find(
+        pytrees(dtypes=(torch.float64, torch.bfloat16), none_leaves=False),
+        lambda t: {x.dtype for x in leaves(t)} == {torch.float64, torch.bfloat16},
+        settings=NO_SHRINK,
+    )
     assert all(x is not None for x in leaves(t))
-    assert find(tensors((2, 3), dtype=torch.int32), lambda x: True,
-                settings=NO_SHRINK).dtype == torch.int32
+    assert (
+        find(tensors((2, 3), dtype=torch.int32), lambda x: True, settings=NO_SHRINK).dtype
+        == torch.int32
+    )
 
 
 @given(data=st.data())
@@ -456,8 +549,13 @@ def test_tree_placements_and_gradients_like_follow_the_tree(data):
     assert len(out) == len(pleaves)
 
 
-@given(g=gradients((3, 4, 6), rank=1), full=gradients((4, 6)), mid=gradients((6, 5), rank=2),
-       zero=gradients((2, 3), rank=0), vec=gradients((5,), rank=1))
+@given(
+    g=gradients((3, 4, 6), rank=1),
+    full=gradients((4, 6)),
+    mid=gradients((6, 5), rank=2),
+    zero=gradients((2, 3), rank=0),
+    vec=gradients((5,), rank=1),
+)
 def test_gradient_rank_is_controlled(g, full, mid, zero, vec):
     rank = lambda x: torch.linalg.matrix_rank(x, rtol=1e-5).tolist()  # noqa: E731  (float32)
     assert rank(g) == [1, 1, 1]
@@ -479,8 +577,8 @@ def buggy_factored_rms():
         out = []
         for g in leaves:
             x = _local(g).double()
-            r = x.square().mean(1, keepdim=True)          # BUG: local columns only
-            c = x.square().mean(0, keepdim=True)          # rows are whole: right
+            r = x.square().mean(1, keepdim=True)  # BUG: local columns only
+            c = x.square().mean(0, keepdim=True)  # rows are whole: right
             v = r * c / r.sum()
             out.append(_rewrap((x / v.sqrt()).to(g.dtype), g))
         return treedef.unflatten(out), state
@@ -495,8 +593,15 @@ _FACTORED_PARAMS = pytrees(ndims=(2,), sizes=(3, 4, 5), max_leaves=2, none_leave
 @given(data=st.data(), mesh_shape=st.sampled_from([(2,), (3,)]), params=_FACTORED_PARAMS)
 def test_rank1_gradients_hide_a_factored_statistics_bug(data, mesh_shape, params):
     grads = [data.draw(gradients_like(params, rank=1), label=f"grads {t}") for t in range(2)]
-    assert_sharded_equivalent(buggy_factored_rms(), params, grads, placements=lambda p, x: [S1],
-                              mesh_shape=mesh_shape, rtol=1e-4, atol=1e-5)
+    assert_sharded_equivalent(
+        buggy_factored_rms(),
+        params,
+        grads,
+        placements=lambda p, x: [S1],
+        mesh_shape=mesh_shape,
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 @settings(max_examples=5)
@@ -504,9 +609,15 @@ def test_rank1_gradients_hide_a_factored_statistics_bug(data, mesh_shape, params
 def test_full_rank_gradients_show_the_factored_statistics_bug(data, mesh_shape, params):
     grads = [data.draw(gradients_like(params, rank=None), label=f"grads {t}") for t in range(2)]
     with pytest.raises(AssertionError, match=r"step 0, updates\['"):
-        assert_sharded_equivalent(buggy_factored_rms(), params, grads,
-                                  placements=lambda p, x: [S1], mesh_shape=mesh_shape,
-                                  rtol=1e-4, atol=1e-5)
+        assert_sharded_equivalent(
+            buggy_factored_rms(),
+            params,
+            grads,
+            placements=lambda p, x: [S1],
+            mesh_shape=mesh_shape,
+            rtol=1e-4,
+            atol=1e-5,
+        )
 
 
 # =============================================================================================
@@ -546,15 +657,24 @@ def test_gather_of_a_harness_layout():
 
 
 def test_imports_without_hypothesis():
-    code = ("import sys; sys.modules['hypothesis'] = None\n"
-            "import functional_train.testing as t\n"
-            "assert callable(t.assert_sharded_equivalent)\n"
-            "try:\n    t.mesh_shapes\nexcept ImportError as e:\n"
-            "    assert 'functional-train[test]' in str(e)\n"
-            "else:\n    raise SystemExit('strategies imported without hypothesis')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        "import sys; sys.modules['hypothesis'] = None\n"
+        "import functional_train.testing as t\n"
+        "assert callable(t.assert_sharded_equivalent)\n"
+        "try:\n    t.mesh_shapes\nexcept ImportError as e:\n"
+        "    assert 'functional-train[test]' in str(e)\n"
+        "else:\n    raise SystemExit('strategies imported without hypothesis')\n"
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr

@@ -29,9 +29,19 @@ def _buggy_clip(max_norm):
         loc = [x.to_local() if isinstance(x, DTensor) else x for x in leaves]
         norm = torch.stack([x.square().sum() for x in loc]).sum().sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        out = [DTensor.from_local(l * coef, x.device_mesh, x.placements, run_check=False,
-                                  shape=x.shape, stride=x.stride()) if isinstance(x, DTensor)
-               else l * coef for x, l in zip(leaves, loc)]
+        out = [
+            DTensor.from_local(
+                local * coef,
+                x.device_mesh,
+                x.placements,
+                run_check=False,
+                shape=x.shape,
+                stride=x.stride(),
+            )
+            if isinstance(x, DTensor)
+            else local * coef
+            for x, local in zip(leaves, loc)
+        ]
         return treedef.unflatten(out), state
 
     return ft.GradientTransformation(lambda p: ft.EmptyState(), update)
@@ -49,13 +59,23 @@ def _worker(rank, world, init_file, out_dir):
     shapes = {"w": (5, 7), "v": (3, 5), "b": (3,), "n": (2,)}
     params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
     grads = [{k: torch.randn(s, generator=gen) for k, s in shapes.items()} for _ in range(3)]
-    placements = {"w": [Shard(0), Shard(1)], "v": [Shard(1), Shard(1)], "b": [Replicate(), Shard(0)],
-                  "n": None}
+    placements = {
+        "w": [Shard(0), Shard(1)],
+        "v": [Shard(1), Shard(1)],
+        "b": [Replicate(), Shard(0)],
+        "n": None,
+    }
     kw = dict(placements=placements, mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"))
     tx = ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(0.1, weight_decay=0.1))
     assert_sharded_equivalent(tx, params, grads, **kw)
-    assert_sharded_equivalent(tx, params, grads, data_axis="dp",
-                              grad_placements={**placements, "b": [Replicate(), Partial()]}, **kw)
+    assert_sharded_equivalent(
+        tx,
+        params,
+        grads,
+        data_axis="dp",
+        grad_placements={**placements, "b": [Replicate(), Partial()]},
+        **kw,
+    )
     try:
         assert_sharded_equivalent(_buggy_clip(0.5), params, grads, **kw)
         msg = "no error"
@@ -68,12 +88,20 @@ def _worker(rank, world, init_file, out_dir):
 
 def test_real_process_group(tmp_path):
     world = 4
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world),
-                               str(tmp_path / "init"), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(r), str(world), str(tmp_path / "init"), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
     logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]

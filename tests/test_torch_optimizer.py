@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 
 import pytest
 import torch
@@ -22,8 +21,9 @@ def _model(seed=0):
 
 def _batches(n, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(32, 8, generator=gen), torch.randn(32, 4, generator=gen))
-            for _ in range(n)]
+    return [
+        (torch.randn(32, 8, generator=gen), torch.randn(32, 4, generator=gen)) for _ in range(n)
+    ]
 
 
 def _train(model, opt, sched, batches, clip=None, log=None):
@@ -40,8 +40,13 @@ def _train(model, opt, sched, batches, clip=None, log=None):
 
 def _close(model, ref, start):
     for (n, p), q, s in zip(model.named_parameters(), ref.parameters(), start.parameters()):
-        torch.testing.assert_close(p.detach() - s.detach(), q.detach() - s.detach(), rtol=1e-5,
-                                   atol=1e-7, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(
+            p.detach() - s.detach(),
+            q.detach() - s.detach(),
+            rtol=1e-5,
+            atol=1e-7,
+            msg=lambda m: f"{n}: {m}",
+        )
 
 
 @pytest.mark.parametrize("sched", ["one_cycle", "lambda", "cosine"])
@@ -81,14 +86,21 @@ def test_schedulers_drive_adamw_as_they_drive_torch(sched):
 def test_clip_chain_and_sgd_momentum_with_lambda_lr():
     start = _model()
     model, ref = copy.deepcopy(start), copy.deepcopy(start)
-    opt = ft.TorchOptimizer(model.parameters(), ft.chain(
-        ft.clip_by_global_norm(0.5), ft.sgd(0.1, momentum=0.9, nesterov=True)))
+    opt = ft.TorchOptimizer(
+        model.parameters(),
+        ft.chain(ft.clip_by_global_norm(0.5), ft.sgd(0.1, momentum=0.9, nesterov=True)),
+    )
     assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["momentum"] == 0.9
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     batches = _batches(8)
-    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.9 ** t), batches)
-    _train(ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda t: 0.9 ** t),
-           batches, clip=0.5)
+    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.9**t), batches)
+    _train(
+        ref,
+        ref_opt,
+        torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda t: 0.9**t),
+        batches,
+        clip=0.5,
+    )
     _close(model, ref, start)
 
 
@@ -112,8 +124,10 @@ def test_clipped_alias_takes_the_fused_step(monkeypatch):
     monkeypatch.setattr(step_mod, "_run_fused", spy)
     start = _model()
     model, ref = copy.deepcopy(start), copy.deepcopy(start)
-    opt = ft.TorchOptimizer(model.named_parameters(), ft.chain(
-        ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)))
+    opt = ft.TorchOptimizer(
+        model.named_parameters(),
+        ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)),
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     batches = _batches(8)
     cycle = dict(max_lr=2e-2, total_steps=8)
@@ -130,6 +144,7 @@ def test_closure_state_dict_round_trip_and_errors():
     oa = ft.TorchOptimizer(a.named_parameters(), ft.adam(1e-2))
     batches = _batches(6)
     for x, y in batches[:3]:
+
         def closure():
             oa.zero_grad()
             loss = torch.nn.functional.mse_loss(a(x), y)
@@ -155,7 +170,8 @@ def test_closure_state_dict_round_trip_and_errors():
         oa.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
     with pytest.raises(ValueError, match="parameters"):
         ft.TorchOptimizer(_model(1).named_parameters(), ft.adam()).load_state_dict(
-            {"ft_state": None, "param_groups": [{"param_names": ["x"]}]})
+            {"ft_state": None, "param_groups": [{"param_names": ["x"]}]}
+        )
     with pytest.raises(TypeError, match="GradientTransformation"):
         ft.TorchOptimizer(a.parameters(), torch.optim.SGD)
     with pytest.raises(ValueError, match="no parameters"):
@@ -181,13 +197,19 @@ def _stdlib_text(n_bytes: int) -> bytes:
 
 
 def test_hf_trainer_trains_a_tiny_llama(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config)
     data = torch.tensor(list(_stdlib_text(16_000)), dtype=torch.long)
     seq = 32
@@ -200,16 +222,24 @@ def test_hf_trainer_trains_a_tiny_llama(tmp_path):
         def __getitem__(self, i):
             return {"input_ids": windows[i], "labels": windows[i]}
 
-    opt = ft.TorchOptimizer(model.named_parameters(),
-                            ft.adamw(3e-3, weight_decay=0.1, mask=ft.decay_mask))
+    opt = ft.TorchOptimizer(
+        model.named_parameters(), ft.adamw(3e-3, weight_decay=0.1, mask=ft.decay_mask)
+    )
     steps = 40
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps,
-                             per_device_train_batch_size=16, logging_steps=5, report_to=[],
-                             save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-                             dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=args, train_dataset=Windows(),
-                      optimizers=(opt, sched))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        logging_steps=5,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Windows(), optimizers=(opt, sched))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) >= 6, trainer.state.log_history
@@ -228,26 +258,38 @@ def test_partition_gives_one_group_per_label_driven_by_schedulers():
     def labels(params):
         return {k: "decay" if v.ndim == 2 else "no_decay" for k, v in params.items()}
 
-    tx = ft.partition({"decay": ft.adamw(1e-2, weight_decay=0.1),
-                       "no_decay": ft.adamw(2e-2, weight_decay=0.0)}, labels)
+    tx = ft.partition(
+        {"decay": ft.adamw(1e-2, weight_decay=0.1), "no_decay": ft.adamw(2e-2, weight_decay=0.0)},
+        labels,
+    )
     opt = ft.TorchOptimizer(model.named_parameters(), tx)
     assert [g["label"] for g in opt.param_groups] == ["decay", "no_decay"]
     assert [g["lr"] for g in opt.param_groups] == [1e-2, 2e-2]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     names = [n for n, _ in start.named_parameters()]
     ref_opt = torch.optim.AdamW(
-        [{"params": [p for n, p in ref.named_parameters() if p.ndim == 2], "lr": 1e-2,
-          "weight_decay": 0.1},
-         {"params": [p for n, p in ref.named_parameters() if p.ndim != 2], "lr": 2e-2,
-          "weight_decay": 0.0}])
+        [
+            {
+                "params": [p for n, p in ref.named_parameters() if p.ndim == 2],
+                "lr": 1e-2,
+                "weight_decay": 0.1,
+            },
+            {
+                "params": [p for n, p in ref.named_parameters() if p.ndim != 2],
+                "lr": 2e-2,
+                "weight_decay": 0.0,
+            },
+        ]
+    )
     batches = _batches(6)
-    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8 ** t), batches[:3])
-    _train(ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda t: 0.8 ** t),
-           batches[:3])
+    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8**t), batches[:3])
+    _train(ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda t: 0.8**t), batches[:3])
     _close(model, ref, start)
     sd = opt.state_dict()
     assert [g["param_names"] for g in sd["param_groups"]] == [
-        [n for n in names if "weight" in n], [n for n in names if "bias" in n]]
+        [n for n in names if "weight" in n],
+        [n for n in names if "bias" in n],
+    ]
     fresh_model = copy.deepcopy(model)
     fresh = ft.TorchOptimizer(fresh_model.named_parameters(), tx)
     fresh.load_state_dict(copy.deepcopy(sd))
@@ -329,20 +371,30 @@ def test_galore_adamw_is_one_group_a_scheduler_drives():
     opt = ft.TorchOptimizer(model.named_parameters(), ft.galore_adamw(1e-2, **kw))
     assert len(opt.param_groups) == 1
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-    assert group == {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.1,
-                     "scale": 0.25}
+    assert group == {
+        "lr": 1e-2,
+        "betas": (0.9, 0.999),
+        "eps": 1e-6,
+        "weight_decay": 0.1,
+        "scale": 0.25,
+    }
     batches = _batches(5)
-    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8 ** t), batches)
-    tx = ft.galore_adamw(lambda count: 1e-2 * 0.8 ** torch.as_tensor(count, dtype=torch.float64),
-                         **kw)
+    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8**t), batches)
+    tx = ft.galore_adamw(
+        lambda count: 1e-2 * 0.8 ** torch.as_tensor(count, dtype=torch.float64), **kw
+    )
     ref = copy.deepcopy(start)
     params = dict(ref.named_parameters())
     state = tx.init({k: v.detach() for k, v in params.items()})
     for x, y in batches:
         ref.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
-        new, state = ft.step(tx, {k: v.grad for k, v in params.items()}, state,
-                             {k: v.detach() for k, v in params.items()})
+        new, state = ft.step(
+            tx,
+            {k: v.grad for k, v in params.items()},
+            state,
+            {k: v.detach() for k, v in params.items()},
+        )
         with torch.no_grad():
             for k, v in params.items():
                 v.copy_(new[k])

@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 import functional_train as ft
 from functional_train.tree import tree_flatten
@@ -37,8 +40,13 @@ def _close_change(got: dict, want: dict, start: dict, what: str) -> None:
     """The parameter change since ``start`` agrees to float tolerance (rtol 1e-5)."""
     assert set(got) == set(want)
     for n in want:
-        torch.testing.assert_close(got[n] - start[n], want[n] - start[n], rtol=1e-5, atol=1e-7,
-                                   msg=lambda m: f"{what} {n}: {m}")
+        torch.testing.assert_close(
+            got[n] - start[n],
+            want[n] - start[n],
+            rtol=1e-5,
+            atol=1e-7,
+            msg=lambda m: f"{what} {n}: {m}",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +68,18 @@ def test_two_ranks_train_and_checkpoint_like_one_process(two_ranks, layout):
     assert set(r["state_keys"]) == set(names)
     assert r["state_keys"]["0.bias"] == ["inner_state.0.mu", "inner_state.0.nu"]
     assert {"ft/count", "ft/hyperparams.learning_rate", "inner_state.0.mu"} <= set(
-        r["state_keys"]["0.weight"])
-    want_mu = ({n: "(Shard(dim=0),)" for n in names} if layout == "fsdp" else
-               {"0.weight": "(Shard(dim=0),)", "0.bias": "(Shard(dim=0),)",
-                "2.weight": "(Shard(dim=1),)", "2.bias": "(Replicate(),)"})
+        r["state_keys"]["0.weight"]
+    )
+    want_mu = (
+        {n: "(Shard(dim=0),)" for n in names}
+        if layout == "fsdp"
+        else {
+            "0.weight": "(Shard(dim=0),)",
+            "0.bias": "(Shard(dim=0),)",
+            "2.weight": "(Shard(dim=1),)",
+            "2.bias": "(Replicate(),)",
+        }
+    )
     assert r["mu_placements"] == want_mu
 
     # one process, the same global batches
@@ -94,8 +110,13 @@ def test_two_ranks_train_and_checkpoint_like_one_process(two_ranks, layout):
     for i, entry in ref_osd["state"].items():
         assert set(got_osd["state"][i]) == set(entry)
         for k, v in entry.items():
-            torch.testing.assert_close(got_osd["state"][i][k], v, rtol=1e-5, atol=1e-7,
-                                       msg=lambda msg: f"{layout} state {i} {k}: {msg}")
+            torch.testing.assert_close(
+                got_osd["state"][i][k],
+                v,
+                rtol=1e-5,
+                atol=1e-7,
+                msg=lambda msg: f"{layout} state {i} {k}: {msg}",
+            )
     worker.train(m1, o1, data[STEPS:])
     _close_change(worker.full(m1), r["more"], r["steps"], f"{layout} resumed in one process")
     if layout == "fsdp":  # and back on 2 ranks (the worker reloaded it there)
@@ -135,8 +156,10 @@ def test_one_process_round_trip_is_bitwise(tmp_path, flatten):
     before = {n: p.detach().clone() for n, p in b.named_parameters()}
     # through dcp.save / dcp.load in one process, into the state dicts of the fresh pair
     dcp.save({"model": get_model_state_dict(a), "optim": saved}, checkpoint_id=str(tmp_path))
-    sd = {"model": get_model_state_dict(b), "optim": get_optimizer_state_dict(b, ob,
-                                                                           options=options)}
+    sd = {
+        "model": get_model_state_dict(b),
+        "optim": get_optimizer_state_dict(b, ob, options=options),
+    }
     assert int(ob.ft_state[1].count) == 0 and all(p.grad is None for p in b.parameters())
     assert all(torch.equal(p, before[n]) for n, p in b.named_parameters())  # no init step
     dcp.load(sd, checkpoint_id=str(tmp_path))

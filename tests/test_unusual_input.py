@@ -30,13 +30,15 @@ def _feed(tx, params, grads_seq):
 # ---------------------------------------------------------------------------------------------
 def test_multi_steps_none_on_the_final_micro_step():
     params = {"a": torch.zeros(2, 3), "b": torch.zeros(2)}
-    seq = [{"a": torch.ones(2, 3), "b": torch.full((2,), 100.0)},
-           {"a": torch.ones(2, 3), "b": None},
-           {"a": torch.ones(2, 3), "b": None},
-           {"a": torch.ones(2, 3), "b": torch.full((2,), 2.0)}]
+    seq = [
+        {"a": torch.ones(2, 3), "b": torch.full((2,), 100.0)},
+        {"a": torch.ones(2, 3), "b": None},
+        {"a": torch.ones(2, 3), "b": None},
+        {"a": torch.ones(2, 3), "b": torch.full((2,), 2.0)},
+    ]
     us, _ = _feed(ft.multi_steps(ft.sgd(1.0), 2), params, seq)
     torch.testing.assert_close(us[1]["b"], torch.full((2,), -50.0))  # mean of 100 and 0
-    torch.testing.assert_close(us[3]["b"], torch.full((2,), -1.0))   # mean of 0 and 2, no leak
+    torch.testing.assert_close(us[3]["b"], torch.full((2,), -1.0))  # mean of 0 and 2, no leak
     torch.testing.assert_close(us[3]["a"], torch.full((2, 3), -1.0))
     assert us[2]["b"] is None
 
@@ -53,12 +55,14 @@ def test_multi_steps_leaf_without_gradient_in_a_cycle_stays_untouched():
 
 def test_multi_steps_all_none_after_the_first_micro_step():
     params = {"a": torch.zeros(2, 3), "b": torch.zeros(2)}
-    seq = [{"a": torch.full((2, 3), 4.0), "b": torch.full((2,), 2.0)},
-           {"a": None, "b": None},
-           {"a": None, "b": None},
-           {"a": None, "b": None},
-           {"a": None, "b": None},
-           {"a": torch.full((2, 3), 3.0), "b": None}]
+    seq = [
+        {"a": torch.full((2, 3), 4.0), "b": torch.full((2,), 2.0)},
+        {"a": None, "b": None},
+        {"a": None, "b": None},
+        {"a": None, "b": None},
+        {"a": None, "b": None},
+        {"a": torch.full((2, 3), 3.0), "b": None},
+    ]
     us, _ = _feed(ft.multi_steps(ft.sgd(1.0), 3), params, seq)
     torch.testing.assert_close(us[2]["a"], torch.full((2, 3), -4.0 / 3))
     torch.testing.assert_close(us[2]["b"], torch.full((2,), -2.0 / 3))
@@ -75,8 +79,7 @@ def test_multi_steps_placements_change_between_micro_steps():
         p = {"w": distribute_tensor(torch.zeros(2, 3), dm, [Replicate()])}
         tx = ft.multi_steps(ft.sgd(1.0), 2)
         state = tx.init(p)
-        g0 = {"w": DTensor.from_local(
-            torch.ones(2, 3) * 0.5, dm, [Partial()], run_check=False)}
+        g0 = {"w": DTensor.from_local(torch.ones(2, 3) * 0.5, dm, [Partial()], run_check=False)}
         _, state = tx.update(g0, state, p, mesh=ft.Mesh(dm))
         g1 = {"w": distribute_tensor(torch.ones(2, 3), dm, [Replicate()])}
         with pytest.raises(ValueError, match=r"'w'.*Replicate.*Partial|'w'.*Partial.*Replicate"):
@@ -129,8 +132,12 @@ def test_no_graph_in_states_or_params(use_step):
         new = params["w"]
         assert new.is_leaf and new.requires_grad and new.grad_fn is None
     # a plain tensor that does not require grad stays so
-    p2, _ = ft.step(ft.sgd(0.1), {"w": torch.ones(2)}, ft.sgd(0.1).init({"w": torch.zeros(2)}),
-                    {"w": torch.zeros(2)})
+    p2, _ = ft.step(
+        ft.sgd(0.1),
+        {"w": torch.ones(2)},
+        ft.sgd(0.1).init({"w": torch.zeros(2)}),
+        {"w": torch.zeros(2)},
+    )
     assert not p2["w"].requires_grad
 
 
@@ -187,28 +194,42 @@ def test_plain_state_with_sharded_params_raises():
         state = tx.init(plain)
         p = {"w": distribute_tensor(torch.ones(4, 3), dm, [Shard(0)])}
         g = {"w": distribute_tensor(torch.ones(4, 3), dm, [Shard(0)])}
-        with pytest.raises(ValueError, match=r"ScaleByAdamState.mu leaf 'w' is a plain tensor.*"
-                                             r"update leaf is a DTensor \(Shard\(dim=0\),\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"ScaleByAdamState.mu leaf 'w' is a plain tensor.*"
+            r"update leaf is a DTensor \(Shard\(dim=0\),\)",
+        ):
             tx.update(g, state, p, mesh=ft.Mesh(dm))
         with pytest.raises(ValueError, match=r"ScaleByAdamState.mu leaf 'w' is a plain tensor"):
-            ft.step(ft.chain(ft.clip_by_global_norm(1.0), tx), g,
-                    ft.chain(ft.clip_by_global_norm(1.0), tx).init(plain), p, mesh=ft.Mesh(dm))
+            ft.step(
+                ft.chain(ft.clip_by_global_norm(1.0), tx),
+                g,
+                ft.chain(ft.clip_by_global_norm(1.0), tx).init(plain),
+                p,
+                mesh=ft.Mesh(dm),
+            )
 
 
 def test_apply_updates_layout_mismatch_raises():
     with simulate(2):
         dm = init_device_mesh("cpu", (2,))
         p = {"w": distribute_tensor(torch.ones(4, 3), dm, [Shard(0)])}
-        with pytest.raises(ValueError, match=r"update for 'w' is a plain tensor, but the "
-                                             r"parameter is a DTensor"):
+        with pytest.raises(
+            ValueError,
+            match=r"update for 'w' is a plain tensor, but the "
+            r"parameter is a DTensor",
+        ):
             ft.apply_updates(p, {"w": torch.ones(4, 3)})
         with pytest.raises(ValueError, match=r"update for 'w' is a DTensor.*parameter is a plain"):
             ft.apply_updates({"w": torch.ones(4, 3)}, p)
 
 
 def test_integer_params_and_gradients_raise():
-    with pytest.raises(TypeError, match=r"params leaf 'n' has dtype torch.int64.*update is "
-                                        r"torch.float32"):
+    with pytest.raises(
+        TypeError,
+        match=r"params leaf 'n' has dtype torch.int64.*update is "
+        r"torch.float32",
+    ):
         ft.apply_updates({"n": torch.tensor(3)}, {"n": torch.tensor(0.7)})
     assert int(ft.apply_updates({"n": torch.tensor(3)}, {"n": torch.tensor(2)})["n"]) == 5
     p = {"a": torch.ones(2), "n": torch.zeros(3)}
@@ -233,8 +254,11 @@ def test_partial_params_raise():
         dm = init_device_mesh("cpu", (2,))
         p = {"w": DTensor.from_local(torch.ones(2, 3), dm, [Partial()], run_check=False)}
         g = {"w": distribute_tensor(torch.ones(2, 3), dm, [Replicate()])}
-        with pytest.raises(ValueError, match=r"params leaf 'w' has Partial placements.*"
-                                             r"Shard or Replicate"):
+        with pytest.raises(
+            ValueError,
+            match=r"params leaf 'w' has Partial placements.*"
+            r"Shard or Replicate",
+        ):
             ft.sgd(0.1).update(g, ft.sgd(0.1).init(p), p, mesh=ft.Mesh(dm))
 
 
@@ -244,8 +268,11 @@ def test_other_mesh_error_names_both_trees():
         dm2 = init_device_mesh("cpu", (2,))
         p = {"w": distribute_tensor(torch.ones(4, 3), dm1, [Shard(0)])}
         g = {"w": distribute_tensor(torch.ones(4, 3), dm2, [Shard(0)])}
-        with pytest.raises(ValueError, match=r"update leaf 'w' is a DTensor on .*but params "
-                                             r"leaf 'w' is on"):
+        with pytest.raises(
+            ValueError,
+            match=r"update leaf 'w' is a DTensor on .*but params "
+            r"leaf 'w' is on",
+        ):
             ft.sgd(0.1).update(g, ft.sgd(0.1).init(p), p)
 
 
@@ -269,6 +296,7 @@ def test_zero_redundancy_without_mesh_reduces_over_its_axis():
 def test_gloo_none_gradient_on_one_rank(tmp_path):
     import sys
     from pathlib import Path
+
     sys.path.insert(0, str(Path(__file__).parent))
     import _gloo_presence_worker as pw
     from test_gloo import _spawn
@@ -291,8 +319,13 @@ def test_gloo_none_gradient_on_one_rank(tmp_path):
             p = ft.apply_updates(p, u)
         for rank in range(2):
             for k in pw.SHAPES:
-                torch.testing.assert_close(got[rank][k].reshape(p[k].shape), p[k], rtol=1e-5,
-                                           atol=1e-6, msg=lambda m: f"{key} rank {rank} {k}: {m}")
+                torch.testing.assert_close(
+                    got[rank][k].reshape(p[k].shape),
+                    p[k],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m: f"{key} rank {rank} {k}: {m}",
+                )
         torch.testing.assert_close(got[0]["c"].reshape(2, 2), params0["c"], rtol=0, atol=0)
 
 
@@ -301,12 +334,18 @@ def test_gloo_none_gradient_on_one_rank(tmp_path):
 # ---------------------------------------------------------------------------------------------
 COMPLEX_REFS = {
     "adam": (lambda: ft.adam(0.1), lambda p: torch.optim.Adam([p], lr=0.1)),
-    "adam_amsgrad": (lambda: ft.adam(0.1, amsgrad=True, weight_decay=0.1),
-                     lambda p: torch.optim.Adam([p], lr=0.1, amsgrad=True, weight_decay=0.1)),
-    "adamw": (lambda: ft.adamw(0.1, weight_decay=0.1),
-              lambda p: torch.optim.AdamW([p], lr=0.1, weight_decay=0.1)),
-    "sgd_nesterov": (lambda: ft.sgd(0.1, momentum=0.9, nesterov=True),
-                     lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True)),
+    "adam_amsgrad": (
+        lambda: ft.adam(0.1, amsgrad=True, weight_decay=0.1),
+        lambda p: torch.optim.Adam([p], lr=0.1, amsgrad=True, weight_decay=0.1),
+    ),
+    "adamw": (
+        lambda: ft.adamw(0.1, weight_decay=0.1),
+        lambda p: torch.optim.AdamW([p], lr=0.1, weight_decay=0.1),
+    ),
+    "sgd_nesterov": (
+        lambda: ft.sgd(0.1, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True),
+    ),
 }
 
 
@@ -336,10 +375,16 @@ def test_complex_params_follow_torch_optim(name, use_step):
     assert (params["w"] - p.detach()).abs().max() <= 1e-5 * change + 1e-6
 
 
-@pytest.mark.parametrize("make", [ft.adafactor, lambda: ft.came(1e-3),
-                                  lambda: ft.galore_adamw(1e-3, rank=1),
-                                  lambda: ft.adamw(1e-3, optim_bits=8, min_8bit_size=0)],
-                         ids=["adafactor", "came", "galore_adamw", "adamw_8bit"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        ft.adafactor,
+        lambda: ft.came(1e-3),
+        lambda: ft.galore_adamw(1e-3, rank=1),
+        lambda: ft.adamw(1e-3, optim_bits=8, min_8bit_size=0),
+    ],
+    ids=["adafactor", "came", "galore_adamw", "adamw_8bit"],
+)
 def test_complex_params_without_a_definition_raise(make):
     p = {"z": torch.randn(4, 3, dtype=torch.complex64)}
     tx = make()
@@ -367,9 +412,15 @@ def test_learning_rate_accepts_numpy_scalars_and_0dim_tensors():
         ft.sgd("0.1")
 
 
-@pytest.mark.parametrize("make", [lambda: ft.sgd(math.inf), lambda: ft.adamw(math.inf),
-                                  lambda: ft.clip_by_global_norm(math.inf)],
-                         ids=["sgd_lr", "adamw_lr", "max_norm"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ft.sgd(math.inf),
+        lambda: ft.adamw(math.inf),
+        lambda: ft.clip_by_global_norm(math.inf),
+    ],
+    ids=["sgd_lr", "adamw_lr", "max_norm"],
+)
 def test_infinite_hyper_parameters_raise(make):
     with pytest.raises(ValueError, match=r"must be finite, got inf"):
         make()
@@ -388,5 +439,6 @@ def test_assert_sharded_equivalent_argument_errors():
 def test_complex_clip_clamps_real_and_imaginary_parts():
     z = torch.tensor([[3.0 + 0.05j, -0.2 - 4.0j]], dtype=torch.complex64)
     u, _ = ft.clip(0.1).update({"z": z}, ft.clip(0.1).init({"z": z}), {"z": z})
-    torch.testing.assert_close(u["z"], torch.tensor([[0.1 + 0.05j, -0.1 - 0.1j]],
-                                                    dtype=torch.complex64))
+    torch.testing.assert_close(
+        u["z"], torch.tensor([[0.1 + 0.05j, -0.1 - 0.1j]], dtype=torch.complex64)
+    )

@@ -28,13 +28,13 @@ S0, S1, S2, R = Shard(0), Shard(1), Shard(2), Replicate()
 
 # leaf -> (shape, placements over the "tp" sub-mesh, None: plain tensor)
 LEAVES = {
-    "wq": ((5, 7), [S0]),        # colwise: dp shards dim 1
-    "wo": ((7, 5), [S1]),        # rowwise: dp shards dim 0
-    "t": ((3, 5, 6), [S2]),      # 3-D
-    "bias": ((7,), [S0]),        # no free dim: state stays whole over dp
-    "norm": ((6,), None),        # plain tensor: dp shards it
-    "row": ((1, 3), [R]),        # dim 0 of size 1: dp shards dim 1 (uneven)
-    "s": ((), None),             # 0-dim
+    "wq": ((5, 7), [S0]),  # colwise: dp shards dim 1
+    "wo": ((7, 5), [S1]),  # rowwise: dp shards dim 0
+    "t": ((3, 5, 6), [S2]),  # 3-D
+    "bias": ((7,), [S0]),  # no free dim: state stays whole over dp
+    "norm": ((6,), None),  # plain tensor: dp shards it
+    "row": ((1, 3), [R]),  # dim 0 of size 1: dp shards dim 1 (uneven)
+    "s": ((), None),  # 0-dim
 }
 
 
@@ -42,10 +42,14 @@ def _problem(steps, seed=0, leaves=LEAVES):
     gen = torch.Generator().manual_seed(seed)
     params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, (s, _) in leaves.items()}
     # per step: the mean gradient, and a per-replica deviation that averages out over dp=2
-    grads = [{k: torch.randn(s, generator=gen, dtype=torch.float64)
-              for k, (s, _) in leaves.items()} for _ in range(steps)]
-    noise = [{k: torch.randn(s, generator=gen, dtype=torch.float64)
-              for k, (s, _) in leaves.items()} for _ in range(steps)]
+    grads = [
+        {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, (s, _) in leaves.items()}
+        for _ in range(steps)
+    ]
+    noise = [
+        {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, (s, _) in leaves.items()}
+        for _ in range(steps)
+    ]
     return params, grads, noise
 
 
@@ -73,14 +77,22 @@ def _sharded(make_tx, params, grads, noise, leaves=LEAVES, zero_kwargs=None):
     out = []
     with simulate(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        p = {k: _place(per_rank(4, lambda r, v=v: v), mesh, leaves[k][1]) for k, v in params.items()}
+        p = {
+            k: _place(per_rank(4, lambda r, v=v: v), mesh, leaves[k][1]) for k, v in params.items()
+        }
         tx = zero_redundancy(make_tx(), **(zero_kwargs or {}))
         state = tx.init(p)
         fmesh = ft.Mesh(mesh, data_axis="dp")
         for g, n in zip(grads, noise):
             # replica dp=c contributes g + (2c - 1) n: the mean over dp is g
-            dg = {k: _place(per_rank(4, lambda r, k=k: g[k] + (2 * _dp_coord(r) - 1) * n[k]),
-                            mesh, leaves[k][1]) for k in g}
+            dg = {
+                k: _place(
+                    per_rank(4, lambda r, k=k: g[k] + (2 * _dp_coord(r) - 1) * n[k]),
+                    mesh,
+                    leaves[k][1],
+                )
+                for k in g
+            }
             updates, state = tx.update(dg, state, p, mesh=fmesh)
             for k in p:
                 assert type(updates[k]) is type(p[k]), k
@@ -125,8 +137,13 @@ def test_zero_equals_unsharded(name):
     got, state, _ = _sharded(make_tx, params, grads, noise)
     for step, ((rp, ru), (gp, gu)) in enumerate(zip(ref, got)):
         for k in params:
-            torch.testing.assert_close(gu[k], ru[k], rtol=1e-9, atol=1e-12,
-                                       msg=lambda m: f"{name} step {step} update {k}: {m}")
+            torch.testing.assert_close(
+                gu[k],
+                ru[k],
+                rtol=1e-9,
+                atol=1e-12,
+                msg=lambda m: f"{name} step {step} update {k}: {m}",
+            )
             torch.testing.assert_close(gp[k], rp[k], rtol=1e-9, atol=1e-12)
     # the inner state, gathered from the zero view, is the unsharded state
     assert isinstance(state, ZeroRedundancyState)
@@ -150,12 +167,20 @@ def test_state_is_sharded_over_dp():
 def test_state_placements_and_shapes():
     with simulate(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        p = {k: _place(per_rank(4, lambda r, s=s: torch.zeros(s)), mesh, pl)
-             for k, (s, pl) in LEAVES.items()}
+        p = {
+            k: _place(per_rank(4, lambda r, s=s: torch.zeros(s)), mesh, pl)
+            for k, (s, pl) in LEAVES.items()
+        }
         state = zero_redundancy(ft.adam()).init(p)
         mu = state.inner_state[0].mu
-        want = {"wq": (S1, S0), "wo": (S0, S1), "t": (S0, S2), "bias": (S0,), "norm": (S0,),
-                "row": (S1, R)}
+        want = {
+            "wq": (S1, S0),
+            "wo": (S0, S1),
+            "t": (S0, S2),
+            "bias": (S0,),
+            "norm": (S0,),
+            "row": (S1, R),
+        }
         for k, pl in want.items():
             assert tuple(mu[k].placements) == pl, (k, mu[k].placements)
             assert mu[k].shape == p[k].shape
@@ -180,13 +205,17 @@ def test_pure_data_parallel_plain_tensors():
             with count_collectives() as c:
                 updates, state = tx.update(dg, state, p, mesh=ft.Mesh(mesh, data_axis="dp"))
             # + the presence agreement over dp and the whole 0-dim leaf's mean
-            assert c.counts == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1,
-                                "all_reduce": 2}, c.counts
+            assert c.counts == {
+                "reduce_scatter_tensor": 1,
+                "all_gather_into_tensor": 1,
+                "all_reduce": 2,
+            }, c.counts
             p = ft.apply_updates(p, updates)
             for k in params:
                 for r in range(4):
-                    torch.testing.assert_close(p[k]._local_tensors[r], ref[step][0][k],
-                                               rtol=1e-9, atol=1e-12)
+                    torch.testing.assert_close(
+                        p[k]._local_tensors[r], ref[step][0][k], rtol=1e-9, atol=1e-12
+                    )
 
 
 def test_partial_over_dp_and_reduced_gradients():
@@ -197,25 +226,31 @@ def test_partial_over_dp_and_reduced_gradients():
     with simulate(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         for kind in ("partial", "replicate"):
-            p = {"w": distribute_tensor(per_rank(4, lambda r: params["w"]), mesh, [R, S0],
-                                        src_data_rank=None)}
+            p = {
+                "w": distribute_tensor(
+                    per_rank(4, lambda r: params["w"]), mesh, [R, S0], src_data_rank=None
+                )
+            }
             tx = zero_redundancy(ft.adam(1e-2))
             state = tx.init(p)
             for step, g in enumerate(grads):
                 if kind == "partial":  # each dp rank holds half the sum
-                    loc = distribute_tensor(per_rank(4, lambda r: g["w"] / 2), mesh, [R, S0],
-                                            src_data_rank=None).to_local()
+                    loc = distribute_tensor(
+                        per_rank(4, lambda r: g["w"] / 2), mesh, [R, S0], src_data_rank=None
+                    ).to_local()
                     dg = {"w": DTensor.from_local(loc, mesh, [Partial(), S0], run_check=False)}
                 else:
-                    dg = {"w": distribute_tensor(per_rank(4, lambda r: g["w"]), mesh, [R, S0],
-                                                 src_data_rank=None)}
+                    dg = {
+                        "w": distribute_tensor(
+                            per_rank(4, lambda r: g["w"]), mesh, [R, S0], src_data_rank=None
+                        )
+                    }
                 with count_collectives() as c:
                     updates, state = tx.update(dg, state, p, mesh=ft.Mesh(mesh, data_axis="dp"))
                 want = {"reduce_scatter_tensor": 1} if kind == "partial" else {}
                 assert c.counts == {**want, "all_gather_into_tensor": 1}, (kind, c.counts)
                 p = ft.apply_updates(p, updates)
-                torch.testing.assert_close(gather(p)["w"], ref[step][0]["w"], rtol=1e-9,
-                                           atol=1e-12)
+                torch.testing.assert_close(gather(p)["w"], ref[step][0]["w"], rtol=1e-9, atol=1e-12)
 
 
 def test_fsdp_parameters_pass_through():
@@ -224,14 +259,20 @@ def test_fsdp_parameters_pass_through():
     ref, _ = _reference(lambda: ft.adamw(1e-2), params, grads)
     with simulate(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        p = {"w": distribute_tensor(per_rank(4, lambda r: params["w"]), mesh, [S0, S1],
-                                    src_data_rank=None)}
+        p = {
+            "w": distribute_tensor(
+                per_rank(4, lambda r: params["w"]), mesh, [S0, S1], src_data_rank=None
+            )
+        }
         tx = zero_redundancy(ft.adamw(1e-2))
         state = tx.init(p)
         assert state.inner_state[0].mu["w"].placements == (S0, S1)
         for step, g in enumerate(grads):
-            dg = {"w": distribute_tensor(per_rank(4, lambda r: g["w"]), mesh, [S0, S1],
-                                         src_data_rank=None)}
+            dg = {
+                "w": distribute_tensor(
+                    per_rank(4, lambda r: g["w"]), mesh, [S0, S1], src_data_rank=None
+                )
+            }
             with count_collectives() as c:
                 updates, state = tx.update(dg, state, p, mesh=ft.Mesh(mesh, data_axis="dp"))
             assert c.total == 0, c.counts
@@ -246,10 +287,14 @@ def _counts(make_inner, n_leaves):
         spec = [kinds[i % len(kinds)] for i in range(n_leaves)]
         gen = torch.Generator().manual_seed(0)
         vals = [torch.randn(s, generator=gen) for s, _ in spec]
-        p = {f"l{i}": _place(per_rank(4, lambda r, v=v: v), mesh, pl)
-             for i, (v, (_, pl)) in enumerate(zip(vals, spec))}
-        g = {k: _place(per_rank(4, lambda r, v=v: v * (1 + r)), mesh, spec[i][1])
-             for i, (k, v) in enumerate(zip(p, vals))}
+        p = {
+            f"l{i}": _place(per_rank(4, lambda r, v=v: v), mesh, pl)
+            for i, (v, (_, pl)) in enumerate(zip(vals, spec))
+        }
+        g = {
+            k: _place(per_rank(4, lambda r, v=v: v * (1 + r)), mesh, spec[i][1])
+            for i, (k, v) in enumerate(zip(p, vals))
+        }
         tx = make_inner()
         state = tx.init(p)
         with count_collectives() as c:
@@ -262,14 +307,20 @@ def test_collectives_constant_in_leaves(n_leaves):
     # adamw needs no statistics: the presence agreement over dp (a few int64 per leaf: which
     # ranks have which gradient), one reduce-scatter in, one all-gather out
     assert _counts(lambda: zero_redundancy(ft.adamw(1e-2)), n_leaves) == {
-        "reduce_scatter_tensor": 1, "all_gather_into_tensor": 1, "all_reduce": 1}
+        "reduce_scatter_tensor": 1,
+        "all_gather_into_tensor": 1,
+        "all_reduce": 1,
+    }
     # clipping adds its one scalar all-reduce (over the whole mesh: every leaf is now split)
-    assert _counts(lambda: zero_redundancy(ft.chain(ft.clip_by_global_norm(1.0), ft.adamw())),
-                   n_leaves) == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1,
-                                 "all_reduce": 2}
+    assert _counts(
+        lambda: zero_redundancy(ft.chain(ft.clip_by_global_norm(1.0), ft.adamw())), n_leaves
+    ) == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1, "all_reduce": 2}
     # LAMB: its one all-reduce of the trust-ratio norms
     assert _counts(lambda: zero_redundancy(ft.lamb()), n_leaves) == {
-        "reduce_scatter_tensor": 1, "all_gather_into_tensor": 1, "all_reduce": 2}
+        "reduce_scatter_tensor": 1,
+        "all_gather_into_tensor": 1,
+        "all_reduce": 2,
+    }
 
 
 def test_multi_steps_outside_zero():
@@ -281,12 +332,20 @@ def test_multi_steps_outside_zero():
     ref, _ = _reference(lambda: ft.adamw(1e-2), params, mean)
     with simulate(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        p = {n: _place(per_rank(4, lambda r, v=v: v), mesh, LEAVES[n][1]) for n, v in params.items()}
+        p = {
+            n: _place(per_rank(4, lambda r, v=v: v), mesh, LEAVES[n][1]) for n, v in params.items()
+        }
         tx = ft.multi_steps(zero_redundancy(ft.adamw(1e-2)), k)
         state = tx.init(p)
         for step, (g, nz) in enumerate(zip(grads, noise)):
-            dg = {n: _place(per_rank(4, lambda r, n=n: g[n] + (2 * _dp_coord(r) - 1) * nz[n]),
-                            mesh, LEAVES[n][1]) for n in g}
+            dg = {
+                n: _place(
+                    per_rank(4, lambda r, n=n: g[n] + (2 * _dp_coord(r) - 1) * nz[n]),
+                    mesh,
+                    LEAVES[n][1],
+                )
+                for n in g
+            }
             with count_collectives() as c:
                 updates, state = tx.update(dg, state, p, mesh=ft.Mesh(mesh, data_axis="dp"))
             if step % k == 0:
@@ -306,8 +365,9 @@ def test_one_process_is_inner():
     for (rp, _), (gp, _) in zip(ref, got):
         for k in params:
             assert torch.equal(rp[k], gp[k])
-    assert optree.tree_all(optree.tree_map(lambda a, b: torch.equal(a, b), state.inner_state,
-                                           ref_state))
+    assert optree.tree_all(
+        optree.tree_map(lambda a, b: torch.equal(a, b), state.inner_state, ref_state)
+    )
 
 
 def test_bad_input():
@@ -316,12 +376,16 @@ def test_bad_input():
     with pytest.raises(TypeError, match="axis"):
         zero_redundancy(ft.adamw(), axis=0)
     with pytest.raises(ValueError, match="expected a ZeroRedundancyState"):
-        zero_redundancy(ft.adamw()).update({"w": torch.ones(2)}, ft.adamw().init({"w": torch.ones(2)}),
-                                           {"w": torch.ones(2)})
+        zero_redundancy(ft.adamw()).update(
+            {"w": torch.ones(2)}, ft.adamw().init({"w": torch.ones(2)}), {"w": torch.ones(2)}
+        )
     with simulate(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        p = {"w": distribute_tensor(per_rank(2, lambda r: torch.ones(4, 2)), mesh, [S0],
-                                    src_data_rank=None)}
+        p = {
+            "w": distribute_tensor(
+                per_rank(2, lambda r: torch.ones(4, 2)), mesh, [S0], src_data_rank=None
+            )
+        }
         with pytest.raises(ValueError, match="axis='dp' is not a dim of the device mesh"):
             zero_redundancy(ft.adamw()).init(p)
 

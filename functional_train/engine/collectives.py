@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,16 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["groups_over", "all_reduce", "all_reduce_start", "all_reduce_buckets", "reduce_scatter",
-           "all_gather", "all_to_all", "per_rank"]
+__all__ = [
+    "groups_over",
+    "all_reduce",
+    "all_reduce_start",
+    "all_reduce_buckets",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "per_rank",
+]
 
 
 def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
@@ -44,8 +53,7 @@ def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
     size = math.prod([device_mesh.size(d) for d in dims])
     if dist.is_initialized() and size == dist.get_world_size():
         return (dist.group.WORLD,)
-    if (dist.is_initialized() and dist.get_backend() != "fake"
-            and not torch.compiler.is_compiling()):
+    if dist.is_initialized() and dist.get_backend() != "fake" and not torch.compiler.is_compiling():
         group = slice_group(device_mesh, dims)
         if group is not None:
             return (group,)
@@ -56,7 +64,7 @@ _SLICE_BY_MESH: dict = {}  # (world group, mesh, dims) -> this rank's slice grou
 _SLICE_BY_RANKS: dict = {}  # (world group, slice ranks) -> its group
 
 
-def slice_group(device_mesh: DeviceMesh, dims: Sequence[int]) -> Optional[dist.ProcessGroup]:
+def slice_group(device_mesh: DeviceMesh, dims: Sequence[int]) -> dist.ProcessGroup | None:
     """The process group of the ranks that share this rank's coordinates on the dims of
     ``device_mesh`` other than ``dims`` (its slice along ``dims``), made on first use with
     ``dist.new_group(ranks, use_local_synchronization=True)`` (only the slice's ranks take
@@ -76,8 +84,7 @@ def slice_group(device_mesh: DeviceMesh, dims: Sequence[int]) -> Optional[dist.P
         key = (dist.group.WORLD, row)  # (holding the world group: its id is not reused)
         group = _SLICE_BY_RANKS.get(key)
         if group is None:
-            group = _SLICE_BY_RANKS[key] = dist.new_group(list(row),
-                                                          use_local_synchronization=True)
+            group = _SLICE_BY_RANKS[key] = dist.new_group(list(row), use_local_synchronization=True)
     _SLICE_BY_MESH[fast] = group
     return group
 
@@ -102,8 +109,13 @@ def all_reduce(t: torch.Tensor, op: str, groups: tuple) -> torch.Tensor:
 
 
 def _by_c10d(t: torch.Tensor, op: str) -> bool:
-    return (op in _C10D_OPS and type(t) is torch.Tensor and not t.requires_grad
-            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)
+    return (
+        op in _C10D_OPS
+        and type(t) is torch.Tensor
+        and not t.requires_grad
+        and not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+    )
 
 
 def all_reduce_start(t: torch.Tensor, op: str, groups: tuple) -> Callable[[], torch.Tensor]:
@@ -120,13 +132,17 @@ def all_reduce_start(t: torch.Tensor, op: str, groups: tuple) -> Callable[[], to
             if work is not None:
                 work.wait()
             work = dist.all_reduce(
-                t, _C10D_OPS[op], async_op=True,
-                group=g if isinstance(g, dist.ProcessGroup) else g[0].get_group(g[1]))
+                t,
+                _C10D_OPS[op],
+                async_op=True,
+                group=g if isinstance(g, dist.ProcessGroup) else g[0].get_group(g[1]),
+            )
 
         def finish() -> torch.Tensor:
             if work is not None:
                 work.wait()
             return t
+
         return finish
     for g in groups[:-1]:
         t = funcol.wait_tensor(funcol.all_reduce(t, op, g))
@@ -150,7 +166,7 @@ def all_reduce_buckets(items: Sequence[tuple[torch.Tensor, Any, str]]) -> list[t
     buckets: dict[Any, list[int]] = defaultdict(list)
     for i, (t, group, op) in enumerate(items):
         buckets[(_group_key(group), op, t.dtype)].append(i)
-    out: list[Optional[torch.Tensor]] = [None] * len(items)
+    out: list[torch.Tensor | None] = [None] * len(items)
     for (_, op, _), idx in buckets.items():
         group = items[idx[0]][1]
         tensors = [items[i][0] for i in idx]
@@ -190,8 +206,9 @@ def per_rank(tensors: Sequence[torch.Tensor], fn) -> torch.Tensor:
     out = {}
     with mode.disable():
         for r in mode.ranks:
-            out[r] = fn(r, [t._local_tensors[r] if isinstance(t, lt.LocalTensor) else t
-                            for t in tensors])
+            out[r] = fn(
+                r, [t._local_tensors[r] if isinstance(t, lt.LocalTensor) else t for t in tensors]
+            )
     return lt.LocalTensor(out)
 
 

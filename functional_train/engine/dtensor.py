@@ -9,15 +9,23 @@ of the leaf they belong to. Eagerly a DTensor is built straight from a cached ``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = ["Spec", "spec_of", "to_local", "to_locals", "wrap", "wrap_like", "wraps_like",
-           "cache_clear"]
+__all__ = [
+    "Spec",
+    "spec_of",
+    "to_local",
+    "to_locals",
+    "wrap",
+    "wrap_like",
+    "wraps_like",
+    "cache_clear",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,15 +37,17 @@ class Spec:
     shape: torch.Size
     stride: tuple
     # not an init field: dataclasses.replace(spec, placements=...) starts with an empty cache
-    _dtensor_specs: dict = dataclasses.field(default_factory=dict, init=False, compare=False,
-                                             hash=False, repr=False)
+    _dtensor_specs: dict = dataclasses.field(
+        default_factory=dict, init=False, compare=False, hash=False, repr=False
+    )
 
     def dtensor_spec(self, dtype: torch.dtype) -> DTensorSpec:
         """The (cached) ``DTensorSpec`` of a DTensor of this layout and ``dtype``."""
         hit = self._dtensor_specs.get(dtype)
         if hit is None:
-            hit = DTensorSpec(self.mesh, self.placements,
-                              tensor_meta=TensorMeta(self.shape, self.stride, dtype))
+            hit = DTensorSpec(
+                self.mesh, self.placements, tensor_meta=TensorMeta(self.shape, self.stride, dtype)
+            )
             self._dtensor_specs[dtype] = hit
         return hit
 
@@ -64,7 +74,7 @@ def cache_clear() -> None:
     _SPECS.clear()
 
 
-def spec_of(x: Any) -> Optional[Spec]:
+def spec_of(x: Any) -> Spec | None:
     """The :class:`Spec` of a DTensor (cached per layout: the same object for every DTensor of
     one layout, so its ``DTensorSpec`` cache hits), ``None`` for a plain tensor or ``None``."""
     if not isinstance(x, DTensor):
@@ -104,7 +114,7 @@ def to_locals(xs) -> list:
     return [x._local_tensor if isinstance(x, DTensor) else x for x in xs]
 
 
-def wrap(local: Any, spec: Optional[Spec]) -> Any:
+def wrap(local: Any, spec: Spec | None) -> Any:
     """Rewrap a local shard in ``spec`` (no communication, no check); identity for ``spec=None``.
 
     Eagerly this builds the DTensor directly from the spec's cached ``DTensorSpec``; under
@@ -113,8 +123,9 @@ def wrap(local: Any, spec: Optional[Spec]) -> Any:
     if spec is None or local is None:
         return local
     if torch.compiler.is_compiling():
-        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
-                                  shape=spec.shape, stride=spec.stride)
+        return DTensor.from_local(
+            local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+        )
     return _make(local, spec.dtensor_spec(local.dtype))
 
 
@@ -132,6 +143,9 @@ def wraps_like(locals_, likes) -> list:
     """:func:`wrap_like` of every pair (one compile check for the whole list)."""
     if torch.compiler.is_compiling():
         return [wrap_like(x, like) for x, like in zip(locals_, likes)]
-    return [x if x is None or not isinstance(like, DTensor) else (
-        _make(x, like._spec) if x.dtype == like.dtype else wrap(x, spec_of(like)))
-        for x, like in zip(locals_, likes)]
+    return [
+        x
+        if x is None or not isinstance(like, DTensor)
+        else (_make(x, like._spec) if x.dtype == like.dtype else wrap(x, spec_of(like)))
+        for x, like in zip(locals_, likes)
+    ]

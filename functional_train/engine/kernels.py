@@ -38,14 +38,22 @@ from __future__ import annotations
 import os
 import types
 import warnings
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from . import native
 
-__all__ = ["ENABLED", "MIN_BYTES", "MIN_LEAF_NUMEL", "BUCKET", "large_leaves", "adam_pure",
-           "sgd_pure", "adam8bit"]
+__all__ = [
+    "ENABLED",
+    "MIN_BYTES",
+    "MIN_LEAF_NUMEL",
+    "BUCKET",
+    "large_leaves",
+    "adam_pure",
+    "sgd_pure",
+    "adam8bit",
+]
 
 ENABLED = os.environ.get("FT_COMPILED_KERNELS", "1") != "0"
 MIN_BYTES = 16 * 2**20  # large leaves' parameter bytes in one step, below which copies are used
@@ -116,12 +124,14 @@ def _bucketed(math: Callable, n_in: int, flags: tuple) -> Callable:
     """``run(ins, outs, s)``: ``math`` on leaf ``k`` of each list of ``ins`` (``n_in`` lists of
     :data:`BUCKET` tensors), the results written into ``outs`` (lists, ``None`` where a result
     is not kept)."""
+
     def run(ins, outs, s):
         for k in range(BUCKET):
             res = math(*[x[k] if x is not None else None for x in ins[:n_in]], s, *flags)
             for o, r in zip(outs, res):
                 if o is not None:
                     o[k].copy_(r)
+
     return run
 
 
@@ -138,8 +148,13 @@ def _own_code(run: Callable, key: tuple) -> Callable:
     """``run`` with a code object of its own, named after ``key``: dynamo caches (and limits)
     compiled graphs per code object, and the configurations would otherwise share one."""
     name = "ft_" + "_".join(str(k) for k in key).replace("torch.", "")
-    return types.FunctionType(run.__code__.replace(co_name=name, co_qualname=name),
-                              run.__globals__, name, run.__defaults__, run.__closure__)
+    return types.FunctionType(
+        run.__code__.replace(co_name=name, co_qualname=name),
+        run.__globals__,
+        name,
+        run.__defaults__,
+        run.__closure__,
+    )
 
 
 def _bias_corrections(b1, b2, count: torch.Tensor) -> tuple:
@@ -149,8 +164,7 @@ def _bias_corrections(b1, b2, count: torch.Tensor) -> tuple:
     return 1.0 - torch.pow(b1, t), torch.sqrt(1.0 - torch.pow(b2, t))
 
 
-def _function(key: tuple, math: Callable, flags: tuple, dtype, ins_used, outs_used,
-              n_scalars: int):
+def _function(key: tuple, math: Callable, flags: tuple, dtype, ins_used, outs_used, n_scalars: int):
     fn = _compiled.get(key)
     if fn is None:
         run = _own_code(_bucketed(math, len(ins_used), flags), key)
@@ -176,10 +190,18 @@ def _run(key, math, flags, ins, outs, scalars, n_scalars) -> bool:
     dtype = ins[0][0].dtype
     try:
         with _uniform_dispatch():
-            fn = _function(key + (dtype,), math, flags, dtype, [x is not None for x in ins],
-                           [x is not None for x in outs], n_scalars)
+            fn = _function(
+                key + (dtype,),
+                math,
+                flags,
+                dtype,
+                [x is not None for x in ins],
+                [x is not None for x in outs],
+                n_scalars,
+            )
             s = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in scalars]).to(
-                _scalar_dtype(dtype))
+                _scalar_dtype(dtype)
+            )
             n = len(ins[0])
             for a in range(0, n, BUCKET):
                 b = min(n, a + BUCKET)
@@ -189,16 +211,28 @@ def _run(key, math, flags, ins, outs, scalars, n_scalars) -> bool:
                 bo = [None if L is None else [x.detach() for x in L[a:b]] for L in outs]
                 if b - a < BUCKET:  # padded with distinct scratch tensors (dynamo guards aliasing)
                     extra = BUCKET - (b - a)
-                    bi = [None if L is None else L + [torch.zeros(2, dtype=dtype)
-                                                      for _ in range(extra)] for L in bi]
-                    bo = [None if L is None else L + [torch.empty(2, dtype=dtype)
-                                                      for _ in range(extra)] for L in bo]
+                    bi = [
+                        None
+                        if L is None
+                        else L + [torch.zeros(2, dtype=dtype) for _ in range(extra)]
+                        for L in bi
+                    ]
+                    bo = [
+                        None
+                        if L is None
+                        else L + [torch.empty(2, dtype=dtype) for _ in range(extra)]
+                        for L in bo
+                    ]
                 fn(bi, bo, s)
     except Exception as e:  # no C++ compiler, an unsupported platform... (a recompilation
-        _failed = True      # may meet it on a later call: the inputs are untouched either way)
-        warnings.warn(f"functional_train: the compiled out-of-place optimizer kernels are off "
-                      f"for this process ({type(e).__name__}: {e}); the pure step copies and "
-                      f"runs torch's in-place kernels instead", RuntimeWarning, stacklevel=3)
+        _failed = True  # may meet it on a later call: the inputs are untouched either way)
+        warnings.warn(
+            f"functional_train: the compiled out-of-place optimizer kernels are off "
+            f"for this process ({type(e).__name__}: {e}); the pure step copies and "
+            f"runs torch's in-place kernels instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
     return True
 
@@ -213,8 +247,29 @@ def _native_scale(coef, maximize) -> float:
     return (1.0 if coef is None else float(coef)) * (-1.0 if maximize else 1.0)
 
 
-def adam_pure(p, g, m, v, nm, new_p, new_m, new_v, new_nm, *, coef, lr, weight_decay,
-              b1, b2, eps, count, decoupled, amsgrad, maximize, checked=False) -> bool:
+def adam_pure(
+    p,
+    g,
+    m,
+    v,
+    nm,
+    new_p,
+    new_m,
+    new_v,
+    new_nm,
+    *,
+    coef,
+    lr,
+    weight_decay,
+    b1,
+    b2,
+    eps,
+    count,
+    decoupled,
+    amsgrad,
+    maximize,
+    checked=False,
+) -> bool:
     """Adam / AdamW (``scale_by_adam`` then ``add_decayed_weights`` or L2, then the learning
     rate; the gradients first scaled by ``coef`` when it is not ``None``) from ``p, g, m, v``
     (and ``nm``, the amsgrad maximum) into the ``new_*`` buffers: lists of contiguous leaves,
@@ -224,30 +279,74 @@ def adam_pure(p, g, m, v, nm, new_p, new_m, new_v, new_nm, *, coef, lr, weight_d
     to be plain contiguous CPU tensors of one dtype, the results fresh. ``False`` where
     nothing ran."""
     bc1, bc2_sqrt = _bias_corrections(b1, b2, count)
-    if native.adam(p, g, m, v, nm, new_p, new_m, new_v, new_nm,
-                   coef=_native_scale(coef, maximize),
-                   weight_decay=float(weight_decay), b1=float(b1), b2=float(b2),
-                   eps=float(eps), bc1=bc1.item(), bc2_sqrt=bc2_sqrt.item(), lr=float(lr),
-                   decoupled=decoupled, amsgrad=amsgrad, checked=checked):
+    if native.adam(
+        p,
+        g,
+        m,
+        v,
+        nm,
+        new_p,
+        new_m,
+        new_v,
+        new_nm,
+        coef=_native_scale(coef, maximize),
+        weight_decay=float(weight_decay),
+        b1=float(b1),
+        b2=float(b2),
+        eps=float(eps),
+        bc1=bc1.item(),
+        bc2_sqrt=bc2_sqrt.item(),
+        lr=float(lr),
+        decoupled=decoupled,
+        amsgrad=amsgrad,
+        checked=checked,
+    ):
         return True
     clip = coef is not None
-    flags = (clip, maximize, bool(weight_decay) and not decoupled,
-             bool(weight_decay) and decoupled, amsgrad)
+    flags = (
+        clip,
+        maximize,
+        bool(weight_decay) and not decoupled,
+        bool(weight_decay) and decoupled,
+        amsgrad,
+    )
     ins = [_flat(x) for x in (p, g, m, v, nm if amsgrad else None)]
     outs = [_flat(x) for x in (new_p, new_m, new_v, new_nm if amsgrad else None)]
     scalars = (coef if clip else 1.0, weight_decay, 1.0 - b1, b2, 1.0 - b2, eps, bc1, bc2_sqrt, lr)
     return _run(("adam",) + flags, _adam_math, flags, ins, outs, scalars, len(scalars))
 
 
-def sgd_pure(p, g, buf, new_p, new_buf, *, coef, lr, weight_decay, momentum, nesterov,
-             maximize, checked=False) -> bool:
+def sgd_pure(
+    p,
+    g,
+    buf,
+    new_p,
+    new_buf,
+    *,
+    coef,
+    lr,
+    weight_decay,
+    momentum,
+    nesterov,
+    maximize,
+    checked=False,
+) -> bool:
     """SGD (``add_decayed_weights``, ``trace``, the learning rate; the gradients first scaled by
     ``coef`` when it is not ``None``) from ``p, g, buf`` into ``new_p, new_buf`` (leaves as
     :func:`adam_pure`'s). ``False`` where nothing ran."""
-    if native.sgd(p, g, buf, new_p, new_buf, coef=_native_scale(coef, maximize),
-                  weight_decay=float(weight_decay),
-                  momentum=float(momentum), nesterov=nesterov, lr=float(lr),
-                  checked=checked):
+    if native.sgd(
+        p,
+        g,
+        buf,
+        new_p,
+        new_buf,
+        coef=_native_scale(coef, maximize),
+        weight_decay=float(weight_decay),
+        momentum=float(momentum),
+        nesterov=nesterov,
+        lr=float(lr),
+        checked=checked,
+    ):
         return True
     clip = coef is not None
     flags = (clip, maximize, bool(weight_decay), bool(momentum), nesterov)
@@ -304,12 +403,25 @@ def _nearest(x, table, mid_inf):
 def _adam8bit_runner(block: int) -> Callable:
     """``run(ins, outs, ...)``: ``_adam8bit_math`` on flat inputs viewed as blocks of
     ``block``, a constant of the graph (a static inner size: vectorised without tails)."""
+
     def run(ins, outs, maps, s, decoupled, l2, maximize):
         p, g, mc, ma, vc, va = ins
-        res = _adam8bit_math(p.view(-1, block), g.view(-1, block), mc.view(-1, block), ma,
-                             vc.view(-1, block), va, maps, s, decoupled, l2, maximize)
+        res = _adam8bit_math(
+            p.view(-1, block),
+            g.view(-1, block),
+            mc.view(-1, block),
+            ma,
+            vc.view(-1, block),
+            va,
+            maps,
+            s,
+            decoupled,
+            l2,
+            maximize,
+        )
         for o, r in zip(outs, res):
             o.copy_(r.view(o.shape))
+
     return run
 
 
@@ -322,25 +434,36 @@ def _adam8bit_function(flags: tuple, block: int, donate: bool):
         fn = torch.compile(run, fullgraph=True)
         # first call on 3 blocks (no size of 0 or 1 specialised); donated: outputs ARE inputs
         from ..quantization import kernel_maps
-        ins = [torch.zeros(3 * block), torch.zeros(3 * block),
-               torch.zeros(3 * block, dtype=torch.uint8), torch.zeros(3),
-               torch.zeros(3 * block, dtype=torch.uint8), torch.zeros(3)]
-        outs = [ins[0], ins[2], ins[3], ins[4], ins[5]] if donate else \
-            [torch.empty_like(ins[k]) for k in (0, 2, 3, 4, 5)]
+
+        ins = [
+            torch.zeros(3 * block),
+            torch.zeros(3 * block),
+            torch.zeros(3 * block, dtype=torch.uint8),
+            torch.zeros(3),
+            torch.zeros(3 * block, dtype=torch.uint8),
+            torch.zeros(3),
+        ]
+        outs = (
+            [ins[0], ins[2], ins[3], ins[4], ins[5]]
+            if donate
+            else [torch.empty_like(ins[k]) for k in (0, 2, 3, 4, 5)]
+        )
         for x in ins + outs:
             torch._dynamo.mark_dynamic(x, 0)
         # every gather's index is in range by construction (a uint8 code into 256 values, a
         # float's top 16 key bits into 65,536 runs, a count of midpoints into 256): without
         # inductor's per-vector bounds checks the loop runs about 1.5x faster
         from torch._inductor import config as inductor_config
+
         with inductor_config.patch(assert_indirect_indexing=False):
             fn(ins, outs, kernel_maps(torch.device("cpu")), torch.ones(8), *flags)
         _compiled[key] = fn
     return fn
 
 
-def adam8bit(leaves, outs, *, lr, weight_decay, b1, b2, eps, count, decoupled, l2, maximize,
-             blocks, maps) -> bool:
+def adam8bit(
+    leaves, outs, *, lr, weight_decay, b1, b2, eps, count, decoupled, l2, maximize, blocks, maps
+) -> bool:
     """8-bit Adam / AdamW on float32 leaves: ``leaves`` and ``outs`` are lists of ``(p, g,
     mu_codes, mu_absmax, nu_codes, nu_absmax)`` (``outs``' without ``g``; the inputs
     themselves when donated), leaf ``k`` viewed as ``(-1, blocks[k])`` (maxima ``(-1,)``):
@@ -352,21 +475,35 @@ def adam8bit(leaves, outs, *, lr, weight_decay, b1, b2, eps, count, decoupled, l
     global _failed
     bc1, bc2_sqrt = _bias_corrections(b1, b2, count)
     neg_lr = -torch.as_tensor(lr, dtype=torch.float64)
-    s = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in (
-        1.0 - b1, b2, 1.0 - b2, eps, bc1, bc2_sqrt, neg_lr, weight_decay)]).to(torch.float32)
+    s = torch.stack(
+        [
+            torch.as_tensor(x, dtype=torch.float64)
+            for x in (1.0 - b1, b2, 1.0 - b2, eps, bc1, bc2_sqrt, neg_lr, weight_decay)
+        ]
+    ).to(torch.float32)
     try:
         with _uniform_dispatch():  # every configuration compiled before any leaf is written
             flags = [(decoupled[k], l2[k], maximize) for k in range(len(leaves))]
-            fns = [_adam8bit_function(f, blk, out[0] is ins[0])
-                   for f, blk, ins, out in zip(flags, blocks, leaves, outs)]
+            fns = [
+                _adam8bit_function(f, blk, out[0] is ins[0])
+                for f, blk, ins, out in zip(flags, blocks, leaves, outs)
+            ]
             for fn, f, ins, out in zip(fns, flags, leaves, outs):
                 flat = {id(x): x.view(-1) for x in ins}  # (donated: the same view objects, as
-                fn([flat[id(x)] for x in ins],            # the first call's outputs are inputs)
-                   [flat[id(x)] if id(x) in flat else x.view(-1) for x in out], maps, s, *f)
+                fn(
+                    [flat[id(x)] for x in ins],  # the first call's outputs are inputs)
+                    [flat[id(x)] if id(x) in flat else x.view(-1) for x in out],
+                    maps,
+                    s,
+                    *f,
+                )
     except Exception as e:
         _failed = True
-        warnings.warn(f"functional_train: the compiled 8-bit Adam kernel is off for this process "
-                      f"({type(e).__name__}: {e}); the step runs the chain instead",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"functional_train: the compiled 8-bit Adam kernel is off for this process "
+            f"({type(e).__name__}: {e}); the step runs the chain instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
     return True

@@ -11,7 +11,8 @@ a given tensor dim.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,13 +31,13 @@ class World:
     themselves (they must share one root mesh).
     """
 
-    def __init__(self, mesh: Optional[Mesh], leaves: Sequence[Any], paths: Sequence[str]):
+    def __init__(self, mesh: Mesh | None, leaves: Sequence[Any], paths: Sequence[str]):
         """``paths``: one label per leaf for error messages (``"params leaf 'w'"``)."""
         if mesh is not None and mesh.device_mesh is not None:
             self.mesh = mesh
         else:
             self.mesh = self._derive(leaves, paths)
-        self.device_mesh: Optional[DeviceMesh] = self.mesh.device_mesh
+        self.device_mesh: DeviceMesh | None = self.mesh.device_mesh
         self.names = self.mesh.dim_names
         self.shape = tuple(self.device_mesh.shape) if self.device_mesh is not None else ()
         self._pp = self._dim_or_none(self.mesh.pipeline_axis)
@@ -58,7 +59,8 @@ class World:
                     raise ValueError(
                         f"{p} is a DTensor on {r}, but {root_path} is on {root}; "
                         "DTensors on different meshes need mesh=ft.Mesh(device_mesh) naming the "
-                        "mesh that holds both")
+                        "mesh that holds both"
+                    )
         return Mesh(root)
 
     @property
@@ -81,15 +83,18 @@ class World:
         if ok:
             dims = tuple(self.names.index(n) for n in names)
             ok = all(m.size(i) == self.shape[d] for i, d in enumerate(dims))
-            ok = ok and (m._get_root_mesh() is self.device_mesh
-                         or m.device_type == self.device_mesh.device_type)
+            ok = ok and (
+                m._get_root_mesh() is self.device_mesh
+                or m.device_type == self.device_mesh.device_type
+            )
         if not ok:
             raise ValueError(
                 f"leaf '{path}' is a DTensor on {m}, which is not part of the mesh {self.mesh!r}; "
-                "expected the mesh itself or a sub-mesh of it (device_mesh['name'])")
+                "expected the mesh itself or a sub-mesh of it (device_mesh['name'])"
+            )
         return dims
 
-    def replicas(self, x: Any, path: str, within: Optional[set] = None) -> int:
+    def replicas(self, x: Any, path: str, within: set | None = None) -> int:
         """How many ranks hold the same local values of leaf ``x`` (materialised, not Partial),
         counting only the world dims in ``within`` (all by default)."""
         if self.device_mesh is None:
@@ -105,8 +110,13 @@ class World:
             split.add(self._pp)
         if self._ep is not None and self.mesh.is_expert is not None and self.mesh.is_expert(path):
             split.add(self._ep)
-        return math.prod([s for d, s in enumerate(self.shape)
-                          if d not in split and (within is None or d in within)])
+        return math.prod(
+            [
+                s
+                for d, s in enumerate(self.shape)
+                if d not in split and (within is None or d in within)
+            ]
+        )
 
     def is_expert_leaf(self, x: Any, path: str) -> bool:
         """Leaf ``x`` differs per rank along the expert axis: ``Mesh.is_expert`` marks its path,
@@ -116,15 +126,23 @@ class World:
     def expert_marked(self, path: str) -> bool:
         """``Mesh.is_expert`` marks ``path``: the ranks of the expert axis hold different leaves
         under it (never to be mixed in a reduction over that axis)."""
-        return (self._ep is not None and self.mesh.is_expert is not None
-                and bool(self.mesh.is_expert(path)))
+        return (
+            self._ep is not None
+            and self.mesh.is_expert is not None
+            and bool(self.mesh.is_expert(path))
+        )
 
     def expert_split(self, x: Any, path: str) -> bool:
         """``x`` is one DTensor ``Shard``-ed over the expert axis (experts stacked along a
         tensor dim): its statistics are completed over that axis like over any other."""
-        return self._ep is not None and isinstance(x, DTensor) and any(
-            d == self._ep and isinstance(p, Shard)
-            for d, p in zip(self.leaf_dims(x, path), x.placements))
+        return (
+            self._ep is not None
+            and isinstance(x, DTensor)
+            and any(
+                d == self._ep and isinstance(p, Shard)
+                for d, p in zip(self.leaf_dims(x, path), x.placements)
+            )
+        )
 
     def statistic_dims(self, leaves: Sequence[tuple[Any, str]]) -> list:
         """How to complete per-leaf statistics of ``leaves`` (``(leaf, path)`` pairs) with as
@@ -139,8 +157,10 @@ class World:
         marked = [self.expert_marked(p) and not s for (_, p), s in zip(leaves, split)]
         if not any(marked):
             return [(None, base | {self._ep})]
-        return [([k for k, m in enumerate(marked) if not m], base | {self._ep}),
-                ([k for k, m in enumerate(marked) if m], base)]
+        return [
+            ([k for k, m in enumerate(marked) if not m], base | {self._ep}),
+            ([k for k, m in enumerate(marked) if m], base),
+        ]
 
     def shard_group(self, x: Any, path: str, tensor_dims: Sequence[int]):
         """The group of the mesh dims that shard any of ``tensor_dims`` of leaf ``x``, or
@@ -149,8 +169,13 @@ class World:
             return None
         ndim = x.ndim
         want = {d % ndim for d in tensor_dims} if ndim else set()
-        dims = sorted({w for w, p in zip(self.leaf_dims(x, path), x.placements)
-                       if isinstance(p, Shard) and p.dim % ndim in want})
+        dims = sorted(
+            {
+                w
+                for w, p in zip(self.leaf_dims(x, path), x.placements)
+                if isinstance(p, Shard) and p.dim % ndim in want
+            }
+        )
         return self.group_of(dims)
 
     def group_of(self, dims: Sequence[int]):
@@ -171,8 +196,7 @@ class World:
         return ((self.device_mesh, dim),)
 
 
-
-def statistic_shape(x: Any, t: torch.Tensor, dims: Sequence[int]) -> Optional[list]:
+def statistic_shape(x: Any, t: torch.Tensor, dims: Sequence[int]) -> list | None:
     """The global shape of the statistic ``t`` of DTensor ``x`` reduced locally over ``dims``, or
     ``None`` when ``t`` is not one.
 
@@ -189,14 +213,16 @@ def statistic_shape(x: Any, t: torch.Tensor, dims: Sequence[int]) -> Optional[li
         if all(a is b or a == b for a, b in zip(t.shape, want)):
             return [x.shape[d] for d in range(nd) if d not in red]
         return None
-    if t.ndim == nd and all(t.shape[d] is loc[d] or t.shape[d] == loc[d]
-                            for d in range(nd) if d not in red):
+    if t.ndim == nd and all(
+        t.shape[d] is loc[d] or t.shape[d] == loc[d] for d in range(nd) if d not in red
+    ):
         return [t.shape[d] if d in red else x.shape[d] for d in range(nd)]
     return None
 
 
-def shard_region(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int],
-                 coord: Sequence[int]) -> tuple[list, list]:
+def shard_region(
+    shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int], coord: Sequence[int]
+) -> tuple[list, list]:
     """``(starts, lengths)`` of the block of a global tensor of ``shape`` that the rank at mesh
     coordinate ``coord`` holds under ``placements`` (torch's nested chunking: mesh dims left to
     right, ``torch.chunk`` sizes, trailing chunks possibly empty)."""
@@ -213,11 +239,9 @@ def shard_region(shape: Sequence[int], placements: Sequence, mesh_shape: Sequenc
     return starts, lens
 
 
-def region(x: DTensor, coord: Sequence[int], keep: Sequence[Optional[int]]) -> tuple:
+def region(x: DTensor, coord: Sequence[int], keep: Sequence[int | None]) -> tuple:
     """The slices of the rank at mesh coordinate ``coord`` (one per dim of ``x``'s mesh) in a
     statistic of ``x`` whose dims are the tensor dims ``keep`` of ``x`` (``None``: a dim no
     mesh dim splits; taken whole)."""
     starts, lens = shard_region(x.shape, x.placements, x.device_mesh.shape, coord)
-    return tuple(slice(None) if d is None else slice(starts[d], starts[d] + lens[d])
-                 for d in keep)
-
+    return tuple(slice(None) if d is None else slice(starts[d], starts[d] + lens[d]) for d in keep)

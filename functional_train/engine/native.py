@@ -44,15 +44,23 @@ import sysconfig
 import tempfile
 import threading
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["ENABLED", "STREAM_MIN_BYTES", "PARALLEL_MIN_NUMEL", "available", "adam", "sgd",
-           "sum_squares", "sum_squares_op"]
+__all__ = [
+    "ENABLED",
+    "STREAM_MIN_BYTES",
+    "PARALLEL_MIN_NUMEL",
+    "available",
+    "adam",
+    "sgd",
+    "sum_squares",
+    "sum_squares_op",
+]
 
 ENABLED = os.environ.get("FT_NATIVE_KERNELS", "1") != "0"
 # results' bytes in one call below which ordinary stores are used: a step this small stays in
@@ -68,9 +76,9 @@ _DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes
 _RESULTS = {"adam": 5, "sgd": 3}  # per kernel: its first result's pointer (inputs first)
 
 _lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
+_lib: ctypes.CDLL | None = None
 _tried = False
-_pool: Optional[ThreadPoolExecutor] = None
+_pool: ThreadPoolExecutor | None = None
 _pool_key: tuple = ()  # (workers, pid) of _pool
 
 
@@ -110,8 +118,9 @@ def _compiler() -> str:
 def _build() -> ctypes.CDLL:
     cc = _compiler()
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, cc.encode(), " ".join(_CFLAGS).encode(),
-                                     _cpu().encode()])).hexdigest()[:20]
+    key = hashlib.sha256(
+        b"\0".join([src, cc.encode(), " ".join(_CFLAGS).encode(), _cpu().encode()])
+    ).hexdigest()[:20]
     path = _cache_dir() / f"kernels-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,8 +128,12 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            res = subprocess.run(cc.split() + _CFLAGS + ["-o", tmp, str(_SOURCE)],
-                                 capture_output=True, text=True, timeout=300)
+            res = subprocess.run(
+                cc.split() + _CFLAGS + ["-o", tmp, str(_SOURCE)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             if res.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
             os.replace(tmp, path)
@@ -134,15 +147,21 @@ def _build() -> ctypes.CDLL:
         for kind in _RESULTS:
             fn = getattr(lib, f"ft_{kind}_{suf}")
             fn.restype = None
-            fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.POINTER(scalar), ctypes.c_int, ctypes.c_int]
+            fn.argtypes = [
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.POINTER(scalar),
+                ctypes.c_int,
+                ctypes.c_int,
+            ]
         fn = getattr(lib, f"ft_sumsq_{suf}")
         fn.restype = None
         fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
-def _library() -> Optional[ctypes.CDLL]:
+def _library() -> ctypes.CDLL | None:
     global _lib, _tried
     if not _tried:
         with _lock:
@@ -150,9 +169,12 @@ def _library() -> Optional[ctypes.CDLL]:
                 try:
                     _lib = _build()
                 except Exception as e:  # no compiler, a read-only cache directory...
-                    warnings.warn(f"functional_train: the native out-of-place optimizer kernels "
-                                  f"are off for this process ({type(e).__name__}: {e})",
-                                  RuntimeWarning, stacklevel=4)
+                    warnings.warn(
+                        f"functional_train: the native out-of-place optimizer kernels "
+                        f"are off for this process ({type(e).__name__}: {e})",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
                 _tried = True
     return _lib
 
@@ -203,14 +225,20 @@ def _run(fn, ptrs, numel, s, flags, stream) -> None:
     """``fn`` on the leaves whose pointers are ``ptrs`` (per role, a list of addresses or
     ``None``) and sizes ``numel``."""
     arrays = [None if P is None else array.array("q", P) for P in ptrs]  # kept alive to the end
-    roles = (ctypes.c_void_p * len(arrays))(*[None if a is None else a.buffer_info()[0]
-                                               for a in arrays])
+    roles = (ctypes.c_void_p * len(arrays))(
+        *[None if a is None else a.buffer_info()[0] for a in arrays]
+    )
     count = array.array("q", numel)
     fn(len(numel), roles, count.buffer_info()[0], s, flags, stream)
 
 
-def _call(kind: str, lists: Sequence[Optional[Sequence[torch.Tensor]]],
-          scalars: Sequence[float], flags: int, checked: bool) -> bool:
+def _call(
+    kind: str,
+    lists: Sequence[Sequence[torch.Tensor] | None],
+    scalars: Sequence[float],
+    flags: int,
+    checked: bool,
+) -> bool:
     """Run ``ft_<kind>_<dtype>`` on the leaves of ``lists`` (the kernel's pointers in order:
     per pointer a list with a tensor per leaf, or ``None`` where unused); ``False`` (nothing
     written) where the leaves are not plain contiguous CPU tensors of one dtype and equal
@@ -229,23 +257,31 @@ def _call(kind: str, lists: Sequence[Optional[Sequence[torch.Tensor]]],
     for L in () if checked and _get_current_dispatch_mode() is None else lists:
         if L is None:
             continue
-        if len(L) != n or list(map(torch.Tensor.numel, L)) != numel or not all(
-                map(torch.Tensor.is_contiguous, L)) or not all(
-                type(x) is torch.Tensor and x.dtype == dtype and x.is_cpu for x in L):
+        if (
+            len(L) != n
+            or list(map(torch.Tensor.numel, L)) != numel
+            or not all(map(torch.Tensor.is_contiguous, L))
+            or not all(type(x) is torch.Tensor and x.dtype == dtype and x.is_cpu for x in L)
+        ):
             return False
     ptrs = [None if L is None else list(map(torch.Tensor.data_ptr, L)) for L in lists]
     suf, scalar = _DTYPES[dtype]
     fn = getattr(_lib, f"ft_{kind}_{suf}")
     s = (scalar * len(scalars))(*scalars)
     total, size = sum(numel), first[0].element_size()
-    results = sum(L is not None for L in lists[_RESULTS[kind]:])
+    results = sum(L is not None for L in lists[_RESULTS[kind] :])
     stream = int(total * size * results >= STREAM_MIN_BYTES)
     threads = torch.get_num_threads() if total >= PARALLEL_MIN_NUMEL else 1
     if threads <= 1:
         _run(fn, ptrs, numel, s, flags, stream)
         return True
-    jobs = [([None if P is None else [P[k] + a * size for k, a, _ in part] for P in ptrs],
-             [c for _, _, c in part]) for part in _parts(numel, threads)]
+    jobs = [
+        (
+            [None if P is None else [P[k] + a * size for k, a, _ in part] for P in ptrs],
+            [c for _, _, c in part],
+        )
+        for part in _parts(numel, threads)
+    ]
 
     def run(job):
         _run(fn, job[0], job[1], s, flags, stream)
@@ -257,9 +293,29 @@ def _call(kind: str, lists: Sequence[Optional[Sequence[torch.Tensor]]],
     return True
 
 
-def adam(p, g, m, v, nm, new_p, new_m, new_v, new_nm, *, coef: float, weight_decay: float,
-         b1: float, b2: float, eps: float, bc1: float, bc2_sqrt: float, lr: float,
-         decoupled: bool, amsgrad: bool, checked: bool = False) -> bool:
+def adam(
+    p,
+    g,
+    m,
+    v,
+    nm,
+    new_p,
+    new_m,
+    new_v,
+    new_nm,
+    *,
+    coef: float,
+    weight_decay: float,
+    b1: float,
+    b2: float,
+    eps: float,
+    bc1: float,
+    bc2_sqrt: float,
+    lr: float,
+    decoupled: bool,
+    amsgrad: bool,
+    checked: bool = False,
+) -> bool:
     """One out-of-place Adam / AdamW step on lists of leaves (contiguous CPU tensors of one
     dtype, float32 or float64, any shapes, equal sizes leaf by leaf; ``nm``, ``new_nm`` the
     amsgrad maxima, else ``None``): ``coef`` the gradient's scale (the clip factor, negated to
@@ -268,24 +324,44 @@ def adam(p, g, m, v, nm, new_p, new_m, new_v, new_nm, *, coef: float, weight_dec
     the leaves do not qualify (``checked``: the caller vouches that they do)."""
     wd, ams = bool(weight_decay), bool(amsgrad)
     flags = (coef != 1.0) | (wd and not decoupled) << 1 | (wd and decoupled) << 2 | ams << 3
-    return _call("adam", [p, g, m, v, nm if ams else None, new_p, new_m, new_v,
-                          new_nm if ams else None],
-                 (coef, weight_decay, 1.0 - b1, b2, 1.0 - b2, eps, 1.0 / bc1, 1.0 / bc2_sqrt,
-                  lr), int(flags), checked)
+    return _call(
+        "adam",
+        [p, g, m, v, nm if ams else None, new_p, new_m, new_v, new_nm if ams else None],
+        (coef, weight_decay, 1.0 - b1, b2, 1.0 - b2, eps, 1.0 / bc1, 1.0 / bc2_sqrt, lr),
+        int(flags),
+        checked,
+    )
 
 
-def sgd(p, g, buf, new_p, new_buf, *, coef: float, weight_decay: float, momentum: float,
-        nesterov: bool, lr: float, checked: bool = False) -> bool:
+def sgd(
+    p,
+    g,
+    buf,
+    new_p,
+    new_buf,
+    *,
+    coef: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    lr: float,
+    checked: bool = False,
+) -> bool:
     """One out-of-place SGD step (weight decay, then momentum -- dampening 0, Nesterov or not
     -- then the learning rate) on lists of leaves as :func:`adam`'s; ``buf``, ``new_buf`` the
     momentum buffers, ``None`` without momentum."""
     mom = bool(momentum)
     flags = (coef != 1.0) | bool(weight_decay) << 1 | mom << 2 | (mom and bool(nesterov)) << 3
-    return _call("sgd", [p, g, buf if mom else None, new_p, new_buf if mom else None],
-                 (coef, weight_decay, momentum, lr), int(flags), checked)
+    return _call(
+        "sgd",
+        [p, g, buf if mom else None, new_p, new_buf if mom else None],
+        (coef, weight_decay, momentum, lr),
+        int(flags),
+        checked,
+    )
 
 
-def sum_squares(xs: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The sum of squares of each of ``xs`` (plain CPU tensors, float32 or float64; a
     non-contiguous one is copied first), accumulated in float64: a float64 vector with an
     element per tensor, or ``None`` (nothing computed) where the native kernels are unavailable
@@ -302,14 +378,17 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         xs = [x.contiguous() for x in xs]  # (kept alive to the end of the call)
     out = torch.empty(len(xs), dtype=torch.float64)
     for dtype in dtypes:
-        idx = range(len(xs)) if len(dtypes) == 1 else [
-            k for k, x in enumerate(xs) if x.dtype == dtype]
+        idx = (
+            range(len(xs))
+            if len(dtypes) == 1
+            else [k for k, x in enumerate(xs) if x.dtype == dtype]
+        )
         part = out if len(dtypes) == 1 else torch.empty(len(idx), dtype=torch.float64)
         ptrs = array.array("q", (xs[k].data_ptr() for k in idx))
         numel = array.array("q", (xs[k].numel() for k in idx))
-        getattr(_lib, f"ft_sumsq_{_DTYPES[dtype][0]}")(len(idx), ptrs.buffer_info()[0],
-                                                       numel.buffer_info()[0],
-                                                       part.data_ptr())
+        getattr(_lib, f"ft_sumsq_{_DTYPES[dtype][0]}")(
+            len(idx), ptrs.buffer_info()[0], numel.buffer_info()[0], part.data_ptr()
+        )
         if len(dtypes) > 1:
             out[list(idx)] = part
     return out
@@ -326,8 +405,11 @@ def sum_squares_op(xs: list[torch.Tensor]) -> torch.Tensor:
     rounding)."""
     out = sum_squares(xs)
     if out is None:
-        out = torch.stack([x.double().square().sum() for x in xs]) if xs else \
-            torch.zeros(0, dtype=torch.float64)
+        out = (
+            torch.stack([x.double().square().sum() for x in xs])
+            if xs
+            else torch.zeros(0, dtype=torch.float64)
+        )
     return out
 
 

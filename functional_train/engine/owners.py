@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict, defaultdict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from .whole import per_rank
 
 __all__ = ["OwnerPlan", "owner_plan", "run_at_owners"]
 
-_PLANS: "OrderedDict" = OrderedDict()
+_PLANS: OrderedDict = OrderedDict()
 _MAX_PLANS = 64
 
 
@@ -76,8 +76,14 @@ class OwnerPlan:
         held: per rank coordinate, elements of the leaves' blocks it holds (its share).
     """
 
-    def __init__(self, mesh_shape: Sequence[int], shapes: Sequence[tuple],
-                 placements: Sequence[tuple], costs: Sequence[float], flat: bool = False):
+    def __init__(
+        self,
+        mesh_shape: Sequence[int],
+        shapes: Sequence[tuple],
+        placements: Sequence[tuple],
+        costs: Sequence[float],
+        flat: bool = False,
+    ):
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
         self.flat = flat
         n = self.mesh_shape
@@ -86,8 +92,9 @@ class OwnerPlan:
         self.coords = coords
         # per leaf: its sharding and replicating dims (size-1 dims take no part)
         sdims = [[d for d in range(k) if n[d] > 1 and isinstance(p[d], Shard)] for p in placements]
-        rdims = [[d for d in range(k) if n[d] > 1 and not isinstance(p[d], Shard)]
-                 for p in placements]
+        rdims = [
+            [d for d in range(k) if n[d] > 1 and not isinstance(p[d], Shard)] for p in placements
+        ]
         self.shapes, self.placements = [tuple(s) for s in shapes], list(placements)
         self._sdims = sdims
 
@@ -109,8 +116,9 @@ class OwnerPlan:
             owners[j] = coords[r]
         self.owners = owners
         self.flops = dict(zip(coords, load))
-        self.held = {c: sum(size(j, tuple(c[d] for d in sdims[j])) for j in range(m))
-                     for c in coords}
+        self.held = {
+            c: sum(size(j, tuple(c[d] for d in sdims[j])) for j in range(m)) for c in coords
+        }
         sent = dict.fromkeys(coords, 0)
 
         # held[c][j]: list of pieces (key, source, offset, numel); sources 0..m-1: the locals
@@ -126,7 +134,7 @@ class OwnerPlan:
         def group_of(c, dim):  # the ranks of c's group in a phase over dim, in peer order
             if dim is None:  # the whole mesh (the world, ranks in mesh order)
                 return coords
-            return [c[:dim] + (q,) + c[dim + 1:] for q in range(n[dim])]
+            return [c[:dim] + (q,) + c[dim + 1 :] for q in range(n[dim])]
 
         def run_phase(dim, route, out_list):
             """One all-to-all over mesh dim ``dim`` (``None``: over the whole mesh), none when
@@ -147,8 +155,9 @@ class OwnerPlan:
                         new_held[c].setdefault(j, []).extend(kept)
                     for q, ps in out.items():
                         msgs[c][q].extend((j, p) for p in ps)
-            length = max((sum(p[3] for _, p in ps) for c in coords for ps in msgs[c].values()),
-                         default=0)
+            length = max(
+                (sum(p[3] for _, p in ps) for c in coords for ps in msgs[c].values()), default=0
+            )
             if length == 0:
                 held.update(new_held)
                 return
@@ -170,21 +179,25 @@ class OwnerPlan:
             out_list.append(_Phase(dim, length, sends, buf))
 
         def at(c, d, q):
-            return c[:d] + (q,) + c[d + 1:]
+            return c[:d] + (q,) + c[d + 1 :]
 
         # -- to the owners ------------------------------------------------------------------
         if flat:  # every holder straight to the owner
+
             def gather_all(c, j, pieces):
                 if not sdims[j]:
                     return None
                 return (pieces, {}) if owners[j] == c else ([], {owners[j]: pieces})
+
             run_phase(None, gather_all, phases_in)
-        for d in ([] if flat else range(k)):
+        for d in [] if flat else range(k):
+
             def gather(c, j, pieces, d=d):
                 if d not in sdims[j]:
                     return None
                 q = owners[j][d]
                 return (pieces, {}) if q == c[d] else ([], {at(c, d, q): pieces})
+
             run_phase(d, gather, phases_in)
         self.phases_in = phases_in
 
@@ -210,15 +223,20 @@ class OwnerPlan:
                 for key in keys:
                     placed.append((key, off))
                     off += size(j, key)
-                self.computed[c].append((j, [(block(j, key), src, o, cnt) for key, src, o, cnt
-                                             in held[c][j]],
-                                         [block(j, key) for key, _ in placed]))
+                self.computed[c].append(
+                    (
+                        j,
+                        [(block(j, key), src, o, cnt) for key, src, o, cnt in held[c][j]],
+                        [block(j, key) for key, _ in placed],
+                    )
+                )
                 held[c][j] = [(key, self.result_source, o, size(j, key)) for key, o in placed]
             result_len[c] = off
         self.result_length = max(result_len.values(), default=0)
 
         # -- back to every rank ---------------------------------------------------------------
         if flat:  # the owner straight to every rank: its block
+
             def back_all(c, j, pieces):
                 kept, out = [], defaultdict(list)
                 by_key = {p[0]: p for p in pieces}
@@ -226,10 +244,17 @@ class OwnerPlan:
                     p = by_key[tuple(r[d] for d in sdims[j])]
                     (kept if r == c else out[r]).append(p)
                 return kept, out
+
             run_phase(None, back_all, phases_out)
-        order = [] if flat else [(d, "scatter") for d in range(k - 1, 0, -1)] + [(0, "both")] + \
-            [(d, "broadcast") for d in range(1, k)]
+        order = (
+            []
+            if flat
+            else [(d, "scatter") for d in range(k - 1, 0, -1)]
+            + [(0, "both")]
+            + [(d, "broadcast") for d in range(1, k)]
+        )
         for d, kind in order:
+
             def back(c, j, pieces, d=d, kind=kind):
                 if d in sdims[j] and kind in ("scatter", "both"):
                     pos = sdims[j].index(d)
@@ -241,6 +266,7 @@ class OwnerPlan:
                 if d in rdims[j] and kind in ("broadcast", "both"):
                     return pieces, {at(c, d, q): pieces for q in range(n[d]) if q != c[d]}
                 return None
+
             run_phase(d, back, phases_out)
         self.phases_out = phases_out
 
@@ -271,15 +297,26 @@ class OwnerPlan:
         return len(self.phases_in) + len(self.phases_out)
 
 
-def owner_plan(mesh_shape: Sequence[int], shapes: Sequence[tuple], placements: Sequence[tuple],
-               costs: Sequence[float], flat: bool = False) -> OwnerPlan:
+def owner_plan(
+    mesh_shape: Sequence[int],
+    shapes: Sequence[tuple],
+    placements: Sequence[tuple],
+    costs: Sequence[float],
+    flat: bool = False,
+) -> OwnerPlan:
     """The (cached) :class:`OwnerPlan` of a layout (``flat``: one all-to-all over the whole
     mesh each way, for a mesh that is the world in rank order)."""
-    code = tuple(tuple(p.dim % len(s) if isinstance(p, Shard) else None for p in pl)
-                 for s, pl in zip(shapes, placements))
-    return _plan_of(tuple(int(n) for n in mesh_shape), tuple(tuple(int(n) for n in s)
-                                                            for s in shapes),
-                    code, tuple(float(c) for c in costs), bool(flat))
+    code = tuple(
+        tuple(p.dim % len(s) if isinstance(p, Shard) else None for p in pl)
+        for s, pl in zip(shapes, placements)
+    )
+    return _plan_of(
+        tuple(int(n) for n in mesh_shape),
+        tuple(tuple(int(n) for n in s) for s in shapes),
+        code,
+        tuple(float(c) for c in costs),
+        bool(flat),
+    )
 
 
 def assume_constant_result(fn):
@@ -293,8 +330,7 @@ def assume_constant_result(fn):
 
 
 @assume_constant_result
-def _plan_of(mesh_shape: tuple, shapes: tuple, code: tuple, costs: tuple,
-             flat: bool) -> OwnerPlan:
+def _plan_of(mesh_shape: tuple, shapes: tuple, code: tuple, costs: tuple, flat: bool) -> OwnerPlan:
     key = (mesh_shape, shapes, code, costs, flat)
     hit = _PLANS.get(key)
     if hit is None:
@@ -316,9 +352,13 @@ def _is_world(mesh) -> bool:
     return size == dist.get_world_size() and mesh.mesh.reshape(-1).tolist() == list(range(size))
 
 
-def run_at_owners(specs: Sequence, values: Sequence[torch.Tensor],
-                  fn: Callable[[int, torch.Tensor], torch.Tensor],
-                  out_dtype: torch.dtype, costs: Sequence[float]) -> list:
+def run_at_owners(
+    specs: Sequence,
+    values: Sequence[torch.Tensor],
+    fn: Callable[[int, torch.Tensor], torch.Tensor],
+    out_dtype: torch.dtype,
+    costs: Sequence[float],
+) -> list:
     """This rank's blocks of ``fn(j, global tensor of leaf j)`` for DTensor leaves on ONE mesh.
 
     Args:
@@ -335,8 +375,13 @@ def run_at_owners(specs: Sequence, values: Sequence[torch.Tensor],
     """
     mesh = specs[0].mesh
     flat = _is_world(mesh)
-    plan = owner_plan(tuple(int(s) for s in mesh.shape), [tuple(s.shape) for s in specs],
-                      [tuple(s.placements) for s in specs], costs, flat)
+    plan = owner_plan(
+        tuple(int(s) for s in mesh.shape),
+        [tuple(s.shape) for s in specs],
+        [tuple(s.placements) for s in specs],
+        costs,
+        flat,
+    )
     coord = list(mesh.get_coordinate())
     sources = list(values)
 
@@ -359,7 +404,7 @@ def _pack(sources: list, coord: list, ph: _Phase, dtype: torch.dtype) -> torch.T
     for pieces in ph.sends[tuple(coord)]:
         used = 0
         for src, off, cnt in pieces:
-            parts.append(sources[src].reshape(-1)[off:off + cnt])
+            parts.append(sources[src].reshape(-1)[off : off + cnt])
             used += cnt
         if used < ph.length:
             parts.append(torch.zeros(ph.length - used, dtype=dtype, device=device))
@@ -375,19 +420,21 @@ def _compute(sources: list, coord: list, plan: OwnerPlan, specs, fn, out_dtype) 
         full = sources[0].new_empty(tuple(specs[j].shape))
         for (st, ln), src, off, cnt in pieces:
             if cnt:
-                full[tuple(slice(a, a + b) for a, b in zip(st, ln))] = \
-                    sources[src].reshape(-1)[off:off + cnt].view(ln)
+                full[tuple(slice(a, a + b) for a, b in zip(st, ln))] = (
+                    sources[src].reshape(-1)[off : off + cnt].view(ln)
+                )
         res = fn(j, full)
         for st, ln in placed:
             parts.append(res[tuple(slice(a, a + b) for a, b in zip(st, ln))].reshape(-1))
             used += parts[-1].numel()
     if used < plan.result_length or not parts:
-        parts.append(torch.zeros(plan.result_length - used, dtype=out_dtype,
-                                 device=sources[0].device))
+        parts.append(
+            torch.zeros(plan.result_length - used, dtype=out_dtype, device=sources[0].device)
+        )
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 @per_rank
 def _unpack(sources: list, coord: list, plan: OwnerPlan, j: int) -> torch.Tensor:
     src, off, cnt = plan.final[tuple(coord)][j]
-    return sources[src].reshape(-1)[off:off + cnt].view(sources[j].shape)
+    return sources[src].reshape(-1)[off : off + cnt].view(sources[j].shape)

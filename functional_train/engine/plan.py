@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -27,7 +28,7 @@ from .layout import World
 
 __all__ = ["Plan", "plan_for", "cache_clear", "agree_presence"]
 
-_PLANS: "OrderedDict[Any, Plan]" = OrderedDict()
+_PLANS: OrderedDict[Any, Plan] = OrderedDict()
 _MAX_PLANS = 64
 
 
@@ -51,8 +52,9 @@ def describe(x: Any) -> str:
     """A leaf's layout in words, for error messages."""
     if isinstance(x, DTensor):
         names = x.device_mesh.mesh_dim_names
-        return (f"a DTensor {tuple(x.placements)} on mesh {tuple(x.device_mesh.shape)}"
-                + (f" {names}" if names else ""))
+        return f"a DTensor {tuple(x.placements)} on mesh {tuple(x.device_mesh.shape)}" + (
+            f" {names}" if names else ""
+        )
     if isinstance(x, torch.Tensor):
         return "a plain tensor"
     return "None" if x is None else type(x).__name__
@@ -60,29 +62,39 @@ def describe(x: Any) -> str:
 
 def _check_leaf(path: str, u: Any, p: Any, has_params: bool) -> None:
     if u is not None and not isinstance(u, torch.Tensor):
-        raise TypeError(f"update leaf '{path}' must be a torch.Tensor, DTensor or None, "
-                        f"got {type(u).__name__}")
+        raise TypeError(
+            f"update leaf '{path}' must be a torch.Tensor, DTensor or None, got {type(u).__name__}"
+        )
     if p is not None and not isinstance(p, torch.Tensor):
-        raise TypeError(f"params leaf '{path}' must be a torch.Tensor, DTensor or None, "
-                        f"got {type(p).__name__}")
+        raise TypeError(
+            f"params leaf '{path}' must be a torch.Tensor, DTensor or None, got {type(p).__name__}"
+        )
     if u is None:
         return
     if not (u.dtype.is_floating_point or u.dtype.is_complex):
-        raise TypeError(f"update leaf '{path}' has dtype {u.dtype}; gradients and updates must "
-                        f"be floating point (give integer and bool parameters a None gradient)")
+        raise TypeError(
+            f"update leaf '{path}' has dtype {u.dtype}; gradients and updates must "
+            f"be floating point (give integer and bool parameters a None gradient)"
+        )
     if has_params and p is None:
-        raise ValueError(f"params leaf '{path}' is None but its update leaf is not; give a "
-                         f"frozen or absent parameter a None update too")
+        raise ValueError(
+            f"params leaf '{path}' is None but its update leaf is not; give a "
+            f"frozen or absent parameter a None update too"
+        )
     if p is None:
         return
     if tuple(u.shape) != tuple(p.shape):
-        raise ValueError(f"update leaf '{path}' has shape {tuple(u.shape)}, "
-                         f"expected the parameter's shape {tuple(p.shape)}")
+        raise ValueError(
+            f"update leaf '{path}' has shape {tuple(u.shape)}, "
+            f"expected the parameter's shape {tuple(p.shape)}"
+        )
     if isinstance(p, DTensor):
         if any(isinstance(pl, Partial) for pl in p.placements):
-            raise ValueError(f"params leaf '{path}' has Partial placements {tuple(p.placements)}; "
-                             f"parameters must be Shard or Replicate (only gradients can be "
-                             f"Partial)")
+            raise ValueError(
+                f"params leaf '{path}' has Partial placements {tuple(p.placements)}; "
+                f"parameters must be Shard or Replicate (only gradients can be "
+                f"Partial)"
+            )
     # a plain gradient of a DTensor parameter (or the converse) holds the global values:
     # materialize() relayouts it into the parameter's placements
 
@@ -107,12 +119,25 @@ class Plan:
         relayout: leaves whose materialised placements differ from their parameter's.
     """
 
-    __slots__ = ("treedef", "paths", "world", "mesh", "active", "specs", "data_rounds",
-                 "expert_scale",
-                 "partial_rounds", "relayout", "param_specs", "trivial", "memo")
+    __slots__ = (
+        "treedef",
+        "paths",
+        "world",
+        "mesh",
+        "active",
+        "specs",
+        "data_rounds",
+        "expert_scale",
+        "partial_rounds",
+        "relayout",
+        "param_specs",
+        "trivial",
+        "memo",
+    )
 
-    def __init__(self, treedef, leaves: Sequence[Any], pleaves: Optional[Sequence[Any]],
-                 mesh: Optional[Mesh]):
+    def __init__(
+        self, treedef, leaves: Sequence[Any], pleaves: Sequence[Any] | None, mesh: Mesh | None
+    ):
         self.treedef = treedef
         self.memo: dict = {}  # values derived from the layout on first use (replica counts, ...)
         self.paths = [format_path(p) for p in treedef.paths()]
@@ -122,7 +147,8 @@ class Plan:
         self.active = [i for i, x in enumerate(leaves) if x is not None]
         self.param_specs = None if pleaves is None else [spec_of(p) for p in pleaves]
         any_dtensor = any(isinstance(x, DTensor) for x in leaves) or (
-            pleaves is not None and any(isinstance(p, DTensor) for p in pleaves))
+            pleaves is not None and any(isinstance(p, DTensor) for p in pleaves)
+        )
         self.trivial = not any_dtensor and (mesh is None or mesh.device_mesh is None)
         self.data_rounds: list = []
         self.expert_scale: tuple = ((), 1.0)
@@ -175,7 +201,7 @@ class Plan:
                     self.relayout.append(i)
                     self.specs[i] = ps
 
-    def materialize(self, leaves: list, pleaves: Optional[list]) -> list:
+    def materialize(self, leaves: list, pleaves: list | None) -> list:
         """Reduce unreduced gradients into the placements of their parameters (new list).
 
         * plain tensors and DTensors on a sub-mesh without ``mesh.data_axis``: mean over the
@@ -219,9 +245,13 @@ def data_rounds(world: World, leaves: Sequence[Any], paths: Sequence[str]) -> tu
     for d in mesh.data_dims:
         if world.shape[d] == 1:
             continue
-        idx = [i for i, g in enumerate(leaves) if g is not None and not (
-            isinstance(g, DTensor) and d in world.leaf_dims(g, paths[i]))
-            and not (d == world._ep and experts[i])]
+        idx = [
+            i
+            for i, g in enumerate(leaves)
+            if g is not None
+            and not (isinstance(g, DTensor) and d in world.leaf_dims(g, paths[i]))
+            and not (d == world._ep and experts[i])
+        ]
         if idx:
             rounds.append((d, idx, world.dim_group(d)))
     scaled = tuple(i for i, e in enumerate(experts) if e) if mesh.expert_data else ()
@@ -246,8 +276,11 @@ def _same_layout(a: Spec, b: Spec) -> bool:
     """Same mesh and placements, compared element by element with ``==`` (a tuple comparison
     short-cuts identical elements, and dynamo then guards on the placements' identity: a new
     but equal ``Replicate()`` would recompile a compiled step)."""
-    return (a.mesh == b.mesh and len(a.placements) == len(b.placements)
-            and all([x == y for x, y in zip(a.placements, b.placements)]))
+    return (
+        a.mesh == b.mesh
+        and len(a.placements) == len(b.placements)
+        and all([x == y for x, y in zip(a.placements, b.placements)])
+    )
 
 
 def _respec(s: Spec, placements: tuple) -> Spec:
@@ -257,14 +290,19 @@ def _respec(s: Spec, placements: tuple) -> Spec:
 _NO_WORLD = World(None, [], [])  # made at import: a global set under tracing would recompile
 
 
-def plan_for(treedef, leaves: Sequence[Any], pleaves: Optional[Sequence[Any]],
-             mesh: Optional[Mesh]) -> Plan:
+def plan_for(
+    treedef, leaves: Sequence[Any], pleaves: Sequence[Any] | None, mesh: Mesh | None
+) -> Plan:
     """The cached plan of this layout (built on first use; under ``torch.compile`` built anew,
     since tracing runs once per layout anyway)."""
     if torch.compiler.is_compiling():
         return Plan(treedef, leaves, pleaves, mesh)
-    key = (treedef, tuple(map(_leaf_key, leaves)),
-           None if pleaves is None else tuple(map(_leaf_key, pleaves)), mesh)
+    key = (
+        treedef,
+        tuple(map(_leaf_key, leaves)),
+        None if pleaves is None else tuple(map(_leaf_key, pleaves)),
+        mesh,
+    )
     try:
         hit = _PLANS.get(key)
     except TypeError:  # an unhashable leaf: validation raises the clear error
@@ -289,11 +327,17 @@ def _all_on_data_axis(pleaves: Sequence[Any], axis: str) -> bool:
     return True
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64,
-           torch.complex128)
+_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+)
 
 
-def agree_presence(leaves: list, pleaves: Optional[list], treedef, mesh: Mesh) -> list:
+def agree_presence(leaves: list, pleaves: list | None, treedef, mesh: Mesh) -> list:
     """Make every rank of the data axis hold the same gradient leaves (DDP's
     ``find_unused_parameters``): a leaf whose gradient is ``None`` on some ranks only (a
     parameter unused on their micro-batch, an expert no token reached) becomes zeros there, so
@@ -343,8 +387,10 @@ def agree_presence(leaves: list, pleaves: Optional[list], treedef, mesh: Mesh) -
             continue
         path = format_path(treedef.paths()[i])
         if code % count:
-            raise ValueError(f"gradient leaf '{path}' is None on some ranks of the data axis "
-                             f"and has different dtypes or layouts on the others")
+            raise ValueError(
+                f"gradient leaf '{path}' is None on some ranks of the data axis "
+                f"and has different dtypes or layouts on the others"
+            )
         code = code // count - 1
         dt, lay = divmod(code, 4)
         p = None if pleaves is None else pleaves[i]
@@ -353,7 +399,8 @@ def agree_presence(leaves: list, pleaves: Optional[list], treedef, mesh: Mesh) -
                 f"gradient leaf '{path}' is None on {dp - count} of the {dp} ranks of the data "
                 f"axis only; it can count as zero there only when params are given and the "
                 f"gradient is a plain tensor or a DTensor in its parameter's placements (not "
-                f"Partial): pass zeros on those ranks instead")
+                f"Partial): pass zeros on those ranks instead"
+            )
         lp = to_local(p)
         if lay == 1:  # a DTensor in its parameter's placements: zeros of the local shard
             out[i] = wrap_like(torch.zeros(lp.shape, dtype=_DTYPES[dt], device=lp.device), p)

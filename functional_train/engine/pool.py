@@ -20,7 +20,7 @@ dropped (as a caching allocator would), and nothing when the plan is evicted
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -59,16 +59,22 @@ class Pool:
         allocators cache already."""
         pooled = self.pooled.get(kind)
         if pooled is None:  # the layout is the plan's: decided once per kind
-            pooled = self.pooled[kind] = bool(like) and like[0].is_cpu and sum(
-                x.numel() * x.element_size() for x in like) >= MIN_MEAN_BYTES * len(like)
+            pooled = self.pooled[kind] = (
+                bool(like)
+                and like[0].is_cpu
+                and sum(x.numel() * x.element_size() for x in like) >= MIN_MEAN_BYTES * len(like)
+            )
         if not pooled:
             if all(map(_contiguous, like)):  # (a map without keywords: about 0.8 against 1.1 us)
                 return list(map(torch.empty_like, like))
             return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
         sets = self.sets.setdefault(kind, [])
         for bufs in sets:
-            if len(bufs) == len(like) and all(_free(b) for b in bufs) and all(
-                    b.shape == x.shape and b.dtype == x.dtype for b, x in zip(bufs, like)):
+            if (
+                len(bufs) == len(like)
+                and all(_free(b) for b in bufs)
+                and all(b.shape == x.shape and b.dtype == x.dtype for b, x in zip(bufs, like))
+            ):
                 return [b.detach() for b in bufs]
         bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
         sets.append(bufs)
@@ -82,11 +88,17 @@ class Pool:
         unscale in place): one set per kind, made once and reused without use-count checks,
         since nothing outside the step ever sees them."""
         bufs = self.scratches.get(kind)
-        if bufs is None or len(bufs) != len(like) or any(
+        if (
+            bufs is None
+            or len(bufs) != len(like)
+            or any(
                 b.shape != x.shape or b.dtype != x.dtype or b.device != x.device
-                for b, x in zip(bufs, like)):
+                for b, x in zip(bufs, like)
+            )
+        ):
             bufs = self.scratches[kind] = [
-                torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
+                torch.empty_like(x, memory_format=torch.contiguous_format) for x in like
+            ]
         return bufs
 
 
@@ -110,8 +122,9 @@ class Scratch:
     def __init__(self):
         self.bufs: dict = {}
 
-    def view(self, slot: int, shape: Sequence[int], dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
+    def view(
+        self, slot: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """A contiguous tensor of ``shape`` over the slot's buffer (its previous contents are
         garbage; the previous view of the slot must no longer be in use)."""
         if not all(type(d) is int for d in shape):  # symbolic sizes (simulated ranks)

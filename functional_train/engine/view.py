@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -48,43 +49,62 @@ class Prepared:
         is_view: whether :meth:`rebuild` returns a view (inside a chain) rather than a tree.
     """
 
-    __slots__ = ("plan", "treedef", "updates", "locals", "specs", "params", "active", "world",
-                 "mesh", "is_view")
+    __slots__ = (
+        "plan",
+        "treedef",
+        "updates",
+        "locals",
+        "specs",
+        "params",
+        "active",
+        "world",
+        "mesh",
+        "is_view",
+    )
 
     def __init__(self, plan: Plan, updates, locals_, params, is_view: bool = False):
         self.plan, self.treedef = plan, plan.treedef
         self.updates, self.locals, self.params = updates, locals_, params
-        self.specs, self.active, self.world, self.mesh = (plan.specs, plan.active, plan.world,
-                                                          plan.mesh)
+        self.specs, self.active, self.world, self.mesh = (
+            plan.specs,
+            plan.active,
+            plan.world,
+            plan.mesh,
+        )
         self.is_view = is_view
 
     @property
     def paths(self) -> list:
         return self.plan.paths
 
-    def with_locals(self, new_locals: Sequence[Any]) -> "Prepared":
+    def with_locals(self, new_locals: Sequence[Any]) -> Prepared:
         """The same view with other local values (one per leaf, ``None`` allowed)."""
         return Prepared(self.plan, self.updates, list(new_locals), self.params, self.is_view)
 
     def tree(self) -> Any:
         """The current values as a tree of the caller's kind (DTensors rewrapped in ``specs``)."""
-        return tree_unflatten(self.treedef, [wrap(l, s) for l, s in zip(self.locals, self.specs)])
+        return tree_unflatten(
+            self.treedef, [wrap(loc, s) for loc, s in zip(self.locals, self.specs)]
+        )
 
     def rebuild(self, new_locals: Sequence[Any]) -> Any:
         """``new_locals`` (one per leaf, ``None`` allowed) as the result of a transform: a view
         inside a chain (:attr:`is_view`), else a tree rewrapped in ``specs``."""
         if self.is_view:
             return self.with_locals(new_locals)
-        return tree_unflatten(self.treedef, [wrap(l, s) for l, s in zip(new_locals, self.specs)])
+        return tree_unflatten(
+            self.treedef, [wrap(loc, s) for loc, s in zip(new_locals, self.specs)]
+        )
 
     def rebuild_active(self, active_locals: Sequence[Any]) -> Any:
-        """Like :meth:`rebuild` from values for the ``active`` leaves only (others stay ``None``)."""
+        """Like :meth:`rebuild` from values for the ``active`` leaves only (others stay
+        ``None``)."""
         full: list = [None] * len(self.locals)
         for i, v in zip(self.active, active_locals):
             full[i] = v
         return self.rebuild(full)
 
-    def replicas(self, i: int, within: Optional[frozenset] = None) -> int:
+    def replicas(self, i: int, within: frozenset | None = None) -> int:
         """How many ranks hold the same values of leaf ``i`` (cached in the plan)."""
         memo = self.plan.memo
         key = ("replicas", i, within)
@@ -115,15 +135,18 @@ class Prepared:
             if dt and memo and checked.get(i) is x._spec:
                 continue
             if x.shape != self.updates[i].shape:
-                raise ValueError(f"update leaf '{self.paths[i]}' has shape "
-                                 f"{tuple(self.updates[i].shape)}, but its {what} leaf has shape "
-                                 f"{tuple(x.shape)} (the parameter's)")
+                raise ValueError(
+                    f"update leaf '{self.paths[i]}' has shape "
+                    f"{tuple(self.updates[i].shape)}, but its {what} leaf has shape "
+                    f"{tuple(x.shape)} (the parameter's)"
+                )
             s = self.specs[i]
             if (s is None) == dt or (s is not None and not _same_layout(spec_of(x), s)):
                 raise ValueError(
                     f"{what} leaf '{self.paths[i]}' is {describe(x)}, but the update leaf is "
                     f"{describe(self.updates[i])} (in the parameter's layout); the state must "
-                    f"come from init on parameters of this layout")
+                    f"come from init on parameters of this layout"
+                )
             if dt and memo:
                 checked[i] = x._spec
         return to_locals(leaves)
@@ -138,8 +161,12 @@ class Prepared:
             leaves[i] = v
         return tree_unflatten(self.treedef, leaves)
 
-    def leaf_sums(self, items: Sequence[tuple[int, torch.Tensor, Sequence[int]]],
-                  op: str = "sum", whole: bool = False) -> list:
+    def leaf_sums(
+        self,
+        items: Sequence[tuple[int, torch.Tensor, Sequence[int]]],
+        op: str = "sum",
+        whole: bool = False,
+    ) -> list:
         """Complete per-leaf reductions that were computed over the local shard.
 
         Args:
@@ -170,13 +197,14 @@ class Prepared:
         for n, (i, t, dims) in enumerate(items):
             x = self.updates[i]
             if whole:
-                sharded = isinstance(x, DTensor) and any(isinstance(p, Shard)
-                                                         for p in x.placements)
+                sharded = isinstance(x, DTensor) and any(isinstance(p, Shard) for p in x.placements)
                 if not sharded:
                     out[n] = t
                 elif statistic_shape(x, t, dims) is None:
-                    raise ValueError(f"leaf_sums(whole=True): the partial result for leaf "
-                                     f"'{self.paths[i]}' is not a statistic of its local shard")
+                    raise ValueError(
+                        f"leaf_sums(whole=True): the partial result for leaf "
+                        f"'{self.paths[i]}' is not a statistic of its local shard"
+                    )
                 else:
                     scatter.append(n)
                 continue
@@ -201,7 +229,8 @@ class Prepared:
         hit = self.plan.memo.get(key)
         if hit is None:
             hit = self.plan.memo[key] = self.world.statistic_dims(
-                [(self.updates[i], self.paths[i]) for i in indices])
+                [(self.updates[i], self.paths[i]) for i in indices]
+            )
         return hit
 
     def _scatter_reduce(self, items, op: str, whole: bool = False, dims=None) -> list:
@@ -227,7 +256,7 @@ class Prepared:
         for k, (_, t, _) in enumerate(items):
             by_dtype[t.dtype].append(k)
         fill = 0.0 if op == "sum" else -math.inf
-        for dtype, ks in by_dtype.items():
+        for _dtype, ks in by_dtype.items():
             metas = []
             for k in ks:
                 i, t, red = items[k]
@@ -239,8 +268,9 @@ class Prepared:
                 else:
                     keep = [d for d in range(nd) if d not in red]
                 w = 1.0 if op == "max" else 1.0 / self.replicas(i, frozenset(dims))
-                metas.append((x, self.world.leaf_dims(x, self.paths[i]), keep, w,
-                              statistic_shape(x, t, red)))
+                metas.append(
+                    (x, self.world.leaf_dims(x, self.paths[i]), keep, w, statistic_shape(x, t, red))
+                )
 
             def pack(r, ts, metas=metas):
                 parts = []
@@ -263,7 +293,7 @@ class Prepared:
                 def unpack(r, ts, j=j, metas=metas, sizes=sizes):
                     x, ldims, keep, _, gshape = metas[j]
                     off = sum(sizes[:j])
-                    whole = ts[0][off:off + sizes[j]].view(gshape)
+                    whole = ts[0][off : off + sizes[j]].view(gshape)
                     return whole[region(x, [coords[r][d] for d in ldims], keep)].contiguous()
 
                 out[k] = per_rank([red], unpack)
@@ -279,16 +309,19 @@ class Prepared:
         per-leaf sums runs over every mesh dim but the pipeline one and the expert one (whose
         ranks hold different leaves, which must not be mixed; the expert dim does take part
         when a leaf is one DTensor split over it, see :meth:`World.statistic_dims`); the vector
-        is float64 when an input is float64. Returns the global per-leaf sums in order, each a 0-dim tensor of its input's
-        dtype, so that a leaf's result does not depend on the dtypes of the other leaves.
+        is float64 when an input is float64. Returns the global per-leaf sums in order, each a
+        0-dim tensor of its input's dtype, so that a leaf's result does not depend on the dtypes
+        of the other leaves.
         """
         if not items:
             return []
         dtype = torch.float64 if any(t.dtype == torch.float64 for _, t in items) else torch.float32
-        vals = self.leaf_totals_vector([i for i, _ in items],
-                                       torch.stack([t.to(dtype) for _, t in items]))
-        return [v if v.dtype == t.dtype else v.to(t.dtype)
-                for v, (_, t) in zip(vals.unbind(), items)]
+        vals = self.leaf_totals_vector(
+            [i for i, _ in items], torch.stack([t.to(dtype) for _, t in items])
+        )
+        return [
+            v if v.dtype == t.dtype else v.to(t.dtype) for v, (_, t) in zip(vals.unbind(), items)
+        ]
 
     def leaf_totals_vector(self, indices: Sequence[int], vals: torch.Tensor) -> torch.Tensor:
         """:meth:`leaf_totals` of a vector: ``vals[k]`` is the local sum of leaf
@@ -317,17 +350,22 @@ class Prepared:
             vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
         return all_reduce(vals, "sum", group)
 
-    def global_sum(self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+    def global_sum(
+        self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]
+    ) -> torch.Tensor:
         """Sum over every rank of per-leaf local sums (0-dim tensors, or one vector of them),
         each element counted once (ONE all-reduce)."""
         return _global_reduce(self, local_sums, indices, "sum")
 
-    def global_max(self, local_maxes: Sequence[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+    def global_max(
+        self, local_maxes: Sequence[torch.Tensor], indices: Sequence[int]
+    ) -> torch.Tensor:
         """Max over every rank of per-leaf local maxima (ONE all-reduce)."""
         return _global_reduce(self, local_maxes, indices, "max")
 
-    def global_reduce_start(self, values: Sequence[torch.Tensor], indices: Sequence[int],
-                            op: str) -> Callable[[], torch.Tensor]:
+    def global_reduce_start(
+        self, values: Sequence[torch.Tensor], indices: Sequence[int], op: str
+    ) -> Callable[[], torch.Tensor]:
         """:meth:`global_sum` (``op="sum"``) or :meth:`global_max` (``"max"``) with its
         all-reduce issued now: returns ``finish``, which waits and gives the result (see
         :func:`~functional_train.engine.collectives.all_reduce_start`)."""
@@ -360,8 +398,9 @@ def _global_reduce_start(b: Prepared, values, indices, op: str) -> Callable[[], 
         replicas = [b.replicas(i) for i in indices]
         weights = None
         if any(r != 1 for r in replicas):
-            weights = torch.tensor([1.0 / r for r in replicas], dtype=vals.dtype,
-                                   device=vals.device)
+            weights = torch.tensor(
+                [1.0 / r for r in replicas], dtype=vals.dtype, device=vals.device
+            )
         hit = b.plan.memo[key] = (all(r == world.size for r in replicas), weights)
     whole, weights = hit
     if whole:  # every leaf is whole on every rank: the local result is already the global one
@@ -373,7 +412,6 @@ def _global_reduce_start(b: Prepared, values, indices, op: str) -> Callable[[], 
     else:
         total = vals.max()
     return all_reduce_start(total, op, world.world_group())
-
 
 
 def mesh_coordinates(root) -> dict:
@@ -393,8 +431,15 @@ def leaf_paths(tree: Any) -> list:
     return [format_path(p) for p in paths_raw]
 
 
-def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: bool = False,
-            name: str = "transform", view: bool = False) -> Prepared:
+def prepare(
+    updates: Any,
+    params: Any,
+    mesh: Mesh | None,
+    *,
+    need_params: bool = False,
+    name: str = "transform",
+    view: bool = False,
+) -> Prepared:
     """Flatten, validate and materialise the inputs of one ``update`` call.
 
     ``updates`` may be a tree, or a :class:`Prepared` view handed along by a chain (returned as
@@ -414,8 +459,9 @@ def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: boo
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
         return updates
     if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"{name}: mesh must be a functional_train.Mesh or None, "
-                        f"got {type(mesh).__name__}")
+        raise TypeError(
+            f"{name}: mesh must be a functional_train.Mesh or None, got {type(mesh).__name__}"
+        )
     if params is None:
         if need_params:
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
@@ -427,8 +473,7 @@ def prepare(updates: Any, params: Any, mesh: Optional[Mesh], *, need_params: boo
     leaves = detached(leaves)  # no graph into the states (see functional_train.autograd)
     if pleaves is not None:
         pleaves = detached(pleaves)
-    if (mesh is not None and mesh.pending_data_reduction
-            and not torch.compiler.is_compiling()):
+    if mesh is not None and mesh.pending_data_reduction and not torch.compiler.is_compiling():
         # ranks may differ in which gradients are None: agree first (one small all-reduce)
         leaves = agree_presence(leaves, pleaves, treedef, mesh)
     plan = plan_for(treedef, leaves, pleaves, mesh)

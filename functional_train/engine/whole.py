@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import Shard
@@ -26,20 +26,24 @@ __all__ = ["per_rank", "is_sharded", "local_part", "gather_global"]
 try:  # run a rank-dependent function once per simulated rank (LocalTensorMode); else plain call
     from torch.distributed._local_tensor import maybe_run_for_local_tensor as per_rank
 except ImportError:  # pragma: no cover - older torch: no simulation, plain calls
+
     def per_rank(fn):
         return fn
 
 
-def is_sharded(spec: Optional[Spec], dim: Optional[int] = None) -> bool:
+def is_sharded(spec: Spec | None, dim: int | None = None) -> bool:
     if spec is None:
         return False
-    return any(isinstance(p, Shard) and (dim is None or p.dim % len(spec.shape) == dim)
-               for p in spec.placements)
+    return any(
+        isinstance(p, Shard) and (dim is None or p.dim % len(spec.shape) == dim)
+        for p in spec.placements
+    )
 
 
 @per_rank
-def _narrow_block(full: torch.Tensor, shape: tuple, placements: tuple, mesh_shape: tuple,
-                  coord: list) -> torch.Tensor:
+def _narrow_block(
+    full: torch.Tensor, shape: tuple, placements: tuple, mesh_shape: tuple, coord: list
+) -> torch.Tensor:
     starts, lens = shard_region(shape, placements, mesh_shape, coord)
     x = full
     for d, (st, ln) in enumerate(zip(starts, lens)):
@@ -53,8 +57,13 @@ def local_part(full: torch.Tensor, mesh, placements: Sequence) -> torch.Tensor:
     ``placements`` on ``mesh`` (a view; no communication)."""
     if not any(isinstance(p, Shard) for p in placements):
         return full
-    return _narrow_block(full, tuple(int(s) for s in full.shape), tuple(placements),
-                         tuple(int(s) for s in mesh.shape), list(mesh.get_coordinate()))
+    return _narrow_block(
+        full,
+        tuple(int(s) for s in full.shape),
+        tuple(placements),
+        tuple(int(s) for s in mesh.shape),
+        list(mesh.get_coordinate()),
+    )
 
 
 @per_rank
@@ -65,7 +74,7 @@ def _padded_flat(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(n - flat.numel())])
 
 
-def gather_global(b, idx: Sequence[int], values: Optional[dict] = None) -> dict:
+def gather_global(b, idx: Sequence[int], values: dict | None = None) -> dict:
     """Global tensors of the sharded DTensor leaves ``idx`` of the prepared view ``b`` (the same
     on every rank): of their local shards ``b.locals[i]``, or of ``values[i]``, local tensors
     laid out like them.
@@ -113,7 +122,7 @@ def gather_global(b, idx: Sequence[int], values: Optional[dict] = None) -> dict:
                 if numel == 0:
                     continue
                 start = block * total + off
-                piece = buf[start:start + numel].view(lens)
+                piece = buf[start : start + numel].view(lens)
                 full[tuple(slice(a, a + n) for a, n in zip(starts, lens))] = piece
             out[i] = full
     return out

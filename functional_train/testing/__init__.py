@@ -20,15 +20,33 @@ with simulated ones is updated once per simulated rank.
 """
 
 from .equivalence import assert_sharded_equivalent
-from .sim import (count_collectives, gather, local_tensor, on_rank, per_rank, replicated,
-                  simulate)
+from .sim import count_collectives, gather, local_tensor, on_rank, per_rank, replicated, simulate
 
-_STRATEGIES = ("mesh_shapes", "placements", "leaf_placements", "tree_placements", "shapes",
-               "tensors", "gradients", "gradients_like", "pytrees", "ShardedCase",
-               "sharded_cases")
+_STRATEGIES = (
+    "mesh_shapes",
+    "placements",
+    "leaf_placements",
+    "tree_placements",
+    "shapes",
+    "tensors",
+    "gradients",
+    "gradients_like",
+    "pytrees",
+    "ShardedCase",
+    "sharded_cases",
+)
 
-__all__ = ["assert_sharded_equivalent", "simulate", "per_rank", "replicated", "local_tensor",
-           "on_rank", "gather", "count_collectives", *_STRATEGIES]
+__all__ = [
+    "assert_sharded_equivalent",
+    "simulate",
+    "per_rank",
+    "replicated",
+    "local_tensor",
+    "on_rank",
+    "gather",
+    "count_collectives",
+    *_STRATEGIES,
+]
 
 
 def __getattr__(name: str):
@@ -39,8 +57,10 @@ def __getattr__(name: str):
         try:
             mod = importlib.import_module(".strategies", __name__)
         except ImportError as e:  # pragma: no cover
-            raise ImportError(f"functional_train.testing.{name} needs hypothesis: "
-                              "pip install functional-train[test]") from e
+            raise ImportError(
+                f"functional_train.testing.{name} needs hypothesis: "
+                "pip install functional-train[test]"
+            ) from e
         return mod if name == "strategies" else getattr(mod, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -22,7 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["assert_sharded_equivalent"]
 
-PlacementsSpec = Union[Any, Callable[[str, Optional[torch.Tensor]], Any]]
+PlacementsSpec = Any | Callable[[str, torch.Tensor | None], Any]
 
 
 # =============================================================================================
@@ -65,12 +66,23 @@ def _one_pl_str(p) -> str:
 def _is_placements_leaf(x: Any) -> bool:
     if x is None or isinstance(x, Placement):
         return True
-    return (isinstance(x, (list, tuple)) and not hasattr(x, "_fields") and len(x) > 0
-            and all(isinstance(p, Placement) for p in x))
+    return (
+        isinstance(x, (list, tuple))
+        and not hasattr(x, "_fields")
+        and len(x) > 0
+        and all(isinstance(p, Placement) for p in x)
+    )
 
 
-def _resolve_placements(spec: PlacementsSpec, what: str, paths: list, leaves: list, treedef,
-                        mesh_ndim: int, allow_partial: bool) -> list:
+def _resolve_placements(
+    spec: PlacementsSpec,
+    what: str,
+    paths: list,
+    leaves: list,
+    treedef,
+    mesh_ndim: int,
+    allow_partial: bool,
+) -> list:
     """One tuple of placements (or ``None``) per leaf of the params tree."""
     if callable(spec) and not isinstance(spec, Placement):
         raw = [spec(p, x) for p, x in zip(paths, leaves)]
@@ -79,9 +91,11 @@ def _resolve_placements(spec: PlacementsSpec, what: str, paths: list, leaves: li
             raw = treedef.flatten_up_to(spec)
         except (ValueError, TypeError) as e:
             td = optree.tree_structure(spec, none_is_leaf=True, is_leaf=_is_placements_leaf)
-            raise ValueError(f"assert_sharded_equivalent: {what} does not have the structure of "
-                             f"params (one placements list or None per leaf):\n  {what}: {td}\n"
-                             f"  params: {treedef}\n  ({e})") from e
+            raise ValueError(
+                f"assert_sharded_equivalent: {what} does not have the structure of "
+                f"params (one placements list or None per leaf):\n  {what}: {td}\n"
+                f"  params: {treedef}\n  ({e})"
+            ) from e
     out = []
     for path, x, pl in zip(paths, leaves, raw):
         if pl is None:
@@ -90,31 +104,44 @@ def _resolve_placements(spec: PlacementsSpec, what: str, paths: list, leaves: li
         if isinstance(pl, Placement):
             pl = (pl,)
         if not _is_placements_leaf(pl):
-            raise TypeError(f"assert_sharded_equivalent: {what}['{path}'] must be a sequence of "
-                            f"placements or None, got {pl!r}")
+            raise TypeError(
+                f"assert_sharded_equivalent: {what}['{path}'] must be a sequence of "
+                f"placements or None, got {pl!r}"
+            )
         pl = tuple(pl)
         if x is None:
-            raise ValueError(f"assert_sharded_equivalent: {what}['{path}'] is {_pl_str(pl)} "
-                             "but the leaf is None")
+            raise ValueError(
+                f"assert_sharded_equivalent: {what}['{path}'] is {_pl_str(pl)} but the leaf is None"
+            )
         if len(pl) != mesh_ndim:
-            raise ValueError(f"assert_sharded_equivalent: {what}['{path}'] has {len(pl)} "
-                             f"placements {_pl_str(pl)}, the mesh has {mesh_ndim} dims")
+            raise ValueError(
+                f"assert_sharded_equivalent: {what}['{path}'] has {len(pl)} "
+                f"placements {_pl_str(pl)}, the mesh has {mesh_ndim} dims"
+            )
         for p in pl:
             if isinstance(p, Shard):
                 if x.ndim == 0 or not -x.ndim <= p.dim < x.ndim:
-                    raise ValueError(f"assert_sharded_equivalent: {what}['{path}'] has "
-                                     f"{_one_pl_str(p)}, but the leaf has shape {tuple(x.shape)}")
+                    raise ValueError(
+                        f"assert_sharded_equivalent: {what}['{path}'] has "
+                        f"{_one_pl_str(p)}, but the leaf has shape {tuple(x.shape)}"
+                    )
             elif isinstance(p, Partial):
                 if not allow_partial:
-                    raise ValueError(f"assert_sharded_equivalent: {what}['{path}'] is Partial; "
-                                     "only grad_placements may be")
+                    raise ValueError(
+                        f"assert_sharded_equivalent: {what}['{path}'] is Partial; "
+                        "only grad_placements may be"
+                    )
                 if p.reduce_op not in ("sum", "avg"):
-                    raise ValueError(f"assert_sharded_equivalent: {what}['{path}'] is "
-                                     f"{_one_pl_str(p)}; only Partial('sum') and "
-                                     "Partial('avg') gradients can be generated")
+                    raise ValueError(
+                        f"assert_sharded_equivalent: {what}['{path}'] is "
+                        f"{_one_pl_str(p)}; only Partial('sum') and "
+                        "Partial('avg') gradients can be generated"
+                    )
             elif not isinstance(p, Replicate):
-                raise ValueError(f"assert_sharded_equivalent: {what}['{path}'] has an "
-                                 f"unsupported placement {p!r}")
+                raise ValueError(
+                    f"assert_sharded_equivalent: {what}['{path}'] has an "
+                    f"unsupported placement {p!r}"
+                )
         out.append(pl)
     return out
 
@@ -127,8 +154,9 @@ def _unravel(r: int, shape: Sequence[int]) -> tuple:
     return tuple(reversed(out))
 
 
-def _region(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int],
-            coord: Sequence[int]) -> tuple:
+def _region(
+    shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int], coord: Sequence[int]
+) -> tuple:
     """The slices of a global tensor of ``shape`` held by the rank at mesh ``coord``
     (``Shard`` placements chunk mesh dim by mesh dim, torch's nested chunking)."""
     start, size = [0] * len(shape), [int(s) for s in shape]
@@ -210,8 +238,9 @@ def _spread(x: torch.Tensor, seed: int) -> torch.Tensor:
     return x.detach().to(torch.float64) * u
 
 
-def _sharded_leaf(ctx: _Ranks, x: Optional[torch.Tensor], pl: Optional[tuple],
-                  unreduced: Sequence[tuple]):
+def _sharded_leaf(
+    ctx: _Ranks, x: torch.Tensor | None, pl: tuple | None, unreduced: Sequence[tuple]
+):
     """The sharded counterpart of global ``x``: a DTensor in ``pl`` (``None``: a plain tensor).
 
     ``unreduced``: ``(mesh dim, op, spread)`` along which the ranks hold *contributions* that
@@ -246,8 +275,9 @@ def _sharded_leaf(ctx: _Ranks, x: Optional[torch.Tensor], pl: Optional[tuple],
 
 
 def _wrap(local, mesh, pl, x):
-    return DTensor.from_local(local, mesh, list(pl), run_check=False, shape=x.shape,
-                              stride=x.stride())
+    return DTensor.from_local(
+        local, mesh, list(pl), run_check=False, shape=x.shape, stride=x.stride()
+    )
 
 
 # =============================================================================================
@@ -257,38 +287,50 @@ def _wrap(local, mesh, pl, x):
 class _Leaf:
     """What the ranks hold of one leaf."""
 
-    kind: str                      # "none" | "dtensor" | "tensor" | "other"
-    value: Any = None              # "other": the value
-    dtype: Optional[torch.dtype] = None
-    shape: Optional[tuple] = None  # global shape
-    placements: Optional[tuple] = None
-    locals: Optional[dict] = None  # rank -> local tensor (cpu copy)
+    kind: str  # "none" | "dtensor" | "tensor" | "other"
+    value: Any = None  # "other": the value
+    dtype: torch.dtype | None = None
+    shape: tuple | None = None  # global shape
+    placements: tuple | None = None
+    locals: dict | None = None  # rank -> local tensor (cpu copy)
 
 
 def _has_partial(x: Any) -> bool:
     return isinstance(x, DTensor) and any(isinstance(p, Partial) for p in x.placements)
 
 
-def _snapshot_leaf(ctx: Optional[_Ranks], x: Any, copy: bool = True,
-                   reduce_partial: bool = False) -> _Leaf:
+def _snapshot_leaf(
+    ctx: _Ranks | None, x: Any, copy: bool = True, reduce_partial: bool = False
+) -> _Leaf:
     if x is None:
         return _Leaf("none")
     if isinstance(x, DTensor):
         if reduce_partial and _has_partial(x):
-            x = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, Partial) else p
-                                               for p in x.placements])
+            x = x.redistribute(
+                x.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+            )
         loc = x._local_tensor
-        return _Leaf("dtensor", dtype=x.dtype, shape=_int_shape(x.shape),
-                     placements=tuple(x.placements),
-                     locals={r: (ctx.copy if copy else _same)(ctx.local(loc, r))
-                             for r in ctx.ranks})
+        return _Leaf(
+            "dtensor",
+            dtype=x.dtype,
+            shape=_int_shape(x.shape),
+            placements=tuple(x.placements),
+            locals={r: (ctx.copy if copy else _same)(ctx.local(loc, r)) for r in ctx.ranks},
+        )
     if isinstance(x, torch.Tensor):
         if ctx is None:  # the unsharded run
-            return _Leaf("tensor", dtype=x.dtype, shape=tuple(x.shape),
-                         locals={None: x.detach().clone() if copy else x})
-        return _Leaf("tensor", dtype=x.dtype, shape=_int_shape(x.shape),
-                     locals={r: (ctx.copy if copy else _same)(ctx.local(x, r))
-                             for r in ctx.ranks})
+            return _Leaf(
+                "tensor",
+                dtype=x.dtype,
+                shape=tuple(x.shape),
+                locals={None: x.detach().clone() if copy else x},
+            )
+        return _Leaf(
+            "tensor",
+            dtype=x.dtype,
+            shape=_int_shape(x.shape),
+            locals={r: (ctx.copy if copy else _same)(ctx.local(x, r)) for r in ctx.ranks},
+        )
     return _Leaf("other", value=x)
 
 
@@ -316,13 +358,14 @@ class _Tree:
     treedef: Any
 
 
-def _snapshot(ctx: Optional[_Ranks], tree: Any, copy: bool = True,
-              reduce_partial: bool = False) -> _Tree:
+def _snapshot(
+    ctx: _Ranks | None, tree: Any, copy: bool = True, reduce_partial: bool = False
+) -> _Tree:
     paths, leaves, treedef = _flatten(tree)
     return _Tree(paths, [_snapshot_leaf(ctx, x, copy, reduce_partial) for x in leaves], treedef)
 
 
-def _snapshots(ctx: Optional[_Ranks], tree: Any) -> tuple:
+def _snapshots(ctx: _Ranks | None, tree: Any) -> tuple:
     """``(for comparison, as held)``: copies of what the ranks hold of ``tree`` now; the first
     with ``Partial`` DTensor leaves reduced (the same object when there are none)."""
     raw = _snapshot(ctx, tree)
@@ -362,14 +405,17 @@ def _fmt(v: float) -> str:
     return f"{v:.6g}"
 
 
-def _compare_leaf(where: str, got: _Leaf, want: _Leaf, mesh_shape, rtol, atol,
-                  equal_nan) -> Optional[str]:
+def _compare_leaf(
+    where: str, got: _Leaf, want: _Leaf, mesh_shape, rtol, atol, equal_nan
+) -> str | None:
     """A description of how ``got`` (sharded) differs from ``want`` (unsharded), or ``None``."""
     mesh_str = f"mesh {tuple(mesh_shape)}"
     if want.kind == "none" or got.kind == "none":
         if want.kind != got.kind:
-            return (f"{where}: sharded is {'None' if got.kind == 'none' else 'a tensor'}, "
-                    f"unsharded is {'None' if want.kind == 'none' else repr(want.value)}")
+            return (
+                f"{where}: sharded is {'None' if got.kind == 'none' else 'a tensor'}, "
+                f"unsharded is {'None' if want.kind == 'none' else repr(want.value)}"
+            )
         return None
     if want.kind == "other" or got.kind == "other":
         if want.kind != got.kind or not _equal_values(got.value, want.value):
@@ -378,26 +424,36 @@ def _compare_leaf(where: str, got: _Leaf, want: _Leaf, mesh_shape, rtol, atol,
             return f"{where}: sharded {gv!r}, unsharded {wv!r}"
         return None
     pl = got.placements if got.kind == "dtensor" else None
-    layout = (f"placements {_pl_str(pl)} on {mesh_str}" if pl is not None else
-              f"a plain tensor on {mesh_str}: every rank must hold the unsharded value")
+    layout = (
+        f"placements {_pl_str(pl)} on {mesh_str}"
+        if pl is not None
+        else f"a plain tensor on {mesh_str}: every rank must hold the unsharded value"
+    )
     if got.dtype != want.dtype:
         return f"{where}: dtype {got.dtype}, unsharded {want.dtype}; {layout}"
     if got.shape != want.shape:
-        return (f"{where}: global shape {_shape_str(got.shape)}, unsharded "
-                f"{_shape_str(want.shape)}; {layout}")
+        return (
+            f"{where}: global shape {_shape_str(got.shape)}, unsharded "
+            f"{_shape_str(want.shape)}; {layout}"
+        )
     ref = want.locals[None]
     bad_any = torch.zeros(ref.shape, dtype=torch.bool)
     worst = None  # (error, rank, global index, sharded, unsharded)
     bad_ranks = []
     for r, loc in got.locals.items():
         coord = _unravel(r, mesh_shape)
-        region = _region(ref.shape, pl, mesh_shape, coord) if pl is not None else tuple(
-            slice(0, s) for s in ref.shape)
+        region = (
+            _region(ref.shape, pl, mesh_shape, coord)
+            if pl is not None
+            else tuple(slice(0, s) for s in ref.shape)
+        )
         expect = ref[region]
         if tuple(loc.shape) != tuple(expect.shape):
-            return (f"{where}: rank {r} (mesh coordinate {coord}) holds a local shard of shape "
-                    f"{tuple(loc.shape)}, expected {tuple(expect.shape)} for the global shape "
-                    f"{want.shape}; {layout}")
+            return (
+                f"{where}: rank {r} (mesh coordinate {coord}) holds a local shard of shape "
+                f"{tuple(loc.shape)}, expected {tuple(expect.shape)} for the global shape "
+                f"{want.shape}; {layout}"
+            )
         bad, err = _close_mask(loc, expect, rtol, atol, equal_nan)
         if not bool(bad.any()):
             continue
@@ -408,18 +464,26 @@ def _compare_leaf(where: str, got: _Leaf, want: _Leaf, mesh_shape, rtol, atol,
         if worst is None or e > worst[0]:
             local_idx = _unravel(flat, tuple(loc.shape)) if loc.ndim else ()
             gidx = tuple(s.start + i for s, i in zip(region, local_idx))
-            worst = (e, r, coord, gidx, loc.reshape(-1)[flat].item(),
-                     expect.reshape(-1)[flat].item())
+            worst = (
+                e,
+                r,
+                coord,
+                gidx,
+                loc.reshape(-1)[flat].item(),
+                expect.reshape(-1)[flat].item(),
+            )
     if worst is None:
         return None
     e, r, coord, gidx, gv, wv = worst
     n_bad, n = int(bad_any.sum()), ref.numel()
     err_word = "error" if want.dtype.is_floating_point else "difference"
     where_rank = f" on rank {r} (mesh coordinate {coord})"
-    msg = (f"{where}: max abs {err_word} {_fmt(e)} (rtol {rtol:g}, atol {atol:g}) at index "
-           f"{gidx}{where_rank}: sharded {_fmt(gv) if isinstance(gv, float) else gv}, unsharded "
-           f"{_fmt(wv) if isinstance(wv, float) else wv}; {n_bad} of {n} elements differ; "
-           f"{layout}")
+    msg = (
+        f"{where}: max abs {err_word} {_fmt(e)} (rtol {rtol:g}, atol {atol:g}) at index "
+        f"{gidx}{where_rank}: sharded {_fmt(gv) if isinstance(gv, float) else gv}, unsharded "
+        f"{_fmt(wv) if isinstance(wv, float) else wv}; {n_bad} of {n} elements differ; "
+        f"{layout}"
+    )
     if len(got.locals) > 1:
         msg += f"; ranks that differ: {bad_ranks}"
     return msg
@@ -432,8 +496,16 @@ def _equal_values(a, b) -> bool:
         return a is b
 
 
-def _compare_tree(what: str, got: _Tree, want: _Tree, mesh_shape, rtol, atol, equal_nan,
-                  skip: Optional[Callable[[str], bool]] = None) -> Optional[str]:
+def _compare_tree(
+    what: str,
+    got: _Tree,
+    want: _Tree,
+    mesh_shape,
+    rtol,
+    atol,
+    equal_nan,
+    skip: Callable[[str], bool] | None = None,
+) -> str | None:
     if got.treedef != want.treedef:
         extra = set(got.paths) - set(want.paths)
         missing = set(want.paths) - set(got.paths)
@@ -442,8 +514,10 @@ def _compare_tree(what: str, got: _Tree, want: _Tree, mesh_shape, rtol, atol, eq
             hint = f"; leaf '{sorted(missing)[0]}' is missing"
         elif extra:
             hint = f"; leaf '{sorted(extra)[0]}' is unexpected"
-        return (f"{what}: the sharded structure differs from the unsharded one{hint}:\n"
-                f"  sharded   {got.treedef}\n  unsharded {want.treedef}")
+        return (
+            f"{what}: the sharded structure differs from the unsharded one{hint}:\n"
+            f"  sharded   {got.treedef}\n  unsharded {want.treedef}"
+        )
     for path, g, w in zip(want.paths, got.leaves, want.leaves):
         if skip is not None and skip(path):
             continue
@@ -453,24 +527,30 @@ def _compare_tree(what: str, got: _Tree, want: _Tree, mesh_shape, rtol, atol, eq
     return None
 
 
-def _placement_check(what: str, updates: _Tree, params: _Tree) -> Optional[str]:
+def _placement_check(what: str, updates: _Tree, params: _Tree) -> str | None:
     """Updates of DTensor params are DTensors in their placements; of plain params, plain."""
     for path, u, p in zip(params.paths, updates.leaves, params.leaves):
         if u.kind == "none" or p.kind not in ("dtensor", "tensor"):
             continue
         if p.kind == "dtensor" and u.kind != "dtensor":
-            return (f"{what}['{path}']: the sharded update is a plain tensor, but its parameter "
-                    f"is a DTensor with placements {_pl_str(p.placements)}")
+            return (
+                f"{what}['{path}']: the sharded update is a plain tensor, but its parameter "
+                f"is a DTensor with placements {_pl_str(p.placements)}"
+            )
         if p.kind == "dtensor" and u.placements != p.placements:
-            return (f"{what}['{path}']: the sharded update has placements "
-                    f"{_pl_str(u.placements)}, its parameter {_pl_str(p.placements)}")
+            return (
+                f"{what}['{path}']: the sharded update has placements "
+                f"{_pl_str(u.placements)}, its parameter {_pl_str(p.placements)}"
+            )
         if p.kind == "tensor" and u.kind == "dtensor":
-            return (f"{what}['{path}']: the sharded update is a DTensor "
-                    f"({_pl_str(u.placements)}) for a plain-tensor parameter")
+            return (
+                f"{what}['{path}']: the sharded update is a DTensor "
+                f"({_pl_str(u.placements)}) for a plain-tensor parameter"
+            )
     return None
 
 
-def _unchanged(what: str, before: _Tree, after: _Tree) -> Optional[str]:
+def _unchanged(what: str, before: _Tree, after: _Tree) -> str | None:
     """Whether every tensor leaf still holds, on every rank, what it held when created."""
     for path, b, a in zip(before.paths, before.leaves, after.leaves):
         if b.kind not in ("dtensor", "tensor"):
@@ -481,7 +561,8 @@ def _unchanged(what: str, before: _Tree, after: _Tree) -> Optional[str]:
                 same = False
             elif t.dtype.is_floating_point or t.dtype.is_complex:
                 same = torch.equal(t.isnan(), now.isnan()) and torch.equal(
-                    torch.nan_to_num(t), torch.nan_to_num(now))
+                    torch.nan_to_num(t), torch.nan_to_num(now)
+                )
             else:
                 same = torch.equal(t, now)
             if not same:
@@ -497,23 +578,31 @@ class _Record:
     """Snapshots of every tree of a run when it was created (``cmp`` for the comparison, ``raw``
     as held, for the in-place check) and the live objects."""
 
-    def __init__(self, ctx: Optional[_Ranks]):
+    def __init__(self, ctx: _Ranks | None):
         self.ctx = ctx
         self.trees: list = []  # (label, step or None, cmp, raw, live)
 
-    def add(self, label: str, step: Optional[int], tree: Any) -> None:
+    def add(self, label: str, step: int | None, tree: Any) -> None:
         cmp, raw = _snapshots(self.ctx, tree)
         self.trees.append((label, step, cmp, raw, tree))
 
-    def get(self, label: str, step: Optional[int]) -> _Tree:
+    def get(self, label: str, step: int | None) -> _Tree:
         for lb, t, cmp, _, _ in self.trees:
             if lb == label and t == step:
                 return cmp
         raise KeyError((label, step))
 
 
-def _run(tx, params, grads_per_step, mesh, ctx: Optional[_Ranks], update_kwargs: dict,
-         label: str, use_step: Optional[str] = None) -> _Record:
+def _run(
+    tx,
+    params,
+    grads_per_step,
+    mesh,
+    ctx: _Ranks | None,
+    update_kwargs: dict,
+    label: str,
+    use_step: str | None = None,
+) -> _Record:
     """Run every step, recording the trees of every step (see :class:`_Record`)."""
     from ..step import step as ft_step
 
@@ -527,8 +616,9 @@ def _run(tx, params, grads_per_step, mesh, ctx: Optional[_Ranks], update_kwargs:
             if use_step is not None:  # ft.step: no updates to record
                 if use_step == "pure":
                     rec.add("grads", step, g)
-                params, state = ft_step(tx, g, state, params, mesh=mesh,
-                                        donate=use_step == "donate", **update_kwargs)
+                params, state = ft_step(
+                    tx, g, state, params, mesh=mesh, donate=use_step == "donate", **update_kwargs
+                )
                 rec.add("state", step, state)
                 rec.add("params", step, params)
                 continue
@@ -552,12 +642,24 @@ def _apply(params, updates):
     return apply_updates(params, updates)
 
 
-def _compare_runs(ref: _Record, got: _Record, steps: int, mesh_shape, rtol, atol, equal_nan,
-                  compare_state, ignore_state, check_placements, check_inputs) -> Optional[str]:
+def _compare_runs(
+    ref: _Record,
+    got: _Record,
+    steps: int,
+    mesh_shape,
+    rtol,
+    atol,
+    equal_nan,
+    compare_state,
+    ignore_state,
+    check_placements,
+    check_inputs,
+) -> str | None:
     tol = (mesh_shape, rtol, atol, equal_nan)
     if compare_state:
-        msg = _compare_tree("init state", got.get("state", None), ref.get("state", None), *tol,
-                            ignore_state)
+        msg = _compare_tree(
+            "init state", got.get("state", None), ref.get("state", None), *tol, ignore_state
+        )
         if msg:
             return msg
     param_tree = got.get("params", None)
@@ -570,8 +672,13 @@ def _compare_runs(ref: _Record, got: _Record, steps: int, mesh_shape, rtol, atol
         for key in ("updates", "params", "state"):
             if (key == "state" and not compare_state) or (key == "updates" and stepped):
                 continue
-            msg = _compare_tree(f"step {t}, {key}", got.get(key, t), ref.get(key, t), *tol,
-                                ignore_state if key == "state" else None)
+            msg = _compare_tree(
+                f"step {t}, {key}",
+                got.get(key, t),
+                ref.get(key, t),
+                *tol,
+                ignore_state if key == "state" else None,
+            )
             if msg:
                 return msg
         if check_placements:
@@ -582,16 +689,18 @@ def _compare_runs(ref: _Record, got: _Record, steps: int, mesh_shape, rtol, atol
         for run, rec in (("unsharded", ref), ("sharded", got)):
             for label, t, _, raw, live in rec.trees:
                 when = "initial " if t is None else f"step {t}, "
-                msg = _unchanged(f"{run} run, {when}{label}", raw,
-                                 _snapshot(rec.ctx, live, copy=False))
+                msg = _unchanged(
+                    f"{run} run, {when}{label}", raw, _snapshot(rec.ctx, live, copy=False)
+                )
                 if msg:
                     return msg
     return None
 
 
 def _clone_tree(tree):
-    return optree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x,
-                           tree, none_is_leaf=True)
+    return optree.tree_map(
+        lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True
+    )
 
 
 # =============================================================================================
@@ -603,21 +712,21 @@ def assert_sharded_equivalent(
     grads_per_step: Sequence[Any],
     *,
     placements: PlacementsSpec,
-    mesh_shape: Optional[Sequence[int]] = None,
-    mesh_dim_names: Optional[Sequence[str]] = None,
-    grad_placements: Optional[PlacementsSpec] = None,
-    data_axis: Optional[str] = None,
+    mesh_shape: Sequence[int] | None = None,
+    mesh_dim_names: Sequence[str] | None = None,
+    grad_placements: PlacementsSpec | None = None,
+    data_axis: str | None = None,
     explicit_mesh: bool = True,
     rtol: float = 1e-5,
     atol: float = 1e-6,
     equal_nan: bool = True,
     compare_state: bool = True,
-    ignore_state: Optional[Callable[[str], bool]] = None,
+    ignore_state: Callable[[str], bool] | None = None,
     check_placements: bool = True,
     check_inputs: bool = True,
-    update_kwargs: Optional[dict] = None,
-    device_type: Optional[str] = None,
-    step: Optional[str] = None,
+    update_kwargs: dict | None = None,
+    device_type: str | None = None,
+    step: str | None = None,
 ) -> None:
     """Assert that ``tx`` gives the same numbers on sharded DTensors as on plain tensors.
 
@@ -703,86 +812,129 @@ def assert_sharded_equivalent(
     """
     from ..mesh import Mesh
 
-    if isinstance(grads_per_step, (dict, torch.Tensor)) or not isinstance(
-            grads_per_step, Sequence):
-        raise TypeError("assert_sharded_equivalent: grads_per_step must be a list of gradient "
-                        f"trees (one per step), got {type(grads_per_step).__name__}")
+    if isinstance(grads_per_step, (dict, torch.Tensor)) or not isinstance(grads_per_step, Sequence):
+        raise TypeError(
+            "assert_sharded_equivalent: grads_per_step must be a list of gradient "
+            f"trees (one per step), got {type(grads_per_step).__name__}"
+        )
     try:
         from torch.distributed._local_tensor import local_tensor_mode
     except ImportError:  # pragma: no cover
         local_tensor_mode = None
     if local_tensor_mode is not None and local_tensor_mode() is not None:
-        raise RuntimeError("assert_sharded_equivalent: call it outside simulate(): it runs the "
-                           "unsharded reference on plain tensors and simulates the ranks itself")
+        raise RuntimeError(
+            "assert_sharded_equivalent: call it outside simulate(): it runs the "
+            "unsharded reference on plain tensors and simulates the ranks itself"
+        )
     real = dist.is_initialized() and dist.get_backend() != "fake"
     if mesh_shape is None:
         if not real:
-            raise ValueError("assert_sharded_equivalent: mesh_shape is required in simulation "
-                             "(no process group is initialised)")
+            raise ValueError(
+                "assert_sharded_equivalent: mesh_shape is required in simulation "
+                "(no process group is initialised)"
+            )
         mesh_shape = (dist.get_world_size(),)
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if not 1 <= len(mesh_shape) <= 3 or any(s < 1 for s in mesh_shape):
-        raise ValueError(f"assert_sharded_equivalent: mesh_shape must have 1 to 3 dims >= 1, "
-                         f"got {mesh_shape}")
+        raise ValueError(
+            f"assert_sharded_equivalent: mesh_shape must have 1 to 3 dims >= 1, got {mesh_shape}"
+        )
     if real and math.prod(mesh_shape) != dist.get_world_size():
-        raise ValueError(f"assert_sharded_equivalent: mesh_shape {mesh_shape} has "
-                         f"{math.prod(mesh_shape)} ranks, the process group has "
-                         f"{dist.get_world_size()}")
-    names = tuple(mesh_dim_names) if mesh_dim_names is not None else tuple(
-        f"d{i}" for i in range(len(mesh_shape)))
+        raise ValueError(
+            f"assert_sharded_equivalent: mesh_shape {mesh_shape} has "
+            f"{math.prod(mesh_shape)} ranks, the process group has "
+            f"{dist.get_world_size()}"
+        )
+    names = (
+        tuple(mesh_dim_names)
+        if mesh_dim_names is not None
+        else tuple(f"d{i}" for i in range(len(mesh_shape)))
+    )
     if len(names) != len(mesh_shape):
-        raise ValueError(f"assert_sharded_equivalent: mesh_dim_names {names} do not match "
-                         f"mesh_shape {mesh_shape}")
+        raise ValueError(
+            f"assert_sharded_equivalent: mesh_dim_names {names} do not match "
+            f"mesh_shape {mesh_shape}"
+        )
     if data_axis is not None:
         if data_axis not in names:
-            raise ValueError(f"assert_sharded_equivalent: data_axis {data_axis!r} is not among "
-                             f"the mesh dim names {names}")
+            raise ValueError(
+                f"assert_sharded_equivalent: data_axis {data_axis!r} is not among "
+                f"the mesh dim names {names}"
+            )
         if not explicit_mesh:
             raise ValueError("assert_sharded_equivalent: data_axis needs explicit_mesh=True")
     if device_type is None:
         device_type = "cuda" if real and dist.get_backend() == "nccl" else "cpu"
     update_kwargs = dict(update_kwargs or {})
     from ..base import GradientTransformation
+
     if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"assert_sharded_equivalent: tx must be a GradientTransformation, got "
-                        f"{type(tx).__name__}")
+        raise TypeError(
+            f"assert_sharded_equivalent: tx must be a GradientTransformation, got "
+            f"{type(tx).__name__}"
+        )
     if len(grads_per_step) == 0:
-        raise ValueError("assert_sharded_equivalent: grads_per_step is empty; give at least one "
-                         "step's gradients (nothing would be compared)")
+        raise ValueError(
+            "assert_sharded_equivalent: grads_per_step is empty; give at least one "
+            "step's gradients (nothing would be compared)"
+        )
     if step not in (None, "pure", "donate"):
-        raise ValueError(f"assert_sharded_equivalent: step must be None, 'pure' or 'donate', "
-                         f"got {step!r}")
+        raise ValueError(
+            f"assert_sharded_equivalent: step must be None, 'pure' or 'donate', got {step!r}"
+        )
 
     # inputs
     paths, pleaves, treedef = _flatten(params)
     for x, p in zip(pleaves, paths):
         if x is not None and (not isinstance(x, torch.Tensor) or isinstance(x, DTensor)):
-            raise TypeError(f"assert_sharded_equivalent: params['{p}'] must be a plain tensor "
-                            f"or None, got {type(x).__name__}")
+            raise TypeError(
+                f"assert_sharded_equivalent: params['{p}'] must be a plain tensor "
+                f"or None, got {type(x).__name__}"
+            )
     grad_leaves = []
     for t, g in enumerate(grads_per_step):
         leaves, td = optree.tree_flatten(g, none_is_leaf=True)
         if td != treedef:
-            raise ValueError(f"assert_sharded_equivalent: grads_per_step[{t}] does not have the "
-                             f"structure of params:\n  grads:  {td}\n  params: {treedef}")
-        for x, p, w in zip(leaves, paths, pleaves):
+            raise ValueError(
+                f"assert_sharded_equivalent: grads_per_step[{t}] does not have the "
+                f"structure of params:\n  grads:  {td}\n  params: {treedef}"
+            )
+        for x, p, _w in zip(leaves, paths, pleaves):
             if x is not None and (not isinstance(x, torch.Tensor) or isinstance(x, DTensor)):
-                raise TypeError(f"assert_sharded_equivalent: grads_per_step[{t}]['{p}'] must be "
-                                f"a plain tensor or None, got {type(x).__name__}")
+                raise TypeError(
+                    f"assert_sharded_equivalent: grads_per_step[{t}]['{p}'] must be "
+                    f"a plain tensor or None, got {type(x).__name__}"
+                )
         grad_leaves.append(leaves)
-    ppl = _resolve_placements(placements, "placements", paths, pleaves, treedef, len(mesh_shape),
-                              allow_partial=False)
+    ppl = _resolve_placements(
+        placements, "placements", paths, pleaves, treedef, len(mesh_shape), allow_partial=False
+    )
     if grad_placements is None:
         gpl = ppl
     else:
-        gpl = _resolve_placements(grad_placements, "grad_placements", paths, pleaves, treedef,
-                                  len(mesh_shape), allow_partial=True)
+        gpl = _resolve_placements(
+            grad_placements,
+            "grad_placements",
+            paths,
+            pleaves,
+            treedef,
+            len(mesh_shape),
+            allow_partial=True,
+        )
     dp_dim = None if data_axis is None else names.index(data_axis)
 
     # the unsharded reference, on copies (a transform modifying its inputs is reported, and
     # must not spoil the inputs of the sharded run)
-    ref = _run(tx, _clone_tree(params), [_clone_tree(g) for g in grads_per_step], None, None,
-               update_kwargs, "unsharded", step)
+    ref = _run(
+        tx,
+        _clone_tree(params),
+        [_clone_tree(g) for g in grads_per_step],
+        None,
+        None,
+        update_kwargs,
+        "unsharded",
+        step,
+    )
 
     ctx = _Ranks(simulated=not real, mesh_shape=mesh_shape, device_type=device_type)
     # which mesh dims each gradient leaf is unreduced over, with its spreads, made here, outside
@@ -796,25 +948,42 @@ def assert_sharded_equivalent(
                 if pl is None and dp_dim is not None:
                     dims.append((dp_dim, "avg"))
                 dims += [(d, p.reduce_op) for d, p in enumerate(pl or ()) if isinstance(p, Partial)]
-            per_leaf.append([(d, op, _spread(x, 1_000_003 * t + 1009 * i + 17 * d + 1))
-                             for d, op in dims])
+            per_leaf.append(
+                [(d, op, _spread(x, 1_000_003 * t + 1009 * i + 17 * d + 1)) for d, op in dims]
+            )
         unreduced_per_step.append(per_leaf)
 
     def sharded_run():
         from torch.distributed.device_mesh import init_device_mesh
 
         ctx.mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=names)
-        dparams = optree.tree_unflatten(treedef, [
-            _sharded_leaf(ctx, x, pl, ()) for x, pl in zip(pleaves, ppl)])
-        dgrads = [optree.tree_unflatten(treedef, [
-            _sharded_leaf(ctx, x, pl, unreduced)
-            for x, pl, unreduced in zip(leaves, gpl, unreduced_per_step[t])])
-            for t, leaves in enumerate(grad_leaves)]
-        mesh = (Mesh(ctx.mesh, data_axis=data_axis) if explicit_mesh else None)
+        dparams = optree.tree_unflatten(
+            treedef, [_sharded_leaf(ctx, x, pl, ()) for x, pl in zip(pleaves, ppl)]
+        )
+        dgrads = [
+            optree.tree_unflatten(
+                treedef,
+                [
+                    _sharded_leaf(ctx, x, pl, unreduced)
+                    for x, pl, unreduced in zip(leaves, gpl, unreduced_per_step[t])
+                ],
+            )
+            for t, leaves in enumerate(grad_leaves)
+        ]
+        mesh = Mesh(ctx.mesh, data_axis=data_axis) if explicit_mesh else None
         return _run(tx, dparams, dgrads, mesh, ctx, update_kwargs, "sharded", step)
 
-    args = (len(grads_per_step), mesh_shape, rtol, atol, equal_nan, compare_state, ignore_state,
-            check_placements, check_inputs and step != "donate")
+    args = (
+        len(grads_per_step),
+        mesh_shape,
+        rtol,
+        atol,
+        equal_nan,
+        compare_state,
+        ignore_state,
+        check_placements,
+        check_inputs and step != "donate",
+    )
     if real:
         got = sharded_run()
         msg = _compare_runs(ref, got, *args)
@@ -822,8 +991,7 @@ def assert_sharded_equivalent(
         dist.all_gather_object(msgs, msg)
         first = next(((r, m) for r, m in enumerate(msgs) if m), None)
         if first is not None:
-            raise AssertionError(f"sharded != unsharded (reported by rank {first[0]}): "
-                                 f"{first[1]}")
+            raise AssertionError(f"sharded != unsharded (reported by rank {first[0]}): {first[1]}")
         return
     from .sim import simulate
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import optree
 import torch
@@ -12,8 +13,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["simulate", "per_rank", "replicated", "local_tensor", "on_rank", "gather",
-           "count_collectives"]
+__all__ = [
+    "simulate",
+    "per_rank",
+    "replicated",
+    "local_tensor",
+    "on_rank",
+    "gather",
+    "count_collectives",
+]
 
 
 def _forget_old_groups() -> None:
@@ -30,7 +38,8 @@ def _forget_old_groups() -> None:
     infos = getattr(_redistribute, "_gen_transform_infos", None)  # @cache'd, holds meshes
     if hasattr(infos, "cache_clear"):
         infos.cache_clear()
-    from ..engine import dtensor as _dt, plan as _plan  # this library's layout caches
+    from ..engine import dtensor as _dt  # this library's layout caches
+    from ..engine import plan as _plan
 
     _dt.cache_clear()
     _plan.cache_clear()
@@ -111,7 +120,7 @@ def on_rank(x: Any, rank: int = 0) -> Any:
     return x
 
 
-def _assemble(x: DTensor) -> Optional[torch.Tensor]:
+def _assemble(x: DTensor) -> torch.Tensor | None:
     """The global tensor of a simulated DTensor, assembled from every rank's shard by its
     placements (no collective, no DTensor redistribution); ``None`` when ``x`` is not simulated
     or has ``Partial`` placements."""
@@ -125,8 +134,11 @@ def _assemble(x: DTensor) -> Optional[torch.Tensor]:
     root = mesh._get_root_mesh()
     # a sub-mesh (root["tp"]) lists only this rank's slice: take coordinates from the root
     names = mesh.mesh_dim_names
-    dims = ([root.mesh_dim_names.index(n) for n in names] if root is not mesh and names
-            else list(range(mesh.ndim)))
+    dims = (
+        [root.mesh_dim_names.index(n) for n in names]
+        if root is not mesh and names
+        else list(range(mesh.ndim))
+    )
     with maybe_disable_local_tensor_mode():
         layout = root.mesh.clone()
         out = torch.zeros(x.shape, dtype=x.dtype)
@@ -168,8 +180,11 @@ class _CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         ns = func.namespace
         name = func.overloadpacket.__name__
-        if (ns in ("_c10d_functional", "c10d_functional", "c10d") and "wait" not in name
-                and not name.startswith("_")):
+        if (
+            ns in ("_c10d_functional", "c10d_functional", "c10d")
+            and "wait" not in name
+            and not name.startswith("_")
+        ):
             self.counts[name] += 1
             first = args[0] if args else None
             if isinstance(first, (list, tuple)):

@@ -25,8 +25,8 @@ The building blocks:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -48,8 +48,8 @@ __all__ = [
     "sharded_cases",
 ]
 
-IntOrStrategy = Union[int, None, SearchStrategy]
-FloatOrStrategy = Union[float, SearchStrategy]
+IntOrStrategy = int | None | SearchStrategy
+FloatOrStrategy = float | SearchStrategy
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 7)
 """Default dim sizes: most do not divide 2, 4 or 8 (uneven shards), some are smaller than the
@@ -63,8 +63,9 @@ def _as_strategy(x: Any) -> SearchStrategy:
 # =============================================================================================
 # meshes and placements
 # =============================================================================================
-def mesh_shapes(*, max_ranks: int = 8, ndims: Sequence[int] = (1, 2),
-                min_dim_size: int = 2) -> SearchStrategy[tuple]:
+def mesh_shapes(
+    *, max_ranks: int = 8, ndims: Sequence[int] = (1, 2), min_dim_size: int = 2
+) -> SearchStrategy[tuple]:
     """Device-mesh shapes: tuples of ``len in ndims`` dim sizes ``>= min_dim_size`` whose product
     (the number of simulated ranks) is at most ``max_ranks``.
 
@@ -89,8 +90,10 @@ def mesh_shapes(*, max_ranks: int = 8, ndims: Sequence[int] = (1, 2),
 
         rec([])
     if not out:
-        raise ValueError(f"mesh_shapes: no mesh of {tuple(ndims)} dims with dims >= "
-                         f"{min_dim_size} has at most {max_ranks} ranks")
+        raise ValueError(
+            f"mesh_shapes: no mesh of {tuple(ndims)} dims with dims >= "
+            f"{min_dim_size} has at most {max_ranks} ranks"
+        )
     out.sort(key=lambda s: (math.prod(s), len(s), s))
     return st.sampled_from(out)
 
@@ -107,8 +110,14 @@ def _shard_choices(ndim: int, negative_dims: bool) -> list:
     return out
 
 
-def placements(ndim: int, mesh_ndim: int, *, replicate: bool = True, nested: bool = True,
-               negative_dims: bool = True) -> SearchStrategy[tuple]:
+def placements(
+    ndim: int,
+    mesh_ndim: int,
+    *,
+    replicate: bool = True,
+    nested: bool = True,
+    negative_dims: bool = True,
+) -> SearchStrategy[tuple]:
     """Placements of one DTensor leaf with ``ndim`` tensor dims on a mesh of ``mesh_ndim`` dims:
     a tuple of ``mesh_ndim`` placements, each ``Replicate()`` or ``Shard(d)`` for any tensor dim
     ``d`` (``Shard(-1)`` too when ``negative_dims``).
@@ -119,7 +128,9 @@ def placements(ndim: int, mesh_ndim: int, *, replicate: bool = True, nested: boo
 
     Shrinks towards ``Replicate()`` everywhere, then ``Shard(0)``.
     """
-    choices = ([Replicate()] if replicate or ndim == 0 else []) + _shard_choices(ndim, negative_dims)
+    choices = ([Replicate()] if replicate or ndim == 0 else []) + _shard_choices(
+        ndim, negative_dims
+    )
 
     def ok(pl):
         if nested or ndim == 0:
@@ -130,8 +141,9 @@ def placements(ndim: int, mesh_ndim: int, *, replicate: bool = True, nested: boo
     return st.tuples(*[st.sampled_from(choices) for _ in range(mesh_ndim)]).filter(ok)
 
 
-def leaf_placements(shape: Sequence[int], mesh_shape: Sequence[int], *,
-                    plain: Union[bool, float] = 0.2, **kwargs) -> SearchStrategy:
+def leaf_placements(
+    shape: Sequence[int], mesh_shape: Sequence[int], *, plain: bool | float = 0.2, **kwargs
+) -> SearchStrategy:
     """Placements of a leaf of global ``shape`` on a mesh of ``mesh_shape``, or ``None`` (a
     plain tensor: every rank holds the whole value) with probability ``plain`` (``True``: 0.2,
     ``False``/``0``: never). Shrinks towards ``None``, then ``Replicate()``.
@@ -147,15 +159,17 @@ def leaf_placements(shape: Sequence[int], mesh_shape: Sequence[int], *,
         return st.none()
     cut = round(p * 100)  # sampled_from draws uniformly (integers() favours its bounds)
     return st.sampled_from([True] * cut + [False] * (100 - cut)).flatmap(
-        lambda is_plain: st.none() if is_plain else pl)
+        lambda is_plain: st.none() if is_plain else pl
+    )
 
 
 def _leaf_is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def tree_placements(tree: Any, mesh_shape: Sequence[int], *, plain: Union[bool, float] = 0.2,
-                    **kwargs) -> SearchStrategy:
+def tree_placements(
+    tree: Any, mesh_shape: Sequence[int], *, plain: bool | float = 0.2, **kwargs
+) -> SearchStrategy:
     """A placements tree for ``tree`` (a pytree of tensors or shapes): the same structure with
     each tensor leaf replaced by a tuple of placements (or ``None``, a plain tensor), drawn with
     :func:`leaf_placements`; ``None`` leaves of ``tree`` stay ``None``.
@@ -176,21 +190,28 @@ def tree_placements(tree: Any, mesh_shape: Sequence[int], *, plain: Union[bool, 
 
 def _is_shape(x: Any) -> bool:
     return isinstance(x, torch.Size) or (
-        isinstance(x, tuple) and all(isinstance(i, int) for i in x) and type(x) is tuple)
+        isinstance(x, tuple) and all(isinstance(i, int) for i in x) and type(x) is tuple
+    )
 
 
 # =============================================================================================
 # tensors, gradients, pytrees
 # =============================================================================================
-def shapes(*, ndims: Sequence[int] = (0, 1, 2, 3), sizes: Sequence[int] = DEFAULT_SIZES,
-           max_numel: int = 128) -> SearchStrategy[tuple]:
+def shapes(
+    *,
+    ndims: Sequence[int] = (0, 1, 2, 3),
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    max_numel: int = 128,
+) -> SearchStrategy[tuple]:
     """Tensor shapes of ``len in ndims`` dims with every size in ``sizes`` and at most
     ``max_numel`` elements (keeps the simulation fast). Shrinks towards fewer dims first listed
     in ``ndims`` and smaller sizes."""
     sizes = sorted(sizes)
-    return st.sampled_from(list(ndims)).flatmap(
-        lambda nd: st.tuples(*[st.sampled_from(sizes) for _ in range(nd)])).filter(
-        lambda s: math.prod(s) <= max_numel)
+    return (
+        st.sampled_from(list(ndims))
+        .flatmap(lambda nd: st.tuples(*[st.sampled_from(sizes) for _ in range(nd)]))
+        .filter(lambda s: math.prod(s) <= max_numel)
+    )
 
 
 def _seed() -> SearchStrategy[int]:
@@ -206,14 +227,15 @@ def _random(shape, dtype: torch.dtype, seed: int, scale: float) -> torch.Tensor:
     return torch.randint(-8, 9, tuple(shape), generator=gen).to(dtype)
 
 
-def tensors(shape: Sequence[int], *, dtype: torch.dtype = torch.float32,
-            scale: FloatOrStrategy = 1.0) -> SearchStrategy[torch.Tensor]:
+def tensors(
+    shape: Sequence[int], *, dtype: torch.dtype = torch.float32, scale: FloatOrStrategy = 1.0
+) -> SearchStrategy[torch.Tensor]:
     """Tensors of ``shape`` and ``dtype``: standard normal values times ``scale`` (integers in
     [-8, 8] for integer dtypes), from a drawn seed (drawn in float64, then cast)."""
     return st.builds(lambda s, k: _random(tuple(shape), dtype, s, k), _seed(), _as_strategy(scale))
 
 
-def _low_rank(shape, rank: Optional[int], dtype, seed: int, scale: float) -> torch.Tensor:
+def _low_rank(shape, rank: int | None, dtype, seed: int, scale: float) -> torch.Tensor:
     if rank is None or len(shape) < 2:
         return _random(shape, dtype, seed, scale)
     if rank < 0:
@@ -226,9 +248,13 @@ def _low_rank(shape, rank: Optional[int], dtype, seed: int, scale: float) -> tor
     return (g * scale).to(dtype)
 
 
-def gradients(shape: Sequence[int], *, rank: IntOrStrategy = None,
-              dtype: torch.dtype = torch.float32,
-              scale: FloatOrStrategy = 1.0) -> SearchStrategy[torch.Tensor]:
+def gradients(
+    shape: Sequence[int],
+    *,
+    rank: IntOrStrategy = None,
+    dtype: torch.dtype = torch.float32,
+    scale: FloatOrStrategy = 1.0,
+) -> SearchStrategy[torch.Tensor]:
     """Gradients of ``shape`` whose matrices have a controlled rank.
 
     For a leaf of 2 or more dims ``(*batch, m, n)``, each ``m x n`` matrix is the sum of ``rank``
@@ -241,13 +267,21 @@ def gradients(shape: Sequence[int], *, rank: IntOrStrategy = None,
     Raises (when drawn):
         ValueError: ``rank < 0``.
     """
-    return st.builds(lambda r, s, k: _low_rank(tuple(shape), r, dtype, s, k),
-                     _as_strategy(rank), _seed(), _as_strategy(scale))
+    return st.builds(
+        lambda r, s, k: _low_rank(tuple(shape), r, dtype, s, k),
+        _as_strategy(rank),
+        _seed(),
+        _as_strategy(scale),
+    )
 
 
-def gradients_like(tree: Any, *, rank: IntOrStrategy = None,
-                   scale: FloatOrStrategy = 1.0,
-                   none: Union[bool, SearchStrategy] = False) -> SearchStrategy:
+def gradients_like(
+    tree: Any,
+    *,
+    rank: IntOrStrategy = None,
+    scale: FloatOrStrategy = 1.0,
+    none: bool | SearchStrategy = False,
+) -> SearchStrategy:
     """A gradient tree for the params tree ``tree``: each tensor leaf replaced by
     :func:`gradients` of its shape and dtype; ``None`` leaves stay ``None``; with ``none=True``
     (or a strategy of booleans) a leaf is sometimes ``None`` too (a frozen parameter)."""
@@ -263,7 +297,7 @@ def gradients_like(tree: Any, *, rank: IntOrStrategy = None,
     return st.tuples(*parts).map(lambda gs: optree.tree_unflatten(treedef, list(gs)))
 
 
-def _nest(leaves: list, names: Optional[list] = None) -> Any:
+def _nest(leaves: list, names: list | None = None) -> Any:
     """A small nested tree (dict / dict / list) of ``leaves``: ``{"w0": a, "blk": {"w1": b,
     "seq": [c, d, ...]}}``."""
     tree: dict = {"w0": leaves[0]}
@@ -279,12 +313,20 @@ def _nest_paths(n: int) -> list:
     return ["w0", "blk.w1", *[f"blk.seq.{i}" for i in range(n - 2)]][:n]
 
 
-def pytrees(*, min_leaves: int = 1, max_leaves: int = 4, ndims: Sequence[int] = (0, 1, 2, 3),
-            sizes: Sequence[int] = DEFAULT_SIZES, dtypes: Sequence[torch.dtype] = (torch.float32,),
-            none_leaves: bool = True, max_numel: int = 128) -> SearchStrategy:
+def pytrees(
+    *,
+    min_leaves: int = 1,
+    max_leaves: int = 4,
+    ndims: Sequence[int] = (0, 1, 2, 3),
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    dtypes: Sequence[torch.dtype] = (torch.float32,),
+    none_leaves: bool = True,
+    max_numel: int = 128,
+) -> SearchStrategy:
     """Pytrees (nested dict / list) of ``min_leaves..max_leaves`` tensor leaves of
     :func:`shapes` ``(ndims, sizes)`` and ``dtypes``, plus, when ``none_leaves``, now and then a
     ``None`` leaf (never the only one). Values are standard normal (see :func:`tensors`)."""
+
     @st.composite
     def draw_tree(draw):
         n = draw(st.integers(min_leaves, max_leaves))
@@ -331,8 +373,19 @@ class ShardedCase(Mapping):
 
     _KEYS = ("params", "grads_per_step", "mesh_shape", "placements")
 
-    def __init__(self, *, params, grads_per_step, mesh_shape, placements, leaves, seed,
-                 grad_rank, grad_scale, frozen):
+    def __init__(
+        self,
+        *,
+        params,
+        grads_per_step,
+        mesh_shape,
+        placements,
+        leaves,
+        seed,
+        grad_rank,
+        grad_scale,
+        frozen,
+    ):
         self.params, self.grads_per_step = params, grads_per_step
         self.mesh_shape, self.placements = tuple(mesh_shape), placements
         self.leaves, self.seed, self.grad_rank = leaves, seed, grad_rank
@@ -356,22 +409,34 @@ class ShardedCase(Mapping):
     def __repr__(self) -> str:
         leaves = ", ".join(
             f"{path}: {tuple(shape)} {str(dtype).replace('torch.', '')} {_describe_placements(pl)}"
-            for path, shape, dtype, pl in self.leaves)
-        return (f"ShardedCase(mesh_shape={self.mesh_shape}, steps={self.steps}, "
-                f"leaves={{{leaves}}}, frozen={self.frozen!r}, grad_rank={self.grad_rank}, "
-                f"grad_scale={self.grad_scale}, seed={self.seed})")
+            for path, shape, dtype, pl in self.leaves
+        )
+        return (
+            f"ShardedCase(mesh_shape={self.mesh_shape}, steps={self.steps}, "
+            f"leaves={{{leaves}}}, frozen={self.frozen!r}, grad_rank={self.grad_rank}, "
+            f"grad_scale={self.grad_scale}, seed={self.seed})"
+        )
 
     def _repr_pretty_(self, p, cycle) -> None:  # hypothesis' pretty printer
         p.text(repr(self))
 
 
-def sharded_cases(*, mesh_shapes: SearchStrategy = None, steps: IntOrStrategy = None,
-                  min_leaves: int = 1, max_leaves: int = 4,
-                  ndims: Sequence[int] = (1, 2, 3, 0, 2, 1), sizes: Sequence[int] = DEFAULT_SIZES,
-                  dtypes: Sequence[torch.dtype] = (torch.float32,),
-                  grad_rank: IntOrStrategy = None, grad_scale: FloatOrStrategy = None,
-                  plain: Union[bool, float] = 0.2, frozen: bool = True, max_numel: int = 128,
-                  **placement_kwargs) -> SearchStrategy[ShardedCase]:
+def sharded_cases(
+    *,
+    mesh_shapes: SearchStrategy = None,
+    steps: IntOrStrategy = None,
+    min_leaves: int = 1,
+    max_leaves: int = 4,
+    ndims: Sequence[int] = (1, 2, 3, 0, 2, 1),
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    dtypes: Sequence[torch.dtype] = (torch.float32,),
+    grad_rank: IntOrStrategy = None,
+    grad_scale: FloatOrStrategy = None,
+    plain: bool | float = 0.2,
+    frozen: bool = True,
+    max_numel: int = 128,
+    **placement_kwargs,
+) -> SearchStrategy[ShardedCase]:
     """Whole sharded-equivalence problems: a mesh shape, a params tree, per-leaf placements and
     the gradients of every step (see :class:`ShardedCase`).
 
@@ -396,8 +461,9 @@ def sharded_cases(*, mesh_shapes: SearchStrategy = None, steps: IntOrStrategy = 
     mesh_st = mesh_shapes if mesh_shapes is not None else _mesh_shapes()
     steps_st = st.integers(2, 3) if steps is None else _as_strategy(steps)
     rank_st = st.sampled_from([None, 1]) if grad_rank is None else _as_strategy(grad_rank)
-    scale_st = (st.sampled_from([1.0, 0.01, 10.0]) if grad_scale is None
-                else _as_strategy(grad_scale))
+    scale_st = (
+        st.sampled_from([1.0, 0.01, 10.0]) if grad_scale is None else _as_strategy(grad_scale)
+    )
 
     @st.composite
     def draw_case(draw):
@@ -413,20 +479,32 @@ def sharded_cases(*, mesh_shapes: SearchStrategy = None, steps: IntOrStrategy = 
         rank = draw(rank_st)
         scale = draw(scale_st)
         seed = draw(_seed())
-        frozen_i = (draw(st.integers(1, n - 1)) if frozen and n > 1
-                    and draw(st.sampled_from([False, False, False, True])) else None)
+        frozen_i = (
+            draw(st.integers(1, n - 1))
+            if frozen and n > 1 and draw(st.sampled_from([False, False, False, True]))
+            else None
+        )
         gen_seed = iter(range(seed, seed + 10**6))
         params = [_random(s, d, next(gen_seed) % 2**63, 1.0) for s, d, _ in specs]
-        grads = [[None if i == frozen_i else
-                  _low_rank(s, rank, d, next(gen_seed) % 2**63, scale)
-                  for i, (s, d, _) in enumerate(specs)] for _ in range(n_steps)]
+        grads = [
+            [
+                None if i == frozen_i else _low_rank(s, rank, d, next(gen_seed) % 2**63, scale)
+                for i, (s, d, _) in enumerate(specs)
+            ]
+            for _ in range(n_steps)
+        ]
         ptree = _nest(params)
         paths = _nest_paths(n)
         return ShardedCase(
-            params=ptree, grads_per_step=[_nest(g) for g in grads], mesh_shape=mesh_shape,
+            params=ptree,
+            grads_per_step=[_nest(g) for g in grads],
+            mesh_shape=mesh_shape,
             placements=_nest([pl for _, _, pl in specs]),
             leaves=[(path, s, d, pl) for path, (s, d, pl) in zip(paths, specs)],
-            seed=seed, grad_rank=rank, grad_scale=scale,
-            frozen=None if frozen_i is None else paths[frozen_i])
+            seed=seed,
+            grad_rank=rank,
+            grad_scale=scale,
+            frozen=None if frozen_i is None else paths[frozen_i],
+        )
 
     return draw_case()
