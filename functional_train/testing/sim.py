@@ -56,10 +56,38 @@ class _NoCoordinateCache(dict):
     """Stands in for ``LocalTensorMode._coordinate_cache``, which torch 2.13 keys by
     ``id(device_mesh)`` without holding the mesh: once a sub-mesh (``mesh["dp"]``) is freed, a
     new one (``mesh["tp"]``) can get its id and its coordinates, and ``distribute_tensor`` then
-    hands a rank another rank's shard. Nothing is kept; coordinates are recomputed per call."""
+    hands a rank another rank's shard. Nothing is kept here; :func:`_mesh_coordinates` caches
+    instead, holding each mesh."""
 
     def __setitem__(self, key, value) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _mesh_coordinates() -> Iterator[None]:
+    """Within the block, the simulated ranks' coordinates of a device mesh are computed once per
+    mesh and kept with the mesh itself, so that its id cannot be reused by another mesh while it
+    is cached. torch 2.13's ``LocalTensorMode`` computes them with tensor ops dispatched once per
+    simulated rank (about 20 ms a mesh on a small CPU): recomputed at every call, they were most
+    of a simulated test's time."""
+    from torch.distributed._local_tensor import _LocalDeviceMesh
+
+    compute = _LocalDeviceMesh.__dict__["get_coordinate"]
+    cache: dict[int, tuple[Any, Any]] = {}
+
+    def get_coordinate(mesh):
+        hit = cache.get(id(mesh))
+        if hit is not None and hit[0] is mesh:
+            return hit[1]
+        out = compute.__func__(mesh)
+        cache[id(mesh)] = (mesh, out)
+        return out
+
+    _LocalDeviceMesh.get_coordinate = staticmethod(get_coordinate)
+    try:
+        yield
+    finally:
+        _LocalDeviceMesh.get_coordinate = compute
 
 
 @contextlib.contextmanager
@@ -83,7 +111,7 @@ def simulate(world_size: int) -> Iterator[Any]:
     if not dist.is_initialized():
         _forget_old_groups()
         dist.init_process_group("fake", rank=0, world_size=world_size)
-    with LocalTensorMode(frozenset(range(world_size))) as mode:
+    with _mesh_coordinates(), LocalTensorMode(frozenset(range(world_size))) as mode:
         if isinstance(getattr(mode, "_coordinate_cache", None), dict):
             mode._coordinate_cache = _NoCoordinateCache()
         yield mode
