@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol
 
+from .tree import PyTree
+
 __all__ = [
     "GradientTransformation",
     "EmptyState",
@@ -13,8 +15,6 @@ __all__ = [
     "passes_unreduced",
     "declare",
 ]
-
-PyTree = Any
 
 
 class InitFn(Protocol):

@@ -11,11 +11,9 @@ import torch
 
 from .base import GradientTransformation, declare
 from .engine.view import prepare
-from .tree import flatten_as, tree_flatten, tree_paths, tree_unflatten
+from .tree import PyTree, flatten_as, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["partition", "PartitionState", "masked", "MaskedState"]
-
-PyTree = Any
 
 
 class PartitionState(NamedTuple):

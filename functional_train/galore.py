@@ -70,7 +70,14 @@ from .transforms import (
     scale_by_learning_rate,
     stateless,
 )
-from .tree import contiguous_stride, flatten_as, tree_flatten, tree_paths, tree_unflatten
+from .tree import (
+    PyTree,
+    contiguous_stride,
+    flatten_as,
+    tree_flatten,
+    tree_paths,
+    tree_unflatten,
+)
 
 __all__ = [
     "galore",
@@ -80,7 +87,6 @@ __all__ = [
     "PROJ_TYPES",
 ]
 
-PyTree = Any
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right")
 REFRESH = ("svd", "randomized")

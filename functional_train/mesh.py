@@ -107,6 +107,9 @@ class Mesh:
         return self.dim_names.index(name)
 
     def size(self, name: str) -> int:
+        """Number of ranks along the mesh dim called ``name``."""
+        if self.device_mesh is None:
+            raise ValueError(f"Mesh.size({name!r}): the descriptor has no device_mesh")
         return self.device_mesh.size(self.dim(name))
 
     @property
@@ -128,8 +131,12 @@ class Mesh:
     def data_dims(self) -> list:
         """Indices of the mesh dims whose ranks train on different data: the data axis, and the
         expert axis when it is data parallel too (:attr:`expert_data`)."""
+        if self.data_axis is None:
+            return []
         return [self.dim(self.data_axis)] + (
-            [self.dim(self.expert_axis)] if self.expert_data else []
+            [self.dim(self.expert_axis)]
+            if self.expert_axis is not None and self.expert_data
+            else []
         )
 
     def reduced(self) -> Mesh:

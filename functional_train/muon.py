@@ -59,7 +59,7 @@ from .transforms import (
     scale_by_learning_rate,
     zero_count,
 )
-from .tree import state_zeros_like, tree_flatten, tree_paths, tree_unflatten
+from .tree import PyTree, state_zeros_like, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
     "ScaleByMuonState",
@@ -70,7 +70,6 @@ __all__ = [
     "NS_COEFFICIENTS",
 ]
 
-PyTree = Any
 
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 _ADJUST = (None, "original", "match_rms_adamw")

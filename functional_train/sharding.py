@@ -26,6 +26,8 @@ the per-layout plan, the view).
 
 from __future__ import annotations
 
+from typing import Any
+
 from .base import declare
 from .engine.collectives import all_reduce_buckets, per_rank
 from .engine.dtensor import Spec, spec_of, to_local, wrap
@@ -56,7 +58,8 @@ def materialize(grads: list, params, paths, mesh, world=None) -> list:
     del paths, world
     import optree
 
-    treedef = optree.tree_structure([None] * len(grads), none_is_leaf=True)
+    slots: Any = [None] * len(grads)
+    treedef = optree.tree_structure(slots, none_is_leaf=True)
     return plan_for(
         treedef, list(grads), None if params is None else list(params), mesh
     ).materialize(list(grads), None if params is None else list(params))

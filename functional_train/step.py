@@ -50,12 +50,10 @@ from .hyperparams import InjectHyperparamsState, is_injected, value_of
 from .mesh import Mesh
 from .quantization import FusedAdam8bit, fused_adam8bit_step
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
-from .tree import flatten_as, tree_flatten, tree_unflatten
+from .tree import PyTree, flatten_as, tree_flatten, tree_unflatten
 from .update import apply_updates, paired_locals
 
 __all__ = ["step"]
-
-PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)

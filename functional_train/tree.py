@@ -26,6 +26,9 @@ __all__ = [
     "contiguous_stride",
 ]
 
+#: A pytree of tensors (``torch.Tensor`` / ``DTensor`` leaves, ``None`` for frozen leaves):
+#: params, updates and optimizer states (optax's ``Params`` / ``Updates`` / ``OptState``).
+#: Defined here once; every module that annotates a tree imports it.
 PyTree = Any
 
 

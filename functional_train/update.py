@@ -50,7 +50,7 @@ def paired_locals(params: Any, updates: Any):
             )
         sd, sp = spec_of(d), spec_of(x)
         if (sd is None) != (sp is None) or (
-            sd is not None and sd.mesh is not sp.mesh and sd.mesh != sp.mesh
+            sd is not None and sp is not None and sd.mesh is not sp.mesh and sd.mesh != sp.mesh
         ):
             raise ValueError(
                 f"apply_updates: update for '{path(i)}' is {describe(d)}, but the "

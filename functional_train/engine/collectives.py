@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-def groups_over(device_mesh: DeviceMesh, dims: Sequence[int]) -> tuple:
+def groups_over(device_mesh: DeviceMesh, dims: Collection[int]) -> tuple:
     """Functional-collective groups whose successive all-reduces reduce over the mesh dims
     ``dims``: the default (world) process group when they span every rank of the job; on real
     process groups, one cached process group of this rank's slice of the mesh along ``dims``

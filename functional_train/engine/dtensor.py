@@ -9,7 +9,7 @@ of the leaf they belong to. Eagerly a DTensor is built straight from a cached ``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -74,6 +74,14 @@ def cache_clear() -> None:
     _SPECS.clear()
 
 
+@overload
+def spec_of(x: DTensor) -> Spec: ...
+
+
+@overload
+def spec_of(x: Any) -> Spec | None: ...
+
+
 def spec_of(x: Any) -> Spec | None:
     """The :class:`Spec` of a DTensor (cached per layout: the same object for every DTensor of
     one layout, so its ``DTensorSpec`` cache hits), ``None`` for a plain tensor or ``None``."""
@@ -91,6 +99,7 @@ def spec_of(x: Any) -> Spec | None:
     if len(_SPECS) >= _MAX_SPECS:
         _SPECS.clear()
     meta = ds.tensor_meta
+    assert meta is not None, "a DTensor's spec carries its tensor meta"
     spec = Spec(ds.mesh, tuple(ds.placements), meta.shape, tuple(meta.stride))
     spec._dtensor_specs[meta.dtype] = ds
     _SPECS[id(ds)] = (ds, spec)

@@ -11,7 +11,7 @@ a given tensor dim.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -94,7 +94,7 @@ class World:
             )
         return dims
 
-    def replicas(self, x: Any, path: str, within: set | None = None) -> int:
+    def replicas(self, x: Any, path: str, within: Collection[int] | None = None) -> int:
         """How many ranks hold the same local values of leaf ``x`` (materialised, not Partial),
         counting only the world dims in ``within`` (all by default)."""
         if self.device_mesh is None:
@@ -178,10 +178,10 @@ class World:
         )
         return self.group_of(dims)
 
-    def group_of(self, dims: Sequence[int]):
+    def group_of(self, dims: Collection[int]):
         """The groups (see :func:`groups_over`) reducing over the world mesh dims ``dims``;
         ``None`` if ``dims`` is empty."""
-        if not dims:
+        if not dims or self.device_mesh is None:
             return None
         return groups_over(self.device_mesh, dims)
 
@@ -196,7 +196,7 @@ class World:
         return ((self.device_mesh, dim),)
 
 
-def statistic_shape(x: Any, t: torch.Tensor, dims: Sequence[int]) -> list | None:
+def statistic_shape(x: Any, t: torch.Tensor, dims: Collection[int]) -> list | None:
     """The global shape of the statistic ``t`` of DTensor ``x`` reduced locally over ``dims``, or
     ``None`` when ``t`` is not one.
 

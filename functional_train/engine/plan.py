@@ -145,7 +145,9 @@ class Plan:
         for i, u in enumerate(leaves):
             _check_leaf(paths[i], u, None if pleaves is None else pleaves[i], pleaves is not None)
         self.active = [i for i, x in enumerate(leaves) if x is not None]
-        self.param_specs = None if pleaves is None else [spec_of(p) for p in pleaves]
+        self.param_specs: list[Spec | None] | None = (
+            None if pleaves is None else [spec_of(p) for p in pleaves]
+        )
         any_dtensor = any(isinstance(x, DTensor) for x in leaves) or (
             pleaves is not None and any(isinstance(p, DTensor) for p in pleaves)
         )
@@ -157,7 +159,7 @@ class Plan:
         if self.trivial:
             self.world = _NO_WORLD
             self.mesh = mesh
-            self.specs = [None] * len(leaves)
+            self.specs: list[Spec | None] = [None] * len(leaves)
             return
         labels = [f"update leaf '{p}'" for p in paths]
         if pleaves:
@@ -190,7 +192,7 @@ class Plan:
             self.partial_rounds.append(rnd)
         self.specs = specs
         # 3. the placements of the parameter
-        if pleaves is not None:
+        if pleaves is not None and self.param_specs is not None:
             for i, (s, p) in enumerate(zip(specs, pleaves)):
                 if leaves[i] is None or p is None:
                     continue
@@ -218,8 +220,9 @@ class Plan:
             red = all_reduce_buckets([(to_local(grads[i]), g, op) for i, g, op, _ in rnd])
             for (i, _, _, s), r in zip(rnd, red):
                 grads[i] = wrap(r, s)
+        params = pleaves if pleaves is not None else []  # (relayout is planned from them)
         for i in self.relayout:
-            g, p = grads[i], pleaves[i]
+            g, p = grads[i], params[i]
             gd, pd = isinstance(g, DTensor), isinstance(p, DTensor)
             if gd and pd:
                 grads[i] = g.redistribute(p.device_mesh, p.placements)
@@ -315,7 +318,7 @@ def plan_for(
     return hit
 
 
-def _all_on_data_axis(pleaves: Sequence[Any], axis: str) -> bool:
+def _all_on_data_axis(pleaves: Sequence[Any], axis: str | None) -> bool:
     """Every parameter is a DTensor whose mesh has the data axis: their gradients are placed
     over it (FSDP's reduce-scatter made them), so none is averaged over it by the engine. A
     property of the parameters, the same on every rank."""
@@ -376,10 +379,11 @@ def agree_presence(leaves: list, pleaves: list | None, treedef, mesh: Mesh) -> l
             lay = 2
         codes.append((1, 1 + dt * 4 + lay))
     dm = mesh.device_mesh
+    assert dm is not None, "a data axis is a dim of a device mesh"
     local = torch.tensor(codes, dtype=torch.int64, device=dm.device_type).reshape(2 * n)
     dims = mesh.data_dims
-    total = all_reduce_buckets([(local, groups_over(dm, dims), "sum")])[0]
-    total = total.view(n, 2).tolist()
+    summed = all_reduce_buckets([(local, groups_over(dm, dims), "sum")])[0]
+    total = summed.view(n, 2).tolist()
     out = list(leaves)
     dp = math.prod(dm.size(d) for d in dims)
     for i, (count, code) in enumerate(total):

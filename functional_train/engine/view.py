@@ -251,7 +251,7 @@ class Prepared:
         group = world.group_of(dims)
         root = world.device_mesh
         coords = mesh_coordinates(root)
-        out: list = [None] * len(items)
+        out = [None] * len(items)
         by_dtype: dict = defaultdict(list)
         for k, (_, t, _) in enumerate(items):
             by_dtype[t.dtype].append(k)
@@ -268,9 +268,9 @@ class Prepared:
                 else:
                     keep = [d for d in range(nd) if d not in red]
                 w = 1.0 if op == "max" else 1.0 / self.replicas(i, frozenset(dims))
-                metas.append(
-                    (x, self.world.leaf_dims(x, self.paths[i]), keep, w, statistic_shape(x, t, red))
-                )
+                gshape = statistic_shape(x, t, red)
+                assert gshape is not None, "_scatter_reduce takes statistics of DTensor leaves"
+                metas.append((x, self.world.leaf_dims(x, self.paths[i]), keep, w, gshape))
 
             def pack(r, ts, metas=metas):
                 parts = []
