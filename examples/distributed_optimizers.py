@@ -25,6 +25,8 @@ import argparse
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 from _common import (  # noqa: E402
     batches,
     common_args,
@@ -35,8 +37,6 @@ from _common import (  # noqa: E402
     model_and_params,
     setup,
 )
-from torch.distributed.tensor import DTensor
-
 from functional_train.testing import count_collectives
 
 

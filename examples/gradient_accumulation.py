@@ -23,6 +23,8 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 from _common import (  # noqa: E402
     batches,
     common_args,
@@ -32,8 +34,6 @@ from _common import (  # noqa: E402
     model_and_params,
     setup,
 )
-from torch.distributed.tensor import DTensor
-
 from functional_train.testing import count_collectives
 
 

@@ -28,6 +28,8 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 from _common import (  # noqa: E402
     batches,
     common_args,
@@ -37,7 +39,6 @@ from _common import (  # noqa: E402
     model_and_params,
     setup,
 )
-from torch.distributed.tensor import DTensor
 
 
 def main(argv=None):

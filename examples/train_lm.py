@@ -957,7 +957,8 @@ def parse_args(argv=None):
 
 def setup_parallel(args):
     """Returns (world_size, rank, device_mesh or None); device_mesh has dims ("dp", "tp"), with
-    "pp" in front under --pp > 1 and "ep" after "dp" under --ep > 1."""
+    "pp" in front under --pp > 1 and "ep" after "dp" under --ep > 1. Joins the gloo process
+    group of torchrun's environment, or takes the one a caller has already started."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.ep > 1 and not args.moe:
         raise SystemExit("--ep needs routed experts (--moe E)")
@@ -981,7 +982,8 @@ def setup_parallel(args):
         )
     args.dp, args.tp = dp, tp
     check_sizes(args)  # before any process group: a bad layout stops every rank at once
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     dims = (
         [("pp", args.pp)] * (args.pp > 1)
@@ -1107,6 +1109,7 @@ def check_resume(args, saved: dict, log) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    owns_group = not dist.is_initialized()  # else the caller's, left to the caller
     world, rank, device_mesh = setup_parallel(args)
     check_sizes(args)
     torch.set_num_threads(args.threads or (len(os.sched_getaffinity(0)) if world == 1 else 1))
@@ -1465,7 +1468,8 @@ def main(argv=None):
         print(json.dumps(summary), flush=True)
     if world > 1:
         dist.barrier()
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
     return summary
 
 

@@ -2,11 +2,8 @@
 from a dp=2 x tp=2 gloo run (tensor parallel leaves, ZeRO over dp), for the test to load on
 another layout."""
 
-import sys
-
 import optree
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -47,8 +44,7 @@ def flat(state):
     return {p: v for p, v in zip(tree_paths(state), vals) if isinstance(v, torch.Tensor)}
 
 
-def main(rank, world, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def main(rank, world, out):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     fmesh = ft.Mesh(mesh, data_axis="dp")
     params, grads = problem()
@@ -64,9 +60,3 @@ def main(rank, world, init_file, out):
             updates, state = tx.update({k: place(v, k) for k, v in g.items()}, state, p, mesh=fmesh)
             p = ft.apply_updates(p, updates)
         dcp.save(flat(state), checkpoint_id=f"{out}/{name}")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

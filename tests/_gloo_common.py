@@ -1,11 +1,8 @@
-"""What every gloo worker of the test suite does the same way: the per-replica problem, the
-process group's start from the command line ``rank world init_file out``, and the end (rank 0
-saves the result, every rank waits for it)."""
-
-import sys
+"""What the gloo jobs of the test suite share: the per-replica problem. (The jobs run on the
+session's ranks, ``tests/_ranks.py``: each is a ``main(rank, world, ...)`` that returns what the
+test checks.)"""
 
 import torch
-import torch.distributed as dist
 
 
 def replica_problem(shapes: dict, steps: int, replicas: int = 2, seed: int = 0):
@@ -18,18 +15,3 @@ def replica_problem(shapes: dict, steps: int, replicas: int = 2, seed: int = 0):
         for _ in range(steps)
     ]
     return params, grads
-
-
-def start():
-    """Join the gloo process group named by ``sys.argv``; returns ``(rank, world, out)``."""
-    rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    return rank, world, out
-
-
-def finish(rank: int, result, out: str) -> None:
-    """Rank 0 saves ``result`` to ``out``; every rank waits, then leaves the group."""
-    if rank == 0:
-        torch.save(result, out)
-    dist.barrier()
-    dist.destroy_process_group()

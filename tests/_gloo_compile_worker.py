@@ -7,22 +7,18 @@ the eager ``ft.step``.
 The optimizer aliases compile with inductor; the other transforms with the ``eager`` backend
 (dynamo's tracing is what breaks, and inductor takes ~10-40 s per transform on 2 CPU cores).
 A warmup-cosine schedule's changing learning rate must not recompile (3 steps, one graph).
-Rank 0 writes ``{name: None or an error message}``.
+Every rank returns ``{name: None or an error message}``.
 """
 
 import copy
-import sys
 import traceback
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+import _sweep_registry as reg
 import functional_train as ft
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-import _sweep_registry as reg  # noqa: E402
-from _gloo_common import finish, start  # noqa: E402
 
 # inductor for the user-facing optimizers (and the main job's chain), eager for the rest
 ALIASES = {
@@ -103,8 +99,7 @@ def check(name, mesh):
     return None
 
 
-def main():
-    rank, world, out = start()
+def main(rank, world):
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     names = [n for n in reg.all_entries() if (n, "compile_dtensor") not in reg.NOT_APPLICABLE]
@@ -114,8 +109,4 @@ def main():
             result[name] = check(name, mesh)
         except Exception:  # noqa: BLE001  (reported by name to the test)
             result[name] = traceback.format_exc()[-3000:]
-    finish(rank, result, out)
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -6,8 +6,6 @@
 ``dp``; ``tp`` and ``dp`` replicas are compared on rank 0 (every rank gathers its full params).
 """
 
-import sys
-
 import optree
 import torch
 import torch.distributed as dist
@@ -15,9 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import functional_train as ft
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from _gloo_common import finish, replica_problem, start  # noqa: E402
+from _gloo_common import replica_problem
 
 
 def foreign_sign() -> ft.GradientTransformation:
@@ -75,8 +71,7 @@ def problem(steps=4):
     return replica_problem({"w": (6, 3), "b": (5,), "p": (4,)}, steps)
 
 
-def main():
-    rank, world, out = start()
+def main(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh["tp"]
     dp_rank = mesh.get_local_rank("dp")
@@ -105,8 +100,4 @@ def main():
         every = [None] * world
         dist.all_gather_object(every, full)
         results[name] = every
-    finish(rank, results, out)
-
-
-if __name__ == "__main__":
-    main()
+    return results

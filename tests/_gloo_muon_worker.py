@@ -4,13 +4,12 @@
 inside ``zero_redundancy`` over dp -- with Newton-Schulz at owner ranks and, for comparison,
 gathered onto every rank (``muon._DISTRIBUTED = False``).
 
-Per layout and scheme rank 0 saves the full parameters after 3 steps and, from every rank, the
+Per layout and scheme every rank returns the full parameters after 3 steps and, from every rank, the
 first update's collectives and their input bytes, the Newton-Schulz multiply-adds the rank ran
 (``newton_schulz`` patched to count them) and the bytes of its local Muon-managed parameters.
 """
 
 import importlib
-import sys
 
 import torch
 import torch.distributed as dist
@@ -22,8 +21,6 @@ from functional_train.testing import count_collectives
 
 fm = importlib.import_module("functional_train.muon")  # (ft.muon is the function)
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from _gloo_common import finish, start  # noqa: E402
 
 # two layers: tensor parallel Shard(0) for wq / wk / wv / w1 / w3, Shard(1) for wo / w2;
 # odd sizes, so shards are uneven
@@ -66,8 +63,7 @@ def ns_cost(shape):
     return 2 * m * m * n + m * m * m
 
 
-def main():
-    rank, world, out = start()
+def main(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     flops = [0]
     real_ns = fm.newton_schulz
@@ -76,7 +72,15 @@ def main():
         flops[0] += ns_cost(tuple(x.shape))
         return real_ns(x, *args, **kwargs)
 
+    distributed = fm._DISTRIBUTED
     fm.newton_schulz = counting_ns
+    try:
+        return _runs(mesh, world, flops)
+    finally:  # the ranks run other jobs after this one
+        fm.newton_schulz, fm._DISTRIBUTED = real_ns, distributed
+
+
+def _runs(mesh, world, flops):
     result = {}
     for layout in LAYOUTS:
         for scheme in ("owners", "gather"):
@@ -106,9 +110,4 @@ def main():
             dist.all_gather_object(every, stats)
             full = {k: v.full_tensor() for k, v in params.items()}
             result[(layout, scheme)] = dict(params=full, ranks=every)
-    fm.newton_schulz = real_ns
-    finish(rank, result, out)
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -4,21 +4,17 @@ meets it), on real gloo ranks.
 
 2 ranks, ``dp=2``, plain tensors. Leaf ``b`` has no gradient on rank 1 at step 0 and on rank 0
 at step 2, leaf ``c`` has none anywhere (frozen); rank ``r``'s gradient otherwise is the
-problem's replica ``r``. Every rank records its params after each transform; rank 0 saves all
+problem's replica ``r``. Every rank records its params after each transform and returns all
 ranks' results (gathered) so the test compares them with a one-process run in which an absent
 gradient counts as zero in the mean.
 """
-
-import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import functional_train as ft
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from _gloo_common import finish, replica_problem, start  # noqa: E402
+from _gloo_common import replica_problem
 
 SHAPES = {"a": (4, 3), "b": (5,), "c": (2, 2)}
 ABSENT = {(0, 1), (2, 0)}  # (step, rank) where b has no gradient
@@ -46,8 +42,7 @@ def transforms():
     }
 
 
-def main():
-    rank, world, out = start()
+def main(rank, world):
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     mesh = ft.Mesh(dm, data_axis="dp")
     params0, grads = problem()
@@ -75,8 +70,4 @@ def main():
             dict(zip(SHAPES, torch.split(e, [torch.Size(s).numel() for s in SHAPES.values()])))
             for e in every
         ]
-    finish(rank, result, out)
-
-
-if __name__ == "__main__":
-    main()
+    return result

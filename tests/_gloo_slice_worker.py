@@ -2,18 +2,14 @@
 statistics are completed over two mesh dims (dp x tp, not pp): clip + lamb on each stage's own
 leaves, per-replica gradients over dp, a weight matrix sharded over tp."""
 
-import sys
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import functional_train as ft
+from _gloo_common import replica_problem
 from functional_train.engine.collectives import groups_over
 from functional_train.testing import count_collectives
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from _gloo_common import finish, replica_problem, start  # noqa: E402
 
 
 def problem(steps=3):
@@ -30,8 +26,7 @@ def make_tx():
     return ft.chain(ft.clip_by_global_norm(1.0), ft.lamb(1e-2, weight_decay=0.1))
 
 
-def main():
-    rank, world, out = start()
+def main(rank, world):
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     tp = mesh["tp"]
@@ -56,17 +51,9 @@ def main():
     stage = {"w": params["w"].full_tensor(), "b": params["b"]}
     every = [None] * 2
     dist.all_gather_object(every, stage, group=mesh.get_group("pp"))
-    finish(
-        rank,
-        {
-            "params": {f"s{s}": every[s] for s in range(2)},
-            "counts": counts,
-            "norm": ft.tree_get(state, "global_norm"),
-            "groups": len(groups_over(mesh, [1, 2])),
-        },
-        out,
-    )
-
-
-if __name__ == "__main__":
-    main()
+    return {
+        "params": {f"s{s}": every[s] for s in range(2)},
+        "counts": counts,
+        "norm": ft.tree_get(state, "global_norm"),
+        "groups": len(groups_over(mesh, [1, 2])),
+    }

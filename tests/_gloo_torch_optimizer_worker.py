@@ -3,7 +3,7 @@ parameters of a 2-rank gloo run, FSDP2 (``fully_shard``) and tensor parallel
 (``parallelize_module``), with torch.distributed.checkpoint's ``get_optimizer_state_dict`` and
 ``dcp.save``; the FSDP2 checkpoint is also loaded back on the 2 ranks.
 
-Writes, per layout: the full parameters at the start, after ``STEPS`` and after ``STEPS + MORE``
+Returns, per layout: the full parameters at the start, after ``STEPS`` and after ``STEPS + MORE``
 steps (and, for FSDP2, after reloading at ``STEPS`` and ``MORE`` steps more, and a
 ``full_state_dict=True`` get / set round trip), the optimizer state dict's keys, and what a
 ``get_optimizer_state_dict`` on a fresh optimizer left behind.
@@ -31,7 +31,6 @@ import functional_train as ft
 from functional_train.tree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _gloo_common import finish, start  # noqa: E402
 
 STEPS, MORE = 3, 2
 LAYOUTS = ("fsdp", "tp")
@@ -88,9 +87,7 @@ def build(layout: str, mesh):
     return m, ft.TorchOptimizer(m.named_parameters(), make_tx())
 
 
-def main():
-    rank, world, out = start()
-    ckpt = os.path.dirname(out)
+def main(rank, world, ckpt):
     mesh = init_device_mesh("cpu", (world,))
     data = batches()
     result = {}
@@ -142,8 +139,4 @@ def main():
                 else torch.equal(a, b)
                 for a, b in zip(tree_flatten(opt2.ft_state)[0], tree_flatten(opt3.ft_state)[0])
             )
-    finish(rank, result, out)
-
-
-if __name__ == "__main__":
-    main()
+    return result

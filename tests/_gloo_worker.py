@@ -1,22 +1,16 @@
 """Worker for tests/test_gloo.py: the core transforms on real gloo collectives (4 ranks).
 
 Each rank builds the same reference problem, runs the chain sharded over a dp=2 x tp=2 mesh with
-per-replica gradients, and rank 0 writes the gathered results to ``out`` for the test to compare
-against the one-process run.
+per-replica gradients, and returns the gathered results for the test to compare against the
+one-process run.
 """
 
-import sys
-
-import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import functional_train as ft
+from _gloo_common import replica_problem
 from functional_train.testing import count_collectives
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from _gloo_common import replica_problem  # noqa: E402
 
 
 def problem(steps=4):
@@ -29,8 +23,7 @@ def make_tx():
     )
 
 
-def main(rank, world, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def main(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh["tp"]
     dp_rank = mesh.get_local_rank("dp")
@@ -57,12 +50,4 @@ def main(rank, world, init_file, out):
         assert all(updates[k].placements == dparams[k].placements for k in params), updates
         dparams = ft.apply_updates(dparams, updates)
     full = {k: v.full_tensor() for k, v in dparams.items()}
-    norm = ft.tree_get(state, "global_norm")
-    if rank == 0:
-        torch.save({"params": full, "norm": norm, "counts": counts}, out)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    return {"params": full, "norm": ft.tree_get(state, "global_norm"), "counts": counts}

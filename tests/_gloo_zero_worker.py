@@ -1,18 +1,12 @@
 """Worker for tests/test_gloo.py: every optimizer alias under ZeRO over dp=2 with tp=2, on real
-gloo collectives (4 ranks). Rank 0 writes the gathered parameters and the collective counts."""
+gloo collectives (4 ranks). Returns the gathered parameters and the collective counts."""
 
-import sys
-
-import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import functional_train as ft
+from _gloo_common import replica_problem
 from functional_train.testing import count_collectives
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from _gloo_common import replica_problem  # noqa: E402
 
 PLACE = {"wq": [Shard(0)], "wo": [Shard(1)], "b": [Shard(0)], "n": [Replicate()], "e": None}
 
@@ -33,8 +27,7 @@ def problem(steps=3):
     return replica_problem({"wq": (6, 5), "wo": (5, 7), "b": (7,), "n": (5,), "e": (9, 4)}, steps)
 
 
-def main(rank, world, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def main(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh["tp"]
     dp_rank = mesh.get_local_rank("dp")
@@ -58,11 +51,4 @@ def main(rank, world, init_file, out):
             p = ft.apply_updates(p, updates)
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in p.items()}
         results[name] = {"params": full, "counts": counts}
-    if rank == 0:
-        torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    return results

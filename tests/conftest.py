@@ -1,4 +1,11 @@
-"""Shared pytest configuration: hypothesis profiles, and the ``x64`` fixture (jax in float64).
+"""Shared pytest configuration: the two tiers, hypothesis profiles, and the ``x64`` fixture (jax
+in float64).
+
+Tiers: ``python -m pytest -q`` runs every test not marked ``slow`` (single-process properties,
+reference tests, simulated-rank sharded tests: a few minutes on 2 cores); ``--full`` adds the
+``slow`` ones (tests that start processes, compile a step with ``torch.compile``, or run the
+main job or the notebook), as ``.ci/run`` does. An explicit ``-m`` expression selects by itself
+(``-m slow``: only those).
 
 Profiles (select with the ``HYPOTHESIS_PROFILE`` environment variable):
 
@@ -12,6 +19,30 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="also run the tests marked slow (processes, inductor compiles, main job, notebook)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the ``slow`` tests unless ``--full`` or an explicit ``-m`` is given; under
+    pytest-xdist (``--dist loadgroup``), run the tests that use the session's ranks on one
+    worker, so that one set of rank processes serves them all."""
+    for item in items:
+        if "ranks" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ranks"))
+    if config.getoption("--full") or config.option.markexpr:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
 
 settings.register_profile(
     "ci",
@@ -29,6 +60,18 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """Gloo ranks kept for the session, one set per world size: ``ranks.run(world,
+    "module:function", *args)`` runs ``function(rank, world, *args)`` on each rank and returns
+    their results (``tests/_ranks.py``)."""
+    from _ranks import Ranks
+
+    pools = Ranks()
+    yield pools
+    pools.close()
 
 
 @pytest.fixture

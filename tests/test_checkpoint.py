@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import optree
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -18,11 +19,11 @@ import functional_train as ft
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import _gloo_ckpt_worker as worker  # noqa: E402
-from test_gloo import _spawn_raw  # noqa: E402
 
 
-def test_states_saved_sharded_load_unsharded(tmp_path):
-    _spawn_raw(4, tmp_path, "_gloo_ckpt_worker.py")
+@pytest.mark.slow
+def test_states_saved_sharded_load_unsharded(tmp_path, ranks):
+    ranks.run(4, "_gloo_ckpt_worker:main", str(tmp_path))
     params0, grads = worker.problem()
     for name, make in worker.optimizers().items():
         tx = ft.zero_redundancy(make())  # one process: the inner transform on whole tensors
@@ -35,7 +36,7 @@ def test_states_saved_sharded_load_unsharded(tmp_path):
             lambda x: torch.full_like(x, -7) if x.is_floating_point() else torch.zeros_like(x),
             worker.flat(state),
         )
-        dcp.load(template, checkpoint_id=str(tmp_path / "out.pt" / name), no_dist=True)
+        dcp.load(template, checkpoint_id=str(tmp_path / name), no_dist=True)
         want = worker.flat(state)
         assert set(template) == set(want)
         for k in want:

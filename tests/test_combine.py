@@ -141,6 +141,7 @@ def test_partition_reduces_unreduced_gradients_once():
     assert counts == [{"all_reduce": 2}] * 3
 
 
+@pytest.mark.slow
 def test_partition_and_masked_compile():
     """Under torch.compile the labels / mask come from the eager init (dynamo cannot flatten
     trees of strings built in traced code); results equal eager. Two param trees of the same

@@ -1,11 +1,13 @@
 """The whole update + apply step is traceable by torch.compile (fullgraph) and gives eager's
 numbers (plain tensors, one process)."""
 
+import pytest
 import torch
 
 import functional_train as ft
 
 
+@pytest.mark.slow
 def test_compiled_step_matches_eager():
     gen = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(16, 8, generator=gen), "b": torch.randn(8, generator=gen)}
@@ -29,6 +31,7 @@ def test_compiled_step_matches_eager():
     assert int(sc[1][0].count) == int(se[1][0].count) == 3
 
 
+@pytest.mark.slow
 def test_import_does_not_load_dynamo_and_its_marker_is_dynamos():
     """Importing the library does not import ``torch._dynamo`` (0.4 s of every process's
     start), and ``engine.owners.assume_constant_result`` marks a function as

@@ -17,10 +17,10 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from _layouts import check_fused_step
 from torch.distributed.tensor import Replicate, Shard
 
 import functional_train as ft
+from _layouts import check_fused_step
 from functional_train.testing import assert_sharded_equivalent
 
 STEPS = 5

@@ -4,11 +4,11 @@ taking torch's fused kernels where they apply."""
 
 import pytest
 import torch
-from _layouts import shard  # noqa: E402  (tests/ is on sys.path)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import functional_train as ft
+from _layouts import shard  # noqa: E402  (tests/ is on sys.path)
 from functional_train.engine import dtensor as engine_dtensor
 from functional_train.engine.view import prepare
 from functional_train.testing import simulate

@@ -19,7 +19,6 @@ from functional_train.testing import assert_sharded_equivalent
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import _gloo_foreign_worker as fw  # noqa: E402
-from test_gloo import _spawn  # noqa: E402
 
 
 def _one_process(make, params, grads):
@@ -98,10 +97,11 @@ def test_undeclared_transform_gets_reduced_gradients_not_partial():
     assert sharded["w"].placements == (Replicate(), Shard(0)), sharded["w"].placements
 
 
-def test_gloo_replicas_agree(tmp_path):
+@pytest.mark.slow
+def test_gloo_replicas_agree(ranks):
     """Real gloo ranks (dp=2 x tp=2): each composition equals the one-process run on the mean
     gradients, on every rank (tp and dp replicas agree)."""
-    res = _spawn(4, tmp_path, "_gloo_foreign_worker.py")
+    res = ranks.run(4, "_gloo_foreign_worker:main")[0]
     params0, grads = fw.problem()
     for name, make in fw.compositions().items():
         want = _one_process(make, dict(params0), grads)

@@ -521,95 +521,16 @@ _GLOO_LEAVES = {
     "r": ((3, 5), "R"),
 }
 
-_GLOO_WORKER = r"""
-import sys
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-import functional_train as ft
-from functional_train.galore import galore_adamw
-from functional_train.testing import count_collectives
 
-rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-spec = eval(sys.argv[5])
-dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-P = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
-gen = torch.Generator().manual_seed(7)
-params = {k: torch.randn(s, generator=gen) for k, (s, _) in spec.items()}
-grads = [{k: torch.randn(s, generator=gen) for k, (s, _) in spec.items()} for _ in range(3)]
-
-
-def put(x, pl):
-    if pl is None:
-        return x.clone()
-    return distribute_tensor(x, mesh, [P[pl]], src_data_rank=None)
-
-
-tx = galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2)
-dp = {k: put(params[k], pl) for k, (_, pl) in spec.items()}
-state = tx.init(dp)
-counts = []
-for g in grads:
-    dg = {k: put(g[k], pl) for k, (_, pl) in spec.items()}
-    with count_collectives() as c:
-        u, state = tx.update(dg, state, dp)
-    counts.append(c.counts)
-    dp = ft.apply_updates(dp, u)
-full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in dp.items()}
-if rank == 0:
-    torch.save({"params": full, "counts": counts}, out)
-dist.barrier()
-dist.destroy_process_group()
-"""
-
-
-def test_gloo_2_processes_match_one_process(tmp_path):
+@pytest.mark.slow
+def test_gloo_2_processes_match_one_process(ranks):
     """galore_adamw on a real 2-process gloo mesh (the path without simulation: real mesh
     coordinates, real all-gathers of uneven shards) equals the one-process run."""
-    import os
-    import subprocess
-    import sys
+    import _gloo_galore_worker as worker
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    )
-    out = tmp_path / "out.pt"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _GLOO_WORKER,
-                str(r),
-                "2",
-                str(tmp_path / "init"),
-                str(out),
-                repr(_GLOO_LEAVES),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    res = torch.load(out)
-    gen = torch.Generator().manual_seed(7)
-    params = {k: torch.randn(s, generator=gen) for k, (s, _) in _GLOO_LEAVES.items()}
-    grads = [
-        {k: torch.randn(s, generator=gen) for k, (s, _) in _GLOO_LEAVES.items()} for _ in range(3)
-    ]
-    _, _, want = _run(
-        galore_adamw(1e-2, weight_decay=0.1, rank=2, update_proj_gap=2), params, grads
-    )
+    res = ranks.run(2, "_gloo_galore_worker:main", _GLOO_LEAVES)[0]
+    params, grads = worker.problem(_GLOO_LEAVES)
+    _, _, want = _run(worker.make_tx(), params, grads)
     for k in params:
         _close(res["params"][k] - params[k], want[k] - params[k], 1e-5, 1e-7, f"param {k}")
     # refreshes (steps 1, 3): the sharded 2-D leaves a, b, c, d share one all-gather;

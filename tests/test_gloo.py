@@ -1,52 +1,22 @@
 """Real multi-process runs on gloo (CPU): the core transforms against real collectives."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import functional_train as ft
+
+pytestmark = pytest.mark.slow  # starts processes
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import _gloo_worker as worker  # noqa: E402
 
 
-def _spawn(world, tmp_path, module):
-    return torch.load(_spawn_raw(world, tmp_path, module))
-
-
-def _spawn_raw(world, tmp_path, module, timeout=240):
-    """Run ``module`` on ``world`` gloo ranks; returns the ``out`` path it was given."""
-    init_file = tmp_path / "init"
-    out = tmp_path / "out.pt"
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / module), str(r), str(world), str(init_file), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    for p in procs:
-        stdout, _ = p.communicate(timeout=timeout)
-        logs.append(stdout.decode(errors="replace"))
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    return out
-
-
-def test_dp_tp_chain_matches_one_process(tmp_path):
-    res = _spawn(4, tmp_path, "_gloo_worker.py")
+def test_dp_tp_chain_matches_one_process(ranks):
+    res = ranks.run(4, "_gloo_worker:main")[0]
     params, grads = worker.problem()
     tx = worker.make_tx()
     state = tx.init(params)
@@ -65,12 +35,12 @@ def test_dp_tp_chain_matches_one_process(tmp_path):
     assert res["counts"][1] == {"all_reduce": 4, "all_gather_into_tensor": 1}, res["counts"]
 
 
-def test_zero_aliases_tp2_dp2_match_one_process(tmp_path):
+def test_zero_aliases_tp2_dp2_match_one_process(ranks):
     """Each optimizer alias as zero_redundancy(alias) at tp=2 x ZeRO dp=2 on real collectives
     equals the one-process run; one reduce-scatter in and one all-gather out per step."""
     import _gloo_zero_worker as zw
 
-    res = _spawn(4, tmp_path, "_gloo_zero_worker.py")
+    res = ranks.run(4, "_gloo_zero_worker:main")[0]
     params0, grads = zw.problem()
     assert set(res) == set(zw.aliases())
     for name, make in zw.aliases().items():
@@ -98,7 +68,7 @@ def test_zero_aliases_tp2_dp2_match_one_process(tmp_path):
                 assert gathers == 1, (name, step, c)
 
 
-def test_statistics_over_two_mesh_dims_take_one_all_reduce(tmp_path):
+def test_statistics_over_two_mesh_dims_take_one_all_reduce(ranks):
     """(pp=2, dp=2, tp=2) on 8 ranks: clip + lamb, whose trust-ratio norms are completed over
     dp x tp (every dim but the pipeline one), equal one process on the union of both stages'
     leaves with the dp mean of the gradients; each step takes 4 all-reduces (presence, dp mean,
@@ -106,7 +76,7 @@ def test_statistics_over_two_mesh_dims_take_one_all_reduce(tmp_path):
     stage's dp x tp ranks, not one all-reduce per dim (5 before)."""
     import _gloo_slice_worker as slice_worker
 
-    res = _spawn(8, tmp_path, "_gloo_slice_worker.py")
+    res = ranks.run(8, "_gloo_slice_worker:main")[0]
     params, grads = slice_worker.problem()
     tx = slice_worker.make_tx()
     state = tx.init(params)

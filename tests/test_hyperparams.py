@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
-from _layouts import step_by_mode  # noqa: E402
 
 import functional_train as ft
+from _layouts import step_by_mode  # noqa: E402
 
 
 def _problem(steps=4, seed=0, big=False):
@@ -169,6 +169,7 @@ def test_injected_schedule_is_evaluated_and_logged():
         assert torch.equal(p[k], want[k])
 
 
+@pytest.mark.slow
 def test_compiled_step_does_not_recompile_when_the_learning_rate_changes():
     torch._dynamo.reset()
     params, grads = _problem(steps=4)
@@ -343,6 +344,7 @@ def test_tensor_hyperparameters_are_read_per_update(name, mode):
     assert any(not torch.equal(got[k], unchanged[k]) for k in params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,backend",
     [(n, "aot_eager") for n in sorted(TENSOR_CASES)]

@@ -41,7 +41,7 @@ def native_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=["native", "inductor"])
+@pytest.fixture(params=["native", pytest.param("inductor", marks=pytest.mark.slow)])
 def out_of_place(request):
     """Either out-of-place path; a callable telling whether it ran."""
     if request.param == "native":
@@ -490,6 +490,7 @@ CONFIGS_8BIT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,donate",
     [  # each configuration, pure and donated alternately
@@ -559,6 +560,7 @@ def test_8bit_step_through_the_compiled_kernel(monkeypatch, name, donate):
             assert torch.equal(p[k], q[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,path", [(n, "native") for n in CONFIGS] + [("clip+adamw", "inductor")]
 )

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # runs examples/train_lm.py, on 4 processes too
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_lm.py"
 SMALL = [
@@ -83,8 +85,19 @@ def test_dp2_tp2_equals_one_process(tmp_path):
 
 
 def _torchrun(args, out, extra=()):
-    """4 gloo processes of the job with ``args``: see :func:`_run`."""
+    """4 gloo processes of the job with ``args`` under torchrun: see :func:`_run`."""
     return _run(TORCHRUN + [str(SCRIPT), *args], out, extra)
+
+
+def _job(ranks, world, args, out, extra=()):
+    """The job with ``args`` + SMALL + ``extra`` on ``world`` of the session's ranks (its
+    ``main`` run as ``python`` / ``torchrun`` run the script, without starting processes);
+    returns ``(summary, params, rank 0's output)`` as :func:`_run` does."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [*args, *SMALL, *extra, "--out", str(out)]
+    summary = ranks.run(world, "_main_job:main", argv, log=out / "job.log", timeout=420)[0]
+    log = (out / "job.log.rank0").read_text(errors="replace")
+    return summary, torch.load(out / "params.pt"), log.replace("\r", "\n")
 
 
 def _same_training(one, p1, p4, out):
@@ -108,11 +121,11 @@ def _collectives(log):
 _ONE = {}
 
 
-def _one_process(optimizer, tmp_path_factory):
+def _one_process(ranks, optimizer, tmp_path_factory):
     """The one-process run of ``optimizer`` (cached: the pipeline layouts compare with it)."""
     if optimizer not in _ONE:
         out = tmp_path_factory.mktemp(f"one-{optimizer}")
-        _ONE[optimizer] = _run([sys.executable, str(SCRIPT), "--optimizer", optimizer], out)[:2]
+        _ONE[optimizer] = _job(ranks, 1, ["--optimizer", optimizer], out)[:2]
     return _ONE[optimizer]
 
 
@@ -138,7 +151,7 @@ OPTIMIZERS = ["adamw", "adafactor", "lamb"]
         [("adamw", "pp2-tp2"), ("adafactor", "pp2-dp2"), ("lamb", "pp2-dp2")],
     ),
 )
-def test_pipeline_stages_equal_one_process(layout, optimizer, tmp_path, tmp_path_factory):
+def test_pipeline_stages_equal_one_process(layout, optimizer, tmp_path, tmp_path_factory, ranks):
     """3 steps with the decoder's 2 layers in 2 pipeline stages (torch.distributed.pipelining,
     1F1B over micro-batches; with tensor or data parallelism beside it) on 4 gloo processes
     give one process's parameters within 1e-5 (adamw, adafactor and lamb: per-leaf statistics
@@ -152,8 +165,8 @@ def test_pipeline_stages_equal_one_process(layout, optimizer, tmp_path, tmp_path
         "pp2-tp2": ["--pp", "2", "--tp", "2"],
         "pp2-dp2": ["--pp", "2", "--dp", "2", "--tp", "1"],
     }[layout]
-    one, p1 = _one_process(optimizer, tmp_path_factory)
-    four, p4, log = _torchrun(["--optimizer", optimizer, *dims], tmp_path)
+    one, p1 = _one_process(ranks, optimizer, tmp_path_factory)
+    four, p4, log = _job(ranks, 4, ["--optimizer", optimizer, *dims], tmp_path)
     assert four["mesh"] == {
         "pp": 2,
         "dp": 2 if "dp2" in layout else 1,
@@ -178,10 +191,12 @@ COLLECTIVES = {
 }
 
 
-def test_pipeline_collectives_do_not_grow_with_layers(tmp_path):
+def test_pipeline_collectives_do_not_grow_with_layers(tmp_path, ranks):
     """Twice the layers per stage (4 in 2 stages, pp=2 x tp=2): the same 3 all-reduces for
     clip + adafactor as with 2 layers."""
-    _, _, log = _torchrun(
+    _, _, log = _job(
+        ranks,
+        4,
         ["--optimizer", "adafactor", "--pp", "2", "--tp", "2"],
         tmp_path,
         ["--n-layers", "4", "--steps", "1"],
@@ -193,14 +208,14 @@ def test_pipeline_collectives_do_not_grow_with_layers(tmp_path):
 _ONE_MOE = {}
 
 
-def _one_process_moe(optimizer, experts, tmp_path_factory):
+def _one_process_moe(ranks, optimizer, experts, tmp_path_factory):
     """The one-process MoE run (cached per optimizer and expert representation)."""
     key = (optimizer, experts)
     if key not in _ONE_MOE:
         out = tmp_path_factory.mktemp(f"one-moe-{optimizer}-{experts}")
-        _ONE_MOE[key] = _run(
-            [sys.executable, str(SCRIPT), "--optimizer", optimizer, *MOE, "--experts", experts], out
-        )[:2]
+        _ONE_MOE[key] = _job(ranks, 1, ["--optimizer", optimizer, *MOE, "--experts", experts], out)[
+            :2
+        ]
     return _ONE_MOE[key]
 
 
@@ -215,7 +230,7 @@ MOE = ["--moe", "4", "--top-k", "2"]
         [("adamw", "stacked"), ("adafactor", "separate"), ("lamb", "separate")],
     ),
 )
-def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_path_factory):
+def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_path_factory, ranks):
     """3 steps of the MoE decoder (4 SwiGLU experts per layer, top-2, load-balancing loss,
     dropless) at ep=2 x dp=2 on 4 gloo processes (tokens dispatched by all-to-all; each rank
     holds 2 experts and its own quarter of the batch) give one process's parameters within
@@ -224,8 +239,10 @@ def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_pa
     norm, which the job logs, differs from the global one. The step's all-reduces: agreeing on
     present gradients, the mean over dp, the mean over ep (experts: over dp, divided by ep), the
     clip's norm, and adafactor's or lamb's per-leaf statistics."""
-    one, p1 = _one_process_moe(optimizer, experts, tmp_path_factory)
-    four, p4, log = _torchrun(
+    one, p1 = _one_process_moe(ranks, optimizer, experts, tmp_path_factory)
+    four, p4, log = _job(
+        ranks,
+        4,
         [
             "--optimizer",
             optimizer,
@@ -261,13 +278,15 @@ def test_expert_parallel_equals_one_process(experts, optimizer, tmp_path, tmp_pa
 
 @pytest.mark.parametrize("optimizer, experts", [("adafactor", "stacked"), ("adamw", "separate")])
 def test_expert_parallel_with_zero_equals_one_process(
-    optimizer, experts, tmp_path, tmp_path_factory
+    optimizer, experts, tmp_path, tmp_path_factory, ranks
 ):
     """``--zero`` at ep=2 x dp=2: the optimizer state sharded over dp, the gradients averaged
     over ep first (one all-reduce), then reduce-scattered over dp; the same parameters and
     gradient norms as one process."""
-    one, p1 = _one_process_moe(optimizer, experts, tmp_path_factory)
-    four, p4, log = _torchrun(
+    one, p1 = _one_process_moe(ranks, optimizer, experts, tmp_path_factory)
+    four, p4, log = _job(
+        ranks,
+        4,
         [
             "--optimizer",
             optimizer,
@@ -290,10 +309,12 @@ def test_expert_parallel_with_zero_equals_one_process(
     assert collectives and "reduce_scatter_tensor 1" in collectives[0], collectives
 
 
-def test_expert_collectives_do_not_grow_with_experts(tmp_path):
+def test_expert_collectives_do_not_grow_with_experts(tmp_path, ranks):
     """Twice the experts (8 per layer, 4 per ep rank): the same 5 all-reduces for clip +
     adafactor at ep=2 x dp=2 as with 4."""
-    _, _, log = _torchrun(
+    _, _, log = _job(
+        ranks,
+        4,
         ["--optimizer", "adafactor", "--moe", "8", "--ep", "2", "--dp", "2", "--tp", "1"],
         tmp_path,
         ["--steps", "1"],

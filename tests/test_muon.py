@@ -236,9 +236,8 @@ def test_collectives_constant_in_the_number_of_leaves():
     simulated 2 x 2 (dp, tp) mesh (uneven, empty shards). The leaves live on three meshes (the
     2-D mesh, which is the world, and its tp and dp sub-meshes), each routed on its own: one
     all-to-all each way on each: 6."""
-    from test_collective_counts import _KINDS, _leaf, _mesh
-
     from functional_train.testing import count_collectives, simulate
+    from test_collective_counts import _KINDS, _leaf, _mesh
 
     kinds = [k for k in _KINDS if len(k[2]) == 2]
     counts = []
@@ -309,7 +308,8 @@ def test_owner_routing_balances_flops_and_bounds_bytes(
             assert sum(p[3] for p in pieces) == math.prod(shapes[j])
 
 
-def test_owners_on_4_gloo_ranks(tmp_path):
+@pytest.mark.slow
+def test_owners_on_4_gloo_ranks(ranks):
     """``ft.muon`` at dp=2 x tp=2 on 4 real gloo ranks, 3 steps (tests/_gloo_muon_worker.py),
     with tensor parallel, FSDP + tensor parallel and ``zero_redundancy`` layouts, uneven shards:
     the parameters equal one process's bit for bit, with Newton-Schulz at owner ranks and
@@ -319,9 +319,8 @@ def test_owners_on_4_gloo_ranks(tmp_path):
     updates comes on top), and every rank sends at most 2.25x the mean share of a rank to
     others (the messages are padded to the longest)."""
     import _gloo_muon_worker as w
-    from test_gloo import _spawn_raw
 
-    res = torch.load(_spawn_raw(4, tmp_path, "_gloo_muon_worker.py", timeout=600))
+    res = ranks.run(4, "_gloo_muon_worker:main", timeout=600)[0]
     params, grads = w.problem()
     tx = w.make_tx()
     state = tx.init(params)

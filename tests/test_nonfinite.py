@@ -9,11 +9,11 @@ import copy
 import numpy as np
 import pytest
 import torch
-from _layouts import step_by_mode  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import functional_train as ft
+from _layouts import step_by_mode  # noqa: E402
 from functional_train.testing import (
     assert_sharded_equivalent,
     count_collectives,

@@ -26,6 +26,9 @@ from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
+# starts a kernel and runs the notebook, once, on one pytest-xdist worker for these tests
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("notebook")]
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOTEBOOK = EXAMPLES / "quickstart.ipynb"
 CELL_TIMEOUT_S = 300  # generous: the whole notebook takes ~30 s on a busy 2-core CPU
@@ -65,7 +68,7 @@ def _tagged(nb, tag: str) -> list:
     return [c for c in nb.cells if tag in c.get("metadata", {}).get("tags", [])]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session (see test_sweep's _compiled_on_gloo)
 def executed(tmp_path_factory):
     """``(executed notebook, seconds, kernel's sys.executable, results)``."""
     nb = nbformat.read(NOTEBOOK, as_version=4)

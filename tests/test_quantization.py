@@ -22,6 +22,10 @@ import math
 import optree
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import functional_train as ft
 from _layouts import (
     S0,
     S1,
@@ -32,10 +36,6 @@ from _layouts import (
     update_collectives,
 )
 from _layouts import run_steps as _run  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
-
-import functional_train as ft
 from functional_train.optimizers import adam, adamw
 from functional_train.quantization import (
     ScaleByAdam8bitState,

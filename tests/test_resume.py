@@ -34,7 +34,6 @@ ROOT = HERE.parent
 SCRIPT = ROOT / "examples" / "train_lm.py"
 sys.path.insert(0, str(HERE))
 import _gloo_resume_worker as worker  # noqa: E402
-from test_gloo import _spawn_raw  # noqa: E402
 
 # DCP in this process: no simulated process group left over by earlier tests
 pytestmark = pytest.mark.usefixtures("no_fake_process_group")
@@ -250,7 +249,8 @@ def _flat(tree):
     return worker.full(tree)
 
 
-def test_four_ranks_reshard_and_resume(tmp_path):
+@pytest.mark.slow
+def test_four_ranks_reshard_and_resume(tmp_path, ranks):
     params0, grads = worker.problem()
     tx = worker.optimizers()["adamw_zero"]()  # one process: the inner chain on whole tensors
     p, s = params0, tx.init(params0)
@@ -261,7 +261,7 @@ def test_four_ranks_reshard_and_resume(tmp_path):
         tmp_path / "plain", params=p, state=(s, None), step=2, extra={"gen": gen_state}
     )
 
-    res = torch.load(_spawn_raw(4, tmp_path, "_gloo_resume_worker.py"))
+    res = ranks.run(4, "_gloo_resume_worker:main", str(tmp_path))[0]
 
     # a one-process checkpoint loaded into DTensor templates on 4 ranks
     got = res["from_plain"]
@@ -376,13 +376,15 @@ def _killed_after_checkpoint(cmd, ckpt, at_least=2):
     return ft.checkpoint.read_manifest(ckpt)["step"], killed
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session (see test_sweep's _compiled_on_gloo)
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     _run(_cmd(1, out))
     return torch.load(out / "params.pt"), json.loads((out / "metrics.json").read_text())
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume")  # one worker runs the shared runs once
 def test_main_job_killed_and_resumed_is_bitwise(tmp_path, uninterrupted):
     ckpt = tmp_path / "killed" / "checkpoint"
     step, killed = _killed_after_checkpoint(
@@ -403,7 +405,7 @@ def test_main_job_killed_and_resumed_is_bitwise(tmp_path, uninterrupted):
     assert resumed["summary"]["val_loss"] == metrics["summary"]["val_loss"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per session (see test_sweep's _compiled_on_gloo)
 def four_killed(tmp_path_factory):
     """A 4-process run (dp=2 x tp=2) SIGKILLed after its checkpoint of step 2 or later: ``(the
     checkpoint, its step)``. Both tests below resume it (reading it only)."""
@@ -413,6 +415,8 @@ def four_killed(tmp_path_factory):
     return ckpt, step
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume")  # one worker runs the shared runs once
 def test_main_job_four_process_checkpoint_resumes_in_one_process(
     tmp_path, uninterrupted, four_killed
 ):
@@ -430,6 +434,8 @@ def test_main_job_four_process_checkpoint_resumes_in_one_process(
     assert abs(resumed["summary"]["val_loss"] - metrics["summary"]["val_loss"]) < 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume")  # one worker runs the shared runs once
 def test_main_job_four_processes_killed_and_resumed_is_bitwise(tmp_path, four_killed):
     """The 4-process run killed after a checkpoint and resumed on 4 processes ends with the
     parameters of an uninterrupted 4-process run, bit for bit."""

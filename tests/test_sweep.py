@@ -56,7 +56,6 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-import _sweep_registry as reg  # noqa: E402  (tests/ is on sys.path)
 import optree
 import pytest
 import torch
@@ -68,6 +67,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import _sweep_registry as reg  # noqa: E402  (tests/ is on sys.path)
 import functional_train as ft
 from functional_train.testing import (
     ShardedCase,
@@ -948,6 +948,7 @@ def test_no_host_sync_mode_catches_reads():
 # =============================================================================================
 # torch.compile
 # =============================================================================================
+@pytest.mark.slow
 @pytest.mark.parametrize("name", cases("compile"))
 def test_compile(name):
     """``torch.compile(update, fullgraph=True)`` (``COMPILE_BACKEND``) gives eager's updates and
@@ -1077,15 +1078,13 @@ def test_step_sharded(name, mode):
     )
 
 
-@pytest.fixture(scope="module")
-def _compiled_on_gloo(tmp_path_factory):
+@pytest.fixture(scope="session")  # (kept to the end: a module's would go when a test of
+def _compiled_on_gloo(ranks):  # another module runs between two of these under xdist)
     """One 2-rank gloo job compiling every transform (see ``tests/_gloo_compile_worker.py``)."""
-    from test_gloo import _spawn_raw
-
-    out = _spawn_raw(2, tmp_path_factory.mktemp("compile"), "_gloo_compile_worker.py", timeout=900)
-    return torch.load(out)
+    return ranks.run(2, "_gloo_compile_worker:main", timeout=900)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", cases("compile_dtensor"))
 def test_compile_dtensor(name, _compiled_on_gloo):
     """``torch.compile(ft.step, fullgraph=True)`` on DTensors (2 gloo ranks) == eager."""

@@ -3,16 +3,15 @@ collectives, a (2, 2) mesh. It passes for the library's chain (uneven and nested
 leaf, ``Partial`` gradients, a data axis) and raises the same AssertionError on every rank for a
 clip that computes its norm from the local shard only.
 
-Run by pytest, this file spawns itself as the 4 workers (``python test_testing_gloo.py RANK
-WORLD INIT_FILE OUT_DIR``).
+The 4 ranks are the session's (``tests/_ranks.py``); each runs :func:`_job` of this module.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # starts processes
 
 HERE = Path(__file__).parent
 
@@ -47,14 +46,13 @@ def _buggy_clip(max_norm):
     return ft.GradientTransformation(lambda p: ft.EmptyState(), update)
 
 
-def _worker(rank, world, init_file, out_dir):
-    import torch.distributed as dist
+def _job(rank, world):
+    """A rank's part: both passing checks, then the failing one's message (returned)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     import functional_train as ft
     from functional_train.testing import assert_sharded_equivalent
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(0)  # the same inputs on every rank
     shapes = {"w": (5, 7), "v": (3, 5), "b": (3,), "n": (2,)}
     params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
@@ -81,35 +79,11 @@ def _worker(rank, world, init_file, out_dir):
         msg = "no error"
     except AssertionError as e:
         msg = str(e)
-    (Path(out_dir) / f"rank{rank}.txt").write_text(msg)
-    dist.barrier()
-    dist.destroy_process_group()
+    return msg
 
 
-def test_real_process_group(tmp_path):
-    world = 4
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(r), str(world), str(tmp_path / "init"), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    msgs = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
+def test_real_process_group(ranks):
+    msgs = ranks.run(4, "test_testing_gloo:_job")
     assert len(set(msgs)) == 1, msgs  # every rank raises the same error
     assert msgs[0].startswith("sharded != unsharded (reported by rank "), msgs[0]
     assert "step 0, updates['b']: max abs error" in msgs[0], msgs[0]
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

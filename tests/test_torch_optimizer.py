@@ -310,6 +310,7 @@ COMPILED_ALIASES = {  # every float hyperparameter injected (defaults too): all 
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILED_ALIASES))
 def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile(name):
     """torch.optim's convention for compiled steps: a learning rate given as a tensor

@@ -28,7 +28,6 @@ from functional_train.tree import tree_flatten
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import _gloo_torch_optimizer_worker as worker  # noqa: E402
-from test_gloo import _spawn_raw  # noqa: E402
 
 # DCP in this process: no simulated process group left over by earlier tests
 pytestmark = pytest.mark.usefixtures("no_fake_process_group")
@@ -49,12 +48,13 @@ def _close_change(got: dict, want: dict, start: dict, what: str) -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+@pytest.fixture(scope="session")  # once per session (see test_sweep's _compiled_on_gloo)
+def two_ranks(tmp_path_factory, ranks):
     tmp = tmp_path_factory.mktemp("torch_optimizer_dist")
-    return torch.load(_spawn_raw(2, tmp, "_gloo_torch_optimizer_worker.py", timeout=180)), tmp
+    return ranks.run(2, "_gloo_torch_optimizer_worker:main", str(tmp))[0], tmp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", worker.LAYOUTS)
 def test_two_ranks_train_and_checkpoint_like_one_process(two_ranks, layout):
     res, tmp = two_ranks

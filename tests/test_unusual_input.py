@@ -293,15 +293,15 @@ def test_zero_redundancy_without_mesh_reduces_over_its_axis():
 # ---------------------------------------------------------------------------------------------
 # a gradient None on some data-parallel ranks only: zero in the mean (DDP), never an abort
 # ---------------------------------------------------------------------------------------------
-def test_gloo_none_gradient_on_one_rank(tmp_path):
+@pytest.mark.slow
+def test_gloo_none_gradient_on_one_rank(ranks):
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
     import _gloo_presence_worker as pw
-    from test_gloo import _spawn
 
-    res = _spawn(2, tmp_path, "_gloo_presence_worker.py")
+    res = ranks.run(2, "_gloo_presence_worker:main")[0]
     params0, grads = pw.problem()
     makers = dict(pw.transforms(), zero_adamw=lambda: ft.adamw(1e-2))
     for key, got in res.items():
