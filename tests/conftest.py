@@ -18,7 +18,16 @@ Profiles (select with the ``HYPOTHESIS_PROFILE`` environment variable):
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
+
+# pytest-xdist: the workers share the cores. Torch's intra-op threads spin while they wait, so
+# two workers of 2 threads each on 2 cores slowed an SVD-heavy test from 7 s to 50 s: each
+# worker gets its share of the cores.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(
+        max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
 
 
 def pytest_addoption(parser):
