@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -137,6 +138,8 @@ class RankPool:
         for conn in self._send + self._recv:
             conn.close()
         self._send, self._recv = [], []
+        if not kill:  # (a failed pool's logs stay for the error message and for a look)
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class Ranks:
@@ -148,6 +151,8 @@ class Ranks:
     def run(self, world: int, target: str, *args, **kw) -> list:
         pool = self._pools.get(world)
         if pool is None or not pool.alive:
+            if pool is not None:  # a rank died between jobs
+                pool.close(kill=True)
             pool = self._pools[world] = RankPool(world)
         try:
             return pool.run(target, *args, **kw)
