@@ -413,7 +413,13 @@ class _ParamState(MutableMapping):
         return self._entry()[key]
 
     def __setitem__(self, key, value) -> None:
-        entries = self._opt._per_param()
+        opt = self._opt
+        entries = opt._per_param()
+        if key == "step":  # (one count per group: the others' entries follow this one)
+            group = opt._group_of[self._i]
+            for i, e in enumerate(entries):
+                if opt._group_of[i] == group:
+                    e.pop("step", None)
         entries[self._i][key] = value
         self._opt._load_entries(entries, "error", "TorchOptimizer.state[p]")
 
@@ -809,8 +815,9 @@ class TorchOptimizer(torch.optim.Optimizer):
             out[home if slot.owner is None else slot.owner][slot.key] = leaf
         for i, e in enumerate(out):
             count = steps.get(self._group_of[i])
-            if count is not None:
-                e["step"] = count.detach().to("cpu", torch.float32)
+            if count is not None:  # (first, as torch's; copying an entry in order sets it
+                # before the counts that differ from it)
+                out[i] = e = {"step": count.detach().to("cpu", torch.float32), **e}
             e.update(self._extra[i])
         return out
 
@@ -828,6 +835,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                     globals_[k] = v
         steps: dict = {}
         loaded: set = set()  # groups with a torch field present
+        stepped: set = set()  # parameters with one (torch has all of them or none)
         for i, e in enumerate(entries):
             g = self._group_of[i]
             fields = self._groups[g].fields
@@ -835,6 +843,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 continue
             if any(k in e for k in fields.values()):
                 loaded.add(g)
+                stepped.add(i)
             if "step" in e:
                 v = _as_step(e["step"], f"{where}: parameter '{self._names[i]}'")
                 first = steps.setdefault(g, (v, i))
@@ -865,7 +874,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 value = steps[slot.group][0]
             elif slot.kind == "count" and missing == "error":
                 value = 1 if slot.group in loaded else 0
-            elif missing == "fresh" or (slot.alt is not None and missing == "error"):
+            elif missing == "fresh" or (slot.alt is not None and slot.owner not in stepped):
                 if fresh is None:
                     fresh = tree_flatten(self._tx.init(self._params_tree(self._params)))[0]
                 new.append(fresh[len(new)])
@@ -963,6 +972,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                 loss = closure()
         tensors = self._params
         self._sync_hyperparams()
+        if all(p.grad is None for p in tensors):
+            return loss  # (torch.optim's steps skip parameters without a gradient: a no-op)
         params = self._params_tree(tensors)
         grads = {n: p.grad for n, p in zip(self._names, tensors)}
         from .step import step as ft_step

@@ -109,9 +109,7 @@ def main(rank, world, ckpt):
         osd = get_optimizer_state_dict(m, opt)
         r["state_keys"] = {k: sorted(v) for k, v in osd["state"].items()}
         r["params"] = list(osd["param_groups"][0]["params"])
-        r["mu_placements"] = {
-            k: str(v["inner_state.0.mu"].placements) for k, v in osd["state"].items()
-        }
+        r["mu_placements"] = {k: str(v["exp_avg"].placements) for k, v in osd["state"].items()}
         dcp.save(
             {"model": get_model_state_dict(m), "optim": osd},
             checkpoint_id=os.path.join(ckpt, f"ckpt_{layout}"),
@@ -130,7 +128,7 @@ def main(rank, world, ckpt):
             # full (unsharded) state dicts: gathered, then scattered into a fresh optimizer
             opts = StateDictOptions(full_state_dict=True)
             whole = get_optimizer_state_dict(m2, opt2, options=opts)
-            r["full_mu"] = whole["state"]["0.weight"]["inner_state.0.mu"]
+            r["full_mu"] = whole["state"]["0.weight"]["exp_avg"]
             opt3 = ft.TorchOptimizer(m2.named_parameters(), make_tx())
             set_optimizer_state_dict(m2, opt3, optim_state_dict=whole, options=opts)
             r["full_round_trip"] = all(
