@@ -66,6 +66,7 @@ __all__ = [
     "scale_by_muon",
     "muon",
     "muon_param_labels",
+    "MUON_EXCLUDE",
     "newton_schulz",
     "NS_COEFFICIENTS",
 ]
@@ -286,32 +287,76 @@ def scale_by_muon(
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def muon_param_labels(
-    params: PyTree, exclude: Sequence[str] = ("embed", "lm_head", "wte", "wpe", "head", "output")
-) -> PyTree:
-    """Labels for :func:`muon`: ``"muon"`` for the hidden weight matrices, ``"adam"`` for the
-    rest, as Keller Jordan and Moonlight split a model.
+#: :func:`muon_param_labels`'s default ``exclude``: the embeddings (HF Llama's
+#: ``model.embed_tokens``, BERT's and ViT's ``embeddings`` module with the ``word_`` /
+#: ``position_`` / ``token_type_embeddings`` in it, GPT-2's ``wte`` / ``wpe``, torchtitan's
+#: ``tok_embeddings``, timm's ``pos_embed`` / ``patch_embed`` / ``cls_token``) and the output
+#: projections and classifier heads (HF's ``lm_head`` and ``classifier``, timm's ``head``,
+#: torchtitan's final ``output`` Linear: ``output.weight``, so that BERT's hidden
+#: ``layer.N.output.dense`` is not excluded).
+MUON_EXCLUDE = (
+    "embed",
+    "embed_tokens",
+    "embeddings",
+    "tok_embeddings",
+    "word_embeddings",
+    "position_embeddings",
+    "token_type_embeddings",
+    "wte",
+    "wpe",
+    "pos_embed",
+    "patch_embed",
+    "cls_token",
+    "lm_head",
+    "classifier",
+    "head",
+    "output.weight",
+)
 
-    Per leaf, by its dotted path (``layers.0.attn.wq.weight``; a flat dict of
-    ``model.named_parameters()`` has those paths as keys): ``"adam"`` if it has fewer than 2
-    dims (biases, norm scales) or a component of its path (split at ``.``) contains one of
-    ``exclude`` (embeddings, the LM head; case-sensitive), else ``"muon"``.
+
+def muon_param_labels(params: PyTree, exclude: Sequence[str] = MUON_EXCLUDE) -> PyTree:
+    """Labels for :func:`muon`: ``"muon"`` for the hidden weight matrices, ``"adam"`` for the
+    rest, as Keller Jordan and Moonlight split a model (AdamW for the embeddings, the output
+    head and the gains and biases).
+
+    Per leaf, by its dotted path (``layers.0.attention.wq.weight``; a flat dict of
+    ``model.named_parameters()`` has those paths as keys), split at ``.`` into components:
+    ``"adam"`` if it has fewer than 2 dims (biases, norm scales), or if an entry of ``exclude``,
+    itself split at ``.``, equals one component or a run of consecutive components of the path
+    (exact, case-sensitive matches: ``"head"`` excludes ``head.weight`` and ``heads.head.weight``
+    but not ``multihead_attn.in_proj_weight``; ``"output.weight"`` excludes torchtitan's final
+    projection ``output.weight`` but not BERT's hidden ``layer.0.output.dense.weight``); else
+    ``"muon"``. The default is :data:`MUON_EXCLUDE`: ``embed``, ``embed_tokens``,
+    ``embeddings``, ``tok_embeddings``, ``word_embeddings``, ``position_embeddings``,
+    ``token_type_embeddings``, ``wte``, ``wpe``, ``pos_embed``, ``patch_embed``,
+    ``cls_token``, ``lm_head``, ``classifier``, ``head``, ``output.weight``. A model whose
+    embedding or head is named otherwise (T5's ``shared``, a ResNet's ``fc``) needs its name
+    added: ``exclude=MUON_EXCLUDE + ("fc",)``.
 
     Returns a tree of strings with the structure of ``params``.
 
     Raises:
         TypeError: ``exclude`` is a single string rather than a sequence of strings.
+        ValueError: an entry of ``exclude`` with an empty component (``""``, ``"a..b"``,
+            ``".weight"``).
     """
     if isinstance(exclude, str) or not all(isinstance(s, str) for s in exclude):
         raise TypeError("muon_param_labels: exclude must be a sequence of strings")
+    runs = [tuple(e.split(".")) for e in exclude]
+    for e, run in zip(exclude, runs):
+        if not all(run):
+            raise ValueError(
+                f"muon_param_labels: exclude entry {e!r} has an empty component; entries are "
+                f"module or parameter names, or runs of them joined by '.'"
+            )
     leaves, treedef = tree_flatten(params)
     out = []
     for path, x in zip(tree_paths(params), leaves):
-        parts = path.replace("[", ".").replace("]", "").replace("'", "").split(".")
+        parts = tuple(path.split("."))
         hidden = (
             isinstance(x, torch.Tensor)
             and x.ndim >= 2
-            and not any(e in part for part in parts for e in exclude)
+            and not any(parts[k : k + len(run)] == run for run in runs for k in range(len(parts)))
         )
         out.append("muon" if hidden else "adam")
     return tree_unflatten(treedef, out)

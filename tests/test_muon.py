@@ -3,6 +3,7 @@ float64; labels; errors. Sharded == unsharded is swept (tests/test_sweep.py: sca
 muon) and shown on uneven 2-D meshes here."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -154,8 +155,162 @@ def test_labels_route_vectors_embeddings_and_head_to_adam():
         "scale": "adam",
     }
     assert ft.muon_param_labels(params, exclude=("wq",))["embed"] == "muon"
+    assert ft.muon_param_labels(params, exclude=("wq",))["layers.0.wq"] == "adam"
     with pytest.raises(TypeError, match="sequence of strings"):
         ft.muon_param_labels(params, exclude="embed")
+    for bad in ("", "output..weight", ".weight"):
+        with pytest.raises(ValueError, match=f"exclude entry '{re.escape(bad)}' has an empty"):
+            ft.muon_param_labels(params, exclude=("embed", bad))
+
+
+def _labels(module, **kw):
+    """``muon_param_labels`` of a module's ``named_parameters()`` dict, as ``{"muon": [...],
+    "adam": [...]}`` (names in order)."""
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    labels = ft.muon_param_labels(params, **kw)
+    return {lab: [k for k in params if labels[k] == lab] for lab in ("muon", "adam")}
+
+
+def test_labels_of_bert_and_vit_keep_their_hidden_matrices():
+    """transformers' BertModel and ViTModel (tiny configs): every hidden matrix of each layer is
+    Muon's, the attention output projection (``attention.output.dense``) and the FFN's second
+    matrix (``output.dense``) included (a component named ``output`` is not an output head);
+    the embeddings (word, position, token type; ViT's patch projection, position embeddings and
+    class token, 3-D and 4-D) and every vector are AdamW's."""
+    transformers = pytest.importorskip("transformers")
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=30,
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=12,
+            max_position_embeddings=16,
+        )
+    )
+    got = _labels(bert)
+    layer = "encoder.layer.0."
+    assert got["muon"] == [
+        layer + "attention.self.query.weight",
+        layer + "attention.self.key.weight",
+        layer + "attention.self.value.weight",
+        layer + "attention.output.dense.weight",
+        layer + "intermediate.dense.weight",
+        layer + "output.dense.weight",
+        "pooler.dense.weight",
+    ]
+    assert {k for k in got["adam"] if not k.endswith("bias") and "LayerNorm" not in k} == {
+        "embeddings.word_embeddings.weight",
+        "embeddings.position_embeddings.weight",
+        "embeddings.token_type_embeddings.weight",
+    }
+    vit = transformers.ViTModel(
+        transformers.ViTConfig(
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=12,
+            image_size=8,
+            patch_size=4,
+        )
+    )
+    got = _labels(vit)
+    params = dict(vit.named_parameters())
+    assert got["muon"] == [k for k, v in params.items() if v.ndim == 2 and "embeddings" not in k]
+    assert len(got["muon"]) == 7  # q, k, v, o, fc1 / intermediate, fc2 / output, pooler
+    assert {k for k in got["adam"] if params[k].ndim >= 2} == {
+        "embeddings.cls_token",
+        "embeddings.position_embeddings",
+        "embeddings.patch_embeddings.projection.weight",
+    }
+
+
+def test_labels_of_torch_decoder_gpt2_and_torchtitan_names():
+    """``nn.TransformerDecoderLayer``: its cross-attention ``multihead_attn`` matrices are
+    Muon's like the self-attention's and the FFN's; GPT-2 (transformers, tied head): ``wte``
+    and ``wpe`` are AdamW's; a torchtitan Llama / MoE naming: ``tok_embeddings`` and the final
+    projection ``output`` are AdamW's, the attention, FFN, router and stacked experts Muon's."""
+    dec = torch.nn.TransformerDecoderLayer(8, 2, 12)
+    got = _labels(dec)
+    assert got["muon"] == [
+        "self_attn.in_proj_weight",
+        "self_attn.out_proj.weight",
+        "multihead_attn.in_proj_weight",
+        "multihead_attn.out_proj.weight",
+        "linear1.weight",
+        "linear2.weight",
+    ]
+    assert all(dict(dec.named_parameters())[k].ndim == 1 for k in got["adam"])
+
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=30, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    )
+    got = _labels(gpt2)
+    assert got["muon"] == [
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.attn.c_proj.weight",
+        "transformer.h.0.mlp.c_fc.weight",
+        "transformer.h.0.mlp.c_proj.weight",
+    ]
+    assert [k for k in got["adam"] if k.endswith("weight") and "ln" not in k] == [
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+    ]
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wk, self.wv, self.wo = (
+                torch.nn.Linear(8, 8, bias=False) for _ in range(4)
+            )
+
+    class MoE(torch.nn.Module):  # torchtitan's GroupedExperts and TokenChoiceTopKRouter names
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.Module()
+            self.experts.w1 = torch.nn.Parameter(torch.zeros(4, 12, 8))
+            self.experts.w2 = torch.nn.Parameter(torch.zeros(4, 8, 12))
+            self.router = torch.nn.Module()
+            self.router.gate = torch.nn.Linear(8, 4, bias=False)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention, self.moe = Attention(), MoE()
+            self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(8), torch.nn.RMSNorm(8)
+
+    class Titan(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings = torch.nn.Embedding(30, 8)
+            self.layers = torch.nn.ModuleDict({"0": Block()})
+            self.norm = torch.nn.RMSNorm(8)
+            self.output = torch.nn.Linear(8, 30, bias=False)
+
+    got = _labels(Titan())
+    assert got == {
+        "muon": [
+            "layers.0.attention.wq.weight",
+            "layers.0.attention.wk.weight",
+            "layers.0.attention.wv.weight",
+            "layers.0.attention.wo.weight",
+            "layers.0.moe.experts.w1",
+            "layers.0.moe.experts.w2",
+            "layers.0.moe.router.gate.weight",
+        ],
+        "adam": [
+            "tok_embeddings.weight",
+            "layers.0.attention_norm.weight",
+            "layers.0.ffn_norm.weight",
+            "norm.weight",
+            "output.weight",
+        ],
+    }
+    # the same names one module deeper (a wrapper's "model." prefix) label alike
+    wrapper = torch.nn.Module()
+    wrapper.model = Titan()
+    assert _labels(wrapper)["adam"][-1] == "model.output.weight"
 
 
 def test_muon_trains_the_others_with_adamw():
