@@ -2,7 +2,10 @@
 (dp, tp) mesh of real gloo ranks, 3 steps, in three layouts of its matrices -- tensor parallel
 (``Replicate`` over dp), FSDP + tensor parallel (``Shard(0)`` over dp too) and tensor parallel
 inside ``zero_redundancy`` over dp -- with Newton-Schulz at owner ranks and, for comparison,
-gathered onto every rank (``muon._DISTRIBUTED = False``).
+gathered onto every rank (``muon._DISTRIBUTED = False``). Two stacked expert leaves
+``(E, d_out, d_in)`` come with them: ``experts``, tensor parallel on ``d_out`` (at owners), and
+``routed``, split over both mesh dims on its expert axis only (each rank orthogonalises its own
+expert, in every layout and scheme).
 
 Per layout and scheme every rank returns the full parameters after 3 steps and, from every rank, the
 first update's collectives and their input bytes, the Newton-Schulz multiply-adds the rank ran
@@ -10,6 +13,7 @@ first update's collectives and their input bytes, the Newton-Schulz multiply-add
 """
 
 import importlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,8 @@ LAYER = {
     "w2": (16, 41),
 }
 SHAPES = {f"l{i}.{k}": s for i in range(2) for k, s in LAYER.items()}
+SHAPES["experts"] = (2, 16, 25)
+SHAPES["routed"] = (4, 25, 16)  # one expert per rank
 SHAPES["norm"] = (16,)
 STEPS = 3
 LAYOUTS = ("tp", "fsdp+tp", "zero+tp")
@@ -54,13 +60,16 @@ def make_tx(layout=None):
 def placements(name, layout):
     if name == "norm":
         return [Replicate(), Replicate()]
-    tp = Shard(1) if name.endswith(("wo", "w2")) else Shard(0)
+    if name == "routed":
+        return [Shard(0), Shard(0)]
+    tp = Shard(1) if name.endswith(("wo", "w2", "experts")) else Shard(0)
     return [Shard(0) if layout == "fsdp+tp" else Replicate(), tp]
 
 
 def ns_cost(shape):
-    m, n = sorted(shape)
-    return 2 * m * m * n + m * m * m
+    """Newton-Schulz multiply-adds per iteration of a leaf's matrices (the last two axes)."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * (2 * m * m * n + m * m * m)
 
 
 def main(rank, world):
