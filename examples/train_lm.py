@@ -1024,12 +1024,6 @@ def check_sizes(args):
             raise SystemExit(f"--moe {args.moe} experts must be divisible by --ep {args.ep}")
         if not 1 <= args.top_k <= args.moe:
             raise SystemExit(f"--top-k {args.top_k} must be between 1 and --moe {args.moe}")
-    if args.moe and args.experts == "stacked" and args.optimizer == "muon":
-        raise SystemExit(
-            "--optimizer muon orthogonalises 2-D matrices and flattens more dims "
-            "(a (E, d_ff, d) expert stack would be one E x (d_ff d) matrix): use "
-            "--experts separate"
-        )
     if args.ep > 1 and args.eval_windows % data:  # every ep rank runs the same forwards
         raise SystemExit(
             f"--eval-windows {args.eval_windows} must be divisible by --dp {args.dp} "

@@ -283,10 +283,10 @@ class _LeafDimensionNumbers:
     def __init__(self, spec):
         if isinstance(spec, _LeafDimensionNumbers):
             spec = spec.spec
-        self.spec = MuonDimensionNumbers() if spec is None else spec
+        self.spec = spec
         self._per_leaf = (
             None
-            if isinstance(self.spec, MuonDimensionNumbers)
+            if spec is None or isinstance(spec, MuonDimensionNumbers)
             else _PerLeaf(self._resolve, "scale_by_muon")
         )
 
@@ -298,14 +298,30 @@ class _LeafDimensionNumbers:
                     f"scale_by_muon: weight_dimension_numbers leaf '{tree_paths(tree)[i]}' must "
                     f"be a MuonDimensionNumbers or None, got {type(v).__name__}"
                 )
-        return [MuonDimensionNumbers() if v is None else v for v in values]
+        leaves = tree_flatten(tree)[0]
+        return [_default_dimension_numbers(x) if v is None else v for v, x in zip(values, leaves)]
 
     def of(self, treedef, leaves: Sequence) -> list | MuonDimensionNumbers:
         """Per leaf of the tree ``(treedef, leaves)`` its dimension numbers (or the one for
         every leaf)."""
+        if self.spec is None:
+            return [_default_dimension_numbers(x) for x in leaves]
         if self._per_leaf is None:
             return self.spec
         return self._per_leaf(tree_unflatten(treedef, leaves))
+
+
+_MATRIX = MuonDimensionNumbers()
+
+
+def _default_dimension_numbers(x) -> MuonDimensionNumbers:
+    """The default for a leaf: its last two axes (leading axes batch axes: stacked experts
+    ``(E, d_out, d_in)``) up to 3 dims; from 4 dims (a convolution's filters ``(out, in, kh,
+    kw)``) axis 0 against all the others, as Keller Jordan's reference flattens them."""
+    ndim = getattr(x, "ndim", 2)
+    if ndim < 4:
+        return _MATRIX
+    return MuonDimensionNumbers(reduction_axis=tuple(range(1, ndim)), output_axis=0)
 
 
 # Newton-Schulz of DTensor leaves at owner ranks (engine/owners.py); False: every rank gathers
@@ -345,8 +361,11 @@ def scale_by_muon(
             ``"match_rms_adamw"`` (``0.2 sqrt(max(A, B))``).
         mu_dtype: dtype of the momentum buffer (default float32, or the params' when wider).
         weight_dimension_numbers: which axes of each leaf are its matrix (optax's name):
-            ``None`` (default) for ``MuonDimensionNumbers()`` on every leaf (the last two axes
-            are the ``A x B`` matrix, leading axes are batch axes); one
+            ``None`` (default): ``MuonDimensionNumbers()`` for leaves of 2 or 3 dims (the last
+            two axes are the ``A x B`` matrix, a leading axis is a batch axis: stacked experts)
+            and axis 0 against all the others from 4 dims (a convolution's filters ``(out, in,
+            kh, kw)`` as one ``out x (in kh kw)`` matrix, as Keller Jordan's reference flattens
+            them); one
             :class:`MuonDimensionNumbers` for every leaf; a tree with the structure of the
             params (inside :func:`muon` and ``partition``: of all the params) whose leaves are
             :class:`MuonDimensionNumbers` or ``None`` (the default); or a function of the
@@ -602,8 +621,9 @@ def muon(
         param_labels: ``"muon"`` / ``"adam"`` per leaf, a tree or a function of the params
             (default :func:`muon_param_labels`).
         weight_dimension_numbers: the matrix axes of the Muon leaves, as
-            :func:`scale_by_muon`'s (default: the last two axes, leading axes batch axes); a
-            tree has the structure of all the params (the ``"adam"`` leaves' entries are not
+            :func:`scale_by_muon`'s (default: the last two axes up to 3 dims, a leading axis
+            a batch axis; axis 0 against the others from 4 dims); a tree has the structure
+            of all the params (the ``"adam"`` leaves' entries are not
             used), a function receives the params with ``None`` for the ``"adam"`` leaves.
             :class:`~functional_train.TorchOptimizer` takes a function as it is; under
             ``inject_hyperparams(muon)`` a function (here as in ``param_labels``) must be

@@ -328,7 +328,6 @@ def _job_module():
         (["--moe", "4", "--ep", "2", "--dp", "2", "--tp", "2"], "!= world size 4"),
         (["--pp", "2", "--n-layers", "3", "--tp", "2"], "--n-layers 3 must be divisible by --pp 2"),
         (["--moe", "4", "--top-k", "5"], "--top-k 5 must be between 1 and --moe 4"),
-        (["--moe", "4", "--optimizer", "muon"], "use --experts separate"),
         (
             ["--moe", "4", "--ep", "2", "--tp", "1", "--eval-windows", "6"],
             "--eval-windows 6 must be divisible by --dp 2 x --ep 2",

@@ -185,7 +185,9 @@ def test_stacked_experts_equal_torch_muon_per_expert():
     opt = torch.optim.Muon(
         [q for r in refs.values() for q in r], lr=2e-2, weight_decay=0.1, momentum=0.9
     )
-    tx = ft.muon(2e-2, weight_decay=0.1, beta=0.9)
+    # (a 4-D leaf is a convolution's filters by default: the stack names its matrix axes)
+    dims = {"experts": None, "stack": MuonDimensionNumbers()}
+    tx = ft.muon(2e-2, weight_decay=0.1, beta=0.9, weight_dimension_numbers=dims)
     assert ft.muon_param_labels(p0) == {"experts": "muon", "stack": "muon"}
     params = dict(p0)
     state = tx.init(params)
@@ -855,3 +857,20 @@ def test_pipeline_stages_and_expert_ranks_bit_for_bit(axis):
             p, state = ft.step(tx, {"dense": g[0]["a"]}, state, p)
         for r in range(4):
             assert torch.equal(got[r]["dense"], p["dense"])
+
+
+def test_default_treats_4d_leaves_as_convolution_filters():
+    """Without dimension numbers a 4-D leaf ``(out, in, kh, kw)`` is one ``out x (in kh kw)``
+    matrix (Keller Jordan's reference flattens conv filters so), equal to the same update of
+    the 2-D reshaped leaf; a 3-D leaf is a stack of matrices."""
+    gen = torch.Generator().manual_seed(5)
+    conv = torch.randn(6, 3, 3, 3, generator=gen)
+    flat = conv.reshape(6, -1).clone()
+    tx = ft.muon(2e-2, weight_decay=0.0, ns_dtype=torch.float64)
+    a, b = {"w": conv}, {"w": flat}
+    sa, sb = tx.init(a), tx.init(b)
+    for _ in range(3):
+        g = torch.randn(6, 3, 3, 3, generator=gen)
+        a, sa = ft.step(tx, {"w": g}, sa, a)
+        b, sb = ft.step(tx, {"w": g.reshape(6, -1)}, sb, b)
+    assert torch.equal(a["w"].reshape(6, -1), b["w"])
