@@ -211,13 +211,15 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
 
     Args:
         weight_decay: >= 0 (default 0).
-        mask: ``None`` (every leaf decayed), a tree of bools with the structure of the params, or
-            ``params -> such a tree`` (e.g. :func:`~functional_train.decay_mask`): only the
-            leaves where it is True are decayed, the others pass through (optax's ``mask``).
+        mask: ``None`` (every leaf decayed), a tree of bools (Python or NumPy) with the
+            structure of the params or of a prefix of it, or ``params -> such a tree`` (e.g.
+            :func:`~functional_train.decay_mask`): only the leaves where it is True are decayed,
+            the others pass through (optax's ``mask``; see :func:`~functional_train.masked`).
 
     Raises:
-        ValueError: ``weight_decay < 0``; at update, ``params`` missing, a mask whose structure
-            differs from the params. TypeError: a mask leaf that is not a bool (naming it).
+        ValueError: ``weight_decay < 0``; at update, ``params`` missing, a mask that is neither
+            the params' structure nor a prefix of it. TypeError: a mask leaf that is not a bool
+            (naming it).
     """
     where = "add_decayed_weights"
     wd_arg = V.number("weight_decay", weight_decay, where=where, low=0.0)
