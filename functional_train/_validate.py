@@ -42,7 +42,7 @@ def number(
         )
     v = float(value)
     if math.isnan(v):
-        raise ValueError(f"{where}: {name} must not be NaN")
+        raise ValueError(f"{where}: {name} must not be NaN, got {v}")
     if finite and math.isinf(v):
         raise ValueError(f"{where}: {name} must be finite, got {v}")
     if low is not None and (v < low or (low_open and v == low)):

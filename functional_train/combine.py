@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import optree
 import torch
 
 from .base import GradientTransformation, declare
 from .engine.view import prepare
-from .tree import PyTree, flatten_as, tree_flatten, tree_paths, tree_unflatten
+from .tree import PyTree, format_path, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["partition", "PartitionState", "masked", "MaskedState"]
 
@@ -29,11 +30,59 @@ class MaskedState(NamedTuple):
     inner_state: Any
 
 
-def _resolve(spec, params: PyTree, what: str) -> list:
-    """Per-leaf values of a labels/mask tree (or of ``spec(params)`` for a callable)."""
+def leaf_values(spec: PyTree | Callable[[PyTree], PyTree], params: PyTree, what: str) -> list:
+    """The value of ``spec`` for each leaf of ``params`` (flatten order, ``None`` leaves
+    included): the one resolution of every mask and labels tree (``masked``, ``partition``,
+    the ``mask`` of ``add_decayed_weights`` and of the aliases that take one).
+
+    ``spec`` is a tree, or ``params -> tree``, with the structure of ``params`` or of a prefix
+    of it (optax's ``masked`` / ``partition`` semantics): a value where ``params`` holds a
+    subtree applies to every leaf of that subtree, e.g. ``{"encoder": False, "decoder": {"w":
+    True, "b": False}}`` for a params tree with several leaves under ``"encoder"``.
+
+    Raises:
+        ValueError: ``spec`` is neither (naming ``what`` and the first path where it differs).
+    """
     tree = spec(params) if callable(spec) else spec
-    _, treedef = tree_flatten(params)
-    return flatten_as(tree, treedef, what, "params", params)
+    try:
+        return optree.broadcast_prefix(tree, params, none_is_leaf=True)
+    except ValueError:
+        raise ValueError(
+            f"{what} does not have the structure of params nor of a prefix of it: "
+            f"{_prefix_mismatch(tree, params)}"
+        ) from None
+
+
+def _prefix_mismatch(prefix: PyTree, full: PyTree) -> str:
+    """Where ``prefix`` first stops being a prefix of ``full`` (for :func:`leaf_values`)."""
+
+    def walk(p, f, path: tuple) -> str | None:
+        if p.is_leaf():
+            return None
+        at = format_path(path)
+        if f.is_leaf():
+            return f"'{at}' is a {p.type.__name__} where params have a leaf"
+        if p.type is not f.type:
+            return f"'{at}' is a {p.type.__name__} where params have a {f.type.__name__}"
+        pe, fe = p.entries(), f.entries()
+        missing = [e for e in fe if e not in pe]
+        extra = [e for e in pe if e not in fe]
+        if missing:
+            return f"'{format_path(path + (missing[0],))}' is missing"
+        if extra:
+            return f"'{format_path(path + (extra[0],))}' is not in params"
+        for e, pc, fc in zip(pe, p.children(), f.children()):
+            found = walk(pc, fc, path + (e,))
+            if found is not None:
+                return found
+        return None
+
+    found = walk(
+        optree.tree_structure(prefix, none_is_leaf=True),
+        optree.tree_structure(full, none_is_leaf=True),
+        (),
+    )
+    return found or "the containers differ"
 
 
 class _PerLeaf:
@@ -90,7 +139,8 @@ def partition(
 
     Args:
         transforms: ``label -> transform``.
-        param_labels: a tree of labels with the structure of the params, or a function
+        param_labels: a tree of labels with the structure of the params or of a prefix of it
+            (a label for a subtree labels each of its leaves; optax's semantics), or a function
             ``params -> labels tree``. Every label must name a transform.
 
     Unreduced gradients are reduced once for all leaves before the inner transforms run. Global
@@ -98,8 +148,8 @@ def partition(
     leaves only. Each inner transform's state covers its own leaves (``None`` elsewhere).
 
     Raises:
-        ValueError: a leaf label with no transform (naming the leaf path), a labels tree whose
-            structure differs from the params.
+        ValueError: a leaf label with no transform (naming the leaf path), a labels tree that
+            is neither the params' structure nor a prefix of it (naming the path).
         TypeError: a value of ``transforms`` is not a GradientTransformation.
     """
     for label, tx in transforms.items():
@@ -108,7 +158,7 @@ def partition(
     names = list(transforms)
 
     def resolve_labels(params):
-        labels = _resolve(param_labels, params, "param_labels")
+        labels = leaf_values(param_labels, params, "partition: param_labels")
         paths = None
         for i, lab in enumerate(labels):
             if lab not in transforms:
@@ -164,21 +214,22 @@ def partition(
 
 
 def mask_of(mask: PyTree | Callable[[PyTree], PyTree], where: str) -> _PerLeaf:
-    """``params -> [bool per leaf]`` for a mask given as a tree of bools with the structure of
-    the params or as ``params -> mask tree`` (optax semantics), resolved once per params
-    structure and leaf shapes, and reused under ``torch.compile`` (see :class:`_PerLeaf`).
-    Calling it raises ValueError for a mask whose structure differs from the params and
-    TypeError for a leaf that is not a bool, naming the leaf path."""
+    """``params -> [bool per leaf]`` (Python bools) for a mask given as a tree of bools (Python
+    or NumPy) with the structure of the params or of a prefix of it, or as ``params -> mask
+    tree`` (optax semantics; :func:`leaf_values`), resolved once per params structure and leaf
+    shapes, and reused under ``torch.compile`` (see :class:`_PerLeaf`). Calling it raises
+    ValueError for a mask that is neither the params' structure nor a prefix of it and
+    TypeError for a leaf that is not a bool, naming the path."""
 
     def resolve_mask(params):
-        keep = _resolve(mask, params, "mask")
+        keep = leaf_values(mask, params, f"{where}: mask")
         for i, k in enumerate(keep):
-            if not isinstance(k, bool):
+            if not isinstance(k, (bool, np.bool_)):
                 raise TypeError(
-                    f"{where}: mask leaf '{tree_paths(params)[i]}' must be a bool, "
-                    f"got {type(k).__name__}"
+                    f"{where}: mask leaf '{tree_paths(params)[i]}' must be a bool "
+                    f"(Python or NumPy), got {type(k).__name__}"
                 )
-        return keep
+        return [bool(k) for k in keep]
 
     return _PerLeaf(resolve_mask, where)
 
@@ -191,10 +242,13 @@ def masked(
 
     Args:
         inner: the transform for the masked-in leaves.
-        mask: a tree of bools with the structure of the params, or ``params -> mask tree``.
+        mask: a tree of bools (Python or NumPy) with the structure of the params or of a prefix
+            of it (a bool for a subtree applies to each of its leaves; optax's semantics), or
+            ``params -> mask tree``.
 
     Raises:
-        ValueError: a mask whose structure differs from the params (naming the leaf path).
+        ValueError: a mask that is neither the params' structure nor a prefix of it (naming
+            the path).
         TypeError: ``inner`` is not a GradientTransformation, or a mask leaf is not a bool.
     """
     if not isinstance(inner, GradientTransformation):

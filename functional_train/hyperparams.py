@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import _validate as V
 from .base import GradientTransformation
 from .tree import find_state
 
@@ -101,6 +102,23 @@ def _as_value(v: Any) -> torch.Tensor:
     return torch.as_tensor(v, dtype=torch.float64).detach().to("cpu").reshape(())
 
 
+def _check_learning_rate(value: Any, where: str) -> None:
+    """The library's check of a learning rate (:func:`~functional_train._validate.
+    learning_rate`, which ``sgd``, ``adam``, ``adamw``, ``lamb``, ``muon`` and
+    ``scale_by_learning_rate`` apply at construction: a finite number >= 0; torch.optim's
+    "Invalid learning rate" is its ``< 0`` part) on a value set after construction: a number,
+    or a 0-dim float64 CPU tensor (read on the host: no device synchronisation). ``adafactor`` and
+    ``came``, which refuse a constant 0, take a 0 set later (a scheduler's warmup starts
+    there, as their schedules may). Eagerly only: a compiled step cannot read it (the values
+    set eagerly were checked there).
+
+    Raises:
+        ValueError: a NaN, infinite or negative value (naming ``where`` and the value).
+    """
+    if not torch.compiler.is_compiling():
+        V.learning_rate(value, where=where)
+
+
 def injectable(
     factory: Callable = None, *, tensors: tuple = (), nonzero_tensors: tuple = ()
 ) -> Callable:
@@ -151,9 +169,15 @@ def inject_hyperparams(
     How the inner transform sees them:
 
     * ``learning_rate`` (every alias of this library takes a schedule there) is handed to the
-      factory as a schedule that returns the state's tensor: changing it costs nothing, reads
-      nothing on the host, and a compiled step does not recompile (``ft.step``'s fused kernels
-      take it as their tensor learning rate).
+      factory as a schedule that returns the state's tensor: changing it rebuilds nothing,
+      and a compiled step does not recompile (``ft.step``'s fused kernels take it as their
+      tensor learning rate). Given as a number (not a schedule), its initial value is checked
+      by the factory, as at construction, and every value set later as a learning rate (a
+      finite number >= 0) where it is set: by :func:`set_hyperparams` (which
+      :class:`~functional_train.TorchOptimizer` calls with its group's value at every step),
+      and by the next update for a number put in the dict by optax's idiom. The update reads
+      no learning-rate tensor on the host: a value written into the state's tensor in place
+      is not checked.
     * Every numeric hyperparameter of this library's aliases is handed over the same way (the
       factory declares them with :func:`injectable`): ``b1``, ``b2``, ``eps`` and
       ``weight_decay`` of :func:`~functional_train.adam`, :func:`~functional_train.adamw`,
@@ -254,21 +278,35 @@ def inject_hyperparams(
         checked_names = tuple(n for n in native if n not in _NATIVE)
         checked: OrderedDict = OrderedDict()
 
-        def check(values: tuple) -> None:
-            if values in checked:
-                checked.move_to_end(values)
-                return
+        def build_on(numbers: dict) -> None:
+            """Build the factory on ``numbers`` (name -> float) for its own checks."""
             kw = dict(static)
             kw.update(cells)  # (the learning rate's: a schedule, checked as one)
-            kw.update(zip(checked_names, values))
+            kw.update(numbers)
             inner_factory(**kw)
+
+        def check(values: tuple) -> None:
+            if values not in checked:
+                build_on(dict(zip(checked_names, values)))
             checked[values] = True
+            checked.move_to_end(values)
             while len(checked) > _CACHE_SIZE:
                 checked.popitem(last=False)
 
+        # a natively injected learning rate given as a number: the factory checks its initial
+        # value (once, as at construction); the values set later are checked as learning rates
+        # (_check_learning_rate: finite, >= 0, which a scheduler's warmup from 0 passes)
+        # without building the factory, which a scheduler would make a per-step cost
+        where = getattr(base, "__name__", "inject_hyperparams")
+        lr_checked = "learning_rate" in native and "learning_rate" not in schedules and ours
         # validate and build once on the initial values
-        if checked_names:
-            check(tuple(float(initial(n)) for n in checked_names))
+        first_checked = tuple(float(initial(n)) for n in checked_names)
+        if lr_checked:  # (the factory's checks of the others too, in the same build)
+            lr0 = float(initial("learning_rate"))
+            build_on({**dict(zip(checked_names, first_checked)), "learning_rate": lr0})
+            checked[first_checked] = True
+        elif checked_names:
+            check(first_checked)
         first = build(tuple(float(initial(n)) for n in host_names))
 
         def init_fn(params):
@@ -300,6 +338,8 @@ def inject_hyperparams(
                             f"inject_hyperparams: hyperparams['{n}'] must be a real "
                             f"number or a 0-dim real tensor, got {type(v).__name__}"
                         )
+                    if n == "learning_rate" and lr_checked:  # (not set by set_hyperparams)
+                        _check_learning_rate(v, where)
                     hp[n] = _as_value(v)
             for n, fn in schedules.items():
                 hp[n] = _as_value(fn(state.count))
@@ -358,8 +398,15 @@ def set_hyperparams(state: Any, **values) -> Any:
     :class:`InjectHyperparamsState` set to ``values`` (numbers or 0-dim tensors; pure: the given
     state is not modified). A scheduled hyperparameter is recomputed by the next update anyway.
 
+    Each value is stored as a 0-dim float64 CPU tensor (a CUDA tensor is copied to the host
+    here: one device synchronisation, at set time, not in the step). ``learning_rate`` is
+    checked here as a learning rate (a finite number >= 0, the check ``sgd``, ``adam``,
+    ``adamw``... apply at construction; eagerly: not under ``torch.compile``); the other
+    values are checked by the next eager update, as the factory checks them.
+
     Raises:
-        ValueError: no, or several, InjectHyperparamsState in ``state``; a name it does not hold.
+        ValueError: no, or several, InjectHyperparamsState in ``state``; a name it does not hold;
+            a NaN, infinite or negative ``learning_rate`` (naming the value).
         TypeError: a value that is not a real number or a 0-dim real tensor.
     """
 
@@ -379,6 +426,8 @@ def set_hyperparams(state: Any, **values) -> Any:
                         f"real tensor, got {type(v).__name__}"
                     )
                 hp[k] = _as_value(v)
+                if k == "learning_rate":
+                    _check_learning_rate(hp[k], "set_hyperparams")
             found.append(1)
             return node._replace(hyperparams=hp)
         if isinstance(node, tuple) and hasattr(node, "_fields"):

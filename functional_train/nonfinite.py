@@ -309,7 +309,9 @@ def dynamic_loss_scale(
        ``optimizer.step``);
     3. updates the scale as ``GradScaler.update`` does: times ``backoff_factor`` after a
        non-finite step (the growth tracker reset), times ``growth_factor`` after
-       ``growth_interval`` finite steps in a row (if the new scale is finite).
+       ``growth_interval`` finite steps in a row (if the new scale is finite); each product
+       taken in float64 and rounded to float32, as torch's ``_amp_update_scale_`` kernels do,
+       so the scale equals ``GradScaler``'s bit for bit whatever the factors.
 
     No host synchronisation (``torch.where`` selects, see :func:`apply_if_finite`).
     Collectives: ``inner``'s, plus ONE scalar all-reduce over the mesh unless ``inner`` starts
@@ -383,15 +385,18 @@ def dynamic_loss_scale(
         new_updates = _zeros_where_not(finite, new_updates)
         if isinstance(new_updates, Prepared) and not given_view:
             new_updates = new_updates.tree()
-        # torch's _amp_update_scale_, as tensor ops
+        # torch's _amp_update_scale_, as tensor ops: its kernels (CPU and CUDA) multiply the
+        # float32 scale by the factor as a double and round the product to float32 once (a
+        # float32 product would round a factor such as 1.1 or 0.3 first: an ulp off per change)
         tracker = torch.where(
             finite, state.growth_tracker + 1, torch.zeros_like(state.growth_tracker)
         )
-        grown = state.scale * growth_factor
+        scale64 = state.scale.double()
+        grown = (scale64 * growth_factor).to(state.scale.dtype)
         grow = finite & (tracker == growth_interval)
         scale = torch.where(
             ~finite,
-            state.scale * backoff_factor,
+            (scale64 * backoff_factor).to(state.scale.dtype),
             torch.where(grow & torch.isfinite(grown), grown, state.scale),
         )
         tracker = torch.where(grow, torch.zeros_like(tracker), tracker)

@@ -8,6 +8,7 @@ Each ``update`` flattens its trees once, reduces unreduced gradients (see
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -75,6 +76,20 @@ def _cast_like(xs, likes):
     return [x if x.dtype == like.dtype else x.to(like.dtype) for x, like in zip(xs, likes)]
 
 
+def _leafwise(fn: Callable) -> Callable:
+    """``fn`` (a foreach helper below, on lists of leaves ``xs, ...``), returning ``[]`` and
+    doing nothing for an empty ``xs``: torch's ``_foreach_*`` ops raise on an empty list, and
+    a step where no leaf has a gradient (every gradient ``None``, a ``partition`` label that
+    owns no leaf, a frozen group) hands the transforms one (torch.optim makes it a no-op)."""
+
+    @functools.wraps(fn)
+    def run(xs: list, *args, **kwargs):
+        return fn(xs, *args, **kwargs) if len(xs) else []
+
+    return run
+
+
+@_leafwise
 def _add_scaled(xs: list, ys: list, alpha) -> list:
     """``xs + alpha * ys`` (foreach ``add`` with ``alpha``) for a float ``alpha`` or a 0-dim
     tensor one (an injected hyperparameter under ``torch.compile``): ``addcmul`` with the
@@ -92,6 +107,7 @@ def _scalar_for(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return v.to(x.dtype)
 
 
+@_leafwise
 def _lerp(xs: list, ys: list, weight) -> list:
     """Foreach ``lerp`` for a float ``weight`` or a 0-dim tensor one (leaf by leaf, in each
     leaf's dtype: only under ``torch.compile``, where the graph fuses them anyway)."""
@@ -100,6 +116,7 @@ def _lerp(xs: list, ys: list, weight) -> list:
     return [torch.lerp(x, y, _scalar_for(weight, x)) for x, y in zip(xs, ys)]
 
 
+@_leafwise
 def _mul(xs: list, value) -> list:
     """Foreach ``xs * value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype:
     traced, a float64 scalar tensor would promote the product)."""
@@ -108,6 +125,7 @@ def _mul(xs: list, value) -> list:
     return [x * _scalar_for(value, x) for x in xs]
 
 
+@_leafwise
 def _div(xs: list, value) -> list:
     """Foreach ``xs / value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype)."""
     if not isinstance(value, torch.Tensor):
@@ -115,6 +133,7 @@ def _div(xs: list, value) -> list:
     return [x / _scalar_for(value, x) for x in xs]
 
 
+@_leafwise
 def _add_scaled_(xs: list, ys: list, alpha) -> None:
     """In place ``xs += alpha * ys`` for a float or a 0-dim tensor ``alpha`` (see
     :func:`_add_scaled`)."""
@@ -134,6 +153,7 @@ def _nonzero(value) -> bool:
     return isinstance(value, torch.Tensor) or is_injected(value) or value != 0.0
 
 
+@_leafwise
 def _add_(xs: list, value) -> None:
     """In place ``xs += value`` for a float or a 0-dim tensor ``value``."""
     if not isinstance(value, torch.Tensor):
@@ -143,6 +163,7 @@ def _add_(xs: list, value) -> None:
             x.add_(_scalar_for(value, x))
 
 
+@_leafwise
 def _addcmul_(xs: list, t1: list, t2: list, value) -> None:
     """In place ``xs += value * t1 * t2`` for a float ``value`` or a 0-dim tensor (as
     ``(value * t1) * t2``, which rounds as the float form in float32 and float64)."""
@@ -211,13 +232,15 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
 
     Args:
         weight_decay: >= 0 (default 0).
-        mask: ``None`` (every leaf decayed), a tree of bools with the structure of the params, or
-            ``params -> such a tree`` (e.g. :func:`~functional_train.decay_mask`): only the
-            leaves where it is True are decayed, the others pass through (optax's ``mask``).
+        mask: ``None`` (every leaf decayed), a tree of bools (Python or NumPy) with the
+            structure of the params or of a prefix of it, or ``params -> such a tree`` (e.g.
+            :func:`~functional_train.decay_mask`): only the leaves where it is True are decayed,
+            the others pass through (optax's ``mask``; see :func:`~functional_train.masked`).
 
     Raises:
-        ValueError: ``weight_decay < 0``; at update, ``params`` missing, a mask whose structure
-            differs from the params. TypeError: a mask leaf that is not a bool (naming it).
+        ValueError: ``weight_decay < 0``; at update, ``params`` missing, a mask that is neither
+            the params' structure nor a prefix of it. TypeError: a mask leaf that is not a bool
+            (naming it).
     """
     where = "add_decayed_weights"
     wd_arg = V.number("weight_decay", weight_decay, where=where, low=0.0)
@@ -308,6 +331,9 @@ def trace(
     updates: those pass the updates through and leave the state as it is (``count`` counts the
     updates with momentum), so a momentum set non-zero later starts its buffer as
     ``torch.optim.SGD`` does (``buf_1 = g``).
+
+    A ``None`` update leaf keeps its buffer (torch.optim skips a parameter without ``.grad``);
+    an update where every leaf is ``None`` only advances ``count``, as :func:`scale_by_adam`'s.
 
     Args:
         decay: momentum factor in [0, 1).

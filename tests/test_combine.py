@@ -1,12 +1,15 @@
 """partition / masked: optax semantics, no state for leaves a transform does not own, and one
 reduction of unreduced gradients for all leaves."""
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import functional_train as ft
+from functional_train import combine
 from functional_train.testing import count_collectives, on_rank, per_rank, simulate
+from functional_train.tree import tree_flatten, tree_map, tree_paths
 
 
 def tree(seed, shapes=None):
@@ -172,3 +175,111 @@ def test_partition_and_masked_compile():
     state = tx.init(other)
     with pytest.raises(Exception, match="different labels"):
         torch.compile(tx.update, backend="eager", fullgraph=True)(other, state, other)
+
+
+# ---------------------------------------------------------------------------------------------
+# masks and labels: NumPy bools, prefix trees (optax's semantics), one resolution everywhere
+# ---------------------------------------------------------------------------------------------
+DEEP = {
+    "encoder": {"a": (4, 3), "b": (3,), "c": {"d": (2, 3)}},
+    "decoder": {"w": (3, 5), "b": (5,)},
+}
+PREFIX_MASK = {"encoder": False, "decoder": {"w": True, "b": np.bool_(False)}}
+FULL_MASK = {
+    "encoder": {"a": False, "b": False, "c": {"d": False}},
+    "decoder": {"w": True, "b": False},
+}
+PREFIX_LABELS = {"encoder": "sgd", "decoder": {"w": "adam", "b": "sgd"}}
+FULL_LABELS = {
+    "encoder": {"a": "sgd", "b": "sgd", "c": {"d": "sgd"}},
+    "decoder": {"w": "adam", "b": "sgd"},
+}
+
+MASK_CASES = {
+    "masked": lambda m: ft.masked(ft.adamw(1e-2), m),
+    "add_decayed_weights": lambda m: ft.chain(ft.add_decayed_weights(0.5, mask=m), ft.sgd(0.1)),
+    "adamw": lambda m: ft.adamw(1e-2, weight_decay=0.5, mask=m),
+    "lamb": lambda m: ft.lamb(1e-2, weight_decay=0.5, mask=m),
+    "adafactor": lambda m: ft.adafactor(weight_decay=0.5, mask=m),
+    "came": lambda m: ft.came(1e-2, weight_decay=0.5, mask=m),
+    "partition": lambda labels: ft.partition(
+        {"adam": ft.adamw(1e-2, weight_decay=0.5), "sgd": ft.sgd(0.1, momentum=0.9)}, labels
+    ),
+}
+
+
+def _steps(tx, params, grads, mode):
+    state = tx.init(params)
+    p = tree_map(lambda x: x.clone(), params)
+    for g in grads:
+        g = tree_map(lambda x: x.clone(), g)
+        if mode == "update":
+            u, state = tx.update(g, state, p)
+            p = ft.apply_updates(p, u)
+        else:
+            p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+    return p, state
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+@pytest.mark.parametrize("as_callable", [False, True], ids=["tree", "callable"])
+@pytest.mark.parametrize("name", sorted(MASK_CASES))
+def test_prefix_and_numpy_bool_masks_equal_the_full_mask(name, as_callable, mode):
+    """A mask (or labels) tree that is a prefix of the params tree, with a NumPy bool among
+    its leaves, gives what the full tree of Python bools gives, bit for bit, over 3 steps
+    (optax's semantics: a value for a subtree applies to each of its leaves), through
+    ``update``, the pure and the donated ``ft.step`` (their fused and per-leaf paths read the
+    mask too)."""
+    params = tree(0, DEEP)
+    grads = [tree(10 + t, DEEP) for t in range(3)]
+    prefix, full = (PREFIX_LABELS, FULL_LABELS) if name == "partition" else (PREFIX_MASK, FULL_MASK)
+    make = MASK_CASES[name]
+    spec = (lambda p: prefix) if as_callable else prefix
+    got, got_state = _steps(make(spec), params, grads, mode)
+    want, want_state = _steps(make(full), params, grads, mode)
+    for path, x, y, p0 in zip(
+        tree_paths(got), tree_flatten(got)[0], tree_flatten(want)[0], tree_flatten(params)[0]
+    ):
+        assert torch.equal(x, y), path
+        assert not torch.equal(x, p0), f"{path}: not updated"
+    for x, y in zip(tree_flatten(got_state)[0], tree_flatten(want_state)[0]):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_numpy_bool_mask_leaves_are_python_bools():
+    keep_of = combine.mask_of({"w": np.bool_(True), "b": np.False_}, "masked")
+    keep = keep_of({"w": torch.zeros(2, 2), "b": torch.zeros(2)})
+    assert keep == [False, True] and all(type(k) is bool for k in keep)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (
+            {"encoder": False, "decoder": {"w": True}},
+            r"masked: mask does not have the structure of params nor of a prefix of it: "
+            r"'decoder\.b' is missing",
+        ),
+        (
+            {"encoder": {"a": True, "b": True, "c": True, "x": False}, "decoder": True},
+            r"'encoder\.x' is not in params",
+        ),
+        ({"encoder": [True, False, True], "decoder": True}, r"'encoder' is a list where params"),
+        (
+            {"encoder": False, "decoder": {"w": {"x": True}, "b": False}},
+            r"'decoder\.w' is a dict where params have a leaf",
+        ),
+    ],
+)
+def test_a_mask_neither_full_nor_a_prefix_names_the_path(bad, match):
+    params = tree(0, DEEP)
+    with pytest.raises(ValueError, match=match):
+        ft.masked(ft.sgd(0.1), bad).init(params)
+    where = match.replace("masked: ", "add_decayed_weights: ")
+    with pytest.raises(ValueError, match=where):
+        ft.add_decayed_weights(0.1, mask=bad).init(params)
+    labels = tree_map(lambda b: "a", bad)
+    with pytest.raises(ValueError, match=match.replace("masked: mask", "partition: param_labels")):
+        ft.partition({"a": ft.sgd(0.1)}, labels).init(params)
+    with pytest.raises(TypeError, match=r"mask leaf 'decoder\.b' must be a bool"):
+        ft.masked(ft.sgd(0.1), {"encoder": True, "decoder": {"w": True, "b": 1}}).init(params)

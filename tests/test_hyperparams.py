@@ -5,6 +5,7 @@ when the learning rate, b1, b2, eps, the weight decay or the momentum changes.""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -404,6 +405,83 @@ def test_tensor_hyperparameters_are_checked_when_set():
     s = zero.init(params)
     with pytest.raises(ValueError, match=r"host-read.*momentum.*another state"):
         ft.step(zero, grads[0], ft.set_hyperparams(s, momentum=0.5), params)
+
+
+BAD_LEARNING_RATES = [
+    (float("nan"), r"learning_rate must not be NaN, got nan"),
+    (-1e-3, r"learning_rate must be >= 0.0, got -0.001"),
+    (float("inf"), r"learning_rate must be finite, got inf"),
+]
+
+
+@pytest.mark.parametrize("bad, match", BAD_LEARNING_RATES)
+@pytest.mark.parametrize("name", sorted(ALIASES))
+def test_injected_learning_rate_is_checked_as_at_construction(name, bad, match):
+    """A NaN, infinite or negative learning rate raises wherever it comes in: at
+    ``inject_hyperparams`` construction the alias' own error; set later, the library's
+    learning-rate check (finite, >= 0) at ``set_hyperparams`` (a number or a 0-dim tensor),
+    and at the next update or step for a number put in the state by optax's idiom; the
+    parameters are left alone, and a valid value (0 too: a warmup's start) trains on."""
+    factory, kw = ALIASES[name]
+    with pytest.raises(ValueError) as at_construction:
+        factory(**{**kw, "learning_rate": bad})
+    with pytest.raises(ValueError, match=re.escape(str(at_construction.value))):
+        ft.inject_hyperparams(factory)(**{**kw, "learning_rate": bad})
+    params, grads = _problem(steps=1)
+    tx = ft.inject_hyperparams(factory)(**kw)
+    state = tx.init(params)
+    for value in (bad, torch.tensor(bad), torch.tensor(bad, dtype=torch.float32)):
+        with pytest.raises(ValueError, match=rf"set_hyperparams: {match}"):
+            ft.set_hyperparams(state, learning_rate=value)
+    idiom = ft.set_hyperparams(state, learning_rate=1e-2)
+    idiom.hyperparams["learning_rate"] = bad  # optax's in-place idiom
+    before = {k: v.clone() for k, v in params.items()}
+    with pytest.raises(ValueError, match=rf"{factory.__name__}: {match}"):
+        tx.update(grads[0], idiom, params)
+    for donate in (False, True):
+        with pytest.raises(ValueError, match=rf"{factory.__name__}: {match}"):
+            ft.step(tx, grads[0], idiom, params, donate=donate)
+    for k in params:
+        assert torch.equal(params[k], before[k]), k
+    # a valid value set afterwards trains on
+    ok = ft.set_hyperparams(idiom, learning_rate=0.0)
+    p, _ = ft.step(tx, grads[0], ok, params)
+    assert all(torch.isfinite(v).all() for v in p.values())
+
+
+@pytest.mark.parametrize("bad, match", BAD_LEARNING_RATES)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["float", "tensor"])
+def test_torch_optimizer_learning_rate_set_in_its_group_is_checked(bad, match, as_tensor):
+    """``param_groups[0]["lr"]`` set to a NaN, infinite or negative value (a float assigned, or
+    the group's tensor filled in place as torch's schedulers do) raises at the next ``step()``
+    with the value, and leaves the parameters and the state as they were (as torch.optim's
+    "Invalid learning rate", which it raises at construction only)."""
+    model = torch.nn.Linear(4, 3)
+    lr = torch.tensor(1e-2, dtype=torch.float64) if as_tensor else 1e-2
+    opt = ft.TorchOptimizer(model.named_parameters(), ft.adamw(lr, weight_decay=0.1))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    model(x).square().sum().backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: {n: v.clone() for n, v in d.items()} for k, d in opt.state_dict()["state"].items()}
+    if as_tensor:
+        opt.param_groups[0]["lr"].fill_(bad)
+    else:
+        opt.param_groups[0]["lr"] = bad
+    with pytest.raises(ValueError, match=rf"learning_rate.*{match.split(', ')[-1]}"):
+        opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    after = opt.state_dict()["state"]
+    for k, d in state.items():
+        for n, v in d.items():
+            assert torch.equal(after[k][n], v), (k, n)
+    if as_tensor:
+        opt.param_groups[0]["lr"].fill_(1e-2)
+    else:
+        opt.param_groups[0]["lr"] = 1e-2
+    opt.step()  # trains on once the value is valid again
+    assert not torch.equal(next(model.parameters()).detach(), before[0])
 
 
 @pytest.mark.parametrize("mode", ["update", "pure", "donate"])

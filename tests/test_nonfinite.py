@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import functional_train as ft
-from _layouts import step_by_mode  # noqa: E402
+from _layouts import close, step_by_mode  # noqa: E402
 from functional_train.testing import (
     assert_sharded_equivalent,
     count_collectives,
@@ -289,6 +289,37 @@ def test_dynamic_loss_scale_matches_grad_scaler(mode):
                 params[k] - p0[k], v.detach() - p0[k], rtol=1e-5, atol=1e-6, msg=f"step {t}, {k}"
             )
     assert 2 <= skipped <= 10 and int(state.total_notfinite) == skipped
+
+
+@pytest.mark.parametrize("growth, backoff", [(1.1, 0.3), (3.0, 0.7)])
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+def test_dynamic_loss_scale_updates_equal_grad_scaler_bitwise(growth, backoff, mode):
+    """Factors that float32 does not hold exactly (1.1, 0.3, 0.7): over 50 steps whose scale
+    changes at every step (growth_interval=1, a non-finite gradient every third step), the
+    scale equals ``GradScaler``'s bit for bit (torch multiplies in float64 and rounds once),
+    as do the growth tracker, the skip decisions and SGD's parameters."""
+    shape = (3, 4)
+    ref = torch.nn.Parameter(torch.zeros(shape))
+    opt = torch.optim.SGD([ref], lr=0.1)
+    kw = dict(init_scale=1024.0, growth_factor=growth, backoff_factor=backoff, growth_interval=1)
+    scaler = torch.amp.GradScaler("cpu", **kw)
+    tx = ft.dynamic_loss_scale(ft.sgd(0.1), **kw)
+    params = {"w": torch.zeros(shape)}
+    state = tx.init(params)
+    gen = torch.Generator().manual_seed(0)
+    for t in range(50):
+        g = torch.randn(shape, generator=gen) * float(scaler.scale(torch.ones(())))
+        if t % 3 == 2:
+            g[t % 3, t % 4] = INF if t % 2 else NAN
+        ref.grad = g.clone()
+        scaler.step(opt)
+        scaler.update()
+        params, state = step_by_mode(tx, {"w": g}, state, params, mode)
+        want = torch.tensor(scaler.get_scale(), dtype=torch.float32)
+        assert torch.equal(state.scale, want), (t, state.scale.item(), want.item())
+        assert int(state.growth_tracker) == int(scaler._growth_tracker), t
+        assert bool(state.last_finite) == (t % 3 != 2), t
+        close(params["w"], ref, rtol=1e-6, atol=0.0, what=f"step {t}: params")
 
 
 def test_loss_scale_reads_the_state():
