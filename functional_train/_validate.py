@@ -22,23 +22,24 @@ def number(
 ) -> float:
     """Check ``value`` is a real number within the given bounds; return it as a float.
 
-    Accepted: ``int``, ``float``, any ``numbers.Real`` (NumPy scalars) and 0-dim real
-    ``torch.Tensor`` (read once, here). ``finite``: reject infinities too. A hyperparameter
-    injected natively by ``inject_hyperparams`` is returned as is (it checks the values).
+    Accepted: ``int``, ``float``, any ``numbers.Real`` (NumPy scalars) and real
+    ``torch.Tensor`` of one element, 0-dim or not, as torch.optim takes them (read once,
+    here); a tensor of more elements is a ValueError. ``finite``: reject infinities too. A
+    hyperparameter injected natively by ``inject_hyperparams`` is returned as is (it checks
+    the values).
     """
     if getattr(value, "injected", False):
         return value
-    if (
-        isinstance(value, torch.Tensor)
-        and value.ndim == 0
-        and not value.is_complex()
-        and (value.dtype != torch.bool)
-    ):
+    if isinstance(value, torch.Tensor) and not value.is_complex() and value.dtype != torch.bool:
+        if value.numel() != 1:
+            raise ValueError(
+                f"{where}: {name} as a tensor must have one element, got shape {tuple(value.shape)}"
+            )
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{where}: {name} must be a real number (int, float, a NumPy scalar or "
-            f"a 0-dim real tensor), got {type(value).__name__}"
+            f"a one-element real tensor), got {type(value).__name__}"
         )
     v = float(value)
     if math.isnan(v):

@@ -89,9 +89,9 @@ def is_injected(x: Any) -> bool:
 def _is_number(v: Any) -> bool:
     if isinstance(v, bool):
         return False
-    if isinstance(v, torch.Tensor):
+    if isinstance(v, torch.Tensor):  # (0-dim, or one element as torch.optim takes a lr)
         return (
-            v.ndim == 0
+            v.numel() == 1
             and (v.is_floating_point() or not v.dtype.is_complex)
             and (v.dtype != torch.bool)
         )

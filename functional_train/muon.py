@@ -54,7 +54,7 @@ from torch.distributed.tensor import Shard
 
 from . import _validate as V
 from .base import GradientTransformation, chain, declare
-from .combine import _PerLeaf, _resolve, partition
+from .combine import _PerLeaf, leaf_values, partition
 from .engine.owners import run_at_owners
 from .engine.view import prepare
 from .engine.whole import gather_global, is_sharded, local_part, per_rank
@@ -291,7 +291,7 @@ class _LeafDimensionNumbers:
         )
 
     def _resolve(self, tree) -> list:
-        values = _resolve(self.spec, tree, "weight_dimension_numbers")
+        values = leaf_values(self.spec, tree, "scale_by_muon: weight_dimension_numbers")
         for i, v in enumerate(values):
             if v is not None and not isinstance(v, MuonDimensionNumbers):
                 raise TypeError(

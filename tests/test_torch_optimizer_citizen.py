@@ -502,3 +502,45 @@ def test_group_flags_build_their_own_transform_and_cannot_change():
         ref.step()
     for p, q in zip(clipped.parameters(), whole.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+# torch's error inputs this optimizer answers otherwise, on purpose: torch's kernels' limits on
+# tensor hyperparameters (foreach / capturable, betas half tensors) do not apply here (no error),
+# a leaf without a complex definition is a TypeError naming it (as every transform's is), and a
+# parameter twice in one group is refused (torch warns that this will become an error)
+_OTHERWISE = {
+    "a param group cannot have duplicate parameters": ValueError,
+    "lr as Tensor doesn't work with foreach & not capturable": None,
+    "betas must be either both floats or both Tensors": None,
+    r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True": None,
+    "does not support complex parameters": TypeError,
+}
+ERROR_CASES = [
+    pytest.param(name, e, id=f"{name}-{e.optimizer_error_input.desc[:40].replace(' ', '_')}")
+    for name in OURS
+    for e in _DB[name].optim_error_inputs_func(device="cpu", dtype=torch.float32)
+]
+
+
+@pytest.mark.parametrize("name, error", ERROR_CASES)
+def test_torchs_error_inputs_raise_the_same_error(name, error):
+    """torch's ``optim_error_inputs_func`` cases (bad params, duplicates, names on some
+    parameters only, a learning-rate tensor of two elements, betas or weight decay out of
+    range...) raise the exception type torch raises, at construction or at the step, except the
+    documented differences above."""
+    inp = error.optimizer_error_input
+    params = inp.params if inp.params is not None else [torch.nn.Parameter(torch.randn(2, 3))]
+    want = _OTHERWISE.get(inp.desc, error.error_type)
+
+    def run():
+        opt = OURS[name](params, **_kw(inp.kwargs))
+        if error.error_on == co.OptimizerErrorEnum.STEP_ERROR:
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                p.grad = torch.rand_like(p)
+            opt.step()
+
+    if want is None:
+        run()
+    else:
+        with pytest.raises(want):
+            run()

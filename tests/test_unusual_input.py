@@ -395,18 +395,24 @@ def test_complex_params_without_a_definition_raise(make):
 # ---------------------------------------------------------------------------------------------
 # hyper-parameters and the testing harness: what is accepted, what is said
 # ---------------------------------------------------------------------------------------------
-def test_learning_rate_accepts_numpy_scalars_and_0dim_tensors():
+def test_learning_rate_accepts_numpy_scalars_and_one_element_tensors():
     import numpy as np
 
     p = {"w": torch.ones(3)}
     g = {"w": torch.ones(3)}
     want, _ = ft.sgd(0.5).update(g, ft.sgd(0.5).init(p), p)
-    for lr in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), torch.tensor(0.5).double()):
+    for lr in (
+        np.float32(0.5),
+        np.float64(0.5),
+        torch.tensor(0.5),
+        torch.tensor(0.5).double(),
+        torch.tensor([0.5]),  # (one element, not 0-dim: torch.optim takes it)
+    ):
         tx = ft.adamw(lr)  # accepted
         tx = ft.sgd(lr)
         u, _ = tx.update(g, tx.init(p), p)
         torch.testing.assert_close(u["w"], want["w"])
-    with pytest.raises(TypeError, match=r"real number \(int, float, a NumPy scalar or a 0-dim"):
+    with pytest.raises(ValueError, match=r"learning_rate as a tensor must have one element"):
         ft.sgd(torch.ones(2))
     with pytest.raises(TypeError, match=r"real number"):
         ft.sgd("0.1")
