@@ -544,3 +544,24 @@ def test_torchs_error_inputs_raise_the_same_error(name, error):
     else:
         with pytest.raises(want):
             run()
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1e-3, float("inf")])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_bad_learning_rate_set_in_the_group_raises_at_the_step(value, as_tensor):
+    """``param_groups[0]["lr"]`` set to NaN, a negative or an infinite value (a float, or a
+    tensor as a scheduler fills it in place) raises at the next step, as construction would,
+    and the parameters are untouched."""
+    model = _model()
+    opt = AdamW(model.parameters(), lr=torch.tensor(1e-3) if as_tensor else 1e-3)
+    _train(model, opt, _batches(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    if as_tensor:
+        opt.param_groups[0]["lr"].fill_(value)
+    else:
+        opt.param_groups[0]["lr"] = value
+    _backward(model, _batches(2)[1])
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*learning_rate must"):
+        opt.step()
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
