@@ -14,7 +14,9 @@ Layout of a checkpoint directory::
                                       optree path, as functional_train.tree.tree_paths renders it)
     <directory>/extra.pt              torch.save(extra) by rank 0 (only when extra is not None)
     <directory>/meta.json             the manifest, written LAST: format, version, step, every key
-                                      with its global shape and dtype, the None leaves
+                                      with its global shape and dtype, the None leaves, and the
+                                      size and SHA-256 of the files rank 0 wrote (DCP's .metadata,
+                                      extra.pt)
 
 Atomicity: everything is written into a sibling ``<directory>.tmp-<token>``; when every rank has
 finished (a barrier when a process group is initialised) rank 0 writes the manifest and renames
@@ -23,6 +25,14 @@ the directory into place (an older checkpoint at that path is renamed to
 point leaves either the old or the new checkpoint complete: a directory without ``meta.json`` is
 never loaded, and ``load`` falls back to the ``.old-<token>`` sibling if a crash fell between the
 two renames. Stale ``.tmp-*`` / ``.old-*`` siblings are removed after the next successful save.
+
+Damage: before DCP reads anything, ``load`` checks the files: the size and SHA-256 of
+``.metadata`` and ``extra.pt`` against the manifest, and that every ``.distcp`` file DCP's
+metadata points into exists and is long enough; what it finds, an invalid manifest, and what DCP
+raises (its ``CheckpointException`` derives from ``BaseException``) raise :class:`CheckpointError`
+naming the checkpoint and the file. Not detected: altered bytes inside a ``.distcp`` file that
+leave it readable (DCP keeps no checksum of the tensor data, and ``torch.load`` does not check the
+CRC-32 that ``torch.save`` writes).
 
 All ranks of the default process group must call ``save`` and ``load`` together (DCP's
 collectives: a gather of the local plans and a scatter of the global plan, plus a gather of the
@@ -35,6 +45,7 @@ See https://pytorch.org/docs/stable/distributed.checkpoint.html for DCP itself.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import io
 import json
 import os
@@ -48,18 +59,42 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from .tree import tree_paths
 
-__all__ = ["save", "load", "read_manifest", "PendingSave", "MANIFEST", "FORMAT_VERSION"]
+__all__ = [
+    "save",
+    "load",
+    "read_manifest",
+    "PendingSave",
+    "CheckpointError",
+    "MANIFEST",
+    "FORMAT_VERSION",
+]
 
 MANIFEST = "meta.json"
 EXTRA = "extra.pt"
+DCP_METADATA = ".metadata"  # the index torch.distributed.checkpoint's FileSystemWriter writes
 FORMAT = "functional_train.checkpoint"
-FORMAT_VERSION = 1
+#: 2: the manifest records the size and SHA-256 of the files rank 0 wrote. Version 1
+#: checkpoints still load (without that check).
+FORMAT_VERSION = 2
 _TREES = ("params", "state")
 _LIST_AT_MOST = 10  # key paths listed in an error message
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as it was written: a file missing, truncated or altered
+    (DCP's ``.metadata`` or a ``.distcp`` data file, ``extra.pt``), a manifest (``meta.json``) that
+    is not valid JSON, of another format or a newer version, or with a field of the wrong type.
+
+    The message names the checkpoint and the file (and the manifest field); the error it comes
+    from, if any, is chained (``__cause__``). A ``ValueError`` (what :func:`read_manifest` raised
+    for a bad manifest before), so ``except ValueError`` and ``except Exception`` catch it; DCP's
+    own ``CheckpointException`` derives from ``BaseException`` and is never let through.
+    """
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,6 +211,23 @@ def _siblings(directory: str, kind: str) -> list[str]:
 
 def _is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _file_record(path: str) -> dict:
+    """``{"size": bytes, "sha256": hex digest}`` of a file (read whole: used for small files)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+        size = f.tell()
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _one_line(e: BaseException, at_most: int = 300) -> str:
+    """``"<type>: <first line of the message>"``, at most ``at_most`` characters."""
+    lines = str(e).strip().splitlines()
+    line = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return line if len(line) <= at_most else line[: at_most - 3] + "..."
 
 
 # --------------------------------------------------------------------------------------------------
@@ -330,6 +382,7 @@ def save(
         "none": nones,
         "extra": extra is not None,
         "world_size": dist.get_world_size() if on else 1,
+        "files": {},  # filled by rank 0 once they are written
     }
 
     def discard():
@@ -349,6 +402,12 @@ def save(
                         f.write(extra_bytes)
                         f.flush()
                         os.fsync(f.fileno())
+                # rank 0's own files (DCP's coordinator writes .metadata): sizes and digests are
+                # exact here; the ranks' .distcp files are checked against .metadata when loading
+                manifest["files"] = {
+                    name: _file_record(os.path.join(tmp, name))
+                    for name in [DCP_METADATA] + ([EXTRA] if extra_bytes is not None else [])
+                }
                 _write_json(os.path.join(tmp, MANIFEST), manifest)  # last: marks it complete
                 _fsync_dir(tmp)
                 _swap_in(tmp, directory, token)
@@ -417,59 +476,103 @@ def _resolve(directory: str) -> str:
     raise FileNotFoundError(f"no checkpoint at {directory!r}")
 
 
-def read_manifest(directory) -> dict:
-    """The manifest (``meta.json``) of the checkpoint at ``directory``: ``step``, ``keys``
-    (key -> global ``shape``, ``dtype``), ``none``, ``extra``, ``world_size``, ``version``.
+# the manifest's fields: (JSON type, how an error names it, the first version that has it)
+_FIELDS: dict[str, tuple[type, str, int]] = {
+    "step": (int, "an integer", 1),
+    "keys": (dict, "an object", 1),
+    "none": (list, "a list", 1),
+    "extra": (bool, "true or false", 1),
+    "world_size": (int, "an integer", 1),
+    "files": (dict, "an object", 2),
+}
 
-    Raises ``FileNotFoundError`` for a missing or incomplete checkpoint, ``ValueError`` for a
-    manifest of another format or a newer version."""
-    path = _resolve(_normalise(directory))
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int):
-        raise ValueError(f"{os.path.join(path, MANIFEST)} is not a {FORMAT} manifest")
-    if manifest["version"] > FORMAT_VERSION:
-        raise ValueError(
-            f"checkpoint {path!r} has format version {manifest['version']}; this "
-            f"functional_train reads versions up to {FORMAT_VERSION}"
+
+def _is(value, kind: type) -> bool:
+    """``isinstance`` for a JSON value, where ``true`` is not an integer."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def _shown(value, at_most: int = 80) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= at_most else text[: at_most - 3] + "..."
+
+
+def _check_manifest(file: str, m) -> None:
+    """Raise :class:`CheckpointError` naming ``file`` and the field unless ``m`` is a manifest
+    of a version this module reads, every field of that version present with its JSON type."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{file}: {what} (a damaged or hand-edited manifest)")
+
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a {FORMAT} manifest")
+    version = m.get("version")
+    if not _is(version, int) or version < 1:
+        raise bad(f"field 'version' must be a positive integer, not {_shown(version)}")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: format version {version}; this functional_train reads versions up to "
+            f"{FORMAT_VERSION}"
         )
+    for field, (kind, what, since) in _FIELDS.items():
+        if since > version:
+            continue
+        if field not in m:
+            raise bad(f"field {field!r} is missing")
+        if not _is(m[field], kind):
+            raise bad(f"field {field!r} must be {what}, not {_shown(m[field])}")
+    for key, d in m["keys"].items():
+        shape = d.get("shape") if isinstance(d, dict) else None
+        if not (
+            isinstance(shape, list)
+            and all(_is(n, int) and n >= 0 for n in shape)
+            and _is(d.get("dtype"), str)
+        ):
+            raise bad(
+                f'field \'keys\' entry {key!r} must be {{"shape": [sizes], "dtype": name}}, '
+                f"not {_shown(d)}"
+            )
+    if not all(_is(k, str) for k in m["none"]):
+        raise bad(f"field 'none' must list key paths, not {_shown(m['none'])}")
+    if version >= 2:
+        for name, f in m["files"].items():
+            if not (isinstance(f, dict) and _is(f.get("size"), int) and _is(f.get("sha256"), str)):
+                raise bad(
+                    f'field \'files\' entry {name!r} must be {{"size": bytes, "sha256": hex}}, '
+                    f"not {_shown(f)}"
+                )
+
+
+def read_manifest(directory) -> dict:
+    """The manifest (``meta.json``) of the checkpoint at ``directory``: ``step`` (int),
+    ``keys`` (key -> global ``shape``, ``dtype``, ``dtensor``), ``none`` (keys of ``None``
+    leaves), ``extra`` (bool), ``world_size``, ``version``, and from version 2 ``files`` (name
+    -> ``size``, ``sha256`` of the files rank 0 wrote); ``path`` is where it was read
+    (``directory``, or the ``.old-<token>`` sibling a save crashed between its renames left).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``directory``, or one without its manifest.
+        CheckpointError: a manifest that is not valid JSON, of another format, of a newer
+            version, or with a missing field or one of the wrong type (a ``step`` that is not an
+            integer: ``"seven"``, ``2.9``, ``true``), naming the file and the field.
+    """
+    path = _resolve(_normalise(directory))
+    file = os.path.join(path, MANIFEST)
+    with open(file, "rb") as f:
+        raw = f.read()
+    try:
+        manifest = json.loads(raw)
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(
+            f"{file} is not valid JSON ({e}): a damaged or hand-edited manifest"
+        ) from e
+    _check_manifest(file, manifest)
     manifest["path"] = path
     return manifest
 
 
-def load(directory, params, state):
-    """Read the checkpoint at ``directory`` into new trees shaped like ``params`` and ``state``.
-
-    Args:
-        directory: a path ``save`` wrote.
-        params, state: templates with the structure that was saved (same tree structure, key
-            paths, global shapes and dtypes), built by the caller on the *current* layout, e.g.
-            the freshly initialised parameters and ``tx.init(params)``. Each tensor leaf may be
-            a plain tensor or a DTensor with any mesh and placements, whatever the saved leaf
-            was: DCP reads the slices each rank needs (resharding). The templates' values are
-            not read and the templates are not modified.
-
-    Returns:
-        ``(params, state, step, extra)``: new trees with the templates' structure, each tensor
-        leaf a fresh tensor (``torch.empty_like`` of the template leaf: same layout, device,
-        mesh and placements; ``requires_grad`` as the template's) holding the saved values;
-        ``None`` leaves stay ``None``. ``step`` is the saved int, ``extra`` the saved dict (or
-        ``None``).
-
-    Collectives: all ranks of an initialised default process group call ``load`` together
-    (DCP's plan gather and scatter); without one, DCP runs with ``no_dist=True``.
-
-    Raises:
-        FileNotFoundError: no checkpoint at ``directory``, or one without its manifest (a save
-            that did not finish), naming the directory.
-        ValueError: the templates do not match the checkpoint: key paths missing from the
-            checkpoint, key paths the templates lack, ``None`` where a tensor was saved or the
-            reverse, or different global shapes or dtypes, each listed by key path
-            (``"params/<path>"`` / ``"state/<path>"``) with the directory.
-    """
-    manifest = read_manifest(directory)
-    path = manifest["path"]
-    tensors, nones, structure = _flatten(params, state)
+def _match_templates(path: str, manifest: dict, tensors: dict, nones: list) -> None:
+    """Raise ``ValueError`` listing every way the templates differ from the checkpoint."""
     saved, saved_none = manifest["keys"], set(manifest["none"])
     t_tensor, t_none = set(tensors), set(nones)
     problems = []
@@ -504,16 +607,129 @@ def load(directory, params, state):
             f"checkpoint {path!r} does not match the templates: " + "; ".join(problems)
         )
 
+
+def _verify_files(path: str, manifest: dict) -> list[str]:
+    """Check the files of the checkpoint at ``path`` before DCP reads them: the size and SHA-256
+    of those the manifest records (``.metadata``, ``extra.pt``), and that every data file DCP's
+    ``.metadata`` points into exists and reaches the end of its last item. Returns the data
+    files' names.
+
+    Raises:
+        CheckpointError: naming the checkpoint and each missing, truncated or altered file.
+    """
+    problems = []
+    for name, want in sorted(manifest.get("files", {}).items()):
+        try:
+            have = _file_record(os.path.join(path, name))
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        if have != want:
+            problems.append(
+                f"{name} has {have['size']} bytes with SHA-256 {have['sha256'][:16]}..., the "
+                f"manifest records {want['size']} bytes with {want['sha256'][:16]}... (altered "
+                "or truncated)"
+            )
+    ends: dict[str, int] = {}
+    if not problems:
+        try:
+            metadata = dcp.FileSystemReader(path).read_metadata()
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint {path!r} is damaged: DCP's {DCP_METADATA} cannot be read: "
+                f"{_one_line(e)}"
+            ) from e
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            name = getattr(info, "relative_path", None)
+            if isinstance(name, str):
+                ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+        for name, end in sorted(ends.items()):
+            try:
+                size = os.path.getsize(os.path.join(path, name))
+            except FileNotFoundError:
+                problems.append(f"{name} is missing")
+                continue
+            if size < end:
+                problems.append(f"{name} has {size} bytes, its data runs to byte {end} (truncated)")
+    if problems:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: " + "; ".join(problems))
+    return sorted(ends)
+
+
+def _read_failure(path: str, data_files: list[str], e: BaseException) -> CheckpointError:
+    """What DCP raised while reading (a ``CheckpointException``: a ``BaseException`` holding
+    rank -> (error, traceback)), as a :class:`CheckpointError` naming the checkpoint and the
+    file: the one the error names, else the data files."""
+    failures = getattr(e, "failures", None) or {}
+    cause = next(iter(failures.values()))[0] if failures else e
+    name = getattr(cause, "filename", None)
+    where = os.path.basename(name) if isinstance(name, str) else ", ".join(data_files)
+    ranks = f" (rank {', '.join(map(str, sorted(failures)))})" if _distributed() else ""
+    return CheckpointError(
+        f"checkpoint {path!r}: reading {where or 'its data'} failed{ranks} (a damaged file?): "
+        f"{_one_line(cause)}"
+    )
+
+
+def _read_extra(path: str):
+    try:
+        return torch.load(os.path.join(path, EXTRA), weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path!r}: {EXTRA} cannot be read: {_one_line(e)}") from e
+
+
+def load(directory, params, state):
+    """Read the checkpoint at ``directory`` into new trees shaped like ``params`` and ``state``.
+
+    Args:
+        directory: a path ``save`` wrote.
+        params, state: templates with the structure that was saved (same tree structure, key
+            paths, global shapes and dtypes), built by the caller on the *current* layout, e.g.
+            the freshly initialised parameters and ``tx.init(params)``. Each tensor leaf may be
+            a plain tensor or a DTensor with any mesh and placements, whatever the saved leaf
+            was: DCP reads the slices each rank needs (resharding). The templates' values are
+            not read and the templates are not modified.
+
+    Returns:
+        ``(params, state, step, extra)``: new trees with the templates' structure, each tensor
+        leaf a fresh tensor (``torch.empty_like`` of the template leaf: same layout, device,
+        mesh and placements; ``requires_grad`` as the template's) holding the saved values;
+        ``None`` leaves stay ``None``. ``step`` is the saved int, ``extra`` the saved dict (or
+        ``None``).
+
+    Version 1 checkpoints load too (no file digests to check).
+
+    Collectives: all ranks of an initialised default process group call ``load`` together
+    (DCP's plan gather and scatter); without one, DCP runs with ``no_dist=True``.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``directory``, or one without its manifest (a save
+            that did not finish), naming the directory.
+        ValueError: the templates do not match the checkpoint: key paths missing from the
+            checkpoint, key paths the templates lack, ``None`` where a tensor was saved or the
+            reverse, or different global shapes or dtypes, each listed by key path
+            (``"params/<path>"`` / ``"state/<path>"``) with the directory.
+        CheckpointError: (a ``ValueError``) a damaged checkpoint: an invalid manifest (see
+            :func:`read_manifest`), a missing, truncated or altered file, or DCP failing to
+            read it, naming the checkpoint and the file, chained from the original error.
+    """
+    manifest = read_manifest(directory)
+    path = manifest["path"]
+    tensors, nones, structure = _flatten(params, state)
+    _match_templates(path, manifest, tensors, nones)
+    data_files = _verify_files(path, manifest)
+
     out = {k: torch.empty_like(x, requires_grad=False) for k, x in tensors.items()}
     with _single_process_quiet(_distributed()):
-        dcp.load(out, checkpoint_id=path, no_dist=not _distributed())
+        try:
+            dcp.load(out, checkpoint_id=path, no_dist=not _distributed())
+        except (Exception, CheckpointException) as e:
+            raise _read_failure(path, data_files, e) from e
     for k, x in tensors.items():
         if x.requires_grad:
             out[k].requires_grad_(True)
     trees = [
         optree.tree_unflatten(treedef, [out.get(k) for k in keys]) for treedef, keys in structure
     ]
-    extra = None
-    if manifest["extra"]:
-        extra = torch.load(os.path.join(path, EXTRA), weights_only=True)
-    return trees[0], trees[1], int(manifest["step"]), extra
+    extra = _read_extra(path) if manifest["extra"] else None
+    return trees[0], trees[1], manifest["step"], extra

@@ -4,8 +4,13 @@ States are DTensors with global shapes (row statistics sharded like the rows, co
 like the columns, projectors replicated, 8-bit codes like the parameter, ZeRO shards over dp), so
 a checkpoint written by 4 gloo ranks at tp=2 x ZeRO dp=2 loads into the state of a one-process
 run, leaf by leaf, and equals the state that run computes itself.
+
+ft.checkpoint.load still loads format version 1, and raises CheckpointError (an Exception, naming
+the checkpoint and the file) for damaged files and hand-edited manifests.
 """
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,8 +18,10 @@ import optree
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import functional_train as ft
+from functional_train.tree import tree_paths
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -43,3 +50,168 @@ def test_states_saved_sharded_load_unsharded(tmp_path, ranks):
             torch.testing.assert_close(
                 template[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}"
             )
+
+
+# --------------------------------------------------------------------------------------------------
+# ft.checkpoint: damaged checkpoints and hand-edited manifests as clear errors
+# --------------------------------------------------------------------------------------------------
+
+
+def _params():
+    gen = torch.Generator().manual_seed(1)
+    return {"w": torch.randn(6, 5, generator=gen), "b": torch.randn(5, generator=gen)}
+
+
+def _filled(tree, value):
+    """Every tensor leaf of ``tree`` set to ``value``."""
+    return optree.tree_map(lambda x: torch.full_like(x, value), tree)
+
+
+def _saved(directory, step, tx=None):
+    """Save params and ``tx``'s state with every value equal to ``step``; returns the trees."""
+    tx = tx or ft.adamw(1e-2, weight_decay=0.1)
+    params = _params()
+    trees = _filled((params, tx.init(params)), step)
+    ft.checkpoint.save(directory, params=trees[0], state=trees[1], step=step, extra={"s": step})
+    return trees
+
+
+def _templates(tx=None):
+    tx = tx or ft.adamw(1e-2, weight_decay=0.1)
+    params = _params()
+    return _filled((params, tx.init(params)), -1)
+
+
+def _save_version_1(directory, params, state, step):
+    """A checkpoint as format version 1 wrote it: keys by position, no token, structure or
+    file digests in the manifest."""
+    tensors, keys, nones = {}, {}, []
+    for name, tree in (("params", params), ("state", state)):
+        for path, leaf in zip(tree_paths(tree), optree.tree_leaves(tree, none_is_leaf=True)):
+            key = f"{name}/{path}"
+            if leaf is None:
+                nones.append(key)
+                continue
+            tensors[key] = leaf
+            keys[key] = {"shape": list(leaf.shape), "dtype": "float32", "dtensor": False}
+    dcp.save(tensors, checkpoint_id=str(directory), no_dist=True)
+    manifest = {
+        "format": "functional_train.checkpoint",
+        "version": 1,
+        "step": step,
+        "keys": keys,
+        "none": nones,
+        "extra": False,
+        "world_size": 1,
+    }
+    (directory / "meta.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.usefixtures("no_fake_process_group")
+def test_version_1_checkpoints_still_load(tmp_path):
+    tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adam(1e-2))
+    params = dict(_params(), frozen=None)
+    state = tx.init(params)
+    state = optree.tree_map(
+        lambda x: torch.randn(x.shape, generator=torch.Generator().manual_seed(x.numel())), state
+    )
+    _save_version_1(tmp_path / "v1", params, state, 7)
+    assert "state/1.0.1.w" in ft.checkpoint.read_manifest(tmp_path / "v1")["keys"]
+    p, s, step, extra = ft.checkpoint.load(tmp_path / "v1", *_filled((params, state), -1))
+    assert step == 7 and extra is None and p["frozen"] is None
+    for a, b in zip(optree.tree_leaves((p, s)), optree.tree_leaves((params, state))):
+        assert torch.equal(a, b)
+
+
+def _flip(path, at):
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    # what is done to the checkpoint, and what the error says (after the checkpoint's path)
+    "truncated-distcp": (
+        lambda d: _truncate(d / "__0_0.distcp"),
+        r"is damaged: __0_0.distcp has \d+ bytes, its data runs to byte \d+ \(truncated\)",
+    ),
+    "deleted-distcp": (lambda d: os.remove(d / "__0_0.distcp"), r"__0_0.distcp is missing"),
+    "deleted-metadata": (lambda d: os.remove(d / ".metadata"), r"is damaged: .metadata is missing"),
+    "flipped-metadata": (
+        lambda d: _flip(d / ".metadata", 40),
+        r"\.metadata has \d+ bytes with SHA-256 \w+\.\.\., the manifest records",
+    ),
+    "flipped-extra": (lambda d: _flip(d / "extra.pt", 60), r"extra.pt has \d+ bytes with SHA-256"),
+    # the first item's zip signature: DCP's torch.load fails (a BaseException before)
+    "flipped-distcp-header": (
+        lambda d: _flip(d / "__0_0.distcp", 0),
+        r": reading __0_0.distcp failed \(a damaged file\?\): UnpicklingError: ",
+    ),
+}
+
+
+@pytest.mark.usefixtures("no_fake_process_group")
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_checkpoint_raises_checkpoint_error(tmp_path, damage):
+    """Damaged files raise ``CheckpointError`` (an ``Exception``: DCP's ``CheckpointException``
+    derives from ``BaseException`` and got through ``except Exception``) naming the checkpoint
+    and the file."""
+    d = tmp_path / "ck"
+    _saved(d, 1)
+    do, want = DAMAGE[damage]
+    do(d)
+    with pytest.raises(ft.checkpoint.CheckpointError, match=rf"^checkpoint '{d}'.*{want}") as e:
+        ft.checkpoint.load(d, *_templates())
+    if damage == "flipped-distcp-header":
+        assert isinstance(e.value.__cause__, CheckpointException)
+    try:  # resume or start afresh, as a training script does
+        ft.checkpoint.load(d, *_templates())
+        fresh = False
+    except Exception:
+        fresh = True
+    assert fresh
+
+
+MANIFEST_EDITS = {
+    "step-string": (
+        lambda m: dict(m, step="seven"),
+        r"field 'step' must be an integer, not \"seven\"",
+    ),
+    "step-float": (lambda m: dict(m, step=2.9), r"field 'step' must be an integer, not 2.9"),
+    "step-bool": (lambda m: dict(m, step=True), r"field 'step' must be an integer, not true"),
+    "no-step": (lambda m: {k: v for k, v in m.items() if k != "step"}, r"field 'step' is missing"),
+    "extra-int": (lambda m: dict(m, extra=1), r"field 'extra' must be true or false, not 1"),
+    "shape": (
+        lambda m: dict(m, keys=dict(m["keys"], **{"params/w": {"shape": "6x5", "dtype": "f"}})),
+        r"field 'keys' entry 'params/w' must be \{\"shape\": \[sizes\], \"dtype\": name\}",
+    ),
+    "version": (lambda m: dict(m, version="2"), r"field 'version' must be a positive integer"),
+    "newer": (lambda m: dict(m, version=3), r"format version 3; this functional_train reads "),
+}
+
+
+@pytest.mark.usefixtures("no_fake_process_group")
+@pytest.mark.parametrize("edit", sorted(MANIFEST_EDITS) + ["invalid-json", "not-utf8"])
+def test_a_hand_edited_manifest_raises_a_clear_error(tmp_path, edit):
+    d = tmp_path / "ck"
+    _saved(d, 2)
+    file = d / "meta.json"
+    if edit == "invalid-json":
+        file.write_text(file.read_text()[:-30])
+        want = r"is not valid JSON \(.*line \d+ column \d+.*\): a damaged or hand-edited manifest"
+    elif edit == "not-utf8":
+        file.write_bytes(b"\xff\xfe\xfa" + file.read_bytes())
+        want = r"is not valid JSON"
+    else:
+        change, want = MANIFEST_EDITS[edit]
+        file.write_text(json.dumps(change(json.loads(file.read_text()))))
+    for read in (
+        lambda: ft.checkpoint.read_manifest(d),
+        lambda: ft.checkpoint.load(d, *_templates()),
+    ):
+        with pytest.raises(ft.checkpoint.CheckpointError, match=rf"^{file}:? .*{want}"):
+            read()
