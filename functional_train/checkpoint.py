@@ -11,12 +11,16 @@ Layout of a checkpoint directory::
 
     <directory>/.metadata, *.distcp   DCP's files: every tensor leaf, under the key
                                       "params/<path>" or "state/<path>" (<path>: the leaf's dotted
-                                      optree path, as functional_train.tree.tree_paths renders it)
+                                      optree path, NamedTuple fields by name: "state/1.0.mu.w" is
+                                      the "w" entry of the "mu" field of the first state of the
+                                      second chained part; version 1 wrote the field's position)
     <directory>/extra.pt              torch.save(extra) by rank 0 (only when extra is not None)
     <directory>/meta.json             the manifest, written LAST: format, version, step, every key
-                                      with its global shape and dtype, the None leaves, and the
-                                      size and SHA-256 of the files rank 0 wrote (DCP's .metadata,
-                                      extra.pt)
+                                      with its global shape and dtype, the None leaves, the trees'
+                                      structure (the type of every container by its path:
+                                      NamedTuple states by name, mappings as "dict"; it does not
+                                      depend on the mesh), and the size and SHA-256 of the files
+                                      rank 0 wrote (DCP's .metadata, extra.pt)
 
 Atomicity: everything is written into a sibling ``<directory>.tmp-<token>``; when every rank has
 finished (a barrier when a process group is initialised) rank 0 writes the manifest and renames
@@ -78,11 +82,12 @@ MANIFEST = "meta.json"
 EXTRA = "extra.pt"
 DCP_METADATA = ".metadata"  # the index torch.distributed.checkpoint's FileSystemWriter writes
 FORMAT = "functional_train.checkpoint"
-#: 2: the manifest records the size and SHA-256 of the files rank 0 wrote. Version 1
-#: checkpoints still load (without that check).
+#: 2: keys name NamedTuple fields (1: their positions); the manifest records the trees'
+#: structure and the files rank 0 wrote. Version 1 checkpoints still load (without those checks).
 FORMAT_VERSION = 2
 _TREES = ("params", "state")
 _LIST_AT_MOST = 10  # key paths listed in an error message
+_MAPPINGS = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT)
 
 
 class CheckpointError(ValueError):
@@ -124,14 +129,45 @@ def _normalise(directory) -> str:
     return path
 
 
-def _flatten(params, state) -> tuple[dict[str, torch.Tensor], list[str], list]:
-    """``({key: tensor leaf}, [keys of None leaves], [(treedef, keys)] per tree)``."""
+def _paths(name: str, tree, by_name: bool) -> tuple[list, list[str], dict[str, str], Any]:
+    """``(leaves, keys, nodes, treedef)`` of one tree: its leaves (``None`` included) in flatten
+    order, their keys ``"<name>/<dotted path>"`` (NamedTuple fields by name; by position, as
+    :func:`functional_train.tree.tree_paths` renders them, unless ``by_name``: format version 1),
+    and every container by its path (``"<name>/<root>"`` for the tree itself) with its type: a
+    NamedTuple's (or custom node's) class name, ``"dict"`` for any mapping, ``"tuple"``,
+    ``"list"``."""
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+    keys: list[str] = []
+    nodes: dict[str, str] = {}
+
+    def visit(spec, parts: list[str]) -> None:
+        path = f"{name}/{'.'.join(parts) or '<root>'}"
+        if spec.is_leaf():
+            keys.append(path)
+            return
+        nodes[path] = "dict" if spec.kind in _MAPPINGS else spec.type.__qualname__
+        entries = spec.type._fields if spec.kind == optree.PyTreeKind.NAMEDTUPLE else spec.entries()
+        for entry, child in zip(entries, spec.children()):
+            visit(child, [*parts, str(entry)])
+
+    visit(treedef, [])
+    if not by_name:
+        keys = [f"{name}/{p}" for p in tree_paths(tree)]
+    return leaves, keys, nodes, treedef
+
+
+def _flatten(
+    params, state, by_name: bool = True
+) -> tuple[dict[str, torch.Tensor], list[str], list, dict[str, str]]:
+    """``({key: tensor leaf}, [keys of None leaves], [(treedef, keys)] per tree, {container
+    path: type})`` (see :func:`_paths`; ``by_name=False``: version 1's positional keys)."""
     tensors: dict[str, torch.Tensor] = {}
     nones: list[str] = []
     structure = []
+    nodes: dict[str, str] = {}
     for name, tree in zip(_TREES, (params, state)):
-        leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
-        keys = [f"{name}/{p}" for p in tree_paths(tree)]
+        leaves, keys, tree_nodes, treedef = _paths(name, tree, by_name)
+        nodes.update(tree_nodes)
         seen = set()
         for key, leaf in zip(keys, leaves):
             if key in seen:
@@ -150,7 +186,7 @@ def _flatten(params, state) -> tuple[dict[str, torch.Tensor], list[str], list]:
                     "tensors, DTensors and None only"
                 )
         structure.append((treedef, keys))
-    return tensors, nones, structure
+    return tensors, nones, structure, nodes
 
 
 def _describe(x: torch.Tensor) -> dict:
@@ -304,10 +340,12 @@ def save(
             placements: DCP stores the global tensor once, each rank writing its shards; plain
             tensors are taken as replicated across ranks and written once, by one rank) or
             ``None``. Every tensor leaf is stored under ``"params/<path>"`` /
-            ``"state/<path>"`` with its global shape and dtype. State that differs per rank in
-            plain tensors (``multi_steps``'s accumulated unreduced gradients under a data axis,
-            mid-cycle) is therefore not saved whole: save at a cycle boundary
-            (``ft.has_updated(state)``), where those accumulators are zeros on every rank.
+            ``"state/<path>"`` (NamedTuple fields by name) with its global shape and dtype.
+            State that differs per rank in plain tensors (``multi_steps``'s accumulated
+            unreduced gradients under a data axis, mid-cycle) is therefore not saved whole:
+            save at a cycle boundary (``ft.has_updated(state)``), where those accumulators are
+            zeros on every rank. The manifest also records the type of every container (which
+            states, in what chain), so that ``load`` refuses another optimizer's state.
         step: the step number (an int) returned by ``load``.
         extra: ``None`` or a small dict, serialised by rank 0 with ``torch.save`` when ``save``
             is called and written next to the tensors (``load`` reads it
@@ -343,7 +381,7 @@ def save(
         raise TypeError(f"step must be an int, not {type(step).__name__}")
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None, not {type(extra).__name__}")
-    tensors, nones, _ = _flatten(params, state)
+    tensors, nones, _, nodes = _flatten(params, state)
     on = _distributed()
 
     # rank 0 names the temporary directory, checks the destination and serialises extra; one
@@ -382,6 +420,7 @@ def save(
         "none": nones,
         "extra": extra is not None,
         "world_size": dist.get_world_size() if on else 1,
+        "structure": nodes,
         "files": {},  # filled by rank 0 once they are written
     }
 
@@ -483,6 +522,7 @@ _FIELDS: dict[str, tuple[type, str, int]] = {
     "none": (list, "a list", 1),
     "extra": (bool, "true or false", 1),
     "world_size": (int, "an integer", 1),
+    "structure": (dict, "an object", 2),
     "files": (dict, "an object", 2),
 }
 
@@ -535,6 +575,10 @@ def _check_manifest(file: str, m) -> None:
     if not all(_is(k, str) for k in m["none"]):
         raise bad(f"field 'none' must list key paths, not {_shown(m['none'])}")
     if version >= 2:
+        if not all(_is(t, str) for t in m["structure"].values()):
+            raise bad(
+                f"field 'structure' must map paths to type names, not {_shown(m['structure'])}"
+            )
         for name, f in m["files"].items():
             if not (isinstance(f, dict) and _is(f.get("size"), int) and _is(f.get("sha256"), str)):
                 raise bad(
@@ -546,9 +590,10 @@ def _check_manifest(file: str, m) -> None:
 def read_manifest(directory) -> dict:
     """The manifest (``meta.json``) of the checkpoint at ``directory``: ``step`` (int),
     ``keys`` (key -> global ``shape``, ``dtype``, ``dtensor``), ``none`` (keys of ``None``
-    leaves), ``extra`` (bool), ``world_size``, ``version``, and from version 2 ``files`` (name
-    -> ``size``, ``sha256`` of the files rank 0 wrote); ``path`` is where it was read
-    (``directory``, or the ``.old-<token>`` sibling a save crashed between its renames left).
+    leaves), ``extra`` (bool), ``world_size``, ``version``, and from version 2 ``structure``
+    (container path -> type name) and ``files`` (name -> ``size``, ``sha256`` of the files rank
+    0 wrote); ``path`` is where it was read (``directory``, or the ``.old-<token>`` sibling a
+    save crashed between its renames left).
 
     Raises:
         FileNotFoundError: no checkpoint at ``directory``, or one without its manifest.
@@ -571,11 +616,24 @@ def read_manifest(directory) -> dict:
     return manifest
 
 
-def _match_templates(path: str, manifest: dict, tensors: dict, nones: list) -> None:
+def _match_templates(path: str, manifest: dict, tensors: dict, nones: list, nodes: dict) -> None:
     """Raise ``ValueError`` listing every way the templates differ from the checkpoint."""
     saved, saved_none = manifest["keys"], set(manifest["none"])
     t_tensor, t_none = set(tensors), set(nones)
     problems = []
+    saved_nodes = manifest.get("structure")  # version 1 did not record it
+    if saved_nodes is not None:
+        absent = "absent"
+        differ = [
+            f"{p} (saved {saved_nodes.get(p, absent)}, template {nodes.get(p, absent)})"
+            for p in set(saved_nodes) | set(nodes)
+            if saved_nodes.get(p) != nodes.get(p)
+        ]
+        if differ:
+            problems.append(
+                "a different structure (another optimizer's state?), container types by path: "
+                + _listing(differ)
+            )
     missing = (t_tensor | t_none) - set(saved) - saved_none
     unexpected = (set(saved) | saved_none) - t_tensor - t_none
     if missing:
@@ -683,9 +741,10 @@ def load(directory, params, state):
 
     Args:
         directory: a path ``save`` wrote.
-        params, state: templates with the structure that was saved (same tree structure, key
-            paths, global shapes and dtypes), built by the caller on the *current* layout, e.g.
-            the freshly initialised parameters and ``tx.init(params)``. Each tensor leaf may be
+        params, state: templates with the structure that was saved (same tree structure and
+            container types: the same optimizer's state; key paths, global shapes and dtypes),
+            built by the caller on the *current* layout, e.g. the freshly initialised
+            parameters and ``tx.init(params)``. Each tensor leaf may be
             a plain tensor or a DTensor with any mesh and placements, whatever the saved leaf
             was: DCP reads the slices each rank needs (resharding). The templates' values are
             not read and the templates are not modified.
@@ -697,7 +756,7 @@ def load(directory, params, state):
         ``None`` leaves stay ``None``. ``step`` is the saved int, ``extra`` the saved dict (or
         ``None``).
 
-    Version 1 checkpoints load too (no file digests to check).
+    Version 1 checkpoints load too (positional keys; no structure or file digests to check).
 
     Collectives: all ranks of an initialised default process group call ``load`` together
     (DCP's plan gather and scatter); without one, DCP runs with ``no_dist=True``.
@@ -705,18 +764,20 @@ def load(directory, params, state):
     Raises:
         FileNotFoundError: no checkpoint at ``directory``, or one without its manifest (a save
             that did not finish), naming the directory.
-        ValueError: the templates do not match the checkpoint: key paths missing from the
-            checkpoint, key paths the templates lack, ``None`` where a tensor was saved or the
-            reverse, or different global shapes or dtypes, each listed by key path
-            (``"params/<path>"`` / ``"state/<path>"``) with the directory.
+        ValueError: the templates do not match the checkpoint: a different structure (the type
+            of a container differs, or one is absent: another optimizer's state, or the same
+            optimizer chained with other transforms), key paths missing from the checkpoint,
+            key paths the templates lack, ``None`` where a tensor was saved or the reverse, or
+            different global shapes or dtypes, each listed by path (``"params/<path>"`` /
+            ``"state/<path>"``, with the saved and the template's type) with the directory.
         CheckpointError: (a ``ValueError``) a damaged checkpoint: an invalid manifest (see
             :func:`read_manifest`), a missing, truncated or altered file, or DCP failing to
             read it, naming the checkpoint and the file, chained from the original error.
     """
     manifest = read_manifest(directory)
     path = manifest["path"]
-    tensors, nones, structure = _flatten(params, state)
-    _match_templates(path, manifest, tensors, nones)
+    tensors, nones, structure, nodes = _flatten(params, state, by_name=manifest["version"] > 1)
+    _match_templates(path, manifest, tensors, nones, nodes)
     data_files = _verify_files(path, manifest)
 
     out = {k: torch.empty_like(x, requires_grad=False) for k, x in tensors.items()}

@@ -1,6 +1,6 @@
 """Worker for tests/test_checkpoint.py: optimizer states saved with torch.distributed.checkpoint
-from a dp=2 x tp=2 gloo run (tensor parallel leaves, ZeRO over dp), for the test to load on
-another layout."""
+(and with ft.checkpoint, parameters too) from a dp=2 x tp=2 gloo run (tensor parallel leaves, ZeRO
+over dp), for the test to load on another layout."""
 
 import optree
 import torch
@@ -60,3 +60,4 @@ def main(rank, world, out):
             updates, state = tx.update({k: place(v, k) for k, v in g.items()}, state, p, mesh=fmesh)
             p = ft.apply_updates(p, updates)
         dcp.save(flat(state), checkpoint_id=f"{out}/{name}")
+        ft.checkpoint.save(f"{out}/ft-{name}", params=p, state=state, step=len(grads))

@@ -3,22 +3,26 @@
 States are DTensors with global shapes (row statistics sharded like the rows, column statistics
 like the columns, projectors replicated, 8-bit codes like the parameter, ZeRO shards over dp), so
 a checkpoint written by 4 gloo ranks at tp=2 x ZeRO dp=2 loads into the state of a one-process
-run, leaf by leaf, and equals the state that run computes itself.
+run, leaf by leaf, and equals the state that run computes itself (and ft.checkpoint, whose manifest
+records the state's structure, loads it too).
 
-ft.checkpoint.load still loads format version 1, and raises CheckpointError (an Exception, naming
-the checkpoint and the file) for damaged files and hand-edited manifests.
+ft.checkpoint.load refuses another optimizer's state whose leaves have the same paths, still loads
+format version 1, and raises CheckpointError (an Exception, naming the checkpoint and the file)
+for damaged files and hand-edited manifests.
 """
 
 import json
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import optree
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 import functional_train as ft
 from functional_train.tree import tree_paths
@@ -29,6 +33,7 @@ import _gloo_ckpt_worker as worker  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("no_fake_process_group")
 def test_states_saved_sharded_load_unsharded(tmp_path, ranks):
     ranks.run(4, "_gloo_ckpt_worker:main", str(tmp_path))
     params0, grads = worker.problem()
@@ -50,10 +55,31 @@ def test_states_saved_sharded_load_unsharded(tmp_path, ranks):
             torch.testing.assert_close(
                 template[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}"
             )
+        # ft.checkpoint: the structure it records does not depend on the mesh
+        zeros = optree.tree_map(torch.zeros_like, params0)
+        p_ck, s_ck, step, _ = ft.checkpoint.load(tmp_path / f"ft-{name}", zeros, tx.init(zeros))
+        assert step == len(grads)
+        have, ref = ((p_ck, s_ck), (p, state))
+        assert optree.tree_structure(have, none_is_leaf=True) == optree.tree_structure(
+            ref, none_is_leaf=True
+        )
+        for path, x, y in zip(
+            tree_paths(have),
+            optree.tree_leaves(have, none_is_leaf=True),
+            optree.tree_leaves(ref, none_is_leaf=True),
+        ):
+            if y is None:
+                assert x is None, (name, path)
+                continue
+            assert not isinstance(x, DTensor), (name, path)
+            torch.testing.assert_close(
+                x, y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {path}: {m}"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
-# ft.checkpoint: damaged checkpoints and hand-edited manifests as clear errors
+# ft.checkpoint: another optimizer's state refused, damaged checkpoints and hand-edited manifests
+# as clear errors
 # --------------------------------------------------------------------------------------------------
 
 
@@ -63,8 +89,13 @@ def _params():
 
 
 def _filled(tree, value):
-    """Every tensor leaf of ``tree`` set to ``value``."""
+    """Every tensor leaf of ``tree`` set to ``value`` (a load that mixes two checkpoints saved
+    with different values shows it)."""
     return optree.tree_map(lambda x: torch.full_like(x, value), tree)
+
+
+def _values(tree) -> set:
+    return {float(v) for x in optree.tree_leaves(tree) for v in x.flatten().tolist()}
 
 
 def _saved(directory, step, tx=None):
@@ -80,6 +111,88 @@ def _templates(tx=None):
     tx = tx or ft.adamw(1e-2, weight_decay=0.1)
     params = _params()
     return _filled((params, tx.init(params)), -1)
+
+
+class _Trace(NamedTuple):  # the fields of ft.trace's state, another type
+    count: torch.Tensor
+    trace: dict
+
+
+@pytest.mark.usefixtures("no_fake_process_group")
+@pytest.mark.parametrize(
+    "saved, template, want",
+    [
+        # the issue's: both keyed "state/1.0", "state/1.1.w" by position
+        (
+            lambda: ft.chain(ft.scale(-0.1), ft.ema_params(0.9)),
+            lambda: ft.chain(ft.scale(-0.1), ft.trace(0.9)),
+            r"state/1 \(saved EmaParamsState, template TraceState\).*"
+            r"missing from the checkpoint: state/1.trace.b, state/1.trace.w; "
+            r"in the checkpoint but not in the templates: state/1.ema.b, state/1.ema.w",
+        ),
+        # the same leaf paths, one more chained part
+        (
+            lambda: ft.adam(1e-2),
+            lambda: ft.lamb(1e-2),
+            r"state/2 \(saved absent, template EmptyState\)",
+        ),
+        (
+            lambda: ft.adamw(1e-2, weight_decay=0.1),
+            lambda: ft.lamb(1e-2, weight_decay=0.1),
+            r"state/3 \(saved absent, template EmptyState\)",
+        ),
+        # the same field names, another NamedTuple
+        (
+            lambda: ft.trace(0.9),
+            lambda: ft.GradientTransformation(
+                lambda p: _Trace(torch.zeros([], dtype=torch.int64), _filled(p, 0.0)), None
+            ),
+            r"state/<root> \(saved TraceState, template _Trace\)",
+        ),
+    ],
+    ids=["ema_params-as-trace", "adam-as-lamb", "adamw-as-lamb", "type-name"],
+)
+def test_another_optimizers_state_is_refused(tmp_path, saved, template, want):
+    """The state is keyed by field name and the manifest records every container's type: a
+    state of another optimizer whose leaves have the same paths and shapes (it loaded silently
+    before) is refused, the error naming the saved and the template's types."""
+    d = tmp_path / "ck"
+    _saved(d, 3, saved())
+    with pytest.raises(
+        ValueError, match=rf"checkpoint '{d}' does not match the templates: .*{want}"
+    ):
+        ft.checkpoint.load(d, *_templates(template()))
+    # the same optimizer loads (the check is not stricter than the structure)
+    p, s, step, _ = ft.checkpoint.load(d, *_templates(saved()))
+    assert step == 3 and _values((p, s)) == {3.0}
+
+
+@pytest.mark.usefixtures("no_fake_process_group")
+def test_manifest_keys_name_fields_and_record_the_structure(tmp_path):
+    tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1))
+    _saved(tmp_path / "ck", 1, tx)
+    m = ft.checkpoint.read_manifest(tmp_path / "ck")
+    assert m["version"] == ft.checkpoint.FORMAT_VERSION == 2
+    assert sorted(k for k in m["keys"] if k.startswith("state/")) == [
+        "state/0.global_norm",
+        "state/1.0.count",
+        "state/1.0.mu.b",
+        "state/1.0.mu.w",
+        "state/1.0.nu.b",
+        "state/1.0.nu.w",
+    ]
+    assert m["structure"] == {
+        "params/<root>": "dict",
+        "state/<root>": "tuple",
+        "state/0": "ClipByGlobalNormState",
+        "state/1": "tuple",
+        "state/1.0": "ScaleByAdamState",
+        "state/1.0.mu": "dict",
+        "state/1.0.nu": "dict",
+        "state/1.1": "EmptyState",
+        "state/1.2": "EmptyState",
+    }
+    assert set(m["files"]) == {".metadata", "extra.pt"}
 
 
 def _save_version_1(directory, params, state, step):
