@@ -15,12 +15,12 @@ Layout of a checkpoint directory::
                                       the "w" entry of the "mu" field of the first state of the
                                       second chained part; version 1 wrote the field's position)
     <directory>/extra.pt              torch.save(extra) by rank 0 (only when extra is not None)
-    <directory>/meta.json             the manifest, written LAST: format, version, step, every key
-                                      with its global shape and dtype, the None leaves, the trees'
-                                      structure (the type of every container by its path:
-                                      NamedTuple states by name, mappings as "dict"; it does not
-                                      depend on the mesh), and the size and SHA-256 of the files
-                                      rank 0 wrote (DCP's .metadata, extra.pt)
+    <directory>/meta.json             the manifest, written LAST: format, version, a unique token,
+                                      step, every key with its global shape and dtype, the None
+                                      leaves, the trees' structure (the type of every container by
+                                      its path: NamedTuple states by name, mappings as "dict"; it
+                                      does not depend on the mesh), and the size and SHA-256 of the
+                                      files rank 0 wrote (DCP's .metadata, extra.pt)
 
 Atomicity: everything is written into a sibling ``<directory>.tmp-<token>``; when every rank has
 finished (a barrier when a process group is initialised) rank 0 writes the manifest and renames
@@ -38,10 +38,18 @@ naming the checkpoint and the file. Not detected: altered bytes inside a ``.dist
 leave it readable (DCP keeps no checksum of the tensor data, and ``torch.load`` does not check the
 CRC-32 that ``torch.save`` writes).
 
+Concurrent saves: loading while another process saves to the same path reads ONE checkpoint.
+``load`` reads the manifest, then everything else by path, then the manifest again; a save puts a
+checkpoint at a path once (renamed in from its temporary directory, then renamed away and
+deleted), so the same unique token at both reads means every file read in between was that
+checkpoint's. When it changed (or a file vanished with it) the load starts again, up to
+``LOAD_ATTEMPTS`` times, then raises :class:`CheckpointError`.
+
 All ranks of the default process group must call ``save`` and ``load`` together (DCP's
 collectives: a gather of the local plans and a scatter of the global plan, plus a gather of the
-write results when saving), and must see the same file system. Without a process group both run
-in one process (DCP's ``no_dist=True``).
+write results when saving; ``load`` adds two ``all_gather_object`` of every rank's outcome per
+attempt, so that all ranks start again, or raise, together), and must see the same file system.
+Without a process group both run in one process (DCP's ``no_dist=True``).
 
 See https://pytorch.org/docs/stable/distributed.checkpoint.html for DCP itself.
 """
@@ -54,6 +62,7 @@ import io
 import json
 import os
 import shutil
+import time
 import uuid
 import warnings
 from contextlib import contextmanager
@@ -76,15 +85,18 @@ __all__ = [
     "CheckpointError",
     "MANIFEST",
     "FORMAT_VERSION",
+    "LOAD_ATTEMPTS",
 ]
 
 MANIFEST = "meta.json"
 EXTRA = "extra.pt"
 DCP_METADATA = ".metadata"  # the index torch.distributed.checkpoint's FileSystemWriter writes
 FORMAT = "functional_train.checkpoint"
-#: 2: keys name NamedTuple fields (1: their positions); the manifest records the trees'
+#: 2: keys name NamedTuple fields (1: their positions); the manifest records a token, the trees'
 #: structure and the files rank 0 wrote. Version 1 checkpoints still load (without those checks).
 FORMAT_VERSION = 2
+#: how many times ``load`` starts again when the checkpoint was replaced while it read it
+LOAD_ATTEMPTS = 10
 _TREES = ("params", "state")
 _LIST_AT_MOST = 10  # key paths listed in an error message
 _MAPPINGS = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT)
@@ -93,7 +105,8 @@ _MAPPINGS = (optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTre
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as it was written: a file missing, truncated or altered
     (DCP's ``.metadata`` or a ``.distcp`` data file, ``extra.pt``), a manifest (``meta.json``) that
-    is not valid JSON, of another format or a newer version, or with a field of the wrong type.
+    is not valid JSON, of another format or a newer version, or with a field of the wrong type, or
+    a checkpoint replaced by another save during every one of ``LOAD_ATTEMPTS`` loads.
 
     The message names the checkpoint and the file (and the manifest field); the error it comes
     from, if any, is chained (``__cause__``). A ``ValueError`` (what :func:`read_manifest` raised
@@ -247,6 +260,15 @@ def _siblings(directory: str, kind: str) -> list[str]:
 
 def _is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _gather(obj) -> list:
+    """``obj`` of every rank (``all_gather_object`` on the default group; ``[obj]`` without)."""
+    if not _distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _file_record(path: str) -> dict:
@@ -415,6 +437,7 @@ def save(
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
+        "token": token,
         "step": step,
         "keys": {k: _describe(v) for k, v in tensors.items()},
         "none": nones,
@@ -522,6 +545,7 @@ _FIELDS: dict[str, tuple[type, str, int]] = {
     "none": (list, "a list", 1),
     "extra": (bool, "true or false", 1),
     "world_size": (int, "an integer", 1),
+    "token": (str, "a string", 2),
     "structure": (dict, "an object", 2),
     "files": (dict, "an object", 2),
 }
@@ -587,24 +611,16 @@ def _check_manifest(file: str, m) -> None:
                 )
 
 
-def read_manifest(directory) -> dict:
-    """The manifest (``meta.json``) of the checkpoint at ``directory``: ``step`` (int),
-    ``keys`` (key -> global ``shape``, ``dtype``, ``dtensor``), ``none`` (keys of ``None``
-    leaves), ``extra`` (bool), ``world_size``, ``version``, and from version 2 ``structure``
-    (container path -> type name) and ``files`` (name -> ``size``, ``sha256`` of the files rank
-    0 wrote); ``path`` is where it was read (``directory``, or the ``.old-<token>`` sibling a
-    save crashed between its renames left).
-
-    Raises:
-        FileNotFoundError: no checkpoint at ``directory``, or one without its manifest.
-        CheckpointError: a manifest that is not valid JSON, of another format, of a newer
-            version, or with a missing field or one of the wrong type (a ``step`` that is not an
-            integer: ``"seven"``, ``2.9``, ``true``), naming the file and the field.
-    """
-    path = _resolve(_normalise(directory))
+def _read_manifest(directory: str) -> tuple[dict, tuple]:
+    """``(manifest, identity)`` of the checkpoint at the normalised path ``directory``;
+    ``identity`` (its path, the SHA-256 of the manifest's bytes, their inode and mtime) tells
+    this checkpoint from any a later save puts there (the manifest holds a unique token)."""
+    path = _resolve(directory)
     file = os.path.join(path, MANIFEST)
     with open(file, "rb") as f:
         raw = f.read()
+        st = os.fstat(f.fileno())
+    identity = (path, hashlib.sha256(raw).hexdigest(), st.st_ino, st.st_mtime_ns)
     try:
         manifest = json.loads(raw)
     except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
@@ -613,7 +629,24 @@ def read_manifest(directory) -> dict:
         ) from e
     _check_manifest(file, manifest)
     manifest["path"] = path
-    return manifest
+    return manifest, identity
+
+
+def read_manifest(directory) -> dict:
+    """The manifest (``meta.json``) of the checkpoint at ``directory``: ``step`` (int),
+    ``keys`` (key -> global ``shape``, ``dtype``, ``dtensor``), ``none`` (keys of ``None``
+    leaves), ``extra`` (bool), ``world_size``, ``version``, and from version 2 ``token`` (unique
+    to this save), ``structure`` (container path -> type name) and ``files`` (name -> ``size``,
+    ``sha256`` of the files rank 0 wrote); ``path`` is where it was read (``directory``, or the
+    ``.old-<token>`` sibling a save crashed between its renames left).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``directory``, or one without its manifest.
+        CheckpointError: a manifest that is not valid JSON, of another format, of a newer
+            version, or with a missing field or one of the wrong type (a ``step`` that is not an
+            integer: ``"seven"``, ``2.9``, ``true``), naming the file and the field.
+    """
+    return _read_manifest(_normalise(directory))[0]
 
 
 def _match_templates(path: str, manifest: dict, tensors: dict, nones: list, nodes: dict) -> None:
@@ -736,6 +769,74 @@ def _read_extra(path: str):
         raise CheckpointError(f"checkpoint {path!r}: {EXTRA} cannot be read: {_one_line(e)}") from e
 
 
+def _settle(directory: str, start, error: Exception | None) -> bool:
+    """End one phase of an attempt of :func:`load`, on every rank together. ``True``: every
+    rank finished it without an error, all on the same checkpoint, still at ``directory``;
+    ``False``: the checkpoint was replaced meanwhile (or the ranks read different ones): start
+    again. Otherwise raise, on every rank: its own ``error``, or ``RuntimeError`` naming the
+    ranks that failed. One ``all_gather_object`` when a process group is initialised."""
+    try:
+        now = _read_manifest(directory)[1]
+    except Exception:
+        now = None
+    reports = _gather(
+        (
+            None if start is None else start[1],
+            now == start,
+            None if error is None else _one_line(error),
+        )
+    )
+    read = {digest for digest, _, _ in reports if digest is not None}  # (None: could not read)
+    if not all(same for _, same, _ in reports) or len(read) > 1:
+        return False
+    failed = [f"rank {r}: {msg}" for r, (_, _, msg) in enumerate(reports) if msg is not None]
+    if not failed:
+        return True
+    if error is not None:
+        raise error
+    raise RuntimeError(f"checkpoint {directory!r} could not be loaded: " + "; ".join(failed))
+
+
+def _load_once(directory: str, params, state):
+    """One attempt of :func:`load`: its result, or ``None`` when the checkpoint was replaced
+    while it was read."""
+    start = None
+    try:
+        manifest, start = _read_manifest(directory)
+        path = manifest["path"]
+        tensors, nones, structure, nodes = _flatten(params, state, by_name=manifest["version"] > 1)
+        _match_templates(path, manifest, tensors, nones, nodes)
+        data_files = _verify_files(path, manifest)
+        error = None
+    except Exception as e:
+        error = e
+    if not _settle(directory, start, error):
+        return None
+
+    # every rank read the same manifest, the templates match it and its files are whole
+    try:
+        out = {k: torch.empty_like(x, requires_grad=False) for k, x in tensors.items()}
+        with _single_process_quiet(_distributed()):
+            try:
+                dcp.load(out, checkpoint_id=path, no_dist=not _distributed())
+            except (Exception, CheckpointException) as e:
+                raise _read_failure(path, data_files, e) from e
+        extra = _read_extra(path) if manifest["extra"] else None
+        error = None
+    except Exception as e:
+        error = e
+    if not _settle(directory, start, error):
+        return None
+
+    for k, x in tensors.items():
+        if x.requires_grad:
+            out[k].requires_grad_(True)
+    trees = [
+        optree.tree_unflatten(treedef, [out.get(k) for k in keys]) for treedef, keys in structure
+    ]
+    return trees[0], trees[1], manifest["step"], extra
+
+
 def load(directory, params, state):
     """Read the checkpoint at ``directory`` into new trees shaped like ``params`` and ``state``.
 
@@ -758,8 +859,14 @@ def load(directory, params, state):
 
     Version 1 checkpoints load too (positional keys; no structure or file digests to check).
 
-    Collectives: all ranks of an initialised default process group call ``load`` together
-    (DCP's plan gather and scatter); without one, DCP runs with ``no_dist=True``.
+    Consistency: what is returned comes from one checkpoint, even while another process
+    replaces it by saving to the same ``directory``: the manifest is read before and after
+    everything else, and a load that saw it change starts again (after a short pause), at most
+    ``LOAD_ATTEMPTS`` times.
+
+    Collectives: all ranks of an initialised default process group call ``load`` together:
+    per attempt, two ``all_gather_object`` (every rank's outcome: the checkpoint it read, its
+    error) and DCP's plan gather and scatter; without one, DCP runs with ``no_dist=True``.
 
     Raises:
         FileNotFoundError: no checkpoint at ``directory``, or one without its manifest (a save
@@ -772,25 +879,19 @@ def load(directory, params, state):
             ``"state/<path>"``, with the saved and the template's type) with the directory.
         CheckpointError: (a ``ValueError``) a damaged checkpoint: an invalid manifest (see
             :func:`read_manifest`), a missing, truncated or altered file, or DCP failing to
-            read it, naming the checkpoint and the file, chained from the original error.
+            read it, naming the checkpoint and the file, chained from the original error; or a
+            checkpoint replaced during every one of ``LOAD_ATTEMPTS`` attempts.
+        RuntimeError: on the ranks that did not fail, when others did (each of those raises its
+            own error), naming them.
     """
-    manifest = read_manifest(directory)
-    path = manifest["path"]
-    tensors, nones, structure, nodes = _flatten(params, state, by_name=manifest["version"] > 1)
-    _match_templates(path, manifest, tensors, nones, nodes)
-    data_files = _verify_files(path, manifest)
-
-    out = {k: torch.empty_like(x, requires_grad=False) for k, x in tensors.items()}
-    with _single_process_quiet(_distributed()):
-        try:
-            dcp.load(out, checkpoint_id=path, no_dist=not _distributed())
-        except (Exception, CheckpointException) as e:
-            raise _read_failure(path, data_files, e) from e
-    for k, x in tensors.items():
-        if x.requires_grad:
-            out[k].requires_grad_(True)
-    trees = [
-        optree.tree_unflatten(treedef, [out.get(k) for k in keys]) for treedef, keys in structure
-    ]
-    extra = _read_extra(path) if manifest["extra"] else None
-    return trees[0], trees[1], manifest["step"], extra
+    directory = _normalise(directory)
+    for attempt in range(LOAD_ATTEMPTS):
+        if attempt:  # let the save that replaced it finish
+            time.sleep(min(0.002 * 2**attempt, 0.1))
+        loaded = _load_once(directory, params, state)
+        if loaded is not None:
+            return loaded
+    raise CheckpointError(
+        f"checkpoint {directory!r} was replaced by another save during each of {LOAD_ATTEMPTS} "
+        "attempts to load it (something saves there faster than a load takes: load a copy)"
+    )

@@ -6,14 +6,19 @@ a checkpoint written by 4 gloo ranks at tp=2 x ZeRO dp=2 loads into the state of
 run, leaf by leaf, and equals the state that run computes itself (and ft.checkpoint, whose manifest
 records the state's structure, loads it too).
 
-ft.checkpoint.load refuses another optimizer's state whose leaves have the same paths, still loads
-format version 1, and raises CheckpointError (an Exception, naming the checkpoint and the file)
-for damaged files and hand-edited manifests.
+ft.checkpoint.load reads one checkpoint whole while another save replaces it (a thread saving in a
+loop; a replacement between the manifest and the tensors, in one process and on 4 gloo ranks),
+refuses another optimizer's state whose leaves have the same paths, still loads format version 1,
+and raises CheckpointError (an Exception, naming the checkpoint and the file) for damaged files
+and hand-edited manifests.
 """
 
 import json
 import os
+import re
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -77,9 +82,36 @@ def test_states_saved_sharded_load_unsharded(tmp_path, ranks):
             )
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_fake_process_group")
+def test_four_ranks_load_one_checkpoint_while_it_is_replaced(tmp_path, ranks):
+    """On 4 gloo ranks: a checkpoint replaced between the manifest and the tensors is loaded
+    again by every rank (before: step 1 with step 2's tensors); templates that do not match on
+    one rank raise on every rank instead of leaving the others in DCP's collectives; a
+    truncated data file raises CheckpointError naming it on every rank."""
+    res = ranks.run(4, "_gloo_ckpt_worker:replaced_while_loading", str(tmp_path), timeout=120)
+    ck = tmp_path / "ck"
+    for rank, r in enumerate(res):
+        assert (r["step"], r["values"], r["dcp_loads"]) == (2, [2.0], 2), rank
+        if rank == 1:
+            assert r["one_rank_mismatch"].startswith(
+                f"ValueError: checkpoint '{ck}' does not match the templates: missing from the "
+                "checkpoint: params/extra"
+            )
+        else:
+            assert r["one_rank_mismatch"].startswith(
+                f"RuntimeError: checkpoint '{ck}' could not be loaded: rank 1: ValueError: "
+            )
+        assert re.match(
+            rf"CheckpointError: checkpoint '{ck}' is damaged: __1_0.distcp has \d+ bytes, its "
+            r"data runs to byte \d+ \(truncated\)",
+            r["truncated"],
+        ), r["truncated"]
+
+
 # --------------------------------------------------------------------------------------------------
-# ft.checkpoint: another optimizer's state refused, damaged checkpoints and hand-edited manifests
-# as clear errors
+# ft.checkpoint: one consistent checkpoint while another save replaces it, another optimizer's
+# state refused, damaged checkpoints and hand-edited manifests as clear errors
 # --------------------------------------------------------------------------------------------------
 
 
@@ -111,6 +143,92 @@ def _templates(tx=None):
     tx = tx or ft.adamw(1e-2, weight_decay=0.1)
     params = _params()
     return _filled((params, tx.init(params)), -1)
+
+
+@pytest.mark.usefixtures("no_fake_process_group")
+def test_load_starts_again_when_the_checkpoint_is_replaced_while_it_reads(tmp_path, monkeypatch):
+    """A save that renames a new checkpoint into place after ``load`` read the manifest (step 1)
+    and before DCP reads the tensors: the first attempt sees the manifest changed and the load
+    starts again, returning step 2 whole (not step 1's metadata with step 2's tensors)."""
+    d = tmp_path / "ck"
+    _saved(d, 1)
+    real, calls = ft.checkpoint.dcp.load, []
+
+    def replaced_first(state_dict, **kw):
+        calls.append(kw["checkpoint_id"])
+        if len(calls) == 1:
+            _saved(d, 2)  # another process's save, between the manifest and the tensors
+        return real(state_dict, **kw)
+
+    monkeypatch.setattr(ft.checkpoint.dcp, "load", replaced_first)
+    p, s, step, extra = ft.checkpoint.load(d, *_templates())
+    assert (step, extra) == (2, {"s": 2})
+    assert _values((p, s)) == {2.0}
+    assert calls == [str(d), str(d)]
+
+
+@pytest.mark.usefixtures("no_fake_process_group")
+def test_load_raises_when_the_checkpoint_is_replaced_during_every_attempt(tmp_path, monkeypatch):
+    d = tmp_path / "ck"
+    _saved(d, 1)
+    real, calls = ft.checkpoint.dcp.load, []
+
+    def always_replaced(state_dict, **kw):
+        calls.append(1)
+        _saved(d, 1 + len(calls) % 2)
+        return real(state_dict, **kw)
+
+    monkeypatch.setattr(ft.checkpoint.dcp, "load", always_replaced)
+    with pytest.raises(
+        ft.checkpoint.CheckpointError,
+        match=rf"checkpoint '{d}' was replaced by another save during each of 10 attempts",
+    ):
+        ft.checkpoint.load(d, *_templates())
+    assert len(calls) == ft.checkpoint.LOAD_ATTEMPTS == 10
+
+
+@pytest.mark.usefixtures("no_fake_process_group")
+def test_load_while_another_thread_saves_in_a_loop_reads_one_checkpoint(tmp_path):
+    """A real concurrent saver (a thread saving step 1 and step 2 alternately to the same path,
+    as fast as it can) and 150 loads: each returns one checkpoint whole (every tensor value
+    equals the step and ``extra``), or raises ``CheckpointError`` after 10 replaced attempts.
+    Before the fix, 5-10% of the loads returned one checkpoint's step with the other's tensors,
+    and some raised DCP's ``CheckpointException``, which ``except Exception`` does not catch."""
+    d = tmp_path / "ck"
+    _saved(d, 1)
+    stop, saves, saver_errors = threading.Event(), [0], []
+
+    def saver():
+        try:
+            while not stop.is_set():
+                _saved(d, 1 + saves[0] % 2)
+                saves[0] += 1
+        except BaseException as e:  # reported by the test
+            saver_errors.append(e)
+
+    thread = threading.Thread(target=saver, daemon=True)
+    thread.start()
+    mixed, loaded, replaced = [], 0, 0
+    try:
+        deadline = time.monotonic() + 60
+        while loaded + replaced < 150 and time.monotonic() < deadline:
+            try:
+                p, s, step, extra = ft.checkpoint.load(d, *_templates())
+            except ft.checkpoint.CheckpointError as e:
+                assert "was replaced by another save" in str(e)
+                replaced += 1
+                continue
+            loaded += 1
+            if _values((p, s)) != {float(step)} or extra != {"s": step}:
+                mixed.append((step, extra, sorted(_values((p, s)))))
+        during = saves[0]
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert saver_errors == []
+    assert during >= 10, "the saver did not run concurrently"
+    assert mixed == []
+    assert loaded >= 100, (loaded, replaced)
 
 
 class _Trace(NamedTuple):  # the fields of ft.trace's state, another type
@@ -192,7 +310,7 @@ def test_manifest_keys_name_fields_and_record_the_structure(tmp_path):
         "state/1.1": "EmptyState",
         "state/1.2": "EmptyState",
     }
-    assert set(m["files"]) == {".metadata", "extra.pt"}
+    assert len(m["token"]) == 12 and set(m["files"]) == {".metadata", "extra.pt"}
 
 
 def _save_version_1(directory, params, state, step):
@@ -302,6 +420,7 @@ MANIFEST_EDITS = {
         lambda m: dict(m, keys=dict(m["keys"], **{"params/w": {"shape": "6x5", "dtype": "f"}})),
         r"field 'keys' entry 'params/w' must be \{\"shape\": \[sizes\], \"dtype\": name\}",
     ),
+    "token": (lambda m: dict(m, token=None), r"field 'token' must be a string, not null"),
     "version": (lambda m: dict(m, version="2"), r"field 'version' must be a positive integer"),
     "newer": (lambda m: dict(m, version=3), r"format version 3; this functional_train reads "),
 }
