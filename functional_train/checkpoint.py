@@ -75,7 +75,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from .tree import tree_paths
+from .tree import field_paths, tree_paths
 
 __all__ = [
     "save",
@@ -150,20 +150,16 @@ def _paths(name: str, tree, by_name: bool) -> tuple[list, list[str], dict[str, s
     NamedTuple's (or custom node's) class name, ``"dict"`` for any mapping, ``"tuple"``,
     ``"list"``."""
     leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
-    keys: list[str] = []
-    nodes: dict[str, str] = {}
+    leaf_paths, containers = field_paths(treedef)
 
-    def visit(spec, parts: list[str]) -> None:
-        path = f"{name}/{'.'.join(parts) or '<root>'}"
-        if spec.is_leaf():
-            keys.append(path)
-            return
-        nodes[path] = "dict" if spec.kind in _MAPPINGS else spec.type.__qualname__
-        entries = spec.type._fields if spec.kind == optree.PyTreeKind.NAMEDTUPLE else spec.entries()
-        for entry, child in zip(entries, spec.children()):
-            visit(child, [*parts, str(entry)])
+    def render(path) -> str:
+        return f"{name}/{'.'.join(str(entry) for _, entry in path) or '<root>'}"
 
-    visit(treedef, [])
+    keys = [render(path) for path in leaf_paths]
+    nodes = {
+        render(path): "dict" if spec.kind in _MAPPINGS else spec.type.__qualname__
+        for path, spec in containers
+    }
     if not by_name:
         keys = [f"{name}/{p}" for p in tree_paths(tree)]
     return leaves, keys, nodes, treedef

@@ -14,7 +14,7 @@ import torch
 
 from .base import GradientTransformation, chain
 from .hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
-from .tree import tree_flatten, tree_unflatten
+from .tree import field_paths, tree_flatten, tree_unflatten
 
 __all__ = ["TorchOptimizer"]
 
@@ -130,35 +130,24 @@ def _leaf_keys(state, names: list) -> list:
     parameter names (a params-shaped field: moments, factored statistics, projectors, 8-bit
     codes...) at ``names[i]``; its key is its path with that entry left out, NamedTuple fields
     by name (``"inner_state.0.mu"``, ``"1.inner_state.0.trace"``, ``"inner_state.0.mu.codes"``
-    ...). Other leaves get ``"ft/" + path`` (``"ft/count"``, ``"ft/hyperparams.learning_rate"``).
+    ...: :func:`~functional_train.tree.field_paths`). Other leaves get ``"ft/" + path``
+    (``"ft/count"``, ``"ft/0.global_norm"``).
     """
     index = {n: i for i, n in enumerate(names)}
     nameset = set(names)
-    params_shaped: dict = {}
-
-    def is_params_dict(node) -> bool:
-        hit = params_shaped.get(id(node))
-        if hit is None:
-            hit = params_shaped[id(node)] = (
-                isinstance(node, dict) and len(node) == len(nameset) and set(node) == nameset
-            )
-        return hit
-
-    paths, _, _ = optree.tree_flatten_with_path(state, none_is_leaf=True)
     out, seen = [], set()
-    for path in paths:
-        node, parts, owner = state, [], None
-        for entry in path:
-            if owner is None and is_params_dict(node):
+    for path in field_paths(tree_flatten(state)[1])[0]:
+        parts, owner = [], None
+        for spec, entry in path:
+            if (
+                owner is None
+                and spec.kind == optree.PyTreeKind.DICT
+                and spec.num_children == len(nameset)
+                and set(spec.entries()) == nameset
+            ):
                 owner = index[entry]
-            elif isinstance(node, tuple) and hasattr(node, "_fields") and isinstance(entry, int):
-                parts.append(node._fields[entry])
             else:
                 parts.append(str(entry))
-            try:
-                node = node[entry]
-            except Exception:  # a custom pytree node: no params-shaped dict found below it
-                node = None
         key = ".".join(parts) or "<root>"
         if owner is None:
             key = _GLOBAL + key

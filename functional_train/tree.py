@@ -23,6 +23,7 @@ __all__ = [
     "tree_cast",
     "tree_get",
     "format_path",
+    "field_paths",
     "contiguous_stride",
 ]
 
@@ -45,6 +46,34 @@ def tree_unflatten(treedef, leaves: Sequence[Any]) -> PyTree:
 def format_path(path: tuple) -> str:
     """Render an optree path tuple as a dotted string; the root is ``<root>``."""
     return ".".join(str(p) for p in path) if path else "<root>"
+
+
+def field_paths(treedef) -> tuple[list[tuple], list[tuple]]:
+    """The paths of a treedef's leaves and of its containers, with the fields of NamedTuples
+    (the optimizer states) by name, where optree's paths give their positions.
+
+    Returns ``(leaves, containers)``: for each leaf in flatten order (``None`` leaves
+    included), its path from the root as ``((container spec, entry), ...)`` pairs (a
+    NamedTuple's field name, a dict's key, a sequence's index: the raw entry); and every
+    container, empty ones (``EmptyState``) included, as ``(path, spec)`` in depth-first order.
+    ``spec.kind``, ``spec.type`` and ``spec.entries()`` tell the containers apart. The keys of
+    ``TorchOptimizer.state_dict`` and of the checkpoint manifests are built from these paths.
+    """
+    leaves: list[tuple] = []
+    containers: list[tuple] = []
+
+    def visit(spec, path: tuple) -> None:
+        if spec.is_leaf():
+            leaves.append(path)
+            return
+        containers.append((path, spec))
+        named = spec.kind == optree.PyTreeKind.NAMEDTUPLE
+        entries = spec.type._fields if named else spec.entries()
+        for entry, child in zip(entries, spec.children()):
+            visit(child, (*path, (spec, entry)))
+
+    visit(treedef, ())
+    return leaves, containers
 
 
 def tree_paths(tree: PyTree) -> list[str]:
