@@ -60,7 +60,7 @@ import optree
 import pytest
 import torch
 import torch._dynamo
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
@@ -1090,3 +1090,64 @@ def test_compile_dtensor(name, _compiled_on_gloo):
     """``torch.compile(ft.step, fullgraph=True)`` on DTensors (2 gloo ranks) == eager."""
     assert name in _compiled_on_gloo, sorted(_compiled_on_gloo)
     assert _compiled_on_gloo[name] is None, _compiled_on_gloo[name]
+
+
+# =============================================================================================
+# the testing toolkit's zero-gradient options
+# =============================================================================================
+def test_finite_check_catches_nan_in_both_runs():
+    """(the check works) A transform that divides by its gradient's norm without a floor gives
+    NaN in both runs on a zero gradient: equal under ``equal_nan``, caught by ``finite=True``
+    naming the run, step, tree and leaf; an infinity in the sharded run only is named with its
+    rank."""
+
+    def by_norm(updates, state, params=None, **kw):
+        return optree.tree_map(lambda g: g / torch.linalg.vector_norm(g), updates), state
+
+    def inf_if_sharded(updates, state, params=None, **kw):
+        by_zero = lambda g: g / (0.0 if isinstance(g, DTensor) else 1.0)  # noqa: E731
+        return optree.tree_map(by_zero, updates), state
+
+    params, grads = problem(1, shapes={"w": (4, 3)})
+    zeros = [{"w": torch.zeros(4, 3)}]
+    kw = dict(placements={"w": [S0]}, mesh_shape=(2,), check_placements=False)
+    tx = ft.GradientTransformation(lambda p: ft.EmptyState(), by_norm)
+    assert_sharded_equivalent(tx, params, zeros, **kw)  # NaN == NaN
+    with pytest.raises(
+        AssertionError,
+        match=r"unsharded run, step 0, updates\['w'\]: 12 of 12 elements are not finite "
+        r"\(first: nan at index \(0, 0\)\)",
+    ):
+        assert_sharded_equivalent(tx, params, zeros, finite=True, **kw)
+    tx = ft.GradientTransformation(lambda p: ft.EmptyState(), inf_if_sharded)
+    with pytest.raises(
+        AssertionError,
+        match=r"sharded run, step 0, updates\['w'\]: 6 of 6 elements are not finite \(first: "
+        r"-?inf at index \(0, 0\) on rank 0 \(local index\)\)",
+    ):
+        assert_sharded_equivalent(tx, params, grads, finite=True, **kw)
+
+
+def test_sharded_cases_draw_zero_gradient_leaves():
+    """(the strategy works) ``sharded_cases(zero_grads=p)`` makes the leaves it lists in
+    ``zeros`` all-zero at those steps and leaves the others as drawn (never zero); ``p=1``
+    zeroes every leaf at every step; ``p=0`` (the default) none."""
+    quick = settings(max_examples=50, database=None, phases=[Phase.generate])
+    with pytest.raises(ValueError, match=r"zero_grads must be in \[0, 1\], got 1.5"):
+        sharded_cases(zero_grads=1.5)
+
+    def check(case):  # the leaves listed in zeros, and only those, are all zero
+        for t, g in enumerate(case.grads_per_step):
+            for path, x in walk(g):
+                assert bool(x.eq(0).all()) == ((t, path) in case.zeros), (t, path, x)
+
+    all_zero = find(sharded_cases(zero_grads=1.0, frozen=False), lambda c: True, settings=quick)
+    check(all_zero)
+    assert len(all_zero.zeros) == all_zero.steps * len(all_zero.leaves)
+    three = dict(steps=3, min_leaves=3, max_leaves=3, frozen=False)
+    case = find(
+        sharded_cases(zero_grads=0.5, **three), lambda c: 0 < len(c.zeros) < 9, settings=quick
+    )
+    check(case)
+    assert f"zeros={list(case.zeros)}" in repr(case)
+    assert not find(sharded_cases(**three), lambda c: True, settings=quick).zeros
