@@ -15,7 +15,11 @@ Besides the builders:
 * ``COMPILE_GRAPH_BREAKS``: transforms compiled with ``fullgraph=False`` (none so far);
 * ``KNOWN_BUGS``: ``(transform, property) -> reason`` of library bugs the sweep found; those
   cases are ``xfail(strict=True)``, so fixing the bug makes the suite fail until the entry is
-  removed here.
+  removed here;
+* ``REFERENCES``: for the transforms that reproduce a torch-world implementation (torch.optim,
+  transformers' Adafactor, came-pytorch, galore-torch, ``torch.nn.utils``' clipping, the LAMB
+  equations) with the builder's hyper-parameters, a run of that implementation on the same
+  params and gradients (the ``zero_grads`` property compares against it).
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ PROPERTIES = (
     "step",  # ft.step pure / donated == update + apply_updates; pure is pure
     "step_sharded",  # ft.step sharded == unsharded (data-axis layout), pure and donated
     "compile_dtensor",  # torch.compile(ft.step, fullgraph=True) on DTensors, 2 gloo ranks
+    "zero_grads",  # zero / below-eps gradients (whole tree, some leaves, rows, after non-zero
+    # steps, a zero parameter): finite, update == ft.step, == the reference where one exists
+    "zero_grads_sharded",  # their first step sharded == unsharded (data axis), both finite
 )
 
 
@@ -244,14 +251,16 @@ _GLOBAL_NORM = (
     "the clip factor is one number from the norm of the whole tree: a leaf's update "
     "depends on the other leaves by design"
 )
+_PASSES_UNREDUCED = (
+    "identity passes gradients that are unreduced over the data axis on unreduced, by design "
+    "(passes_unreduced): each replica's contribution is its correct output"
+)
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("clip_by_global_norm", "mixed_dtypes"): _GLOBAL_NORM,
     ("chain", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[clip]", "mixed_dtypes"): _GLOBAL_NORM,
-    ("identity", "sharded_data_axis"): (
-        "identity passes gradients that are unreduced over the data axis on unreduced, by "
-        "design (passes_unreduced): each replica's contribution is its correct output"
-    ),
+    ("identity", "sharded_data_axis"): _PASSES_UNREDUCED,
+    ("identity", "zero_grads_sharded"): _PASSES_UNREDUCED,
 }
 
 # Transforms whose update may read a documented CPU step counter on the host (a 0-dim int64 CPU
@@ -288,3 +297,166 @@ COMPILE_GRAPH_BREAKS: dict[str, str] = {
 NEEDS_A_DTENSOR: dict[str, str] = {"zero_redundancy": "pass the mesh at construction"}
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {}  # every bug the sweep found is fixed
+
+
+# ---------------------------------------------------------------------------------------------
+# reference implementations
+# ---------------------------------------------------------------------------------------------
+# ``reference(params, grads_per_step) -> [params after each step]``: the implementation a
+# transform reproduces, run on clones of the params (a dict of plain tensors)
+Reference = Callable[[dict, list], list]
+
+
+def stepped(make: Callable[[dict], Callable[[], None]]) -> Reference:
+    """The reference run of a torch-style optimizer: ``make(ref_params)`` (a dict of
+    ``nn.Parameter`` clones of the params) builds it and returns its ``step()``, which reads the
+    ``.grad`` of those parameters and updates them in place."""
+
+    def run(params: dict, grads_per_step: list) -> list:
+        hp = {k: torch.nn.Parameter(x.detach().clone()) for k, x in params.items()}
+        step = make(hp)
+        out = []
+        for g in grads_per_step:
+            for k, p in hp.items():
+                p.grad = g[k].detach().clone()
+            step()
+            out.append({k: p.detach().clone() for k, p in hp.items()})
+        return out
+
+    return run
+
+
+def _optim(cls, **kw) -> Reference:
+    return stepped(lambda hp: cls(list(hp.values()), **kw).step)
+
+
+def _clipped(clip: Callable, inner: Callable | None = None) -> Reference:
+    """``clip`` (a ``torch.nn.utils`` clipping of the ``.grad``) then the optimizer
+    ``inner(params)``, or, without one, ``param += grad`` (the clipped gradient is the update)."""
+
+    def make(hp):
+        ps = list(hp.values())
+        opt = None if inner is None else inner(ps)
+
+        def step():
+            clip(ps)
+            if opt is not None:
+                opt.step()
+                return
+            with torch.no_grad():
+                for p in ps:
+                    p.add_(p.grad)
+
+        return step
+
+    return stepped(make)
+
+
+def _hf_adafactor(**kw) -> Reference:
+    from transformers.optimization import Adafactor
+
+    return _optim(Adafactor, **kw)
+
+
+def _came(**kw) -> Reference:
+    from came_pytorch import CAME
+
+    return _optim(CAME, **kw)
+
+
+def _muon(lr: float, weight_decay: float) -> Reference:
+    """``torch.optim.Muon`` on the leaves of 2 or more dims (as ``(rows, -1)`` matrices, views of
+    the parameters), ``torch.optim.AdamW`` on the others: ``ft.muon``'s split."""
+
+    def make(hp):
+        mats = {
+            k: torch.nn.Parameter(p.data.view(p.shape[0], -1)) for k, p in hp.items() if p.ndim >= 2
+        }
+        muon = torch.optim.Muon(list(mats.values()), lr=lr, weight_decay=weight_decay)
+        rest = [p for k, p in hp.items() if k not in mats]
+        adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=weight_decay)
+
+        def step():
+            for k, q in mats.items():
+                q.grad = hp[k].grad.reshape(q.shape)
+            muon.step()
+            adamw.step()
+
+        return step
+
+    return stepped(make)
+
+
+def _galore_adamw(lr: float, weight_decay: float, rank: int, update_proj_gap: int) -> Reference:
+    """``galore_torch.GaLoreAdamW``: the 2-D leaves projected (``galore_param_labels``' group,
+    scale 0.25, ``proj_type="std"``), the others plain AdamW, all with the weight decay."""
+
+    def make(hp):
+        import warnings
+
+        with warnings.catch_warnings():  # galore-torch imports bitsandbytes (no GPU: warns)
+            warnings.simplefilter("ignore")
+            from galore_torch import GaLoreAdamW
+
+            groups = [
+                {"params": [p for p in hp.values() if p.ndim != 2]},
+                {
+                    "params": [p for p in hp.values() if p.ndim == 2],
+                    "rank": rank,
+                    "update_proj_gap": update_proj_gap,
+                    "scale": 0.25,
+                    "proj_type": "std",
+                },
+            ]
+            return GaLoreAdamW(groups, lr=lr, weight_decay=weight_decay).step
+
+    return stepped(make)
+
+
+def _lamb(lr: float, weight_decay: float) -> Reference:
+    """The LAMB equations (``tests/test_lamb.py``'s, optax's ``lamb``) in float64, with
+    ``ft.lamb``'s defaults ``b1=0.9, b2=0.999, eps=1e-6``, bias correction on."""
+
+    def run(params: dict, grads_per_step: list) -> list:
+        from test_lamb import reference_lamb  # (a whole run per call: one per prefix)
+
+        p64 = {k: x.double() for k, x in params.items()}
+        g64 = [{k: x.double() for k, x in g.items()} for g in grads_per_step]
+        out = []
+        for t in range(len(g64)):
+            p, _, _ = reference_lamb(p64, g64[: t + 1], lr, 0.9, 0.999, 1e-6, weight_decay, True)
+            out.append({k: x.to(params[k].dtype) for k, x in p.items()})
+        return out
+
+    return run
+
+
+def _references() -> dict[str, Reference]:
+    clip_norm = lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0)  # noqa: E731
+    clip_value = lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.5)  # noqa: E731
+    adamw = lambda wd: lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=wd)  # noqa: E731
+    return {
+        "chain": _clipped(clip_norm, adamw(0.1)),
+        "named_chain": _clipped(clip_value, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+        "clip": _clipped(clip_value),
+        "clip_by_global_norm": _clipped(clip_norm),
+        "zero_redundancy": _optim(torch.optim.AdamW, lr=1e-2),
+        "inject_hyperparams": _optim(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+        "inject_hyperparams[tensors]": _optim(
+            torch.optim.Adam, lr=1e-2, betas=(0.8, 0.999), eps=1e-7, weight_decay=0.1
+        ),
+        "apply_if_finite": _optim(torch.optim.AdamW, lr=1e-2),
+        "apply_if_finite[clip]": _clipped(clip_norm, adamw(0.01)),
+        "sgd": _optim(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.1),
+        "adam": _optim(torch.optim.Adam, lr=1e-2, weight_decay=0.1, amsgrad=True),
+        "adamw": _optim(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+        "adafactor": _hf_adafactor(beta1=0.9, weight_decay=0.1),
+        "adafactor[default]": _hf_adafactor(),
+        "came": _came(lr=1e-2, weight_decay=0.1),
+        "lamb": _lamb(1e-2, 0.1),
+        "muon": _muon(1e-2, 0.1),
+        "galore_adamw": _galore_adamw(1e-2, 0.1, rank=2, update_proj_gap=2),
+    }
+
+
+REFERENCES: dict[str, Reference] = _references()

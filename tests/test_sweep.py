@@ -7,10 +7,12 @@ in neither table, so a new transform is swept as soon as it exists. Each propert
 function parametrised over the registry (``FACTORIES`` and ``VARIANTS``):
 
 * ``sharded``: sharded == unsharded (``assert_sharded_equivalent`` on hypothesis-drawn meshes,
-  placements with uneven and empty shards, pytrees, gradients, 2-3 steps; the harness also
-  checks that no input tree is modified in place, DTensor local shards included), and
+  placements with uneven and empty shards, pytrees, gradients, some leaves all-zero at some
+  steps, 2-3 steps; both runs finite; the harness also checks that no input tree is modified in
+  place, DTensor local shards included), and
   ``sharded_data_axis``: one deterministic case on a ``("dp", "tp")`` mesh with a data axis,
-  ``Partial`` gradients and a leaf sharded over the data axis;
+  ``Partial`` gradients and a leaf sharded over the data axis (zero gradients on two leaves at
+  the last step; both runs finite);
 * ``purity``: params, gradients and state bitwise unchanged by ``update``;
 * ``state_structure`` / ``state_placements``: the state after updates has the treedef, shapes,
   dtypes and devices of ``init``'s (and, simulated sharded, the placements and local shapes);
@@ -38,6 +40,15 @@ function parametrised over the registry (``FACTORIES`` and ``VARIANTS``):
   gloo ranks equals the eager step (inductor for the optimizer aliases, dynamo's ``eager``
   backend for the other transforms; one spawned job for all of them,
   ``tests/_gloo_compile_worker.py``), and a changing schedule does not recompile.
+* ``zero_grads``: the gradients a model gives the parts it did not use (``ZERO_SCHEDULE``: a leaf
+  zero from init, zero after non-zero steps, values below every eps, zero rows, a zero
+  parameter, a step zero on every leaf; and a whole tree zero from init): updates, states and
+  parameters finite, ``ft.step`` == ``update``, and the parameters of the reference
+  implementation where the registry has one (``REFERENCES``: torch.optim, transformers'
+  Adafactor, came-pytorch, galore-torch, ``torch.nn.utils`` clipping, the LAMB equations);
+  ``zero_grads_sharded``: the first step of those gradients sharded == unsharded on the
+  data-axis layout, both runs finite (``sharded_data_axis``' last step and ``sharded``'s drawn
+  cases have zero gradients after non-zero ones).
 
 Properties that do not apply to a transform by design are skipped with the registry's reason
 (``NOT_APPLICABLE``); library bugs found by the sweep are ``xfail(strict=True)`` with the
@@ -60,7 +71,7 @@ import optree
 import pytest
 import torch
 import torch._dynamo
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, example, find, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
@@ -69,6 +80,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import _sweep_registry as reg  # noqa: E402  (tests/ is on sys.path)
 import functional_train as ft
+from _layouts import close
 from functional_train.testing import (
     ShardedCase,
     assert_sharded_equivalent,
@@ -314,6 +326,7 @@ _SHARDED_CASES = sharded_cases(
     max_leaves=3,
     sizes=(1, 2, 3, 5),
     max_numel=30,
+    zero_grads=0.25,  # leaves without a gradient signal at a step (see test_zero_grads)
 )
 
 
@@ -364,6 +377,7 @@ def test_sharded(name):
             mesh_dim_names=MESH_NAMES[len(case.mesh_shape)],
             rtol=rtol,
             atol=atol,
+            finite=True,
             **case,
         )
         if name in reg.NEEDS_A_DTENSOR and all(
@@ -392,8 +406,12 @@ DATA_AXIS_GRADS = {"w": [R, S0], "m": [Partial(), S1], "v": None, "t": [S0, Shar
 
 @pytest.mark.parametrize("name", cases("sharded_data_axis"))
 def test_sharded_data_axis(name):
+    """Sharded == unsharded on the data-axis layout over 3 steps, both runs finite; at the last
+    step the Partial ``m`` and the plain ``v`` get zero gradients after non-zero ones (a
+    non-zero state, every replica's contribution zero; see ``test_zero_grads``)."""
     rtol, atol = _tol(name)
     params, grads = problem(3, seed=1)
+    grads[2] = {**grads[2], "m": torch.zeros_like(grads[2]["m"]), "v": torch.zeros(5)}
     assert_sharded_equivalent(
         build(name),
         params,
@@ -406,6 +424,7 @@ def test_sharded_data_axis(name):
         rtol=rtol,
         atol=atol,
         ignore_state=_ignore_state(name, data_axis=True),
+        finite=True,
     )
 
 
@@ -1090,3 +1109,206 @@ def test_compile_dtensor(name, _compiled_on_gloo):
     """``torch.compile(ft.step, fullgraph=True)`` on DTensors (2 gloo ranks) == eager."""
     assert name in _compiled_on_gloo, sorted(_compiled_on_gloo)
     assert _compiled_on_gloo[name] is None, _compiled_on_gloo[name]
+
+
+# =============================================================================================
+# zero gradients
+# =============================================================================================
+# What a model hands its optimizer for the parts it did not use, on the tree of ``SHAPES``:
+# ``w`` belongs to an expert that received no tokens (zero at every step, from init); ``m`` to a
+# layer used, then unused (a zero gradient with a non-zero state), then given values far below
+# every eps (1e-30: their squares underflow to zero in float32 and bfloat16, so a norm or an RMS
+# of them is zero); ``t`` is an embedding table whose unused rows (``t[0]``, ``t[:, 1]``) get
+# zero gradients, the others values below eps at first; ``v`` a zero-initialised bias (a zero
+# parameter: its norm and RMS are zero) with zero gradients, then non-zero ones; ``s`` a scalar.
+# Step 1 is zero on every leaf (a global norm of zero).
+TINY = 1e-30
+ZERO_SCHEDULE = {  # per leaf, the kind of gradient at each step
+    "w": ("zero", "zero", "zero"),
+    "m": ("random", "zero", "tiny"),
+    "t": ("tiny rows", "zero", "rows"),
+    "v": ("zero", "zero", "random"),
+    "s": ("random", "zero", "random"),
+}
+ZERO_PARAMS = ("v",)  # leaves whose parameter is zero at init
+
+
+def zero_problem() -> tuple:
+    """``(params, [grads per step])`` of ``ZERO_SCHEDULE`` on the tree of ``SHAPES``: float32,
+    standard normal params (zeros for ``ZERO_PARAMS``), standard normal ``random`` gradients,
+    ``TINY`` times that for ``tiny``, ``rows`` with zeros in ``[0]`` and ``[:, 1]``."""
+    gen = torch.Generator().manual_seed(4)
+
+    def randn(shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    params = {
+        k: torch.zeros(s) if k in ZERO_PARAMS else randn(s).float() for k, s in SHAPES.items()
+    }
+
+    def grad(kind: str, shape: tuple) -> torch.Tensor:
+        x = randn(shape)
+        if kind == "zero":
+            x.zero_()
+        if "tiny" in kind:
+            x.mul_(TINY)
+        if "rows" in kind:
+            x[0] = 0.0
+            x[:, 1] = 0.0
+        return x.float()
+
+    steps = len(ZERO_SCHEDULE["w"])
+    grads = [{k: grad(ZERO_SCHEDULE[k][t], s) for k, s in SHAPES.items()} for t in range(steps)]
+    return params, grads
+
+
+def zero_scenarios() -> dict:
+    """``{name: (params, [grads per step])}``: the whole tree zero from init (2 steps), and
+    :func:`zero_problem`."""
+    params, _ = problem()
+    zeros = {k: torch.zeros_like(x) for k, x in params.items()}
+    return {"all zero": (params, [zeros, zeros]), "mixed": zero_problem()}
+
+
+def assert_finite(tree: Any, what: str) -> None:
+    """Every floating-point leaf of ``tree`` is finite (no NaN, no infinity)."""
+    for path, x in walk(tree):
+        if isinstance(x, torch.Tensor) and (x.dtype.is_floating_point or x.dtype.is_complex):
+            bad = ~torch.isfinite(x)
+            assert not bad.any(), (
+                f"{what}['{path}']: {int(bad.sum())} of {x.numel()} elements are not finite: {x}"
+            )
+
+
+# the reference comparisons: the parameter change, ``max |ours - theirs| <= REF_RTOL max |theirs|
+# + steps * 2 ulps of max |param|`` (each run stores its parameters in float32 after every step)
+REF_RTOL = 1e-4
+
+
+@pytest.mark.parametrize("name", cases("zero_grads"))
+def test_zero_grads(name):
+    """Zero gradients and gradients below eps (see ``ZERO_SCHEDULE``; and the whole tree zero
+    from init): at every step the updates, the states and the parameters are finite;
+    ``ft.step`` (pure, its fused kernels where they apply) gives the parameters and states of
+    ``update`` + ``apply_updates``; and where the registry has a reference implementation
+    (``REFERENCES``), the parameters equal its parameters (a floor that keeps a zero norm or RMS
+    from dividing is only right if it is the reference's floor)."""
+    reference = reg.REFERENCES.get(name)
+    for scenario, (params, grads) in zero_scenarios().items():
+        us, states, _ = run(build(name), params, grads)
+        want = None if reference is None else reference(params, grads)
+        tx = build(name)
+        p, p_step, s_step = params, params, tx.init(params)
+        for t, g in enumerate(grads):
+            what = f"{scenario}, step {t}"
+            p = ft.apply_updates(p, us[t])
+            assert_finite(us[t], f"{what}: updates")
+            assert_finite(states[t], f"{what}: state")
+            assert_finite(p, f"{what}: params")
+            p_step, s_step = ft.step(tx, g, s_step, p_step)
+            assert_trees_equal(
+                p_step, p, f"{what}: ft.step params", rtol=STEP_TOL[0], atol=STEP_TOL[1]
+            )
+            assert_trees_equal(
+                s_step, states[t], f"{what}: ft.step state", rtol=STEP_TOL[0], atol=STEP_TOL[1]
+            )
+            if want is None:
+                continue
+            for k, p0 in params.items():
+                ulps = (t + 1) * 2 * torch.finfo(p0.dtype).eps * float(p[k].abs().max())
+                close(
+                    p[k] - p0,
+                    want[t][k] - p0,
+                    REF_RTOL,
+                    ulps,
+                    f"{what}: params['{k}'] change, the reference's",
+                )
+
+
+@pytest.mark.parametrize("name", cases("zero_grads_sharded"))
+def test_zero_grads_sharded(name):
+    """The first step of ``zero_problem`` (zero from init, below eps with zero rows, a zero
+    parameter with a zero gradient, beside random leaves) on the data-axis layout of
+    ``test_sharded_data_axis`` (the zero bias ``v`` and the scalar plain, their gradients
+    per-replica contributions; ``m``'s gradients ``Partial`` over dp; ``w`` sharded over tp,
+    ``t`` over both): sharded == unsharded, and both runs finite (``finite``: a NaN in both runs
+    would otherwise count as equal). One step, to keep the sweep fast: zero gradients after
+    non-zero ones are sharded in ``test_sharded_data_axis``' last step and in the drawn cases of
+    ``test_sharded``."""
+    rtol, atol = _tol(name)
+    params, grads = zero_problem()
+    assert_sharded_equivalent(
+        build(name),
+        params,
+        grads[:1],
+        placements=DATA_AXIS_PARAMS,
+        grad_placements=DATA_AXIS_GRADS,
+        mesh_shape=(2, 2),
+        mesh_dim_names=("dp", "tp"),
+        data_axis="dp",
+        rtol=rtol,
+        atol=atol,
+        ignore_state=_ignore_state(name, data_axis=True),
+        finite=True,
+    )
+
+
+# =============================================================================================
+# the testing toolkit's zero-gradient options
+# =============================================================================================
+def test_finite_check_catches_nan_in_both_runs():
+    """(the check works) A transform that divides by its gradient's norm without a floor gives
+    NaN in both runs on a zero gradient: equal under ``equal_nan``, caught by ``finite=True``
+    naming the run, step, tree and leaf; an infinity in the sharded run only is named with its
+    rank."""
+
+    def by_norm(updates, state, params=None, **kw):
+        return optree.tree_map(lambda g: g / torch.linalg.vector_norm(g), updates), state
+
+    def inf_if_sharded(updates, state, params=None, **kw):
+        by_zero = lambda g: g / (0.0 if isinstance(g, DTensor) else 1.0)  # noqa: E731
+        return optree.tree_map(by_zero, updates), state
+
+    params, grads = problem(1, shapes={"w": (4, 3)})
+    zeros = [{"w": torch.zeros(4, 3)}]
+    kw = dict(placements={"w": [S0]}, mesh_shape=(2,), check_placements=False)
+    tx = ft.GradientTransformation(lambda p: ft.EmptyState(), by_norm)
+    assert_sharded_equivalent(tx, params, zeros, **kw)  # NaN == NaN
+    with pytest.raises(
+        AssertionError,
+        match=r"unsharded run, step 0, updates\['w'\]: 12 of 12 elements are not finite "
+        r"\(first: nan at index \(0, 0\)\)",
+    ):
+        assert_sharded_equivalent(tx, params, zeros, finite=True, **kw)
+    tx = ft.GradientTransformation(lambda p: ft.EmptyState(), inf_if_sharded)
+    with pytest.raises(
+        AssertionError,
+        match=r"sharded run, step 0, updates\['w'\]: 6 of 6 elements are not finite \(first: "
+        r"-?inf at index \(0, 0\) on rank 0 \(local index\)\)",
+    ):
+        assert_sharded_equivalent(tx, params, grads, finite=True, **kw)
+
+
+def test_sharded_cases_draw_zero_gradient_leaves():
+    """(the strategy works) ``sharded_cases(zero_grads=p)`` makes the leaves it lists in
+    ``zeros`` all-zero at those steps and leaves the others as drawn (never zero); ``p=1``
+    zeroes every leaf at every step; ``p=0`` (the default) none."""
+    quick = settings(max_examples=50, database=None, phases=[Phase.generate])
+    with pytest.raises(ValueError, match=r"zero_grads must be in \[0, 1\], got 1.5"):
+        sharded_cases(zero_grads=1.5)
+
+    def check(case):  # the leaves listed in zeros, and only those, are all zero
+        for t, g in enumerate(case.grads_per_step):
+            for path, x in walk(g):
+                assert bool(x.eq(0).all()) == ((t, path) in case.zeros), (t, path, x)
+
+    all_zero = find(sharded_cases(zero_grads=1.0, frozen=False), lambda c: True, settings=quick)
+    check(all_zero)
+    assert len(all_zero.zeros) == all_zero.steps * len(all_zero.leaves)
+    three = dict(steps=3, min_leaves=3, max_leaves=3, frozen=False)
+    case = find(
+        sharded_cases(zero_grads=0.5, **three), lambda c: 0 < len(c.zeros) < 9, settings=quick
+    )
+    check(case)
+    assert f"zeros={list(case.zeros)}" in repr(case)
+    assert not find(sharded_cases(**three), lambda c: True, settings=quick).zeros

@@ -571,6 +571,28 @@ def _unchanged(what: str, before: _Tree, after: _Tree) -> str | None:
     return None
 
 
+def _nonfinite(what: str, tree: _Tree, skip: Callable[[str], bool] | None = None) -> str | None:
+    """The first floating-point leaf of ``tree`` holding a NaN or an infinity on some rank:
+    where, how many elements, the first such value and its index (local to the rank's shard)."""
+    for path, leaf in zip(tree.paths, tree.leaves):
+        if leaf.kind not in ("dtensor", "tensor") or (skip is not None and skip(path)):
+            continue
+        if not (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
+            continue
+        for r, t in leaf.locals.items():
+            bad = ~torch.isfinite(t)
+            if not bool(bad.any()):
+                continue
+            flat = int(torch.argmax(bad.reshape(-1).to(torch.uint8)))
+            idx = _unravel(flat, tuple(t.shape)) if t.ndim else ()
+            on = "" if r is None else f" on rank {r} (local index)"
+            return (
+                f"{what}['{path}']: {int(bad.sum())} of {t.numel()} elements are not finite "
+                f"(first: {t.reshape(-1)[flat].item()} at index {idx}{on})"
+            )
+    return None
+
+
 # =============================================================================================
 # the runs
 # =============================================================================================
@@ -585,6 +607,9 @@ class _Record:
     def add(self, label: str, step: int | None, tree: Any) -> None:
         cmp, raw = _snapshots(self.ctx, tree)
         self.trees.append((label, step, cmp, raw, tree))
+
+    def has(self, label: str, step: int | None) -> bool:
+        return any(lb == label and t == step for lb, t, *_ in self.trees)
 
     def get(self, label: str, step: int | None) -> _Tree:
         for lb, t, cmp, _, _ in self.trees:
@@ -654,7 +679,23 @@ def _compare_runs(
     ignore_state,
     check_placements,
     check_inputs,
+    finite=False,
 ) -> str | None:
+    if finite:
+        runs = (("unsharded", ref), ("sharded", got))
+        for t in [None, *range(steps)]:
+            for run, rec in runs:
+                for label in ("updates", "params", "state"):
+                    if not rec.has(label, t):
+                        continue  # no updates under ft.step, nor at init
+                    when = "initial " if t is None else f"step {t}, "
+                    msg = _nonfinite(
+                        f"{run} run, {when}{label}",
+                        rec.get(label, t),
+                        ignore_state if label == "state" else None,
+                    )
+                    if msg:
+                        return msg
     tol = (mesh_shape, rtol, atol, equal_nan)
     if compare_state:
         msg = _compare_tree(
@@ -724,6 +765,7 @@ def assert_sharded_equivalent(
     ignore_state: Callable[[str], bool] | None = None,
     check_placements: bool = True,
     check_inputs: bool = True,
+    finite: bool = False,
     update_kwargs: dict | None = None,
     device_type: str | None = None,
     step: str | None = None,
@@ -786,6 +828,11 @@ def assert_sharded_equivalent(
             in its parameter's placements (a plain tensor for a plain parameter).
         check_inputs: also require that neither run modifies any tree in place after it was
             created (the grads, the params, the states and updates it returned).
+        finite: also require every floating-point leaf of the updates, the parameters and the
+            state (``tx.init``'s too; ``ignore_state`` applies) of both runs to be finite at
+            every step, on every rank: a division by a zero norm gives NaN in both runs, which
+            ``equal_nan`` counts as equal. Checked before the comparison, step by step, the
+            unsharded run first (default ``False``).
         update_kwargs: extra keyword arguments for every ``tx.update`` call.
         step: ``None`` (the default) runs ``update`` then ``apply_updates``; ``"pure"`` or
             ``"donate"`` runs ``ft.step(tx, grads, state, params, mesh=..., donate=...)``
@@ -802,7 +849,9 @@ def assert_sharded_equivalent(
             ``step 2, updates['blk.w1']: max abs error 0.0123 (rtol 1e-05, atol 1e-06) at index
             (2, 1) on rank 1 (mesh coordinate (0, 1)): sharded 0.51, unsharded 0.4977; 6 of 35
             elements differ; placements [Shard(0), Shard(1)] on mesh (2, 2); ranks that differ:
-            [1, 3]``.
+            [1, 3]``; with ``finite=True``, first the first leaf that is not finite, e.g.
+            ``unsharded run, step 0, updates['w']: 12 of 12 elements are not finite (first: nan
+            at index (0, 0))``.
         ValueError / TypeError: bad arguments (placements that do not fit a leaf or the mesh,
             gradient trees not shaped like ``params``, no ``mesh_shape`` in simulation, a mesh
             that does not match the real world size, ``data_axis`` not a mesh dim name, ``tx``
@@ -983,6 +1032,7 @@ def assert_sharded_equivalent(
         ignore_state,
         check_placements,
         check_inputs and step != "donate",
+        finite,
     )
     if real:
         got = sharded_run()

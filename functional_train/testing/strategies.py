@@ -19,7 +19,8 @@ The building blocks:
 * :func:`gradients`, :func:`gradients_like`: gradients of controllable rank (rank-1 gradients
   hide bugs in factored second-moment statistics);
 * :func:`sharded_cases`: all of the above in one :class:`ShardedCase`, ready for
-  ``assert_sharded_equivalent(tx, **case)``.
+  ``assert_sharded_equivalent(tx, **case)``, optionally with all-zero gradient leaves (the parts
+  of a model that got no signal at a step: an expert that received no tokens, an unused layer).
 """
 
 from __future__ import annotations
@@ -367,8 +368,8 @@ class ShardedCase(Mapping):
 
     Other attributes: ``leaves`` (``(path, shape, dtype, placements)`` per params leaf),
     ``seed``, ``grad_rank``, ``grad_scale``, ``frozen`` (path of the frozen leaf or ``None``),
-    ``steps``. The repr lists these, not tensor values: it is what hypothesis prints for a
-    failing example.
+    ``zeros`` (``(step, path)`` of the all-zero gradient leaves, in order), ``steps``. The repr
+    lists these, not tensor values: it is what hypothesis prints for a failing example.
     """
 
     _KEYS = ("params", "grads_per_step", "mesh_shape", "placements")
@@ -385,11 +386,12 @@ class ShardedCase(Mapping):
         grad_rank,
         grad_scale,
         frozen,
+        zeros=(),
     ):
         self.params, self.grads_per_step = params, grads_per_step
         self.mesh_shape, self.placements = tuple(mesh_shape), placements
         self.leaves, self.seed, self.grad_rank = leaves, seed, grad_rank
-        self.grad_scale, self.frozen = grad_scale, frozen
+        self.grad_scale, self.frozen, self.zeros = grad_scale, frozen, tuple(zeros)
 
     @property
     def steps(self) -> int:
@@ -414,7 +416,9 @@ class ShardedCase(Mapping):
         return (
             f"ShardedCase(mesh_shape={self.mesh_shape}, steps={self.steps}, "
             f"leaves={{{leaves}}}, frozen={self.frozen!r}, grad_rank={self.grad_rank}, "
-            f"grad_scale={self.grad_scale}, seed={self.seed})"
+            f"grad_scale={self.grad_scale}, seed={self.seed}"
+            + (f", zeros={list(self.zeros)}" if self.zeros else "")
+            + ")"
         )
 
     def _repr_pretty_(self, p, cycle) -> None:  # hypothesis' pretty printer
@@ -434,6 +438,7 @@ def sharded_cases(
     grad_scale: FloatOrStrategy = None,
     plain: bool | float = 0.2,
     frozen: bool = True,
+    zero_grads: float = 0.0,
     max_numel: int = 128,
     **placement_kwargs,
 ) -> SearchStrategy[ShardedCase]:
@@ -455,10 +460,23 @@ def sharded_cases(
             :func:`leaf_placements`.
         frozen: with more than one leaf, one case in four gives one leaf ``None`` gradients
             (a frozen parameter).
+        zero_grads: probability (0 to 1, in steps of 0.01) that a leaf's gradient is all zeros
+            at a step, drawn per leaf and step (the parts of a model that got no signal: an
+            expert that received no tokens, an unused layer; a later step then sees a non-zero
+            state with a zero gradient). ``0`` (the default) draws nothing: the cases are those
+            drawn without the option. Shrinks towards no zero leaves. (A ``grad_scale`` below
+            the transform's eps, such as ``1e-30``, gives gradients whose squares underflow.)
         placement_kwargs: passed to :func:`placements` (``replicate``, ``nested``,
             ``negative_dims``).
+
+    Raises:
+        ValueError: ``zero_grads`` outside [0, 1].
     """
+    if not 0.0 <= zero_grads <= 1.0:
+        raise ValueError(f"sharded_cases: zero_grads must be in [0, 1], got {zero_grads}")
     mesh_st = mesh_shapes if mesh_shapes is not None else _mesh_shapes()
+    cut = round(zero_grads * 100)
+    zero_st = st.sampled_from([False] * (100 - cut) + [True] * cut)  # uniform; False first
     steps_st = st.integers(2, 3) if steps is None else _as_strategy(steps)
     rank_st = st.sampled_from([None, 1]) if grad_rank is None else _as_strategy(grad_rank)
     scale_st = (
@@ -484,15 +502,17 @@ def sharded_cases(
             if frozen and n > 1 and draw(st.sampled_from([False, False, False, True]))
             else None
         )
+        zero = [[cut > 0 and draw(zero_st) for _ in specs] for _ in range(n_steps)]
         gen_seed = iter(range(seed, seed + 10**6))
         params = [_random(s, d, next(gen_seed) % 2**63, 1.0) for s, d, _ in specs]
-        grads = [
-            [
-                None if i == frozen_i else _low_rank(s, rank, d, next(gen_seed) % 2**63, scale)
-                for i, (s, d, _) in enumerate(specs)
-            ]
-            for _ in range(n_steps)
-        ]
+
+        def grad(t, i, s, d):
+            if i == frozen_i:
+                return None
+            x = _low_rank(s, rank, d, next(gen_seed) % 2**63, scale)  # (drawn either way)
+            return torch.zeros_like(x) if zero[t][i] else x
+
+        grads = [[grad(t, i, s, d) for i, (s, d, _) in enumerate(specs)] for t in range(n_steps)]
         ptree = _nest(params)
         paths = _nest_paths(n)
         return ShardedCase(
@@ -505,6 +525,12 @@ def sharded_cases(
             grad_rank=rank,
             grad_scale=scale,
             frozen=None if frozen_i is None else paths[frozen_i],
+            zeros=[
+                (t, paths[i])
+                for t in range(n_steps)
+                for i in range(n)
+                if zero[t][i] and i != frozen_i
+            ],
         )
 
     return draw_case()
