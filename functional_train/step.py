@@ -754,8 +754,9 @@ def _unaliased(result: tuple, inputs: tuple) -> tuple:
     it cannot write into the caller's trees (as ``jax.jit`` copies an output that is an input
     it was not donated). A state whose structure differs from its input's (no transform of
     this library's) is compared by identity over all its leaves, eagerly only. Host cost:
-    one pass over the leaves (compiled: none, the graph knows its aliases); the copies cost
-    the bytes of the leaves copied."""
+    flattening the four trees (about 0.25 us a leaf eagerly, 0.2 ms for the ~860 leaves in
+    and out of a 122-leaf AdamW step; compiled, at trace time only); the copies cost the
+    bytes of the leaves copied."""
     eager = not torch.compiler.is_compiling()
     out = []
     for new, old in zip(result, inputs):
