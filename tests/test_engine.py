@@ -128,7 +128,10 @@ def test_step_takes_the_fused_kernel(monkeypatch, donate):
     torch.testing.assert_close(new_s[1][0].mu, want_s[1][0].mu, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(new_s[0].global_norm, want_s[0].global_norm)
     assert int(new_s[1][0].count) == 1
-    assert new_p["frozen"] is params["frozen"]
+    # the frozen leaf: its own tensor when donated, a copy from a pure step (whose result
+    # holds no input tensor, so that donating it later cannot write into the caller's)
+    assert (new_p["frozen"] is params["frozen"]) == donate
+    assert torch.equal(new_p["frozen"], params["frozen"])
     shared = new_p["w"].data_ptr() == w_buf and new_s[1][0].mu["w"].data_ptr() == mu_buf
     assert shared == donate
 

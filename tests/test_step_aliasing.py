@@ -1,0 +1,168 @@
+"""A pure ``ft.step`` (``donate=False``) returns no tensor of its inputs: a leaf it leaves as it
+was (a ``None`` gradient's parameter and its state, the inner state of a ``multi_steps``
+micro-step, an injected hyperparameter) comes back as a copy, so a later donated step on the
+result writes only into tensors the library made, never into the caller's trees."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import _sweep_registry as reg  # noqa: E402  (tests/ is on sys.path)
+import functional_train as ft
+from _layouts import shard  # noqa: E402
+from functional_train.testing import on_rank, simulate
+
+SHAPES = {"w": (4, 3), "m": (3, 5), "v": (5,), "t": (2, 3, 4)}
+
+
+def _tree(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v, generator=gen) for k, v in SHAPES.items()}
+
+
+def _tensors(tree) -> list:
+    return [
+        x
+        for x in optree.tree_leaves(tree, none_is_leaf=True)
+        if isinstance(x, torch.Tensor) and x.numel() > 0
+    ]
+
+
+def _local(x):
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def _clone(tree):
+    return optree.tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True
+    )
+
+
+def _assert_bitwise(got, want, what: str) -> None:
+    paths, a, _ = optree.tree_flatten_with_path(got, none_is_leaf=True)
+    b = optree.tree_leaves(want, none_is_leaf=True)
+    assert len(a) == len(b), what
+    for path, x, y in zip(paths, a, b):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: {path} changed"
+
+
+CASES = {
+    "adamw": lambda: ft.adamw(1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda: ft.sgd(0.1, momentum=0.9),
+    "clip_adamw": lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)),
+    "lamb": lambda: ft.lamb(1e-2, weight_decay=0.1),
+    "adafactor": lambda: ft.adafactor(beta1=0.9, weight_decay=0.1),
+    "multi_steps": lambda: ft.multi_steps(ft.adamw(1e-2), every_k=2),
+    "inject_hyperparams": lambda: ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, b1=0.8),
+    "galore_adamw": lambda: ft.galore_adamw(1e-2, rank=2, update_proj_gap=4),
+}
+
+
+@pytest.mark.parametrize("frozen", [("m",), ("w", "v", "t")], ids=["one_none", "three_none"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_donating_a_pure_steps_result_leaves_its_inputs_alone(name, frozen):
+    """``p1, s1 = step(p0, s0)`` (pure, some gradients ``None``), then ``step(p1, s1,
+    donate=True)`` with every gradient: ``p0`` and ``s0`` are bitwise what they were, and the
+    donated step's numbers are the pure step's."""
+    tx = CASES[name]()
+    p0 = _tree(0)
+    s0 = tx.init(p0)
+    p0, s0 = ft.step(tx, _tree(1), s0, p0)  # (non-zero moments)
+    want_p0, want_s0 = _clone(p0), _clone(s0)
+    g1 = {k: None if k in frozen else v for k, v in _tree(2).items()}
+    p1, s1 = ft.step(tx, g1, s0, p0)
+    ref = ft.step(tx, _tree(3), _clone(s1), _clone(p1))  # (pure: the donated step's numbers)
+    got = ft.step(tx, _tree(3), s1, p1, donate=True)
+    _assert_bitwise(p0, want_p0, "p0")
+    _assert_bitwise(s0, want_s0, "s0")
+    # (the donated and the pure fused kernels round differently: the sweep's step tolerance)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_donating_the_inputs_of_a_pure_step_leaves_its_result_alone(name):
+    """The other way round: ``p1, s1 = step(p0, s0)`` (pure, a ``None`` gradient), then the
+    caller donates ``p0, s0`` to another step: ``p1`` and ``s1`` keep their values."""
+    tx = CASES[name]()
+    p0 = _tree(0)
+    s0 = tx.init(p0)
+    p0, s0 = ft.step(tx, _tree(1), s0, p0)
+    p1, s1 = ft.step(tx, {**_tree(2), "m": None}, s0, p0)
+    want_p1, want_s1 = _clone(p1), _clone(s1)
+    ft.step(tx, _tree(3), s0, p0, donate=True)
+    _assert_bitwise(p1, want_p1, "p1")
+    _assert_bitwise(s1, want_s1, "s1")
+
+
+@pytest.mark.parametrize("name", sorted(reg.all_entries()))
+def test_a_pure_step_returns_none_of_its_input_tensors(name):
+    """Every registry entry: after a pure step with one ``None`` gradient (and one with every
+    gradient, and one with none), no tensor of the result is a tensor of ``params`` or
+    ``state`` (zero-element placeholders aside: nothing can be written into them), and every
+    parameter keeps ``requires_grad``."""
+    tx = reg.all_entries()[name]()
+    params = {k: v.requires_grad_(k == "m") for k, v in _tree(0).items()}
+    state = tx.init(params)
+    params, state = ft.step(tx, _tree(1), state, params)
+    for g in ({**_tree(2), "m": None}, _tree(3), dict.fromkeys(SHAPES)):
+        ids = set(map(id, _tensors((params, state))))
+        new_p, new_s = ft.step(tx, g, state, params)
+        shared = [tuple(x.shape) for x in _tensors((new_p, new_s)) if id(x) in ids]
+        assert not shared, f"the result holds input tensors of shapes {shared}"
+        for k in SHAPES:
+            assert new_p[k].requires_grad == params[k].requires_grad, k
+        params, state = new_p, new_s
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "lamb"])
+def test_on_dtensors(name):
+    """The same on DTensor leaves (2 simulated ranks, sharded and replicated): after a pure
+    step with a ``None`` gradient, donating its result leaves ``p0`` / ``s0`` alone on every
+    rank, and the result's DTensors share no local shard with the inputs'."""
+    with simulate(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        placements = {"w": [Shard(0)], "m": [Shard(1)], "v": [Replicate()], "t": [Shard(2)]}
+
+        def tree(seed):
+            return {k: shard(v, mesh, placements[k]) for k, v in _tree(seed).items()}
+
+        tx = CASES[name]()
+        p0 = tree(0)
+        p0, s0 = ft.step(tx, tree(1), tx.init(p0), p0)
+        want = [on_rank(_local(x), r).clone() for x in _tensors((p0, s0)) for r in (0, 1)]
+        p1, s1 = ft.step(tx, {**tree(2), "m": None, "t": None}, s0, p0)
+        ins = set(map(id, map(_local, _tensors((p0, s0)))))
+        assert not [x for x in _tensors((p1, s1)) if id(_local(x)) in ins]
+        ft.step(tx, tree(3), s1, p1, donate=True)
+        got = [on_rank(_local(x), r) for x in _tensors((p0, s0)) for r in (0, 1)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.slow
+def test_compiled_pure_step_returns_none_of_its_input_tensors():
+    """Under ``torch.compile(fullgraph=True)`` (a compiled graph hands an input back as the
+    same object): the pure step's result holds no input tensor, donating it leaves ``p0`` /
+    ``s0`` alone, and a new ``None`` gradient pattern aside, steps do not recompile."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    tx = CASES["sgd_momentum"]()
+    fn = torch.compile(lambda g, s, p: ft.step(tx, g, s, p), backend="eager", fullgraph=True)
+    p0 = _tree(0)
+    s0 = tx.init(p0)
+    for t in range(3):
+        want = _clone((p0, s0))
+        with torch._dynamo.config.patch(error_on_recompile=t > 0):
+            p1, s1 = fn({**_tree(1 + t), "m": None}, s0, p0)
+        ids = set(map(id, _tensors((p0, s0))))
+        assert not [x for x in _tensors((p1, s1)) if id(x) in ids]
+        p2, s2 = ft.step(tx, _tree(9), _clone(s1), _clone(p1))
+        ft.step(tx, _tree(9), s1, p1, donate=True)
+        _assert_bitwise((p0, s0), want, "(p0, s0)")
+        p0, s0 = p2, s2
+    torch._dynamo.reset()
