@@ -30,7 +30,15 @@ from .hyperparams import (
     set_hyperparams,
 )
 from .mesh import Mesh
-from .muon import ScaleByMuonState, muon, muon_param_labels, newton_schulz, scale_by_muon
+from .muon import (
+    MUON_EXCLUDE,
+    MuonDimensionNumbers,
+    ScaleByMuonState,
+    muon,
+    muon_param_labels,
+    newton_schulz,
+    scale_by_muon,
+)
 from .nonfinite import (
     ApplyIfFiniteState,
     DynamicLossScaleState,
@@ -196,6 +204,8 @@ __all__ = [
     "galore_param_labels",
     "muon",
     "muon_param_labels",
+    "MuonDimensionNumbers",
+    "MUON_EXCLUDE",
     "newton_schulz",
     "scale_by_muon",
     "ScaleByMuonState",

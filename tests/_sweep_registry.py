@@ -226,6 +226,9 @@ EXCLUDED: dict[str, str] = {
     "(swept through clip_by_global_norm)",
     "galore_param_labels": "builds galore_adamw's labels tree, not a transform",
     "muon_param_labels": "builds muon's labels tree, not a transform",
+    "MuonDimensionNumbers": "muon's matrix axes per leaf, a parameter of scale_by_muon and muon "
+    "(tests/test_muon.py: stacked experts, convolutions, sharded == unsharded)",
+    "MUON_EXCLUDE": "muon_param_labels' default names (tests/test_muon.py: BERT, ViT, GPT-2)",
     "newton_schulz": "a function of one matrix (tests/test_muon.py), not a transform",
     "ScaleByMuonState": "a state type (checked through scale_by_muon and muon)",
     "relative_step_schedule": "a schedule (count -> step size), not a transform (swept through "
