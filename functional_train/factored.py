@@ -783,7 +783,10 @@ def _adafactor_factors(
 def _add_decay(
     out: Sequence[torch.Tensor], p: Sequence[torch.Tensor], steps: Sequence, weight_decay: float
 ) -> None:
-    """``out += step * weight_decay * p`` in place, per leaf (HF's decay ``-alpha_t wd theta``)."""
+    """``out += step * weight_decay * p`` in place, per leaf (HF's decay ``-alpha_t wd theta``;
+    nothing for no leaf: a mask that decays none)."""
+    if not out:
+        return
     decay = [(a * weight_decay).to(x.dtype) for a, x in zip(steps, out)]
     torch._foreach_add_(out, torch._foreach_mul(_cast_like(p, out), decay))
 

@@ -212,12 +212,6 @@ def test_torch_optimizer_with_a_frozen_group():
         assert torch.equal(p.detach(), f)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="factored.py's _adafactor_scale calls _add_decay (torch._foreach_mul) on an empty "
-    "list when the mask decays no leaf (outside this change's files)",
-)
 @pytest.mark.parametrize("mode", MODES)
 def test_adafactor_with_a_mask_that_decays_no_leaf(mode):
     """A weight-decay mask that keeps no leaf: adafactor without the decay, bit for bit."""
