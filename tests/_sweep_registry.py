@@ -356,15 +356,21 @@ def _clipped(clip: Callable, inner: Callable | None = None) -> Reference:
 
 
 def _hf_adafactor(**kw) -> Reference:
-    from transformers.optimization import Adafactor
+    def make(hp):
+        from transformers.optimization import Adafactor  # (imported when first run)
 
-    return _optim(Adafactor, **kw)
+        return Adafactor(list(hp.values()), **kw).step
+
+    return stepped(make)
 
 
 def _came(**kw) -> Reference:
-    from came_pytorch import CAME
+    def make(hp):
+        from came_pytorch import CAME
 
-    return _optim(CAME, **kw)
+        return CAME(list(hp.values()), **kw).step
+
+    return stepped(make)
 
 
 def _muon(lr: float, weight_decay: float) -> Reference:
