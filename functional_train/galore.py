@@ -40,7 +40,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
 from .base import EmptyState, GradientTransformation, chain, declare
-from .combine import PartitionState, partition
+from .combine import PartitionState, leaf_values, partition
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import Prepared, prepare
@@ -749,8 +749,7 @@ def _canonical_labels(labels: None | PyTree | Callable[[PyTree], PyTree]):
         if labels is None:
             out = ["galore" if _is_projected(x) else "decay" for x in leaves]
         else:
-            tree = labels(params) if callable(labels) else labels
-            given = flatten_as(tree, treedef, "galore_adamw: labels", "params", params)
+            given = leaf_values(labels, params, "galore_adamw: labels")
             out = []
             for k, lab in enumerate(given):
                 if not isinstance(lab, str):

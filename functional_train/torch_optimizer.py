@@ -947,6 +947,14 @@ class TorchOptimizer(torch.optim.Optimizer):
             try:
                 new = set_hyperparams(hs, **values)
             except (TypeError, ValueError) as e:
+                for k, v in values.items():  # (name the group's key: set them one by one)
+                    try:
+                        set_hyperparams(hs, **{k: v})
+                    except (TypeError, ValueError) as one:
+                        key = "betas" if k in ("b1", "b2") else _TORCH_NAMES.get(k, k)
+                        raise type(e)(
+                            f"TorchOptimizer: param_groups[{gi}]['{key}'] = {group[key]!r}: {one}"
+                        ) from one
                 raise type(e)(f"TorchOptimizer: param_groups[{gi}]: {e}") from e
             state = _replace_at(state, g.hyper_path, new)
         self._ft_state = state

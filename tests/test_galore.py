@@ -774,3 +774,30 @@ def test_adam_leaf_equals_scale_by_adam(kw, dtype):
         g = {k: v * 0.5 + 0.1 for k, v in g.items()}
     assert getattr(ft.scale_by_adam(amsgrad=True).update, "leafwise", None) is None
     assert getattr(ft.scale_by_adam(optim_bits=8).update, "leafwise", None) is None
+
+
+def test_prefix_labels_equal_the_full_labels():
+    """``labels`` may be a prefix of the params tree (a label for a subtree applies to each of
+    its leaves, as optax's ``partition``): two steps bit for bit the full tree's."""
+    gen = torch.Generator().manual_seed(3)
+    params = {
+        "enc": {"w": torch.randn(6, 4, generator=gen), "b": torch.randn(6, generator=gen)},
+        "dec": {"w": torch.randn(5, 4, generator=gen), "v": torch.randn(5, 3, generator=gen)},
+    }
+    full = {"enc": {"w": "no_decay", "b": "no_decay"}, "dec": {"w": "galore", "v": "galore"}}
+    runs = []
+    for labels in (full, {"enc": "no_decay", "dec": "galore"}):
+        tx = ft.galore_adamw(1e-2, rank=2, update_proj_gap=1, labels=labels)
+        p, s = params, tx.init(params)
+        for t in range(2):
+            g = {
+                k: {n: torch.full_like(x, 0.1 * (t + 1)) + x for n, x in v.items()}
+                for k, v in p.items()
+            }
+            p, s = ft.step(tx, g, s, p)
+        runs.append(p)
+    for k in params:
+        for n in params[k]:
+            assert torch.equal(runs[0][k][n], runs[1][k][n]), (k, n)
+    with pytest.raises(ValueError, match="galore_adamw: labels"):
+        ft.galore_adamw(1e-2, labels={"enc": "no_decay"}).init(params)
