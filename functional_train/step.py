@@ -522,6 +522,14 @@ def _in_place(fused, groups, p, g, bufs, coef, lr, count):
     grad_scale = None
     if coef is not None and p[0].dtype != torch.float64:
         grad_scale = (1.0 / coef).to(torch.float32)
+    if (
+        isinstance(lr, torch.Tensor)
+        and p[0].device.type != "cpu"
+        and (lr.device != p[0].device or lr.dtype != torch.float32)
+    ):
+        # (an injected learning rate is a float64 tensor; torch's CUDA kernels take a float32
+        # one on the parameters' device: "expected scalar type Float but found Double")
+        lr = lr.to(device=p[0].device, dtype=torch.float32)
     for ks, wd in groups:
 
         def sub(xs):

@@ -799,7 +799,9 @@ class TorchOptimizer(torch.optim.Optimizer):
                 continue
             if slot.kind == "count":
                 first = steps.setdefault(slot.group, leaf)
-                if first is leaf or bool(torch.equal(first, leaf)):
+                if (
+                    first is leaf or first.item() == leaf.item()
+                ):  # (counts live on CPU or the device)
                     continue  # (torch's per-parameter "step")
             out[home if slot.owner is None else slot.owner][slot.key] = leaf
         for i, e in enumerate(out):
