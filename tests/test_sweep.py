@@ -409,9 +409,14 @@ def test_sharded_data_axis(name):
     """Sharded == unsharded on the data-axis layout over 3 steps, both runs finite; at the last
     step the Partial ``m`` and the plain ``v`` get zero gradients after non-zero ones (a
     non-zero state, every replica's contribution zero; see ``test_zero_grads``)."""
-    rtol, atol = _tol(name)
     params, grads = problem(3, seed=1)
     grads[2] = {**grads[2], "m": torch.zeros_like(grads[2]["m"]), "v": torch.zeros(5)}
+    _assert_data_axis_equivalent(name, params, grads)
+
+
+def _assert_data_axis_equivalent(name, params, grads):
+    """``name``'s run on the (dp=2, tp=2) data-axis layout equals one process's, finite."""
+    rtol, atol = _tol(name)
     assert_sharded_equivalent(
         build(name),
         params,
@@ -1235,22 +1240,8 @@ def test_zero_grads_sharded(name):
     would otherwise count as equal). One step, to keep the sweep fast: zero gradients after
     non-zero ones are sharded in ``test_sharded_data_axis``' last step and in the drawn cases of
     ``test_sharded``."""
-    rtol, atol = _tol(name)
     params, grads = zero_problem()
-    assert_sharded_equivalent(
-        build(name),
-        params,
-        grads[:1],
-        placements=DATA_AXIS_PARAMS,
-        grad_placements=DATA_AXIS_GRADS,
-        mesh_shape=(2, 2),
-        mesh_dim_names=("dp", "tp"),
-        data_axis="dp",
-        rtol=rtol,
-        atol=atol,
-        ignore_state=_ignore_state(name, data_axis=True),
-        finite=True,
-    )
+    _assert_data_axis_equivalent(name, params, grads[:1])
 
 
 # =============================================================================================
