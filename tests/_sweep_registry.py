@@ -374,20 +374,25 @@ def _came(**kw) -> Reference:
 
 
 def _muon(lr: float, weight_decay: float) -> Reference:
-    """``torch.optim.Muon`` on the leaves of 2 or more dims (as ``(rows, -1)`` matrices, views of
-    the parameters), ``torch.optim.AdamW`` on the others: ``ft.muon``'s split."""
+    """``torch.optim.Muon`` on the leaves of 2 or more dims (views of the parameters: a 3-D
+    leaf's matrices each a parameter of its own, stacked experts; 2-D and 4-D and more as
+    ``(rows, -1)`` matrices), ``torch.optim.AdamW`` on the others: ``ft.muon``'s split and its
+    default dimension numbers."""
 
     def make(hp):
-        mats = {
-            k: torch.nn.Parameter(p.data.view(p.shape[0], -1)) for k, p in hp.items() if p.ndim >= 2
-        }
+        mats = {}
+        for k, p in hp.items():
+            if p.ndim == 3:
+                mats.update({(k, i): torch.nn.Parameter(p.data[i]) for i in range(p.shape[0])})
+            elif p.ndim >= 2:
+                mats[(k, None)] = torch.nn.Parameter(p.data.view(p.shape[0], -1))
         muon = torch.optim.Muon(list(mats.values()), lr=lr, weight_decay=weight_decay)
-        rest = [p for k, p in hp.items() if k not in mats]
+        rest = [p for k, p in hp.items() if p.ndim < 2]
         adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=weight_decay)
 
         def step():
-            for k, q in mats.items():
-                q.grad = hp[k].grad.reshape(q.shape)
+            for (k, i), q in mats.items():
+                q.grad = hp[k].grad.reshape(q.shape) if i is None else hp[k].grad[i].clone()
             muon.step()
             adamw.step()
 

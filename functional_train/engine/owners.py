@@ -158,7 +158,11 @@ class OwnerPlan:
             length = max(
                 (sum(p[3] for _, p in ps) for c in coords for ps in msgs[c].values()), default=0
             )
-            if length == 0:
+            if length == 0:  # nothing to move: the empty pieces reach their owners as they are
+                for c in coords:
+                    for dst, ps in msgs[c].items():
+                        for j, piece in ps:
+                            new_held[dst].setdefault(j, []).append(piece)
                 held.update(new_held)
                 return
             buf = n_sources
