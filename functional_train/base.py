@@ -137,9 +137,31 @@ def _run_sequence(txs, states, updates, params, mesh, extra):
     before a transform that does not accept views. Foreign transforms get reduced trees."""
     from .engine.view import Prepared, prepare
 
+    from .engine import elementwise as E
+
     given_view = isinstance(updates, Prepared)
-    new_states = []
-    for tx, s in zip(txs, states):
+    new_states: list = []
+    fusables = [E.fusable_of(tx) for tx in txs]
+    i = 0
+    while i < len(txs):
+        j = i
+        while j < len(txs) and fusables[j] is not None:
+            j += 1
+        if j - i >= 2:  # consecutive elementwise transforms: one fused pass per stage
+            fus = E.chained(fusables[i:j])
+            if not isinstance(updates, Prepared):
+                updates = prepare(
+                    updates, params, mesh, need_params=fus.needs_params, name="chain", view=True
+                )
+            elif fus.needs_params and updates.params is None:
+                name = next(p.name for p in fus.parts if p.needs_params)
+                raise ValueError(f"{name} needs params: call update(updates, state, params)")
+            mesh = updates.mesh
+            updates, st = E.run(fus, updates, tuple(states[i:j]), params)
+            new_states.extend(st)
+            i = j
+            continue
+        tx, s = txs[i], states[i]
         if (
             accepts_view(tx)
             and not passes_unreduced(tx)
@@ -150,6 +172,7 @@ def _run_sequence(txs, states, updates, params, mesh, extra):
             mesh = updates.mesh
         updates, s, mesh = call_reduced(tx, updates, s, params, mesh, extra)
         new_states.append(s)
+        i += 1
     if isinstance(updates, Prepared) and not given_view:
         updates = updates.tree()
     return updates, new_states
@@ -189,7 +212,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     update_fn.passes_unreduced = all(passes_unreduced(t) for t in transforms)  # type: ignore[attr-defined]
     update_fn.parts = tuple(transforms)  # type: ignore[attr-defined]
+    _register_chained(update_fn, transforms)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def _register_chained(update_fn, transforms) -> None:
+    """Register ``chain``'s fusable spec when every transform in it is fusable."""
+    from .engine import elementwise as E
+
+    fus = [E.fusable_of(t) for t in transforms]
+    if fus and all(f is not None for f in fus):
+        E.register(update_fn, E.chained(fus))
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:

@@ -14,9 +14,10 @@ import torch
 
 from . import _validate as V
 from .base import GradientTransformation, declare
+from .engine import elementwise as E
 from .engine import native
 from .engine.view import prepare
-from .transforms import _as_complex, _as_real, _cast_like, stateless
+from .transforms import _as_complex, _as_real, _cast_like, _no_fields, stateless
 from .tree import first_device
 
 __all__ = ["clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm"]
@@ -160,18 +161,21 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
         return ClipByGlobalNormState(torch.zeros((), dtype=dtype, device=first_device(params)))
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def prologue(state, b):
         if not isinstance(state, ClipByGlobalNormState):
             raise ValueError(
                 f"clip_by_global_norm: expected a ClipByGlobalNormState, got {type(state).__name__}"
             )
-        b = prepare(updates, params, mesh, name="clip_by_global_norm")
         total = global_norm_of(b, norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        g = [b.locals[i] for i in b.active]
-        # (the 0-dim float32 coef would promote 0-dim low-precision leaves: keep their dtype)
-        out = _cast_like(torch._foreach_mul(g, coef), g) if g else []
-        return b.rebuild_active(out), ClipByGlobalNormState(total.to(state.global_norm.dtype))
+        return (coef,), lambda trees: ClipByGlobalNormState(total.to(state.global_norm.dtype))
 
+    def leaf(u, p, s, h, key):
+        """``u * coef`` (in ``u``'s dtype), ``coef = min(1, max_norm / (total + 1e-6))``."""
+        return (u * h[0]).to(u.dtype), ()
+
+    spec = E.Elementwise("clip_by_global_norm", leaf, prologue, _no_fields, 0, reduces=True)
+    tx = E.transform(spec, init_fn)
+    update_fn = tx.update
     update_fn.fused_clip = (max_norm, norm_type)  # type: ignore[attr-defined]  (ft.step)
-    return GradientTransformation(init_fn, declare(update_fn, view=True))
+    return tx

@@ -42,6 +42,7 @@ from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view
 from .came import FusedCame, fused_came_step
 from .clipping import ClipByGlobalNormState, global_norm_of, global_norm_start
+from .engine import elementwise as E
 from .engine import kernels
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
@@ -52,7 +53,7 @@ from .hyperparams import InjectHyperparamsState, is_injected, value_of
 from .mesh import Mesh
 from .quantization import FusedAdam8bit, fused_adam8bit_step
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
-from .tree import PyTree, flatten_as, tree_flatten, tree_unflatten
+from .tree import PyTree, first_device, flatten_as, tree_flatten, tree_unflatten
 from .update import apply_updates, paired_locals
 
 __all__ = ["step"]
@@ -661,6 +662,37 @@ def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
     return out[0], (ClipByGlobalNormState(total.to(state[0].global_norm.dtype)), out[1])
 
 
+SPEC_FIRST = True
+
+
+def _spec_first(params) -> bool:
+    """Whether a chain torch's fused kernels also run takes the generated stage instead:
+    eagerly on CPU (equal speed, one definition). Under ``torch.compile`` and on CUDA the
+    recognised chains keep torch's fused kernels for now (a compiled or CUDA stage runs leaf by
+    leaf)."""
+    return SPEC_FIRST and not torch.compiler.is_compiling() and first_device(params).type == "cpu"
+
+
+def _run_spec(fus, grads, state, params, mesh, donate):
+    """A fusable transform's step: its stages, the last one ending with ``p + u`` (in place
+    with ``donate``, else into fresh buffers from the plan's pool)."""
+    b = prepare(grads, params, mesh, need_params=True, name="step", view=True)
+    pl, treedef = tree_flatten(params)
+    p_loc = [to_local(pl[i]) for i in b.active]
+    take = None if donate else of_plan(b.plan, "pool", Pool).take
+    with torch.no_grad():
+        new, new_state = E.run(
+            fus, b, state, params, apply="donate" if donate else "pure", params_locals=p_loc,
+            take=take,
+        )
+    if donate:
+        return params, new_state
+    out = list(pl)
+    for i, n in zip(b.active, new):
+        out[i] = requires_grad_like(wrap_like(n, pl[i]), pl[i])
+    return tree_unflatten(treedef, out), new_state
+
+
 def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
     """``params + updates`` on local shards; in place into the params' buffers with ``donate``."""
     if is_differentiable():  # recorded for autograd: apply_updates' checked sum
@@ -839,6 +871,9 @@ def _step(tx, grads, state, params, mesh, donate, extra):
     if out is not None:
         return out
     prog = _program(tx)
+    fus = E.fusable_of(tx)
+    if fus is not None and (prog is None or _spec_first(params)) and not is_differentiable():
+        return _run_spec(fus, grads, state, params, mesh, donate)
     if prog is not None and not is_differentiable():
         out = _run_fused(tx, *prog, grads, state, params, mesh, donate)
         if out is not None:

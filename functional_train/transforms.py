@@ -18,6 +18,7 @@ from . import _validate as V
 from . import quantization as Q
 from .base import EmptyState, GradientTransformation, declare
 from .combine import mask_of
+from .engine import elementwise as E
 from .engine.view import prepare
 from .hyperparams import is_injected, value_of
 from .quantization import ScaleByAdam8bitState
@@ -173,10 +174,50 @@ def _addcmul_(xs: list, t1: list, t2: list, value) -> None:
         torch._foreach_addcmul_(xs, _mul(t1, value), t2)
 
 
+def _axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
+    """``x + alpha * y`` rounded once (a fused multiply-add, as ATen's ``add(alpha=)``), for a
+    float ``alpha`` or a 0-dim tensor one (in ``x``'s dtype)."""
+    if isinstance(alpha, torch.Tensor):
+        return torch.addcmul(x, y, alpha.to(x.dtype))
+    return torch.add(x, y, alpha=alpha)
+
+
+def _no_fields(state):
+    return ()
+
+
+def _stateless(name: str, leaf, scalars: Callable, *, needs_params=False, static=None):
+    """An elementwise transform with an :class:`EmptyState`: ``leaf`` its per-leaf math,
+    ``scalars()`` its scalars at this update."""
+
+    def prologue(state, b):
+        _check_state(state, EmptyState, name)
+        return scalars(), _empty
+
+    spec = E.Elementwise(
+        name, leaf, prologue, _no_fields, 0, needs_params=needs_params, static=static
+    )
+    return E.transform(spec, _empty_init)
+
+
+def _empty(trees):
+    return EmptyState()
+
+
+def _empty_init(params):
+    del params
+    return EmptyState()
+
+
 def scale(step_size: float) -> GradientTransformation:
     """Multiply updates by the constant ``step_size`` (optax ``scale``). No state."""
     step_size = V.number("step_size", step_size, where="scale")
-    return stateless("scale", lambda b: torch._foreach_mul(_active_locals(b), step_size))
+
+    def leaf(u, p, s, h, key):
+        """``u * step_size``."""
+        return u * h[0], ()
+
+    return _stateless("scale", leaf, lambda: (step_size,))
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -203,24 +244,26 @@ def scale_by_learning_rate(
     """
     lr = V.learning_rate(learning_rate, where="scale_by_learning_rate")
     sign = -1.0 if flip_sign else 1.0
+
+    def leaf(u, p, s, h, key):
+        """``u * (sign * learning_rate)`` (a scheduled one, a tensor, in the leaf's dtype)."""
+        lr = h[0]
+        return u * (lr.to(u.dtype) if isinstance(lr, torch.Tensor) else lr), ()
+
     if not callable(lr):
         step = sign * lr
-        return stateless(
-            "scale_by_learning_rate", lambda b: torch._foreach_mul(_active_locals(b), step)
-        )
+        return _stateless("scale_by_learning_rate", leaf, lambda: (step,))
 
     def init_fn(params):
         return ScaleByScheduleState(zero_count(params))
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def prologue(state, b):
         _check_state(state, ScaleByScheduleState, "scale_by_learning_rate")
-        b = prepare(updates, params, mesh, name="scale_by_learning_rate")
-        g = [b.locals[i] for i in b.active]
         value = torch.as_tensor(lr(state.count), dtype=torch.float64) * sign
-        out = [x * value.to(x.dtype) for x in g] if g else []
-        return b.rebuild_active(out), ScaleByScheduleState(state.count + 1)
+        return (value,), lambda trees: ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init_fn, declare(update_fn, view=True))
+    spec = E.Elementwise("scale_by_learning_rate", leaf, prologue, _no_fields, 0)
+    return E.transform(spec, init_fn)
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransformation:
@@ -244,37 +287,35 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
     """
     where = "add_decayed_weights"
     wd_arg = V.number("weight_decay", weight_decay, where=where, low=0.0)
+
+    def leaf(u, p, s, h, key):
+        """``u + weight_decay * p`` (``p`` in the update's dtype); a leaf the mask leaves out
+        passes through."""
+        if key is False:
+            return u, ()
+        return _axpy(u, p.to(u.dtype), h[0]), ()
+
+    def scalars():
+        return (value_of(wd_arg),)
+
     if mask is None:
-
-        def decay(b):
-            g = _active_locals(b)
-            wd = value_of(wd_arg)
-            if not _nonzero(wd):
-                return g
-            return _add_scaled(g, _cast_like([b.params[i] for i in b.active], g), wd)
-
-        return stateless(where, decay, need_params=True)
+        return _stateless(where, leaf, scalars, needs_params=True)
     keep_of = mask_of(mask, where)
 
     def init_fn(params):
         keep_of(params)  # resolved (and checked) once eagerly
         return EmptyState()
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def prologue(state, b):
         _check_state(state, EmptyState, where)
-        b = prepare(updates, params, mesh, need_params=True, name=where)
-        keep = keep_of(params)
-        idx = [i for i in b.active if keep[i]]
-        out = dict(zip(b.active, _active_locals(b)))
-        wd = value_of(wd_arg)
-        if idx and _nonzero(wd):
-            g = [out[i] for i in idx]
-            for i, x in zip(idx, _add_scaled(g, _cast_like([b.params[i] for i in idx], g), wd)):
-                out[i] = x
-        return b.rebuild_active([out[i] for i in b.active]), state
+        return scalars(), _empty
 
-    update_fn.keep_of = keep_of  # (ft.step's fused AdamW decays only these leaves)
-    return GradientTransformation(init_fn, declare(update_fn, view=True))
+    spec = E.Elementwise(
+        where, leaf, prologue, _no_fields, 0, needs_params=True, static=keep_of
+    )
+    tx = E.transform(spec, init_fn)
+    tx.update.keep_of = keep_of  # type: ignore[attr-defined]  (ft.step's fused AdamW)
+    return tx
 
 
 NO_DECAY_NAMES = ("bias", "norm", "ln_", "embed", "wte", "wpe")
@@ -354,40 +395,45 @@ def trace(
         raise ValueError("trace: nesterov momentum requires decay > 0 and dampening == 0")
 
     injected = is_injected(decay_arg)
+    damped = is_injected(damp_arg) or damp_arg != 0
 
     def init_fn(params):
         return TraceState(zero_count(params), state_zeros_like(params, accumulator_dtype))
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def prologue(state, b):
         _check_state(state, TraceState, "trace")
-        b = prepare(updates, params, mesh, name="trace")
-        g = [b.locals[i] for i in b.active]
-        tr_all = b.state_locals(state.trace, "TraceState.trace")
-        tr = [tr_all[i] for i in b.active]
-        g32 = _cast_like(g, tr)
         decay, dampening = value_of(decay_arg), value_of(damp_arg)
-        if injected and not _nonzero(decay):
-            # an injected momentum of 0: the updates pass through; the buffer and its count
-            # wait for a non-zero one (as torch.optim.SGD starts its buffer then)
-            return b.rebuild_active(g), state
-        new = _mul(tr, decay)
-        _add_scaled_(new, g32, 1.0 - dampening)
-        if _nonzero(dampening):  # (the first buffer is g: exact without this when 0)
-            first = state.count == 0
-            new = [torch.where(first, x, n) for x, n in zip(g32, new)]
-        out = _add_scaled(g32, new, decay) if nesterov else new
-        count = state.count + 1
-        if isinstance(decay, torch.Tensor):  # compiled: the same as above, by selection
-            on = decay != 0
-            new = [torch.where(on, n, t) for n, t in zip(new, tr)]
-            out = [torch.where(on, o, x) for o, x in zip(out, g32)]
+        first = (state.count == 0).to(torch.float64)
+        if isinstance(decay, torch.Tensor):
+            on = (decay != 0).to(torch.float64)
             count = state.count + on.to(state.count.dtype)
-        return (
-            b.rebuild_active(_cast_like(out, g)),
-            TraceState(count, b.state_tree(state.trace, "TraceState.trace", new)),
-        )
+        else:
+            flag = decay != 0 or not injected
+            on = torch.tensor(float(flag), dtype=torch.float64, device=first.device)
+            count = state.count + int(flag)
+        return (decay, 1.0 - dampening, first, on), lambda trees: TraceState(count, *trees)
 
-    return GradientTransformation(init_fn, declare(update_fn, view=True))
+    def fields(state):
+        return ((state.trace, "TraceState.trace"),)
+
+    def leaf(u, p, s, h, key):
+        """``buf = decay * buf + (1 - dampening) * g`` (``g`` itself on the first update when
+        damped), the update ``buf``, or ``g + decay * buf`` with ``nesterov``; an injected
+        momentum of 0 passes the update through and keeps the buffer (``on`` is 0)."""
+        decay, undamped, first, on = h
+        tr = s[0]
+        g = u.to(tr.dtype)
+        new = _axpy(tr * decay, g, undamped)
+        if damped:  # (the first buffer is g: exact without this when not damped)
+            new = torch.where(first != 0, g, new)
+        out = _axpy(g, new, decay) if nesterov else new
+        if injected:
+            new = torch.where(on != 0, new, tr)
+            out = torch.where(on != 0, out, g)
+        return out.to(u.dtype), (new,)
+
+    spec = E.Elementwise("trace", leaf, prologue, fields, 1)
+    return E.transform(spec, init_fn)
 
 
 class ScaleByAdamState(NamedTuple):
@@ -493,10 +539,22 @@ def scale_by_adam(
             )
         return ScaleByAdamState(zero_count(params), mu, nu)
 
+    if not eight_bit:
+        spec = _adam_spec(
+            b1_arg, b2_arg, eps_arg, amsgrad, bias_correction, eps_before_correction, state_cls
+        )
+        tx = E.transform(spec, init_fn)
+        if not amsgrad:
+            tx.update.leafwise = AdamLeaf(  # type: ignore[attr-defined]
+                b1_arg, b2_arg, eps_arg, bias_correction, eps_before_correction
+            )
+        return tx
+
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_state(state, state_cls, "scale_by_adam")
         b = prepare(updates, params, mesh, name="scale_by_adam")
         act = b.active
+        # (optim_bits=8 only: the float moments' path is the elementwise spec above)
         if not act:  # every leaf None (frozen): nothing to scale, moments unchanged
             return b.rebuild(b.locals), state._replace(count=state.count + 1)
         g = [b.locals[i] for i in act]
@@ -565,11 +623,58 @@ def scale_by_adam(
             new_state = ScaleByAdamState(count, new_mu, new_nu)
         return b.rebuild_active(_cast_like(out, g)), new_state
 
-    if not (eight_bit or amsgrad):
-        update_fn.leafwise = AdamLeaf(
-            b1_arg, b2_arg, eps_arg, bias_correction, eps_before_correction
-        )
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def _adam_spec(b1_arg, b2_arg, eps_arg, amsgrad, bias_correction, eps_before, state_cls):
+    """:func:`scale_by_adam`'s float moments as an elementwise spec: the per-leaf math once."""
+    n_fields = 3 if amsgrad else 2
+    cls = state_cls.__name__
+
+    def prologue(state, b):
+        _check_state(state, state_cls, "scale_by_adam")
+        count = state.count + 1
+        t = count.to(torch.float64)
+        b1, b2, eps = value_of(b1_arg), value_of(b2_arg), value_of(eps_arg)
+        if bias_correction:
+            bc1 = 1.0 - torch.pow(b1, t)
+            bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        else:
+            bc1 = bc2_sqrt = torch.ones((), dtype=torch.float64, device=t.device)
+
+        def finish(trees):
+            return state_cls(count, *trees)
+
+        return (b1, b2, eps, bc1, bc2_sqrt), finish
+
+    def fields(state):
+        out = [(state.mu, f"{cls}.mu"), (state.nu, f"{cls}.nu")]
+        if amsgrad:
+            out.append((state.nu_max, f"{cls}.nu_max"))
+        return out
+
+    def leaf(u, p, s, h, key):
+        """``mu = lerp(mu, g, 1 - b1)``, ``nu = b2 nu + (1 - b2) g^2`` (``nu_max`` its running
+        maximum), update ``(mu / bc1) / (sqrt(nu) / sqrt(bc2) + eps)`` (or, with
+        ``eps_before_correction``, ``mu / (sqrt(nu) + eps) * sqrt(bc2) / bc1``)."""
+        b1, b2, eps, bc1, bc2_sqrt = h
+        mu, nu = s[0], s[1]
+        mu = torch.lerp(mu, u.to(mu.dtype), 1.0 - b1)
+        g = u.to(nu.dtype)
+        nu = torch.addcmul(nu * b2, g * (1.0 - b2), g)
+        new = (mu, nu)
+        second = nu
+        if amsgrad:
+            second = torch.maximum(s[2], nu)
+            new = (mu, nu, second)
+        denom = torch.sqrt(second)
+        if eps_before:
+            out = mu.to(denom.dtype) / (denom + eps) * (bc2_sqrt / bc1)
+        else:
+            out = mu.to(denom.dtype) / (denom / bc2_sqrt + eps) / bc1
+        return out.to(u.dtype), new
+
+    return E.Elementwise("scale_by_adam", leaf, prologue, fields, n_fields)
 
 
 class AdamLeaf(NamedTuple):

@@ -1,0 +1,425 @@
+"""Elementwise transforms: each primitive's math stated once, per leaf; the engine fuses the
+primitives a chain composes into one pass per group of leaves.
+
+An elementwise transform is described by a frozen :class:`Elementwise` spec:
+
+* ``leaf(u, p, fields, scalars, key) -> (u, new_fields)``: the math for ONE leaf, in plain
+  tensor operations on the update ``u``, the parameter ``p`` (``None`` unless
+  ``needs_params``), the transform's params-shaped state leaves ``fields`` (a tuple, in the
+  order of :attr:`Elementwise.fields`) and its ``scalars`` (0-dim tensors or Python floats:
+  hyper-parameters, bias corrections, a clip factor). ``key`` is the leaf's static key (see
+  ``static``), ``None`` by default.
+* ``prologue(state, b) -> (scalars, finish)``: once per update, on the whole state: checks it,
+  computes the scalars (reading counters, schedules, injected hyper-parameters; a reduction
+  over the updates, such as a global norm, through the prepared view ``b``) and returns
+  ``finish(new_field_trees) -> new_state``.
+* ``fields(state) -> tuple of (tree, what)``: the params-shaped state trees the leaf function
+  reads and writes, ``what`` naming them in errors.
+* ``static(params) -> list``: per leaf, a hashable key the leaf function may branch on in
+  Python (a weight-decay mask); ``None``: every leaf's key is ``None``.
+* ``reduces``: whether ``prologue`` reads the updates' values (a norm): a fused pass then
+  starts at this transform, since the updates it reads must exist first.
+
+A :class:`Fusable` is a sequence of such parts; ``chain`` of fusable transforms is fusable, its
+parts the concatenation of theirs. :func:`run` executes one: the parts from one reducing part to
+the next form a *stage*, one pass over every leaf (a generated kernel per group of leaves of one
+dtype signature, see :mod:`.fuse`), optionally ending with ``apply_updates`` (``p + u``) for
+``ft.step``, in place over the inputs (donated) or into fresh buffers (pure).
+
+Complex leaves are viewed as real pairs (``torch.view_as_real``) for the whole stage, as
+``torch.optim`` treats them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import fuse
+
+__all__ = [
+    "Elementwise",
+    "Fusable",
+    "register",
+    "spec_of_transform",
+    "fusable_of",
+    "run",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Elementwise:
+    """One elementwise transform (see the module's docstring)."""
+
+    name: str
+    leaf: Callable
+    prologue: Callable
+    fields: Callable
+    n_fields: int
+    needs_params: bool = False
+    static: Callable | None = None
+    reduces: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Fusable:
+    """A sequence of elementwise parts and how the composite state maps onto theirs:
+    ``split(state) -> [part state, ...]`` and ``join([new part state, ...]) -> state``."""
+
+    parts: tuple
+    split: Callable
+    join: Callable
+
+    @property
+    def needs_params(self) -> bool:
+        return any(p.needs_params for p in self.parts)
+
+
+_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register(update_fn: Callable, spec: Elementwise | Fusable) -> Callable:
+    """Attach ``spec`` to a transform's ``update`` function (returns ``update_fn``)."""
+    _SPECS[update_fn] = spec
+    return update_fn
+
+
+def spec_of_transform(tx) -> Elementwise | Fusable | None:
+    """The spec registered for ``tx.update``, or ``None`` (a transform the engine cannot fuse:
+    it runs by its own ``update``)."""
+    try:
+        return _SPECS.get(tx.update)
+    except TypeError:  # not weak-referenceable
+        return None
+
+
+def fusable_of(tx) -> Fusable | None:
+    """``tx``'s spec as a :class:`Fusable` (one part for an :class:`Elementwise`), or ``None``."""
+    s = spec_of_transform(tx)
+    return single(s) if isinstance(s, Elementwise) else s
+
+
+def chained(fusables: Sequence[Fusable]) -> Fusable:
+    """The :class:`Fusable` of ``chain`` of transforms with these specs (state: a tuple)."""
+    counts = [len(f.parts) for f in fusables]
+
+    def split(state):
+        out = []
+        for f, s in zip(fusables, state):
+            out.extend(f.split(s))
+        return out
+
+    def join(states):
+        out, k = [], 0
+        for f, n in zip(fusables, counts):
+            out.append(f.join(states[k : k + n]))
+            k += n
+        return tuple(out)
+
+    return Fusable(tuple(p for f in fusables for p in f.parts), split, join)
+
+
+# --------------------------------------------------------------------------------------------
+# execution
+
+
+class _Stage:
+    """The composed per-leaf function of consecutive parts, optionally followed by
+    ``apply_updates``; one object per (parts, apply), so that its kernels are cached."""
+
+    __slots__ = ("parts", "apply", "params", "counts", "__weakref__")
+
+    def __init__(self, parts: tuple, apply: bool):
+        self.parts = parts
+        self.apply = apply
+        self.params = apply or any(p.needs_params for p in parts)
+        self.counts = None  # per part: number of scalars (set on first call)
+
+    def function(self, counts: tuple, keys: tuple) -> Callable:
+        parts, apply, params = self.parts, self.apply, self.params
+
+        def f(ins, scalars):
+            u = ins[0]
+            p = ins[1] if params else None
+            k = 2 if params else 1
+            s = 0
+            outs = []
+            for part, n, key in zip(parts, counts, keys):
+                fields = tuple(ins[k : k + part.n_fields])
+                k += part.n_fields
+                u, new = part.leaf(u, p if part.needs_params else None, fields, scalars[s : s + n], key)
+                s += n
+                outs.extend(new)
+            if apply:
+                return (p + u.to(p.dtype), *outs)
+            return (u, *outs)
+
+        return f
+
+
+_stages: dict = {}
+
+
+def _stage_of(parts: tuple, apply: bool) -> _Stage:
+    key = (tuple(map(id, parts)), apply)
+    st = _stages.get(key)
+    if st is None or st.parts != parts:
+        st = _stages[key] = _Stage(parts, apply)
+    return st
+
+
+def _functional() -> bool:
+    """Inside ``torch.compile`` or a ``torch.func`` transform, or recording autograd for
+    :func:`~functional_train.differentiable`: the stage runs leaf by leaf in torch."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def run(
+    spec: Fusable,
+    b,
+    state: Any,
+    params: Any = None,
+    *,
+    apply: str | None = None,
+    params_locals: Sequence | None = None,
+    take: Callable | None = None,
+):
+    """Run ``spec`` on the prepared view ``b`` (its ``params`` tree: ``params``) and ``state``.
+
+    Args:
+        apply: ``None``: return ``(updates, new_state)`` like ``update``; ``"pure"`` or
+            ``"donate"``: return ``(new parameter locals of b.active, new_state)``, the updates
+            added to ``params_locals`` (the parameters' local shards of ``b.active``) into fresh
+            buffers or in place.
+        take: ``take(kind, like) -> fresh buffers`` (the plan's pool), for pure results.
+
+    Raises:
+        ValueError: a part needs params and none were given; a state from another transform
+            (from its prologue); a state leaf of another shape.
+    """
+    parts = spec.parts
+    states = spec.split(state)
+    act = b.active
+    u = [b.locals[i] for i in act]
+    bounds = [k for k, part in enumerate(parts) if k == 0 or part.reduces] + [len(parts)]
+    finishes: list = [None] * len(parts)
+    trees_of: list = [None] * len(parts)
+    new_fields: list = [None] * len(parts)
+    for lo, hi in zip(bounds, bounds[1:]):
+        scalars, counts, fields, keys = [], [], [], []
+        for k in range(lo, hi):
+            part = parts[k]
+            view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
+            sc, finishes[k] = part.prologue(states[k], view)
+            scalars.extend(sc)
+            counts.append(len(sc))
+            trees_of[k] = part.fields(states[k])
+            for tree, what in trees_of[k]:
+                every = b.state_locals(tree, what)
+                fields.append([every[i] for i in act])
+            if part.static is not None:
+                if params is None:
+                    raise ValueError(f"{part.name}: needs params (update(..., params))")
+                every = part.static(params)
+                keys.append([every[i] for i in act])
+            else:
+                keys.append(None)
+        last = hi == len(parts)
+        stage = _stage_of(parts[lo:hi], apply is not None and last)
+        p_loc = None
+        if stage.apply:
+            p_loc = list(params_locals)
+        elif stage.params:
+            if b.params is None:
+                name = next(p.name for p in parts[lo:hi] if p.needs_params)
+                raise ValueError(f"{name}: needs params (update(..., params))")
+            p_loc = [b.params[i] for i in act]
+        leaf_keys = [
+            None if all(k is None for k in keys) else tuple(None if k is None else k[j] for k in keys)
+            for j in range(len(act))
+        ]
+        outs = _execute(
+            stage,
+            tuple(counts),
+            u,
+            p_loc,
+            fields,
+            scalars,
+            leaf_keys,
+            apply if stage.apply else None,
+            take,
+        )
+        u = outs[0]
+        r = 1
+        for k in range(lo, hi):
+            m = parts[k].n_fields
+            new_fields[k] = outs[r : r + m]
+            r += m
+    new_states = []
+    for k in range(len(parts)):
+        new_trees = [
+            b.state_tree(tree, what, new) for (tree, what), new in zip(trees_of[k], new_fields[k])
+        ]
+        new_states.append(finishes[k](new_trees))
+    new_state = spec.join(new_states)
+    if apply is not None:
+        return u, new_state
+    return b.rebuild_active(u), new_state
+
+
+def _scatter(b, active_values):
+    full = [None] * len(b.locals)
+    for i, v in zip(b.active, active_values):
+        full[i] = v
+    return full
+
+
+def _execute(stage, counts, u, p, fields, scalars, keys, apply, take):
+    """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists)."""
+    n = len(u)
+    n_out = 1 + len(fields)
+    if n == 0:
+        return [[] for _ in range(n_out)]
+    ins = [u] + ([p] if p is not None else []) + list(fields)
+    cx = any(x.is_complex() for x in u)
+    if cx:
+        ins = [[torch.view_as_real(x) if x.is_complex() else x for x in lst] for lst in ins]
+    outs: list = [[None] * n for _ in range(n_out)]
+    # groups of leaves with one dtype signature and key, for one kernel call each
+    groups: dict = {}
+    plain = (
+        fuse.ENABLED
+        and not _recording()
+        and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in scalars)
+    )
+    for j in range(n):
+        leaf_ins = [lst[j] for lst in ins]
+        fast = plain and all(
+            type(x) is torch.Tensor and x.is_cpu and x.is_contiguous() and not x.requires_grad
+            for x in leaf_ins
+        )
+        sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j])
+        groups.setdefault(sig, []).append(j)
+    sc = None
+    for (fast, dtypes, key), idx in groups.items():
+        fn = _function(stage, counts, key)
+        if fast:
+            if sc is None:
+                sc = _scalar_values(scalars)
+            kernel = fuse.kernel_for(fn, dtypes, sc[1])
+            if kernel is not None and _run_kernel(kernel, ins, idx, outs, sc[0], apply, take):
+                continue
+        with torch.enable_grad() if _recording() else torch.no_grad():
+            for j in idx:
+                res = fn(tuple(lst[j] for lst in ins), tuple(scalars))
+                for r in range(n_out):
+                    outs[r][j] = res[r]
+        if apply == "donate":  # the results into the donated buffers
+            for j in idx:
+                for r in range(n_out):
+                    dst = ins[1 + r][j]
+                    if outs[r][j] is not dst and outs[r][j].dtype == dst.dtype:
+                        dst.copy_(outs[r][j])
+                        outs[r][j] = dst
+    if cx:
+        outs = [
+            [
+                torch.view_as_complex(x) if u[j].is_complex() and not x.is_complex() else x
+                for j, x in enumerate(lst)
+            ]
+            for lst in outs
+        ]
+    return outs
+
+
+def _recording() -> bool:
+    from ..autograd import is_differentiable
+
+    return is_differentiable() or _functional()
+
+
+_fn_cache: dict = {}
+
+
+def _function(stage, counts, key):
+    if key is None:
+        key = (None,) * len(stage.parts)
+    k = (id(stage), counts, key)
+    hit = _fn_cache.get(k)
+    if hit is None or hit[0] is not stage:
+        hit = _fn_cache[k] = (stage, stage.function(counts, key))
+    return hit[1]
+
+
+def _scalar_values(scalars):
+    """The scalars as Python floats for a kernel call, and their dtypes for its signature."""
+    vals, dtypes = [], []
+    for s in scalars:
+        vals.append(float(s))
+        if isinstance(s, torch.Tensor) and s.dtype.is_floating_point:
+            dtypes.append(s.dtype)
+        else:
+            dtypes.append(torch.float64)
+    return vals, tuple(dtypes)
+
+
+def _run_kernel(kernel, ins, idx, outs, sc, apply, take) -> bool:
+    """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
+    as asked (a donated buffer of another dtype)."""
+    cols = [[lst[j] for j in idx] for lst in ins]
+    n_out = len(outs)
+    if apply == "donate":
+        res = [cols[1 + r] for r in range(n_out)]
+        if any(t[0].dtype != d for t, d in zip(res, kernel.out_dtypes)):
+            return False
+    else:
+        res = []
+        for r, d in enumerate(kernel.out_dtypes):
+            like = [torch.empty((), dtype=d).expand(x.shape) for x in cols[0]]
+            res.append(take(f"stage{r}", like) if take is not None else list(map(_fresh, like)))
+    kernel(cols, res, sc)
+    for r in range(n_out):
+        for j, x in zip(idx, res[r]):
+            outs[r][j] = x
+    return True
+
+
+def _fresh(like):
+    return torch.empty(like.shape, dtype=like.dtype)
+
+
+def single(spec: Elementwise) -> Fusable:
+    """The :class:`Fusable` of one part."""
+    return Fusable((spec,), _one, _first)
+
+
+def _one(state):
+    return [state]
+
+
+def _first(states):
+    return states[0]
+
+
+def transform(spec: Elementwise, init_fn: Callable):
+    """The ``GradientTransformation`` of an elementwise ``spec``: ``init_fn`` builds its state,
+    ``update`` prepares the view and runs the spec (one fused pass); ``spec`` is registered so
+    that ``chain`` and ``ft.step`` fuse it with its neighbours."""
+    from ..base import GradientTransformation, declare
+    from .view import prepare
+
+    fusable = single(spec)
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        del extra
+        b = prepare(updates, params, mesh, need_params=spec.needs_params, name=spec.name)
+        return run(fusable, b, state, params)
+
+    register(update_fn, spec)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))

@@ -1,0 +1,452 @@
+"""Fused elementwise passes: one generated kernel per stage of a chain.
+
+A stage is a per-leaf function written in plain tensor operations (the primitives' own
+definitions, composed in the order the user chained them)::
+
+    def stage(inputs: tuple[Tensor, ...], scalars: tuple[Tensor, ...]) -> tuple[Tensor, ...]
+
+``inputs`` are leaves of one shape (the update, the parameter, state leaves), ``scalars`` are
+0-dim tensors (hyper-parameters, a clip factor, bias corrections), the results are leaves of
+the inputs' shape. :func:`run` applies a stage to lists of leaves.
+
+How it runs (:class:`Kernel`):
+
+* **CPU, float32 / float64 leaves, eager.** The stage is traced once per signature (its
+  function and the dtypes of its inputs and scalars) with ``torch.fx.experimental.proxy_tensor.
+  make_fx`` into ATen operations; each operation becomes one line of C inside a single loop
+  over the elements of a leaf, which the C compiler vectorises (``-O3 -march=native``, no
+  floating-point contraction, so each operation rounds as ATen's does: the results equal the
+  stage run by torch bit for bit where ATen's kernels are correctly rounded, which the
+  operations accepted here are). One call runs every leaf of the lists, reading each input
+  once and writing each result once -- the memory traffic of torch's fused optimizer kernels,
+  for whatever elementwise work the user composed. The source is compiled with the system C
+  compiler into ``$FT_CACHE_DIR`` (see :mod:`.native`) under a name keyed by the source, so a
+  stage compiles once per machine (about 0.3 s) and later processes load it. Results may be
+  written in place over an input (``alias``: the donated step) or into fresh buffers.
+* **Everywhere else** (CUDA, half-precision leaves, inside ``torch.compile`` or a
+  ``torch.func`` transform, or no C compiler): the same function runs leaf by leaf in torch,
+  where torch's own machinery (inductor, functorch) sees the plain operations.
+
+``FT_FUSED_KERNELS=0`` in the environment, or ``ENABLED = False`` here, turns the generated
+kernels off (every stage runs leaf by leaf).
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import native
+
+__all__ = ["ENABLED", "Kernel", "run", "kernel_for", "Unsupported"]
+
+ENABLED = os.environ.get("FT_FUSED_KERNELS", "1") != "0"
+DEBUG = os.environ.get("FT_FUSED_DEBUG", "0") != "0"  # warn when a stage cannot be generated
+_CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fopenmp-simd",
+    "-shared",
+    "-fPIC",
+]
+_CTYPE = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.bool: "_Bool",
+    torch.int64: "int64_t",
+    torch.int32: "int32_t",
+}
+_LEAF_DTYPES = (torch.float32, torch.float64)
+
+_lock = threading.Lock()
+_kernels: dict = {}
+_failed_compile = False
+
+
+class Unsupported(Exception):
+    """A stage uses an operation the C code generator does not write."""
+
+
+def _c_literal(v, dtype) -> str:
+    if dtype == torch.bool:
+        return "1" if v else "0"
+    if dtype in (torch.int64, torch.int32):
+        return str(int(v))
+    f = float(v)
+    if f != f:
+        return "NAN"
+    if f in (float("inf"), float("-inf")):
+        return "INFINITY" if f > 0 else "(-INFINITY)"
+    s = repr(f)
+    return s + ("f" if dtype == torch.float32 else "")
+
+
+_BINARY = {
+    "add": "({a} + {b})",
+    "sub": "({a} - {b})",
+    "mul": "({a} * {b})",
+    "div": "({a} / {b})",
+    "maximum": "FT_MAX({a}, {b})",
+    "minimum": "FT_MIN({a}, {b})",
+    "eq": "({a} == {b})",
+    "ne": "({a} != {b})",
+    "lt": "({a} < {b})",
+    "le": "({a} <= {b})",
+    "gt": "({a} > {b})",
+    "ge": "({a} >= {b})",
+    "logical_and": "({a} && {b})",
+    "logical_or": "({a} || {b})",
+    "bitwise_and": "({a} & {b})",
+    "bitwise_or": "({a} | {b})",
+}
+_UNARY = {
+    "neg": "(-{a})",
+    "abs": "FT_ABS({a})",
+    "sqrt": "FT_SQRT({a})",
+    "reciprocal": "(({t})1 / {a})",
+    "logical_not": "(!{a})",
+    "bitwise_not": "(!{a})",
+    "sign": "FT_SIGN({a})",
+    "isnan": "({a} != {a})",
+}
+
+
+def _op_name(target) -> str:
+    name = getattr(target, "__name__", str(target))  # "add.Tensor"
+    return name.split(".")[0]
+
+
+class _Writer:
+    """C source of one stage from its traced graph."""
+
+    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, n_scalars: int):
+        self.gm = gm
+        self.n_inputs = n_inputs
+        self.n_scalars = n_scalars
+        self.names: dict = {}
+        self.pre: list = []  # scalar-only lines, once per call
+        self.body: list = []  # per element
+        self.vec: set = set()  # names of per-element values
+        self.dtypes: dict = {}
+
+    def val(self, arg, want=None) -> str:
+        if isinstance(arg, torch.fx.Node):
+            name = self.names[arg]
+            if want is not None and self.dtypes[arg] != want:
+                return f"(({_CTYPE[want]}){name})"
+            return name
+        if isinstance(arg, (bool, int, float)):
+            return _c_literal(arg, want or (torch.float64 if isinstance(arg, float) else torch.int64))
+        raise Unsupported(f"argument {arg!r}")
+
+    def is_vec(self, arg) -> bool:
+        return isinstance(arg, torch.fx.Node) and arg in self.vec
+
+    def emit(self, node, expr: str, dtype, vec: bool):
+        if dtype not in _CTYPE:
+            raise Unsupported(f"dtype {dtype} of {node.format_node()}")
+        name = f"v{len(self.names)}"
+        self.names[node] = name
+        self.dtypes[node] = dtype
+        line = f"const {_CTYPE[dtype]} {name} = {expr};"
+        (self.body if vec else self.pre).append(line)
+        if vec:
+            self.vec.add(node)
+
+    def emit_tmp(self, expr: str, dtype, vec: bool) -> str:
+        """A named temporary (not a graph node's value)."""
+        name = f"t{len(self.pre) + len(self.body)}"
+        line = f"const {_CTYPE[dtype]} {name} = {expr};"
+        (self.body if vec else self.pre).append(line)
+        return name
+
+    def source(self, fn_name: str) -> tuple[str, list]:
+        outputs = []
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != self.n_inputs + self.n_scalars:
+            raise Unsupported("unexpected placeholders")
+        in_dtypes = []
+        for k, node in enumerate(placeholders):
+            val = node.meta["val"]
+            if k < self.n_inputs:
+                self.names[node] = f"x{k}"
+                self.vec.add(node)
+                in_dtypes.append(val.dtype)
+            else:
+                self.names[node] = f"s{k - self.n_inputs}"
+            if val.dtype not in _CTYPE:
+                raise Unsupported(f"dtype {val.dtype}")
+            self.dtypes[node] = val.dtype
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                outputs = list(node.args[0])
+                continue
+            if node.op != "call_function":
+                raise Unsupported(node.format_node())
+            self.lower(node)
+        out_dtypes = []
+        for o in outputs:
+            if not isinstance(o, torch.fx.Node) or o not in self.vec:
+                raise Unsupported("a result that is not a leaf-shaped value")
+            out_dtypes.append(self.dtypes[o])
+        nin, nout = self.n_inputs, len(outputs)
+        lines = [
+            "#include <stdint.h>",
+            "#include <math.h>",
+            "#define FT_MAX(a, b) ((a) != (a) ? (a) : ((b) != (b) ? (b) : ((a) > (b) ? (a) : (b))))",
+            "#define FT_MIN(a, b) ((a) != (a) ? (a) : ((b) != (b) ? (b) : ((a) < (b) ? (a) : (b))))",
+            "#define FT_ABS(a) _Generic((a), float: __builtin_fabsf, default: __builtin_fabs)(a)",
+            "#define FT_FMA(a, b, c) _Generic((a), float: __builtin_fmaf, default: __builtin_fma)(a, b, c)",
+            "#define FT_SQRT(a) _Generic((a), float: __builtin_sqrtf, default: __builtin_sqrt)(a)",
+            "#define FT_SIGN(a) (((a) > 0) - ((a) < 0))",
+            f"void {fn_name}(int64_t nleaves, const int64_t *numel, void *const *ptr,"
+            " const double *sc) {",
+        ]
+        for k in range(self.n_scalars):
+            node = placeholders[nin + k]
+            t = _CTYPE[self.dtypes[node]]
+            lines.append(f"  const {t} s{k} = ({t})sc[{k}];")
+        lines += ["  " + x for x in self.pre]
+        lines.append("  for (int64_t l = 0; l < nleaves; l++) {")
+        lines.append("    const int64_t n = numel[l];")
+        for k in range(nin):
+            t = _CTYPE[in_dtypes[k]]
+            lines.append(f"    const {t} *p{k} = (const {t} *)ptr[l * {nin + nout} + {k}];")
+        for j in range(nout):
+            t = _CTYPE[out_dtypes[j]]
+            lines.append(f"    {t} *q{j} = ({t} *)ptr[l * {nin + nout} + {nin + j}];")
+        lines.append("#pragma omp simd")
+        lines.append("    for (int64_t i = 0; i < n; i++) {")
+        for k in range(nin):
+            lines.append(f"      const {_CTYPE[in_dtypes[k]]} x{k} = p{k}[i];")
+        lines += ["      " + x for x in self.body]
+        for j, o in enumerate(outputs):
+            lines.append(f"      q{j}[i] = {self.names[o]};")
+        lines += ["    }", "  }", "}"]
+        return "\n".join(lines) + "\n", [in_dtypes, out_dtypes]
+
+    def lower(self, node):
+        op = _op_name(node.target)
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise Unsupported(node.format_node())
+        dtype = val.dtype
+        args = node.args
+        vec = any(self.is_vec(a) for a in args if isinstance(a, torch.fx.Node))
+        if op in ("add", "sub") and len(args) == 2 and "alpha" in node.kwargs:
+            alpha = node.kwargs["alpha"]
+            # ATen: a fused multiply-add, alpha * b + a
+            al = self.val(alpha, dtype)
+            if op == "sub":
+                al = f"(-{al})"
+            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, f"FT_FMA({al}, {b}, {a})", dtype, vec)
+        if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
+            return self.emit(node, self.val(args[0], dtype), dtype, vec)
+        if op == "addcmul" and len(args) == 3 and set(node.kwargs) <= {"value"}:
+            # ATen: fma(value * t1, t2, self)
+            a, b, c = (self.val(x, dtype) for x in args)
+            if "value" in node.kwargs:
+                b = f"({self.val(node.kwargs['value'], dtype)} * {b})"
+            return self.emit(node, f"FT_FMA({b}, {c}, {a})", dtype, vec)
+        if node.kwargs:
+            raise Unsupported(node.format_node())
+        if op == "rsub" and len(args) == 2:
+            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, f"({b} - {a})", dtype, vec)
+        if op in _BINARY and len(args) == 2:
+            if dtype == torch.bool and op not in ("logical_and", "logical_or"):
+                common = _common(args)
+                a, b = self.val(args[0], common), self.val(args[1], common)
+            else:
+                a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, _BINARY[op].format(a=a, b=b), dtype, vec)
+        if op in _UNARY and len(args) == 1:
+            a = self.val(args[0], dtype if dtype != torch.bool else None)
+            return self.emit(node, _UNARY[op].format(a=a, t=_CTYPE[dtype]), dtype, vec)
+        if op == "isfinite" and len(args) == 1:
+            a = self.val(args[0])
+            return self.emit(node, f"(({a} - {a}) == ({a} - {a}))", dtype, vec)
+        if op == "rsqrt":
+            a = self.val(args[0], dtype)
+            return self.emit(node, f"(({_CTYPE[dtype]})1 / FT_SQRT({a}))", dtype, vec)
+        if op == "where" and len(args) == 3:
+            c = self.val(args[0])
+            a, b = self.val(args[1], dtype), self.val(args[2], dtype)
+            return self.emit(node, f"({c} ? {a} : {b})", dtype, vec)
+        if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
+            return self.emit(node, self.val(args[0], dtype), dtype, vec)
+        if op == "pow" and len(args) == 2:
+            ex = args[1]
+            if isinstance(ex, (int, float)) and float(ex) == 2.0:
+                a = self.val(args[0], dtype)
+                return self.emit(node, f"({a} * {a})", dtype, vec)
+            if isinstance(ex, (int, float)) and float(ex) == 0.5:
+                return self.emit(node, f"FT_SQRT({self.val(args[0], dtype)})", dtype, vec)
+            if not vec:
+                fn = "pow" if dtype == torch.float64 else "powf"
+                a, b = self.val(args[0], dtype), self.val(ex, dtype)
+                return self.emit(node, f"{fn}({a}, {b})", dtype, vec)
+            raise Unsupported(node.format_node())
+        if op == "lerp" and len(args) == 3:
+            # ATen's lerp: start + weight * (end - start) when |weight| < 0.5, else
+            # end - (end - start) * (1 - weight)
+            a, b, w = (self.val(x, dtype) for x in args)
+            t = _CTYPE[dtype]
+            # (vectorised ATen: fma(coeff, end - start, base)); the choice as selects of
+            # computed values, which the compiler vectorises (a branch it does not)
+            wv = isinstance(args[2], torch.fx.Node) and args[2] in self.vec
+            small = self.emit_tmp(f"(FT_ABS({w}) < ({t})0.5)", torch.bool, wv)
+            coeff = self.emit_tmp(f"({small} ? {w} : {w} - ({t})1)", dtype, wv)
+            base = self.emit_tmp(f"({small} ? {a} : {b})", dtype, vec)
+            expr = f"FT_FMA({coeff}, {b} - {a}, {base})"
+            return self.emit(node, expr, dtype, vec)
+        if op == "addcdiv" and len(args) == 3:
+            a, b, c = (self.val(x, dtype) for x in args)
+            return self.emit(node, f"({a} + {b} / {c})", dtype, vec)
+        if op in ("clamp", "clamp_min", "clamp_max"):
+            a = self.val(args[0], dtype)
+            lo = args[1] if op != "clamp_max" else None
+            hi = args[2] if op == "clamp" and len(args) > 2 else (args[1] if op == "clamp_max" else None)
+            expr = a
+            if lo is not None:
+                expr = f"FT_MAX({expr}, {self.val(lo, dtype)})"
+            if hi is not None:
+                expr = f"FT_MIN({expr}, {self.val(hi, dtype)})"
+            return self.emit(node, expr, dtype, vec)
+        if op in ("full_like", "zeros_like", "ones_like", "scalar_tensor", "full"):
+            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
+            if fill is None:
+                fill = args[1] if op in ("full_like", "full") else args[0]
+            return self.emit(node, self.val(fill, dtype), dtype, False)
+        raise Unsupported(node.format_node())
+
+
+def _common(args) -> torch.dtype:
+    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    return torch.result_type(*vals) if len(vals) == 2 else vals[0].dtype
+
+
+def _trace(fn: Callable, in_dtypes, scalar_dtypes):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ins = tuple(torch.zeros(3, dtype=d) for d in in_dtypes)
+    scs = tuple(torch.zeros((), dtype=d) for d in scalar_dtypes)
+
+    def flat(*args):
+        return tuple(fn(args[: len(ins)], args[len(ins) :]))
+
+    with torch.no_grad():
+        return make_fx(flat, tracing_mode="fake")(*ins, *scs)
+
+
+def _build(source: str) -> ctypes.CDLL:
+    cc = native._compiler()
+    key = hashlib.sha256(
+        b"\0".join([source.encode(), cc.encode(), " ".join(_CFLAGS).encode(), native._cpu().encode()])
+    ).hexdigest()[:24]
+    path = native._cache_dir() / f"stage-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, src_tmp = tempfile.mkstemp(suffix=".c", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            res = subprocess.run(
+                cc.split() + _CFLAGS + ["-o", tmp, src_tmp, "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if res.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
+            os.replace(tmp, path)
+        finally:
+            for p in (tmp, src_tmp):
+                if os.path.exists(p):
+                    os.unlink(p)
+    return ctypes.CDLL(str(path))
+
+
+class Kernel:
+    """A stage compiled for one signature: call it with per-leaf pointers."""
+
+    __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "_lib")
+
+    def __init__(self, fn: Callable, in_dtypes, scalar_dtypes):
+        gm = _trace(fn, in_dtypes, scalar_dtypes)
+        w = _Writer(gm, len(in_dtypes), len(scalar_dtypes))
+        self.source, (_, out_dtypes) = w.source("ft_stage")
+        self.n_inputs = len(in_dtypes)
+        self.n_outputs = len(out_dtypes)
+        self.out_dtypes = out_dtypes
+        self._lib = _build(self.source)
+        f = self._lib.ft_stage
+        f.restype = None
+        f.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self.fn = f
+
+    def __call__(self, inputs: Sequence[Sequence[torch.Tensor]], outputs, scalars) -> None:
+        n = len(inputs[0])
+        roles = list(inputs) + list(outputs)
+        ptrs = array.array("q", [0]) * (n * len(roles))
+        for r, lst in enumerate(roles):
+            ptrs[r :: len(roles)] = array.array("q", map(torch.Tensor.data_ptr, lst))
+        numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
+        sc = array.array("d", scalars)
+        self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], sc.buffer_info()[0] if len(sc) else None)
+
+
+def kernel_for(fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple) -> Kernel | None:
+    """The compiled kernel of ``fn`` for these dtypes, or ``None`` where it cannot be generated
+    (an unsupported operation or dtype, no compiler)."""
+    global _failed_compile
+    key = (fn, in_dtypes, scalar_dtypes)
+    k = _kernels.get(key, _MISSING)
+    if k is not _MISSING:
+        return k
+    with _lock:
+        k = _kernels.get(key, _MISSING)
+        if k is not _MISSING:
+            return k
+        try:
+            k = Kernel(fn, in_dtypes, scalar_dtypes)
+        except Unsupported as e:
+            if DEBUG:
+                warnings.warn(f"functional_train: a stage runs leaf by leaf: {e}", stacklevel=3)
+            k = None
+        except Exception as e:  # no compiler, a read-only cache directory
+            if not _failed_compile:
+                warnings.warn(
+                    f"functional_train: fused elementwise kernels are off for this process "
+                    f"({type(e).__name__}: {e})",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            _failed_compile = True
+            k = None
+        _kernels[key] = k
+    return k
+
+
+_MISSING = object()
+
+
+def run(fn, inputs, scalars, *, alias=None):
+    """Apply the stage ``fn`` to lists of leaves ... (prototype)"""
+    raise NotImplementedError
