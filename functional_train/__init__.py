@@ -12,6 +12,7 @@ from .base import EmptyState, GradientTransformation, chain, identity, named_cha
 from .came import ScaleByCameState, came, scale_by_came
 from .clipping import ClipByGlobalNormState, clip, clip_by_global_norm, global_norm
 from .combine import MaskedState, PartitionState, masked, partition
+from .extend import ElementwiseState, elementwise
 from .factored import (
     EmaState,
     ScaleByFactoredRmsState,
@@ -124,6 +125,8 @@ __all__ = [
     "is_differentiable",
     "GradientTransformation",
     "EmptyState",
+    "elementwise",
+    "ElementwiseState",
     "identity",
     "chain",
     "named_chain",
