@@ -37,8 +37,8 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
                    read)
   ema_params       chain(clip, adamw, ema_params(0.999))
                    torch code: clip + AdamW(foreach) step, then the EMA of the parameters: the
-                   first update copies them (torch._foreach_copy_, as ema_params' first update
-                   does), later ones torch._foreach_lerp_(ema, params, 1 - 0.999). The check
+                   first update copies them (``e.copy_(p)`` per leaf, as ema_params' first
+                   update does), later ones torch._foreach_lerp_(ema, params, 1 - 0.999). The check
                    compares the EMA too (ft.averaged_params(state))
   masked           chain(clip, adamw(1e-3, weight_decay=0.1, mask=ft.decay_mask)): decay only
                    the weight matrices (not embed, norms, biases)
@@ -233,8 +233,9 @@ class TorchCode:
         if self.ema is not None:
             with torch.no_grad():
                 cur = [p.detach() for p in ps]
-                if self.ema_steps == 0:
-                    torch._foreach_copy_(self.ema, cur)
+                if self.ema_steps == 0:  # once (copy_ per leaf: DTensor has no _foreach_copy_)
+                    for e, c in zip(self.ema, cur):
+                        e.copy_(c)
                 else:
                     torch._foreach_lerp_(self.ema, cur, 1.0 - EMA_DECAY)
             self.ema_steps += 1
@@ -505,10 +506,51 @@ def describe(row):
 
 
 # -- Part B -----------------------------------------------------------------------------------
+def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p_full, g_full = problem(shapes, row, device)
+    params0 = {k: distribute_tensor(v, dm, [Shard(0)]) for k, v in p_full.items()}
+    grads = [{k: distribute_tensor(v, dm, [Shard(0)]) for k, v in g.items()} for g in g_full]
+    del p_full, g_full
+    tx = make_tx(row)
+    ref = TorchCode(
+        "(b) torch code: AdamW(foreach) + clip ... [base]",
+        row,
+        params0,
+        grads,
+        device,
+        fused=False,
+    )
+    systems = [ref] + ft_systems(row, tx, params0, grads, device, mesh=fmesh)
+    times, faults, _ = be.run_rounds(
+        systems,
+        args.rounds,
+        args.warmup,
+        barrier=dist.barrier,
+        reduce_max=reduce_max,
+        log=log,
+    )
+    mem = memory_unit(systems, device, reduce_max=reduce_max)
+    diffs = checks(systems, ref, lambda s: True, reduce_max=reduce_max)
+    unit = f"one cycle of {EVERY_K} calls" if row == "multi_steps" else "one step"
+    text, _ = row_table(
+        f"\nrow {row}: {describe(row)}; unit = {unit} (slowest rank per unit)",
+        times,
+        faults,
+        mem,
+        diffs,
+        ref.name,
+        ref.name,
+        {},
+    )
+    log(text, flush=True)
+
+
 def dtensor_worker(rank, args, rows, world, port):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.set_num_threads(1)
     if port is None:  # torchrun
@@ -534,45 +576,11 @@ def dtensor_worker(rank, args, rows, world, port):
             f"GPT-like tree {be.n_params(shapes):,} params in {len(shapes)} leaves"
         )
         for row in rows:
-            p_full, g_full = problem(shapes, row, device)
-            params0 = {k: distribute_tensor(v, dm, [Shard(0)]) for k, v in p_full.items()}
-            grads = [
-                {k: distribute_tensor(v, dm, [Shard(0)]) for k, v in g.items()} for g in g_full
-            ]
-            del p_full, g_full
-            tx = make_tx(row)
-            ref = TorchCode(
-                "(b) torch code: AdamW(foreach) + clip ... [base]",
-                row,
-                params0,
-                grads,
-                device,
-                fused=False,
-            )
-            systems = [ref] + ft_systems(row, tx, params0, grads, device, mesh=fmesh)
-            times, faults, _ = be.run_rounds(
-                systems,
-                args.rounds,
-                args.warmup,
-                barrier=dist.barrier,
-                reduce_max=reduce_max,
-                log=log,
-            )
-            mem = memory_unit(systems, device, reduce_max=reduce_max)
-            diffs = checks(systems, ref, lambda s: True, reduce_max=reduce_max)
-            unit = f"one cycle of {EVERY_K} calls" if row == "multi_steps" else "one step"
-            text, _ = row_table(
-                f"\nrow {row}: {describe(row)}; unit = {unit} (slowest rank per unit)",
-                times,
-                faults,
-                mem,
-                diffs,
-                ref.name,
-                ref.name,
-                {},
-            )
-            log(text, flush=True)
-            del systems, params0, grads, ref
+            try:
+                dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log)
+            except Exception as e:  # noqa: BLE001 - every rank raises alike: go on with the next
+                msg = " | ".join(line[:200] for line in str(e).strip().splitlines()[:2])
+                log(f"\nrow {row}: FAILED with {type(e).__name__}: {msg}", flush=True)
     finally:
         dist.destroy_process_group()
 
