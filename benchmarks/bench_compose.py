@@ -57,7 +57,7 @@ Systems per row:
                  column ``x base`` is on one scale across rows); only the multi_steps row's
                  baseline accumulates and averages the 4 gradients first like (b) (otherwise it
                  would time a quarter of the gradients). Its parameters are compared with (b)'s
-                 only where its math is the row's (not in masked and schedule: "other math")
+                 only where its math is the row's (not in masked and schedule: "other")
   (b) torch      the torch code for the row's math (above); the reference of the check
   (c) donate     params, state = ft.step(tx, grads, state, params, donate=True)
   (d) pure       params, state = ft.step(tx, grads, state, params) (donate=False; nothing is
@@ -68,17 +68,22 @@ Systems per row:
                  fullgraph=True), pure, run second in each round (before the eager ft.step, as
                  in bench_engine); its warm-up units (the first one compiles) are printed below
                  the table; torch._dynamo.reset() before each row; ``--cold-cache`` gives the
-                 process an empty inductor cache (a temporary TORCHINDUCTOR_CACHE_DIR). A
+                 process an empty inductor cache (a temporary TORCHINDUCTOR_CACHE_DIR; the
+                 process's later rows reuse what its earlier rows compiled: the dynamo reset
+                 leaves inductor's caches, and the kernels of ft's fused step are shared). A
                  system that raises is dropped with a note (fullgraph=True refuses graph breaks)
 
-Columns: the median ms per unit over the timed rounds, the minimum, the ratio of the median to
-(a) and to (b), the median minor page faults during one unit (see bench_engine), the peak extra
-memory of one unit, and the largest difference of the final parameters from (b)'s, relative to
-the leaf's largest |value| (max over leaves of max|p - p_torch| / max|p_torch|; after the memory
-unit every system has taken the same steps with the same gradients). A row is flagged FAILED when
-any system's relative difference exceeds 1e-5 or its results are not finite.
+Columns: ``ms/unit`` the median ms per unit over the timed rounds, ``min ms`` the minimum,
+``x base`` and ``x torch`` the ratio of the median to (a)'s and to (b)'s, ``faults`` the median
+minor page faults during one unit (see bench_engine), ``MiB`` the peak extra memory of one unit
+(below), ``rel diff`` the largest difference of the final parameters from (b)'s, relative to the
+leaf's largest |value| (max over leaves of max|p - p_torch| / max|p_torch|, the EMA included in
+the ema_params row; after the memory unit every system has taken the same steps with the same
+gradients); ``other`` where the system's math is not the row's (the baseline in masked and
+schedule). A row is flagged FAILED (and the script exits 1) when any system's relative difference
+exceeds 1e-5 or its results are not finite.
 
-Peak extra memory (``peak MiB``): one more unit per system after the timed rounds, untimed. On
+Peak extra memory (``MiB``): one more unit per system after the timed rounds, untimed. On
 CUDA, ``torch.cuda.max_memory_allocated`` minus the allocated bytes before it. On CPU, the unit
 runs under ``torch.autograd.profiler.profile(profile_memory=True)``: the profiler records every
 allocation and free of the CPU allocator as a ``[memory]`` event with its size (the per-operator
@@ -303,16 +308,14 @@ def ft_systems(row, tx, params0, grads, device, mesh=None, compiled=False):
             device,
             k,
         ),
-        FtLoop("(e) eager tx.update + ft.apply_updates", eager, tx, params0, grads, device, k),
+        FtLoop("(e) eager tx.update + apply_updates", eager, tx, params0, grads, device, k),
     ]
     if compiled:
         torch._dynamo.reset()  # each row compiles its own step from scratch
         fn = torch.compile(lambda g, s, p: ft.step(tx, g, s, p), fullgraph=True)
         systems.insert(
             0,
-            FtLoop(
-                "(f) torch.compile(ft.step, fullgraph), pure", fn, tx, params0, grads, device, k
-            ),
+            FtLoop("(f) compile(ft.step, fullgraph), pure", fn, tx, params0, grads, device, k),
         )
     return systems
 
@@ -403,8 +406,8 @@ def checks(systems, ref, same_math, reduce_max=None):
 def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiled_name=None):
     lines = [
         title,
-        f"  {'system':<48s} {'ms/unit':>9s} {'min ms':>8s} {'x base':>6s} {'x torch':>7s} "
-        f"{'faults':>7s} {'peak MiB':>8s}  max rel |p - p_torch|",
+        f"  {'system':<37s} {'ms/unit':>7s} {'min ms':>7s} {'x base':>6s} {'x torch':>7s} "
+        f"{'faults':>6s} {'MiB':>6s}  rel diff",
     ]
     t_base = statistics.median(times[base]) if base in times else math.nan
     t_torch = statistics.median(times[torch_name]) if torch_name in times else math.nan
@@ -413,7 +416,7 @@ def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiled
         med = statistics.median(ts)
         d = diffs.get(name, math.nan)
         if d is None:
-            ds = "n/a (other math)"
+            ds = "other"
         else:
             ds = f"{d:.1e}"
             if not d <= RTOL:
@@ -422,12 +425,12 @@ def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiled
         m = mem.get(name)
         ms = "n/a" if m is None else f"{m:.1f}"
         lines.append(
-            f"  {name:<48s} {med * 1e3:9.2f} {min(ts) * 1e3:8.2f} {med / t_base:6.2f} "
-            f"{med / t_torch:7.2f} {statistics.median(faults[name]):7.0f} {ms:>8s}  {ds}"
+            f"  {name:<37s} {med * 1e3:7.2f} {min(ts) * 1e3:7.2f} {med / t_base:6.2f} "
+            f"{med / t_torch:7.2f} {statistics.median(faults[name]):6.0f} {ms:>6s}  {ds}"
         )
     if compiled_name is not None and warm.get(compiled_name):
         lines.append(
-            f"  {compiled_name}: warm-up units (the first compiles) "
+            f"  {compiled_name[:3]} warm-up units (the first compiles): "
             + ", ".join(f"{t:.2f} s" for t in warm[compiled_name])
         )
     if failed:
@@ -461,9 +464,7 @@ def part_a(args, rows):
         base = TorchCode(
             "(a) AdamW(fused) + clip [base]", row, params0, grads, device, fused=True, plain=True
         )
-        ref = TorchCode(
-            "(b) torch code: AdamW(foreach) + clip ...", row, params0, grads, device, fused=False
-        )
+        ref = TorchCode("(b) torch code, AdamW(foreach)", row, params0, grads, device, fused=False)
         fts = ft_systems(row, tx, params0, grads, device, compiled=args.compile)
         systems = [base] + fts[:1] + [ref] + fts[1:] if args.compile else [base, ref] + fts
         compiled_name = fts[0].name if args.compile else None
@@ -474,9 +475,9 @@ def part_a(args, rows):
             mem = memory_unit(alive, device)
         other_math = {base.name} if row in ("masked", "schedule") else set()
         diffs = checks(alive, ref, lambda s: s.name not in other_math)
-        unit = f"one cycle of {EVERY_K} calls" if row == "multi_steps" else "one step"
+        unit = f" (unit: a cycle of {EVERY_K} calls)" if row == "multi_steps" else ""
         text, good = row_table(
-            f"\nrow {row}: {describe(row)}; unit = {unit}",
+            f"\nrow {row}{unit}: {describe(row)}",
             times,
             faults,
             mem,
@@ -516,7 +517,7 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
     del p_full, g_full
     tx = make_tx(row)
     ref = TorchCode(
-        "(b) torch code: AdamW(foreach) + clip ... [base]",
+        "(b) torch code, AdamW(foreach) [base]",
         row,
         params0,
         grads,
@@ -534,9 +535,9 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
     )
     mem = memory_unit(systems, device, reduce_max=reduce_max)
     diffs = checks(systems, ref, lambda s: True, reduce_max=reduce_max)
-    unit = f"one cycle of {EVERY_K} calls" if row == "multi_steps" else "one step"
+    unit = f" (unit: a cycle of {EVERY_K} calls)" if row == "multi_steps" else ""
     text, _ = row_table(
-        f"\nrow {row}: {describe(row)}; unit = {unit} (slowest rank per unit)",
+        f"\nrow {row}{unit}: {describe(row)}",
         times,
         faults,
         mem,
@@ -573,7 +574,8 @@ def dtensor_worker(rank, args, rows, world, port):
         shapes = be.gpt_shapes()
         log(
             f"Part B: DTensor Shard(0) over {world} gloo ranks (FSDP2-style), 1 thread per rank; "
-            f"GPT-like tree {be.n_params(shapes):,} params in {len(shapes)} leaves"
+            f"GPT-like tree {be.n_params(shapes):,} params in {len(shapes)} leaves; a unit's "
+            f"time is the slowest rank's"
         )
         for row in rows:
             try:
