@@ -115,14 +115,14 @@ A unit's time is the slowest rank's; rank 0 prints. No compiled system in Part B
 prints where it was imported from.)
 
 What the tables below say: ``adamw`` with a mask or a schedule takes ft.step's fused path like
-the plain chain (0.7-0.9x the fused baseline donated, about 1.0x pure; 0.23-0.40x the torch code
+the plain chain (0.73-0.94x the fused baseline donated, 0.92-1.08x pure; 0.23-0.40x the torch code
 on DTensors). AdamW written from primitives, ``apply_if_finite``, ``ema_params`` and
 ``multi_steps`` do not: ft.step runs them primitive by primitive, donate=True no faster than the
-eager update + apply and allocating about 260 MiB (5x the parameters' bytes) per step, 1.7-2.5x
-the torch code for the same math on plain tensors (4.5-6x the fused baseline) and 1.3-2.2x on
-DTensors; compiled, 1.3-2.7x the torch code after 80-150 s of first compile. That is the gap
-DESIGN.md 3b (engine v3) is meant to close. Every system agrees with the torch code to 7.1e-7
-(relative) or better.
+eager update + apply and allocating 260 MiB (5x the parameters' bytes) per step, 469 MiB per
+multi_steps cycle; 1.7-2.5x the torch code for the same math on plain tensors (the pure
+multi_steps cycle 4.3x; 4.5-7.8x the fused baseline) and 1.3-3.1x on DTensors; compiled,
+1.3-2.7x the torch code after 80-150 s of first compile. That is the gap DESIGN.md 3b (engine v3)
+is meant to close. Every system agrees with the torch code to 7.1e-7 (relative) or better.
 
 Measured on 2026-11-26, this machine: 2 shared AMD EPYC cores with other jobs running beside
 these (the baseline's median moved between 18 and 38 ms from row to row: compare ratios within a
