@@ -1,0 +1,793 @@
+"""Composed chains against the torch code a user writes for the same math (issue 29).
+
+DESIGN.md section 4: "Composition is measured, not only the aliases: a chain wrapped in
+``multi_steps``, ``apply_if_finite``, ``masked``, ``ema_params``, or written from primitives,
+against the torch code a user writes for the same math." bench_engine.py measures the one chain
+the fused path recognises (clip + adamw); this script measures what is composed around it.
+
+The problem is bench_engine's (its helpers are imported, not copied): the GPT-like tree of
+13,650,176 float32 parameters in 122 leaves (``gpt_shapes``, ``make_problem``: matrices ~0.02
+randn, norms 1, biases 0; gradients ~1e-2 randn), ``torch.set_num_threads(--threads)`` (default
+1). Hyper-parameters everywhere: clip max_norm 1.0, lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+weight decay 0.1. Before each timed unit every system gets freshly written gradients, untimed
+(``p.grad.copy_(g)`` for torch.optim, a fresh clone of the tree for functional_train, which
+``donate=True`` may write into). Systems are interleaved round by round in one process
+(bench_engine's ``run_rounds``: ``--warmup`` untimed rounds, then ``--rounds`` timed ones, every
+system once per round, in order).
+
+Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_global_norm(1.0)``:
+
+  adamw            chain(clip, adamw(1e-3, weight_decay=0.1))
+                   torch code: clip_grad_norm_(foreach) + AdamW(foreach)
+  primitives       chain(clip, scale_by_adam(0.9, 0.999, 1e-8), add_decayed_weights(0.1),
+                   scale_by_learning_rate(1e-3)): AdamW written from primitives
+                   torch code: clip_grad_norm_(foreach) + AdamW(foreach)
+  multi_steps      multi_steps(chain(clip, adamw), every_k=4); one timed unit is one cycle of
+                   4 calls, each with its own fresh gradient (4 different gradient trees)
+                   torch code: the first micro-gradient is in .grad (untimed, as backward writes
+                   it), the other 3 are added with torch._foreach_add_ (autograd's accumulation,
+                   timed here because functional_train's accumulation is), then
+                   torch._foreach_div_(grads, 4) (the mean, as multi_steps feeds its inner
+                   transform the sum divided by every_k), clip, AdamW(foreach)
+  apply_if_finite  apply_if_finite(chain(clip, adamw), max_consecutive_errors=5)
+                   torch code: total = clip_grad_norm_(foreach); ``if torch.isfinite(total):
+                   opt.step()`` (AdamW foreach; a host read of the norm, as users write it).
+                   All gradients are finite here: this times the guard's cost on the hot path
+                   (functional_train runs the inner step and selects with torch.where, no host
+                   read)
+  ema_params       chain(clip, adamw, ema_params(0.999))
+                   torch code: clip + AdamW(foreach) step, then the EMA of the parameters: the
+                   first update copies them (``e.copy_(p)`` per leaf, as ema_params' first
+                   update does), later ones torch._foreach_lerp_(ema, params, 1 - 0.999). The check
+                   compares the EMA too (ft.averaged_params(state))
+  masked           chain(clip, adamw(1e-3, weight_decay=0.1, mask=ft.decay_mask)): decay only
+                   the weight matrices (not embed, norms, biases)
+                   torch code: clip + AdamW(foreach) with two parameter groups, weight_decay 0.1
+                   for the leaves where ft.decay_mask(params) is True and 0 for the others
+  schedule         chain(clip, adamw(ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-3,
+                   warmup_steps=3, decay_steps=12), weight_decay=0.1))
+                   torch code: clip + AdamW(foreach, lr=1e-3) + LambdaLR whose lambda computes the
+                   same schedule divided by the peak (in Python floats), sched.step() after each
+                   opt.step() (optax counts: the first update uses the schedule at 0, as LambdaLR)
+
+Systems per row:
+
+  (a) base       torch.optim.AdamW(fused=True) + clip_grad_norm_(foreach=True): the plain step,
+                 the fastest thing a torch user picks, the same in every row (so the ratio
+                 column ``x base`` is on one scale across rows); only the multi_steps row's
+                 baseline accumulates and averages the 4 gradients first like (b) (otherwise it
+                 would time a quarter of the gradients). Its parameters are compared with (b)'s
+                 only where its math is the row's (not in masked and schedule: "other")
+  (b) torch      the torch code for the row's math (above); the reference of the check
+  (c) donate     params, state = ft.step(tx, grads, state, params, donate=True)
+  (d) pure       params, state = ft.step(tx, grads, state, params) (donate=False; nothing is
+                 modified, the loop drops the old trees)
+  (e) eager      updates, state = tx.update(grads, state, params);
+                 params = ft.apply_updates(params, updates)
+  (f) compiled   with --compile: torch.compile(lambda g, s, p: ft.step(tx, g, s, p),
+                 fullgraph=True), pure, run second in each round (before the eager ft.step, as
+                 in bench_engine); its warm-up units (the first one compiles) are printed below
+                 the table; torch._dynamo.reset() before each row; ``--cold-cache`` gives the
+                 process an empty inductor cache (a temporary TORCHINDUCTOR_CACHE_DIR; the
+                 process's later rows reuse what its earlier rows compiled: the dynamo reset
+                 leaves inductor's caches, and the kernels of ft's fused step are shared). A
+                 system that raises is dropped with a note (fullgraph=True refuses graph breaks)
+
+Columns: ``ms/unit`` the median ms per unit over the timed rounds, ``min ms`` the minimum,
+``x base`` and ``x torch`` the ratio of the median to (a)'s and to (b)'s, ``faults`` the median
+minor page faults during one unit (see bench_engine), ``MiB`` the peak extra memory of one unit
+(below), ``rel diff`` the largest difference of the final parameters from (b)'s, relative to the
+leaf's largest |value| (max over leaves of max|p - p_torch| / max|p_torch|, the EMA included in
+the ema_params row; after the memory unit every system has taken the same steps with the same
+gradients); ``other`` where the system's math is not the row's (the baseline in masked and
+schedule). A row is flagged FAILED (and the script exits 1) when any system's relative difference
+exceeds 1e-5 or its results are not finite.
+
+Peak extra memory (``MiB``): one more unit per system after the timed rounds, untimed. On
+CUDA, ``torch.cuda.max_memory_allocated`` minus the allocated bytes before it. On CPU, the unit
+runs under ``torch.autograd.profiler.profile(profile_memory=True)``: the profiler records every
+allocation and free of the CPU allocator as a ``[memory]`` event with its size (the per-operator
+sums of ``function_events`` hide allocations freed within an operator, so the raw kineto events
+are read); their running sum in time order, maximum, is the peak of (allocated - freed) during the
+unit. It counts tensors of the torch CPU allocator, not Python objects; for a pure step it
+includes the new params and state it returns (the old ones are freed after the unit when the loop
+drops them) -- except where functional_train's pure fused step takes its results from its buffer
+pool (functional_train/engine/pool.py: on CPU it keeps up to two sets of result buffers per plan,
+one of them the set the loop dropped, as a caching allocator would), which allocates nothing
+during the step: its 0.0 means no allocation in the step, not that no memory is held (the pool
+holds about one more set of params and moments, 156 MiB here, between steps). On CUDA the
+caching allocator's reuse is not counted either. "n/a" where the profiler's events cannot be
+read.
+
+Part B (--dtensor): FSDP2-style DTensors on 2 gloo ranks (spawned on a free port of 127.0.0.1
+with bench_engine's helper, or torchrun's ranks), 1 thread per rank, the GPT-like tree, every
+parameter and gradient leaf ``distribute_tensor(t, mesh, [Shard(0)])`` on a 1-D "dp" mesh,
+functional_train given ``mesh=ft.Mesh(device_mesh, data_axis="dp")``. The rows as above; the
+baseline is (b), the torch code for the row's math with AdamW(foreach) on nn.Parameter(DTensor)
+(torch's fused AdamW is not the baseline there, as in bench_engine's Part B), then (c), (d), (e).
+A unit's time is the slowest rank's; rank 0 prints. No compiled system in Part B.
+
+    python benchmarks/bench_compose.py [--rounds 7] [--warmup 2] [--threads 1] [--rows a,b]
+                                       [--device cpu|cuda] [--compile [--cold-cache]]
+    python benchmarks/bench_compose.py --dtensor [--rounds 7] [--warmup 2] [--rows a,b]
+
+(Run with ``PYTHONPATH`` naming the checkout whose functional_train is to be measured; the header
+prints where it was imported from.)
+
+What the tables below say: ``adamw`` with a mask or a schedule takes ft.step's fused path like
+the plain chain (0.73-0.94x the fused baseline donated, 0.92-1.08x pure; 0.23-0.40x the torch code
+on DTensors). AdamW written from primitives, ``apply_if_finite``, ``ema_params`` and
+``multi_steps`` do not: ft.step runs them primitive by primitive, donate=True no faster than the
+eager update + apply and allocating 260 MiB (5x the parameters' bytes) per step, 469 MiB per
+multi_steps cycle; 1.7-2.5x the torch code for the same math on plain tensors (the pure
+multi_steps cycle 4.3x; 4.5-7.8x the fused baseline) and 1.3-3.1x on DTensors; compiled,
+1.3-2.7x the torch code after 80-150 s of first compile. That is the gap DESIGN.md 3b (engine v3)
+is meant to close. Every system agrees with the torch code to 7.1e-7 (relative) or better.
+
+Measured on 2026-11-26, this machine: 2 shared AMD EPYC cores with other jobs running beside
+these (the baseline's median moved between 18 and 38 ms from row to row: compare ratios within a
+row, not milliseconds across rows), torch 2.13.0+cpu. Part A, with --compile, in three processes
+(each with its own empty inductor cache):
+
+    PYTHONPATH=. python benchmarks/bench_compose.py --rounds 5 --compile --cold-cache \
+        --rows adamw,primitives
+    PYTHONPATH=. python benchmarks/bench_compose.py --rounds 5 --compile --cold-cache \
+        --rows multi_steps,apply_if_finite
+    PYTHONPATH=. python benchmarks/bench_compose.py --rounds 5 --compile --cold-cache \
+        --rows ema_params,masked,schedule
+
+    row adamw: chain(clip, adamw)
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (a) AdamW(fused) + clip [base]          26.41   22.98   1.00    0.36      0    0.0  2.3e-07
+      (f) compile(ft.step, fullgraph), pure   27.93   27.88   1.06    0.38      4    0.0  7.1e-07
+      (b) torch code, AdamW(foreach)          72.57   70.32   2.75    1.00      0   52.1  0.0e+00
+      (c) ft.step(donate=True)                24.82   23.58   0.94    0.34      0    0.0  5.3e-07
+      (d) ft.step(donate=False), pure         27.12   22.44   1.03    0.37      0    0.0  7.1e-07
+      (e) eager tx.update + apply_updates    146.40  114.00   5.54    2.02   8161  260.4  7.1e-07
+      (f) warm-up units (the first compiles): 26.30 s, 0.13 s
+
+    row primitives: chain(clip, scale_by_adam, add_decayed_weights, scale_by_learning_rate)
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (a) AdamW(fused) + clip [base]          32.33   27.76   1.00    0.41      0    0.0  2.3e-07
+      (f) compile(ft.step, fullgraph), pure  100.31   98.99   3.10    1.27      4  156.2  7.1e-07
+      (b) torch code, AdamW(foreach)          78.79   72.82   2.44    1.00      0   52.1  0.0e+00
+      (c) ft.step(donate=True)               172.84  144.95   5.35    2.19   9217  260.4  7.1e-07
+      (d) ft.step(donate=False), pure        179.34  168.74   5.55    2.28   8417  260.4  7.1e-07
+      (e) eager tx.update + apply_updates    166.10  155.82   5.14    2.11   9409  260.4  7.1e-07
+      (f) warm-up units (the first compiles): 80.29 s, 0.10 s
+
+    row multi_steps (unit: a cycle of 4 calls): multi_steps(chain(clip, adamw), every_k=4)
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (a) AdamW(fused) + clip [base]          38.09   37.08   1.00    0.55      0    0.0  3.1e-07
+      (f) compile(ft.step, fullgraph), pure  183.66  175.10   4.82    2.66     19  416.6  7.1e-07
+      (b) torch code, AdamW(foreach)          69.10   66.62   1.81    1.00      0   52.1  0.0e+00
+      (c) ft.step(donate=True)               172.34  161.91   4.52    2.49      0  468.6  7.1e-07
+      (d) ft.step(donate=False), pure        298.26  217.79   7.83    4.32  22498  624.9  7.1e-07
+      (e) eager tx.update + apply_updates    224.25  167.81   5.89    3.25  17377  520.7  7.1e-07
+      (f) warm-up units (the first compiles): 150.26 s, 0.17 s
+
+    row apply_if_finite: apply_if_finite(chain(clip, adamw), 5)
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (a) AdamW(fused) + clip [base]          28.21   26.84   1.00    0.36      0    0.0  2.3e-07
+      (f) compile(ft.step, fullgraph), pure  143.36  139.67   5.08    1.84      4  156.2  7.1e-07
+      (b) torch code, AdamW(foreach)          77.89   74.10   2.76    1.00      0   52.1  0.0e+00
+      (c) ft.step(donate=True)               168.68  162.10   5.98    2.17      0  260.4  7.1e-07
+      (d) ft.step(donate=False), pure        174.43  154.67   6.18    2.24      0  260.4  7.1e-07
+      (e) eager tx.update + apply_updates    173.90  166.58   6.16    2.23      0  260.4  7.1e-07
+      (f) warm-up units (the first compiles): 81.99 s, 0.12 s
+
+    row ema_params: chain(clip, adamw, ema_params(0.999))
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (a) AdamW(fused) + clip [base]          18.85   18.44   1.00    0.35      0    0.0  2.3e-07
+      (f) compile(ft.step, fullgraph), pure   77.57   76.50   4.12    1.44      4  208.3  7.1e-07
+      (b) torch code, AdamW(foreach)          53.82   53.16   2.86    1.00      0   52.1  0.0e+00
+      (c) ft.step(donate=True)                91.58   89.17   4.86    1.70      0  260.4  7.1e-07
+      (d) ft.step(donate=False), pure         94.56   93.29   5.02    1.76      0  260.4  7.1e-07
+      (e) eager tx.update + apply_updates     96.12   93.96   5.10    1.79    160  260.4  7.1e-07
+      (f) warm-up units (the first compiles): 108.70 s, 0.08 s
+
+    row masked: chain(clip, adamw(mask=decay_mask))
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (a) AdamW(fused) + clip [base]          30.72   27.42   1.00    0.44      0    0.0  other
+      (f) compile(ft.step, fullgraph), pure   35.32   20.68   1.15    0.50      4    0.0  7.1e-07
+      (b) torch code, AdamW(foreach)          70.20   47.17   2.29    1.00      0   48.0  0.0e+00
+      (c) ft.step(donate=True)                22.33   15.49   0.73    0.32      0    0.0  5.3e-07
+      (d) ft.step(donate=False), pure         28.14   18.71   0.92    0.40      0    0.0  7.1e-07
+      (e) eager tx.update + apply_updates    200.17  150.17   6.52    2.85  22468  260.4  6.4e-07
+      (f) warm-up units (the first compiles): 15.85 s, 0.03 s
+
+    row schedule: chain(clip, adamw(warmup_cosine_decay_schedule(0, 0.001, 3, 12)))
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (a) AdamW(fused) + clip [base]          18.88   18.36   1.00    0.38      0    0.0  other
+      (f) compile(ft.step, fullgraph), pure   20.89   20.03   1.11    0.42      4    0.0  4.9e-07
+      (b) torch code, AdamW(foreach)          49.41   48.48   2.62    1.00      0   52.1  0.0e+00
+      (c) ft.step(donate=True)                16.23   15.64   0.86    0.33      0    0.0  4.0e-07
+      (d) ft.step(donate=False), pure         20.35   18.98   1.08    0.41      0    0.0  4.9e-07
+      (e) eager tx.update + apply_updates    140.30  129.92   7.43    2.84  20705  260.4  4.5e-07
+      (f) warm-up units (the first compiles): 16.37 s, 0.02 s
+
+Part B (the baseline is (b) there, so ``x base`` is ``x torch``):
+
+    PYTHONPATH=. python benchmarks/bench_compose.py --dtensor --rounds 5
+
+    row adamw: chain(clip, adamw)
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (b) torch code, AdamW(foreach) [base]   48.53   33.05   1.00    1.00      0   26.0  0.0e+00
+      (c) ft.step(donate=True)                12.72   10.58   0.26    0.26      0    0.0  5.2e-07
+      (d) ft.step(donate=False), pure         14.53   13.02   0.30    0.30      0    0.0  7.1e-07
+      (e) eager tx.update + apply_updates    114.98   75.23   2.37    2.37  13315  130.2  7.1e-07
+
+    row primitives: chain(clip, scale_by_adam, add_decayed_weights, scale_by_learning_rate)
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (b) torch code, AdamW(foreach) [base]   60.82   35.66   1.00    1.00      0   26.0  0.0e+00
+      (c) ft.step(donate=True)               111.86   63.41   1.84    1.84   6370  130.2  7.1e-07
+      (d) ft.step(donate=False), pure        115.16   73.18   1.89    1.89   6467  130.2  7.1e-07
+      (e) eager tx.update + apply_updates    115.38   97.31   1.90    1.90   6178  130.2  7.1e-07
+
+    row multi_steps (unit: a cycle of 4 calls): multi_steps(chain(clip, adamw), every_k=4)
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (b) torch code, AdamW(foreach) [base]   81.64   78.33   1.00    1.00      0   26.0  0.0e+00
+      (c) ft.step(donate=True)               176.77  172.99   2.17    2.17    384  227.1  7.1e-07
+      (d) ft.step(donate=False), pure        254.37  243.90   3.12    3.12      0  300.0  7.1e-07
+      (e) eager tx.update + apply_updates    207.64  186.97   2.54    2.54   6723  253.0  7.1e-07
+
+    row apply_if_finite: apply_if_finite(chain(clip, adamw), 5)
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (b) torch code, AdamW(foreach) [base]   61.48   60.02   1.00    1.00      0   26.0  0.0e+00
+      (c) ft.step(donate=True)               121.80  118.98   1.98    1.98      0  130.2  7.1e-07
+      (d) ft.step(donate=False), pure        123.71  112.82   2.01    2.01      0  130.2  7.1e-07
+      (e) eager tx.update + apply_updates    126.55  123.27   2.06    2.06      0  130.2  7.1e-07
+
+    row ema_params: chain(clip, adamw, ema_params(0.999))
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (b) torch code, AdamW(foreach) [base]   42.01   38.53   1.00    1.00      0   26.0  0.0e+00
+      (c) ft.step(donate=True)                54.50   52.49   1.30    1.30      0  130.2  7.1e-07
+      (d) ft.step(donate=False), pure         56.00   55.51   1.33    1.33      0  130.2  7.1e-07
+      (e) eager tx.update + apply_updates     56.59   55.33   1.35    1.35      0  130.2  7.1e-07
+
+    row masked: chain(clip, adamw(mask=decay_mask))
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (b) torch code, AdamW(foreach) [base]   62.37   60.71   1.00    1.00      0   24.0  0.0e+00
+      (c) ft.step(donate=True)                16.55   15.56   0.27    0.27      0    0.0  5.2e-07
+      (d) ft.step(donate=False), pure         24.66   20.83   0.40    0.40      0    0.0  6.8e-07
+      (e) eager tx.update + apply_updates     85.50   84.77   1.37    1.37      0  130.2  6.8e-07
+
+    row schedule: chain(clip, adamw(warmup_cosine_decay_schedule(0, 0.001, 3, 12)))
+      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
+      (b) torch code, AdamW(foreach) [base]   99.96   58.60   1.00    1.00      0   26.0  0.0e+00
+      (c) ft.step(donate=True)                22.91   18.99   0.23    0.23      0    0.0  3.6e-07
+      (d) ft.step(donate=False), pure         35.22   29.63   0.35    0.35      0    0.0  4.6e-07
+      (e) eager tx.update + apply_updates    143.08   98.81   1.43    1.43      0  130.2  4.6e-07
+"""
+
+import argparse
+import math
+import os
+import shlex
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_engine as be  # noqa: E402 - benchmarks/ is not a package
+import functional_train as ft  # noqa: E402
+
+LR, WD, MAX_NORM = be.LR, be.WD, be.MAX_NORM
+BETAS, EPS = (0.9, 0.999), 1e-8
+EVERY_K = 4
+EMA_DECAY = 0.999
+MAX_ERRORS = 5
+WARMUP_STEPS, DECAY_STEPS = 3, 12
+ROWS = ["adamw", "primitives", "multi_steps", "apply_if_finite", "ema_params", "masked", "schedule"]
+RTOL = 1e-5
+
+
+def clip():
+    return ft.clip_by_global_norm(MAX_NORM)
+
+
+def schedule_lambda(t):
+    """warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS) / LR, in floats."""
+    if t < WARMUP_STEPS:
+        return t / WARMUP_STEPS
+    c = min(t - WARMUP_STEPS, DECAY_STEPS - WARMUP_STEPS)
+    return 0.5 * (1.0 + math.cos(math.pi * c / (DECAY_STEPS - WARMUP_STEPS)))
+
+
+def make_tx(row):
+    if row == "adamw":
+        return ft.chain(clip(), ft.adamw(LR, weight_decay=WD))
+    if row == "primitives":
+        return ft.chain(
+            clip(),
+            ft.scale_by_adam(*BETAS, EPS),
+            ft.add_decayed_weights(WD),
+            ft.scale_by_learning_rate(LR),
+        )
+    if row == "multi_steps":
+        return ft.multi_steps(ft.chain(clip(), ft.adamw(LR, weight_decay=WD)), every_k=EVERY_K)
+    if row == "apply_if_finite":
+        return ft.apply_if_finite(
+            ft.chain(clip(), ft.adamw(LR, weight_decay=WD)), max_consecutive_errors=MAX_ERRORS
+        )
+    if row == "ema_params":
+        return ft.chain(clip(), ft.adamw(LR, weight_decay=WD), ft.ema_params(EMA_DECAY))
+    if row == "masked":
+        return ft.chain(clip(), ft.adamw(LR, weight_decay=WD, mask=ft.decay_mask))
+    if row == "schedule":
+        sched = ft.schedules.warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS)
+        return ft.chain(clip(), ft.adamw(sched, weight_decay=WD))
+    raise ValueError(f"unknown row {row!r}; rows: {', '.join(ROWS)}")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- systems ----------------------------------------------------------------------------------
+class TorchCode:
+    """The torch code for a row's math on nn.Parameters (see the module docstring)."""
+
+    def __init__(self, name, row, params0, grads, device, *, fused, plain=False):
+        self.name, self.device = name, device
+        self.row = "plain" if plain else row
+        self.k = EVERY_K if row == "multi_steps" else 1  # the baseline accumulates too there
+        self.keys = list(params0)
+        self.ps = [torch.nn.Parameter(v.clone()) for v in params0.values()]
+        self.gsrc = [list(g.values()) for g in grads[: self.k]]
+        for p, g in zip(self.ps, self.gsrc[0]):
+            p.grad = g.clone()
+        kind = {"fused": True} if fused else {"foreach": True}
+        groups = self.ps
+        if self.row == "masked":
+            mask = ft.decay_mask(params0)  # a dict of bools, params0's keys
+            groups = [
+                {"params": [p for k, p in zip(self.keys, self.ps) if mask[k]]},
+                {
+                    "params": [p for k, p in zip(self.keys, self.ps) if not mask[k]],
+                    "weight_decay": 0.0,
+                },
+            ]
+        self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kind)
+        self.sched = None
+        if self.row == "schedule":
+            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule_lambda)
+        self.ema = None
+        if self.row == "ema_params":
+            self.ema = [p.detach().clone() for p in self.ps]
+            self.ema_steps = 0
+
+    def prepare(self):
+        with torch.no_grad():
+            for p, g in zip(self.ps, self.gsrc[0]):
+                p.grad.copy_(g)
+        sync(self.device)
+
+    def step(self):
+        ps = self.ps
+        if self.k > 1:  # micro-gradients 2..k accumulate in .grad, then the mean
+            gs = [p.grad for p in ps]
+            for more in self.gsrc[1:]:
+                torch._foreach_add_(gs, more)
+            torch._foreach_div_(gs, float(self.k))
+        total = torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
+        if self.row == "apply_if_finite":
+            if torch.isfinite(total):
+                self.opt.step()
+        else:
+            self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
+        if self.ema is not None:
+            with torch.no_grad():
+                cur = [p.detach() for p in ps]
+                if self.ema_steps == 0:  # once (copy_ per leaf: DTensor has no _foreach_copy_)
+                    for e, c in zip(self.ema, cur):
+                        e.copy_(c)
+                else:
+                    torch._foreach_lerp_(self.ema, cur, 1.0 - EMA_DECAY)
+            self.ema_steps += 1
+        sync(self.device)
+
+    def params(self):
+        return [be.local(p.detach()) for p in self.ps]
+
+    def averaged(self):
+        return None if self.ema is None else [be.local(e) for e in self.ema]
+
+
+class FtLoop(be.PureLoop):
+    """A functional_train step run as a training loop, ``params, state = fn(grads, state,
+    params)``, once per gradient tree of the unit (k of them for multi_steps)."""
+
+    def __init__(self, name, fn, tx, params0, grads, device, k):
+        super().__init__(name, fn, tx, params0, grads[:k])
+        self.device = device
+
+    def prepare(self):
+        self.g = None  # free last unit's gradients before writing new ones
+        self.g = [be.clone_tree(g) for g in self.gsrc]
+        sync(self.device)
+
+    def step(self):
+        gs, self.g = self.g, None
+        while gs:
+            g = gs.pop(0)
+            self.p, self.s = self.fn(g, self.s, self.p)
+            del g
+        sync(self.device)
+
+    def averaged(self):
+        try:
+            ema = ft.averaged_params(self.s)
+        except ValueError:
+            return None
+        return [be.local(v) for v in ema.values()]
+
+
+def ft_systems(row, tx, params0, grads, device, mesh=None, compiled=False):
+    k = EVERY_K if row == "multi_steps" else 1
+
+    def eager(g, s, p):
+        u, s = tx.update(g, s, p, mesh=mesh)
+        return ft.apply_updates(p, u), s
+
+    systems = [
+        FtLoop(
+            "(c) ft.step(donate=True)",
+            lambda g, s, p: ft.step(tx, g, s, p, mesh=mesh, donate=True),
+            tx,
+            params0,
+            grads,
+            device,
+            k,
+        ),
+        FtLoop(
+            "(d) ft.step(donate=False), pure",
+            lambda g, s, p: ft.step(tx, g, s, p, mesh=mesh, donate=False),
+            tx,
+            params0,
+            grads,
+            device,
+            k,
+        ),
+        FtLoop("(e) eager tx.update + apply_updates", eager, tx, params0, grads, device, k),
+    ]
+    if compiled:
+        torch._dynamo.reset()  # each row compiles its own step from scratch
+        fn = torch.compile(lambda g, s, p: ft.step(tx, g, s, p), fullgraph=True)
+        systems.insert(
+            0,
+            FtLoop("(f) compile(ft.step, fullgraph), pure", fn, tx, params0, grads, device, k),
+        )
+    return systems
+
+
+# -- measurements -----------------------------------------------------------------------------
+def peak_extra_bytes(fn, device):
+    """Runs ``fn()`` once; returns the peak of (allocated - freed) bytes during it, or None."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.autograd.profiler import profile
+
+    try:
+        prof = profile(profile_memory=True)
+        prof.__enter__()
+    except Exception:  # noqa: BLE001 - no profiler here: time the unit without it
+        fn()
+        return None
+    try:
+        fn()
+    finally:
+        prof.__exit__(None, None, None)
+    try:
+        events = [e for e in prof.kineto_results.events() if e.name() == "[memory]"]
+        events.sort(key=lambda e: e.start_ns())
+    except Exception:  # noqa: BLE001 - private profiler API changed: report n/a
+        return None
+    cur = peak = 0
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CPU:
+            cur += e.nbytes()
+            peak = max(peak, cur)
+    return peak
+
+
+def memory_unit(systems, device, reduce_max=None):
+    """One more unit per system, untimed, its peak extra memory measured: {name: MiB or None}."""
+    out = {}
+    for s in systems:
+        s.prepare()
+        b = peak_extra_bytes(s.step, device)
+        if reduce_max is not None:
+            b = reduce_max(-1.0 if b is None else float(b))
+            b = None if b < 0 else b
+        out[s.name] = None if b is None else b / 2**20
+    return out
+
+
+def rel_diff(xs, refs):
+    """max over leaves of max|x - ref| / max|ref| (inf if x is not finite)."""
+    worst = 0.0
+    for x, r in zip(xs, refs):
+        if x.numel() == 0:
+            continue
+        x, r = x.double(), r.double()
+        if not bool(torch.isfinite(x).all()):
+            return math.inf
+        scale = float(r.abs().max()) or 1.0
+        worst = max(worst, float((x - r).abs().max()) / scale)
+    return worst
+
+
+def checks(systems, ref, same_math, reduce_max=None):
+    """{name: relative difference from ref's params (and EMA), or None where not comparable}."""
+    p_ref, e_ref = ref.params(), ref.averaged()
+    out = {}
+    for s in systems:
+        if s is ref:
+            out[s.name] = 0.0
+            continue
+        if not same_math(s):
+            out[s.name] = None
+            continue
+        d = rel_diff(s.params(), p_ref)
+        e = s.averaged()
+        if e_ref is not None and e is not None:
+            d = max(d, rel_diff(e, e_ref))
+        if reduce_max is not None:
+            d = reduce_max(d)
+        out[s.name] = d
+    return out
+
+
+def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiled_name=None):
+    lines = [
+        title,
+        f"  {'system':<37s} {'ms/unit':>7s} {'min ms':>7s} {'x base':>6s} {'x torch':>7s} "
+        f"{'faults':>6s} {'MiB':>6s}  rel diff",
+    ]
+    t_base = statistics.median(times[base]) if base in times else math.nan
+    t_torch = statistics.median(times[torch_name]) if torch_name in times else math.nan
+    failed = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        d = diffs.get(name, math.nan)
+        if d is None:
+            ds = "other"
+        else:
+            ds = f"{d:.1e}"
+            if not d <= RTOL:
+                ds += "   FAILED" if math.isfinite(d) else "   NOT FINITE"
+                failed.append(name)
+        m = mem.get(name)
+        ms = "n/a" if m is None else f"{m:.1f}"
+        lines.append(
+            f"  {name:<37s} {med * 1e3:7.2f} {min(ts) * 1e3:7.2f} {med / t_base:6.2f} "
+            f"{med / t_torch:7.2f} {statistics.median(faults[name]):6.0f} {ms:>6s}  {ds}"
+        )
+    if compiled_name is not None and warm.get(compiled_name):
+        lines.append(
+            f"  {compiled_name[:3]} warm-up units (the first compiles): "
+            + ", ".join(f"{t:.2f} s" for t in warm[compiled_name])
+        )
+    if failed:
+        lines.append(f"  FAILED: {', '.join(failed)} disagree with the torch code")
+    return "\n".join(lines), not failed
+
+
+def problem(shapes, row, device):
+    params0, g0 = be.make_problem(shapes, seed=0)
+    grads = [g0]
+    if row == "multi_steps":
+        grads += [be.make_problem(shapes, seed=i)[1] for i in range(1, EVERY_K)]
+    params0 = {k: v.to(device) for k, v in params0.items()}
+    grads = [{k: v.to(device) for k, v in g.items()} for g in grads]
+    return params0, grads
+
+
+# -- Part A -----------------------------------------------------------------------------------
+def part_a(args, rows):
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    shapes = be.gpt_shapes()
+    print(
+        f"Part A: plain tensors on {device}, one process, {torch.get_num_threads()} thread(s); "
+        f"GPT-like tree {be.n_params(shapes):,} float32 params in {len(shapes)} leaves"
+    )
+    ok = True
+    for row in rows:
+        params0, grads = problem(shapes, row, device)
+        tx = make_tx(row)
+        base = TorchCode(
+            "(a) AdamW(fused) + clip [base]", row, params0, grads, device, fused=True, plain=True
+        )
+        ref = TorchCode("(b) torch code, AdamW(foreach)", row, params0, grads, device, fused=False)
+        fts = ft_systems(row, tx, params0, grads, device, compiled=args.compile)
+        systems = [base] + fts[:1] + [ref] + fts[1:] if args.compile else [base, ref] + fts
+        compiled_name = fts[0].name if args.compile else None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*donated buffers.*")
+            times, faults, warm = be.run_rounds(systems, args.rounds, args.warmup)
+            alive = [s for s in systems if s.name in times]
+            mem = memory_unit(alive, device)
+        other_math = {base.name} if row in ("masked", "schedule") else set()
+        diffs = checks(alive, ref, lambda s: s.name not in other_math)
+        unit = f" (unit: a cycle of {EVERY_K} calls)" if row == "multi_steps" else ""
+        text, good = row_table(
+            f"\nrow {row}{unit}: {describe(row)}",
+            times,
+            faults,
+            mem,
+            diffs,
+            base.name,
+            ref.name,
+            warm,
+            compiled_name,
+        )
+        print(text, flush=True)
+        ok &= good
+        del systems, alive, base, ref, fts
+    return ok
+
+
+def describe(row):
+    return {
+        "adamw": "chain(clip, adamw)",
+        "primitives": "chain(clip, scale_by_adam, add_decayed_weights, scale_by_learning_rate)",
+        "multi_steps": f"multi_steps(chain(clip, adamw), every_k={EVERY_K})",
+        "apply_if_finite": f"apply_if_finite(chain(clip, adamw), {MAX_ERRORS})",
+        "ema_params": f"chain(clip, adamw, ema_params({EMA_DECAY}))",
+        "masked": "chain(clip, adamw(mask=decay_mask))",
+        "schedule": f"chain(clip, adamw(warmup_cosine_decay_schedule(0, {LR}, {WARMUP_STEPS}, "
+        f"{DECAY_STEPS})))",
+    }[row]
+
+
+# -- Part B -----------------------------------------------------------------------------------
+def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p_full, g_full = problem(shapes, row, device)
+    params0 = {k: distribute_tensor(v, dm, [Shard(0)]) for k, v in p_full.items()}
+    grads = [{k: distribute_tensor(v, dm, [Shard(0)]) for k, v in g.items()} for g in g_full]
+    del p_full, g_full
+    tx = make_tx(row)
+    ref = TorchCode(
+        "(b) torch code, AdamW(foreach) [base]",
+        row,
+        params0,
+        grads,
+        device,
+        fused=False,
+    )
+    systems = [ref] + ft_systems(row, tx, params0, grads, device, mesh=fmesh)
+    times, faults, _ = be.run_rounds(
+        systems,
+        args.rounds,
+        args.warmup,
+        barrier=dist.barrier,
+        reduce_max=reduce_max,
+        log=log,
+    )
+    mem = memory_unit(systems, device, reduce_max=reduce_max)
+    diffs = checks(systems, ref, lambda s: True, reduce_max=reduce_max)
+    unit = f" (unit: a cycle of {EVERY_K} calls)" if row == "multi_steps" else ""
+    text, _ = row_table(
+        f"\nrow {row}{unit}: {describe(row)}",
+        times,
+        faults,
+        mem,
+        diffs,
+        ref.name,
+        ref.name,
+        {},
+    )
+    log(text, flush=True)
+
+
+def dtensor_worker(rank, args, rows, world, port):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    if port is None:  # torchrun
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+    try:
+        dm = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        fmesh = ft.Mesh(dm, data_axis="dp")
+        log = print if rank == 0 else (lambda *a, **k: None)
+        device = torch.device("cpu")
+
+        def reduce_max(x):
+            t = torch.tensor([x], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return float(t[0])
+
+        shapes = be.gpt_shapes()
+        log(
+            f"Part B: DTensor Shard(0) over {world} gloo ranks (FSDP2-style), 1 thread per rank; "
+            f"GPT-like tree {be.n_params(shapes):,} params in {len(shapes)} leaves; a unit's "
+            f"time is the slowest rank's"
+        )
+        for row in rows:
+            try:
+                dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log)
+            except Exception as e:  # noqa: BLE001 - every rank raises alike: go on with the next
+                msg = " | ".join(line[:200] for line in str(e).strip().splitlines()[:2])
+                log(f"\nrow {row}: FAILED with {type(e).__name__}: {msg}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def part_b(args, rows):
+    if "RANK" in os.environ:
+        dtensor_worker(int(os.environ["RANK"]), args, rows, int(os.environ["WORLD_SIZE"]), None)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(
+        dtensor_worker, args=(args, rows, args.world, be._free_port()), nprocs=args.world, join=True
+    )
+
+
+# -- main -------------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads, Part A")
+    ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: %(default)s")
+    ap.add_argument("--device", default="cpu", help="Part A: cpu (default) or cuda")
+    ap.add_argument("--compile", action="store_true", help="Part A: also torch.compile(ft.step)")
+    ap.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="with --compile: an empty inductor cache (first-compile time)",
+    )
+    ap.add_argument("--dtensor", action="store_true", help="run Part B (DTensors, gloo) instead")
+    ap.add_argument("--world", type=int, default=2, help="Part B: ranks to spawn")
+    args = ap.parse_args()
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    for r in rows:
+        if r not in ROWS:
+            ap.error(f"unknown row {r!r}; rows: {', '.join(ROWS)}")
+
+    if os.environ.get("RANK", "0") == "0":
+        print("command: " + shlex.join(["python"] + sys.argv))
+        print(
+            f"torch {torch.__version__}; {args.rounds} timed rounds after {args.warmup} warm-up, "
+            f"systems interleaved per round; median over rounds; functional_train from "
+            f"{Path(ft.__file__).parent}"
+        )
+    if args.dtensor:
+        part_b(args, rows)
+        return
+    if args.cold_cache:  # read by inductor when it first looks for a cached kernel
+        import tempfile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_compose_inductor_")
+        print(f"inductor cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']} (empty)")
+    if not part_a(args, rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
