@@ -582,6 +582,9 @@ def init_8bit(
         if q:
             _MAPS.get(True, to_local(x).device)
             _MAPS.get(False, to_local(x).device)
+    if any(quant):  # the CPU lookup tables too (their one-time checks read the host)
+        for signed in (True, False):
+            _nearest_table(_MAPS.get(signed, torch.device("cpu"))[1])
     return ScaleByAdam8bitState(
         count,
         full(mu_dtype),

@@ -546,84 +546,40 @@ def scale_by_adam(
         tx = E.transform(spec, init_fn)
         if not amsgrad:
             tx.update.leafwise = AdamLeaf(  # type: ignore[attr-defined]
-                b1_arg, b2_arg, eps_arg, bias_correction, eps_before_correction
+                b1_arg, b2_arg, eps_arg, bias_correction, eps_before_correction, spec
             )
         return tx
 
+    spec = _adam_spec(b1_arg, b2_arg, eps_arg, False, bias_correction, eps_before_correction, state_cls)
+
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        # optim_bits=8: the float math of the spec between dequantisation and requantisation
         _check_state(state, state_cls, "scale_by_adam")
         b = prepare(updates, params, mesh, name="scale_by_adam")
         act = b.active
-        # (optim_bits=8 only: the float moments' path is the elementwise spec above)
         if not act:  # every leaf None (frozen): nothing to scale, moments unchanged
             return b.rebuild(b.locals), state._replace(count=state.count + 1)
-        g = [b.locals[i] for i in act]
-        if eight_bit:
-            reject_complex(b, "scale_by_adam with optim_bits=8")
-            mu, nu, deq = Q.dequantize_state(b, state, block_size, min_8bit_size)
-        else:
-            mu_all = b.state_locals(state.mu, "ScaleByAdamState.mu")
-            nu_all = b.state_locals(state.nu, "ScaleByAdamState.nu")
-            mu = [mu_all[i] for i in act]
-            nu = [nu_all[i] for i in act]
-        # complex leaves: as torch.optim.Adam, real and imaginary parts are separate elements
-        # (view_as_real of the gradient and of both moments, which stay complex)
-        cx = any(x.is_complex() for x in g)
-        if cx:
-            g, mu, nu = _as_real(g), _as_real(mu), _as_real(nu)
+        reject_complex(b, "scale_by_adam with optim_bits=8")
+        mu, nu, deq = Q.dequantize_state(b, state, block_size, min_8bit_size)
         count = state.count + 1
-        t = count.to(torch.float64)
-        b1, b2, eps = value_of(b1_arg), value_of(b2_arg), value_of(eps_arg)
-        if bias_correction:
-            bc1 = 1.0 - torch.pow(b1, t)
-            bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
-        else:
-            bc1 = bc2_sqrt = torch.ones((), dtype=torch.float64, device=t.device)
-        mu = _lerp(mu, _cast_like(g, mu), 1.0 - b1)
-        gn = _cast_like(g, nu)
-        nu = _mul(nu, b2)
-        _addcmul_(nu, gn, gn, 1.0 - b2)
-        if amsgrad:
-            nm_all = b.state_locals(state.nu_max, "ScaleByAmsgradState.nu_max")
-            nm = [nm_all[i] for i in act]
-            nu_max = torch._foreach_maximum(_as_real(nm) if cx else nm, nu)
-            second = nu_max
-        else:
-            second = nu
-        denom = torch._foreach_sqrt(second)
-        if eps_before_correction:
-            _add_(denom, eps)
-            out = torch._foreach_div(_cast_like(mu, denom), denom)
-            torch._foreach_mul_(out, bc2_sqrt / bc1)
-        else:
-            torch._foreach_div_(denom, bc2_sqrt)
-            _add_(denom, eps)
-            out = torch._foreach_div(_cast_like(mu, denom), denom)
-            torch._foreach_div_(out, bc1)
-        if eight_bit:
-            return b.rebuild_active(_cast_like(out, g)), Q.quantize_state(
-                b, state, count, mu, nu, deq
-            )
-        if cx:
-            like = [b.locals[i] for i in act]
-            mu, nu, out = _as_complex(mu, like), _as_complex(nu, like), _as_complex(out, like)
-            g = like
-            if amsgrad:
-                nu_max = _as_complex(nu_max, like)
-        new_mu = b.state_tree(state.mu, "ScaleByAdamState.mu", mu)
-        new_nu = b.state_tree(state.nu, "ScaleByAdamState.nu", nu)
-        if amsgrad:
-            new_state = ScaleByAmsgradState(
-                count,
-                new_mu,
-                new_nu,
-                b.state_tree(state.nu_max, "ScaleByAmsgradState.nu_max", nu_max),
-            )
-        else:
-            new_state = ScaleByAdamState(count, new_mu, new_nu)
-        return b.rebuild_active(_cast_like(out, g)), new_state
+        scalars = _adam_scalars(b1_arg, b2_arg, eps_arg, bias_correction, count)
+        out, mu, nu = E.apply_part(spec, [b.locals[i] for i in act], (mu, nu), scalars)
+        return b.rebuild_active(out), Q.quantize_state(b, state, count, mu, nu, deq)
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def _adam_scalars(b1_arg, b2_arg, eps_arg, bias_correction: bool, count: torch.Tensor) -> tuple:
+    """:func:`scale_by_adam`'s scalars at the update whose new count is ``count``:
+    ``(b1, b2, eps, 1 - b1^t, sqrt(1 - b2^t))`` (the corrections as float64 0-dim tensors)."""
+    t = count.to(torch.float64)
+    b1, b2, eps = value_of(b1_arg), value_of(b2_arg), value_of(eps_arg)
+    if bias_correction:
+        bc1 = 1.0 - torch.pow(b1, t)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+    else:
+        bc1 = bc2_sqrt = torch.ones((), dtype=torch.float64, device=t.device)
+    return b1, b2, eps, bc1, bc2_sqrt
 
 
 def _adam_spec(b1_arg, b2_arg, eps_arg, amsgrad, bias_correction, eps_before, state_cls):
@@ -634,18 +590,11 @@ def _adam_spec(b1_arg, b2_arg, eps_arg, amsgrad, bias_correction, eps_before, st
     def prologue(state, b):
         _check_state(state, state_cls, "scale_by_adam")
         count = state.count + 1
-        t = count.to(torch.float64)
-        b1, b2, eps = value_of(b1_arg), value_of(b2_arg), value_of(eps_arg)
-        if bias_correction:
-            bc1 = 1.0 - torch.pow(b1, t)
-            bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
-        else:
-            bc1 = bc2_sqrt = torch.ones((), dtype=torch.float64, device=t.device)
 
         def finish(trees):
             return state_cls(count, *trees)
 
-        return (b1, b2, eps, bc1, bc2_sqrt), finish
+        return _adam_scalars(b1_arg, b2_arg, eps_arg, bias_correction, count), finish
 
     def fields(state):
         out = [(state.mu, f"{cls}.mu"), (state.nu, f"{cls}.nu")]
@@ -679,16 +628,17 @@ def _adam_spec(b1_arg, b2_arg, eps_arg, amsgrad, bias_correction, eps_before, st
 
 class AdamLeaf(NamedTuple):
     """:func:`scale_by_adam` (float moments, no amsgrad) one leaf at a time, for steps that
-    finish each leaf while it is in cache (``ft.step``'s per-leaf GaLore path). The same
-    operations as the update's ``torch._foreach_*`` calls, on one tensor each, so the moments
-    and the update are the update's bit for bit. Attached to the update function as
-    ``update.leafwise``."""
+    finish each leaf while it is in cache (``ft.step``'s per-leaf GaLore path): its
+    elementwise spec (``spec``, the one definition of Adam's math) run on one leaf by the
+    engine (:func:`functional_train.engine.elementwise.apply_leaf`), so the moments and the
+    update are the update's own. Attached to the update function as ``update.leafwise``."""
 
     b1: float
     b2: float
     eps: float
     bias_correction: bool
     eps_before_correction: bool
+    spec: E.Elementwise
 
     def resolved(self) -> AdamLeaf:
         """This with injected hyperparameters (``inject_hyperparams``) read as floats: the
@@ -698,14 +648,9 @@ class AdamLeaf(NamedTuple):
         return self._replace(b1=value_of(self.b1), b2=value_of(self.b2), eps=value_of(self.eps))
 
     def factors(self, count: torch.Tensor) -> tuple:
-        """``(1 - b1^t, sqrt(1 - b2^t), their ratio)`` (float64 0-dim tensors) for ``count`` =
-        the new state's count ``t``."""
-        t = count.to(torch.float64)
-        if not self.bias_correction:
-            one = torch.ones((), dtype=torch.float64, device=t.device)
-            return one, one, one
-        bc1, bc2_sqrt = 1.0 - torch.pow(self.b1, t), torch.sqrt(1.0 - torch.pow(self.b2, t))
-        return bc1, bc2_sqrt, bc2_sqrt / bc1
+        """``(1 - b1^t, sqrt(1 - b2^t))`` (float64 0-dim tensors) for ``count`` = the new
+        state's count ``t``."""
+        return _adam_scalars(self.b1, self.b2, self.eps, self.bias_correction, count)[3:]
 
     def step(
         self,
@@ -718,19 +663,17 @@ class AdamLeaf(NamedTuple):
         factors: tuple,
     ) -> torch.Tensor:
         """New moments written into ``mu_out`` / ``nu_out`` (which may be ``mu`` / ``nu``:
-        in place) and the update into ``buf`` (contiguous, the leaf's shape, ``nu``'s dtype);
-        returns the update in ``g``'s dtype."""
-        bc1, bc2_sqrt, ratio = factors
-        torch.lerp(mu, g if g.dtype == mu.dtype else g.to(mu.dtype), 1.0 - self.b1, out=mu_out)
-        gn = g if g.dtype == nu.dtype else g.to(nu.dtype)
-        torch.mul(nu, self.b2, out=nu_out).addcmul_(gn, gn, value=1.0 - self.b2)
-        denom = torch.sqrt(nu_out, out=buf)
-        m = mu_out if mu_out.dtype == denom.dtype else mu_out.to(denom.dtype)
-        if self.eps_before_correction:
-            out = torch.div(m, denom.add_(self.eps), out=denom).mul_(ratio)
-        else:
-            out = torch.div(m, denom.div_(bc2_sqrt).add_(self.eps), out=denom).div_(bc1)
-        return out if out.dtype == g.dtype else out.to(g.dtype)
+        in place) and the update (into ``buf`` where it fits); returns the update in ``g``'s
+        dtype."""
+        bc1, bc2_sqrt = factors
+        res = E.apply_part(
+            self.spec,
+            [g],
+            ([mu], [nu]),
+            (self.b1, self.b2, self.eps, bc1, bc2_sqrt),
+            ([buf], [mu_out], [nu_out]),
+        )
+        return res[0][0]
 
 
 def _as_real(ts: list) -> list:

@@ -104,3 +104,15 @@ def no_fake_process_group():
     if dist.is_initialized() and dist.get_backend() == "fake":
         dist.destroy_process_group()
     yield
+
+
+@pytest.fixture
+def recognised_path(monkeypatch):
+    """``ft.step`` takes the recognised chains' torch fused kernels on CPU too (it does on CUDA
+    and under ``torch.compile``; eagerly on CPU a fusable chain runs as generated stages):
+    for the tests of that path."""
+    import sys
+
+    import functional_train  # noqa: F401  (the module, which the package's ``step`` shadows)
+
+    monkeypatch.setattr(sys.modules["functional_train.step"], "SPEC_FIRST", False)

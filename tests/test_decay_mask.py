@@ -118,6 +118,7 @@ def test_adamw_mask_equals_torch_param_groups(how, as_callable):
         torch.testing.assert_close(a - p0, b - p0, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.usefixtures("recognised_path")
 def test_adamw_fused_path_is_taken_with_a_mask(monkeypatch):
     """The fused kernel runs (two calls: decayed leaves, then the others; torch's in place for
     a donated step, the native out-of-place one for a pure step) and equals the chain to float

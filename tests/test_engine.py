@@ -88,6 +88,7 @@ def test_chain_builds_dtensors_once(monkeypatch):
         )
 
 
+@pytest.mark.usefixtures("recognised_path")
 @pytest.mark.parametrize("donate", [False, True])
 def test_step_takes_the_fused_kernel(monkeypatch, donate):
     """``ft.step(chain(clip_by_global_norm, adamw))`` runs one fused kernel call for every

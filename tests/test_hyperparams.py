@@ -71,6 +71,7 @@ def _fused_runs(monkeypatch):
     return seen
 
 
+@pytest.mark.usefixtures("recognised_path")
 @pytest.mark.parametrize("mode", ["update", "pure", "donate"])
 @pytest.mark.parametrize("name", sorted(ALIASES))
 def test_injected_equals_the_alias_bitwise(name, mode, monkeypatch):

@@ -12,6 +12,10 @@ import torch
 import functional_train as ft
 from functional_train.engine import kernels, native
 
+# the recognised chains' path (CUDA and torch.compile take it; eagerly on CPU ft.step runs a
+# fusable chain as generated stages, functional_train/engine/fuse.py)
+pytestmark = pytest.mark.usefixtures("recognised_path")
+
 
 @pytest.fixture
 def compiled(monkeypatch):

@@ -33,7 +33,6 @@ Complex leaves are viewed as real pairs (``torch.view_as_real``) for the whole s
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,12 +78,16 @@ class Fusable:
         return any(p.needs_params for p in self.parts)
 
 
-_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SPEC_ATTR = "__ft_spec__"
 
 
 def register(update_fn: Callable, spec: Elementwise | Fusable) -> Callable:
-    """Attach ``spec`` to a transform's ``update`` function (returns ``update_fn``)."""
-    _SPECS[update_fn] = spec
+    """Attach ``spec`` to a transform's ``update`` function (returns ``update_fn``). It is kept
+    in the function's ``__dict__``, so that it travels with the function through ``pickle``
+    (cloudpickle) and ``copy``."""
+    if not isinstance(spec, (Elementwise, Fusable)):
+        raise TypeError(f"register: expected an Elementwise or Fusable spec, got {spec!r}")
+    vars(update_fn)[_SPEC_ATTR] = spec
     return update_fn
 
 
@@ -92,9 +95,10 @@ def spec_of_transform(tx) -> Elementwise | Fusable | None:
     """The spec registered for ``tx.update``, or ``None`` (a transform the engine cannot fuse:
     it runs by its own ``update``)."""
     try:
-        return _SPECS.get(tx.update)
-    except TypeError:  # not weak-referenceable
+        spec = vars(tx.update).get(_SPEC_ATTR)
+    except TypeError:  # no __dict__ (a builtin, a bound method of a slotted object)
         return None
+    return spec if isinstance(spec, (Elementwise, Fusable)) else None
 
 
 def fusable_of(tx) -> Fusable | None:
@@ -281,7 +285,67 @@ def _scatter(b, active_values):
 
 
 def _execute(stage, counts, u, p, fields, scalars, keys, apply, take):
-    """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists)."""
+    """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists).
+
+    Ranks simulated in one process (``torch.distributed._local_tensor.LocalTensor``: a tensor
+    holding one tensor per rank) run rank by rank on their own tensors, through the same
+    kernels a real rank runs, so that a simulated run gives a real one's numbers."""
+    ranks = _simulated_ranks(u, p, fields, scalars)
+    if ranks is not None:
+        return _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply)
+    return _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take)
+
+
+def _local_tensor_type():
+    try:
+        from torch.distributed._local_tensor import LocalTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return LocalTensor
+
+
+def _simulated_ranks(u, p, fields, scalars):
+    LocalTensor = _local_tensor_type()
+    if LocalTensor is None:
+        return None
+    for lst in (u, p or (), *fields, scalars):
+        for x in lst:
+            if type(x) is LocalTensor:
+                return sorted(x._local_tensors)
+    return None
+
+
+def _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply):
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    LocalTensor = _local_tensor_type()
+
+    def on(x, r):
+        return x._local_tensors[r] if type(x) is LocalTensor else x
+
+    results = []
+    with maybe_disable_local_tensor_mode():
+        for r in ranks:
+            results.append(
+                _execute_local(
+                    stage,
+                    counts,
+                    [on(x, r) for x in u],
+                    None if p is None else [on(x, r) for x in p],
+                    [[on(x, r) for x in f] for f in fields],
+                    [on(x, r) for x in scalars],
+                    keys,
+                    apply,
+                    None,
+                )
+            )
+        return [
+            [LocalTensor({r: res[k][j] for r, res in zip(ranks, results)}) for j in range(len(u))]
+            for k in range(len(results[0]))
+        ]
+
+
+def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     n = len(u)
     n_out = 1 + len(fields)
     if n == 0:
@@ -306,15 +370,16 @@ def _execute(stage, counts, u, p, fields, scalars, keys, apply, take):
         )
         sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j])
         groups.setdefault(sig, []).append(j)
-    sc = None
+    sc: Any = False
     for (fast, dtypes, key), idx in groups.items():
         fn = _function(stage, counts, key)
         if fast:
-            if sc is None:
-                sc = _scalar_values(scalars)
-            kernel = fuse.kernel_for(fn, dtypes, sc[1])
-            if kernel is not None and _run_kernel(kernel, ins, idx, outs, sc[0], apply, take):
-                continue
+            if sc is False:
+                sc = fuse.scalar_pointers(scalars)
+            if sc is not None:
+                kernel = fuse.kernel_for(fn, dtypes, sc[1])
+                if kernel is not None and _run_kernel(kernel, ins, idx, outs, sc[0], apply, take):
+                    continue
         with torch.enable_grad() if _recording() else torch.no_grad():
             for j in idx:
                 res = fn(tuple(lst[j] for lst in ins), tuple(scalars))
@@ -357,18 +422,6 @@ def _function(stage, counts, key):
     return hit[1]
 
 
-def _scalar_values(scalars):
-    """The scalars as Python floats for a kernel call, and their dtypes for its signature."""
-    vals, dtypes = [], []
-    for s in scalars:
-        vals.append(float(s))
-        if isinstance(s, torch.Tensor) and s.dtype.is_floating_point:
-            dtypes.append(s.dtype)
-        else:
-            dtypes.append(torch.float64)
-    return vals, tuple(dtypes)
-
-
 def _run_kernel(kernel, ins, idx, outs, sc, apply, take) -> bool:
     """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
     as asked (a donated buffer of another dtype)."""
@@ -392,6 +445,44 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take) -> bool:
 
 def _fresh(like):
     return torch.empty(like.shape, dtype=like.dtype)
+
+
+def apply_part(part: Elementwise, u: list, fields: Sequence, scalars: Sequence, out=None):
+    """``part`` on the leaves ``u`` (a list of updates) and ``fields`` (per state field, a list
+    of leaves), ``scalars`` as its prologue gives them, through the kernels the engine runs for
+    it: the results ``[u, *fields]`` (lists). ``out``: per result, a list of buffers to write
+    into (``None`` entries: fresh; a buffer may be the input it replaces), or ``None``. For
+    algorithms that run a primitive's math inside their own update (8-bit Adam between its
+    dequantisation and requantisation, per-leaf steps that finish each leaf in cache)."""
+    stage = _stage_of((part,), False)
+    n = len(u)
+    take = None
+    if out is not None:
+
+        def take(kind, like):
+            bufs = out[int(kind[len("stage") :])]
+            return [
+                b
+                if b is not None and b.dtype == x.dtype and b.shape == x.shape and b.is_contiguous()
+                else torch.empty(x.shape, dtype=x.dtype)
+                for b, x in zip(bufs, like)
+            ]
+
+    res = _execute(
+        stage, (len(scalars),), list(u), None, [list(f) for f in fields], list(scalars), [None] * n, None, take
+    )
+    if out is None:
+        return res
+    final = []
+    for lst, bufs in zip(res, out):
+        row = []
+        for x, b in zip(lst, bufs):
+            if b is not None and x is not b and x.dtype == b.dtype and x.shape == b.shape:
+                b.copy_(x)
+                x = b
+            row.append(x)
+        final.append(row)
+    return final
 
 
 def single(spec: Elementwise) -> Fusable:

@@ -213,12 +213,12 @@ class _Writer:
             "#define FT_SQRT(a) _Generic((a), float: __builtin_sqrtf, default: __builtin_sqrt)(a)",
             "#define FT_SIGN(a) (((a) > 0) - ((a) < 0))",
             f"void {fn_name}(int64_t nleaves, const int64_t *numel, void *const *ptr,"
-            " const double *sc) {",
+            " void *const *sc) {",
         ]
         for k in range(self.n_scalars):
             node = placeholders[nin + k]
             t = _CTYPE[self.dtypes[node]]
-            lines.append(f"  const {t} s{k} = ({t})sc[{k}];")
+            lines.append(f"  const {t} s{k} = *(const {t} *)sc[{k}];")
         lines += ["  " + x for x in self.pre]
         lines.append("  for (int64_t l = 0; l < nleaves; l++) {")
         lines.append("    const int64_t n = numel[l];")
@@ -344,7 +344,7 @@ def _trace(fn: Callable, in_dtypes, scalar_dtypes):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     ins = tuple(torch.zeros(3, dtype=d) for d in in_dtypes)
-    scs = tuple(torch.zeros((), dtype=d) for d in scalar_dtypes)
+    scs = tuple(torch.ones((), dtype=d) for d in scalar_dtypes)
 
     def flat(*args):
         return tuple(fn(args[: len(ins)], args[len(ins) :]))
@@ -402,14 +402,50 @@ class Kernel:
         self.fn = f
 
     def __call__(self, inputs: Sequence[Sequence[torch.Tensor]], outputs, scalars) -> None:
+        """Run on the leaves of ``inputs`` (per input, a list of contiguous CPU tensors of the
+        kernel's dtypes; equal sizes leaf by leaf), writing ``outputs`` (per result, a list of
+        tensors of those sizes; a result may be its input's tensor: in place). ``scalars``:
+        the addresses of the scalars' values (:func:`scalar_pointers`)."""
         n = len(inputs[0])
         roles = list(inputs) + list(outputs)
         ptrs = array.array("q", [0]) * (n * len(roles))
         for r, lst in enumerate(roles):
             ptrs[r :: len(roles)] = array.array("q", map(torch.Tensor.data_ptr, lst))
         numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
-        sc = array.array("d", scalars)
-        self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], sc.buffer_info()[0] if len(sc) else None)
+        self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0])
+
+
+def scalar_pointers(scalars: Sequence) -> tuple | None:
+    """``(addresses, dtypes, keep)`` for a kernel call: the address of each scalar's value (a
+    0-dim CPU tensor's own memory, read by the kernel: no host read in Python; a Python number
+    copied into a float64 buffer) and its dtype for the kernel's signature; ``keep`` holds
+    what must stay alive through the call. ``None`` where a scalar cannot be read so (a tensor
+    on another device, of more than one element, or one autograd records)."""
+    addrs = array.array("q", [0]) * max(len(scalars), 1)
+    dtypes = []
+    numbers = array.array("d", [0.0]) * max(len(scalars), 1)
+    keep: list = [numbers]
+    for k, x in enumerate(scalars):
+        if isinstance(x, torch.Tensor):
+            if (
+                type(x) is not torch.Tensor
+                or not x.is_cpu
+                or x.numel() != 1
+                or x.requires_grad
+                or x.dtype not in _CTYPE
+            ):
+                return None
+            if not x.is_contiguous():
+                x = x.contiguous()
+            keep.append(x)
+            addrs[k] = x.data_ptr()
+            dtypes.append(x.dtype)
+        else:
+            numbers[k] = float(x)
+            addrs[k] = numbers.buffer_info()[0] + 8 * k
+            dtypes.append(torch.float64)
+    keep.append(addrs)
+    return addrs, tuple(dtypes), keep
 
 
 def kernel_for(fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple) -> Kernel | None:
