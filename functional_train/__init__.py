@@ -113,6 +113,7 @@ def _register_safe_globals() -> None:
             InjectHyperparamsState,
             EmaParamsState,
             ScaleByMuonState,
+            ElementwiseState,
         ]
     )
 

@@ -66,7 +66,8 @@ def elementwise(
             0-dim float64 tensors or Python floats. Plain elementwise tensor operations only
             (arithmetic, ``sqrt``, ``where``, ``lerp``, ``addcmul``, ``maximum``, comparisons,
             casts); no reductions, no Python branches on tensor values. It must return a new
-            value for every field.
+            value for every field. The update is cast to the gradient's dtype, each field to
+            its own.
         name: the transform's name in errors.
         fields: names of the params-shaped state fields (zeros at ``init``).
         hyperparams: ``name -> value``: a number, or ``fn(count) -> number`` evaluated at
@@ -130,13 +131,13 @@ def elementwise(
                 if len(out) != 1:
                     raise ValueError(f"{name}: leaf returned {len(out)} values, expected the update")
                 out = out[0]
-            return out, ()
+            return out.to(u.dtype), ()
         if not isinstance(out, tuple) or len(out) != 1 + n:
             got = len(out) if isinstance(out, tuple) else 1
             raise ValueError(
                 f"{name}: leaf returned {got} values, expected the update and {n} fields {names}"
             )
-        return out[0], tuple(out[1:])
+        return out[0].to(u.dtype), tuple(x.to(f.dtype) for x, f in zip(out[1:], s))
 
     spec = Elementwise(name, per_leaf, prologue, fields_of, n, needs_params=needs_params)
     return transform(spec, init_fn)

@@ -107,6 +107,13 @@ FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
     "zero_redundancy": lambda: ft.zero_redundancy(ft.adamw(1e-2), axis="dp"),
     # parameter averaging
     "ema_params": lambda: ft.ema_params(0.9, warmup=True),
+    # a user's elementwise primitive (RMSprop with a schedule of the step count)
+    "elementwise": lambda: ft.elementwise(
+        _rms_leaf,
+        name="rms",
+        fields=("v",),
+        hyperparams={"beta": 0.9, "lr": lambda count: 0.1 / (1.0 + count)},
+    ),
     # hyperparameters as state: the learning rate handed to the alias as a schedule of the state
     "inject_hyperparams": lambda: ft.inject_hyperparams(ft.adamw, static_args=("weight_decay",))(
         learning_rate=1e-2, weight_decay=0.1
@@ -175,7 +182,13 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
     ),
 }
 
+def _rms_leaf(u, p, v, *, beta, lr):
+    v = beta * v + (1 - beta) * u * u
+    return -lr * u / (torch.sqrt(v) + 1e-8), v
+
+
 EXCLUDED: dict[str, str] = {
+    "ElementwiseState": "a state type",
     "GradientTransformation": "the (init, update) NamedTuple type itself",
     "EmptyState": "a state type (checked through the transforms that return it)",
     "differentiable": "a context manager for autograd (tests/test_unusual_input.py)",
