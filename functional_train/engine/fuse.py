@@ -199,7 +199,11 @@ class _Writer:
             self.lower(node)
         out_dtypes = []
         for o in outputs:
-            if not isinstance(o, torch.fx.Node) or o not in self.vec:
+            # a leaf-shaped result computed from scalars only (``zeros_like(x)``) is written
+            # to every element
+            if not isinstance(o, torch.fx.Node) or (
+                o not in self.vec and tuple(o.meta["val"].shape) != (_TRACE_NUMEL,)
+            ):
                 raise Unsupported("a result that is not a leaf-shaped value")
             out_dtypes.append(self.dtypes[o])
         nin, nout = self.n_inputs, len(outputs)
@@ -262,6 +266,14 @@ class _Writer:
             if "value" in node.kwargs:
                 b = f"({self.val(node.kwargs['value'], dtype)} * {b})"
             return self.emit(node, f"FT_FMA({b}, {c}, {a})", dtype, vec)
+        if op in ("full_like", "zeros_like", "ones_like", "scalar_tensor", "full") and set(
+            node.kwargs
+        ) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}:
+            # a constant (of the node's dtype: ``val``'s)
+            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
+            if fill is None:
+                fill = args[1] if op in ("full_like", "full") else args[0]
+            return self.emit(node, self.val(fill, dtype), dtype, False)
         if node.kwargs:
             raise Unsupported(node.format_node())
         if op == "rsub" and len(args) == 2:
@@ -327,11 +339,6 @@ class _Writer:
             if hi is not None:
                 expr = f"FT_MIN({expr}, {self.val(hi, dtype)})"
             return self.emit(node, expr, dtype, vec)
-        if op in ("full_like", "zeros_like", "ones_like", "scalar_tensor", "full"):
-            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
-            if fill is None:
-                fill = args[1] if op in ("full_like", "full") else args[0]
-            return self.emit(node, self.val(fill, dtype), dtype, False)
         raise Unsupported(node.format_node())
 
 
@@ -340,10 +347,13 @@ def _common(args) -> torch.dtype:
     return torch.result_type(*vals) if len(vals) == 2 else vals[0].dtype
 
 
+_TRACE_NUMEL = 3  # the leaves a stage is traced on: 1-D, of this many elements
+
+
 def _trace(fn: Callable, in_dtypes, scalar_dtypes):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    ins = tuple(torch.zeros(3, dtype=d) for d in in_dtypes)
+    ins = tuple(torch.zeros(_TRACE_NUMEL, dtype=d) for d in in_dtypes)
     scs = tuple(torch.zeros((), dtype=d) for d in scalar_dtypes)
 
     def flat(*args):
