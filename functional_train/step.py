@@ -867,6 +867,11 @@ def _step(tx, grads, state, params, mesh, donate, extra):
                 raise
             raise err from e
         return new_params, InjectHyperparamsState(state.count + 1, hp, inner_state)
+    switch = E.switch_of(tx)
+    if switch is not None and not is_differentiable():  # multi_steps of a fusable transform
+        fus = switch.choose(grads, state, params, mesh)
+        if fus is not None:
+            return _run_spec(fus, grads, state, params, mesh, donate)
     out = _injected_after_clip(tx, grads, state, params, mesh, donate)
     if out is not None:
         return out
