@@ -171,6 +171,16 @@ class _Writer:
         (self.body if vec else self.pre).append(line)
         return name
 
+    def select(self, cond_arg, c: str, a: str, b: str, dtype, vec: bool) -> str:
+        """``c ? a : b``. A condition that is the same for every element (a scalar's: a flag,
+        a weight's range) selecting per-element floating values is written as a bitwise
+        blend (``FT_SEL``, exact): GCC turns a loop-invariant ``?:`` into branches, and with
+        more than one in a loop gives up vectorising it ("control flow in loop")."""
+        scalar_cond = not (isinstance(cond_arg, torch.fx.Node) and cond_arg in self.vec)
+        if vec and scalar_cond and dtype in (torch.float32, torch.float64):
+            return f"FT_SEL({c}, {a}, {b})"
+        return f"({c} ? {a} : {b})"
+
     def source(self, fn_name: str) -> tuple[str, list]:
         outputs = []
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -216,6 +226,17 @@ class _Writer:
             "#define FT_FMA(a, b, c) _Generic((a), float: __builtin_fmaf, default: __builtin_fma)(a, b, c)",
             "#define FT_SQRT(a) _Generic((a), float: __builtin_sqrtf, default: __builtin_sqrt)(a)",
             "#define FT_SIGN(a) (((a) > 0) - ((a) < 0))",
+            "static inline float ft_self(_Bool c, float a, float b) {",
+            "  uint32_t x, y, m = (uint32_t)0 - (uint32_t)c; float r;",
+            "  __builtin_memcpy(&x, &a, 4); __builtin_memcpy(&y, &b, 4);",
+            "  x = (x & m) | (y & ~m); __builtin_memcpy(&r, &x, 4); return r;",
+            "}",
+            "static inline double ft_seld(_Bool c, double a, double b) {",
+            "  uint64_t x, y, m = (uint64_t)0 - (uint64_t)c; double r;",
+            "  __builtin_memcpy(&x, &a, 8); __builtin_memcpy(&y, &b, 8);",
+            "  x = (x & m) | (y & ~m); __builtin_memcpy(&r, &x, 8); return r;",
+            "}",
+            "#define FT_SEL(c, a, b) _Generic((a), float: ft_self, default: ft_seld)(c, a, b)",
             f"void {fn_name}(int64_t nleaves, const int64_t *numel, void *const *ptr,"
             " const double *sc) {",
         ]
@@ -298,7 +319,7 @@ class _Writer:
         if op == "where" and len(args) == 3:
             c = self.val(args[0])
             a, b = self.val(args[1], dtype), self.val(args[2], dtype)
-            return self.emit(node, f"({c} ? {a} : {b})", dtype, vec)
+            return self.emit(node, self.select(args[0], c, a, b, dtype, vec), dtype, vec)
         if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
             return self.emit(node, self.val(args[0], dtype), dtype, vec)
         if op == "pow" and len(args) == 2:
@@ -323,7 +344,7 @@ class _Writer:
             wv = isinstance(args[2], torch.fx.Node) and args[2] in self.vec
             small = self.emit_tmp(f"(FT_ABS({w}) < ({t})0.5)", torch.bool, wv)
             coeff = self.emit_tmp(f"({small} ? {w} : {w} - ({t})1)", dtype, wv)
-            base = self.emit_tmp(f"({small} ? {a} : {b})", dtype, vec)
+            base = self.emit_tmp(self.select(args[2], small, a, b, dtype, vec), dtype, vec)
             expr = f"FT_FMA({coeff}, {b} - {a}, {base})"
             return self.emit(node, expr, dtype, vec)
         if op == "addcdiv" and len(args) == 3:
