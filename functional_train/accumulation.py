@@ -1,4 +1,15 @@
-"""Gradient accumulation: the functional ``no_sync`` (Colossal-AI seed 002)."""
+"""Gradient accumulation: the functional ``no_sync`` (Colossal-AI seed 002).
+
+``multi_steps`` of a fusable inner transform registers a
+:class:`~functional_train.engine.elementwise.Switch` (:func:`_fused_micro_steps`): ``ft.step``
+runs a non-final micro-step as one pass ``acc += g`` that leaves the parameters alone, and the
+final one as ``u = (acc + g) / k``, the inner's parts and ``p + u`` in one pass (the
+accumulators cleared in it; a second pass first when the inner starts with a reduction such as
+``clip_by_global_norm``, whose norm needs the mean). Taken for plain tensors without a mesh
+(a mesh keeps the general path, whose non-final micro-steps issue no collective), gradients of
+their accumulators' dtypes, and no ``should_skip_update_fn``; anything else runs the general
+``update``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +22,7 @@ import torch
 from . import _validate as V
 from .autograd import detached
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
+from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
 from .engine.plan import describe
 from .mesh import Mesh
@@ -246,7 +258,146 @@ def multi_steps(
 
     # what comes out is what inner returns: still unreduced if inner passes unreduced values on
     update_fn.passes_unreduced = passes_unreduced(inner)  # type: ignore[attr-defined]
+    inner_fus = E.fusable_of(inner)
+    if inner_fus is not None and should_skip_update_fn is None:
+        E.register(update_fn, _fused_micro_steps(inner_fus, every_k))
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
+
+
+def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
+    """``multi_steps(inner, every_k)``'s :class:`~functional_train.engine.elementwise.Switch`
+    for ``ft.step``: per call, the Fusable of a non-final micro-step (``acc += g``, zero
+    updates) or of the final one (``(acc + g) / every_k``, then ``inner``'s parts; the
+    accumulators cleared), in two variants each: every leaf with a gradient adds to its
+    accumulator, or every such leaf starts its cycle now (its accumulator takes ``g``, as the
+    general path copies it). ``None`` (the general ``update``) for what these do not cover."""
+    kf = float(every_k)
+
+    def check(state, b):
+        if not isinstance(state, MultiStepsState):
+            raise ValueError(
+                f"multi_steps: expected a MultiStepsState from multi_steps.init, "
+                f"got {type(state).__name__}"
+            )
+
+    def fields(state):
+        return ((state.acc_grads, "MultiStepsState.acc_grads"),)
+
+    def non_final_prologue(state, b):
+        check(state, b)
+        active = set(b.active)
+
+        def finish(trees):
+            seen = tuple(
+                _flag(1) if i in active and not int(f) else f for i, f in enumerate(state.seen)
+            )
+            return MultiStepsState(
+                state.mini_step + 1,
+                state.gradient_step,
+                state.inner_state,
+                trees[0],
+                seen,
+                state.skip_state,
+            )
+
+        return (), finish
+
+    def final_prologue(state, b):
+        check(state, b)
+
+        def finish(trees):
+            return MultiStepsState(
+                torch.zeros_like(state.mini_step),
+                state.gradient_step + 1,
+                state.inner_state,  # (replaced by the inner's new state in join)
+                trees[0],
+                tuple(_flag(0) if int(f) else f for f in state.seen),
+                state.skip_state,
+            )
+
+        return (), finish
+
+    def add(u, p, s, h, k):
+        """``acc + g`` (the update passes, unused)."""
+        return u, (s[0] + u.to(s[0].dtype),)
+
+    def start(u, p, s, h, k):
+        """``g`` (a copy; the accumulator was zeros)."""
+        return u, (u.to(s[0].dtype, copy=True),)
+
+    def mean_add(u, p, s, h, k):
+        """``(acc + g) / every_k``; the accumulator cleared."""
+        return (s[0] + u.to(s[0].dtype)) / kf, (torch.zeros_like(s[0]),)
+
+    def mean_start(u, p, s, h, k):
+        """``g / every_k`` (``every_k == 1``, or every leaf's first gradient of the cycle)."""
+        return u.to(s[0].dtype, copy=True) / kf, (torch.zeros_like(s[0]),)
+
+    def part(leaf, prologue):
+        return E.Elementwise("multi_steps", leaf, prologue, fields, 1)
+
+    def one(state):
+        return [state]
+
+    def first(states):
+        return states[0]
+
+    def split(state):
+        return [state, *inner_fus.split(state.inner_state)]
+
+    def join(states):
+        return states[0]._replace(inner_state=inner_fus.join(states[1:]))
+
+    variants = {
+        (False, False): E.Fusable((part(add, non_final_prologue),), one, first, zero_updates=True),
+        (False, True): E.Fusable((part(start, non_final_prologue),), one, first, zero_updates=True),
+        (True, False): E.Fusable((part(mean_add, final_prologue), *inner_fus.parts), split, join),
+        (True, True): E.Fusable((part(mean_start, final_prologue), *inner_fus.parts), split, join),
+    }
+
+    def choose(updates, state, params, mesh):
+        if (
+            mesh is not None
+            or params is None
+            or not isinstance(state, MultiStepsState)
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        g, treedef = tree_flatten(updates)
+        try:
+            acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
+        except ValueError:
+            return None  # (the general path raises)
+        if len(state.seen) != len(g):
+            return None
+        # the CPU counter and flags: host reads without a device synchronisation (the state
+        # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
+        seen = [int(f) for f in state.seen]
+        final = int(state.mini_step) + 1 >= every_k
+        fresh = None
+        for i, (x, a) in enumerate(zip(g, acc)):
+            if x is None or a is None:
+                if final and seen[i] and a is not None:
+                    return None  # a leaf of the cycle without a gradient now
+                continue
+            if (
+                type(x) is not torch.Tensor
+                or type(a) is not torch.Tensor
+                or x.dtype != a.dtype
+                or not x.dtype.is_floating_point
+                or x.shape != a.shape
+            ):
+                return None
+            f = not seen[i]
+            if fresh is None:
+                fresh = f
+            elif fresh != f:
+                return None  # some leaves start their cycle, others add: the general path
+        if fresh is None:
+            return None
+        return variants[(final, fresh)]
+
+    return E.Switch(choose)
 
 
 def _zeros_for(updates, params):

@@ -8,9 +8,9 @@ import optree
 import torch
 
 from . import _validate as V
-from .base import GradientTransformation, declare
+from .base import GradientTransformation
+from .engine import elementwise as E
 from .engine.dtensor import to_locals, wraps_like
-from .engine.view import prepare
 from .transforms import zero_count
 from .tree import find_state, flatten_as, state_dtype, tree_unflatten
 
@@ -45,7 +45,9 @@ def ema_params(
     ``ExponentialMovingAverage(num_updates=...)`` and timm's ``ModelEmaV2``).
 
     Elementwise on local shards: exact under any sharding, no collective (beyond reducing
-    unreduced gradients if it is used alone). Needs ``params``.
+    unreduced gradients if it is used alone). Needs ``params``. An elementwise spec (see
+    :mod:`functional_train.engine.elementwise`): after an elementwise chain, ``ft.step`` runs
+    the chain, the parameters' update and the average in one pass.
 
     Args:
         decay: in [0, 1].
@@ -73,40 +75,63 @@ def ema_params(
         )
         return EmaParamsState(zero_count(params), ema)
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def prologue(state, b):
         if not isinstance(state, EmaParamsState):
             raise ValueError(
                 "ema_params: expected the EmaParamsState from ema_params.init, "
                 f"got {type(state).__name__}"
             )
-        b = prepare(updates, params, mesh, need_params=True, name="ema_params")
-        old_ema = flatten_as(state.ema, b.treedef, "EmaParamsState.ema", "the updates")
-        idx = [i for i, p in enumerate(b.params) if p is not None and old_ema[i] is not None]
-        e = to_locals([old_ema[i] for i in idx])
-        cur = []
-        for i, ei in zip(idx, e):
-            p, u = b.params[i], b.locals[i]
-            x = p if u is None else p + (u if u.dtype == p.dtype else u.to(p.dtype))
-            cur.append(x if x.dtype == ei.dtype else x.to(ei.dtype))
         if warmup:
             n = state.count.to(torch.float64)
             d = torch.clamp((1.0 + n) / (10.0 + n), max=decay)
         else:
             d = torch.tensor(decay, dtype=torch.float64, device=state.count.device)
         w = torch.where(state.count == 0, torch.ones_like(d), 1.0 - d)
-        new = (
-            [torch.lerp(ei, ci, w.to(device=ei.device, dtype=ei.dtype)) for ei, ci in zip(e, cur)]
-            if e
-            else []
-        )
-        leaves = list(old_ema)
-        for i, v in zip(idx, wraps_like(new, [old_ema[i] for i in idx])):
-            leaves[i] = v
-        return b.rebuild(b.locals), EmaParamsState(
-            state.count + 1, tree_unflatten(b.treedef, leaves)
-        )
+        count = state.count + 1
 
-    return GradientTransformation(init_fn, declare(update_fn, view=True))
+        def finish(trees):
+            ema = trees[0]
+            if len(b.active) < len(b.locals):
+                ema = _without_updates(b, state.ema, ema, w)
+            return EmaParamsState(count, ema)
+
+        return (w,), finish
+
+    def fields(state):
+        return ((state.ema, "EmaParamsState.ema"),)
+
+    def leaf(u, p, s, h, key):
+        """``p' = p + u`` (in ``p``'s dtype), ``ema = lerp(ema, p', w)``, ``w = 1 - d`` (1 on
+        the first update: a copy); the update passes unchanged."""
+        e = s[0]
+        x = p + u.to(p.dtype)
+        return u, (torch.lerp(e, x.to(e.dtype), h[0].to(e.dtype)),)
+
+    spec = E.Elementwise("ema_params", leaf, prologue, fields, 1, needs_params=True)
+    return E.transform(spec, init_fn)
+
+
+def _without_updates(b, old_tree, new_tree, w):
+    """The average of the leaves with a parameter but no update (``p' = p``), which the fused
+    pass (over the leaves with an update) does not visit: ``lerp(ema, p, w)`` leaf by leaf."""
+    old = flatten_as(old_tree, b.treedef, "EmaParamsState.ema", "the updates")
+    leaves = flatten_as(new_tree, b.treedef, "EmaParamsState.ema", "the updates")
+    active = set(b.active)
+    idx = [
+        i
+        for i, (p, e) in enumerate(zip(b.params, old))
+        if i not in active and p is not None and e is not None
+    ]
+    if not idx:
+        return new_tree
+    e = to_locals([old[i] for i in idx])
+    new = []
+    for i, ei in zip(idx, e):
+        p = b.params[i]
+        new.append(torch.lerp(ei, p.to(ei.dtype), w.to(device=ei.device, dtype=ei.dtype)))
+    for i, v in zip(idx, wraps_like(new, [old[i] for i in idx])):
+        leaves[i] = v
+    return tree_unflatten(b.treedef, leaves)
 
 
 def averaged_params(state: Any) -> Any:

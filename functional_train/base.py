@@ -135,9 +135,8 @@ def _run_sequence(txs, states, updates, params, mesh, extra):
     prepared view (unreduced gradients reduced once, local shards taken once), which travels
     from primitive to primitive; DTensors are rebuilt once, for what the caller receives, or
     before a transform that does not accept views. Foreign transforms get reduced trees."""
-    from .engine.view import Prepared, prepare
-
     from .engine import elementwise as E
+    from .engine.view import Prepared, prepare
 
     given_view = isinstance(updates, Prepared)
     new_states: list = []

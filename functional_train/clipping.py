@@ -13,11 +13,11 @@ import optree
 import torch
 
 from . import _validate as V
-from .base import GradientTransformation, declare
+from .base import GradientTransformation
 from .engine import elementwise as E
 from .engine import native
 from .engine.view import prepare
-from .transforms import _as_complex, _as_real, _cast_like, _no_fields, stateless
+from .transforms import _as_complex, _as_real, _no_fields, stateless
 from .tree import first_device
 
 __all__ = ["clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm"]

@@ -122,14 +122,18 @@ def elementwise(
         return tuple(values), lambda trees: ElementwiseState(count, tuple(trees))
 
     def fields_of(state):
-        return tuple((t, f"ElementwiseState.fields[{i}] ({names[i]})") for i, t in enumerate(state.fields))
+        return tuple(
+            (t, f"ElementwiseState.fields[{i}] ({names[i]})") for i, t in enumerate(state.fields)
+        )
 
     def per_leaf(u, p, s, h, key):
         out = leaf(u, p, *s, **dict(zip(keys, h)))
         if n == 0:
             if isinstance(out, tuple):
                 if len(out) != 1:
-                    raise ValueError(f"{name}: leaf returned {len(out)} values, expected the update")
+                    raise ValueError(
+                        f"{name}: leaf returned {len(out)} values, expected the update"
+                    )
                 out = out[0]
             return out.to(u.dtype), ()
         if not isinstance(out, tuple) or len(out) != 1 + n:

@@ -8,6 +8,11 @@ flag costs ONE scalar all-reduce per update, or nothing extra when the inner tra
 with :func:`~functional_train.clip_by_global_norm`, whose norm (one all-reduce already) is
 finite exactly when every gradient element is (up to float32 overflow of the squares, as for
 torch's ``clip_grad_norm_(error_if_nonfinite=True)``).
+
+``apply_if_finite`` of a fusable inner transform is fusable (:func:`_guarded`): its first part
+takes the decision (the flag's reduction, or the leading clip's norm), the inner's parts follow,
+each selecting ``torch.where(ok, new, old)`` per state field in its own leaf function, and a
+last part zeroes the update where not ``ok``; ``ft.step`` runs it all as one pass per stage.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 
 from . import _validate as V
 from .base import GradientTransformation, call_reduced, declare
+from .engine import elementwise as E
 from .engine.dtensor import to_local, wrap_like
 from .engine.view import Prepared, prepare
 from .transforms import _cast_like
@@ -166,6 +172,153 @@ def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, devi
     return finite.to(device), updates, new_inner
 
 
+def _select_state(ok: torch.Tensor, new, old, fields):
+    """``torch.where(ok, new, old)`` on the leaves of a part's new state that are not its new
+    field leaves (``fields``: the trees its leaf function wrote, already selected there):
+    counters, norms, 0-dim tensors."""
+    written = {id(x) for t in fields for x in optree.tree_leaves(t, none_is_leaf=True)}
+
+    def pick(n, o):
+        if not isinstance(n, torch.Tensor) or n is o or id(n) in written:
+            return n
+        ln, lo = to_local(n), to_local(o)
+        return wrap_like(torch.where(ok.to(ln.device), ln, lo), n)
+
+    return optree.tree_map(pick, new, old, none_is_leaf=True)
+
+
+def _call_prologue(part, state, b, ctx):
+    if part.context:
+        return part.prologue(state, b, ctx)
+    return part.prologue(state, b)
+
+
+def _guard_part(part, key):
+    """``part`` with its new fields ``torch.where(ok, new, old)`` and its other new state
+    selected likewise, ``ok`` read from the run context under ``key`` (one more scalar)."""
+
+    def prologue(state, b, ctx):
+        sc, fin = _call_prologue(part, state, b, ctx)
+        ok = ctx[key]
+        return (*sc, ok), lambda trees: _select_state(ok, fin(trees), state, trees)
+
+    def leaf(u, p, s, h, k):
+        ok = h[-1] != 0
+        u, new = part.leaf(u, p, s, h[:-1], k)
+        return u, tuple(torch.where(ok, n, o) for n, o in zip(new, s))
+
+    return E.Elementwise(
+        f"apply_if_finite({part.name})",
+        leaf,
+        prologue,
+        part.fields,
+        part.n_fields,
+        needs_params=part.needs_params,
+        static=part.static,
+        reduces=part.reduces,
+        context=True,
+    )
+
+
+def _end_leaf(u, p, s, h, k):
+    """The update where ``ok``, zeros elsewhere."""
+    return torch.where(h[0] != 0, u, torch.zeros_like(u)), ()
+
+
+def _no_fields(state):
+    return ()
+
+
+def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int) -> E.Fusable:
+    """The :class:`~functional_train.engine.elementwise.Fusable` of ``apply_if_finite(inner)``:
+    a first part that decides (``ok``, published in the run context), the inner's parts
+    guarded (:func:`_guard_part`), a last part that zeroes the update where not ``ok``.
+
+    With ``clip_first`` (``inner`` starts with ``clip_by_global_norm``) the first part IS the
+    clip's: its norm, finite exactly when every element is, decides, and the gradients are
+    read once (for the norm) before the pass. Otherwise the first part reduces the per-leaf
+    non-finite flags (:func:`_all_finite_of`) and passes the updates through."""
+    key = object()  # this wrapper's entry in the run context
+    inner_parts = inner_fus.parts
+    clip = inner_parts[0] if clip_first else None
+    if clip is not None and clip.n_fields:
+        raise AssertionError("clip_by_global_norm has no state fields")
+
+    def prologue(state, b, ctx):
+        ws, cs = state
+        if clip is not None:
+            sc, fin = _call_prologue(clip, cs, b, ctx)
+            new_cs = fin(())
+            finite = torch.isfinite(new_cs.global_norm)
+        else:
+            sc, new_cs = (), None
+            finite = _all_finite_of(b)
+        finite = finite.to(ws.notfinite_count.device)
+        count = torch.where(finite, torch.zeros_like(ws.notfinite_count), ws.notfinite_count + 1)
+        ok = finite | (count > max_consecutive_errors)
+        ctx[key] = ok
+
+        def finish(trees):
+            counters = (count, finite, ws.total_notfinite + (~finite).to(torch.int64))
+            if clip is None:
+                return counters, None
+            return counters, _select_state(ok, new_cs, cs, ())
+
+        return sc, finish
+
+    if clip is not None:
+        first = E.Elementwise(
+            f"apply_if_finite({clip.name})",
+            clip.leaf,
+            prologue,
+            clip.fields,
+            0,
+            needs_params=clip.needs_params,
+            static=clip.static,
+            reduces=True,
+            context=True,
+        )
+        rest = inner_parts[1:]
+    else:
+        first = E.Elementwise(
+            "apply_if_finite",
+            lambda u, p, s, h, k: (u, ()),
+            prologue,
+            _no_fields,
+            0,
+            reduces=True,
+            context=True,
+        )
+        rest = inner_parts
+
+    def end_prologue(state, b, ctx):
+        return (ctx[key],), lambda trees: None
+
+    end = E.Elementwise("apply_if_finite", _end_leaf, end_prologue, _no_fields, 0, context=True)
+    parts = (first, *(_guard_part(p, key) for p in rest), end)
+
+    def split(state):
+        _check_finite_state(state)
+        inner_states = list(inner_fus.split(state.inner_state))
+        cs = inner_states.pop(0) if clip is not None else None
+        return [(state, cs), *inner_states, None]
+
+    def join(states):
+        counters, cs = states[0]
+        inner_states = ([cs] if clip is not None else []) + list(states[1:-1])
+        return ApplyIfFiniteState(*counters, inner_fus.join(inner_states))
+
+    return E.Fusable(parts, split, join)
+
+
+def _check_finite_state(state):
+    if not isinstance(state, ApplyIfFiniteState):
+        raise ValueError(
+            "apply_if_finite: expected the ApplyIfFiniteState from "
+            f"apply_if_finite.init, got {type(state).__name__}"
+        )
+
+
 def apply_if_finite(
     inner: GradientTransformation, max_consecutive_errors: int
 ) -> GradientTransformation:
@@ -180,6 +333,10 @@ def apply_if_finite(
     its result or the old state leaf by leaf (a step pays one extra read of the inner state).
     Collectives: ``inner``'s, plus ONE scalar all-reduce over the mesh — none when ``inner`` is
     ``clip_by_global_norm`` or a ``chain`` starting with it (its norm is then the test).
+
+    When ``inner`` is fusable (a chain of elementwise transforms), so is the wrapper: ``update``
+    and ``ft.step`` run the guarded parts as one pass per stage (the decision's reduction
+    first), and a chain around it fuses it with its neighbours.
 
     Args:
         inner: the transform to guard.
@@ -199,6 +356,12 @@ def apply_if_finite(
         "max_consecutive_errors", max_consecutive_errors, where="apply_if_finite", low=0
     )
     clip_norm = _leading_clip_norm(inner)
+    inner_fus = E.fusable_of(inner)
+    fus = (
+        None
+        if inner_fus is None
+        else _guarded(inner_fus, clip_norm is not None, max_consecutive_errors)
+    )
 
     def init_fn(params):
         dev = first_device(params)
@@ -208,12 +371,21 @@ def apply_if_finite(
         )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        if not isinstance(state, ApplyIfFiniteState):
-            raise ValueError(
-                "apply_if_finite: expected the ApplyIfFiniteState from "
-                f"apply_if_finite.init, got {type(state).__name__}"
-            )
+        _check_finite_state(state)
         given_view = isinstance(updates, Prepared)
+        if fus is not None:
+            b = prepare(
+                updates,
+                params,
+                mesh,
+                need_params=fus.needs_params,
+                name="apply_if_finite",
+                view=True,
+            )
+            new_updates, new_state = E.run(fus, b, state, params)
+            if isinstance(new_updates, Prepared) and not given_view:
+                new_updates = new_updates.tree()
+            return new_updates, new_state
         b = prepare(updates, params, mesh, name="apply_if_finite", view=True)
         finite, new_updates, new_inner = _run_checked(
             inner, clip_norm, b, state.inner_state, params, extra, state.notfinite_count.device
@@ -232,6 +404,8 @@ def apply_if_finite(
             _where_tree(ok, new_inner, state.inner_state),
         )
 
+    if fus is not None:
+        E.register(update_fn, fus)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 

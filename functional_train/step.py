@@ -682,15 +682,59 @@ def _run_spec(fus, grads, state, params, mesh, donate):
     take = None if donate else of_plan(b.plan, "pool", Pool).take
     with torch.no_grad():
         new, new_state = E.run(
-            fus, b, state, params, apply="donate" if donate else "pure", params_locals=p_loc,
+            fus,
+            b,
+            state,
+            params,
+            apply="donate" if donate else "pure",
+            params_locals=p_loc,
             take=take,
         )
     if donate:
         return params, new_state
+    # what the step leaves as it was (multi_steps' non-final micro-step: the parameters and
+    # the inner state) is copied here into the pool's buffers (no page faults), rather than
+    # by step's _unaliased into fresh memory
+    if fus.zero_updates:
+        new = _pooled_copies(take, "copy:params", new, new)
+    new_state = _pooled_unaliased(take, new_state, state)
     out = list(pl)
     for i, n in zip(b.active, new):
         out[i] = requires_grad_like(wrap_like(n, pl[i]), pl[i])
     return tree_unflatten(treedef, out), new_state
+
+
+def _pooled_copies(take, kind: str, xs: list, hits: list) -> list:
+    """``xs`` with the tensors of ``hits`` (a sub-list, by identity) copied into pooled
+    buffers of ``kind``."""
+    if not hits:
+        return xs
+    with torch.no_grad():
+        bufs = take(kind, hits)
+        torch._foreach_copy_(bufs, hits)
+    by_id = {id(h): buf for h, buf in zip(hits, bufs)}
+    return [by_id.get(id(x), x) for x in xs]
+
+
+def _pooled_unaliased(take, new: PyTree, old: PyTree) -> PyTree:
+    """:func:`_unaliased` of a pure step's state, for its plain tensor leaves, into pooled
+    buffers (the leaves it does not cover are left to :func:`_unaliased`)."""
+    leaves, treedef = tree_flatten(new)
+    olds, old_def = tree_flatten(old)
+    if old_def != treedef:
+        return new
+    hits = [
+        x
+        for x, y in zip(leaves, olds)
+        if x is y
+        and type(x) is torch.Tensor
+        and x.numel() > 0
+        and x.is_contiguous()
+        and not x.requires_grad
+    ]
+    if not hits:
+        return new
+    return tree_unflatten(treedef, _pooled_copies(take, "copy:state", leaves, hits))
 
 
 def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
@@ -867,6 +911,11 @@ def _step(tx, grads, state, params, mesh, donate, extra):
                 raise
             raise err from e
         return new_params, InjectHyperparamsState(state.count + 1, hp, inner_state)
+    switch = E.switch_of(tx)
+    if switch is not None and not is_differentiable():  # multi_steps of a fusable transform
+        fus = switch.choose(grads, state, params, mesh)
+        if fus is not None:
+            return _run_spec(fus, grads, state, params, mesh, donate)
     out = _injected_after_clip(tx, grads, state, params, mesh, donate)
     if out is not None:
         return out

@@ -310,9 +310,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
         _check_state(state, EmptyState, where)
         return scalars(), _empty
 
-    spec = E.Elementwise(
-        where, leaf, prologue, _no_fields, 0, needs_params=True, static=keep_of
-    )
+    spec = E.Elementwise(where, leaf, prologue, _no_fields, 0, needs_params=True, static=keep_of)
     tx = E.transform(spec, init_fn)
     tx.update.keep_of = keep_of  # type: ignore[attr-defined]  (ft.step's fused AdamW)
     return tx
@@ -550,7 +548,9 @@ def scale_by_adam(
             )
         return tx
 
-    spec = _adam_spec(b1_arg, b2_arg, eps_arg, False, bias_correction, eps_before_correction, state_cls)
+    spec = _adam_spec(
+        b1_arg, b2_arg, eps_arg, False, bias_correction, eps_before_correction, state_cls
+    )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         # optim_bits=8: the float math of the spec between dequantisation and requantisation

@@ -182,6 +182,7 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
     ),
 }
 
+
 def _rms_leaf(u, p, v, *, beta, lr):
     v = beta * v + (1 - beta) * u * u
     return -lr * u / (torch.sqrt(v) + 1e-8), v

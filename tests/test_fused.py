@@ -162,7 +162,9 @@ def test_a_foreign_transform_breaks_the_pass_and_composes(monkeypatch):
     tx = ft.chain(ft.scale_by_adam(), foreign(), ft.scale(-1e-2))
     got, _ = _run(tx, params, grads, "pure")
     assert len(seen) == 2 * STEPS
-    want, _ = _run(ft.chain(ft.scale_by_adam(), ft.scale(2.0), ft.scale(-1e-2)), params, grads, "pure")
+    want, _ = _run(
+        ft.chain(ft.scale_by_adam(), ft.scale(2.0), ft.scale(-1e-2)), params, grads, "pure"
+    )
     _close(got, want, params, torch.float64)
 
 

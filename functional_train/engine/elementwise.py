@@ -19,15 +19,38 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   Python (a weight-decay mask); ``None``: every leaf's key is ``None``.
 * ``reduces``: whether ``prologue`` reads the updates' values (a norm): a fused pass then
   starts at this transform, since the updates it reads must exist first.
+* ``context``: whether ``prologue`` takes a third argument, ``prologue(state, b, ctx)``:
+  the *run context*, a dict shared by the prologues of the parts of one :func:`run` call, in
+  the parts' order. A part publishes a value there for the parts after it (under a key object
+  private to the transforms that agree on it). This is how a wrapper guards the parts it
+  wraps: ``apply_if_finite``'s first part computes the all-finite flag and publishes it; each
+  wrapped inner part reads it in its prologue, passes it to its leaf as one more scalar, and
+  its leaf selects ``torch.where(ok, new, old)`` per field (see
+  :mod:`functional_train.nonfinite`).
 
 A :class:`Fusable` is a sequence of such parts; ``chain`` of fusable transforms is fusable, its
-parts the concatenation of theirs. :func:`run` executes one: the parts from one reducing part to
-the next form a *stage*, one pass over every leaf (a generated kernel per group of leaves of one
+parts the concatenation of theirs. A Fusable with ``zero_updates`` returns zero updates (only
+its state changes: ``multi_steps``' non-final micro-step): run with ``apply`` it leaves the
+parameters as they are and makes no pass over them.
+
+A :class:`Switch` is registered instead of a Fusable by a transform whose fused form depends on
+host-side facts of its state (``multi_steps``: whether the micro-step is the cycle's last, read
+from its CPU counter): ``choose(updates, state, params, mesh)`` returns the Fusable of this
+call, or ``None`` (the transform then runs by its own ``update``). ``ft.step`` asks it;
+``chain`` does not fuse it (it is not a Fusable).
+
+:func:`run` executes a Fusable: the parts from one reducing part to the next form a *stage*, one pass over every leaf (a generated kernel per group of leaves of one
 dtype signature, see :mod:`.fuse`), optionally ending with ``apply_updates`` (``p + u``) for
 ``ft.step``, in place over the inputs (donated) or into fresh buffers (pure).
 
 Complex leaves are viewed as real pairs (``torch.view_as_real``) for the whole stage, as
 ``torch.optim`` treats them.
+
+Where results go: a pure run (``apply="pure"``) writes every stage's results into fresh
+buffers (the plan's pool, one kind per stage and result); a donated run (``apply="donate"``)
+writes them over their inputs: the last stage's new parameters over the parameters, every
+stage's new fields over the old fields, and an intermediate stage's updates over the updates
+(the gradients, donated too).
 """
 
 from __future__ import annotations
@@ -46,6 +69,8 @@ __all__ = [
     "register",
     "spec_of_transform",
     "fusable_of",
+    "Switch",
+    "switch_of",
     "run",
 ]
 
@@ -62,53 +87,75 @@ class Elementwise:
     needs_params: bool = False
     static: Callable | None = None
     reduces: bool = False
+    context: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Fusable:
     """A sequence of elementwise parts and how the composite state maps onto theirs:
-    ``split(state) -> [part state, ...]`` and ``join([new part state, ...]) -> state``."""
+    ``split(state) -> [part state, ...]`` and ``join([new part state, ...]) -> state``;
+    ``zero_updates``: the updates are zeros (see the module's docstring)."""
 
     parts: tuple
     split: Callable
     join: Callable
+    zero_updates: bool = False
 
     @property
     def needs_params(self) -> bool:
         return any(p.needs_params for p in self.parts)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Switch:
+    """A transform's fused form chosen per call from host-side facts of its state:
+    ``choose(updates, state, params, mesh) -> Fusable | None`` (see the module's docstring).
+    ``choose`` must be cheap and must not issue collectives or read device values."""
+
+    choose: Callable
+
+
 _SPEC_ATTR = "__ft_spec__"
 
 
-def register(update_fn: Callable, spec: Elementwise | Fusable) -> Callable:
+def register(update_fn: Callable, spec: Elementwise | Fusable | Switch) -> Callable:
     """Attach ``spec`` to a transform's ``update`` function (returns ``update_fn``). It is kept
     in the function's ``__dict__``, so that it travels with the function through ``pickle``
     (cloudpickle) and ``copy``."""
-    if not isinstance(spec, (Elementwise, Fusable)):
-        raise TypeError(f"register: expected an Elementwise or Fusable spec, got {spec!r}")
+    if not isinstance(spec, (Elementwise, Fusable, Switch)):
+        raise TypeError(f"register: expected an Elementwise, Fusable or Switch spec, got {spec!r}")
     vars(update_fn)[_SPEC_ATTR] = spec
     return update_fn
 
 
-def spec_of_transform(tx) -> Elementwise | Fusable | None:
+def spec_of_transform(tx) -> Elementwise | Fusable | Switch | None:
     """The spec registered for ``tx.update``, or ``None`` (a transform the engine cannot fuse:
     it runs by its own ``update``)."""
     try:
         spec = vars(tx.update).get(_SPEC_ATTR)
     except TypeError:  # no __dict__ (a builtin, a bound method of a slotted object)
         return None
-    return spec if isinstance(spec, (Elementwise, Fusable)) else None
+    return spec if isinstance(spec, (Elementwise, Fusable, Switch)) else None
 
 
 def fusable_of(tx) -> Fusable | None:
     """``tx``'s spec as a :class:`Fusable` (one part for an :class:`Elementwise`), or ``None``."""
     s = spec_of_transform(tx)
+    if isinstance(s, Switch):
+        return None
     return single(s) if isinstance(s, Elementwise) else s
+
+
+def switch_of(tx) -> Switch | None:
+    """``tx``'s :class:`Switch`, or ``None``."""
+    s = spec_of_transform(tx)
+    return s if isinstance(s, Switch) else None
 
 
 def chained(fusables: Sequence[Fusable]) -> Fusable:
     """The :class:`Fusable` of ``chain`` of transforms with these specs (state: a tuple)."""
+    if any(f.zero_updates for f in fusables):
+        raise ValueError("a Fusable with zero_updates cannot be chained")
     counts = [len(f.parts) for f in fusables]
 
     def split(state):
@@ -135,16 +182,17 @@ class _Stage:
     """The composed per-leaf function of consecutive parts, optionally followed by
     ``apply_updates``; one object per (parts, apply), so that its kernels are cached."""
 
-    __slots__ = ("parts", "apply", "params", "counts", "__weakref__")
+    __slots__ = ("parts", "apply", "drop_u", "params", "counts", "__weakref__")
 
-    def __init__(self, parts: tuple, apply: bool):
+    def __init__(self, parts: tuple, apply: bool, drop_u: bool = False):
         self.parts = parts
         self.apply = apply
+        self.drop_u = drop_u  # the updates are not a result (only the new fields are)
         self.params = apply or any(p.needs_params for p in parts)
         self.counts = None  # per part: number of scalars (set on first call)
 
     def function(self, counts: tuple, keys: tuple) -> Callable:
-        parts, apply, params = self.parts, self.apply, self.params
+        parts, apply, params, drop_u = self.parts, self.apply, self.params, self.drop_u
 
         def f(ins, scalars):
             u = ins[0]
@@ -155,11 +203,15 @@ class _Stage:
             for part, n, key in zip(parts, counts, keys):
                 fields = tuple(ins[k : k + part.n_fields])
                 k += part.n_fields
-                u, new = part.leaf(u, p if part.needs_params else None, fields, scalars[s : s + n], key)
+                u, new = part.leaf(
+                    u, p if part.needs_params else None, fields, scalars[s : s + n], key
+                )
                 s += n
                 outs.extend(new)
             if apply:
                 return (p + u.to(p.dtype), *outs)
+            if drop_u:
+                return tuple(outs)
             return (u, *outs)
 
         return f
@@ -168,11 +220,11 @@ class _Stage:
 _stages: dict = {}
 
 
-def _stage_of(parts: tuple, apply: bool) -> _Stage:
-    key = (tuple(map(id, parts)), apply)
+def _stage_of(parts: tuple, apply: bool, drop_u: bool = False) -> _Stage:
+    key = (tuple(map(id, parts)), apply, drop_u)
     st = _stages.get(key)
     if st is None or st.parts != parts:
-        st = _stages[key] = _Stage(parts, apply)
+        st = _stages[key] = _Stage(parts, apply, drop_u)
     return st
 
 
@@ -200,7 +252,7 @@ def run(
         apply: ``None``: return ``(updates, new_state)`` like ``update``; ``"pure"`` or
             ``"donate"``: return ``(new parameter locals of b.active, new_state)``, the updates
             added to ``params_locals`` (the parameters' local shards of ``b.active``) into fresh
-            buffers or in place.
+            buffers or in place (``params_locals`` themselves for ``spec.zero_updates``).
         take: ``take(kind, like) -> fresh buffers`` (the plan's pool), for pure results.
 
     Raises:
@@ -215,12 +267,17 @@ def run(
     finishes: list = [None] * len(parts)
     trees_of: list = [None] * len(parts)
     new_fields: list = [None] * len(parts)
+    ctx: dict = {}  # the run context (see the module's docstring)
+    drop = spec.zero_updates and apply is not None
     for lo, hi in zip(bounds, bounds[1:]):
         scalars, counts, fields, keys = [], [], [], []
         for k in range(lo, hi):
             part = parts[k]
             view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
-            sc, finishes[k] = part.prologue(states[k], view)
+            if part.context:
+                sc, finishes[k] = part.prologue(states[k], view, ctx)
+            else:
+                sc, finishes[k] = part.prologue(states[k], view)
             scalars.extend(sc)
             counts.append(len(sc))
             trees_of[k] = part.fields(states[k])
@@ -235,7 +292,7 @@ def run(
             else:
                 keys.append(None)
         last = hi == len(parts)
-        stage = _stage_of(parts[lo:hi], apply is not None and last)
+        stage = _stage_of(parts[lo:hi], apply is not None and last and not drop, drop and last)
         p_loc = None
         if stage.apply:
             p_loc = list(params_locals)
@@ -245,7 +302,9 @@ def run(
                 raise ValueError(f"{name}: needs params (update(..., params))")
             p_loc = [b.params[i] for i in act]
         leaf_keys = [
-            None if all(k is None for k in keys) else tuple(None if k is None else k[j] for k in keys)
+            None
+            if all(k is None for k in keys)
+            else tuple(None if k is None else k[j] for k in keys)
             for j in range(len(act))
         ]
         outs = _execute(
@@ -256,11 +315,13 @@ def run(
             fields,
             scalars,
             leaf_keys,
-            apply if stage.apply else None,
-            take,
+            apply,
+            None if take is None else _kinds(take, lo),
         )
-        u = outs[0]
-        r = 1
+        r = 0
+        if not stage.drop_u:
+            u = outs[0]
+            r = 1
         for k in range(lo, hi):
             m = parts[k].n_fields
             new_fields[k] = outs[r : r + m]
@@ -272,9 +333,21 @@ def run(
         ]
         new_states.append(finishes[k](new_trees))
     new_state = spec.join(new_states)
+    if drop:
+        return list(params_locals), new_state
     if apply is not None:
         return u, new_state
+    if spec.zero_updates:
+        u = [torch.zeros_like(x) for x in u]
     return b.rebuild_active(u), new_state
+
+
+def _kinds(take, lo):
+    """``take`` with the pool's kinds of buffers named per stage (a stage's results must not
+    take the buffers of an earlier stage's results of the same run)."""
+    if lo == 0:
+        return take
+    return lambda kind, like: take(f"{kind}@{lo}", like)
 
 
 def _scatter(b, active_values):
@@ -285,7 +358,8 @@ def _scatter(b, active_values):
 
 
 def _execute(stage, counts, u, p, fields, scalars, keys, apply, take):
-    """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists).
+    """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists; without
+    the first for ``stage.drop_u``). ``apply="donate"``: the results over their inputs.
 
     Ranks simulated in one process (``torch.distributed._local_tensor.LocalTensor``: a tensor
     holding one tensor per rank) run rank by rank on their own tensors, through the same
@@ -347,10 +421,15 @@ def _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply):
 
 def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     n = len(u)
-    n_out = 1 + len(fields)
+    n_out = len(fields) + (0 if stage.drop_u else 1)
     if n == 0:
         return [[] for _ in range(n_out)]
     ins = [u] + ([p] if p is not None else []) + list(fields)
+    # the input each result overwrites when donated: the parameters (or, for a stage that
+    # does not apply, the updates), then the fields
+    first_field = 1 + (p is not None)
+    dst = [] if stage.drop_u else [1 if stage.apply else 0]
+    dst += range(first_field, first_field + len(fields))
     cx = any(x.is_complex() for x in u)
     if cx:
         ins = [[torch.view_as_real(x) if x.is_complex() else x for x in lst] for lst in ins]
@@ -378,7 +457,9 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
                 sc = fuse.scalar_pointers(scalars)
             if sc is not None:
                 kernel = fuse.kernel_for(fn, dtypes, sc[1])
-                if kernel is not None and _run_kernel(kernel, ins, idx, outs, sc[0], apply, take):
+                if kernel is not None and _run_kernel(
+                    kernel, ins, idx, outs, sc[0], apply, take, dst
+                ):
                     continue
         with torch.enable_grad() if _recording() else torch.no_grad():
             for j in idx:
@@ -388,10 +469,10 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
         if apply == "donate":  # the results into the donated buffers
             for j in idx:
                 for r in range(n_out):
-                    dst = ins[1 + r][j]
-                    if outs[r][j] is not dst and outs[r][j].dtype == dst.dtype:
-                        dst.copy_(outs[r][j])
-                        outs[r][j] = dst
+                    d = ins[dst[r]][j]
+                    if outs[r][j] is not d and outs[r][j].dtype == d.dtype:
+                        d.copy_(outs[r][j])
+                        outs[r][j] = d
     if cx:
         outs = [
             [
@@ -422,13 +503,13 @@ def _function(stage, counts, key):
     return hit[1]
 
 
-def _run_kernel(kernel, ins, idx, outs, sc, apply, take) -> bool:
+def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
     """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
     as asked (a donated buffer of another dtype)."""
     cols = [[lst[j] for j in idx] for lst in ins]
     n_out = len(outs)
     if apply == "donate":
-        res = [cols[1 + r] for r in range(n_out)]
+        res = [cols[dst[r]] for r in range(n_out)]
         if any(t[0].dtype != d for t, d in zip(res, kernel.out_dtypes)):
             return False
     else:
@@ -469,7 +550,15 @@ def apply_part(part: Elementwise, u: list, fields: Sequence, scalars: Sequence, 
             ]
 
     res = _execute(
-        stage, (len(scalars),), list(u), None, [list(f) for f in fields], list(scalars), [None] * n, None, take
+        stage,
+        (len(scalars),),
+        list(u),
+        None,
+        [list(f) for f in fields],
+        list(scalars),
+        [None] * n,
+        None,
+        take,
     )
     if out is None:
         return res

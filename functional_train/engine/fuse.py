@@ -127,6 +127,29 @@ def _op_name(target) -> str:
     return name.split(".")[0]
 
 
+# the generated source's helpers: NaN-propagating maximum / minimum as torch's, type-generic
+# builtins, and an exact bitwise select (FT_SEL; GCC leaves a loop-invariant ``?:`` as a branch)
+_HEADER = r"""#include <stdint.h>
+#include <math.h>
+#define FT_ABS(a) _Generic((a), float: __builtin_fabsf, default: __builtin_fabs)(a)
+#define FT_FMA(a, b, c) _Generic((a), float: __builtin_fmaf, default: __builtin_fma)(a, b, c)
+#define FT_SQRT(a) _Generic((a), float: __builtin_sqrtf, default: __builtin_sqrt)(a)
+#define FT_SIGN(a) (((a) > 0) - ((a) < 0))
+static inline float ft_self(_Bool c, float a, float b) {
+  uint32_t x, y, m = (uint32_t)0 - (uint32_t)c; float r;
+  __builtin_memcpy(&x, &a, 4); __builtin_memcpy(&y, &b, 4);
+  x = (x & m) | (y & ~m); __builtin_memcpy(&r, &x, 4); return r;
+}
+static inline double ft_seld(_Bool c, double a, double b) {
+  uint64_t x, y, m = (uint64_t)0 - (uint64_t)c; double r;
+  __builtin_memcpy(&x, &a, 8); __builtin_memcpy(&y, &b, 8);
+  x = (x & m) | (y & ~m); __builtin_memcpy(&r, &x, 8); return r;
+}
+#define FT_SEL(c, a, b) _Generic((a), float: ft_self, default: ft_seld)(c, a, b)
+#define FT_MAX(a, b) FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) > (b), (a), (b))))
+#define FT_MIN(a, b) FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) < (b), (a), (b))))"""
+
+
 class _Writer:
     """C source of one stage from its traced graph."""
 
@@ -147,7 +170,9 @@ class _Writer:
                 return f"(({_CTYPE[want]}){name})"
             return name
         if isinstance(arg, (bool, int, float)):
-            return _c_literal(arg, want or (torch.float64 if isinstance(arg, float) else torch.int64))
+            return _c_literal(
+                arg, want or (torch.float64 if isinstance(arg, float) else torch.int64)
+            )
         raise Unsupported(f"argument {arg!r}")
 
     def is_vec(self, arg) -> bool:
@@ -170,6 +195,16 @@ class _Writer:
         line = f"const {_CTYPE[dtype]} {name} = {expr};"
         (self.body if vec else self.pre).append(line)
         return name
+
+    def select(self, cond_arg, c: str, a: str, b: str, dtype, vec: bool) -> str:
+        """``c ? a : b``. A condition that is the same for every element (a scalar's: a flag,
+        a weight's range) selecting per-element floating values is written as a bitwise
+        blend (``FT_SEL``, exact): GCC turns a loop-invariant ``?:`` into branches, and with
+        more than one in a loop gives up vectorising it ("control flow in loop")."""
+        scalar_cond = not (isinstance(cond_arg, torch.fx.Node) and cond_arg in self.vec)
+        if vec and scalar_cond and dtype in (torch.float32, torch.float64):
+            return f"FT_SEL({c}, {a}, {b})"
+        return f"({c} ? {a} : {b})"
 
     def source(self, fn_name: str) -> tuple[str, list]:
         outputs = []
@@ -199,19 +234,16 @@ class _Writer:
             self.lower(node)
         out_dtypes = []
         for o in outputs:
-            if not isinstance(o, torch.fx.Node) or o not in self.vec:
+            # a leaf-shaped result computed from scalars only (``zeros_like(x)``) is written
+            # to every element
+            if not isinstance(o, torch.fx.Node) or (
+                o not in self.vec and tuple(o.meta["val"].shape) != (_TRACE_NUMEL,)
+            ):
                 raise Unsupported("a result that is not a leaf-shaped value")
             out_dtypes.append(self.dtypes[o])
         nin, nout = self.n_inputs, len(outputs)
         lines = [
-            "#include <stdint.h>",
-            "#include <math.h>",
-            "#define FT_MAX(a, b) ((a) != (a) ? (a) : ((b) != (b) ? (b) : ((a) > (b) ? (a) : (b))))",
-            "#define FT_MIN(a, b) ((a) != (a) ? (a) : ((b) != (b) ? (b) : ((a) < (b) ? (a) : (b))))",
-            "#define FT_ABS(a) _Generic((a), float: __builtin_fabsf, default: __builtin_fabs)(a)",
-            "#define FT_FMA(a, b, c) _Generic((a), float: __builtin_fmaf, default: __builtin_fma)(a, b, c)",
-            "#define FT_SQRT(a) _Generic((a), float: __builtin_sqrtf, default: __builtin_sqrt)(a)",
-            "#define FT_SIGN(a) (((a) > 0) - ((a) < 0))",
+            _HEADER,
             f"void {fn_name}(int64_t nleaves, const int64_t *numel, void *const *ptr,"
             " void *const *sc) {",
         ]
@@ -262,6 +294,14 @@ class _Writer:
             if "value" in node.kwargs:
                 b = f"({self.val(node.kwargs['value'], dtype)} * {b})"
             return self.emit(node, f"FT_FMA({b}, {c}, {a})", dtype, vec)
+        if op in ("full_like", "zeros_like", "ones_like", "scalar_tensor", "full") and set(
+            node.kwargs
+        ) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}:
+            # a constant (of the node's dtype: ``val``'s)
+            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
+            if fill is None:
+                fill = args[1] if op in ("full_like", "full") else args[0]
+            return self.emit(node, self.val(fill, dtype), dtype, False)
         if node.kwargs:
             raise Unsupported(node.format_node())
         if op == "rsub" and len(args) == 2:
@@ -286,7 +326,7 @@ class _Writer:
         if op == "where" and len(args) == 3:
             c = self.val(args[0])
             a, b = self.val(args[1], dtype), self.val(args[2], dtype)
-            return self.emit(node, f"({c} ? {a} : {b})", dtype, vec)
+            return self.emit(node, self.select(args[0], c, a, b, dtype, vec), dtype, vec)
         if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
             return self.emit(node, self.val(args[0], dtype), dtype, vec)
         if op == "pow" and len(args) == 2:
@@ -311,7 +351,7 @@ class _Writer:
             wv = isinstance(args[2], torch.fx.Node) and args[2] in self.vec
             small = self.emit_tmp(f"(FT_ABS({w}) < ({t})0.5)", torch.bool, wv)
             coeff = self.emit_tmp(f"({small} ? {w} : {w} - ({t})1)", dtype, wv)
-            base = self.emit_tmp(f"({small} ? {a} : {b})", dtype, vec)
+            base = self.emit_tmp(self.select(args[2], small, a, b, dtype, vec), dtype, vec)
             expr = f"FT_FMA({coeff}, {b} - {a}, {base})"
             return self.emit(node, expr, dtype, vec)
         if op == "addcdiv" and len(args) == 3:
@@ -320,18 +360,17 @@ class _Writer:
         if op in ("clamp", "clamp_min", "clamp_max"):
             a = self.val(args[0], dtype)
             lo = args[1] if op != "clamp_max" else None
-            hi = args[2] if op == "clamp" and len(args) > 2 else (args[1] if op == "clamp_max" else None)
+            hi = (
+                args[2]
+                if op == "clamp" and len(args) > 2
+                else (args[1] if op == "clamp_max" else None)
+            )
             expr = a
             if lo is not None:
                 expr = f"FT_MAX({expr}, {self.val(lo, dtype)})"
             if hi is not None:
                 expr = f"FT_MIN({expr}, {self.val(hi, dtype)})"
             return self.emit(node, expr, dtype, vec)
-        if op in ("full_like", "zeros_like", "ones_like", "scalar_tensor", "full"):
-            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
-            if fill is None:
-                fill = args[1] if op in ("full_like", "full") else args[0]
-            return self.emit(node, self.val(fill, dtype), dtype, False)
         raise Unsupported(node.format_node())
 
 
@@ -340,10 +379,13 @@ def _common(args) -> torch.dtype:
     return torch.result_type(*vals) if len(vals) == 2 else vals[0].dtype
 
 
+_TRACE_NUMEL = 3  # the leaves a stage is traced on: 1-D, of this many elements
+
+
 def _trace(fn: Callable, in_dtypes, scalar_dtypes):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    ins = tuple(torch.zeros(3, dtype=d) for d in in_dtypes)
+    ins = tuple(torch.zeros(_TRACE_NUMEL, dtype=d) for d in in_dtypes)
     scs = tuple(torch.ones((), dtype=d) for d in scalar_dtypes)
 
     def flat(*args):
@@ -356,7 +398,9 @@ def _trace(fn: Callable, in_dtypes, scalar_dtypes):
 def _build(source: str) -> ctypes.CDLL:
     cc = native._compiler()
     key = hashlib.sha256(
-        b"\0".join([source.encode(), cc.encode(), " ".join(_CFLAGS).encode(), native._cpu().encode()])
+        b"\0".join(
+            [source.encode(), cc.encode(), " ".join(_CFLAGS).encode(), native._cpu().encode()]
+        )
     ).hexdigest()[:24]
     path = native._cache_dir() / f"stage-{key}.so"
     if not path.exists():

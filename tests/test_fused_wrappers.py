@@ -1,0 +1,295 @@
+"""The wrappers fuse: ``ema_params`` (an elementwise spec), ``apply_if_finite`` and
+``multi_steps`` of a fusable inner transform run as generated kernels per stage in ``ft.step``,
+with the numbers of the same per-leaf definitions run leaf by leaf in torch (tolerances as in
+tests/test_fused.py) and of the wrappers' general paths.
+"""
+
+import optree
+import pytest
+import torch
+
+import functional_train as ft
+from functional_train.engine import fuse
+
+STEPS = 7
+BAD = {1: float("nan"), 2: float("inf"), 5: float("-inf")}  # steps with a non-finite element
+
+
+def _problem(dtype=torch.float32, seed=0, bad=False):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"w": (17, 33), "b": (33,), "e": (5, 4, 3), "s": ()}
+    params = {k: torch.randn(s, generator=g, dtype=dtype) for k, s in shapes.items()}
+    grads = []
+    for t in range(STEPS):
+        gt = {k: torch.randn(s, generator=g, dtype=dtype) * 0.1 for k, s in shapes.items()}
+        if bad and t in BAD:
+            gt["w"][3, 4] = BAD[t]
+        grads.append(gt)
+    return params, grads
+
+
+def _run(tx, params, grads, mode):
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    for g in grads:
+        g = {k: None if v is None else v.clone() for k, v in g.items()}
+        if mode == "update":
+            u, state = tx.update(g, state, p)
+            p = ft.apply_updates(p, u)
+        else:
+            p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+    return p, state
+
+
+def _close(got, want, params, dtype):
+    rtol = 2e-6 if dtype == torch.float32 else 1e-12
+    for k in params:
+        change = (want[k] - params[k]).abs().max()
+        err = (got[k] - want[k]).abs().max()
+        assert err <= rtol * change + 1e-30, (k, float(err), float(change))
+
+
+def _states_close(got, want, dtype, structure=True):
+    a, b = ft.tree.tree_flatten(got)[0], ft.tree.tree_flatten(want)[0]
+    assert len(a) == len(b)
+    if structure:
+        assert optree.tree_structure(got, none_is_leaf=True) == optree.tree_structure(
+            want, none_is_leaf=True
+        )
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            assert x.dtype == y.dtype
+            torch.testing.assert_close(
+                x, y, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-12, equal_nan=True
+            )
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def _foreign_identity():
+    """A transform without a spec: appended to a chain, it makes the chain unfusable (the
+    wrapper around it takes its general path)."""
+
+    def init(params):
+        return ft.EmptyState()
+
+    def update(updates, state, params=None, **kw):
+        return updates, state
+
+    return ft.GradientTransformation(init, update)
+
+
+def _adamw(lr=1e-2):
+    return ft.adamw(lr, weight_decay=0.1)
+
+
+def _clip_adamw(*more, lr=1e-2):
+    return ft.chain(ft.clip_by_global_norm(1.0), _adamw(lr), *more)
+
+
+CASES = {
+    # name: (transform, its general path's equivalent, non-finite gradients)
+    "ema": (lambda: _clip_adamw(ft.ema_params(0.9)), None, False),
+    "ema_warmup": (
+        lambda: ft.chain(ft.scale_by_adam(), ft.scale(-1e-2), ft.ema_params(0.99, warmup=True)),
+        None,
+        False,
+    ),
+    "apply_if_finite_clip": (
+        lambda: ft.apply_if_finite(_clip_adamw(), 3),
+        lambda: ft.apply_if_finite(_clip_adamw(_foreign_identity()), 3),
+        True,
+    ),
+    "apply_if_finite": (
+        lambda: ft.apply_if_finite(_adamw(), 1),  # step 2's inf is applied (2 > 1 in a row)
+        lambda: ft.apply_if_finite(ft.chain(_adamw(), _foreign_identity()), 1),
+        True,
+    ),
+    "apply_if_finite_ema": (
+        lambda: ft.chain(ft.apply_if_finite(_clip_adamw(), 3), ft.ema_params(0.9)),
+        lambda: ft.chain(
+            ft.apply_if_finite(_clip_adamw(_foreign_identity()), 3), ft.ema_params(0.9)
+        ),
+        True,
+    ),
+    # (2 inner steps in 7: a larger learning rate for a parameter change of the others' size)
+    "multi_steps_clip": (lambda: ft.multi_steps(_clip_adamw(lr=5e-2), 3), None, False),
+    "multi_steps": (lambda: ft.multi_steps(_adamw(5e-2), 3), None, False),
+    "multi_steps_1": (lambda: ft.multi_steps(_clip_adamw(), 1), None, False),
+}
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_equals_unfused(name, mode, dtype, monkeypatch):
+    """Generated kernels == the per-leaf definitions leaf by leaf (``fuse.ENABLED = False``),
+    parameters and states, over steps with non-finite gradients (apply_if_finite) and whole
+    and partial cycles (multi_steps)."""
+    make, _, bad = CASES[name]
+    params, grads = _problem(dtype, bad=bad)
+    got, got_state = _run(make(), params, grads, mode)
+    monkeypatch.setattr(fuse, "ENABLED", False)
+    want, want_state = _run(make(), params, grads, mode)
+    if name == "apply_if_finite":  # its inf was applied: compare where finite
+        assert not torch.isfinite(want["w"]).all()
+        got, want = _finite_parts(got, want)
+        params = {k: torch.nan_to_num(v) for k, v in params.items()}
+    _close(got, want, params, dtype)
+    _states_close(got_state, want_state, dtype)
+
+
+def _finite_parts(got, want):
+    for k in want:
+        assert torch.equal(torch.isfinite(got[k]), torch.isfinite(want[k])), k
+    fin = {k: torch.isfinite(want[k]) for k in want}
+    return (
+        {k: torch.where(fin[k], got[k], 0) for k in got},
+        {k: torch.where(fin[k], want[k], 0) for k in want},
+    )
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+@pytest.mark.parametrize("name", ["apply_if_finite_clip", "apply_if_finite_ema"])
+def test_apply_if_finite_equals_its_general_path(name, mode):
+    """The fused wrapper keeps the general path's numbers and state (float64)."""
+    make, general, bad = CASES[name]
+    params, grads = _problem(torch.float64, bad=bad)
+    got, got_state = _run(make(), params, grads, mode)
+    want, want_state = _run(general(), params, grads, mode)
+    _close(got, want, params, torch.float64)
+    # (the general path's state has the foreign transform's EmptyState more: no leaves)
+    _states_close(got_state, want_state, torch.float64, structure=False)
+    inner = got_state[0] if name == "apply_if_finite_ema" else got_state
+    assert int(inner.total_notfinite) == len(BAD)
+    assert int(inner.notfinite_count) == 0 and bool(inner.last_finite)
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+@pytest.mark.parametrize("name", ["multi_steps_clip", "multi_steps", "multi_steps_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_multi_steps_step_equals_update(name, mode, dtype):
+    """ft.step's fused micro-steps == ``update`` (the general path) + ``apply_updates``."""
+    make, _, _ = CASES[name]
+    params, grads = _problem(dtype)
+    got, got_state = _run(make(), params, grads, mode)
+    want, want_state = _run(make(), params, grads, "update")
+    _close(got, want, params, dtype)
+    _states_close(got_state, want_state, dtype)
+
+
+def test_ema_equals_by_hand():
+    """chain(..., ema_params) fused == the same chain without the average, averaged by hand
+    (the first update copies; torch.lerp after)."""
+    params, grads = _problem(torch.float64)
+    got, state = _run(_clip_adamw(ft.ema_params(0.9)), params, grads, "donate")
+    tx = _clip_adamw()
+    s = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    ema = None
+    for g in grads:
+        p, s = ft.step(tx, g, s, p)
+        ema = (
+            {k: v.clone() for k, v in p.items()}
+            if ema is None
+            else {k: torch.lerp(ema[k], p[k], 0.1) for k in p}
+        )
+    _close(got, p, params, torch.float64)
+    for k in p:
+        torch.testing.assert_close(ft.averaged_params(state)[k], ema[k], rtol=1e-12, atol=1e-15)
+
+
+def test_ema_leaf_without_gradient():
+    """A None gradient: the leaf's parameter stays, and its average moves towards it (p' = p),
+    fused as in the general path."""
+    params, grads = _problem(torch.float64)
+    for g in grads[2:4]:
+        g["b"] = None
+    tx = ft.chain(ft.scale_by_adam(), ft.scale(-1e-2), ft.ema_params(0.5))
+    got, got_state = _run(tx, params, grads, "donate")
+    tx2 = ft.chain(ft.scale_by_adam(), ft.scale(-1e-2), _foreign_identity(), ft.ema_params(0.5))
+    want, want_state = _run(tx2, params, grads, "update")
+    _close(got, want, params, torch.float64)
+    torch.testing.assert_close(
+        ft.averaged_params(got_state)["b"],
+        ft.averaged_params(want_state)["b"],
+        rtol=1e-12,
+        atol=1e-15,
+    )
+
+
+def _calls(monkeypatch):
+    seen = []
+    real = fuse.Kernel.__call__
+
+    def spy(self, inputs, outputs, scalars):
+        seen.append((self, len(inputs[0])))
+        return real(self, inputs, outputs, scalars)
+
+    monkeypatch.setattr(fuse.Kernel, "__call__", spy)
+    return seen
+
+
+def _calls_per_step(tx, monkeypatch, mode="donate", bad=False):
+    params, grads = _problem(torch.float32, bad=bad)
+    seen = _calls(monkeypatch)
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    per = []
+    for g in grads:
+        n = len(seen)
+        p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+        per.append(len(seen) - n)
+        assert all(k == len(params) for _, k in seen[n:])  # every leaf in the call
+    return per
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_one_kernel_call_per_step(mode, monkeypatch):
+    """chain(clip, adamw, ema_params) and apply_if_finite(chain(clip, adamw)) (finite and
+    non-finite steps alike): the norm, then ONE kernel call over every leaf per step."""
+    assert _calls_per_step(_clip_adamw(ft.ema_params(0.999)), monkeypatch, mode) == [1] * STEPS
+    tx = ft.apply_if_finite(_clip_adamw(), 3)
+    assert _calls_per_step(tx, monkeypatch, mode, bad=True) == [1] * STEPS
+    tx = ft.apply_if_finite(_adamw(), 3)
+    assert _calls_per_step(tx, monkeypatch, mode, bad=True) == [1] * STEPS
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_multi_steps_one_kernel_call_per_micro_step(mode, monkeypatch):
+    """multi_steps(adamw, 3): one kernel call per micro-step (``acc += g``; the final one
+    ``(acc + g) / 3``, AdamW and ``p + u``). With a clip first, the final micro-step is two
+    calls (the mean, then its norm, then the clip scale, AdamW and ``p + u``)."""
+    assert _calls_per_step(ft.multi_steps(_adamw(), 3), monkeypatch, mode) == [1] * STEPS
+    per = _calls_per_step(ft.multi_steps(_clip_adamw(), 3), monkeypatch, mode)
+    assert per == [1, 1, 2, 1, 1, 2, 1]
+
+
+def test_multi_steps_non_final_does_not_touch_params(monkeypatch):
+    """A donated non-final micro-step writes nothing into the parameters (no pass over them)
+    and keeps its inner state; a pure one returns copies (ft.step's pure contract)."""
+    params, grads = _problem(torch.float32)
+    tx = ft.multi_steps(_clip_adamw(), 3)
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    version = {k: v._version for k, v in p.items()}
+    inner = state.inner_state
+    p2, state = ft.step(tx, grads[0], state, p, donate=True)
+    assert all(p2[k] is p[k] and p[k]._version == version[k] for k in p)
+    assert state.inner_state is inner
+    p3, state3 = ft.step(tx, grads[1], state, p2, donate=False)
+    assert all(p3[k] is not p2[k] and torch.equal(p3[k], p2[k]) for k in p)
+    assert int(state3.mini_step) == 2 and int(state.mini_step) == 1
+
+
+def test_multi_steps_partial_cycles_fall_back():
+    """A leaf whose gradient is None on part of a cycle (some leaves start their cycle, others
+    add; a leaf of the cycle without a gradient on the final micro-step): the general path,
+    with its numbers."""
+    params, grads = _problem(torch.float64)
+    grads[0]["b"] = None
+    grads[2]["e"] = None
+    got, got_state = _run(ft.multi_steps(_clip_adamw(), 3), params, grads, "donate")
+    want, want_state = _run(ft.multi_steps(_clip_adamw(), 3), params, grads, "update")
+    _close(got, want, params, torch.float64)
+    _states_close(got_state, want_state, torch.float64)
