@@ -91,7 +91,9 @@ def test_fused_equals_unfused(name, mode, dtype, monkeypatch):
     """The generated kernels give the per-leaf definitions' numbers (see the tolerance in
     the module's docstring), states included."""
     params, grads = _problem(dtype)
+    seen = _calls(monkeypatch)
     got, got_state = _run(CHAINS[name](), params, grads, mode)
+    assert seen, "no generated kernel ran"
     _unfused(monkeypatch)
     want, want_state = _run(CHAINS[name](), params, grads, mode)
     _close(got, want, params, dtype)

@@ -39,18 +39,15 @@ from its CPU counter): ``choose(updates, state, params, mesh)`` returns the Fusa
 call, or ``None`` (the transform then runs by its own ``update``). ``ft.step`` asks it;
 ``chain`` does not fuse it (it is not a Fusable).
 
-:func:`run` executes a Fusable: the parts from one reducing part to the next form a *stage*, one pass over every leaf (a generated kernel per group of leaves of one
-dtype signature, see :mod:`.fuse`), optionally ending with ``apply_updates`` (``p + u``) for
-``ft.step``, in place over the inputs (donated) or into fresh buffers (pure).
-
-Complex leaves are viewed as real pairs (``torch.view_as_real``) for the whole stage, as
-``torch.optim`` treats them.
-
-Where results go: a pure run (``apply="pure"``) writes every stage's results into fresh
-buffers (the plan's pool, one kind per stage and result); a donated run (``apply="donate"``)
-writes them over their inputs: the last stage's new parameters over the parameters, every
-stage's new fields over the old fields, and an intermediate stage's updates over the updates
-(the gradients, donated too).
+:func:`run` executes a Fusable: the parts from one reducing part to the next form a *stage*, one
+pass over every leaf (a generated kernel per group of leaves of one dtype signature, see
+:mod:`.fuse`), optionally ending with ``apply_updates`` (``p + u``) for ``ft.step``, in place
+over the inputs (donated) or into fresh buffers (pure). Complex leaves are viewed as real pairs
+(``torch.view_as_real``) for the whole stage, as ``torch.optim`` treats them. Where results go:
+a pure run (``apply="pure"``) writes every stage's results into fresh buffers (the plan's pool,
+one kind per stage and result); a donated run (``apply="donate"``) writes them over their
+inputs: the last stage's new parameters over the parameters, every stage's new fields over the
+old fields, and an intermediate stage's updates over the updates (the gradients, donated too).
 """
 
 from __future__ import annotations

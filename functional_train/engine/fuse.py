@@ -47,7 +47,7 @@ import torch
 
 from . import native
 
-__all__ = ["ENABLED", "Kernel", "run", "kernel_for", "Unsupported"]
+__all__ = ["ENABLED", "DEBUG", "Kernel", "kernel_for", "scalar_pointers", "Unsupported"]
 
 ENABLED = os.environ.get("FT_FUSED_KERNELS", "1") != "0"
 DEBUG = os.environ.get("FT_FUSED_DEBUG", "0") != "0"  # warn when a stage cannot be generated
@@ -71,7 +71,11 @@ _LEAF_DTYPES = (torch.float32, torch.float64)
 
 _lock = threading.Lock()
 _kernels: dict = {}
-_failed_compile = False
+_failed_compilers: set = set()  # compiler commands that could not build a stage
+
+
+class _CompileError(RuntimeError):
+    """The C compiler rejected a generated source."""
 
 
 class Unsupported(Exception):
@@ -146,8 +150,10 @@ static inline double ft_seld(_Bool c, double a, double b) {
   x = (x & m) | (y & ~m); __builtin_memcpy(&r, &x, 8); return r;
 }
 #define FT_SEL(c, a, b) _Generic((a), float: ft_self, default: ft_seld)(c, a, b)
-#define FT_MAX(a, b) FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) > (b), (a), (b))))
-#define FT_MIN(a, b) FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) < (b), (a), (b))))"""
+#define FT_MAX(a, b) \
+  FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) > (b), (a), (b))))
+#define FT_MIN(a, b) \
+  FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) < (b), (a), (b))))"""
 
 
 class _Writer:
@@ -418,7 +424,7 @@ def _build(source: str) -> ctypes.CDLL:
                 timeout=300,
             )
             if res.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
+                raise _CompileError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
             os.replace(tmp, path)
         finally:
             for p in (tmp, src_tmp):
@@ -495,7 +501,8 @@ def scalar_pointers(scalars: Sequence) -> tuple | None:
 def kernel_for(fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple) -> Kernel | None:
     """The compiled kernel of ``fn`` for these dtypes, or ``None`` where it cannot be generated
     (an unsupported operation or dtype, no compiler)."""
-    global _failed_compile
+    if native._compiler() in _failed_compilers:
+        return None
     key = (fn, in_dtypes, scalar_dtypes)
     k = _kernels.get(key, _MISSING)
     if k is not _MISSING:
@@ -510,23 +517,25 @@ def kernel_for(fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple) -> Kernel |
             if DEBUG:
                 warnings.warn(f"functional_train: a stage runs leaf by leaf: {e}", stacklevel=3)
             k = None
-        except Exception as e:  # no compiler, a read-only cache directory
-            if not _failed_compile:
-                warnings.warn(
-                    f"functional_train: fused elementwise kernels are off for this process "
-                    f"({type(e).__name__}: {e})",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            _failed_compile = True
+        except _CompileError as e:  # the generated source did not compile: a bug here
+            warnings.warn(
+                f"functional_train: a fused stage runs leaf by leaf, its generated C did not "
+                f"compile ({e})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             k = None
+        except Exception as e:  # no compiler, a read-only cache directory
+            warnings.warn(
+                f"functional_train: fused elementwise kernels are off for this process, "
+                f"stages run leaf by leaf ({type(e).__name__}: {e})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            _failed_compilers.add(native._compiler())
+            return None  # (not cached: another compiler, or a writable cache, may work)
         _kernels[key] = k
     return k
 
 
 _MISSING = object()
-
-
-def run(fn, inputs, scalars, *, alias=None):
-    """Apply the stage ``fn`` to lists of leaves ... (prototype)"""
-    raise NotImplementedError
