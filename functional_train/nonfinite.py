@@ -17,6 +17,7 @@ last part zeroes the update where not ``ok``; ``ft.step`` runs it all as one pas
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import optree
@@ -238,7 +239,8 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
     clip's: its norm, finite exactly when every element is, decides, and the gradients are
     read once (for the norm) before the pass. Otherwise the first part reduces the per-leaf
     non-finite flags (:func:`_all_finite_of`) and passes the updates through."""
-    key = object()  # this wrapper's entry in the run context
+    # this wrapper's entry in the run context (a string: dynamo compares dict keys by value)
+    key = f"apply_if_finite:{next(_CONTEXT_KEYS)}"
     inner_parts = inner_fus.parts
     clip = inner_parts[0] if clip_first else None
     if clip is not None and clip.n_fields:
@@ -317,6 +319,9 @@ def _check_finite_state(state):
             "apply_if_finite: expected the ApplyIfFiniteState from "
             f"apply_if_finite.init, got {type(state).__name__}"
         )
+
+
+_CONTEXT_KEYS = itertools.count()
 
 
 def apply_if_finite(

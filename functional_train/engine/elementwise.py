@@ -53,6 +53,8 @@ old fields, and an intermediate stage's updates over the updates (the gradients,
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,6 +87,16 @@ class Elementwise:
     static: Callable | None = None
     reduces: bool = False
     context: bool = False
+
+    def __post_init__(self):
+        # a number of its own, by which a compiled graph names it (functional_train::fused_stage)
+        ident = next(_IDENTS)
+        object.__setattr__(self, "ident", ident)
+        _PARTS[ident] = self
+
+
+_IDENTS = itertools.count()
+_PARTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -218,6 +230,8 @@ _stages: dict = {}
 
 
 def _stage_of(parts: tuple, apply: bool, drop_u: bool = False) -> _Stage:
+    if torch.compiler.is_compiling():  # (a cache dynamo would guard on: a fresh one)
+        return _Stage(parts, apply, drop_u)
     key = (tuple(map(id, parts)), apply, drop_u)
     st = _stages.get(key)
     if st is None or st.parts != parts:
@@ -361,10 +375,132 @@ def _execute(stage, counts, u, p, fields, scalars, keys, apply, take):
     Ranks simulated in one process (``torch.distributed._local_tensor.LocalTensor``: a tensor
     holding one tensor per rank) run rank by rank on their own tensors, through the same
     kernels a real rank runs, so that a simulated run gives a real one's numbers."""
+    if torch.compiler.is_compiling() and _opaque(u, p, fields, scalars):
+        return _compiled(stage, counts, u, p, fields, scalars, keys, apply)
     ranks = _simulated_ranks(u, p, fields, scalars)
     if ranks is not None:
         return _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply)
     return _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take)
+
+
+# ---------------------------------------------------------------------------------------------
+# under torch.compile: the stage as one operator, opaque to inductor
+#
+# A compiled ``ft.step`` / ``update`` calls ``functional_train::fused_stage`` for each stage on
+# CPU tensors: the graph computes the scalars (clip factor, bias corrections, a scheduled or
+# injected learning rate: graph values, so changing them does not recompile) and the operator
+# runs the generated kernel on the real tensors -- the eager step's numbers and speed, and
+# nothing for inductor to generate (its code for ~10 primitives per leaf over 122 leaves took
+# 60-90 s to compile). Elsewhere (CUDA) the stage's plain operations are traced, leaf by leaf,
+# for inductor.
+
+
+def _opaque(u, p, fields, scalars) -> bool:
+    """Whether a compiled stage runs as the operator: eager-capable CPU tensors, kernels on,
+    nothing recorded for autograd."""
+    if not fuse.ENABLED or not u:
+        return False
+    from ..autograd import is_differentiable
+
+    if is_differentiable():
+        return False
+    for lst in (u, p or (), *fields):
+        for x in lst:
+            if x.device.type != "cpu" or x.requires_grad or x.is_complex():
+                return False
+    return not any(isinstance(x, torch.Tensor) and x.requires_grad for x in scalars)
+
+
+_NONE_KEY = -(2**62)  # a leaf's static key None, in the operator's integer encoding
+
+
+def _encode_key(k) -> int:
+    if k is None:
+        return _NONE_KEY
+    if isinstance(k, (bool, int)):
+        return int(k)
+    raise TypeError(f"a compiled stage takes static keys None, bool or int, got {k!r}")
+
+
+def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
+    n = len(u)
+    flat = list(u) + (list(p) if p is not None else []) + [x for f in fields for x in f]
+    sc = [
+        x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+        for x in scalars
+    ]
+    m = len(stage.parts)
+    enc = [_encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)]
+    layout = [int(stage.apply), int(stage.drop_u), int(p is not None), len(fields), *counts]
+    res = _stage_op([part.ident for part in stage.parts], layout, enc, flat, sc)
+    outs = [res[r * n : (r + 1) * n] for r in range(len(res) // n)]
+    if apply == "donate":  # the results over their inputs, as the eager donated step
+        ins = [u] + ([p] if p is not None else []) + list(fields)
+        first_field = 1 + (p is not None)
+        dst = [] if stage.drop_u else [1 if stage.apply else 0]
+        dst += range(first_field, first_field + len(fields))
+        for r, d in enumerate(dst):
+            for x, y in zip(ins[d], outs[r]):
+                if x.dtype == y.dtype:
+                    x.copy_(y)
+    return outs
+
+
+def _unflat(parts, layout, enc, flat):
+    apply, drop_u, has_p, n_fields = layout[:4]
+    counts = tuple(layout[4:])
+    stage = _stage_of(tuple(_PARTS[i] for i in parts), bool(apply), bool(drop_u))
+    n = len(flat) // (1 + has_p + n_fields)
+    m = len(parts)
+    keys = [
+        None
+        if all(e == _NONE_KEY for e in enc[j * m : (j + 1) * m])
+        else tuple(None if e == _NONE_KEY else e for e in enc[j * m : (j + 1) * m])
+        for j in range(n)
+    ]
+    u = flat[:n]
+    p = flat[n : 2 * n] if has_p else None
+    base = n * (1 + has_p)
+    fields = [flat[base + f * n : base + (f + 1) * n] for f in range(n_fields)]
+    return stage, counts, keys, u, p, fields
+
+
+@torch.library.custom_op("functional_train::fused_stage", mutates_args=())
+def _stage_op(
+    parts: list[int],
+    layout: list[int],
+    keys: list[int],
+    flat: list[torch.Tensor],
+    scalars: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """The results (result after result, leaf after leaf) of the stage of the elementwise
+    ``parts`` (their ``ident``) on its inputs ``flat`` (updates, parameters if any, fields;
+    leaf after leaf), eagerly. ``layout``: ``(apply, drop_u, has_p, n_fields, *counts)``;
+    ``keys``: the leaves' static keys, part by part, leaf after leaf."""
+    stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
+    with torch.no_grad():
+        outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, None)
+    seen = {id(x) for x in flat}
+    return [x.clone() if id(x) in seen else x for lst in outs for x in lst]
+
+
+@_stage_op.register_fake
+def _(parts, layout, keys, flat, scalars):
+    stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
+    out: list = []
+    with torch.no_grad():
+        per_leaf = [
+            _function(stage, counts, keys[j])(
+                tuple([u[j]] + ([p[j]] if p is not None else []) + [f[j] for f in fields]),
+                tuple(scalars),
+            )
+            for j in range(len(u))
+        ]
+    for r in range(len(per_leaf[0]) if per_leaf else 0):
+        out.extend(
+            torch.empty_like(res[r], memory_format=torch.contiguous_format) for res in per_leaf
+        )
+    return out
 
 
 def _local_tensor_type():
@@ -493,6 +629,8 @@ _fn_cache: dict = {}
 def _function(stage, counts, key):
     if key is None:
         key = (None,) * len(stage.parts)
+    if torch.compiler.is_compiling():
+        return stage.function(counts, key)
     k = (id(stage), counts, key)
     hit = _fn_cache.get(k)
     if hit is None or hit[0] is not stage:
