@@ -53,7 +53,7 @@ from .hyperparams import InjectHyperparamsState, is_injected, value_of
 from .mesh import Mesh
 from .quantization import FusedAdam8bit, fused_adam8bit_step
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
-from .tree import PyTree, first_device, flatten_as, tree_flatten, tree_unflatten
+from .tree import PyTree, flatten_as, tree_flatten, tree_unflatten
 from .update import apply_updates, paired_locals
 
 __all__ = ["step"]
@@ -668,9 +668,17 @@ SPEC_FIRST = True
 def _spec_first(params) -> bool:
     """Whether a chain torch's fused kernels also run takes the generated stages instead: on
     CPU (eagerly and under ``torch.compile``, where a stage is the opaque operator
-    ``functional_train::fused_stage``): equal speed, one definition. On CUDA the recognised
-    chains keep torch's fused kernels for now (a CUDA stage runs leaf by leaf)."""
-    return SPEC_FIRST and first_device(params).type == "cpu"
+    ``functional_train::fused_stage``): equal speed, one definition, for float32 / float64
+    parameters (the generated kernels' dtypes). On CUDA, and for half-precision parameters,
+    the recognised chains keep torch's fused kernels for now (a stage the kernels do not take
+    runs leaf by leaf)."""
+    if not SPEC_FIRST:
+        return False
+    leaves, _ = tree_flatten(params)
+    return all(x is None or (x.device.type == "cpu" and x.dtype in _SPEC_DTYPES) for x in leaves)
+
+
+_SPEC_DTYPES = (torch.float32, torch.float64)
 
 
 def _run_spec(fus, grads, state, params, mesh, donate):

@@ -71,7 +71,7 @@ _LEAF_DTYPES = (torch.float32, torch.float64)
 
 _lock = threading.Lock()
 _kernels: dict = {}
-_failed_compilers: set = set()  # compiler commands that could not build a stage
+_warned: list = []  # whether a stage's build failed for want of a compiler or a cache
 
 
 class _CompileError(RuntimeError):
@@ -501,8 +501,6 @@ def scalar_pointers(scalars: Sequence) -> tuple | None:
 def kernel_for(fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple) -> Kernel | None:
     """The compiled kernel of ``fn`` for these dtypes, or ``None`` where it cannot be generated
     (an unsupported operation or dtype, no compiler)."""
-    if native._compiler() in _failed_compilers:
-        return None
     key = (fn, in_dtypes, scalar_dtypes)
     k = _kernels.get(key, _MISSING)
     if k is not _MISSING:
@@ -526,14 +524,15 @@ def kernel_for(fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple) -> Kernel |
             )
             k = None
         except Exception as e:  # no compiler, a read-only cache directory
-            warnings.warn(
-                f"functional_train: fused elementwise kernels are off for this process, "
-                f"stages run leaf by leaf ({type(e).__name__}: {e})",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            _failed_compilers.add(native._compiler())
-            return None  # (not cached: another compiler, or a writable cache, may work)
+            if not _warned:
+                warnings.warn(
+                    f"functional_train: a fused stage could not be built and runs leaf by leaf "
+                    f"({type(e).__name__}: {e}); stages built later are tried again",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                _warned.append(True)
+            k = None
         _kernels[key] = k
     return k
 
