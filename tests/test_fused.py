@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import functional_train as ft
+from _spy import kernel_calls
 from functional_train.engine import fuse
 
 STEPS = 4
@@ -91,7 +92,7 @@ def test_fused_equals_unfused(name, mode, dtype, monkeypatch):
     """The generated kernels give the per-leaf definitions' numbers (see the tolerance in
     the module's docstring), states included."""
     params, grads = _problem(dtype)
-    seen = _calls(monkeypatch)
+    seen = kernel_calls(monkeypatch)
     got, got_state = _run(CHAINS[name](), params, grads, mode)
     assert seen, "no generated kernel ran"
     _unfused(monkeypatch)
@@ -105,18 +106,6 @@ def test_fused_equals_unfused(name, mode, dtype, monkeypatch):
             assert torch.equal(x, y)
 
 
-def _calls(monkeypatch):
-    seen = []
-    real = fuse.Kernel.__call__
-
-    def spy(self, inputs, outputs, scalars):
-        seen.append((self, len(inputs[0])))
-        return real(self, inputs, outputs, scalars)
-
-    monkeypatch.setattr(fuse.Kernel, "__call__", spy)
-    return seen
-
-
 def test_a_user_primitive_fuses_and_is_exact(monkeypatch):
     """``ft.elementwise`` in a chain with the library's primitives: ``ft.step`` runs the clip's
     reduction, then ONE kernel call for every leaf (clip scale, the user's math, the scale and
@@ -124,7 +113,7 @@ def test_a_user_primitive_fuses_and_is_exact(monkeypatch):
     (``tree_map`` over the leaves), to float rounding."""
     params, grads = _problem(torch.float64)
     tx = CHAINS["user"]()
-    seen = _calls(monkeypatch)
+    seen = kernel_calls(monkeypatch)
     got, state = _run(tx, params, grads, "donate")
     assert len(seen) == STEPS and all(n == len(params) for _, n in seen)
     assert len({id(k) for k, _ in seen}) == 1
@@ -160,7 +149,7 @@ def test_a_foreign_transform_breaks_the_pass_and_composes(monkeypatch):
         return ft.GradientTransformation(init, update)
 
     params, grads = _problem(torch.float64)
-    seen = _calls(monkeypatch)
+    seen = kernel_calls(monkeypatch)
     tx = ft.chain(ft.scale_by_adam(), foreign(), ft.scale(-1e-2))
     got, _ = _run(tx, params, grads, "pure")
     assert len(seen) == 2 * STEPS
@@ -218,3 +207,28 @@ def test_compiled_step_runs_the_stage_operator(donate):
     assert counter.frame_count == 1
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert any("fused_stage" in o for o in ops), ops
+
+
+@pytest.mark.slow
+def test_compiled_mask_keeps_its_keys():
+    """A mask's per-leaf keys reach the compiled operator as bools (a decoded 0 taken for a
+    key other than False decayed the masked-out leaves, and the eager step that then reused
+    the cached per-leaf function did too)."""
+    params, grads = _problem()
+    params = {"layer.w": params["w"], "layer.bias": params["b"], "embed": params["e"]}
+    grads = [{"layer.w": g["w"], "layer.bias": g["b"], "embed": g["e"]} for g in grads]
+
+    def tx():
+        return ft.adamw(1e-2, weight_decay=0.5, mask=ft.decay_mask)
+
+    torch._dynamo.reset()
+    t = tx()
+    step = torch.compile(lambda g, s, p: ft.step(t, g, s, p), backend="eager", fullgraph=True)
+    s, p = t.init(params), {k: v.clone() for k, v in params.items()}
+    for g in grads:
+        p, s = step({k: v.clone() for k, v in g.items()}, s, p)
+    want, _ = _run(tx(), params, grads, "update")
+    again, _ = _run(tx(), params, grads, "pure")
+    for k in params:
+        torch.testing.assert_close(p[k], want[k], rtol=0, atol=0)
+        torch.testing.assert_close(again[k], want[k], rtol=0, atol=0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import functional_train as ft
+from _spy import kernel_calls
 from functional_train.engine import fuse
 
 STEPS = 7
@@ -218,21 +219,9 @@ def test_ema_leaf_without_gradient():
     )
 
 
-def _calls(monkeypatch):
-    seen = []
-    real = fuse.Kernel.__call__
-
-    def spy(self, inputs, outputs, scalars):
-        seen.append((self, len(inputs[0])))
-        return real(self, inputs, outputs, scalars)
-
-    monkeypatch.setattr(fuse.Kernel, "__call__", spy)
-    return seen
-
-
 def _calls_per_step(tx, monkeypatch, mode="donate", bad=False):
     params, grads = _problem(torch.float32, bad=bad)
-    seen = _calls(monkeypatch)
+    seen = kernel_calls(monkeypatch)
     state = tx.init(params)
     p = {k: v.clone() for k, v in params.items()}
     per = []

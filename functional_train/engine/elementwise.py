@@ -411,13 +411,18 @@ def _opaque(u, p, fields, scalars) -> bool:
     return not any(isinstance(x, torch.Tensor) and x.requires_grad for x in scalars)
 
 
-_NONE_KEY = -(2**62)  # a leaf's static key None, in the operator's integer encoding
+# a leaf's static key in the operator's integer encoding: None and the bools by sentinels (a
+# key may be any int besides)
+_NONE_KEY, _FALSE_KEY, _TRUE_KEY = -(2**62), -(2**62) + 1, -(2**62) + 2
+_DECODE = {_NONE_KEY: None, _FALSE_KEY: False, _TRUE_KEY: True}
 
 
 def _encode_key(k) -> int:
     if k is None:
         return _NONE_KEY
-    if isinstance(k, (bool, int)):
+    if isinstance(k, bool):
+        return _TRUE_KEY if k else _FALSE_KEY
+    if isinstance(k, int) and k not in _DECODE:
         return int(k)
     raise TypeError(f"a compiled stage takes static keys None, bool or int, got {k!r}")
 
@@ -455,7 +460,7 @@ def _unflat(parts, layout, enc, flat):
     keys = [
         None
         if all(e == _NONE_KEY for e in enc[j * m : (j + 1) * m])
-        else tuple(None if e == _NONE_KEY else e for e in enc[j * m : (j + 1) * m])
+        else tuple(_DECODE.get(e, e) for e in enc[j * m : (j + 1) * m])
         for j in range(n)
     ]
     u = flat[:n]
@@ -631,7 +636,7 @@ def _function(stage, counts, key):
         key = (None,) * len(stage.parts)
     if torch.compiler.is_compiling():
         return stage.function(counts, key)
-    k = (id(stage), counts, key)
+    k = (id(stage), counts, tuple((type(x), x) for x in key))  # (False and 0 hash alike)
     hit = _fn_cache.get(k)
     if hit is None or hit[0] is not stage:
         hit = _fn_cache[k] = (stage, stage.function(counts, key))

@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
 import os
-import subprocess
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -72,10 +69,6 @@ _LEAF_DTYPES = (torch.float32, torch.float64)
 _lock = threading.Lock()
 _kernels: dict = {}
 _warned: list = []  # whether a stage's build failed for want of a compiler or a cache
-
-
-class _CompileError(RuntimeError):
-    """The C compiler rejected a generated source."""
 
 
 class Unsupported(Exception):
@@ -402,34 +395,7 @@ def _trace(fn: Callable, in_dtypes, scalar_dtypes):
 
 
 def _build(source: str) -> ctypes.CDLL:
-    cc = native._compiler()
-    key = hashlib.sha256(
-        b"\0".join(
-            [source.encode(), cc.encode(), " ".join(_CFLAGS).encode(), native._cpu().encode()]
-        )
-    ).hexdigest()[:24]
-    path = native._cache_dir() / f"stage-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, src_tmp = tempfile.mkstemp(suffix=".c", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            res = subprocess.run(
-                cc.split() + _CFLAGS + ["-o", tmp, src_tmp, "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if res.returncode != 0:
-                raise _CompileError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
-            os.replace(tmp, path)
-        finally:
-            for p in (tmp, src_tmp):
-                if os.path.exists(p):
-                    os.unlink(p)
+    path = native.build_library(source.encode(), "stage", _CFLAGS)
     return ctypes.CDLL(str(path))
 
 
@@ -515,7 +481,7 @@ def kernel_for(fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple) -> Kernel |
             if DEBUG:
                 warnings.warn(f"functional_train: a stage runs leaf by leaf: {e}", stacklevel=3)
             k = None
-        except _CompileError as e:  # the generated source did not compile: a bug here
+        except native.CompileError as e:  # the generated source did not compile: a bug here
             warnings.warn(
                 f"functional_train: a fused stage runs leaf by leaf, its generated C did not "
                 f"compile ({e})",

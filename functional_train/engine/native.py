@@ -115,31 +115,53 @@ def _compiler() -> str:
     return "cc"
 
 
-def _build() -> ctypes.CDLL:
+class CompileError(RuntimeError):
+    """The C compiler rejected a source."""
+
+
+def build_library(source: bytes, prefix: str, flags: list) -> Path:
+    """The shared library of the C ``source`` compiled with ``flags``: built on first use with
+    the system compiler (:func:`_compiler`) into the cache directory (:func:`_cache_dir`)
+    under ``<prefix>-<key>.so``, ``key`` a hash of the source, the compiler, the flags and the
+    CPU; later calls and processes reuse the file.
+
+    Raises:
+        CompileError: the compiler rejected the source.
+        OSError: no compiler, an unwritable cache directory.
+    """
     cc = _compiler()
-    src = _SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([src, cc.encode(), " ".join(_CFLAGS).encode(), _cpu().encode()])
-    ).hexdigest()[:20]
-    path = _cache_dir() / f"kernels-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # a private name, then an atomic rename: concurrent processes (ranks) may build it too
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            res = subprocess.run(
-                cc.split() + _CFLAGS + ["-o", tmp, str(_SOURCE)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if res.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu().encode()])
+    ).hexdigest()[:24]
+    path = _cache_dir() / f"{prefix}-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # private names, then an atomic rename: concurrent processes (ranks) may build it too
+    fd, src = tempfile.mkstemp(suffix=".c", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(source)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run(
+            cc.split() + flags + ["-o", tmp, src, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if res.returncode != 0:
+            raise CompileError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        for f in (tmp, src):
+            if os.path.exists(f):
+                os.unlink(f)
+    return path
+
+
+def _build() -> ctypes.CDLL:
+    path = build_library(_SOURCE.read_bytes(), "kernels", _CFLAGS)
     lib = ctypes.CDLL(str(path))
     if lib.ft_version() != _VERSION:
         raise RuntimeError(f"{path} is not version {_VERSION} of the kernels")
