@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from . import fuse, native
+from . import fuse
 
 __all__ = [
     "Elementwise",
@@ -657,18 +657,11 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
         for r, d in enumerate(kernel.out_dtypes):
             like = [torch.empty((), dtype=d).expand(x.shape) for x in cols[0]]
             res.append(take(f"stage{r}", like) if take is not None else list(map(_fresh, like)))
-    stream = False
-    if apply != "donate":  # fresh results: streamed when they would not stay in cache
-        per_elem = sum(_ITEMSIZE.get(d, 8) for d in kernel.out_dtypes)
-        stream = sum(map(torch.Tensor.numel, cols[0])) * per_elem >= native.STREAM_MIN_BYTES
-    kernel(cols, res, sc, stream)
+    kernel(cols, res, sc)
     for r in range(n_out):
         for j, x in zip(idx, res[r]):
             outs[r][j] = x
     return True
-
-
-_ITEMSIZE = {torch.float32: 4, torch.float64: 8}
 
 
 def _fresh(like):

@@ -143,38 +143,10 @@ static inline double ft_seld(_Bool c, double a, double b) {
   x = (x & m) | (y & ~m); __builtin_memcpy(&r, &x, 8); return r;
 }
 #define FT_SEL(c, a, b) _Generic((a), float: ft_self, default: ft_seld)(c, a, b)
-#if defined(__AVX__)
-#include <immintrin.h>
-#define FT_SFENCE() _mm_sfence()
-#else
-#define FT_SFENCE() ((void)0)
-#endif
-static inline void ft_stream_f32(float *d, const float *s, int64_t m) {
-  int64_t i = 0;
-#if defined(__AVX__)
-  for (; i < m && ((uintptr_t)(d + i) & 31); i++) d[i] = s[i];
-  for (; i + 8 <= m; i += 8) _mm256_stream_ps(d + i, _mm256_loadu_ps(s + i));
-#endif
-  for (; i < m; i++) d[i] = s[i];
-}
-static inline void ft_stream_f64(double *d, const double *s, int64_t m) {
-  int64_t i = 0;
-#if defined(__AVX__)
-  for (; i < m && ((uintptr_t)(d + i) & 31); i++) d[i] = s[i];
-  for (; i + 4 <= m; i += 4) _mm256_stream_pd(d + i, _mm256_loadu_pd(s + i));
-#endif
-  for (; i < m; i++) d[i] = s[i];
-}
-static inline void ft_copy_bytes(void *d, const void *s, int64_t n) { __builtin_memcpy(d, s, n); }
 #define FT_MAX(a, b) \
   FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) > (b), (a), (b))))
 #define FT_MIN(a, b) \
   FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) < (b), (a), (b))))"""
-
-
-_STREAM_BLOCK = 1024  # elements a streamed loop computes into cache before writing them out
-_STREAMERS = {torch.float32: "ft_stream_f32", torch.float64: "ft_stream_f64"}
-_SIZES = {torch.float32: 4, torch.float64: 8, torch.bool: 1, torch.int64: 8, torch.int32: 4}
 
 
 class _Writer:
@@ -272,7 +244,7 @@ class _Writer:
         lines = [
             _HEADER,
             f"void {fn_name}(int64_t nleaves, const int64_t *numel, void *const *ptr,"
-            " void *const *sc, int stream) {",
+            " void *const *sc) {",
         ]
         for k in range(self.n_scalars):
             node = placeholders[nin + k]
@@ -287,41 +259,14 @@ class _Writer:
         for j in range(nout):
             t = _CTYPE[out_dtypes[j]]
             lines.append(f"    {t} *q{j} = ({t} *)ptr[l * {nin + nout} + {nin + j}];")
-        # ordinary stores (results in place, or small enough to stay in cache) ...
-        lines.append("    if (!stream) {")
         lines.append("#pragma omp simd")
-        lines.append("      for (int64_t i = 0; i < n; i++) {")
+        lines.append("    for (int64_t i = 0; i < n; i++) {")
         for k in range(nin):
-            lines.append(f"        const {_CTYPE[in_dtypes[k]]} x{k} = p{k}[i];")
-        lines += ["        " + x for x in self.body]
+            lines.append(f"      const {_CTYPE[in_dtypes[k]]} x{k} = p{k}[i];")
+        lines += ["      " + x for x in self.body]
         for j, o in enumerate(outputs):
-            lines.append(f"        q{j}[i] = {self.names[o]};")
-        lines += ["      }", "      continue;", "    }"]
-        # ... or blocks computed into cache, then streamed out (fresh results: non-temporal
-        # stores write whole lines without first reading them)
-        lines.append(f"    for (int64_t i0 = 0; i0 < n; i0 += {_STREAM_BLOCK}) {{")
-        lines.append(
-            f"      const int64_t m = n - i0 < {_STREAM_BLOCK} ? n - i0 : {_STREAM_BLOCK};"
-        )
-        for j in range(nout):
-            t = _CTYPE[out_dtypes[j]]
-            lines.append(f"      {t} b{j}[{_STREAM_BLOCK}] __attribute__((aligned(64)));")
-        lines.append("#pragma omp simd")
-        lines.append("      for (int64_t i = 0; i < m; i++) {")
-        for k in range(nin):
-            lines.append(f"        const {_CTYPE[in_dtypes[k]]} x{k} = p{k}[i0 + i];")
-        lines += ["        " + x for x in self.body]
-        for j, o in enumerate(outputs):
-            lines.append(f"        b{j}[i] = {self.names[o]};")
-        lines.append("      }")
-        for j in range(nout):
-            fn = _STREAMERS.get(out_dtypes[j], "ft_copy_bytes")
-            size = _SIZES[out_dtypes[j]]
-            if fn == "ft_copy_bytes":
-                lines.append(f"      ft_copy_bytes(q{j} + i0, b{j}, m * {size});")
-            else:
-                lines.append(f"      {fn}(q{j} + i0, b{j}, m);")
-        lines += ["    }", "  }", "  FT_SFENCE();", "}"]
+            lines.append(f"      q{j}[i] = {self.names[o]};")
+        lines += ["    }", "  }", "}"]
         return "\n".join(lines) + "\n", [in_dtypes, out_dtypes]
 
     def lower(self, node):
@@ -469,31 +414,21 @@ class Kernel:
         self._lib = _build(self.source)
         f = self._lib.ft_stage
         f.restype = None
-        f.argtypes = [
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
+        f.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self.fn = f
 
-    def __call__(
-        self, inputs: Sequence[Sequence[torch.Tensor]], outputs, scalars, stream: bool = False
-    ) -> None:
+    def __call__(self, inputs: Sequence[Sequence[torch.Tensor]], outputs, scalars) -> None:
         """Run on the leaves of ``inputs`` (per input, a list of contiguous CPU tensors of the
         kernel's dtypes; equal sizes leaf by leaf), writing ``outputs`` (per result, a list of
         tensors of those sizes; a result may be its input's tensor: in place). ``scalars``:
-        the addresses of the scalars' values (:func:`scalar_pointers`). ``stream``: write
-        the results with non-temporal stores (fresh results too large to stay in cache; never
-        for results written over their inputs)."""
+        the addresses of the scalars' values (:func:`scalar_pointers`)."""
         n = len(inputs[0])
         roles = list(inputs) + list(outputs)
         ptrs = array.array("q", [0]) * (n * len(roles))
         for r, lst in enumerate(roles):
             ptrs[r :: len(roles)] = array.array("q", map(torch.Tensor.data_ptr, lst))
         numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
-        self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0], stream)
+        self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0])
 
 
 def scalar_pointers(scalars: Sequence) -> tuple | None:
