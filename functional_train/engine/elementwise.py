@@ -312,12 +312,10 @@ def run(
                 name = next(p.name for p in parts[lo:hi] if p.needs_params)
                 raise ValueError(f"{name}: needs params (update(..., params))")
             p_loc = [b.params[i] for i in act]
-        leaf_keys = [
-            None
-            if all(k is None for k in keys)
-            else tuple(None if k is None else k[j] for k in keys)
-            for j in range(len(act))
-        ]
+        if all(k is None for k in keys):  # (checked once: dynamo traces every loop)
+            leaf_keys: list = [None] * len(act)
+        else:
+            leaf_keys = [tuple(None if k is None else k[j] for k in keys) for j in range(len(act))]
         outs = _execute(
             stage,
             tuple(counts),
@@ -404,10 +402,11 @@ def _opaque(u, p, fields, scalars) -> bool:
 
     if is_differentiable():
         return False
+    # (the first leaf of each list stands for it: ft.step asks for CPU float32 / float64
+    # leaves, and a per-leaf check costs dynamo's tracing time for every leaf)
     for lst in (u, p or (), *fields):
-        for x in lst:
-            if x.device.type != "cpu" or x.requires_grad or x.is_complex():
-                return False
+        if lst and (lst[0].device.type != "cpu" or lst[0].requires_grad or lst[0].is_complex()):
+            return False
     return not any(isinstance(x, torch.Tensor) and x.requires_grad for x in scalars)
 
 
@@ -435,7 +434,12 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
         for x in scalars
     ]
     m = len(stage.parts)
-    enc = [_encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)]
+    if all(k is None for k in keys):
+        enc = []  # no static keys
+    else:
+        enc = [
+            _encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)
+        ]
     layout = [int(stage.apply), int(stage.drop_u), int(p is not None), len(fields), *counts]
     res = _stage_op([part.ident for part in stage.parts], layout, enc, flat, sc)
     outs = [res[r * n : (r + 1) * n] for r in range(len(res) // n)]
@@ -457,6 +461,8 @@ def _unflat(parts, layout, enc, flat):
     stage = _stage_of(tuple(_PARTS[i] for i in parts), bool(apply), bool(drop_u))
     n = len(flat) // (1 + has_p + n_fields)
     m = len(parts)
+    if not enc:
+        enc = [_NONE_KEY] * (n * m)
     keys = [
         None
         if all(e == _NONE_KEY for e in enc[j * m : (j + 1) * m])
