@@ -215,13 +215,29 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def _register_chained(update_fn, transforms) -> None:
-    """Register ``chain``'s fusable spec when every transform in it is fusable."""
+def _register_chained(update_fn, transforms, names=None) -> None:
+    """Register ``chain``'s fusable spec when every transform in it is fusable (``names``: a
+    ``named_chain``'s, whose state is a dict of its transforms' states by name)."""
     from .engine import elementwise as E
 
     fus = [E.fusable_of(t) for t in transforms]
-    if fus and all(f is not None for f in fus):
-        E.register(update_fn, E.chained(fus))
+    if not fus or any(f is None for f in fus):
+        return
+    inner = E.chained(fus)
+    if names is None:
+        E.register(update_fn, inner)
+        return
+
+    def split(state):
+        if not isinstance(state, dict) or list(state) != names:
+            got = list(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"named_chain: expected a state dict with keys {names}, got {got}")
+        return inner.split(tuple(state[n] for n in names))
+
+    def join(states):
+        return dict(zip(names, inner.join(states)))
+
+    E.register(update_fn, E.Fusable(inner.parts, split, join))
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -254,4 +270,5 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         return updates, dict(zip(names, new_states))
 
     update_fn.passes_unreduced = all(passes_unreduced(t) for t in txs)  # type: ignore[attr-defined]
+    _register_chained(update_fn, txs, names)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
