@@ -220,8 +220,8 @@ def _register_chained(update_fn, transforms, names=None) -> None:
     ``named_chain``'s, whose state is a dict of its transforms' states by name)."""
     from .engine import elementwise as E
 
-    fus = [E.fusable_of(t) for t in transforms]
-    if not fus or any(f is None for f in fus):
+    fus = [f for f in map(E.fusable_of, transforms) if f is not None]
+    if not fus or len(fus) != len(transforms):
         return
     inner = E.chained(fus)
     if names is None:

@@ -44,7 +44,7 @@ class ElementwiseState(NamedTuple):
     """State of :func:`elementwise`: ``count`` (updates so far, 0-dim int64) and ``fields``
     (a tuple of params-shaped trees, in the order of the ``fields`` argument)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # (the field name optax states use)
     fields: tuple
 
 

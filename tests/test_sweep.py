@@ -1094,9 +1094,7 @@ def _run_mode(tx, params, grads, mode):
     return p, state
 
 
-@pytest.mark.parametrize(
-    "mode", [pytest.param("update", marks=pytest.mark.slow), "pure", "donate"]
-)
+@pytest.mark.parametrize("mode", [pytest.param("update", marks=pytest.mark.slow), "pure", "donate"])
 @pytest.mark.parametrize("name", cases("fused"))
 def test_fused(name, mode, monkeypatch):
     """One definition per primitive: what the engine runs fused (a generated kernel per stage,

@@ -281,7 +281,10 @@ def run(
     ctx: dict = {}  # the run context (see the module's docstring)
     drop = spec.zero_updates and apply is not None
     for lo, hi in zip(bounds, bounds[1:]):
-        scalars, counts, fields, keys = [], [], [], []
+        scalars: list = []
+        counts: list = []
+        fields: list = []
+        keys: list = []
         for k in range(lo, hi):
             part = parts[k]
             view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
@@ -306,7 +309,7 @@ def run(
         stage = _stage_of(parts[lo:hi], apply is not None and last and not drop, drop and last)
         p_loc = None
         if stage.apply:
-            p_loc = list(params_locals)
+            p_loc = list(params_locals or ())
         elif stage.params:
             if b.params is None:
                 name = next(p.name for p in parts[lo:hi] if p.needs_params)
@@ -343,7 +346,7 @@ def run(
         new_states.append(finishes[k](new_trees))
     new_state = spec.join(new_states)
     if drop:
-        return list(params_locals), new_state
+        return list(params_locals or ()), new_state
     if apply is not None:
         return u, new_state
     if spec.zero_updates:
