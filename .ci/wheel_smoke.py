@@ -1,7 +1,8 @@
 """The built wheel, installed (not editable) in a fresh virtual environment, from outside the
 source tree: the package and its data files are there, one ``ft.step`` of
-``chain(clip_by_global_norm, adamw)`` equals torch's ``clip_grad_norm_`` + ``AdamW``, and the
-pure step ran the native kernel, which is built from the wheel's ``engine/_kernels.c``.
+``chain(clip_by_global_norm, adamw)`` equals torch's ``clip_grad_norm_`` + ``AdamW``, its clip's
+norm ran the native kernel built from the wheel's ``engine/_kernels.c``, and its stage ran a
+kernel generated and compiled in this environment (``engine/fuse.py``).
 
 Run by ``.ci/run`` as ``python .ci/wheel_smoke.py`` with the wheel's environment active and the
 working directory outside the repository."""
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 import functional_train as ft
-from functional_train.engine import native
+from functional_train.engine import fuse, native
 
 here = Path(ft.__file__).resolve().parent
 assert "site-packages" in here.parts, f"imported from {here}, not from the installed wheel"
@@ -22,16 +23,19 @@ for data in ("py.typed", "engine/_kernels.c"):
 
 os.environ["FT_CACHE_DIR"] = tempfile.mkdtemp()  # build the kernel from the wheel's source
 assert native.available(torch.float32), "the native kernel did not build from the wheel"
-calls = []
-real = native._call
-native._call = lambda *a: calls.append(a[0]) or real(*a)
+calls, stages = [], []
+real = native.sum_squares
+native.sum_squares = lambda xs: calls.append(len(xs)) or real(xs)
+real_stage = fuse.Kernel.__call__
+fuse.Kernel.__call__ = lambda self, *a: stages.append(self) or real_stage(self, *a)
 
 g = torch.Generator().manual_seed(0)
 params = {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
 grads = {k: torch.randn(v.shape, generator=g) * 3 for k, v in params.items()}
 tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1))
 new, state = ft.step(tx, grads, tx.init(params), params)
-assert calls, "the pure step did not run the native kernel"
+assert calls, "the clip's norm did not run the native kernel"
+assert stages, "the step did not run a generated kernel"
 
 ref = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
 for k, p in ref.items():

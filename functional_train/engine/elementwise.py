@@ -15,8 +15,9 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   ``finish(new_field_trees) -> new_state``.
 * ``fields(state) -> tuple of (tree, what)``: the params-shaped state trees the leaf function
   reads and writes, ``what`` naming them in errors.
-* ``static(params) -> list``: per leaf, a hashable key the leaf function may branch on in
-  Python (a weight-decay mask); ``None``: every leaf's key is ``None``.
+* ``static(params) -> list``: per leaf, a key the leaf function may branch on in Python (a
+  weight-decay mask): ``None``, a bool or an int (a compiled stage passes them as ints);
+  ``static=None``: every leaf's key is ``None``.
 * ``reduces``: whether ``prologue`` reads the updates' values (a norm): a fused pass then
   starts at this transform, since the updates it reads must exist first.
 * ``context``: whether ``prologue`` takes a third argument, ``prologue(state, b, ctx)``:
@@ -48,6 +49,13 @@ a pure run (``apply="pure"``) writes every stage's results into fresh buffers (t
 one kind per stage and result); a donated run (``apply="donate"``) writes them over their
 inputs: the last stage's new parameters over the parameters, every stage's new fields over the
 old fields, and an intermediate stage's updates over the updates (the gradients, donated too).
+
+The spec is attached to a transform's ``update`` function by :func:`register` and read back by
+:func:`spec_of_transform` / :func:`fusable_of`: the typed protocol between transforms and the
+engine. Under ``torch.compile`` a stage on CPU tensors is the operator
+``functional_train::fused_stage`` (the eager kernels; each part is named by its ``ident``);
+under a ``torch.func`` transform the parts' leaf functions run leaf by leaf in torch; ranks
+simulated by ``LocalTensor`` run the kernels rank by rank.
 """
 
 from __future__ import annotations

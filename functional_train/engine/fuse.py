@@ -1,34 +1,43 @@
 """Fused elementwise passes: one generated kernel per stage of a chain.
 
 A stage is a per-leaf function written in plain tensor operations (the primitives' own
-definitions, composed in the order the user chained them)::
+definitions, composed in the order the user chained them; see :mod:`.elementwise`)::
 
     def stage(inputs: tuple[Tensor, ...], scalars: tuple[Tensor, ...]) -> tuple[Tensor, ...]
 
 ``inputs`` are leaves of one shape (the update, the parameter, state leaves), ``scalars`` are
-0-dim tensors (hyper-parameters, a clip factor, bias corrections), the results are leaves of
-the inputs' shape. :func:`run` applies a stage to lists of leaves.
+0-dim tensors or numbers (hyper-parameters, a clip factor, bias corrections), the results are
+leaves of the inputs' shape. :func:`kernel_for` gives its :class:`Kernel` for a dtype
+signature, which :mod:`.elementwise` calls on lists of leaves.
 
-How it runs (:class:`Kernel`):
+How it runs:
 
-* **CPU, float32 / float64 leaves, eager.** The stage is traced once per signature (its
-  function and the dtypes of its inputs and scalars) with ``torch.fx.experimental.proxy_tensor.
-  make_fx`` into ATen operations; each operation becomes one line of C inside a single loop
-  over the elements of a leaf, which the C compiler vectorises (``-O3 -march=native``, no
-  floating-point contraction, so each operation rounds as ATen's does: the results equal the
-  stage run by torch bit for bit where ATen's kernels are correctly rounded, which the
-  operations accepted here are). One call runs every leaf of the lists, reading each input
-  once and writing each result once -- the memory traffic of torch's fused optimizer kernels,
-  for whatever elementwise work the user composed. The source is compiled with the system C
-  compiler into ``$FT_CACHE_DIR`` (see :mod:`.native`) under a name keyed by the source, so a
-  stage compiles once per machine (about 0.3 s) and later processes load it. Results may be
-  written in place over an input (``alias``: the donated step) or into fresh buffers.
-* **Everywhere else** (CUDA, half-precision leaves, inside ``torch.compile`` or a
-  ``torch.func`` transform, or no C compiler): the same function runs leaf by leaf in torch,
-  where torch's own machinery (inductor, functorch) sees the plain operations.
+* **CPU, float32 / float64 leaves.** The stage is traced once per signature (its function and
+  the dtypes of its inputs and scalars) with ``torch.fx.experimental.proxy_tensor.make_fx``
+  (fake tensors, about 35 ms) into ATen operations; each operation becomes one line of C inside
+  a single loop over the elements of a leaf, which the C compiler vectorises (``-O3
+  -march=native -fopenmp-simd``). No floating-point contraction beyond the fused multiply-adds
+  ATen's own CPU kernels use (``add`` with ``alpha``, ``addcmul``, ``lerp``), and IEEE's
+  correctly rounded division and square root: the results equal the stage run by torch to
+  float rounding (torch's float32 ``sqrt`` on CPU is not always correctly rounded; see
+  ``tests/test_fused.py`` for the tolerance). Selects are exact bitwise blends (GCC leaves a
+  loop-invariant ``?:`` as a branch, which stops vectorisation). One call runs every leaf of
+  the lists, reading each input once and writing each result once -- the memory traffic of
+  torch's fused optimizer kernels, for whatever elementwise work the user composed; results
+  may be written over their inputs (the donated step). Scalars reach the kernel by address
+  (:func:`scalar_pointers`: a 0-dim CPU tensor's own memory), so no value is read on the host.
+  The source is compiled with the system C compiler (:func:`.native.build_library`) into
+  ``$FT_CACHE_DIR`` under a name keyed by the source, about 0.1 s once per machine; later
+  processes load it. Under ``torch.compile`` the kernel runs inside the opaque operator
+  ``functional_train::fused_stage`` (:mod:`.elementwise`).
+* **Everywhere else** (CUDA, half-precision leaves, a ``torch.func`` transform,
+  :func:`~functional_train.differentiable`, an operation the generator does not write, no C
+  compiler): the same function runs leaf by leaf in torch, where torch's own machinery
+  (inductor, functorch, autograd) sees the plain operations.
 
 ``FT_FUSED_KERNELS=0`` in the environment, or ``ENABLED = False`` here, turns the generated
-kernels off (every stage runs leaf by leaf).
+kernels off (every stage runs leaf by leaf); ``FT_FUSED_DEBUG=1`` warns when a stage cannot be
+generated.
 """
 
 from __future__ import annotations
