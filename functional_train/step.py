@@ -702,10 +702,12 @@ def _run_spec(fus, grads, state, params, mesh, donate):
         return params, new_state
     # what the step leaves as it was (multi_steps' non-final micro-step: the parameters and
     # the inner state) is copied here into the pool's buffers (no page faults), rather than
-    # by step's _unaliased into fresh memory
-    if fus.zero_updates:
-        new = _pooled_copies(take, "copy:params", new, new)
-    new_state = _pooled_unaliased(take, new_state, state)
+    # by step's _unaliased into fresh memory (eagerly: under torch.compile, step's traced
+    # _unaliased resolves them by position, with no guard on the objects)
+    if not torch.compiler.is_compiling():
+        if fus.zero_updates:
+            new = _pooled_copies(take, "copy:params", new, new)
+        new_state = _pooled_unaliased(take, new_state, state)
     out = list(pl)
     for i, n in zip(b.active, new):
         out[i] = requires_grad_like(wrap_like(n, pl[i]), pl[i])

@@ -57,7 +57,7 @@ PROPERTIES = (
     "step_counter",  # int64 counters go past 2**31 - 1 without overflow
     "step",  # ft.step pure / donated == update + apply_updates; pure is pure
     "fused",  # the generated kernels == the same per-leaf definitions leaf by leaf in torch
-    # (update, pure and donated ft.step; compiled pure ft.step in the slow tier)
+    # (pure and donated ft.step)
     "step_sharded",  # ft.step sharded == unsharded (data-axis layout), pure and donated
     "compile_dtensor",  # torch.compile(ft.step, fullgraph=True) on DTensors, 2 gloo ranks
     "zero_grads",  # zero / below-eps gradients (whole tree, some leaves, rows, after non-zero
