@@ -1,5 +1,12 @@
 """``step``: one optimizer step, ``update`` then ``apply_updates``, fused where possible.
 
+A transform whose chain is made of elementwise specs (``functional_train/engine/
+elementwise.py``) runs as its stages, ``p + u`` fused into the last one (:func:`_run_spec`):
+on CPU float32 / float64 parameters that path comes first, eagerly and under
+``torch.compile``, for every such chain, the ``sgd`` / ``adam`` / ``adamw`` ones included. What
+follows describes the paths the other cases take (CUDA and half-precision parameters keep the
+recognised chains' torch fused kernels; Adafactor, CAME, GaLore and 8-bit Adam their own steps).
+
 The general path runs any transform on the local view (the chain's primitives hand local shards
 along; DTensors are built once, for the new parameters) and adds the updates to the local
 parameter shards. The fused path recognises ``sgd``, ``adam`` and ``adamw`` (32-bit moments),

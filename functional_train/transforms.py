@@ -90,21 +90,11 @@ def _leafwise(fn: Callable) -> Callable:
     return run
 
 
-@_leafwise
-def _add_scaled(xs: list, ys: list, alpha) -> list:
-    """``xs + alpha * ys`` (foreach ``add`` with ``alpha``) for a float ``alpha`` or a 0-dim
-    tensor one (an injected hyperparameter under ``torch.compile``): ``addcmul`` with the
-    tensor in each leaf's dtype rounds as ``add(alpha=)`` does in float32 and float64."""
-    if not isinstance(alpha, torch.Tensor):
-        return torch._foreach_add(xs, ys, alpha=alpha)
-    return [torch.addcmul(x, y, _scalar_for(alpha, x)) for x, y in zip(xs, ys)]
-
-
 def _scalar_for(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A 0-dim tensor hyperparameter in leaf ``x``'s dtype, for the per-leaf ops the tensor
     path uses (traced, a float64 scalar tensor would promote the result; and torch 2.13's
-    inductor bakes the value of a float64 CPU scalar tensor given to ``_foreach_add`` /
-    ``_foreach_lerp`` into the kernel at compile time, so those take the per-leaf form)."""
+    inductor bakes the value of a float64 CPU scalar tensor given to ``_foreach_lerp`` into
+    the kernel at compile time, so it takes the per-leaf form)."""
     return v.to(x.dtype)
 
 
@@ -118,31 +108,11 @@ def _lerp(xs: list, ys: list, weight) -> list:
 
 
 @_leafwise
-def _mul(xs: list, value) -> list:
-    """Foreach ``xs * value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype:
-    traced, a float64 scalar tensor would promote the product)."""
-    if not isinstance(value, torch.Tensor):
-        return torch._foreach_mul(xs, value)
-    return [x * _scalar_for(value, x) for x in xs]
-
-
-@_leafwise
 def _div(xs: list, value) -> list:
     """Foreach ``xs / value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype)."""
     if not isinstance(value, torch.Tensor):
         return torch._foreach_div(xs, value)
     return [x / _scalar_for(value, x) for x in xs]
-
-
-@_leafwise
-def _add_scaled_(xs: list, ys: list, alpha) -> None:
-    """In place ``xs += alpha * ys`` for a float or a 0-dim tensor ``alpha`` (see
-    :func:`_add_scaled`)."""
-    if not isinstance(alpha, torch.Tensor):
-        torch._foreach_add_(xs, ys, alpha=alpha)
-    else:
-        for x, y in zip(xs, ys):
-            x.addcmul_(y, _scalar_for(alpha, x))
 
 
 def _nonzero(value) -> bool:
@@ -152,26 +122,6 @@ def _nonzero(value) -> bool:
     ``torch.compile``, whose graph cannot branch on its value). A transform skips its work
     eagerly where this is False, as the alias built with a 0 leaves it out."""
     return isinstance(value, torch.Tensor) or is_injected(value) or value != 0.0
-
-
-@_leafwise
-def _add_(xs: list, value) -> None:
-    """In place ``xs += value`` for a float or a 0-dim tensor ``value``."""
-    if not isinstance(value, torch.Tensor):
-        torch._foreach_add_(xs, value)
-    else:
-        for x in xs:
-            x.add_(_scalar_for(value, x))
-
-
-@_leafwise
-def _addcmul_(xs: list, t1: list, t2: list, value) -> None:
-    """In place ``xs += value * t1 * t2`` for a float ``value`` or a 0-dim tensor (as
-    ``(value * t1) * t2``, which rounds as the float form in float32 and float64)."""
-    if not isinstance(value, torch.Tensor):
-        torch._foreach_addcmul_(xs, t1, t2, value=value)
-    else:
-        torch._foreach_addcmul_(xs, _mul(t1, value), t2)
 
 
 def _axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
