@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import functional_train as ft
+from _layouts import step_by_mode
 from _spy import kernel_calls
 from functional_train.engine import fuse
 
@@ -37,12 +38,7 @@ def _run(tx, params, grads, mode):
     state = tx.init(params)
     p = {k: v.clone() for k, v in params.items()}
     for g in grads:
-        g = {k: v.clone() for k, v in g.items()}
-        if mode == "update":
-            u, state = tx.update(g, state, p)
-            p = ft.apply_updates(p, u)
-        else:
-            p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+        p, state = step_by_mode(tx, {k: v.clone() for k, v in g.items()}, state, p, mode)
     return p, state
 
 

@@ -80,7 +80,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import _sweep_registry as reg  # noqa: E402  (tests/ is on sys.path)
 import functional_train as ft
-from _layouts import close
+from _layouts import close, step_by_mode
 from functional_train.testing import (
     ShardedCase,
     assert_sharded_equivalent,
@@ -1086,11 +1086,7 @@ def _run_mode(tx, params, grads, mode):
     state = tx.init(params)
     p = clone_tree(params)
     for g in grads:
-        if mode == "update":
-            u, state = tx.update(clone_tree(g), state, p)
-            p = ft.apply_updates(p, u)
-        else:
-            p, state = ft.step(tx, clone_tree(g), state, p, donate=mode == "donate")
+        p, state = step_by_mode(tx, clone_tree(g), state, p, mode)
     return p, state
 
 
