@@ -20,11 +20,13 @@ import optree
 import torch
 
 from . import _validate as V
-from .autograd import detached
+from .aliasing import known_zeros
+from .autograd import detached, is_differentiable
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
 from .engine.plan import describe
+from .engine.view import prepare
 from .mesh import Mesh
 from .tree import (
     flatten_as,
@@ -119,6 +121,13 @@ def multi_steps(
             f"multi_steps: inner must be a GradientTransformation, got {type(inner).__name__}"
         )
 
+    inner_fus = E.fusable_of(inner)
+    switch = (
+        _fused_micro_steps(inner_fus, every_k)
+        if inner_fus is not None and should_skip_update_fn is None
+        else None
+    )
+
     def init_fn(params):
         gradient_step = torch.zeros((), dtype=torch.int64, device="cpu")
         skip_state: Any = {}
@@ -145,6 +154,12 @@ def multi_steps(
                 f"multi_steps: mesh must be a functional_train.Mesh or None, "
                 f"got {type(mesh).__name__}"
             )
+        if switch is not None and not is_differentiable():
+            fus = switch.choose(updates, state, params, mesh)
+            if fus is not None:  # the accumulation and the inner transform fused
+                b = prepare(updates, params, mesh, name="multi_steps", view=True)
+                new_updates, new_state = E.run(fus, b, state, params)
+                return new_updates.tree(), new_state
         skip_state = state.skip_state
         if should_skip_update_fn is not None:
             skip, skip_state = should_skip_update_fn(
@@ -258,9 +273,8 @@ def multi_steps(
 
     # what comes out is what inner returns: still unreduced if inner passes unreduced values on
     update_fn.passes_unreduced = passes_unreduced(inner)  # type: ignore[attr-defined]
-    inner_fus = E.fusable_of(inner)
-    if inner_fus is not None and should_skip_update_fn is None:
-        E.register(update_fn, _fused_micro_steps(inner_fus, every_k))
+    if switch is not None:
+        E.register(update_fn, switch)
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
@@ -407,7 +421,7 @@ def _zeros_for(updates, params):
     def zero(u, r):
         if u is None or r is None:
             return None
-        return wrap(torch.zeros_like(to_local(r), dtype=to_local(u).dtype), spec_of(r))
+        return wrap(known_zeros(to_local(r), to_local(u).dtype), spec_of(r))
 
     return optree.tree_map(zero, updates, updates if params is None else params, none_is_leaf=True)
 

@@ -45,6 +45,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree
 
+from . import aliasing
 from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view
 from .came import FusedCame, fused_came_step
@@ -707,51 +708,10 @@ def _run_spec(fus, grads, state, params, mesh, donate):
         )
     if donate:
         return params, new_state
-    # what the step leaves as it was (multi_steps' non-final micro-step: the parameters and
-    # the inner state) is copied here into the pool's buffers (no page faults), rather than
-    # by step's _unaliased into fresh memory (eagerly: under torch.compile, step's traced
-    # _unaliased resolves them by position, with no guard on the objects)
-    if not torch.compiler.is_compiling():
-        if fus.zero_updates:
-            new = _pooled_copies(take, "copy:params", new, new)
-        new_state = _pooled_unaliased(take, new_state, state)
     out = list(pl)
     for i, n in zip(b.active, new):
         out[i] = requires_grad_like(wrap_like(n, pl[i]), pl[i])
     return tree_unflatten(treedef, out), new_state
-
-
-def _pooled_copies(take, kind: str, xs: list, hits: list) -> list:
-    """``xs`` with the tensors of ``hits`` (a sub-list, by identity) copied into pooled
-    buffers of ``kind``."""
-    if not hits:
-        return xs
-    with torch.no_grad():
-        bufs = take(kind, hits)
-        torch._foreach_copy_(bufs, hits)
-    by_id = {id(h): buf for h, buf in zip(hits, bufs)}
-    return [by_id.get(id(x), x) for x in xs]
-
-
-def _pooled_unaliased(take, new: PyTree, old: PyTree) -> PyTree:
-    """:func:`_unaliased` of a pure step's state, for its plain tensor leaves, into pooled
-    buffers (the leaves it does not cover are left to :func:`_unaliased`)."""
-    leaves, treedef = tree_flatten(new)
-    olds, old_def = tree_flatten(old)
-    if old_def != treedef:
-        return new
-    hits = [
-        x
-        for x, y in zip(leaves, olds)
-        if x is y
-        and type(x) is torch.Tensor
-        and x.numel() > 0
-        and x.is_contiguous()
-        and not x.requires_grad
-    ]
-    if not hits:
-        return new
-    return tree_unflatten(treedef, _pooled_copies(take, "copy:state", leaves, hits))
 
 
 def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
@@ -802,11 +762,14 @@ def step(
         state: ``tx``'s state.
         params: the parameters (plain tensors or DTensors; any dtype ``apply_updates`` takes).
         mesh: the :class:`~functional_train.Mesh` descriptor, as for ``update``.
-        donate: ``False`` (the default): pure, no input is modified, and the result holds no
-            tensor of ``params`` or ``state``: a leaf the step leaves as it was (a ``None``
-            gradient's parameter and its state, a ``multi_steps`` micro-step's inner state) is
-            a copy (memory and time for its bytes), so that donating the result to a later
-            step cannot write into the trees the caller still holds. ``True``: the buffers of
+        donate: ``False`` (the default): pure, no input is modified. A leaf the step leaves
+            as it was (a ``None`` gradient's parameter and its state, a ``multi_steps``
+            micro-step's parameters and inner state) is returned as it is, as optax returns an
+            unchanged array, and recorded as shared: a later donated step copies it before
+            writing, so donating the result (or the inputs) to a later step cannot write into
+            the trees the caller still holds (under ``torch.compile`` and ``torch.func``
+            transforms such a leaf is copied instead). Do not modify the results in place
+            yourself. ``True``: the buffers of
             ``params``, ``state`` AND ``grads`` may be reused for the results (JAX's
             ``donate_argnums``); the caller must not use the old trees afterwards (in a loop,
             ``params, state = ft.step(tx, grads, state, params, donate=True)``). Gradients
@@ -842,26 +805,29 @@ def step(
         raise ValueError("step needs params: step(tx, grads, state, params)")
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"step: tx must be a GradientTransformation, got {type(tx).__name__}")
+    if donate:
+        grads, state, params = aliasing.claimed((grads, state, params), _copy)
     out = _step(tx, grads, state, params, mesh, donate, extra)
     return out if donate else _unaliased(out, (params, state))
 
 
 def _unaliased(result: tuple, inputs: tuple) -> tuple:
-    """The pure step's ``(params, state)`` with every tensor leaf that is the tensor of
+    """The pure step's ``(params, state)``, with every tensor leaf that is the tensor of
     ``inputs`` (its ``params``, ``state``) at the same place -- the same object, or (eagerly)
-    a DTensor over the same local shard -- replaced by a copy: the leaves the step leaves as
-    they were (a ``None`` gradient's parameter and its state, the inner state a
-    ``multi_steps`` micro-step keeps, injected hyperparameters, GaLore's projectors between
-    refreshes). The result then holds only tensors the step made, so a later donated step on
-    it cannot write into the caller's trees (as ``jax.jit`` copies an output that is an input
-    it was not donated). A state whose structure differs from its input's (no transform of
-    this library's) is compared by identity over all its leaves. Host cost:
-    flattening the four trees (about 0.25 us a leaf eagerly, 0.2 ms for the ~860 leaves in
-    and out of a 122-leaf AdamW step; compiled, at trace time only); the copies cost the
-    bytes of the leaves copied."""
-    if torch.compiler.is_compiling():
+    a DTensor over the same local shard -- recorded as *shared*: the leaves the step leaves as
+    they were (a ``None`` gradient's parameter and its state, the parameters and inner state of
+    a ``multi_steps`` micro-step, injected hyperparameters, GaLore's projectors between
+    refreshes) are returned as they are, as ``optax`` returns an unchanged array, and a later
+    donated step copies a shared tensor before it writes (:mod:`functional_train.aliasing`),
+    so that it cannot write into the trees the caller still holds. Under ``torch.compile``
+    and ``torch.func`` transforms, where no later eager step can see the record, such a leaf
+    is copied instead (as ``jax.jit`` copies an output that is an input it was not donated).
+    A state whose structure differs from its input's (no transform of this library's) is
+    compared by identity over all its leaves. Host cost: flattening the four trees (about 0.25 us a
+    leaf, 0.2 ms for the ~860 leaves in and out of a 122-leaf AdamW step; compiled, at trace
+    time only)."""
+    if not aliasing.recording():
         return tuple(_unaliased_traced(new, old) for new, old in zip(result, inputs))
-    out = []
     for new, old in zip(result, inputs):
         leaves, treedef = tree_flatten(new)
         olds, old_def = tree_flatten(old)
@@ -871,15 +837,10 @@ def _unaliased(result: tuple, inputs: tuple) -> tuple:
             by_id = {id(y): y for y in olds}
             pairs = ((x, by_id.get(id(x))) for x in leaves)
         rewraps = DTensor in set(map(type, olds))
-        hits = [
-            k
-            for k, (x, y) in enumerate(pairs)
-            if (x is y or (rewraps and _same_shard(x, y))) and _writable(x)
-        ]
-        for k in hits:
-            leaves[k] = _copy(leaves[k])
-        out.append(tree_unflatten(treedef, leaves) if hits else new)
-    return tuple(out)
+        for x, y in pairs:
+            if (x is y or (rewraps and _same_shard(x, y))) and _writable(x):
+                aliasing.mark_shared(x)
+    return result
 
 
 def _unaliased_traced(new: PyTree, old: PyTree) -> PyTree:

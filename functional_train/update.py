@@ -8,6 +8,7 @@ from typing import Any
 import optree
 import torch
 
+from . import aliasing
 from .autograd import is_differentiable, requires_grad_like
 from .engine.dtensor import spec_of, to_local, wrap_like
 from .engine.plan import describe
@@ -66,6 +67,10 @@ def paired_locals(params: Any, updates: Any):
 def apply_updates(params: Any, updates: Any) -> Any:
     """Return ``params + updates`` (new tensors; neither argument is modified).
 
+    A parameter whose update is ``None``, or a known zero (the updates of a ``multi_steps``
+    micro-step that is not its cycle's last), is returned as it is, recorded as shared so that
+    a later donated ``ft.step`` copies it before writing (see :mod:`functional_train.aliasing`).
+
     Autograd: computed under ``torch.no_grad()``; a parameter that requires grad (an
     ``nn.Parameter``) gives a new leaf tensor that requires grad, so nothing links the steps.
     Inside :func:`functional_train.differentiable` the sum is recorded instead (meta-learning).
@@ -81,6 +86,22 @@ def apply_updates(params: Any, updates: Any) -> Any:
         TypeError: a floating update for an integer or bool parameter, naming the leaf.
     """
     treedef, p, idx, pl, ul = paired_locals(params, updates)
+    if aliasing.recording():
+        # a None update's parameter, or a known zero update's (multi_steps' non-final
+        # micro-step), is returned as it is and recorded as shared (see .aliasing)
+        kept = [k for k, x in enumerate(ul) if aliasing.is_known_zero(x)]
+        if kept or len(idx) < len(p):
+            on = set(idx)
+            for i, x in enumerate(p):
+                if x is not None and i not in on and isinstance(x, torch.Tensor):
+                    aliasing.mark_shared(x)
+            for k in kept:
+                aliasing.mark_shared(pl[k])
+            if kept:
+                drop = set(kept)
+                idx, pl, ul = (
+                    [v for k, v in enumerate(lst) if k not in drop] for lst in (idx, pl, ul)
+                )
     ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
     record = is_differentiable()
     with contextlib.nullcontext() if record else torch.no_grad():

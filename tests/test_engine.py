@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import functional_train as ft
 from _layouts import shard  # noqa: E402  (tests/ is on sys.path)
+from functional_train.aliasing import is_shared
 from functional_train.engine import dtensor as engine_dtensor
 from functional_train.engine.view import prepare
 from functional_train.testing import simulate
@@ -121,7 +122,7 @@ def test_step_takes_the_fused_kernel(monkeypatch, donate):
         "frozen": None,
     }
     want_u, want_s = tx.update(grads, state, params)
-    want_p = ft.apply_updates(params, want_u)
+    want_p = ft.apply_updates({k: v.clone() for k, v in params.items()}, want_u)
     w_buf, mu_buf = params["w"].data_ptr(), state[1][0].mu["w"].data_ptr()
     new_p, new_s = ft.step(tx, dict(grads), state, params, donate=donate)
     assert calls == ([2] if donate or not native.available(torch.float32) else [("adam", 2)])
@@ -129,9 +130,10 @@ def test_step_takes_the_fused_kernel(monkeypatch, donate):
     torch.testing.assert_close(new_s[1][0].mu, want_s[1][0].mu, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(new_s[0].global_norm, want_s[0].global_norm)
     assert int(new_s[1][0].count) == 1
-    # the frozen leaf: its own tensor when donated, a copy from a pure step (whose result
-    # holds no input tensor, so that donating it later cannot write into the caller's)
-    assert (new_p["frozen"] is params["frozen"]) == donate
+    # the frozen leaf: its own tensor; from a pure step recorded as shared (a later donated
+    # step copies it before writing, so that it cannot write into the caller's tree)
+    assert new_p["frozen"] is params["frozen"]
+    assert is_shared(new_p["frozen"]) != donate
     assert torch.equal(new_p["frozen"], params["frozen"])
     shared = new_p["w"].data_ptr() == w_buf and new_s[1][0].mu["w"].data_ptr() == mu_buf
     assert shared == donate

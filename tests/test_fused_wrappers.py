@@ -254,7 +254,12 @@ def test_multi_steps_one_kernel_call_per_micro_step(mode, monkeypatch):
 
 def test_multi_steps_non_final_does_not_touch_params(monkeypatch):
     """A donated non-final micro-step writes nothing into the parameters (no pass over them)
-    and keeps its inner state; a pure one returns copies (ft.step's pure contract)."""
+    and keeps its inner state; a pure one returns the same parameters, recorded as shared
+    (ft.step's pure contract: a later donated step copies them before writing); the eager
+    update's zero updates are known zeros, and apply_updates returns the parameters as they
+    are."""
+    from functional_train.aliasing import is_known_zero, is_shared
+
     params, grads = _problem(torch.float32)
     tx = ft.multi_steps(_clip_adamw(), 3)
     state = tx.init(params)
@@ -265,8 +270,16 @@ def test_multi_steps_non_final_does_not_touch_params(monkeypatch):
     assert all(p2[k] is p[k] and p[k]._version == version[k] for k in p)
     assert state.inner_state is inner
     p3, state3 = ft.step(tx, grads[1], state, p2, donate=False)
-    assert all(p3[k] is not p2[k] and torch.equal(p3[k], p2[k]) for k in p)
+    assert all(p3[k] is p2[k] and is_shared(p3[k]) for k in p)
     assert int(state3.mini_step) == 2 and int(state.mini_step) == 1
+    u, state4 = tx.update(grads[1], state, p2)
+    assert all(is_known_zero(x) and not torch.any(x) for x in u.values())
+    p4 = ft.apply_updates(p2, u)
+    assert all(p4[k] is p2[k] for k in p)
+    torch.testing.assert_close(state4.acc_grads, state3.acc_grads, rtol=0, atol=0)
+    p5, _ = ft.step(tx, grads[2], state3, p3, donate=True)  # (the final micro-step)
+    assert all(p5[k] is not p2[k] for k in p)
+    assert all(torch.equal(p2[k], params[k]) for k in p)  # (p, p2, p3, p4: untouched)
 
 
 def test_multi_steps_partial_cycles_fall_back():

@@ -1,7 +1,8 @@
-"""A pure ``ft.step`` (``donate=False``) returns no tensor of its inputs: a leaf it leaves as it
-was (a ``None`` gradient's parameter and its state, the inner state of a ``multi_steps``
-micro-step, an injected hyperparameter) comes back as a copy, so a later donated step on the
-result writes only into tensors the library made, never into the caller's trees."""
+"""A pure ``ft.step`` (``donate=False``) modifies nothing, and nothing the caller still holds is
+written by a later step: a leaf the pure step leaves as it was (a ``None`` gradient's parameter
+and its state, the parameters and inner state of a ``multi_steps`` micro-step, an injected
+hyperparameter) comes back as it is and is recorded as shared, and a later donated step copies a
+shared tensor before writing into it (under ``torch.compile`` the pure step copies it)."""
 
 from __future__ import annotations
 
@@ -100,11 +101,14 @@ def test_donating_the_inputs_of_a_pure_step_leaves_its_result_alone(name):
 
 
 @pytest.mark.parametrize("name", sorted(reg.all_entries()))
-def test_a_pure_step_returns_none_of_its_input_tensors(name):
+def test_a_pure_step_records_the_input_tensors_it_returns(name):
     """Every registry entry: after a pure step with one ``None`` gradient (and one with every
-    gradient, and one with none), no tensor of the result is a tensor of ``params`` or
-    ``state`` (zero-element placeholders aside: nothing can be written into them), and every
-    parameter keeps ``requires_grad``."""
+    gradient, and one with none), every tensor of the result that is a tensor of ``params`` or
+    ``state`` is recorded as shared (what a later donated step copies first), and every
+    parameter keeps ``requires_grad``; donating the result leaves the inputs bitwise as they
+    were."""
+    from functional_train.aliasing import is_shared
+
     tx = reg.all_entries()[name]()
     params = {k: v.requires_grad_(k == "m") for k, v in _tree(0).items()}
     state = tx.init(params)
@@ -112,18 +116,40 @@ def test_a_pure_step_returns_none_of_its_input_tensors(name):
     for g in ({**_tree(2), "m": None}, _tree(3), dict.fromkeys(SHAPES)):
         ids = set(map(id, _tensors((params, state))))
         new_p, new_s = ft.step(tx, g, state, params)
-        shared = [tuple(x.shape) for x in _tensors((new_p, new_s)) if id(x) in ids]
-        assert not shared, f"the result holds input tensors of shapes {shared}"
+        unrecorded = [
+            tuple(x.shape) for x in _tensors((new_p, new_s)) if id(x) in ids and not is_shared(x)
+        ]
+        assert not unrecorded, f"unrecorded input tensors of shapes {unrecorded} in the result"
         for k in SHAPES:
             assert new_p[k].requires_grad == params[k].requires_grad, k
-        params, state = new_p, new_s
+        want = _clone((params, state))
+        ft.step(tx, _tree(4), new_s, new_p, donate=True)
+        _assert_bitwise((params, state), want, "(params, state)")
+        params, state = ft.step(tx, g, state, params)
+
+
+def test_a_shared_tensor_is_copied_once():
+    """A donated step copies a shared tensor (the unchanged ``m`` of a pure step with its
+    gradient ``None``) before writing, and writes the copy in place from then on: the next
+    donated step returns the same tensor objects it was given."""
+    tx = ft.adamw(1e-2, weight_decay=0.1)
+    p0 = _tree(0)
+    p0, s0 = ft.step(tx, _tree(1), tx.init(p0), p0)
+    p1, s1 = ft.step(tx, {**_tree(2), "m": None}, s0, p0)
+    assert p1["m"] is p0["m"]
+    p2, s2 = ft.step(tx, _tree(3), s1, p1, donate=True)
+    assert p2["m"] is not p0["m"] and p2["w"] is p1["w"]
+    p3, _ = ft.step(tx, _tree(4), s2, p2, donate=True)
+    assert all(p3[k] is p2[k] for k in SHAPES)
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "lamb"])
 def test_on_dtensors(name):
     """The same on DTensor leaves (2 simulated ranks, sharded and replicated): after a pure
-    step with a ``None`` gradient, donating its result leaves ``p0`` / ``s0`` alone on every
-    rank, and the result's DTensors share no local shard with the inputs'."""
+    step with a ``None`` gradient, the local shards the result shares with the inputs are
+    recorded, and donating the result leaves ``p0`` / ``s0`` alone on every rank."""
+    from functional_train.aliasing import is_shared
+
     with simulate(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         placements = {"w": [Shard(0)], "m": [Shard(1)], "v": [Replicate()], "t": [Shard(2)]}
@@ -137,7 +163,9 @@ def test_on_dtensors(name):
         want = [on_rank(_local(x), r).clone() for x in _tensors((p0, s0)) for r in (0, 1)]
         p1, s1 = ft.step(tx, {**tree(2), "m": None, "t": None}, s0, p0)
         ins = set(map(id, map(_local, _tensors((p0, s0)))))
-        assert not [x for x in _tensors((p1, s1)) if id(_local(x)) in ins]
+        shared = [_local(x) for x in _tensors((p1, s1)) if id(_local(x)) in ins]
+        assert shared  # (m and t: their gradients are None)
+        assert all(map(is_shared, shared))
         ft.step(tx, tree(3), s1, p1, donate=True)
         got = [on_rank(_local(x), r) for x in _tensors((p0, s0)) for r in (0, 1)]
         assert all(torch.equal(a, b) for a, b in zip(got, want))

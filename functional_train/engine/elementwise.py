@@ -272,7 +272,8 @@ def run(
             ``"donate"``: return ``(new parameter locals of b.active, new_state)``, the updates
             added to ``params_locals`` (the parameters' local shards of ``b.active``) into fresh
             buffers or in place (``params_locals`` themselves for ``spec.zero_updates``).
-        take: ``take(kind, like) -> fresh buffers`` (the plan's pool), for pure results.
+        take: ``take(kind, like) -> fresh buffers`` for pure results and ``update``'s
+            (default: the plan's pool, :mod:`.pool`).
 
     Raises:
         ValueError: a part needs params and none were given; a state from another transform
@@ -281,13 +282,24 @@ def run(
     parts = spec.parts
     states = spec.split(state)
     act = b.active
+    if take is None and apply is None and not torch.compiler.is_compiling():
+        # update's results from the plan's pool too (see .pool: reused once the caller has
+        # dropped them, so that fresh results take no page faults)
+        # (kinds of their own: a pure step over the same tree keeps its sets)
+        from .pool import Pool, of_plan
+
+        pool_take = of_plan(b.plan, "pool", Pool).take
+
+        def take(kind, like):
+            return pool_take("update:" + kind, like)
+
     u = [b.locals[i] for i in act]
     bounds = [k for k, part in enumerate(parts) if k == 0 or part.reduces] + [len(parts)]
     finishes: list = [None] * len(parts)
     trees_of: list = [None] * len(parts)
     new_fields: list = [None] * len(parts)
     ctx: dict = {}  # the run context (see the module's docstring)
-    drop = spec.zero_updates and apply is not None
+    drop = spec.zero_updates  # (the updates are zeros: the last stage does not write them)
     for lo, hi in zip(bounds, bounds[1:]):
         scalars: list = []
         counts: list = []
@@ -353,12 +365,14 @@ def run(
         ]
         new_states.append(finishes[k](new_trees))
     new_state = spec.join(new_states)
-    if drop:
+    if drop and apply is not None:
         return list(params_locals or ()), new_state
     if apply is not None:
         return u, new_state
-    if spec.zero_updates:
-        u = [torch.zeros_like(x) for x in u]
+    if drop:
+        from ..aliasing import known_zeros
+
+        u = [known_zeros(x) for x in u]
     return b.rebuild_active(u), new_state
 
 
@@ -605,7 +619,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
         sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j])
         groups.setdefault(sig, []).append(j)
     sc: Any = False
-    for (fast, dtypes, key), idx in groups.items():
+    for g, ((fast, dtypes, key), idx) in enumerate(groups.items()):
         fn = _function(stage, counts, key)
         if fast:
             if sc is False:
@@ -613,7 +627,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
             if sc is not None:
                 kernel = fuse.kernel_for(fn, dtypes, sc[1])
                 if kernel is not None and _run_kernel(
-                    kernel, ins, idx, outs, sc[0], apply, take, dst
+                    kernel, ins, idx, outs, sc[0], apply, _group_kinds(take, g), dst
                 ):
                     continue
         with torch.enable_grad() if _recording() else torch.no_grad():
@@ -637,6 +651,14 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
             for lst in outs
         ]
     return outs
+
+
+def _group_kinds(take, g):
+    """``take`` with the pool's kinds named per group of leaves (the groups' results are held
+    together)."""
+    if take is None or g == 0:
+        return take
+    return lambda kind, like: take(f"{kind}/{g}", like)
 
 
 def _recording() -> bool:

@@ -1,0 +1,91 @@
+"""What a pure function may hand back without a copy, and what a donated step must copy.
+
+Two records, both by object identity and weak (an entry goes when its tensor does; a dict by
+``id`` because a tensor's ``==`` is elementwise):
+
+* **shared** tensors: a pure ``ft.step`` or ``apply_updates`` returns a leaf it leaves as it
+  was (a ``None`` gradient's parameter and its state, a ``multi_steps`` micro-step's
+  parameters and inner state) as it is, as optax returns an unchanged array, and records its
+  local shard here. The caller's older trees hold it too, so a donated ``ft.step`` copies a
+  shared tensor before writing into it (:func:`claimed`): one copy, the first time it is
+  donated. No work while no shared tensor is alive.
+* **known zeros**: the zero updates of a ``multi_steps`` micro-step that is not the cycle's
+  last are ``torch.zeros((), dtype).expand(shape)`` (no memory; writing into one raises, as
+  for any expanded tensor), recorded here, and ``apply_updates`` leaves a parameter whose
+  update is a known zero as it is (shared) instead of adding zeros to it: a non-final
+  micro-step then costs its accumulation only, as ``loss.backward()`` into ``.grad`` does.
+
+Eagerly only: under ``torch.compile`` and ``torch.func`` transforms nothing is recorded (a pure
+step copies what it would share; zero updates are real zeros).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from .engine.dtensor import to_local
+from .tree import tree_flatten, tree_unflatten
+
+__all__ = ["mark_shared", "claimed", "known_zeros", "is_known_zero", "recording"]
+
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_ZEROS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def recording() -> bool:
+    """Whether the records apply: eagerly, outside ``torch.compile`` and ``torch.func``."""
+    return (
+        not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
+    )
+
+
+def mark_shared(x: torch.Tensor) -> None:
+    """Record ``x``'s local shard as held by the caller's trees too."""
+    local = to_local(x)
+    _SHARED[id(local)] = local
+
+
+def is_shared(x: torch.Tensor) -> bool:
+    local = to_local(x)
+    return _SHARED.get(id(local)) is local
+
+
+def claimed(trees: tuple, copy) -> tuple:
+    """``trees`` (a donated step's grads, state and params) with every shared tensor replaced by
+    ``copy(tensor)`` (a copy in its layout, which the step may then write)."""
+    if not _SHARED or not recording():
+        return trees
+    out = []
+    for tree in trees:
+        leaves, treedef = tree_flatten(tree)
+        hits = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor) and is_shared(x)]
+        for k in hits:
+            leaves[k] = copy(leaves[k])
+        out.append(tree_unflatten(treedef, leaves) if hits else tree)
+    return tuple(out)
+
+
+def known_zeros(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Zeros of ``like``'s shape (and device; ``dtype``: default ``like``'s) for a plain tensor
+    ``like``: eagerly an expanded 0-dim zero, recorded; otherwise ``torch.zeros_like``."""
+    dtype = like.dtype if dtype is None else dtype
+    if not recording() or type(like) is not torch.Tensor:
+        return torch.zeros_like(like, dtype=dtype)
+    key = (dtype, like.device)
+    zero = _ZERO.get(key)
+    if zero is None:
+        zero = _ZERO[key] = torch.zeros((), dtype=dtype, device=like.device)
+    z = zero.expand(like.shape)
+    _ZEROS[id(z)] = z
+    return z
+
+
+_ZERO: dict = {}  # (dtype, device) -> the 0-dim zero the known zeros expand
+
+
+def is_known_zero(x: Any) -> bool:
+    """Whether ``x`` is a tensor :func:`known_zeros` made."""
+    return _ZEROS.get(id(x)) is x
