@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import _validate as V
 from .aliasing import known_zeros
@@ -25,7 +26,7 @@ from .autograd import detached, is_differentiable
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
-from .engine.plan import describe
+from .engine.plan import all_on_data_axis, describe, plan_for, same_layout
 from .engine.view import prepare
 from .mesh import Mesh
 from .tree import (
@@ -371,8 +372,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
 
     def choose(updates, state, params, mesh):
         if (
-            mesh is not None
-            or params is None
+            params is None
             or not isinstance(state, MultiStepsState)
             or torch.compiler.is_compiling()
         ):
@@ -380,10 +380,13 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         g, treedef = tree_flatten(updates)
         try:
             acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
+            pl = flatten_as(params, treedef, "params", "the updates")
         except ValueError:
             return None  # (the general path raises)
         if len(state.seen) != len(g):
             return None
+        if mesh is not None and not _reduced(treedef, g, pl, mesh):
+            return None  # (unreduced gradients: accumulated as they are, reduced once)
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
         seen = [int(f) for f in state.seen]
@@ -395,11 +398,12 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
                     return None  # a leaf of the cycle without a gradient now
                 continue
             if (
-                type(x) is not torch.Tensor
-                or type(a) is not torch.Tensor
+                type(x) is not type(a)
+                or type(x) not in (torch.Tensor, DTensor)
                 or x.dtype != a.dtype
                 or not x.dtype.is_floating_point
                 or x.shape != a.shape
+                or (type(x) is DTensor and not same_layout(spec_of(x), spec_of(a)))
             ):
                 return None
             f = not seen[i]
@@ -412,6 +416,16 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         return variants[(final, fresh)]
 
     return E.Switch(choose)
+
+
+def _reduced(treedef, g: list, pl: list, mesh: Mesh) -> bool:
+    """Whether the gradients need no reduction and no presence agreement (the view of a
+    micro-step then issues no collective): DTensors in their parameters' placements, with
+    ``mesh.data_axis`` reduced already (FSDP-style parameters placed over it) or absent."""
+    if mesh.pending_data_reduction and not all_on_data_axis(pl, mesh.data_axis):
+        return False
+    plan = plan_for(treedef, g, pl, mesh)
+    return not (plan.data_rounds or plan.partial_rounds or plan.relayout)
 
 
 def _zeros_for(updates, params):

@@ -11,6 +11,8 @@ import torch
 import functional_train as ft
 from _layouts import step_by_mode
 from _spy import kernel_calls
+from functional_train import accumulation
+from functional_train.engine import elementwise as E
 from functional_train.engine import fuse
 
 STEPS = 7
@@ -167,14 +169,70 @@ def test_apply_if_finite_equals_its_general_path(name, mode):
 @pytest.mark.parametrize("mode", ["pure", "donate"])
 @pytest.mark.parametrize("name", ["multi_steps_clip", "multi_steps", "multi_steps_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_multi_steps_step_equals_update(name, mode, dtype):
-    """ft.step's fused micro-steps == ``update`` (the general path) + ``apply_updates``."""
+def test_multi_steps_fused_equals_its_general_path(name, mode, dtype, monkeypatch):
+    """ft.step's and update's fused micro-steps == multi_steps' general path (its own
+    ``update``, the transform built without its fused form) + ``apply_updates``."""
     make, _, _ = CASES[name]
     params, grads = _problem(dtype)
     got, got_state = _run(make(), params, grads, mode)
-    want, want_state = _run(make(), params, grads, "update")
+    with monkeypatch.context() as m:
+        m.setattr(accumulation, "_fused_micro_steps", lambda *a: None)
+        general = make()
+    assert E.switch_of(general) is None and E.switch_of(make()) is not None
+    want, want_state = _run(general, params, grads, "update")
     _close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+def test_multi_steps_fused_on_fsdp_dtensors(mode, monkeypatch):
+    """FSDP-style parameters (``Shard(0)`` over the data axis, 2 simulated ranks, uneven
+    shards): the micro-steps run fused (generated kernels on every step) and the non-final
+    ones issue no collective (the final one: the clip norm's all-reduce); the parameters and
+    state equal the general path's run on plain tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from _layouts import shard
+    from functional_train.testing import count_collectives, on_rank, simulate
+
+    params, grads = _problem(torch.float64)
+    # (the leaves that can be sharded: not the 0-dim one)
+    params = {k: v for k, v in params.items() if v.dim()}
+    grads = [{k: v for k, v in g.items() if k in params} for g in grads]
+    with monkeypatch.context() as m:
+        m.setattr(accumulation, "_fused_micro_steps", lambda *a: None)
+        general = ft.multi_steps(_clip_adamw(lr=5e-2), 3)
+    want, want_state = _run(general, params, grads, "update")
+    seen = kernel_calls(monkeypatch)
+    with simulate(2):
+        dm = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        mesh = ft.Mesh(dm, data_axis="dp")
+
+        def dt(tree):
+            return {k: shard(v, dm, [Shard(0)]) for k, v in tree.items()}
+
+        params_d = dt(params)
+        tx = ft.multi_steps(_clip_adamw(lr=5e-2), 3)
+        state = tx.init(params_d)
+        p = params_d
+        for t, g in enumerate(grads):
+            n = len(seen)
+            g_d = dt(g)
+            with count_collectives() as c:
+                if mode == "update":
+                    u, state = tx.update(g_d, state, p, mesh=mesh)
+                    p = ft.apply_updates(p, u)
+                else:
+                    p, state = ft.step(tx, g_d, state, p, mesh=mesh, donate=mode == "donate")
+            assert len(seen) > n, f"micro-step {t} did not run a generated kernel"
+            assert c.counts == ({} if (t + 1) % 3 else {"all_reduce": 1}), (t, c.counts)
+        for k, v in p.items():
+            full = v.full_tensor()
+            got = on_rank(full._local_tensor if hasattr(full, "_local_tensor") else full, 0)
+            change = (want[k] - params[k]).abs().max()
+            assert (got - want[k]).abs().max() <= 1e-12 * change, k
+        assert int(on_rank(state.mini_step, 0)) == int(want_state.mini_step)
 
 
 def test_ema_equals_by_hand():

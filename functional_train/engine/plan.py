@@ -199,7 +199,7 @@ class Plan:
                 ps = self.param_specs[i]
                 if s is None and ps is None:
                     continue
-                if s is None or ps is None or not _same_layout(s, ps):
+                if s is None or ps is None or not same_layout(s, ps):
                     self.relayout.append(i)
                     self.specs[i] = ps
 
@@ -275,7 +275,7 @@ def data_mean(grads: list, rounds: list, expert_scale: tuple) -> list:
     return grads
 
 
-def _same_layout(a: Spec, b: Spec) -> bool:
+def same_layout(a: Spec, b: Spec) -> bool:
     """Same mesh and placements, compared element by element with ``==`` (a tuple comparison
     short-cuts identical elements, and dynamo then guards on the placements' identity: a new
     but equal ``Replicate()`` would recompile a compiled step)."""
@@ -318,7 +318,7 @@ def plan_for(
     return hit
 
 
-def _all_on_data_axis(pleaves: Sequence[Any], axis: str | None) -> bool:
+def all_on_data_axis(pleaves: Sequence[Any], axis: str | None) -> bool:
     """Every parameter is a DTensor whose mesh has the data axis: their gradients are placed
     over it (FSDP's reduce-scatter made them), so none is averaged over it by the engine. A
     property of the parameters, the same on every rank."""
@@ -361,7 +361,7 @@ def agree_presence(leaves: list, pleaves: list | None, treedef, mesh: Mesh) -> l
             ``params`` given, a DTensor gradient in placements other than its parameter's
             (``Partial``), or ranks that disagree on its dtype or layout.
     """
-    if pleaves is not None and _all_on_data_axis(pleaves, mesh.data_axis):
+    if pleaves is not None and all_on_data_axis(pleaves, mesh.data_axis):
         return leaves  # FSDP-style: no gradient is averaged over the data axis here
     n = len(leaves)
     codes = []
@@ -373,7 +373,7 @@ def agree_presence(leaves: list, pleaves: list | None, treedef, mesh: Mesh) -> l
         p = None if pleaves is None else pleaves[i]
         if not isinstance(g, DTensor):
             lay = 0
-        elif isinstance(p, DTensor) and _same_layout(spec_of(g), spec_of(p)):
+        elif isinstance(p, DTensor) and same_layout(spec_of(g), spec_of(p)):
             lay = 1
         else:
             lay = 2

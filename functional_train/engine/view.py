@@ -25,7 +25,7 @@ from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
 from .collectives import all_reduce, all_reduce_buckets, all_reduce_start, per_rank
 from .dtensor import spec_of, to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
-from .plan import Plan, _same_layout, agree_presence, describe, plan_for
+from .plan import Plan, agree_presence, describe, plan_for, same_layout
 
 __all__ = ["Prepared", "prepare", "leaf_paths"]
 
@@ -141,7 +141,7 @@ class Prepared:
                     f"{tuple(x.shape)} (the parameter's)"
                 )
             s = self.specs[i]
-            if (s is None) == dt or (s is not None and not _same_layout(spec_of(x), s)):
+            if (s is None) == dt or (s is not None and not same_layout(spec_of(x), s)):
                 raise ValueError(
                     f"{what} leaf '{self.paths[i]}' is {describe(x)}, but the update leaf is "
                     f"{describe(self.updates[i])} (in the parameter's layout); the state must "
