@@ -44,6 +44,12 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
                    the weight matrices (not embed, norms, biases)
                    torch code: clip + AdamW(foreach) with two parameter groups, weight_decay 0.1
                    for the leaves where ft.decay_mask(params) is True and 0 for the others
+  masked_primitives chain(clip, scale_by_adam(0.9, 0.999, 1e-8), masked(add_decayed_weights(0.1),
+                   ft.decay_mask), scale_by_learning_rate(1e-3)): optax's way of writing it
+                   torch code: as masked
+  partition        chain(clip, partition({"decay": adamw(1e-3, weight_decay=0.1), "no_decay":
+                   adamw(1e-3, weight_decay=0.0)}, labels from ft.decay_mask))
+                   torch code: as masked
   schedule         chain(clip, adamw(ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-3,
                    warmup_steps=3, decay_steps=12), weight_decay=0.1))
                    torch code: clip + AdamW(foreach, lr=1e-3) + LambdaLR whose lambda computes the
@@ -282,7 +288,18 @@ EVERY_K = 4
 EMA_DECAY = 0.999
 MAX_ERRORS = 5
 WARMUP_STEPS, DECAY_STEPS = 3, 12
-ROWS = ["adamw", "primitives", "multi_steps", "apply_if_finite", "ema_params", "masked", "schedule"]
+ROWS = [
+    "adamw",
+    "primitives",
+    "multi_steps",
+    "apply_if_finite",
+    "ema_params",
+    "masked",
+    "masked_primitives",
+    "partition",
+    "schedule",
+]
+MASKED_ROWS = ("masked", "masked_primitives", "partition")  # the math of two param groups
 RTOL = 1e-5
 
 
@@ -318,6 +335,28 @@ def make_tx(row):
         return ft.chain(clip(), ft.adamw(LR, weight_decay=WD), ft.ema_params(EMA_DECAY))
     if row == "masked":
         return ft.chain(clip(), ft.adamw(LR, weight_decay=WD, mask=ft.decay_mask))
+    if row == "masked_primitives":
+        return ft.chain(
+            clip(),
+            ft.scale_by_adam(*BETAS, EPS),
+            ft.masked(ft.add_decayed_weights(WD), ft.decay_mask),
+            ft.scale_by_learning_rate(LR),
+        )
+    if row == "partition":
+
+        def labels(params):
+            return {k: "decay" if v else "no_decay" for k, v in ft.decay_mask(params).items()}
+
+        return ft.chain(
+            clip(),
+            ft.partition(
+                {
+                    "decay": ft.adamw(LR, *BETAS, EPS, weight_decay=WD),
+                    "no_decay": ft.adamw(LR, *BETAS, EPS, weight_decay=0.0),
+                },
+                labels,
+            ),
+        )
     if row == "schedule":
         sched = ft.schedules.warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS)
         return ft.chain(clip(), ft.adamw(sched, weight_decay=WD))
@@ -344,7 +383,7 @@ class TorchCode:
             p.grad = g.clone()
         kind = {"fused": True} if fused else {"foreach": True}
         groups = self.ps
-        if self.row == "masked":
+        if self.row in MASKED_ROWS:
             mask = ft.decay_mask(params0)  # a dict of bools, params0's keys
             groups = [
                 {"params": [p for k, p in zip(self.keys, self.ps) if mask[k]]},
@@ -621,7 +660,7 @@ def part_a(args, rows):
             times, faults, warm = be.run_rounds(systems, args.rounds, args.warmup)
             alive = [s for s in systems if s.name in times]
             mem = memory_unit(alive, device)
-        other_math = {base.name} if row in ("masked", "schedule") else set()
+        other_math = {base.name} if row in (*MASKED_ROWS, "schedule") else set()
         diffs = checks(alive, ref, lambda s: s.name not in other_math)
         unit = f" (unit: a cycle of {EVERY_K} calls)" if row == "multi_steps" else ""
         text, good = row_table(
@@ -649,6 +688,9 @@ def describe(row):
         "apply_if_finite": f"apply_if_finite(chain(clip, adamw), {MAX_ERRORS})",
         "ema_params": f"chain(clip, adamw, ema_params({EMA_DECAY}))",
         "masked": "chain(clip, adamw(mask=decay_mask))",
+        "masked_primitives": "chain(clip, scale_by_adam, masked(add_decayed_weights, "
+        "decay_mask), scale_by_learning_rate)",
+        "partition": "chain(clip, partition({decay: adamw(wd), no_decay: adamw(0)}))",
         "schedule": f"chain(clip, adamw(warmup_cosine_decay_schedule(0, {LR}, {WARMUP_STEPS}, "
         f"{DECAY_STEPS})))",
     }[row]

@@ -11,6 +11,7 @@ import optree
 import torch
 
 from .base import GradientTransformation, declare
+from .engine import elementwise as E
 from .engine.view import prepare
 from .tree import PyTree, format_path, tree_flatten, tree_paths, tree_unflatten
 
@@ -208,6 +209,10 @@ def partition(
                     out[i] = x
         return tree_unflatten(treedef, out), PartitionState(new_states)
 
+    fusables = [E.fusable_of(transforms[n]) for n in names]
+    if all(f is not None and _restrictable(f) for f in fusables):
+        E.register(update_fn, _partition_fusable(names, fusables, labels_of))
+
     update_fn.labels_of = labels_of  # each leaf's label (for ft.step's per-leaf GaLore path)
     update_fn.partition = (dict(transforms), param_labels)  # (TorchOptimizer's param groups)
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
@@ -277,4 +282,119 @@ def masked(
         out = [x if k else u for x, u, k in zip(tree_flatten(new)[0], u_leaves, keep)]
         return tree_unflatten(treedef, out), MaskedState(inner_state)
 
+    inner_fus = E.fusable_of(inner)
+    if inner_fus is not None and _restrictable(inner_fus):
+        E.register(update_fn, _masked_fusable(inner_fus, keep_of))
+
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
+
+
+# --------------------------------------------------------------------------------------------
+# the fused forms: the inner transforms' elementwise parts, each restricted to its leaves
+
+
+def _restrictable(fus: E.Fusable) -> bool:
+    """Whether the parts of ``fus`` can run restricted to some leaves in a pass over all: no
+    part reduces over the updates (a norm over its own leaves only is the general path's) or
+    reads the run context."""
+    return not fus.zero_updates and all(not p.reduces and not p.context for p in fus.parts)
+
+
+def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str) -> E.Elementwise:
+    """``part`` on the leaves where ``on_of(params)`` is True; elsewhere the update passes
+    through and the part's state leaves (``None`` there: the inner state covers its own
+    leaves) stay ``None``. ``part.static`` sees the params with ``None`` outside its leaves,
+    as the inner transform does; a leaf's key packs the flag and the part's key
+    (:func:`_pack_key`)."""
+    inner_static = part.static
+
+    def static(params):
+        on = on_of(params)
+        if inner_static is None:
+            return [bool(k) for k in on]
+        leaves, treedef = tree_flatten(params)
+        inner = inner_static(tree_unflatten(treedef, _select(leaves, on)))
+        return [_pack_key(bool(k), ik) for k, ik in zip(on, inner)]
+
+    def leaf(u, p, s, h, key):
+        on, inner_key = _unpack_key(key, inner_static is not None)
+        if not on:
+            return u, s
+        return part.leaf(u, p, s, h, inner_key)
+
+    return E.Elementwise(
+        f"{where}({part.name})",
+        leaf,
+        part.prologue,
+        part.fields,
+        part.n_fields,
+        needs_params=part.needs_params,
+        static=static,
+    )
+
+
+def _pack_key(on: bool, inner: Any) -> Any:
+    """A leaf's key for a restricted part whose own part has static keys (None, a bool or an
+    int: a compiled stage takes these): ``False`` off; on, the part's key as an int: False 0,
+    True 1, None 2, an int n >= 0 as n + 3, a negative one as it is."""
+    if not on:
+        return False
+    if inner is None:
+        return 2
+    if isinstance(inner, bool):
+        return int(inner)
+    return inner + 3 if inner >= 0 else inner
+
+
+def _unpack_key(key: Any, packed: bool) -> tuple:
+    if key is False or key is None:
+        return False, None
+    if not packed:
+        return True, None
+    k = int(key)
+    inner = {0: False, 1: True, 2: None}.get(k, k - 3 if k >= 3 else k)
+    return True, inner
+
+
+def _masked_fusable(inner: E.Fusable, keep_of: Callable[[PyTree], list]) -> E.Fusable:
+    """``masked(inner, mask)``'s parts: ``inner``'s, restricted to the masked-in leaves."""
+
+    def split(state):
+        if not isinstance(state, MaskedState):
+            raise ValueError(f"masked: expected a MaskedState, got {type(state).__name__}")
+        return inner.split(state.inner_state)
+
+    def join(states):
+        return MaskedState(inner.join(states))
+
+    return E.Fusable(tuple(_restricted(p, keep_of, "masked") for p in inner.parts), split, join)
+
+
+def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], list]):
+    """``partition(transforms, labels)``'s parts: each transform's, restricted to the leaves
+    of its label, in the order of ``transforms``."""
+    counts = [len(f.parts) for f in inners]
+    parts = []
+    for n, f in zip(names, inners):
+
+        def on_of(params, n=n):
+            return [lab == n for lab in labels_of(params)]
+
+        parts.extend(_restricted(p, on_of, "partition") for p in f.parts)
+
+    def split(state):
+        if not isinstance(state, PartitionState) or list(state.inner_states) != names:
+            raise ValueError(f"partition: expected a PartitionState with labels {names}")
+        out = []
+        for n, f in zip(names, inners):
+            out.extend(f.split(state.inner_states[n]))
+        return out
+
+    def join(states):
+        out, k = {}, 0
+        for n, f, c in zip(names, inners, counts):
+            out[n] = f.join(states[k : k + c])
+            k += c
+        return PartitionState(out)
+
+    return E.Fusable(tuple(parts), split, join)

@@ -11,7 +11,7 @@ import torch
 import functional_train as ft
 from _layouts import step_by_mode
 from _spy import kernel_calls
-from functional_train import accumulation
+from functional_train import accumulation, combine
 from functional_train.engine import elementwise as E
 from functional_train.engine import fuse
 
@@ -351,3 +351,55 @@ def test_multi_steps_partial_cycles_fall_back():
     want, want_state = _run(ft.multi_steps(_clip_adamw(), 3), params, grads, "update")
     _close(got, want, params, torch.float64)
     _states_close(got_state, want_state, torch.float64)
+
+
+_MASK = {"w": True, "b": False, "e": True, "s": False}
+_LABELS = {"w": "adam", "b": "sgd", "e": "adam", "s": "sgd"}
+COMBINED = {
+    "masked_decay": lambda: ft.chain(
+        ft.clip_by_global_norm(1.0),
+        ft.scale_by_adam(),
+        ft.masked(ft.add_decayed_weights(0.1), _MASK),
+        ft.scale_by_learning_rate(1e-2),
+    ),
+    "masked_adam": lambda: ft.chain(
+        ft.masked(ft.scale_by_adam(), _MASK), ft.scale_by_learning_rate(1e-2)
+    ),
+    "masked_ema": lambda: ft.chain(_adamw(), ft.masked(ft.ema_params(0.9), _MASK)),
+    "masked_alias_mask": lambda: ft.masked(
+        ft.adamw(1e-2, weight_decay=0.1, mask={"w": False, "b": True, "e": True, "s": True}),
+        _MASK,
+    ),
+    "partition": lambda: ft.partition(
+        {"adam": ft.adamw(1e-2, weight_decay=0.1), "sgd": ft.sgd(1e-1, momentum=0.9)}, _LABELS
+    ),
+    "partition_in_chain": lambda: ft.chain(
+        ft.clip_by_global_norm(1.0),
+        ft.partition({"adam": ft.scale_by_adam(), "sgd": ft.trace(0.9)}, _LABELS),
+        ft.scale_by_learning_rate(1e-2),
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+@pytest.mark.parametrize("name", sorted(COMBINED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_and_partition_fuse(name, mode, dtype, monkeypatch):
+    """``masked`` and ``partition`` of fusable transforms run their parts restricted to their
+    leaves in the fused pass (generated kernels on every step; the leaves outside pass
+    through, their state ``None``), with the numbers and state of the combinators' general
+    paths (the transforms built without their fused forms). ``ft.step`` visits each leaf
+    once per step: one kernel call per group of leaves (in, out, per inner key)."""
+    params, grads = _problem(dtype)
+    with monkeypatch.context() as m:
+        m.setattr(combine.E, "register", lambda fn, spec: fn)
+        general = COMBINED[name]()
+    want, want_state = _run(general, params, grads, "update")
+    tx = COMBINED[name]()
+    assert E.fusable_of(tx) is not None
+    seen = kernel_calls(monkeypatch)
+    got, got_state = _run(tx, params, grads, mode)
+    if mode != "update":  # one pass: each leaf in one kernel call per step
+        assert sum(k for _, k in seen) == STEPS * len(params), seen
+    _close(got, want, params, dtype)
+    _states_close(got_state, want_state, dtype)

@@ -429,6 +429,8 @@ def _opaque(u, p, fields, scalars) -> bool:
         return False
     # (the first leaf of each list stands for it: ft.step asks for CPU float32 / float64
     # leaves, and a per-leaf check costs dynamo's tracing time for every leaf)
+    if any(x is None for f in fields for x in f):  # (masked / partition: traced leaf by leaf)
+        return False
     for lst in (u, p or (), *fields):
         if lst and (lst[0].device.type != "cpu" or lst[0].requires_grad or lst[0].is_complex()):
             return False
@@ -583,7 +585,12 @@ def _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply):
                 )
             )
         return [
-            [LocalTensor({r: res[k][j] for r, res in zip(ranks, results)}) for j in range(len(u))]
+            [
+                None
+                if results[0][k][j] is None
+                else LocalTensor({r: res[k][j] for r, res in zip(ranks, results)})
+                for j in range(len(u))
+            ]
             for k in range(len(results[0]))
         ]
 
@@ -601,9 +608,14 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     dst += range(first_field, first_field + len(fields))
     cx = any(x.is_complex() for x in u)
     if cx:
-        ins = [[torch.view_as_real(x) if x.is_complex() else x for x in lst] for lst in ins]
+        ins = [
+            [torch.view_as_real(x) if x is not None and x.is_complex() else x for x in lst]
+            for lst in ins
+        ]
     outs: list = [[None] * n for _ in range(n_out)]
-    # groups of leaves with one dtype signature and key, for one kernel call each
+    # groups of leaves with one dtype signature, key and set of absent state leaves (a
+    # ``None`` field: a leaf outside a ``masked`` / ``partition`` transform's leaves, which
+    # its part passes through), for one kernel call each
     groups: dict = {}
     plain = (
         fuse.ENABLED
@@ -612,22 +624,31 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     )
     for j in range(n):
         leaf_ins = [lst[j] for lst in ins]
+        absent = tuple(k for k, x in enumerate(leaf_ins) if x is None)
+        if absent:
+            leaf_ins = [x for x in leaf_ins if x is not None]
         fast = plain and all(
             type(x) is torch.Tensor and x.is_cpu and x.is_contiguous() and not x.requires_grad
             for x in leaf_ins
         )
-        sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j])
+        sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j], absent)
         groups.setdefault(sig, []).append(j)
     sc: Any = False
-    for g, ((fast, dtypes, key), idx) in enumerate(groups.items()):
+    for g, ((fast, dtypes, key, absent), idx) in enumerate(groups.items()):
         fn = _function(stage, counts, key)
         if fast:
             if sc is False:
                 sc = fuse.scalar_pointers(scalars)
             if sc is not None:
-                kernel = fuse.kernel_for(fn, dtypes, sc[1])
+                g_fn, g_ins, g_outs, g_dst = fn, ins, outs, dst
+                if absent:  # the kernel of the present inputs and results
+                    g_fn, in_keep, out_keep = _without(fn, absent, len(ins), dst)
+                    g_ins = [ins[i] for i in in_keep]
+                    g_outs = [outs[r] for r in out_keep]
+                    g_dst = [in_keep.index(dst[r]) for r in out_keep]
+                kernel = fuse.kernel_for(g_fn, dtypes, sc[1])
                 if kernel is not None and _run_kernel(
-                    kernel, ins, idx, outs, sc[0], apply, _group_kinds(take, g), dst
+                    kernel, g_ins, idx, g_outs, sc[0], apply, _group_kinds(take, g), g_dst
                 ):
                     continue
         with torch.enable_grad() if _recording() else torch.no_grad():
@@ -639,18 +660,48 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
             for j in idx:
                 for r in range(n_out):
                     d = ins[dst[r]][j]
-                    if outs[r][j] is not d and outs[r][j].dtype == d.dtype:
+                    if d is not None and outs[r][j] is not d and outs[r][j].dtype == d.dtype:
                         d.copy_(outs[r][j])
                         outs[r][j] = d
     if cx:
         outs = [
             [
-                torch.view_as_complex(x) if u[j].is_complex() and not x.is_complex() else x
+                torch.view_as_complex(x)
+                if x is not None and u[j].is_complex() and not x.is_complex()
+                else x
                 for j, x in enumerate(lst)
             ]
             for lst in outs
         ]
     return outs
+
+
+def _without(fn, absent: tuple, n_in: int, dst: list):
+    """``fn`` on the inputs not in ``absent`` (their positions get ``None``), returning the
+    results whose donated input is present (a part passes an absent state leaf through, as
+    ``None``): ``(function, inputs kept, results kept)``, cached."""
+    key = (fn, absent)
+    hit = _without_cache.get(key)
+    if hit is not None:
+        return hit
+    in_keep = [i for i in range(n_in) if i not in absent]
+    out_keep = [r for r, d in enumerate(dst) if d not in absent]
+    dropped = [r for r, d in enumerate(dst) if d in absent]
+
+    def f(ins, scalars):
+        full: list = [None] * n_in
+        for i, x in zip(in_keep, ins):
+            full[i] = x
+        res = fn(tuple(full), scalars)
+        if any(res[r] is not None for r in dropped):
+            raise ValueError("a part wrote a state leaf that is absent (None) for this leaf")
+        return tuple(res[r] for r in out_keep)
+
+    hit = _without_cache[key] = (f, in_keep, out_keep)
+    return hit
+
+
+_without_cache: dict = {}
 
 
 def _group_kinds(take, g):
