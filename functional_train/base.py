@@ -222,6 +222,14 @@ def _register_chained(update_fn, transforms, names=None) -> None:
 
     fus = [f for f in map(E.fusable_of, transforms) if f is not None]
     if not fus or len(fus) != len(transforms):
+        # transforms whose fused form is chosen per call (inject_hyperparams): the chain's
+        # too (not multi_steps': its zero updates cannot be chained)
+        specs = [E.switch_of(tx) or E.fusable_of(tx) for tx in transforms]
+        if transforms and all(x is not None for x in specs):
+            sw = E.chained_switch(specs)
+            if names is not None:
+                sw = _named_switch(sw, names)
+            E.register(update_fn, sw)
         return
     inner = E.chained(fus)
     if names is None:
@@ -238,6 +246,25 @@ def _register_chained(update_fn, transforms, names=None) -> None:
         return dict(zip(names, inner.join(states)))
 
     E.register(update_fn, E.Fusable(inner.parts, split, join))
+
+
+def _named_switch(sw, names):
+    """A chain's Switch for ``named_chain``'s state (a dict of its transforms' states)."""
+    from .engine import elementwise as E
+
+    def choose(updates, state, params, mesh):
+        if not isinstance(state, dict) or list(state) != names:
+            return None  # (named_chain's own update raises)
+        fus = sw.choose(updates, tuple(state[n] for n in names), params, mesh)
+        if fus is None:
+            return None
+        return E.Fusable(
+            fus.parts,
+            lambda st: fus.split(tuple(st[n] for n in names)),
+            lambda states: dict(zip(names, fus.join(states))),
+        )
+
+    return E.Switch(choose)
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:

@@ -13,6 +13,7 @@ import torch
 
 from . import _validate as V
 from .base import GradientTransformation
+from .engine import elementwise as E
 from .tree import find_state
 
 __all__ = [
@@ -381,6 +382,7 @@ def inject_hyperparams(
         for attr in ("accepts_unreduced", "accepts_view", "passes_unreduced"):
             if hasattr(inner_update, attr):
                 setattr(update_fn, attr, getattr(inner_update, attr))
+        E.register(update_fn, E.Switch(_fused_form(resolve)))
         update_fn.resolve = resolve  # type: ignore[attr-defined]  (ft.step: the fused kernels)
         update_fn.explain = explain  # type: ignore[attr-defined]  (ft.step: its errors)
         # names given as tensors (TorchOptimizer keeps them as tensors in its param_groups)
@@ -454,3 +456,26 @@ def get_hyperparams(state: Any) -> dict:
         ValueError: no, or several, InjectHyperparamsState in ``state``.
     """
     return find_state(state, InjectHyperparamsState, "get_hyperparams").hyperparams
+
+
+def _fused_form(resolve):
+    """``inject_hyperparams``' :class:`~functional_train.engine.elementwise.Switch` choice: per
+    call (eagerly), the fused form of the inner transform built for this update's values, its
+    state the inner state, the count and the values of this update kept around it; ``None``
+    where the inner transform has none (it then runs by its own ``update``)."""
+
+    def choose(updates, state, params, mesh):
+        if torch.compiler.is_compiling() or not isinstance(state, InjectHyperparamsState):
+            return None
+        inner, hp = resolve(state)
+        fus = E.fusable_of(inner)
+        if fus is None or fus.zero_updates:
+            return None
+        count = state.count + 1
+        return E.Fusable(
+            fus.parts,
+            lambda st: fus.split(st.inner_state),
+            lambda states: InjectHyperparamsState(count, hp, fus.join(states)),
+        )
+
+    return choose

@@ -117,13 +117,20 @@ def _program(tx: GradientTransformation):
 
 def _injected_after_clip(tx, grads, state, params, mesh, donate):
     """The fused step of ``chain(clip_by_global_norm, inject_hyperparams(alias)(...))`` (what
-    :class:`~functional_train.TorchOptimizer` makes of a clipped alias), or ``None``."""
+    :class:`~functional_train.TorchOptimizer` makes of a clipped alias) by torch's fused
+    kernels where the generated stages do not run (CUDA, half precision), or ``None``."""
     parts = getattr(tx.update, "parts", None)
     if parts is None or len(parts) != 2:
         return None
     clip = getattr(parts[0].update, "fused_clip", None)
     resolve = getattr(parts[1].update, "resolve", None)
-    if clip is None or resolve is None or torch.compiler.is_compiling() or is_differentiable():
+    if (
+        clip is None
+        or resolve is None
+        or torch.compiler.is_compiling()
+        or is_differentiable()
+        or _spec_first(params)  # (the chain's generated stages: its Switch)
+    ):
         return None
     if not (
         isinstance(state, tuple)
@@ -889,14 +896,15 @@ def _step(tx, grads, state, params, mesh, donate, extra):
                 raise
             raise err from e
         return new_params, InjectHyperparamsState(state.count + 1, hp, inner_state)
-    switch = E.switch_of(tx)
-    if switch is not None and not is_differentiable():  # multi_steps of a fusable transform
-        fus = switch.choose(grads, state, params, mesh)
-        if fus is not None:
-            return _run_spec(fus, grads, state, params, mesh, donate)
     out = _injected_after_clip(tx, grads, state, params, mesh, donate)
     if out is not None:
         return out
+    switch = E.switch_of(tx)
+    if switch is not None and not is_differentiable():
+        # multi_steps of a fusable transform; a chain holding inject_hyperparams
+        fus = switch.choose(grads, state, params, mesh)
+        if fus is not None:
+            return _run_spec(fus, grads, state, params, mesh, donate)
     prog = _program(tx)
     fus = E.fusable_of(tx)
     if fus is not None and (prog is None or _spec_first(params)) and not is_differentiable():

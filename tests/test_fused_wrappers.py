@@ -403,3 +403,43 @@ def test_masked_and_partition_fuse(name, mode, dtype, monkeypatch):
         assert sum(k for _, k in seen) == STEPS * len(params), seen
     _close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
+
+
+def _injected_chain():
+    return ft.chain(
+        ft.clip_by_global_norm(1.0),
+        ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, b1=0.8, weight_decay=0.1),
+        ft.ema_params(0.9),
+    )
+
+
+def _run_injected(tx, params, grads, mode):
+    """Steps with the injected learning rate set every step (a tensor) and ``b1`` changed once
+    (a host-read value: the alias rebuilt)."""
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    for t, g in enumerate(grads):
+        state[1].hyperparams["learning_rate"] = torch.tensor(1e-2 / (t + 1))
+        if t == 3:
+            state[1].hyperparams["b1"] = 0.7
+        p, state = step_by_mode(tx, {k: v.clone() for k, v in g.items()}, state, p, mode)
+    return p, state
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chain_with_inject_hyperparams_fuses(mode, dtype, monkeypatch):
+    """A chain holding ``inject_hyperparams(adamw)`` between a clip and ``ema_params`` is one
+    pass per ``ft.step`` (its fused form is chosen per call from the injected values), with
+    the numbers and state of ``update`` (where inject_hyperparams runs by its own update),
+    the learning rate changed every step and ``b1`` once."""
+    params, grads = _problem(dtype)
+    want, want_state = _run_injected(_injected_chain(), params, grads, "update")
+    tx = _injected_chain()
+    assert E.switch_of(tx) is not None
+    seen = kernel_calls(monkeypatch)
+    got, got_state = _run_injected(tx, params, grads, mode)
+    assert sum(k for _, k in seen) == STEPS * len(params), seen
+    _close(got, want, params, dtype)
+    _states_close(got_state, want_state, dtype)
+    assert int(got_state[1].count) == STEPS and got_state[1].hyperparams["b1"] == 0.7

@@ -104,24 +104,29 @@ def test_clip_chain_and_sgd_momentum_with_lambda_lr():
     _close(model, ref, start)
 
 
-def test_clipped_alias_takes_the_fused_step(monkeypatch):
+@pytest.mark.parametrize("path", ["generated", "recognised"])
+def test_clipped_alias_takes_the_fused_step(path, monkeypatch, request):
     """chain(clip, adamw) as a TorchOptimizer (the alias injected after the clip) runs
-    ft.step's fused kernel on every step, as the alias alone does (it used to fall back to
-    the primitives: 4.1x torch's fused AdamW on the benchmark tree, against 0.8x), and trains
-    as torch.optim.AdamW after clip_grad_norm_ under OneCycleLR (learning rate and beta1
+    ft.step's fused path on every step, as the alias alone does (it used to fall back to
+    the primitives: 4.1x torch's fused AdamW on the benchmark tree, against 0.8x): on CPU the
+    chain's generated stage (the chain's fused form, chosen per step from the injected
+    values), or (``recognised``: as on CUDA) torch's fused kernel; and trains as
+    torch.optim.AdamW after clip_grad_norm_ under OneCycleLR (learning rate and beta1
     cycled)."""
     import sys
 
+    if path == "recognised":
+        request.getfixturevalue("recognised_path")
     step_mod = sys.modules["functional_train.step"]  # (ft.step is the function)
     fused = []
-    real = step_mod._run_fused
+    real = step_mod._run_fused if path == "recognised" else step_mod._run_spec
 
     def spy(*args):
         out = real(*args)
         fused.append(out is not None)
         return out
 
-    monkeypatch.setattr(step_mod, "_run_fused", spy)
+    monkeypatch.setattr(step_mod, real.__name__, spy)
     start = _model()
     model, ref = copy.deepcopy(start), copy.deepcopy(start)
     opt = ft.TorchOptimizer(

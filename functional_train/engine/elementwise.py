@@ -78,6 +78,7 @@ __all__ = [
     "fusable_of",
     "Switch",
     "switch_of",
+    "chained_switch",
     "run",
 ]
 
@@ -189,6 +190,27 @@ def chained(fusables: Sequence[Fusable]) -> Fusable:
         return tuple(out)
 
     return Fusable(tuple(p for f in fusables for p in f.parts), split, join)
+
+
+def chained_switch(specs: Sequence) -> Switch:
+    """The :class:`Switch` of ``chain`` of transforms whose specs are Fusables and Switches
+    (at least one): per call, each Switch chooses from its own state (the chain's state, a
+    tuple), and the chosen Fusables are chained; ``None`` when one chooses ``None`` or
+    zero updates (which cannot be chained)."""
+    specs = list(specs)
+
+    def choose(updates, state, params, mesh):
+        if not isinstance(state, tuple) or len(state) != len(specs):
+            return None  # (the chain's own update raises)
+        fus = []
+        for spec, st in zip(specs, state):
+            f = spec.choose(updates, st, params, mesh) if isinstance(spec, Switch) else spec
+            if f is None or f.zero_updates:
+                return None
+            fus.append(f)
+        return chained(fus)
+
+    return Switch(choose)
 
 
 # --------------------------------------------------------------------------------------------
