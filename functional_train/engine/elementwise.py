@@ -538,10 +538,26 @@ def _stage_op(
     leaf after leaf), eagerly. ``layout``: ``(apply, drop_u, has_p, n_fields, *counts)``;
     ``keys``: the leaves' static keys, part by part, leaf after leaf."""
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
+    # results from a pool of the operator's own, by stage (see .pool: a buffer is reused only
+    # when nothing else holds it), so that a compiled step's results take no page faults
+    take = _op_pool.take
+
+    def kinds(kind, like):
+        return take(f"op{id(stage)}:{kind}", like)
+
     with torch.no_grad():
-        outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, None)
+        outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, kinds)
     seen = {id(x) for x in flat}
     return [x.clone() if id(x) in seen else x for lst in outs for x in lst]
+
+
+def _new_op_pool():
+    from .pool import Pool
+
+    return Pool()
+
+
+_op_pool = _new_op_pool()
 
 
 @_stage_op.register_fake
