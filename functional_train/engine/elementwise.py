@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -660,7 +661,10 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
         and not _recording()
         and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in scalars)
     )
-    for j in range(n):
+    uniform = _uniform(ins, keys) if plain else None
+    if uniform is not None:  # (the common case, checked by whole lists: one group)
+        groups[(True, uniform, keys[0], ())] = list(range(n))
+    for j in range(n) if uniform is None else ():
         leaf_ins = [lst[j] for lst in ins]
         absent = tuple(k for k, x in enumerate(leaf_ins) if x is None)
         if absent:
@@ -712,6 +716,35 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
             for lst in outs
         ]
     return outs
+
+
+def _uniform(ins: list, keys: list):
+    """The dtypes of the inputs' lists when every leaf can run in one kernel call (plain
+    contiguous CPU tensors without autograd, one dtype per list, one key), else ``None``:
+    whole-list checks in C loops (this runs for every stage of every step)."""
+    k0 = keys[0]
+    if keys.count(k0) != len(keys) if k0 is None else any(k != k0 for k in keys):
+        return None
+    dtypes = []
+    for lst in ins:
+        if set(map(type, lst)) != {torch.Tensor}:
+            return None
+        ds = set(map(_DTYPE, lst))
+        if (
+            len(ds) != 1
+            or not all(map(_CONTIGUOUS, lst))
+            or not all(map(_IS_CPU, lst))
+            or any(map(_REQUIRES_GRAD, lst))
+        ):
+            return None
+        dtypes.append(ds.pop())
+    return tuple(dtypes)
+
+
+_DTYPE, _IS_CPU, _REQUIRES_GRAD = (
+    operator.attrgetter(a) for a in ("dtype", "is_cpu", "requires_grad")
+)
+_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
 def _without(fn, absent: tuple, n_in: int, dst: list):
@@ -783,7 +816,12 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
     else:
         res = []
         for r, d in enumerate(kernel.out_dtypes):
-            like = [torch.empty((), dtype=d).expand(x.shape) for x in cols[0]]
+            # (the updates stand for the results' shapes where their dtype is the result's)
+            like = (
+                cols[0]
+                if all(x.dtype == d for x in cols[0])
+                else [torch.empty((), dtype=d).expand(x.shape) for x in cols[0]]
+            )
             res.append(take(f"stage{r}", like) if take is not None else list(map(_fresh, like)))
     kernel(cols, res, sc)
     for r in range(n_out):
