@@ -36,6 +36,29 @@ def pytest_addoption(parser):
         action="store_true",
         help="also run the tests marked slow (processes, inductor compiles, main job, notebook)",
     )
+    parser.addoption(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda", "auto"),
+        help="where the device-generic tests (the ``device`` fixture) put their tensors: cpu "
+        "(the default), cuda, or auto (cuda when one is present)",
+    )
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The device of ``--device`` for the device-generic tests (``ft.step``'s fused paths and
+    their wrappers): ``auto`` is CUDA when one is present; ``cuda`` without one is a usage
+    error."""
+    name = request.config.getoption("--device")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def pytest_configure(config):
+    if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: no CUDA device is present")
 
 
 def pytest_collection_modifyitems(config, items):
