@@ -635,6 +635,55 @@ def problem(shapes, row, device):
     return params0, grads
 
 
+# -- host time per leaf -----------------------------------------------------------------------
+def tiny_shapes(n):
+    """``n`` leaves of 4 elements (a 2 x 2 weight, so decay_mask decays it): the step's time is
+    its host work."""
+    return {f"layer{i}.weight": (2, 2) for i in range(n)}
+
+
+def part_host(args, rows):
+    """Per row and system, the host time per leaf: the median unit on trees of 122 and 244
+    leaves of 4 elements, ``(t(244) - t(122)) / 122`` (what one more leaf costs, the per-step
+    constant removed)."""
+    device = torch.device(args.device)
+    torch.set_num_threads(1)
+    sizes = (122, 244)
+    print(
+        f"Host time per leaf (--host): trees of {sizes[0]} and {sizes[1]} leaves of 4 "
+        f"elements on {device}, 1 thread; us per leaf = (t({sizes[1]}) - t({sizes[0]})) / "
+        f"{sizes[1] - sizes[0]} (a multi_steps unit is 4 calls)"
+    )
+    for row in rows:
+        per: dict = {}
+        for n in sizes:
+            params0, grads = problem(tiny_shapes(n), row, device)
+            tx = make_tx(row)
+            base = TorchCode(
+                "(a) AdamW(fused) + clip [base]",
+                row,
+                params0,
+                grads,
+                device,
+                fused=True,
+                plain=True,
+            )
+            ref = TorchCode(
+                "(b) torch code, AdamW(foreach)", row, params0, grads, device, fused=False
+            )
+            systems = [base, ref] + ft_systems(row, tx, params0, grads, device)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*donated buffers.*")
+                times, _, _ = be.run_rounds(systems, args.rounds, args.warmup)
+            for name, ts in times.items():
+                per.setdefault(name, {})[n] = statistics.median(ts)
+        print(f"\nrow {row}: {describe(row)}")
+        print(f"  {'system':<40} {'us/leaf':>8} {'ms at ' + str(sizes[1]):>10}")
+        for name, t in per.items():
+            us = (t[sizes[1]] - t[sizes[0]]) / (sizes[1] - sizes[0]) * 1e6
+            print(f"  {name:<40} {us:8.2f} {t[sizes[1]] * 1e3:10.2f}")
+
+
 # -- Part A -----------------------------------------------------------------------------------
 def part_a(args, rows):
     device = torch.device(args.device)
@@ -805,6 +854,9 @@ def main():
         help="with --compile: an empty inductor cache (first-compile time)",
     )
     ap.add_argument("--dtensor", action="store_true", help="run Part B (DTensors, gloo) instead")
+    ap.add_argument(
+        "--host", action="store_true", help="instead: host time per leaf (tiny-leaf trees)"
+    )
     ap.add_argument("--world", type=int, default=2, help="Part B: ranks to spawn")
     args = ap.parse_args()
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -821,6 +873,9 @@ def main():
         )
     if args.dtensor:
         part_b(args, rows)
+        return
+    if args.host:
+        part_host(args, rows)
         return
     if args.cold_cache:  # read by inductor when it first looks for a cached kernel
         import tempfile

@@ -13,6 +13,7 @@ their accumulators' dtypes, and no ``should_skip_update_fn``; anything else runs
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -380,7 +381,8 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         g, treedef = tree_flatten(updates)
         try:
             acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
-            pl = flatten_as(params, treedef, "params", "the updates")
+            if mesh is not None:
+                pl = flatten_as(params, treedef, "params", "the updates")
         except ValueError:
             return None  # (the general path raises)
         if len(state.seen) != len(g):
@@ -389,8 +391,17 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
             return None  # (unreduced gradients: accumulated as they are, reduced once)
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
-        seen = [int(f) for f in state.seen]
+        seen = list(map(int, state.seen))
         final = int(state.mini_step) + 1 >= every_k
+        if (  # the common case by whole-list checks: plain tensors, every leaf alike
+            len(set(seen)) == 1
+            and set(map(type, g)) == {torch.Tensor}
+            and set(map(type, acc)) == {torch.Tensor}
+            and list(map(_DTYPE, g)) == list(map(_DTYPE, acc))
+            and all(d.is_floating_point for d in set(map(_DTYPE, g)))
+            and list(map(_SHAPE, g)) == list(map(_SHAPE, acc))
+        ):
+            return variants[(final, not seen[0])]
         fresh = None
         for i, (x, a) in enumerate(zip(g, acc)):
             if x is None or a is None:
@@ -440,8 +451,12 @@ def _zeros_for(updates, params):
     return optree.tree_map(zero, updates, updates if params is None else params, none_is_leaf=True)
 
 
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
+
+
 def _flag(v: int) -> torch.Tensor:
-    return torch.tensor(v, dtype=torch.int64, device="cpu")
+    # (scalar_tensor: a third of torch.tensor's host time, for a flag per leaf)
+    return torch.scalar_tensor(v, dtype=torch.int64, device="cpu")
 
 
 def has_updated(state: Any) -> torch.Tensor:
