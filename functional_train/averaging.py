@@ -8,7 +8,7 @@ import optree
 import torch
 
 from . import _validate as V
-from .base import GradientTransformation
+from .base import GradientTransformation, elementwise_transform
 from .engine import elementwise as E
 from .engine.dtensor import to_locals, wraps_like
 from .transforms import zero_count
@@ -108,7 +108,7 @@ def ema_params(
         return u, (torch.lerp(e, x.to(e.dtype), h[0].to(e.dtype)),)
 
     spec = E.Elementwise("ema_params", leaf, prologue, fields, 1, needs_params=True)
-    return E.transform(spec, init_fn)
+    return elementwise_transform(spec, init_fn)
 
 
 def _without_updates(b, old_tree, new_tree, w):

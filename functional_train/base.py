@@ -267,6 +267,25 @@ def _named_switch(sw, names):
     return E.Switch(choose)
 
 
+def elementwise_transform(spec, init_fn: InitFn) -> GradientTransformation:
+    """The ``GradientTransformation`` of an elementwise ``spec`` (an
+    :class:`~functional_train.engine.elementwise.Elementwise`): ``init_fn`` builds its state,
+    ``update`` prepares the view and runs the spec (one fused pass); ``spec`` is registered so
+    that ``chain`` and ``ft.step`` fuse it with its neighbours."""
+    from .engine import elementwise as E
+    from .engine.view import prepare
+
+    fusable = E.single(spec)
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        del extra
+        b = prepare(updates, params, mesh, need_params=spec.needs_params, name=spec.name)
+        return E.run(fusable, b, state, params)
+
+    E.register(update_fn, spec)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
     """Like :func:`chain`, with a name per transform; the state is a dict ``name -> state``.
 

@@ -23,7 +23,7 @@ import torch
 from . import _validate as V
 from .base import EmptyState, GradientTransformation, chain, declare
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
-from .engine.view import prepare
+from .engine.view import per_leaf_result, per_leaf_view, prepare
 from .factored import (
     ScaleByFactoredRmsState,
     _block_rms,
@@ -36,8 +36,6 @@ from .factored import (
     _square,
     _state_leaves,
     _zeros_reduced,
-    per_leaf_result,
-    per_leaf_view,
     scale_by_factored_rms,
 )
 from .hyperparams import injectable, is_injected, value_of

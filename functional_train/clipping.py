@@ -13,7 +13,7 @@ import optree
 import torch
 
 from . import _validate as V
-from .base import GradientTransformation
+from .base import GradientTransformation, elementwise_transform
 from .engine import elementwise as E
 from .engine import native
 from .engine.view import prepare
@@ -175,7 +175,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         return (u * h[0]).to(u.dtype), ()
 
     spec = E.Elementwise("clip_by_global_norm", leaf, prologue, _no_fields, 0, reduces=True)
-    tx = E.transform(spec, init_fn)
+    tx = elementwise_transform(spec, init_fn)
     update_fn = tx.update
     update_fn.fused_clip = (max_norm, norm_type)  # type: ignore[attr-defined]  (ft.step)
     return tx

@@ -20,7 +20,7 @@ with everything; it runs by its own ``update`` and breaks the fused pass where i
 The full protocol (a state of your own, scalars computed from the state, a reduction over the
 updates before the pass, per-leaf static keys such as a mask) is
 :class:`functional_train.engine.elementwise.Elementwise` with
-:func:`functional_train.engine.elementwise.transform`, which is how the library writes its
+:func:`functional_train.base.elementwise_transform`, which is how the library writes its
 primitives.
 """
 
@@ -33,7 +33,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .base import GradientTransformation
-from .engine.elementwise import Elementwise, transform
+from .base import elementwise_transform as transform
+from .engine.elementwise import Elementwise
 from .hyperparams import value_of
 from .tree import first_device, state_zeros_like
 

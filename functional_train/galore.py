@@ -43,7 +43,7 @@ from .base import EmptyState, GradientTransformation, chain, declare
 from .combine import PartitionState, leaf_values, partition
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
-from .engine.view import Prepared, prepare
+from .engine.view import Prepared, per_leaf_result, per_leaf_view, prepare
 from .engine.whole import (
     gather_global as _gather_global,
 )
@@ -56,7 +56,6 @@ from .engine.whole import (
 from .engine.whole import (
     per_rank as _per_rank,
 )
-from .factored import per_leaf_result, per_leaf_view
 from .hyperparams import injectable, value_of
 from .transforms import (
     AdamLeaf,

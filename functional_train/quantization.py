@@ -794,7 +794,7 @@ def fused_adam8bit_step(
     non-float32 leaves, no such leaf, ``b1 <= 0.5`` (lerp's other formula), the kernels off
     (``FT_COMPILED_KERNELS=0``) or not compilable, a state that is not this chain's."""
     from .engine import kernels
-    from .factored import per_leaf_view
+    from .engine.view import per_leaf_view
 
     if not (
         isinstance(state, tuple)
@@ -803,7 +803,7 @@ def fused_adam8bit_step(
         and isinstance(state[fused.adam_index], ScaleByAdam8bitState)
     ):
         return None
-    if not (fused.b1 > 0.5 and kernels.ENABLED and not kernels._failed):
+    if not (fused.b1 > 0.5 and kernels.enabled()):
         return None
     view = per_leaf_view(grads, params, mesh, "adam")
     if view is None:
@@ -831,7 +831,7 @@ def fused_adam8bit_step(
             and block(g.shape[-1]) is not None
             and g.is_contiguous()
             and p.is_contiguous()
-            and kernels._usable([g, p])
+            and kernels.usable([g, p])
         ):
             return False
         want = {

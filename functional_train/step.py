@@ -54,8 +54,8 @@ from .engine import elementwise as E
 from .engine import kernels
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
-from .engine.view import Prepared, prepare
-from .factored import FusedAdafactor, fused_adafactor_step, per_leaf_view
+from .engine.view import Prepared, per_leaf_view, prepare
+from .factored import FusedAdafactor, fused_adafactor_step
 from .galore import FusedGaLore, fused_galore_step
 from .hyperparams import InjectHyperparamsState, is_injected, value_of
 from .mesh import Mesh

@@ -16,7 +16,7 @@ import torch
 
 from . import _validate as V
 from . import quantization as Q
-from .base import EmptyState, GradientTransformation, declare
+from .base import EmptyState, GradientTransformation, declare, elementwise_transform
 from .combine import mask_of
 from .engine import elementwise as E
 from .engine.view import prepare
@@ -147,7 +147,7 @@ def _stateless(name: str, leaf, scalars: Callable, *, needs_params=False, static
     spec = E.Elementwise(
         name, leaf, prologue, _no_fields, 0, needs_params=needs_params, static=static
     )
-    return E.transform(spec, _empty_init)
+    return elementwise_transform(spec, _empty_init)
 
 
 def _empty(trees):
@@ -213,7 +213,7 @@ def scale_by_learning_rate(
         return (value,), lambda trees: ScaleByScheduleState(state.count + 1)
 
     spec = E.Elementwise("scale_by_learning_rate", leaf, prologue, _no_fields, 0)
-    return E.transform(spec, init_fn)
+    return elementwise_transform(spec, init_fn)
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransformation:
@@ -261,7 +261,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
         return scalars(), _empty
 
     spec = E.Elementwise(where, leaf, prologue, _no_fields, 0, needs_params=True, static=keep_of)
-    tx = E.transform(spec, init_fn)
+    tx = elementwise_transform(spec, init_fn)
     tx.update.keep_of = keep_of  # type: ignore[attr-defined]  (ft.step's fused AdamW)
     return tx
 
@@ -381,7 +381,7 @@ def trace(
         return out.to(u.dtype), (new,)
 
     spec = E.Elementwise("trace", leaf, prologue, fields, 1)
-    return E.transform(spec, init_fn)
+    return elementwise_transform(spec, init_fn)
 
 
 class ScaleByAdamState(NamedTuple):
@@ -491,7 +491,7 @@ def scale_by_adam(
         spec = _adam_spec(
             b1_arg, b2_arg, eps_arg, amsgrad, bias_correction, eps_before_correction, state_cls
         )
-        tx = E.transform(spec, init_fn)
+        tx = elementwise_transform(spec, init_fn)
         if not amsgrad:
             tx.update.leafwise = AdamLeaf(  # type: ignore[attr-defined]
                 b1_arg, b2_arg, eps_arg, bias_correction, eps_before_correction, spec

@@ -891,21 +891,3 @@ def _one(state):
 
 def _first(states):
     return states[0]
-
-
-def transform(spec: Elementwise, init_fn: Callable):
-    """The ``GradientTransformation`` of an elementwise ``spec``: ``init_fn`` builds its state,
-    ``update`` prepares the view and runs the spec (one fused pass); ``spec`` is registered so
-    that ``chain`` and ``ft.step`` fuse it with its neighbours."""
-    from ..base import GradientTransformation, declare
-    from .view import prepare
-
-    fusable = single(spec)
-
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        del extra
-        b = prepare(updates, params, mesh, need_params=spec.needs_params, name=spec.name)
-        return run(fusable, b, state, params)
-
-    register(update_fn, spec)
-    return GradientTransformation(init_fn, declare(update_fn, view=True))

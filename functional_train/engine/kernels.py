@@ -64,7 +64,15 @@ _compiled: dict = {}
 _failed = False
 
 
-def _usable(ts: Sequence[torch.Tensor]) -> bool:
+def enabled() -> bool:
+    """Whether the compiled kernels are on (``ENABLED``) and none has failed to compile in
+    this process."""
+    return ENABLED and not _failed
+
+
+def usable(ts: Sequence[torch.Tensor]) -> bool:
+    """Whether the compiled kernels can run on ``ts``: on, plain CPU tensors, no dispatch
+    mode active."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     if not ENABLED or _failed or _get_current_dispatch_mode() is not None:
@@ -77,7 +85,7 @@ def large_leaves(p: Sequence[torch.Tensor]) -> list:
     step runs out of place (:func:`adam_pure`, :func:`sgd_pure`): all of them where the native
     kernels (:mod:`.native`) take ``p``'s dtype, else the large ones of a large step; empty
     where neither applies."""
-    if not p or not _usable(p):
+    if not p or not usable(p):
         return []
     if native.available(p[0].dtype):
         return list(range(len(p)))
@@ -425,7 +433,7 @@ def _adam8bit_runner(block: int) -> Callable:
     return run
 
 
-def _adam8bit_function(flags: tuple, block: int, donate: bool):
+def _adam8bit_function(flags: tuple, block: int, donate: bool, maps: Sequence):
     key = ("adam8bit", block, donate) + flags
     fn = _compiled.get(key)
     if fn is None:
@@ -433,8 +441,6 @@ def _adam8bit_function(flags: tuple, block: int, donate: bool):
         # the inputs' sizes dynamic (marked on the first call), the block a constant
         fn = torch.compile(run, fullgraph=True)
         # first call on 3 blocks (no size of 0 or 1 specialised); donated: outputs ARE inputs
-        from ..quantization import kernel_maps
-
         ins = [
             torch.zeros(3 * block),
             torch.zeros(3 * block),
@@ -456,7 +462,7 @@ def _adam8bit_function(flags: tuple, block: int, donate: bool):
         from torch._inductor import config as inductor_config
 
         with inductor_config.patch(assert_indirect_indexing=False):
-            fn(ins, outs, kernel_maps(torch.device("cpu")), torch.ones(8), *flags)
+            fn(ins, outs, tuple(m.cpu() for m in maps), torch.ones(8), *flags)
         _compiled[key] = fn
     return fn
 
@@ -485,7 +491,7 @@ def adam8bit(
         with _uniform_dispatch():  # every configuration compiled before any leaf is written
             flags = [(decoupled[k], l2[k], maximize) for k in range(len(leaves))]
             fns = [
-                _adam8bit_function(f, blk, out[0] is ins[0])
+                _adam8bit_function(f, blk, out[0] is ins[0], maps)
                 for f, blk, ins, out in zip(flags, blocks, leaves, outs)
             ]
             for fn, f, ins, out in zip(fns, flags, leaves, outs):

@@ -19,7 +19,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ..autograd import detached
+from ..autograd import detached, requires_grad_like
 from ..mesh import Mesh
 from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
 from .collectives import all_reduce, all_reduce_buckets, all_reduce_start, per_rank
@@ -483,3 +483,45 @@ def prepare(
     locs = to_locals(leaves)
     plocs = None if pleaves is None else to_locals(pleaves)
     return Prepared(plan, leaves, locs, plocs, view)
+
+
+def per_leaf_view(
+    grads: Any, params: Any, mesh: Any, name: str, min_mean_bytes: int = 0
+) -> tuple | None:
+    """``(prepared view, flat params, treedef)`` for a per-leaf ``ft.step`` path, or ``None``
+    where it does not apply: a mesh of more than one rank, no active leaf, DTensor, complex or
+    tensor-subclass leaves, gradients of another dtype than their parameters, or active
+    gradients averaging under ``min_mean_bytes``."""
+    b = prepare(grads, params, mesh, need_params=True, name=name)
+    if b.world.device_mesh is not None and b.world.size > 1:
+        return None
+    pl, treedef = tree_flatten(params)
+    act = b.active
+    if not act or any(
+        isinstance(pl[i], DTensor)
+        or b.params[i].dtype != b.locals[i].dtype
+        or b.locals[i].dtype.is_complex
+        or type(b.locals[i]) is not torch.Tensor
+        or type(b.params[i]) is not torch.Tensor
+        for i in act
+    ):
+        return None
+    if min_mean_bytes and sum(
+        b.locals[i].numel() * b.locals[i].element_size() for i in act
+    ) < min_mean_bytes * len(act):
+        return None
+    return b, pl, treedef
+
+
+def per_leaf_result(
+    params: Any, pl: list, treedef: Any, new_p: dict, new_state: Any, donate: bool
+) -> tuple:
+    """A per-leaf step's ``(params, state)``: the donated ``params`` (updated in place), or the
+    params tree with the new leaves ``new_p`` (position -> tensor) marked as requiring grad
+    where the old ones did."""
+    if donate:
+        return params, new_state
+    leaves = list(pl)
+    for i, x in new_p.items():
+        leaves[i] = requires_grad_like(x, pl[i])
+    return tree_unflatten(treedef, leaves), new_state
