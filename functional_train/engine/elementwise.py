@@ -564,18 +564,23 @@ _op_pool = _new_op_pool()
 @_stage_op.register_fake
 def _(parts, layout, keys, flat, scalars):
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
-    out: list = []
+    # the results' dtypes from one run of the stage per dtype signature and key (every result
+    # has its leaf's shape): tracing it on every leaf took 2.5 s of a 122-leaf compile
+    dtypes_of: dict = {}
+    per_leaf = []
     with torch.no_grad():
-        per_leaf = [
-            _function(stage, counts, keys[j])(
-                tuple([u[j]] + ([p[j]] if p is not None else []) + [f[j] for f in fields]),
-                tuple(scalars),
-            )
-            for j in range(len(u))
-        ]
+        for j in range(len(u)):
+            ins = tuple([u[j]] + ([p[j]] if p is not None else []) + [f[j] for f in fields])
+            sig = (tuple(x.dtype for x in ins), keys[j])
+            hit = dtypes_of.get(sig)
+            if hit is None:
+                res = _function(stage, counts, keys[j])(ins, tuple(scalars))
+                hit = dtypes_of[sig] = tuple(x.dtype for x in res)
+            per_leaf.append(hit)
+    out: list = []
     for r in range(len(per_leaf[0]) if per_leaf else 0):
         out.extend(
-            torch.empty_like(res[r], memory_format=torch.contiguous_format) for res in per_leaf
+            torch.empty(u[j].shape, dtype=d[r], device=u[j].device) for j, d in enumerate(per_leaf)
         )
     return out
 
