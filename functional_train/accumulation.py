@@ -20,6 +20,7 @@ import optree
 import torch
 
 from . import _validate as V
+from . import foreach
 from .autograd import detached
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
@@ -204,7 +205,7 @@ def multi_steps(
         added = [i for i in active if seen[i]]
         if added:
             al = [to_local(acc[i]) for i in added]
-            summed = torch._foreach_add(al, [to_local(g[i]).to(a.dtype) for i, a in zip(added, al)])
+            summed = foreach.add(al, [to_local(g[i]).to(a.dtype) for i, a in zip(added, al)])
             for i, x in zip(added, summed):
                 new_acc[i] = x
                 specs[i] = spec_of(acc[i])
@@ -227,7 +228,7 @@ def multi_steps(
         summed = [to_local(new_acc[i]) for i in cycle]
         specs = [spec_of(new_acc[i]) for i in cycle]
         active = cycle
-        mean = torch._foreach_div(summed, float(every_k)) if summed else []
+        mean = foreach.div(summed, float(every_k)) if summed else []
         grads = list(g)
         for i, m, spec in zip(active, mean, specs):
             grads[i] = wrap(m, spec)

@@ -21,6 +21,7 @@ import optree
 import torch
 
 from . import _validate as V
+from . import foreach
 from .base import EmptyState, GradientTransformation, chain, declare
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import prepare
@@ -199,11 +200,11 @@ def scale_by_came(
         ]
         # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves
         den = _div(_block_rms(b, u, act), value_of(clip_threshold))
-        torch._foreach_clamp_min_(den, 1.0)
+        foreach.clamp_min_(den, 1.0)
         u = [x / d.to(x.dtype) for x, d in zip(u, den)]
         # 3. momentum (as came_pytorch: m * b1 + (1 - b1) * u)
-        m_new = torch._foreach_mul(m_old, b1)
-        torch._foreach_add_(m_new, u, alpha=1.0 - b1)
+        m_new = foreach.mul(m_old, b1)
+        foreach.add_(m_new, u, alpha=1.0 - b1)
         pos = {i: k for k, i in enumerate(act)}
         out: list = [None] * len(b.locals)
         for i, m in zip(act, m_new):  # 1-D / 0-D leaves: a copy of m (never the state itself)

@@ -39,6 +39,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
+from . import foreach
 from .base import EmptyState, GradientTransformation, chain, declare
 from .combine import PartitionState, leaf_values, partition
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
@@ -691,15 +692,15 @@ def _decay_after_update(
                 if isinstance(neg, torch.Tensor):
                     t.mul_(neg.to(u.dtype))
                 else:  # (the foreach kernel: a Python scalar rounds otherwise than Tensor.mul_)
-                    torch._foreach_mul_([t], neg)
+                    foreach.mul_([t], neg)
                 u.add_(t)
             return us
-        s = torch._foreach_add(us, ps)
+        s = foreach.add(us, ps)
         if isinstance(c, torch.Tensor):
             s = [x * (-c).to(x.dtype) for x in s]
         else:
-            torch._foreach_mul_(s, -c)
-        torch._foreach_add_(s, us)
+            foreach.mul_(s, -c)
+        foreach.add_(s, us)
         return s
 
     def decayed(b, c):
@@ -984,7 +985,7 @@ def fused_galore_step(
             if sched:
                 t.mul_(neg.to(u.dtype))
             else:
-                torch._foreach_mul_([t], neg)
+                foreach.mul_([t], neg)
             u.add_(t)
         if donate:
             p.add_(u)
@@ -1020,10 +1021,10 @@ def fused_galore_step(
         if upd:
             idx = list(upd)
             if donate:
-                torch._foreach_add_([b.params[i] for i in idx], [upd[i] for i in idx])
+                foreach.add_([b.params[i] for i in idx], [upd[i] for i in idx])
             else:
                 for i, x in zip(
-                    idx, torch._foreach_add([b.params[i] for i in idx], [upd[i] for i in idx])
+                    idx, foreach.add([b.params[i] for i in idx], [upd[i] for i in idx])
                 ):
                     new_p[i] = x
     new_state = PartitionState({k: states[k] for k in state.inner_states})

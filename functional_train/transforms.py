@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _validate as V
+from . import foreach
 from . import quantization as Q
 from .base import EmptyState, GradientTransformation, declare
 from .combine import mask_of
@@ -103,7 +104,7 @@ def _lerp(xs: list, ys: list, weight) -> list:
     """Foreach ``lerp`` for a float ``weight`` or a 0-dim tensor one (leaf by leaf, in each
     leaf's dtype: only under ``torch.compile``, where the graph fuses them anyway)."""
     if not isinstance(weight, torch.Tensor):
-        return torch._foreach_lerp(xs, ys, weight)
+        return foreach.lerp(xs, ys, weight)
     return [torch.lerp(x, y, _scalar_for(weight, x)) for x, y in zip(xs, ys)]
 
 
@@ -111,7 +112,7 @@ def _lerp(xs: list, ys: list, weight) -> list:
 def _div(xs: list, value) -> list:
     """Foreach ``xs / value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype)."""
     if not isinstance(value, torch.Tensor):
-        return torch._foreach_div(xs, value)
+        return foreach.div(xs, value)
     return [x / _scalar_for(value, x) for x in xs]
 
 
@@ -682,7 +683,7 @@ def scale_by_trust_ratio(
         p = [b.params[i] for i in act]
         sq = [
             n.to(torch.promote_types(n.dtype, torch.float32)).square()
-            for n in torch._foreach_norm(p + g, 2)
+            for n in foreach.norm(p + g, 2)
         ]
         totals = b.leaf_totals(list(zip(act + act, sq)))
         ratios: list = [None] * len(act)
