@@ -277,7 +277,7 @@ def came(
         V.number("learning_rate", learning_rate, where=where, low=0.0, low_open=True)
     weight_decay = V.number("weight_decay", weight_decay, where=where, low=0.0)
     txs = [scale_by_came(betas, eps, clip_threshold)]
-    if weight_decay:
+    if V.nonzero(weight_decay):
         txs.append(add_decayed_weights(weight_decay, mask=mask))
     txs.append(scale_by_learning_rate(learning_rate))
     tx = chain(*txs)
@@ -289,7 +289,7 @@ def came(
         clip_threshold if is_injected(clip_threshold) else float(clip_threshold),
         weight_decay,
         learning_rate,
-        txs[1].update.keep_of if (weight_decay and mask is not None) else None,
+        txs[1].update.keep_of if (V.nonzero(weight_decay) and mask is not None) else None,
         len(txs),
     )
     return tx

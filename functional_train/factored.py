@@ -736,11 +736,13 @@ def _adafactor_scale(
         factors, steps = _adafactor_factors(
             b, act, g, p, _rho_at(rho, state), value_of(threshold), min_scale
         )
-        out = foreach.mul(g, factors)
+        out = list(foreach.mul(g, factors))
         wd = value_of(weight_decay)
         if _nonzero(wd):
             ks = range(len(act)) if keep_of is None else _kept(keep_of(params), act)
-            _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks], wd)
+            new = _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks], wd)
+            for k, x in zip(ks, new):
+                out[k] = x
         return b.rebuild_active(out), new_state
 
     update_fn.keep_of = keep_of
@@ -794,13 +796,18 @@ def _adafactor_factors(
 
 def _add_decay(
     out: Sequence[torch.Tensor], p: Sequence[torch.Tensor], steps: Sequence, weight_decay: float
-) -> None:
+) -> Sequence[torch.Tensor]:
     """``out += step * weight_decay * p`` in place, per leaf (HF's decay ``-alpha_t wd theta``;
-    nothing for no leaf: a mask that decays none)."""
+    nothing for no leaf: a mask that decays none); returns ``out``. Under a ``torch.func``
+    transform the sums are new tensors, returned (a batched weight decay cannot be added into
+    an unbatched update in place)."""
     if not out:
-        return
+        return out
     decay = [(a * weight_decay).to(x.dtype) for a, x in zip(steps, out)]
+    if traced():
+        return foreach.add(out, foreach.mul(_cast_like(p, out), decay))
     foreach.add_(out, foreach.mul(_cast_like(p, out), decay))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

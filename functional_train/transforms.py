@@ -116,13 +116,7 @@ def _div(xs: list, value) -> list:
     return [x / _scalar_for(value, x) for x in xs]
 
 
-def _nonzero(value) -> bool:
-    """Whether a hyperparameter may be non-zero: a number that is not 0; an injected one at
-    build time (its value may change: a factory keeps the transform it would leave out for a
-    0); read with :func:`~functional_train.hyperparams.value_of`, a tensor (under
-    ``torch.compile``, whose graph cannot branch on its value). A transform skips its work
-    eagerly where this is False, as the alias built with a 0 leaves it out."""
-    return isinstance(value, torch.Tensor) or is_injected(value) or value != 0.0
+_nonzero = V.nonzero  # (the name this module's users import)
 
 
 def _axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
@@ -338,13 +332,13 @@ def trace(
     decay_arg = V.number("decay", decay, where="trace", low=0.0)
     damp_arg = V.number("dampening", dampening, where="trace", low=0.0, high=1.0)
     if nesterov and (
-        (not is_injected(decay_arg) and decay_arg <= 0)
-        or (not is_injected(damp_arg) and damp_arg != 0)
+        (isinstance(decay_arg, float) and decay_arg <= 0)
+        or (isinstance(damp_arg, float) and damp_arg != 0)
     ):
         raise ValueError("trace: nesterov momentum requires decay > 0 and dampening == 0")
 
     injected = is_injected(decay_arg)
-    damped = is_injected(damp_arg) or damp_arg != 0
+    damped = V.nonzero(damp_arg)
 
     def init_fn(params):
         return TraceState(zero_count(params), state_zeros_like(params, accumulator_dtype))
