@@ -23,6 +23,7 @@ from .factored import (
     scale_by_factored_rms,
     scale_by_param_block_rms,
 )
+from .func import vmap
 from .galore import GaLoreState, galore, galore_adamw, galore_param_labels
 from .hyperparams import (
     InjectHyperparamsState,
@@ -124,6 +125,7 @@ __all__ = [
     # base
     "differentiable",
     "is_differentiable",
+    "vmap",
     "GradientTransformation",
     "EmptyState",
     "elementwise",

@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["differentiable", "is_differentiable", "traced", "detached"]
+__all__ = [
+    "differentiable",
+    "is_differentiable",
+    "traced",
+    "differentiating",
+    "not_differentiable",
+    "detached",
+]
 
 _MODE = [False]
 
@@ -60,6 +67,36 @@ def traced() -> bool:
     its tensors are wrappers (no storage, maybe batched) that must be computed on with plain
     torch operations and never read as Python numbers (see the module docstring)."""
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def differentiating() -> bool:
+    """Whether derivatives are being taken through the library's computations: a
+    ``torch.func`` ``grad`` / ``vjp`` / ``jacrev`` / ``jvp`` / ``jacfwd`` transform is active
+    (``vmap`` alone takes none), or :func:`differentiable` with autograd recording."""
+    if _MODE[0] and torch.is_grad_enabled():
+        return True
+    if not traced():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    kinds = (TransformType.Grad, TransformType.Jvp)
+    return any(i.key() in kinds for i in retrieve_all_functorch_interpreters())
+
+
+def not_differentiable(where: str, what: str) -> None:
+    """Raise where a computation with no useful derivative would be differentiated
+    (:func:`differentiating`): ``where`` names the transform, ``what`` the computation.
+
+    Raises:
+        NotImplementedError: naming both (never a silent zero or a wrong derivative).
+    """
+    if differentiating():
+        raise NotImplementedError(
+            f"{where}: {what} is not differentiable, and torch.func (grad, vjp, jvp) or "
+            f"ft.differentiable() is taking derivatives through it; differentiate a "
+            f"transform without it (see the README's 'torch.func' section)"
+        )
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

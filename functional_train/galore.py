@@ -40,6 +40,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
 from . import foreach
+from .autograd import not_differentiable, traced
 from .base import EmptyState, GradientTransformation, chain, declare
 from .combine import PartitionState, leaf_values, partition
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
@@ -509,6 +510,12 @@ def galore(
         p_full = {i: to_local(old[i]) for i, _ in proj}
         new_proj = list(old)
         full = {}
+        if refresh and proj:
+            not_differentiable(
+                where,
+                "the projector refresh (an SVD of the gradient, whose singular vectors have no "
+                "stable derivative)",
+            )
         if refresh and proj and randomized:
             for i, p_new in _randomized(b, proj, rank, oversample, seed + int(state.count)).items():
                 p_full[i] = p_new
@@ -680,7 +687,11 @@ def _decay_after_update(
 
     def decay(us, ps, c):
         ps = [p if p.dtype == u.dtype else p.to(u.dtype) for p, u in zip(ps, us)]
-        if not torch.compiler.is_compiling() and all(type(u) is torch.Tensor for u in us):
+        if (
+            not torch.compiler.is_compiling()
+            and not traced()
+            and all(type(u) is torch.Tensor for u in us)
+        ):
             # the updates are scale_by_learning_rate's fresh outputs (this transform always
             # follows it in galore_adamw's chains): each becomes u + (-c) (u + p) in place, the
             # temporary u + p in a scratch buffer reused leaf after leaf (no leaf-sized

@@ -17,6 +17,7 @@ import torch
 from . import _validate as V
 from . import foreach
 from . import quantization as Q
+from .autograd import not_differentiable
 from .base import EmptyState, GradientTransformation, declare
 from .combine import mask_of
 from .engine import elementwise as E
@@ -506,6 +507,10 @@ def scale_by_adam(
             return b.rebuild(b.locals), state._replace(count=state.count + 1)
         reject_complex(b, "scale_by_adam with optim_bits=8")
         mu, nu, deq = Q.dequantize_state(b, state, block_size, min_8bit_size)
+        if deq.qpos:
+            not_differentiable(
+                "scale_by_adam with optim_bits=8", "8-bit quantisation of the moments"
+            )
         count = state.count + 1
         scalars = _adam_scalars(b1_arg, b2_arg, eps_arg, bias_correction, count)
         out, mu, nu = E.apply_part(spec, [b.locals[i] for i in act], (mu, nu), scalars)
