@@ -7,6 +7,7 @@ import numbers
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 
 def number(
@@ -67,13 +68,22 @@ def number(
     return v
 
 
-def is_traced(x: Any) -> bool:
-    """Whether ``x`` is a tensor whose derivative or batch matters: it requires grad, or it is
-    a ``torch.func`` wrapper (under ``grad``, ``jvp``, ``vmap``, ...). Such a hyper-parameter is
-    kept a tensor (:func:`number`)."""
-    return isinstance(x, torch.Tensor) and (
-        x.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(x)
-    )
+def is_traced(x: Any, *, batched: bool = True) -> bool:
+    """Whether ``x`` is a tensor whose derivative or batch matters: it requires grad, or a
+    ``torch.func`` transform differentiates it (``grad``, ``vjp``, ``jvp``) or batches it
+    (``vmap``), at any level. A constant made inside a transform is not. Such a hyper-parameter
+    is kept a tensor (:func:`number`), and never read as a Python number. ``batched=False``:
+    only whether it is differentiated."""
+    F = torch._C._functorch
+    while isinstance(x, torch.Tensor):
+        if x.requires_grad or (batched and F.is_batchedtensor(x)):
+            return True
+        if not F.is_functorch_wrapped_tensor(x):
+            return False
+        if forward_ad.unpack_dual(x).tangent is not None:  # (jvp)
+            return True
+        x = F.get_unwrapped(x)  # (a constant at this level: traced at an outer one?)
+    return False
 
 
 def base_values(x: torch.Tensor) -> list:

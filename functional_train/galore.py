@@ -510,7 +510,7 @@ def galore(
         p_full = {i: to_local(old[i]) for i, _ in proj}
         new_proj = list(old)
         full = {}
-        if refresh and proj:
+        if refresh and any(V.is_traced(b.locals[i], batched=False) for i, _ in proj):
             not_differentiable(
                 where,
                 "the projector refresh (an SVD of the gradient, whose singular vectors have no "

@@ -109,6 +109,14 @@ def _as_value(v: Any) -> torch.Tensor:
     return torch.as_tensor(v, dtype=torch.float64).detach().to("cpu").reshape(())
 
 
+def _host_read_error(name: str, where: str) -> str:
+    return (
+        f"inject_hyperparams: '{name}' of {where} is read on the host (the transform is rebuilt "
+        f"when it changes), so it cannot be differentiated or batched by torch.func: pass it "
+        f"as a number, or use a hyperparameter the factory reads as a tensor"
+    )
+
+
 def _checked_values(x: torch.Tensor) -> list:
     """The floats the host-side checks see for a value: every element behind a traced one
     (each batch element of a ``vmap``), else its own float."""
@@ -314,13 +322,8 @@ def inject_hyperparams(
         lr_checked = "learning_rate" in native and "learning_rate" not in schedules and ours
         # validate and build once on the initial values (a traced one: on each of its values)
         for n in host_names:
-            if V.is_traced(injected[n] if n not in schedules else initial(n)):
-                raise TypeError(
-                    f"inject_hyperparams: '{n}' of {where} is read on the host (the transform "
-                    f"is rebuilt when it changes), so it cannot be differentiated or batched "
-                    f"by torch.func: pass it as a number, or use a hyperparameter the factory "
-                    f"reads as a tensor"
-                )
+            if V.is_traced(initial(n)):
+                raise TypeError(_host_read_error(n, where))
         options = [_checked_values(initial(n)) for n in checked_names]
         first_checked = tuple(o[0] for o in options)
         extra = [
@@ -378,6 +381,9 @@ def inject_hyperparams(
                 and not any(V.is_traced(hp[n]) for n in checked_names)
             ):  # (traced values: checked at construction, cannot be read here)
                 check(tuple(float(hp[n]) for n in checked_names))
+            for n in host_names:
+                if V.is_traced(hp[n]):
+                    raise TypeError(_host_read_error(n, where))
             inner = build(tuple(float(hp[n]) for n in host_names)) if host_names else first
             return inner, hp
 

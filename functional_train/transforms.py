@@ -507,7 +507,9 @@ def scale_by_adam(
             return b.rebuild(b.locals), state._replace(count=state.count + 1)
         reject_complex(b, "scale_by_adam with optim_bits=8")
         mu, nu, deq = Q.dequantize_state(b, state, block_size, min_8bit_size)
-        if deq.qpos:
+        if deq.qpos and any(
+            V.is_traced(x, batched=False) for x in [*mu, *nu, *(b.locals[i] for i in act)]
+        ):
             not_differentiable(
                 "scale_by_adam with optim_bits=8", "8-bit quantisation of the moments"
             )

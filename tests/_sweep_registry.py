@@ -63,6 +63,9 @@ PROPERTIES = (
     "zero_grads",  # zero / below-eps gradients (whole tree, some leaves, rows, after non-zero
     # steps, a zero parameter): finite, update == ft.step, == the reference where one exists
     "zero_grads_sharded",  # their first step sharded == unsharded (data axis), both finite
+    "vmap",  # ft.vmap of init, update and ft.step over a leading model axis == a Python loop
+    "grad",  # torch.func.grad / jvp through update and ft.step w.r.t. params, gradients and
+    # state == central finite differences in float64 (or the clear error of NOT_DIFFERENTIABLE)
 )
 
 
@@ -198,6 +201,8 @@ EXCLUDED: dict[str, str] = {
     "decay_mask": "builds a mask tree, not a transform (swept as adamw[mask]; "
     "tests/test_decay_mask.py)",
     "is_differentiable": "its query",
+    "vmap": "torch.func.vmap with None leaves passed through: how the vmap property runs every "
+    "transform (tests/test_func.py)",
     "PartitionState": "a state type",
     "MaskedState": "a state type",
     "ClipByGlobalNormState": "a state type",
@@ -316,6 +321,29 @@ COMPILE_GRAPH_BREAKS: dict[str, str] = {
 NEEDS_A_DTENSOR: dict[str, str] = {"zero_redundancy": "pass the mesh at construction"}
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {}  # every bug the sweep found is fixed
+
+# The vmap and grad properties build these instead of the registry's builder, for the reason
+# given (name -> (builder, reason)).
+_MUON_F64 = (
+    "torch.optim.Muon's bfloat16 Newton-Schulz: a batched bfloat16 matmul rounds otherwise than "
+    "one matrix's, and the finite differences of a bfloat16 function are its rounding; the "
+    "float64 Newton-Schulz is the same code"
+)
+FUNC_BUILDERS: dict[str, tuple[Callable[[], ft.GradientTransformation], str]] = {
+    "muon": (lambda: ft.muon(1e-2, weight_decay=0.1, ns_dtype=torch.float64), _MUON_F64),
+}
+
+# The transforms that refuse to be differentiated (torch.func.grad / jvp, ft.differentiable()),
+# and the error they raise (NotImplementedError, a regex): their computation has no useful
+# derivative, and a derivative through it would be silently wrong.
+_SVD = r"galore: the projector refresh \(an SVD of the gradient.*is not differentiable"
+_8BIT = r"scale_by_adam with optim_bits=8: 8-bit quantisation of the moments is not"
+NOT_DIFFERENTIABLE: dict[str, str] = {
+    "galore": _SVD,
+    "galore_adamw": _SVD,
+    "galore_adamw[8bit]": _SVD,
+    "adamw[8bit]": _8BIT,
+}
 
 
 # ---------------------------------------------------------------------------------------------
