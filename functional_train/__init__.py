@@ -54,6 +54,7 @@ from .nonfinite import (
     zero_nans,
 )
 from .optimizers import adam, adamw, lamb, sgd
+from .privacy import DifferentiallyPrivateAggregateState, differentially_private_aggregate
 from .quantization import (
     ScaleByAdam8bitState,
     create_dynamic_map,
@@ -115,6 +116,7 @@ def _register_safe_globals() -> None:
             EmaParamsState,
             ScaleByMuonState,
             ElementwiseState,
+            DifferentiallyPrivateAggregateState,
         ]
     )
 
@@ -174,6 +176,8 @@ __all__ = [
     "skip_large_updates",
     # ZeRO
     "zero_redundancy",
+    "differentially_private_aggregate",
+    "DifferentiallyPrivateAggregateState",
     "ZeroRedundancyState",
     # transforms
     "scale",

@@ -87,6 +87,19 @@ def by_ndim(two_d, other) -> Callable:
     return labels
 
 
+def _examples() -> ft.GradientTransformation:
+    """A foreign (``tree_map``) transform making 2 per-example gradients of each gradient
+    ``g``: ``0.5 g`` and ``1.5 g`` (their mean is ``g``), the leading batch axis
+    ``differentially_private_aggregate`` takes."""
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        batch = lambda g: None if g is None else torch.stack([0.5 * g, 1.5 * g])  # noqa: E731
+        return optree.tree_map(batch, updates, none_is_leaf=True), state
+
+    return ft.GradientTransformation(lambda params: ft.EmptyState(), update)
+
+
 def _matrices(params):
     return optree.tree_map(lambda x: x is not None and x.ndim >= 2, params, none_is_leaf=True)
 
@@ -156,6 +169,10 @@ FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
     "adafactor": lambda: ft.adafactor(beta1=0.9, weight_decay=0.1),
     "lamb": lambda: ft.lamb(1e-2, weight_decay=0.1),
     "came": lambda: ft.came(1e-2, weight_decay=0.1),
+    # per-example gradients made from the swept ones (see _examples), clipped, noised, averaged
+    "differentially_private_aggregate": lambda: ft.chain(
+        _examples(), ft.differentially_private_aggregate(2.0, 0.5, seed=0)
+    ),
 }
 
 # other configurations that take other code paths: "name[variant]" -> builder
@@ -218,6 +235,7 @@ EXCLUDED: dict[str, str] = {
     "GaLoreState": "a state type",
     "InjectHyperparamsState": "a state type",
     "EmaParamsState": "a state type",
+    "DifferentiallyPrivateAggregateState": "a state type",
     "averaged_params": "reads the average from a state, not a transform (tests/test_ema_params.py)",
     "TorchOptimizer": "a torch.optim.Optimizer running a transform, not a transform "
     "(tests/test_torch_optimizer.py)",
@@ -279,12 +297,31 @@ _PASSES_UNREDUCED = (
     "identity passes gradients that are unreduced over the data axis on unreduced, by design "
     "(passes_unreduced): each replica's contribution is its correct output"
 )
+_PER_EXAMPLE = (
+    "per-example gradients are plain tensors on each data-parallel replica (a DTensor leaf "
+    "raises a TypeError naming it); tests/test_privacy.py runs simulated replicas against one "
+    "process"
+)
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("clip_by_global_norm", "mixed_dtypes"): _GLOBAL_NORM,
     ("chain", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[clip]", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): _PASSES_UNREDUCED,
     ("identity", "zero_grads_sharded"): _PASSES_UNREDUCED,
+    ("differentially_private_aggregate", "mixed_dtypes"): "each example is clipped to its "
+    "norm over every leaf: a leaf's update depends on the other leaves by design",
+    **{
+        ("differentially_private_aggregate", prop): _PER_EXAMPLE
+        for prop in (
+            "sharded",
+            "sharded_data_axis",
+            "state_placements",
+            "zero_redundancy_dp",
+            "step_sharded",
+            "zero_grads_sharded",
+            "compile_dtensor",
+        )
+    },
 }
 
 # Transforms whose update may read a documented CPU step counter on the host (a 0-dim int64 CPU
@@ -298,6 +335,8 @@ HOST_COUNTER_READS: dict[str, str] = {
     "galore": "GaLoreState.count decides on the host whether the projector is refreshed "
     "(documented in GaLoreState's docstring)",
     "galore_adamw": "a galore chain: GaLoreState.count, as galore",
+    "differentially_private_aggregate": "DifferentiallyPrivateAggregateState.count seeds the "
+    "noise's generator on the host (documented in its docstring)",
     "inject_hyperparams[tensors]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) are "
     "read as floats eagerly (no device synchronisation; a compiled "
     "step takes them as tensors; documented in value_of)",

@@ -914,7 +914,7 @@ def documented_host_counters(state: Any) -> list:
         if isinstance(node, ft.MultiStepsState):
             out.append(node.mini_step)
             out.extend(node.seen)
-        elif isinstance(node, ft.GaLoreState):
+        elif isinstance(node, (ft.GaLoreState, ft.DifferentiallyPrivateAggregateState)):
             out.append(node.count)
         elif isinstance(node, ft.InjectHyperparamsState):
             out.extend(v for k, v in node.hyperparams.items() if k != "learning_rate")
