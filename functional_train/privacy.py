@@ -58,9 +58,9 @@ def differentially_private_aggregate(
     ``R * B`` examples with the same seed) and the total is divided by ``R * B``.
 
     The noise of update ``t`` (0, 1, ...) comes from a CPU ``torch.Generator`` seeded from
-    ``(seed, t)`` (a BLAKE2b digest of both), drawn on the CPU leaf by leaf in the tree's order, in float64 for
-    float64 leaves and float32 otherwise, then moved to the leaf's device: the same numbers on
-    any device and rank. Under ``torch.func.vmap`` (an ensemble) every batch element gets the
+    ``(seed, t)`` (a BLAKE2b digest of both), drawn leaf by leaf in the tree's order, in
+    float64 for float64 leaves and float32 otherwise, then moved to the leaf's device: the same
+    numbers on any device and rank. Under ``torch.func.vmap`` (an ensemble) every batch element gets the
     same noise, as under ``jax.vmap`` of optax's with one seed; under ``grad`` / ``jvp`` the
     noise is a constant.
 
