@@ -60,9 +60,9 @@ def differentially_private_aggregate(
     The noise of update ``t`` (0, 1, ...) comes from a CPU ``torch.Generator`` seeded from
     ``(seed, t)`` (a BLAKE2b digest of both), drawn leaf by leaf in the tree's order, in
     float64 for float64 leaves and float32 otherwise, then moved to the leaf's device: the same
-    numbers on any device and rank. Under ``torch.func.vmap`` (an ensemble) every batch element gets the
-    same noise, as under ``jax.vmap`` of optax's with one seed; under ``grad`` / ``jvp`` the
-    noise is a constant.
+    numbers on any device and rank. Under ``torch.func.vmap`` (an ensemble) every batch
+    element gets the same noise, as under ``jax.vmap`` of optax's with one seed; under
+    ``grad`` / ``jvp`` the noise is a constant.
 
     Args:
         l2_norm_clip: ``C > 0``, the per-example norm bound.
