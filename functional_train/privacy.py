@@ -69,6 +69,10 @@ def differentially_private_aggregate(
         noise_multiplier: ``sigma >= 0`` (0: no noise, the clipped mean).
         seed: an int in ``[0, 2**31)``.
 
+    In a chain (``chain(differentially_private_aggregate(...), sgd(...))``) use ``update`` and
+    ``apply_updates``: ``ft.step`` checks that the gradients have the parameters' shapes, which
+    per-example gradients do not (or aggregate first, and ``ft.step`` the rest of the chain).
+
     State: :class:`DifferentiallyPrivateAggregateState`.
 
     Raises:
