@@ -74,6 +74,8 @@ def is_traced(x: Any, *, batched: bool = True) -> bool:
     (``vmap``), at any level. A constant made inside a transform is not. Such a hyper-parameter
     is kept a tensor (:func:`number`), and never read as a Python number. ``batched=False``:
     only whether it is differentiated."""
+    if torch.compiler.is_compiling():  # (dynamo cannot trace the functorch queries)
+        return isinstance(x, torch.Tensor) and x.requires_grad
     F = torch._C._functorch
     while isinstance(x, torch.Tensor):
         if x.requires_grad or (batched and F.is_batchedtensor(x)):

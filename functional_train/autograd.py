@@ -65,7 +65,10 @@ def is_differentiable() -> bool:
 def traced() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jvp``, ``vmap``, ...) is active:
     its tensors are wrappers (no storage, maybe batched) that must be computed on with plain
-    torch operations and never read as Python numbers (see the module docstring)."""
+    torch operations and never read as Python numbers (see the module docstring). False while
+    ``torch.compile`` traces (its graphs take the compiled paths)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 

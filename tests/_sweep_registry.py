@@ -350,6 +350,8 @@ HOST_COUNTER_READS: dict[str, str] = {
 # compile property still requires eager's numbers): none so far, every transform that compiles
 # at all traces as ONE graph.
 COMPILE_GRAPH_BREAKS: dict[str, str] = {
+    "differentially_private_aggregate": "the noise's generator is seeded on the host from the "
+    "CPU count and drawn outside the graph (documented in its docstring)",
     "inject_hyperparams[host]": "trace's decay and dampening are read on the host (a factory "
     "without @injectable; documented in inject_hyperparams)",
 }
