@@ -20,8 +20,9 @@ def number(
     low_open: bool = False,
     high_open: bool = False,
     finite: bool = False,
-) -> float:
-    """Check ``value`` is a real number within the given bounds; return it as a float.
+) -> Any:
+    """Check ``value`` is a real number within the given bounds; return it as a float (a
+    traced tensor as a 0-dim tensor, an injected value as it is: see below).
 
     Accepted: ``int``, ``float``, any ``numbers.Real`` (NumPy scalars) and real
     ``torch.Tensor`` of one element, 0-dim or not, as torch.optim takes them (read once,
