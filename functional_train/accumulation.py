@@ -21,7 +21,7 @@ import torch
 
 from . import _validate as V
 from . import foreach
-from .autograd import detached
+from .autograd import detached, host_value
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
@@ -37,6 +37,9 @@ from .tree import (
 )
 
 __all__ = ["multi_steps", "MultiStepsState", "has_updated"]
+
+
+_MINI, _SEEN = "multi_steps: MultiStepsState.mini_step", "multi_steps: MultiStepsState.seen"
 
 
 class MultiStepsState(NamedTuple):
@@ -164,8 +167,9 @@ def multi_steps(
                     f"multi_steps: update leaf '{format_path(paths_raw[i])}' has shape "
                     f"{tuple(x.shape)}, expected {tuple(a.shape)}"
                 )
-        k = int(state.mini_step)  # CPU counter: a host read without device synchronisation
-        seen = [int(f) for f in state.seen]  # CPU flags: no device synchronisation either
+        k = int(host_value(state.mini_step, _MINI))  # CPU counter: a host read without device
+        # synchronisation
+        seen = [int(host_value(f, _SEEN)) for f in state.seen]  # CPU flags: no sync either
         if len(seen) != len(g):
             raise ValueError(
                 f"multi_steps: MultiStepsState.seen has {len(seen)} flags for "
@@ -290,7 +294,8 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
 
         def finish(trees):
             seen = tuple(
-                _flag(1) if i in active and not int(f) else f for i, f in enumerate(state.seen)
+                _flag(1) if i in active and not host_value(f, _SEEN) else f
+                for i, f in enumerate(state.seen)
             )
             return MultiStepsState(
                 state.mini_step + 1,
@@ -312,7 +317,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
                 state.gradient_step + 1,
                 state.inner_state,  # (replaced by the inner's new state in join)
                 trees[0],
-                tuple(_flag(0) if int(f) else f for f in state.seen),
+                tuple(_flag(0) if host_value(f, _SEEN) else f for f in state.seen),
                 state.skip_state,
             )
 
@@ -373,8 +378,8 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
             return None
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
-        seen = [int(f) for f in state.seen]
-        final = int(state.mini_step) + 1 >= every_k
+        seen = [int(host_value(f, _SEEN)) for f in state.seen]
+        final = int(host_value(state.mini_step, _MINI)) + 1 >= every_k
         fresh = None
         for i, (x, a) in enumerate(zip(g, acc)):
             if x is None or a is None:

@@ -102,6 +102,31 @@ def not_differentiable(where: str, what: str) -> None:
         )
 
 
+def host_value(x: torch.Tensor, what: str) -> float:
+    """A CPU counter or flag the library reads on the host (``int()`` of a 0-dim CPU tensor:
+    no device synchronisation), also under ``torch.func``: there the value under its wrappers,
+    which must be the same for every batch element (``vmap(tx.init)`` broadcasts it so).
+
+    Raises:
+        ValueError: batch elements holding different values (naming ``what``): the host
+            decision they drive cannot differ per element.
+        TypeError: a differentiated value (its derivative would be cut).
+    """
+    if not traced() or not torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return x.item()
+    from . import _validate as V
+
+    if V.is_traced(x, batched=False):
+        raise TypeError(f"{what} is read on the host: it cannot be differentiated")
+    values = set(V.base_values(x))
+    if len(values) != 1:
+        raise ValueError(
+            f"{what} is read on the host, so under vmap every batch element must hold the same "
+            f"value (a state from ft.vmap(tx.init) does), got {sorted(values)}"
+        )
+    return values.pop()
+
+
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 

@@ -40,7 +40,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
 from . import foreach
-from .autograd import not_differentiable, traced
+from .autograd import host_value, not_differentiable, traced
 from .base import EmptyState, GradientTransformation, chain, declare
 from .combine import PartitionState, leaf_values, partition
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
@@ -505,7 +505,9 @@ def galore(
                     f"state holds {got} (a state for other parameters?)"
                 )
             proj.append((i, side))
-        refresh = int(state.count) % gap == 0  # CPU counter: a host read without device sync
+        count = int(host_value(state.count, "galore: GaLoreState.count"))  # CPU counter: a host
+        # read without device synchronisation
+        refresh = count % gap == 0
         randomized = refresh_kind == "randomized"
         p_full = {i: to_local(old[i]) for i, _ in proj}
         new_proj = list(old)
@@ -517,7 +519,7 @@ def galore(
                 "stable derivative)",
             )
         if refresh and proj and randomized:
-            for i, p_new in _randomized(b, proj, rank, oversample, seed + int(state.count)).items():
+            for i, p_new in _randomized(b, proj, rank, oversample, seed + count).items():
                 p_full[i] = p_new
                 new_proj[i] = wrap_like(p_new, old[i])
         elif refresh and proj:

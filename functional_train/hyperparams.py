@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _validate as V
+from .autograd import host_value
 from .base import GradientTransformation
 from .tree import find_state
 
@@ -381,10 +382,14 @@ def inject_hyperparams(
                 and not any(V.is_traced(hp[n]) for n in checked_names)
             ):  # (traced values: checked at construction, cannot be read here)
                 check(tuple(float(hp[n]) for n in checked_names))
-            for n in host_names:
-                if V.is_traced(hp[n]):
+            for n in host_names:  # (a differentiated value raises; a batched one must agree)
+                if V.is_traced(hp[n], batched=False):
                     raise TypeError(_host_read_error(n, where))
-            inner = build(tuple(float(hp[n]) for n in host_names)) if host_names else first
+            inner = (
+                build(tuple(float(host_value(hp[n], f"{where}: {n}")) for n in host_names))
+                if host_names
+                else first
+            )
             return inner, hp
 
         def update_fn(updates, state, params=None, *, mesh=None, **extra):

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _validate as V
-from .autograd import traced
+from .autograd import host_value
 from .base import GradientTransformation, declare
 from .engine.view import prepare
 from .tree import format_path, tree_flatten, tree_unflatten
@@ -186,21 +186,9 @@ def _clipped_sums(gs: list, clip: float) -> list:
 
 
 def _count(count: torch.Tensor) -> int:
-    """The update count, read on the host (a CPU tensor); under ``torch.func`` the value under
-    its wrappers (every batch element must hold the same).
-
-    Raises:
-        ValueError: batch elements of a vmapped state at different counts.
-    """
-    if traced() or V.is_traced(count):
-        values = set(V.base_values(count))
-        if len(values) != 1:
-            raise ValueError(
-                f"{_WHERE}: under vmap every batch element's state must be at the same count "
-                f"(the noise is drawn once), got counts {sorted(values)}"
-            )
-        return int(values.pop())
-    return int(count)
+    """The update count, read on the host (a CPU tensor; under vmap the same for every batch
+    element, see :func:`~functional_train.autograd.host_value`)."""
+    return int(host_value(count, f"{_WHERE}: DifferentiallyPrivateAggregateState.count"))
 
 
 def _one_world():

@@ -187,3 +187,19 @@ def test_ft_vmap_passes_none_leaves_through():
         ft.vmap(tx.init, out_dims=(0,))
     with pytest.raises(TypeError, match=r"each in_dims entry must be an int or None"):
         ft.vmap(tx.init, in_dims=({"w": 0},))(pb)
+
+
+def test_host_read_counters_under_vmap():
+    """The CPU counters read on the host (``multi_steps``' micro-step) work under ``vmap``
+    when every batch element holds the same value (``ft.vmap(tx.init)``), and raise naming
+    the counter when they differ (the decision they drive cannot differ per element)."""
+    tx = ft.multi_steps(ft.sgd(0.1), every_k=2)
+    pb = {k: torch.stack([v, 2 * v]) for k, v in PARAMS.items()}
+    gb = {k: torch.stack([v, -v]) for k, v in GRADS[0].items()}
+    state = ft.vmap(tx.init)(pb)
+    for _ in range(2):
+        u, state = ft.vmap(tx.update)(gb, state, pb)
+    torch.testing.assert_close(u["w"][1], 0.1 * GRADS[0]["w"], rtol=1e-12, atol=0)
+    mixed = state._replace(mini_step=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"MultiStepsState.mini_step is read on the host"):
+        ft.vmap(tx.update)(gb, mixed, pb)

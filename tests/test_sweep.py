@@ -1370,10 +1370,10 @@ def _steps(tx, params, grads, state=None, use_step=False):
 
 @pytest.mark.parametrize("name", cases("vmap"))
 def test_vmap(name):
-    """``ft.vmap`` of ``init``, then ``update`` + ``apply_updates`` (and of ``ft.step``) over a
-    leading model axis equals a Python loop over that axis, params and every state leaf (the
-    global norms, trust ratios, factored statistics, Newton-Schulz and counters are per batch
-    element, as under ``jax.vmap``)."""
+    """``ft.vmap`` of ``init``, then of ``update`` and ``apply_updates`` (and of ``ft.step``),
+    each call batched on its own, over a leading model axis equals a Python loop over that
+    axis, params and every state leaf (the global norms, trust ratios, factored statistics,
+    Newton-Schulz and counters are per batch element, as under ``jax.vmap``)."""
     problems = [
         problem(2, seed=s, dtype=torch.float64, shapes=FUNC_SHAPES, scale=2.0)
         for s in range(VMAP_BATCH)
@@ -1384,7 +1384,14 @@ def test_vmap(name):
     rtol, atol = VMAP_TOL.get(name, VMAP_TOL["default"])
     for use_step in (False, True):
         tx = _func_build(name)
-        got = ft.vmap(lambda p, g0, g1: _steps(tx, p, [g0, g1], use_step=use_step))(params, *grads)
+        p, state = params, ft.vmap(tx.init)(params)  # (batched counters, as jax.vmap gives)
+        for g in grads:  # each call batched on its own, as a training loop makes them
+            if use_step:
+                p, state = ft.vmap(lambda g, s, q: ft.step(tx, g, s, q))(g, state, p)
+            else:
+                u, state = ft.vmap(tx.update)(g, state, p)
+                p = ft.vmap(ft.apply_updates)(p, u)
+        got = (p, state)
         for i, (p, g) in enumerate(problems):
             want = _steps(_func_build(name), p, g, use_step=use_step)
             for (path, x), (_, w) in zip(walk(got), walk(want)):
