@@ -55,7 +55,7 @@ def sgd(
     V.learning_rate(learning_rate, where="sgd")
     momentum = V.number("momentum", momentum, where="sgd", low=0.0)
     weight_decay = V.number("weight_decay", weight_decay, where="sgd", low=0.0)
-    dampening = V.number("dampening", dampening, where="sgd", low=0.0, high=1.0)
+    dampening = V.number("dampening", dampening, where="sgd")  # (trace checks its range)
     if nesterov and (
         (_number(momentum) and momentum <= 0) or (_number(dampening) and dampening != 0)
     ):
