@@ -140,7 +140,6 @@ def _batch_size(leaves: list, idx: list, treedef) -> int:
         TypeError: a DTensor leaf. ValueError: a 0-dim leaf, or batch sizes that differ.
     """
     batch = None
-    paths = None
     for i in idx:
         x = leaves[i]
         if isinstance(x, DTensor):
@@ -150,10 +149,9 @@ def _batch_size(leaves: list, idx: list, treedef) -> int:
                 f"Mesh(..., data_axis=...))"
             )
         if x.ndim == 0 or (batch is not None and x.shape[0] != batch):
-            paths = _path(treedef, i)
             raise ValueError(
-                f"{_WHERE}: update leaf {paths!r} has shape {tuple(x.shape)}; per-example "
-                f"gradients need a leading batch axis of the same size on every leaf"
+                f"{_WHERE}: update leaf {_path(treedef, i)!r} has shape {tuple(x.shape)}; "
+                f"per-example gradients need a leading batch axis of the same size on every leaf"
                 + ("" if batch is None else f" (the first leaf's is {batch})")
             )
         batch = x.shape[0]
