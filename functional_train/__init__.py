@@ -23,6 +23,7 @@ from .factored import (
     scale_by_factored_rms,
     scale_by_param_block_rms,
 )
+from .func import vmap
 from .galore import GaLoreState, galore, galore_adamw, galore_param_labels
 from .hyperparams import (
     InjectHyperparamsState,
@@ -53,6 +54,7 @@ from .nonfinite import (
     zero_nans,
 )
 from .optimizers import adam, adamw, lamb, sgd
+from .privacy import DifferentiallyPrivateAggregateState, differentially_private_aggregate
 from .quantization import (
     ScaleByAdam8bitState,
     create_dynamic_map,
@@ -114,6 +116,7 @@ def _register_safe_globals() -> None:
             EmaParamsState,
             ScaleByMuonState,
             ElementwiseState,
+            DifferentiallyPrivateAggregateState,
         ]
     )
 
@@ -124,6 +127,7 @@ __all__ = [
     # base
     "differentiable",
     "is_differentiable",
+    "vmap",
     "GradientTransformation",
     "EmptyState",
     "elementwise",
@@ -172,6 +176,8 @@ __all__ = [
     "skip_large_updates",
     # ZeRO
     "zero_redundancy",
+    "differentially_private_aggregate",
+    "DifferentiallyPrivateAggregateState",
     "ZeroRedundancyState",
     # transforms
     "scale",

@@ -7,6 +7,7 @@ import numbers
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 
 def number(
@@ -19,14 +20,20 @@ def number(
     low_open: bool = False,
     high_open: bool = False,
     finite: bool = False,
-) -> float:
-    """Check ``value`` is a real number within the given bounds; return it as a float.
+) -> Any:
+    """Check ``value`` is a real number within the given bounds; return it as a float (a
+    traced tensor as a 0-dim tensor, an injected value as it is: see below).
 
     Accepted: ``int``, ``float``, any ``numbers.Real`` (NumPy scalars) and real
     ``torch.Tensor`` of one element, 0-dim or not, as torch.optim takes them (read once,
     here); a tensor of more elements is a ValueError. ``finite``: reject infinities too. A
     hyperparameter injected natively by ``inject_hyperparams`` is returned as is (it checks
     the values).
+
+    A tensor that is differentiated or batched -- one that requires grad, or a ``torch.func``
+    wrapper (``grad``, ``jvp``, ``vmap`` over a vector of values) -- is returned as a 0-dim
+    tensor, never read as a Python number (which would cut its derivative silently, or fail
+    under ``vmap``): its value, every batch element of it, is checked all the same.
     """
     if getattr(value, "injected", False):
         return value
@@ -35,6 +42,13 @@ def number(
             raise ValueError(
                 f"{where}: {name} as a tensor must have one element, got shape {tuple(value.shape)}"
             )
+        if is_traced(value):
+            for v in base_values(value):
+                number(
+                    name, v, where=where, low=low, high=high, low_open=low_open,
+                    high_open=high_open, finite=finite,
+                )  # fmt: skip
+            return value.reshape(())
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
@@ -53,6 +67,42 @@ def number(
             f"{where}: {name} must be {'<' if high_open else '<='} {high}, got {value}"
         )
     return v
+
+
+def is_traced(x: Any, *, batched: bool = True) -> bool:
+    """Whether ``x`` is a tensor whose derivative or batch matters: it requires grad, or a
+    ``torch.func`` transform differentiates it (``grad``, ``vjp``, ``jvp``) or batches it
+    (``vmap``), at any level. A constant made inside a transform is not. Such a hyper-parameter
+    is kept a tensor (:func:`number`), and never read as a Python number. ``batched=False``:
+    only whether it is differentiated."""
+    if torch.compiler.is_compiling():  # (dynamo cannot trace the functorch queries)
+        return isinstance(x, torch.Tensor) and x.requires_grad
+    F = torch._C._functorch
+    while isinstance(x, torch.Tensor):
+        if x.requires_grad or (batched and F.is_batchedtensor(x)):
+            return True
+        if not F.is_functorch_wrapped_tensor(x):
+            return False
+        if forward_ad.unpack_dual(x).tangent is not None:  # (jvp)
+            return True
+        x = F.get_unwrapped(x)  # (a constant at this level: traced at an outer one?)
+    return False
+
+
+def base_values(x: torch.Tensor) -> list:
+    """The numbers behind a traced tensor (every batch element of a ``vmap`` one), read from
+    the plain tensor under its ``torch.func`` wrappers, without recording anything."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x.detach().reshape(-1).tolist()
+
+
+def nonzero(value: Any) -> bool:
+    """Whether a (checked) hyper-parameter may be non-zero: a number that is not 0; a tensor
+    (a traced one, kept by :func:`number`, or one under ``torch.compile``: its value must not be
+    branched on); one injected natively by ``inject_hyperparams`` (its value may change). A
+    transform or alias leaves out its work only where this is False."""
+    return isinstance(value, torch.Tensor) or getattr(value, "injected", False) or value != 0.0
 
 
 def learning_rate(value: Any, *, where: str):

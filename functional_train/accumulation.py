@@ -22,8 +22,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import _validate as V
+from . import foreach
 from .aliasing import known_zeros
-from .autograd import detached, is_differentiable
+from .autograd import detached, host_value, is_differentiable
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
@@ -40,6 +41,9 @@ from .tree import (
 )
 
 __all__ = ["multi_steps", "MultiStepsState", "has_updated"]
+
+
+_MINI, _SEEN = "multi_steps: MultiStepsState.mini_step", "multi_steps: MultiStepsState.seen"
 
 
 class MultiStepsState(NamedTuple):
@@ -180,8 +184,9 @@ def multi_steps(
                     f"multi_steps: update leaf '{format_path(paths_raw[i])}' has shape "
                     f"{tuple(x.shape)}, expected {tuple(a.shape)}"
                 )
-        k = int(state.mini_step)  # CPU counter: a host read without device synchronisation
-        seen = [int(f) for f in state.seen]  # CPU flags: no device synchronisation either
+        k = int(host_value(state.mini_step, _MINI))  # CPU counter: a host read without device
+        # synchronisation
+        seen = [int(host_value(f, _SEEN)) for f in state.seen]  # CPU flags: no sync either
         if len(seen) != len(g):
             raise ValueError(
                 f"multi_steps: MultiStepsState.seen has {len(seen)} flags for "
@@ -221,7 +226,7 @@ def multi_steps(
         added = [i for i in active if seen[i]]
         if added:
             al = [to_local(acc[i]) for i in added]
-            summed = torch._foreach_add(al, [to_local(g[i]).to(a.dtype) for i, a in zip(added, al)])
+            summed = foreach.add(al, [to_local(g[i]).to(a.dtype) for i, a in zip(added, al)])
             for i, x in zip(added, summed):
                 new_acc[i] = x
                 specs[i] = spec_of(acc[i])
@@ -244,7 +249,7 @@ def multi_steps(
         summed = [to_local(new_acc[i]) for i in cycle]
         specs = [spec_of(new_acc[i]) for i in cycle]
         active = cycle
-        mean = torch._foreach_div(summed, float(every_k)) if summed else []
+        mean = foreach.div(summed, float(every_k)) if summed else []
         grads = list(g)
         for i, m, spec in zip(active, mean, specs):
             grads[i] = wrap(m, spec)
@@ -305,7 +310,8 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
 
         def finish(trees):
             seen = tuple(
-                _flag(1) if i in active and not int(f) else f for i, f in enumerate(state.seen)
+                _flag(1) if i in active and not host_value(f, _SEEN) else f
+                for i, f in enumerate(state.seen)
             )
             return MultiStepsState(
                 state.mini_step + 1,
@@ -327,7 +333,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
                 state.gradient_step + 1,
                 state.inner_state,  # (replaced by the inner's new state in join)
                 trees[0],
-                tuple(_flag(0) if int(f) else f for f in state.seen),
+                tuple(_flag(0) if host_value(f, _SEEN) else f for f in state.seen),
                 state.skip_state,
             )
 
@@ -376,6 +382,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
             params is None
             or not isinstance(state, MultiStepsState)
             or torch.compiler.is_compiling()
+            or torch._C._functorch.peek_interpreter_stack() is not None  # (the general path)
         ):
             return None
         g, treedef = tree_flatten(updates)

@@ -11,6 +11,16 @@ parameters are ordinary functions of their inputs for autograd and ``torch.func`
 through an optimizer step, learning a learning rate), as ``torch.optim``'s
 ``differentiable=True`` does. The library's fused ``ft.step`` kernels are not differentiable;
 inside the block ``ft.step`` takes the general path.
+
+Under a ``torch.func`` transform (``grad``, ``vjp``, ``jvp``, ``vmap``, ``jacrev``, ...) nothing
+needs asking: the transform is the request, as ``jax.grad`` is (:func:`traced` is true, and so
+is :func:`is_differentiable`). Every tensor is then a function of the transform's inputs: none
+is detached, none is read as a Python number (a tensor hyper-parameter stays a tensor, so its
+derivative is not cut and it may be batched), and the engine runs each primitive's per-leaf
+definition in plain torch operations (no generated or native kernel, no ``torch._foreach_*``,
+which have no batching rules). ``ft.differentiable()`` remains the one switch for plain autograd
+(``torch.autograd.grad``, ``backward``), whose recording cannot be told from the default use
+(``torch.optim``'s ``differentiable=False``) by looking at the tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +32,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["differentiable", "is_differentiable", "detached"]
+__all__ = [
+    "differentiable",
+    "is_differentiable",
+    "traced",
+    "differentiating",
+    "not_differentiable",
+    "detached",
+]
 
 _MODE = [False]
 
@@ -40,9 +57,74 @@ def differentiable(enabled: bool = True) -> Iterator[None]:
 
 
 def is_differentiable() -> bool:
-    """Whether the library records its computations for autograd (inside
-    :func:`differentiable`)."""
-    return _MODE[0]
+    """Whether the library records its computations for autograd: inside
+    :func:`differentiable`, or under a ``torch.func`` transform (:func:`traced`)."""
+    return _MODE[0] or traced()
+
+
+def traced() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jvp``, ``vmap``, ...) is active:
+    its tensors are wrappers (no storage, maybe batched) that must be computed on with plain
+    torch operations and never read as Python numbers (see the module docstring). False while
+    ``torch.compile`` traces (its graphs take the compiled paths)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def differentiating() -> bool:
+    """Whether derivatives are being taken through the library's computations: a
+    ``torch.func`` ``grad`` / ``vjp`` / ``jacrev`` / ``jvp`` / ``jacfwd`` transform is active
+    (``vmap`` alone takes none), or :func:`differentiable` with autograd recording."""
+    if _MODE[0] and torch.is_grad_enabled():
+        return True
+    if not traced():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    kinds = (TransformType.Grad, TransformType.Jvp)
+    return any(i.key() in kinds for i in retrieve_all_functorch_interpreters())
+
+
+def not_differentiable(where: str, what: str) -> None:
+    """Raise where a computation with no useful derivative would be differentiated
+    (:func:`differentiating`): ``where`` names the transform, ``what`` the computation.
+
+    Raises:
+        NotImplementedError: naming both (never a silent zero or a wrong derivative).
+    """
+    if differentiating():
+        raise NotImplementedError(
+            f"{where}: {what} is not differentiable, and torch.func (grad, vjp, jvp) or "
+            f"ft.differentiable() is taking derivatives through it; differentiate a "
+            f"transform without it (see the README's 'torch.func' section)"
+        )
+
+
+def host_value(x: torch.Tensor, what: str) -> float:
+    """A CPU counter or flag the library reads on the host (``int()`` of a 0-dim CPU tensor:
+    no device synchronisation), also under ``torch.func``: there the value under its wrappers,
+    which must be the same for every batch element (``vmap(tx.init)`` broadcasts it so).
+
+    Raises:
+        ValueError: batch elements holding different values (naming ``what``): the host
+            decision they drive cannot differ per element.
+        TypeError: a differentiated value (its derivative would be cut).
+    """
+    if not traced() or not torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return x.item()
+    from . import _validate as V
+
+    if V.is_traced(x, batched=False):
+        raise TypeError(f"{what} is read on the host: it cannot be differentiated")
+    values = set(V.base_values(x))
+    if len(values) != 1:
+        raise ValueError(
+            f"{what} is read on the host, so under vmap every batch element must hold the same "
+            f"value (a state from ft.vmap(tx.init) does), got {sorted(values)}"
+        )
+    return values.pop()
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -52,7 +134,7 @@ def detached(leaves: list) -> list:
     """``leaves`` with every tensor that autograd tracks detached, unless differentiable (or grad
     mode is off, where nothing is recorded anyway). Returns the same list when nothing
     needs it."""
-    if _MODE[0] or not torch.is_grad_enabled():
+    if _MODE[0] or not torch.is_grad_enabled() or traced():
         return leaves
     try:  # (one C loop: this runs for every leaf of every update)
         if not torch.compiler.is_compiling() and not any(map(_REQUIRES_GRAD, leaves)):
@@ -67,6 +149,11 @@ def detached(leaves: list) -> list:
 def requires_grad_like(new: Any, old: Any) -> Any:
     """``new`` marked as a leaf that requires grad when ``old`` did (outside
     :func:`differentiable`, new parameters are computed without a graph)."""
-    if isinstance(old, torch.Tensor) and old.requires_grad and not new.requires_grad:
+    if (
+        isinstance(old, torch.Tensor)
+        and old.requires_grad
+        and not new.requires_grad
+        and not traced()
+    ):
         new.requires_grad_(True)
     return new

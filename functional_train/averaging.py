@@ -85,7 +85,7 @@ def ema_params(
             n = state.count.to(torch.float64)
             d = torch.clamp((1.0 + n) / (10.0 + n), max=decay)
         else:
-            d = torch.tensor(decay, dtype=torch.float64, device=state.count.device)
+            d = torch.as_tensor(decay, dtype=torch.float64, device=state.count.device)
         w = torch.where(state.count == 0, torch.ones_like(d), 1.0 - d)
         count = state.count + 1
 

@@ -21,6 +21,7 @@ import optree
 import torch
 
 from . import _validate as V
+from . import foreach
 from .base import EmptyState, GradientTransformation, chain, declare
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import per_leaf_result, per_leaf_view, prepare
@@ -197,11 +198,11 @@ def scale_by_came(
         ]
         # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves
         den = _div(_block_rms(b, u, act), value_of(clip_threshold))
-        torch._foreach_clamp_min_(den, 1.0)
+        foreach.clamp_min_(den, 1.0)
         u = [x / d.to(x.dtype) for x, d in zip(u, den)]
         # 3. momentum (as came_pytorch: m * b1 + (1 - b1) * u)
-        m_new = torch._foreach_mul(m_old, b1)
-        torch._foreach_add_(m_new, u, alpha=1.0 - b1)
+        m_new = foreach.mul(m_old, b1)
+        foreach.add_(m_new, u, alpha=1.0 - b1)
         pos = {i: k for k, i in enumerate(act)}
         out: list = [None] * len(b.locals)
         for i, m in zip(act, m_new):  # 1-D / 0-D leaves: a copy of m (never the state itself)
@@ -274,7 +275,7 @@ def came(
         V.number("learning_rate", learning_rate, where=where, low=0.0, low_open=True)
     weight_decay = V.number("weight_decay", weight_decay, where=where, low=0.0)
     txs = [scale_by_came(betas, eps, clip_threshold)]
-    if weight_decay:
+    if V.nonzero(weight_decay):
         txs.append(add_decayed_weights(weight_decay, mask=mask))
     txs.append(scale_by_learning_rate(learning_rate))
     tx = chain(*txs)
@@ -286,7 +287,7 @@ def came(
         clip_threshold if is_injected(clip_threshold) else float(clip_threshold),
         weight_decay,
         learning_rate,
-        txs[1].update.keep_of if (weight_decay and mask is not None) else None,
+        txs[1].update.keep_of if (V.nonzero(weight_decay) and mask is not None) else None,
         len(txs),
     )
     return tx

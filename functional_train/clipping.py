@@ -13,6 +13,8 @@ import optree
 import torch
 
 from . import _validate as V
+from . import foreach
+from .autograd import traced
 from .base import GradientTransformation, elementwise_transform
 from .engine import elementwise as E
 from .engine import native
@@ -40,8 +42,8 @@ def clip(max_delta: float) -> GradientTransformation:
     def clamp(b):
         g = [b.locals[i] for i in b.active]
         if not any(x.is_complex() for x in g):
-            return torch._foreach_clamp_max(torch._foreach_clamp_min(g, -max_delta), max_delta)
-        r = torch._foreach_clamp_max(torch._foreach_clamp_min(_as_real(g), -max_delta), max_delta)
+            return foreach.clamp_max(foreach.clamp_min(g, -max_delta), max_delta)
+        r = foreach.clamp_max(foreach.clamp_min(_as_real(g), -max_delta), max_delta)
         return _as_complex(r, g)
 
     return stateless("clip", clamp)
@@ -69,7 +71,9 @@ def _local_norm_terms(b, norm_type: float):
         # _foreach_norm has no identity for inf on empty shards (uneven sharding): pad one zero.
         return [torch.cat([x.reshape(-1), x.new_zeros(1)]).abs().max() for x in g], "max", None
     if norm_type == 2.0:
-        if not torch.compiler.is_compiling():
+        if traced():  # (wrappers without storage: plain operations, below)
+            squares = None
+        elif not torch.compiler.is_compiling():
             squares = native.sum_squares(g)
         elif native.ENABLED and g and all(x.is_cpu and x.dtype in _NATIVE for x in g):
             squares = native.sum_squares_op(g)  # (opaque to the compiler: eager's numbers)
@@ -78,7 +82,7 @@ def _local_norm_terms(b, norm_type: float):
         if squares is not None:
             f32 = all(x.dtype == torch.float32 for x in g)
             return squares, "sum", torch.float32 if f32 else None
-    norms = torch._foreach_norm(g, norm_type) if g else []
+    norms = foreach.norm(g, norm_type) if g else []
     if norms and all(n.dtype == norms[0].dtype for n in norms):  # one vector, three ops
         v = torch.stack(norms).to(_wide(norms[0].dtype))
         return (v.square() if norm_type == 2.0 else v.pow(norm_type)), "sum", None

@@ -31,6 +31,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
+from . import foreach
+from .autograd import traced
 from .base import EmptyState, GradientTransformation, chain, declare
 from .combine import mask_of
 from .engine.dtensor import spec_of, to_local
@@ -339,14 +341,14 @@ def _factored_rms(
         g = [b.locals[i] for i in dense]
         v_old = [v_loc[i] for i in dense]
         gs = [x.to(v.dtype) for x, v in zip(g, v_old)]
-        gsq = torch._foreach_mul(gs, gs)
-        torch._foreach_add_(gsq, eps)
-        torch._foreach_mul_(gsq, 1.0 - b2)  # a float64 0-dim scalar keeps each dtype
+        gsq = foreach.mul(gs, gs)
+        foreach.add_(gsq, eps)
+        foreach.mul_(gsq, 1.0 - b2)  # a float64 0-dim scalar keeps each dtype
         # (a 0-dim float64 b2 would promote 0-dim leaves to float64: keep the state dtype)
-        v_new = _cast_like(torch._foreach_mul(v_old, b2), v_old)
-        torch._foreach_add_(v_new, gsq)
-        u = torch._foreach_rsqrt(v_new)
-        torch._foreach_mul_(u, gs)
+        v_new = _cast_like(foreach.mul(v_old, b2), v_old)
+        foreach.add_(v_new, gsq)
+        u = foreach.mul(foreach.rsqrt(v_new), gs)  # (out of place: rsqrt's result is saved
+        # for autograd under torch.func.grad)
         for i, x, vn, gi in zip(dense, u, v_new, g):
             new_v[i] = vn
             out[i] = x.to(gi.dtype)
@@ -365,7 +367,8 @@ def _factored_rms(
     for i, (r, c, f) in zip(fac, _factored_ema(b, items, b2, scratch, local)):
         g = b.locals[i]
         new_row[i], new_col[i] = r, c
-        out[i] = f.mul_(g.to(f.dtype)).to(g.dtype)  # f is a fresh buffer
+        # f is a fresh buffer (out of place when traced: autograd may have saved it)
+        out[i] = (f * g.to(f.dtype) if traced() else f.mul_(g.to(f.dtype))).to(g.dtype)
         if on_update is not None:
             on_update(i, out[i])
     new_state = ScaleByFactoredRmsState(
@@ -473,6 +476,16 @@ def scale_by_factored_rms(
 # ---------------------------------------------------------------------------------------------
 # block RMS: clipping the updates, scaling by the parameters
 # ---------------------------------------------------------------------------------------------
+def _unbind(vec: torch.Tensor) -> list:
+    """The elements of ``vec`` as 0-dim tensors (which callers may modify in place: under a
+    ``torch.func`` transform ``select`` views of a copy: autograd refuses in-place changes to
+    the views of ``unbind``, and to a tensor it saved, such as the result of a ``sqrt``)."""
+    if traced():
+        vec = vec.clone()
+        return [vec[k] for k in range(vec.shape[0])]
+    return list(vec.unbind())
+
+
 def _block_rms(b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]) -> list:
     """Per-leaf RMS over the GLOBAL leaf (0-dim tensors, float32 for low-precision leaves,
     float64 for float64 ones): local sums of squares completed by ONE ``leaf_totals``
@@ -482,22 +495,22 @@ def _block_rms(b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]) ->
     locs = list(locs)
     vec = _block_rms_vector(b, locs, idx)
     if vec is not None:
-        return list(vec.unbind())
+        return _unbind(vec)
     low = [k for k, x in enumerate(locs) if torch.finfo(x.dtype).bits < 32]
     if not low:
-        norms = list(torch._foreach_norm(locs, 2))
+        norms = list(foreach.norm(locs, 2))
     else:  # bf16 / fp16: accumulate and return in float32 (HF upcasts before its RMS)
         lows = set(low)
         high = [k for k in range(len(locs)) if k not in lows]
         norms = [None] * len(locs)
-        for k, n in zip(high, torch._foreach_norm([locs[k] for k in high], 2) if high else []):
+        for k, n in zip(high, foreach.norm([locs[k] for k in high], 2) if high else []):
             norms[k] = n
-        for k, n in zip(low, torch._foreach_norm([locs[k] for k in low], 2, dtype=torch.float32)):
+        for k, n in zip(low, foreach.norm([locs[k] for k in low], 2, dtype=torch.float32)):
             norms[k] = n
-    sq = torch._foreach_mul(norms, norms)
+    sq = foreach.mul(norms, norms)
     tot = b.leaf_totals(list(zip(idx, sq)))
     ms = [t / max(b.updates[i].numel(), 1) for i, t in zip(idx, tot)]
-    return torch._foreach_sqrt(ms)
+    return foreach.sqrt(ms)
 
 
 def _block_rms_vector(
@@ -509,9 +522,9 @@ def _block_rms_vector(
     if any(x.dtype != dtype for x in locs):
         return None
     if torch.finfo(dtype).bits < 32:  # bf16 / fp16: accumulated and returned in float32
-        norms = torch._foreach_norm(locs, 2, dtype=torch.float32)
+        norms = foreach.norm(locs, 2, dtype=torch.float32)
     else:
-        norms = torch._foreach_norm(locs, 2)
+        norms = foreach.norm(locs, 2)
     v = torch.stack(norms)
     tot = b.leaf_totals_vector(idx, v * v)
     numel = torch.tensor([max(b.updates[i].numel(), 1) for i in idx], dtype=tot.dtype)
@@ -523,7 +536,7 @@ def _leaf_rms(xs: Sequence[torch.Tensor], numel: int) -> list:
     process (no communication), with its numbers in fewer operations (0-dim each)."""
     dt = torch.float32 if torch.finfo(xs[0].dtype).bits < 32 else None
     n = float(max(numel, 1))
-    return [(x * x).div_(n).sqrt_() for x in torch._foreach_norm(xs, 2, dtype=dt)]
+    return [(x * x).div_(n).sqrt_() for x in foreach.norm(xs, 2, dtype=dt)]
 
 
 def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
@@ -547,7 +560,7 @@ def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
     def clip_rms(b):
         g = [b.locals[i] for i in b.active]
         den = _div(_block_rms(b, g, b.active), value_of(threshold))
-        torch._foreach_clamp_min_(den, 1.0)
+        foreach.clamp_min_(den, 1.0)
         return [x / d.to(x.dtype) for x, d in zip(g, den)]
 
     return stateless(where, clip_rms)
@@ -574,7 +587,7 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
 
     def scale_rms(b):
         rms = _block_rms(b, [b.params[i] for i in b.active], b.active)
-        torch._foreach_clamp_min_(rms, min_scale)
+        foreach.clamp_min_(rms, min_scale)
         return [b.locals[i] * s.to(b.locals[i].dtype) for i, s in zip(b.active, rms)]
 
     return stateless(where, scale_rms, need_params=True)
@@ -592,10 +605,10 @@ def _clip_and_scale_by_param_rms(threshold: float, min_scale: float) -> Gradient
         p = [b.params[i] for i in act]
         rms = _block_rms(b, g + p, act + act)
         den = _div(rms[: len(act)], value_of(threshold))
-        torch._foreach_clamp_min_(den, 1.0)
+        foreach.clamp_min_(den, 1.0)
         out = [x / d.to(x.dtype) for x, d in zip(g, den)]
         scale = rms[len(act) :]
-        torch._foreach_clamp_min_(scale, min_scale)
+        foreach.clamp_min_(scale, min_scale)
         return [x * s.to(x.dtype) for x, s in zip(out, scale)]
 
     return stateless("adafactor", fused, need_params=True)
@@ -676,7 +689,7 @@ def ema(
             bc = 1.0 - torch.pow(d, count.to(torch.float64))
             per_dtype = {x.dtype: None for x in new}  # each leaf divides in its own dtype
             per_dtype = {d: bc.to(d) for d in per_dtype}
-            out = torch._foreach_div(new, [per_dtype[x.dtype] for x in new])
+            out = foreach.div(new, [per_dtype[x.dtype] for x in new])
         out = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(out, g)]
         return b.rebuild_active(out), EmaState(count, b.state_tree(state.ema, "EmaState.ema", new))
 
@@ -722,11 +735,13 @@ def _adafactor_scale(
         factors, steps = _adafactor_factors(
             b, act, g, p, _rho_at(rho, state), value_of(threshold), min_scale
         )
-        out = torch._foreach_mul(g, factors)
+        out = list(foreach.mul(g, factors))
         wd = value_of(weight_decay)
         if _nonzero(wd):
             ks = range(len(act)) if keep_of is None else _kept(keep_of(params), act)
-            _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks], wd)
+            new = _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks], wd)
+            for k, x in zip(ks, new):
+                out[k] = x
         return b.rebuild_active(out), new_state
 
     update_fn.keep_of = keep_of
@@ -764,29 +779,34 @@ def _adafactor_factors(
         den = (vec[:n] / threshold).clamp_min(1.0)
         step = -lr * vec[n:].clamp_min(min_scale).to(torch.float64) if scaled else (-lr).expand(n)
         factors = (step / den.to(torch.float64)).to(u[0].dtype)
-        return list(factors.unbind()), list(step.unbind())
+        return _unbind(factors), _unbind(step)
     if scaled:
         rms = _block_rms(b, list(u) + list(p), list(idx) + list(idx))
         scale = rms[n:]
-        torch._foreach_clamp_min_(scale, min_scale)
+        foreach.clamp_min_(scale, min_scale)
         steps = [-lr * x.to(torch.float64) for x in scale]
     else:
         rms = _block_rms(b, u, idx)
         steps = [-lr] * n
     den = _div(rms[:n], threshold)
-    torch._foreach_clamp_min_(den, 1.0)
+    foreach.clamp_min_(den, 1.0)
     return [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, u)], steps
 
 
 def _add_decay(
     out: Sequence[torch.Tensor], p: Sequence[torch.Tensor], steps: Sequence, weight_decay: float
-) -> None:
+) -> Sequence[torch.Tensor]:
     """``out += step * weight_decay * p`` in place, per leaf (HF's decay ``-alpha_t wd theta``;
-    nothing for no leaf: a mask that decays none)."""
+    nothing for no leaf: a mask that decays none); returns ``out``. Under a ``torch.func``
+    transform the sums are new tensors, returned (a batched weight decay cannot be added into
+    an unbatched update in place)."""
     if not out:
-        return
+        return out
     decay = [(a * weight_decay).to(x.dtype) for a, x in zip(steps, out)]
-    torch._foreach_add_(out, torch._foreach_mul(_cast_like(p, out), decay))
+    if traced():
+        return foreach.add(out, foreach.mul(_cast_like(p, out), decay))
+    foreach.add_(out, foreach.mul(_cast_like(p, out), decay))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -883,7 +903,7 @@ def fused_adafactor_step(
             factors, steps = _adafactor_factors(
                 b, idx, us, ps, lr, fused.threshold, fused.min_scale
             )
-            torch._foreach_mul_(us, factors)
+            foreach.mul_(us, factors)
             if fused.weight_decay:
                 ks = range(len(idx)) if keep is None else _kept(keep, idx)
                 _add_decay(
@@ -934,7 +954,7 @@ def _add_step_size_decayed_weights(
         lr = torch.as_tensor(rho(state.count), dtype=torch.float64)
         if scale_parameter:
             rms = _block_rms(b, p, b.active)
-            torch._foreach_clamp_min_(rms, min_scale)
+            foreach.clamp_min_(rms, min_scale)
             coef = [(s.to(torch.float64) * lr * wd) for s in rms]
         else:
             coef = [lr * wd] * len(g)

@@ -39,6 +39,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
+from . import foreach
+from .autograd import host_value, not_differentiable, traced
 from .base import EmptyState, GradientTransformation, chain, declare
 from .combine import PartitionState, leaf_values, partition
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
@@ -502,13 +504,21 @@ def galore(
                     f"state holds {got} (a state for other parameters?)"
                 )
             proj.append((i, side))
-        refresh = int(state.count) % gap == 0  # CPU counter: a host read without device sync
+        count = int(host_value(state.count, "galore: GaLoreState.count"))  # CPU counter: a host
+        # read without device synchronisation
+        refresh = count % gap == 0
         randomized = refresh_kind == "randomized"
         p_full = {i: to_local(old[i]) for i, _ in proj}
         new_proj = list(old)
         full = {}
+        if refresh and any(V.is_traced(b.locals[i], batched=False) for i, _ in proj):
+            not_differentiable(
+                where,
+                "the projector refresh (an SVD of the gradient, whose singular vectors have no "
+                "stable derivative)",
+            )
         if refresh and proj and randomized:
-            for i, p_new in _randomized(b, proj, rank, oversample, seed + int(state.count)).items():
+            for i, p_new in _randomized(b, proj, rank, oversample, seed + count).items():
                 p_full[i] = p_new
                 new_proj[i] = wrap_like(p_new, old[i])
         elif refresh and proj:
@@ -678,7 +688,11 @@ def _decay_after_update(
 
     def decay(us, ps, c):
         ps = [p if p.dtype == u.dtype else p.to(u.dtype) for p, u in zip(ps, us)]
-        if not torch.compiler.is_compiling() and all(type(u) is torch.Tensor for u in us):
+        if (
+            not torch.compiler.is_compiling()
+            and not traced()
+            and all(type(u) is torch.Tensor for u in us)
+        ):
             # the updates are scale_by_learning_rate's fresh outputs (this transform always
             # follows it in galore_adamw's chains): each becomes u + (-c) (u + p) in place, the
             # temporary u + p in a scratch buffer reused leaf after leaf (no leaf-sized
@@ -690,15 +704,15 @@ def _decay_after_update(
                 if isinstance(neg, torch.Tensor):
                     t.mul_(neg.to(u.dtype))
                 else:  # (the foreach kernel: a Python scalar rounds otherwise than Tensor.mul_)
-                    torch._foreach_mul_([t], neg)
+                    foreach.mul_([t], neg)
                 u.add_(t)
             return us
-        s = torch._foreach_add(us, ps)
+        s = foreach.add(us, ps)
         if isinstance(c, torch.Tensor):
             s = [x * (-c).to(x.dtype) for x in s]
         else:
-            torch._foreach_mul_(s, -c)
-        torch._foreach_add_(s, us)
+            foreach.mul_(s, -c)
+        foreach.add_(s, us)
         return s
 
     def decayed(b, c):
@@ -983,7 +997,7 @@ def fused_galore_step(
             if sched:
                 t.mul_(neg.to(u.dtype))
             else:
-                torch._foreach_mul_([t], neg)
+                foreach.mul_([t], neg)
             u.add_(t)
         if donate:
             p.add_(u)
@@ -1019,10 +1033,10 @@ def fused_galore_step(
         if upd:
             idx = list(upd)
             if donate:
-                torch._foreach_add_([b.params[i] for i in idx], [upd[i] for i in idx])
+                foreach.add_([b.params[i] for i in idx], [upd[i] for i in idx])
             else:
                 for i, x in zip(
-                    idx, torch._foreach_add([b.params[i] for i in idx], [upd[i] for i in idx])
+                    idx, foreach.add([b.params[i] for i in idx], [upd[i] for i in idx])
                 ):
                     new_p[i] = x
     new_state = PartitionState({k: states[k] for k in state.inner_states})

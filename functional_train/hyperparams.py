@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _validate as V
+from .autograd import host_value
 from .base import GradientTransformation
 from .engine import elementwise as E
 from .tree import find_state
@@ -73,12 +74,14 @@ class _Cell:
 def value_of(x: Any) -> Any:
     """A hyperparameter's value at this update: ``x`` itself for a number; for one injected
     natively by :func:`inject_hyperparams`, the state's 0-dim float64 tensor under
-    ``torch.compile`` (an input of the graph: changing it does not recompile) and that tensor's
-    float eagerly (a CPU tensor: no device synchronisation; the same float the un-injected
-    transform would hold, so the numbers are its own bit for bit)."""
+    ``torch.compile`` (an input of the graph: changing it does not recompile) or when it is
+    traced (it requires grad, or ``torch.func`` differentiates or batches it:
+    :func:`~functional_train._validate.is_traced`), and that tensor's float otherwise (a CPU
+    tensor: no device synchronisation; the same float the un-injected transform would hold, so
+    the numbers are its own bit for bit)."""
     if type(x) is _Cell:
         v = x()
-        return v if torch.compiler.is_compiling() else float(v)
+        return v if torch.compiler.is_compiling() or V.is_traced(v) else float(v)
     return x
 
 
@@ -100,7 +103,26 @@ def _is_number(v: Any) -> bool:
 
 
 def _as_value(v: Any) -> torch.Tensor:
+    """A hyperparameter's value as the state holds it: a 0-dim float64 CPU tensor, detached
+    unless traced (differentiated or batched by ``torch.func``, or requiring grad: it stays a
+    function of its input, on its device)."""
+    if V.is_traced(v):
+        return v.to(torch.float64).reshape(())
     return torch.as_tensor(v, dtype=torch.float64).detach().to("cpu").reshape(())
+
+
+def _host_read_error(name: str, where: str) -> str:
+    return (
+        f"inject_hyperparams: '{name}' of {where} is read on the host (the transform is rebuilt "
+        f"when it changes), so it cannot be differentiated or batched by torch.func: pass it "
+        f"as a number, or use a hyperparameter the factory reads as a tensor"
+    )
+
+
+def _checked_values(x: torch.Tensor) -> list:
+    """The floats the host-side checks see for a value: every element behind a traced one
+    (each batch element of a ``vmap``), else its own float."""
+    return V.base_values(x) if V.is_traced(x) else [float(x)]
 
 
 def _check_learning_rate(value: Any, where: str) -> None:
@@ -300,14 +322,23 @@ def inject_hyperparams(
         # without building the factory, which a scheduler would make a per-step cost
         where = getattr(base, "__name__", "inject_hyperparams")
         lr_checked = "learning_rate" in native and "learning_rate" not in schedules and ours
-        # validate and build once on the initial values
-        first_checked = tuple(float(initial(n)) for n in checked_names)
+        # validate and build once on the initial values (a traced one: on each of its values)
+        for n in host_names:
+            if V.is_traced(initial(n)):
+                raise TypeError(_host_read_error(n, where))
+        options = [_checked_values(initial(n)) for n in checked_names]
+        first_checked = tuple(o[0] for o in options)
+        extra = [
+            (k, v) for k, o in enumerate(options) for v in o[1:]
+        ]  # (the other values of a traced one)
         if lr_checked:  # (the factory's checks of the others too, in the same build)
-            lr0 = float(initial("learning_rate"))
-            build_on({**dict(zip(checked_names, first_checked)), "learning_rate": lr0})
+            for lr0 in _checked_values(initial("learning_rate")):
+                build_on({**dict(zip(checked_names, first_checked)), "learning_rate": lr0})
             checked[first_checked] = True
         elif checked_names:
             check(first_checked)
+        for k, v in extra:
+            build_on({**dict(zip(checked_names, first_checked)), checked_names[k]: v})
         first = build(tuple(float(initial(n)) for n in host_names))
 
         def init_fn(params):
@@ -346,9 +377,20 @@ def inject_hyperparams(
                 hp[n] = _as_value(fn(state.count))
             for n, cell in cells.items():
                 cell.value = hp[n]
-            if checked_names and not torch.compiler.is_compiling():
+            if (
+                checked_names
+                and not torch.compiler.is_compiling()
+                and not any(V.is_traced(hp[n]) for n in checked_names)
+            ):  # (traced values: checked at construction, cannot be read here)
                 check(tuple(float(hp[n]) for n in checked_names))
-            inner = build(tuple(float(hp[n]) for n in host_names)) if host_names else first
+            for n in host_names:  # (a differentiated value raises; a batched one must agree)
+                if V.is_traced(hp[n], batched=False):
+                    raise TypeError(_host_read_error(n, where))
+            inner = (
+                build(tuple(float(host_value(hp[n], f"{where}: {n}")) for n in host_names))
+                if host_names
+                else first
+            )
             return inner, hp
 
         def update_fn(updates, state, params=None, *, mesh=None, **extra):

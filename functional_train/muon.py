@@ -637,7 +637,7 @@ def muon(
             ``"adam"``, naming the leaf); a leaf labelled ``"muon"`` with fewer than 2 dims.
     """
     V.learning_rate(learning_rate, where="muon")
-    V.number("weight_decay", weight_decay, where="muon", low=0.0)
+    weight_decay = V.number("weight_decay", weight_decay, where="muon", low=0.0)
     matrices = _muon_matrices(
         learning_rate,
         weight_decay,
@@ -690,7 +690,7 @@ def _muon_matrices(
             weight_dimension_numbers=weight_dimension_numbers,
         )
     ]
-    if weight_decay:
+    if V.nonzero(weight_decay):
         txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))
     return chain(*txs)

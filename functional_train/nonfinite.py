@@ -24,6 +24,7 @@ import optree
 import torch
 
 from . import _validate as V
+from . import foreach
 from .base import GradientTransformation, call_reduced, declare
 from .engine import elementwise as E
 from .engine.dtensor import to_local, wrap_like
@@ -553,9 +554,7 @@ def dynamic_loss_scale(
         g = [b.locals[i] for i in b.active]
         unscaled: list = [None] * len(b.locals)
         # (the float32 factor would promote 0-dim low-precision leaves: keep their dtype)
-        for i, x in zip(
-            b.active, _cast_like(torch._foreach_mul(g, inv.to(g[0].device)), g) if g else []
-        ):
+        for i, x in zip(b.active, _cast_like(foreach.mul(g, inv.to(g[0].device)), g) if g else []):
             unscaled[i] = x
         b = b.with_locals(unscaled)
         finite, new_updates, new_inner = _run_checked(

@@ -22,6 +22,12 @@ from .transforms import (
 __all__ = ["sgd", "adam", "adamw", "lamb"]
 
 
+def _number(v) -> bool:
+    """Whether a checked hyper-parameter is a number (not a tensor or an injected value):
+    then its value may be branched on at build time."""
+    return not (isinstance(v, torch.Tensor) or is_injected(v))
+
+
 def _maybe_maximize(maximize: bool, txs):
     return [scale(-1.0), *txs] if maximize else list(txs)
 
@@ -47,15 +53,15 @@ def sgd(
             momentum or with dampening.
     """
     V.learning_rate(learning_rate, where="sgd")
-    V.number("momentum", momentum, where="sgd", low=0.0)
-    V.number("weight_decay", weight_decay, where="sgd", low=0.0)
+    momentum = V.number("momentum", momentum, where="sgd", low=0.0)
+    weight_decay = V.number("weight_decay", weight_decay, where="sgd", low=0.0)
+    dampening = V.number("dampening", dampening, where="sgd")  # (trace checks its range)
     if nesterov and (
-        (not is_injected(momentum) and momentum <= 0)
-        or (not is_injected(dampening) and dampening != 0)
+        (_number(momentum) and momentum <= 0) or (_number(dampening) and dampening != 0)
     ):
         raise ValueError("sgd: nesterov momentum requires momentum > 0 and dampening == 0")
-    txs = [add_decayed_weights(weight_decay)] if weight_decay else []
-    if momentum:
+    txs = [add_decayed_weights(weight_decay)] if V.nonzero(weight_decay) else []
+    if V.nonzero(momentum):
         txs.append(
             trace(
                 momentum,
@@ -68,7 +74,7 @@ def sgd(
     tx = chain(*_maybe_maximize(maximize, txs))
     # torch's fused kernel starts a damped buffer undamped: fused only without dampening (an
     # injected one is read when the step runs, which falls back to the chain where it is not 0)
-    if not (momentum and dampening) or is_injected(dampening):
+    if not (V.nonzero(momentum) and V.nonzero(dampening)) or is_injected(dampening):
         shift = 1 if maximize else 0
         tx.update.fused = FusedSGD(  # type: ignore[attr-defined]
             learning_rate,
@@ -76,9 +82,9 @@ def sgd(
             weight_decay,
             nesterov,
             maximize,
-            shift + len(txs) - 2 if momentum else None,
+            shift + len(txs) - 2 if V.nonzero(momentum) else None,
             shift + len(txs) - 1,
-            dampening if momentum else 0.0,
+            dampening if V.nonzero(momentum) else 0.0,
         )
     return tx
 
@@ -102,8 +108,10 @@ def _fused_adam(
     """Attach what ``ft.step``'s fused kernels need to an Adam chain (32-bit moments: torch's
     fused kernels; 8-bit without amsgrad: the compiled 8-bit kernel)."""
     shift = 1 if maximize else 0
-    adam_index = shift + (1 if (weight_decay and not decoupled) else 0)
-    decay = tx.update.parts[adam_index + 1] if (mask is not None and weight_decay) else None
+    adam_index = shift + (1 if (V.nonzero(weight_decay) and not decoupled) else 0)
+    decay = (
+        tx.update.parts[adam_index + 1] if (mask is not None and V.nonzero(weight_decay)) else None
+    )
     if optim_bits == 8 and not amsgrad:
         tx.update.fused = FusedAdam8bit(  # type: ignore[attr-defined]
             decoupled,
@@ -166,7 +174,7 @@ def adam(
         ValueError: out-of-range hyper-parameters.
     """
     V.learning_rate(learning_rate, where="adam")
-    V.number("weight_decay", weight_decay, where="adam", low=0.0)
+    weight_decay = V.number("weight_decay", weight_decay, where="adam", low=0.0)
     q = dict(optim_bits=optim_bits, min_8bit_size=min_8bit_size, block_size=block_size)
     if decoupled_weight_decay:
         return adamw(
@@ -181,7 +189,7 @@ def adam(
             nu_dtype=nu_dtype,
             **q,
         )
-    txs = [add_decayed_weights(weight_decay)] if weight_decay else []
+    txs = [add_decayed_weights(weight_decay)] if V.nonzero(weight_decay) else []
     txs += [
         scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype, **q),
         scale_by_learning_rate(learning_rate),
@@ -239,7 +247,7 @@ def adamw(
         ValueError: out-of-range hyper-parameters.
     """
     V.learning_rate(learning_rate, where="adamw")
-    V.number("weight_decay", weight_decay, where="adamw", low=0.0)
+    weight_decay = V.number("weight_decay", weight_decay, where="adamw", low=0.0)
     txs = [
         scale_by_adam(
             b1,
@@ -253,7 +261,7 @@ def adamw(
             block_size=block_size,
         )
     ]
-    if weight_decay:
+    if V.nonzero(weight_decay):
         txs.append(add_decayed_weights(weight_decay, mask=mask))
     txs.append(scale_by_learning_rate(learning_rate))
     txs = _maybe_maximize(maximize, txs)
@@ -302,13 +310,13 @@ def lamb(
         ValueError: out-of-range hyper-parameters.
     """
     V.learning_rate(learning_rate, where="lamb")
-    V.number("weight_decay", weight_decay, where="lamb", low=0.0)
+    weight_decay = V.number("weight_decay", weight_decay, where="lamb", low=0.0)
     txs = [
         scale_by_adam(
             b1, b2, eps, bias_correction=bias_correction, mu_dtype=mu_dtype, nu_dtype=nu_dtype
         )
     ]
-    if weight_decay:
+    if V.nonzero(weight_decay):
         txs.append(add_decayed_weights(weight_decay, mask=mask))
     txs += [scale_by_trust_ratio(), scale_by_learning_rate(learning_rate)]
     return chain(*txs)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from . import foreach
 from .autograd import requires_grad_like
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.view import Prepared
@@ -457,7 +458,7 @@ def _quantize_many(
     clamped to ``[-1, 1]`` (an all-zero block gives zeros), then the nearest code."""
     if not vals:
         return []
-    inv = torch._foreach_reciprocal(torch._foreach_clamp_min(list(absmax), 1e-38))
+    inv = foreach.reciprocal(foreach.clamp_min(list(absmax), 1e-38))
     return [
         _codes_of(lay.mul(x, v, out=True), mid) for x, v, mid, lay in zip(vals, inv, mids, layouts)
     ]
@@ -716,7 +717,7 @@ def quantize_state(
     vals = [
         _as_rows(v if v.dtype == torch.float32 else v.to(torch.float32)) for _, _, _, v in items
     ]
-    absx = torch._foreach_abs(vals) if vals else []
+    absx = foreach.abs(vals) if vals else []
     absmax = [lay.partial_absmax(a) for (_, lay, _, _), a in zip(items, absx)]
     # 2. complete the maxima of blocks that straddle shards: one all-reduce for all leaves
     sharded = [n for n, (_, lay, _, _) in enumerate(items) if lay.sharded]

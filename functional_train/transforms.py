@@ -15,7 +15,9 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _validate as V
+from . import foreach
 from . import quantization as Q
+from .autograd import not_differentiable
 from .base import EmptyState, GradientTransformation, declare, elementwise_transform
 from .combine import mask_of
 from .engine import elementwise as E
@@ -103,7 +105,7 @@ def _lerp(xs: list, ys: list, weight) -> list:
     """Foreach ``lerp`` for a float ``weight`` or a 0-dim tensor one (leaf by leaf, in each
     leaf's dtype: only under ``torch.compile``, where the graph fuses them anyway)."""
     if not isinstance(weight, torch.Tensor):
-        return torch._foreach_lerp(xs, ys, weight)
+        return foreach.lerp(xs, ys, weight)
     return [torch.lerp(x, y, _scalar_for(weight, x)) for x, y in zip(xs, ys)]
 
 
@@ -111,17 +113,11 @@ def _lerp(xs: list, ys: list, weight) -> list:
 def _div(xs: list, value) -> list:
     """Foreach ``xs / value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype)."""
     if not isinstance(value, torch.Tensor):
-        return torch._foreach_div(xs, value)
+        return foreach.div(xs, value)
     return [x / _scalar_for(value, x) for x in xs]
 
 
-def _nonzero(value) -> bool:
-    """Whether a hyperparameter may be non-zero: a number that is not 0; an injected one at
-    build time (its value may change: a factory keeps the transform it would leave out for a
-    0); read with :func:`~functional_train.hyperparams.value_of`, a tensor (under
-    ``torch.compile``, whose graph cannot branch on its value). A transform skips its work
-    eagerly where this is False, as the alias built with a 0 leaves it out."""
-    return isinstance(value, torch.Tensor) or is_injected(value) or value != 0.0
+_nonzero = V.nonzero  # (the name this module's users import)
 
 
 def _axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
@@ -337,13 +333,13 @@ def trace(
     decay_arg = V.number("decay", decay, where="trace", low=0.0)
     damp_arg = V.number("dampening", dampening, where="trace", low=0.0, high=1.0)
     if nesterov and (
-        (not is_injected(decay_arg) and decay_arg <= 0)
-        or (not is_injected(damp_arg) and damp_arg != 0)
+        (isinstance(decay_arg, float) and decay_arg <= 0)
+        or (isinstance(damp_arg, float) and damp_arg != 0)
     ):
         raise ValueError("trace: nesterov momentum requires decay > 0 and dampening == 0")
 
     injected = is_injected(decay_arg)
-    damped = is_injected(damp_arg) or damp_arg != 0
+    damped = V.nonzero(damp_arg)
 
     def init_fn(params):
         return TraceState(zero_count(params), state_zeros_like(params, accumulator_dtype))
@@ -511,6 +507,12 @@ def scale_by_adam(
             return b.rebuild(b.locals), state._replace(count=state.count + 1)
         reject_complex(b, "scale_by_adam with optim_bits=8")
         mu, nu, deq = Q.dequantize_state(b, state, block_size, min_8bit_size)
+        if deq.qpos and any(
+            V.is_traced(x, batched=False) for x in [*mu, *nu, *(b.locals[i] for i in act)]
+        ):
+            not_differentiable(
+                "scale_by_adam with optim_bits=8", "8-bit quantisation of the moments"
+            )
         count = state.count + 1
         scalars = _adam_scalars(b1_arg, b2_arg, eps_arg, bias_correction, count)
         out, mu, nu = E.apply_part(spec, [b.locals[i] for i in act], (mu, nu), scalars)
@@ -682,7 +684,7 @@ def scale_by_trust_ratio(
         p = [b.params[i] for i in act]
         sq = [
             n.to(torch.promote_types(n.dtype, torch.float32)).square()
-            for n in torch._foreach_norm(p + g, 2)
+            for n in foreach.norm(p + g, 2)
         ]
         totals = b.leaf_totals(list(zip(act + act, sq)))
         ratios: list = [None] * len(act)

@@ -8,7 +8,7 @@ from typing import Any
 import optree
 import torch
 
-from . import aliasing
+from . import aliasing, foreach
 from .autograd import is_differentiable, requires_grad_like
 from .engine.dtensor import spec_of, to_local, wrap_like
 from .engine.plan import describe
@@ -105,7 +105,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
     ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
     record = is_differentiable()
     with contextlib.nullcontext() if record else torch.no_grad():
-        new = torch._foreach_add(pl, ul) if idx else []
+        new = foreach.add(pl, ul) if idx else []
     out = list(p)
     for i, n in zip(idx, new):
         out[i] = requires_grad_like(wrap_like(n, p[i]), p[i])  # a no-op when recorded

@@ -63,6 +63,9 @@ PROPERTIES = (
     "zero_grads",  # zero / below-eps gradients (whole tree, some leaves, rows, after non-zero
     # steps, a zero parameter): finite, update == ft.step, == the reference where one exists
     "zero_grads_sharded",  # their first step sharded == unsharded (data axis), both finite
+    "vmap",  # ft.vmap of init, update and ft.step over a leading model axis == a Python loop
+    "grad",  # torch.func.grad / jvp through update and ft.step w.r.t. params, gradients and
+    # state == central finite differences in float64 (or the clear error of NOT_DIFFERENTIABLE)
 )
 
 
@@ -82,6 +85,19 @@ def by_ndim(two_d, other) -> Callable:
         )
 
     return labels
+
+
+def _examples() -> ft.GradientTransformation:
+    """A foreign (``tree_map``) transform making 2 per-example gradients of each gradient
+    ``g``: ``0.5 g`` and ``1.5 g`` (their mean is ``g``), the leading batch axis
+    ``differentially_private_aggregate`` takes."""
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        batch = lambda g: None if g is None else torch.stack([0.5 * g, 1.5 * g])  # noqa: E731
+        return optree.tree_map(batch, updates, none_is_leaf=True), state
+
+    return ft.GradientTransformation(lambda params: ft.EmptyState(), update)
 
 
 def _matrices(params):
@@ -153,6 +169,10 @@ FACTORIES: dict[str, Callable[[], ft.GradientTransformation]] = {
     "adafactor": lambda: ft.adafactor(beta1=0.9, weight_decay=0.1),
     "lamb": lambda: ft.lamb(1e-2, weight_decay=0.1),
     "came": lambda: ft.came(1e-2, weight_decay=0.1),
+    # per-example gradients made from the swept ones (see _examples), clipped, noised, averaged
+    "differentially_private_aggregate": lambda: ft.chain(
+        _examples(), ft.differentially_private_aggregate(2.0, 0.5, seed=0)
+    ),
 }
 
 # other configurations that take other code paths: "name[variant]" -> builder
@@ -198,6 +218,8 @@ EXCLUDED: dict[str, str] = {
     "decay_mask": "builds a mask tree, not a transform (swept as adamw[mask]; "
     "tests/test_decay_mask.py)",
     "is_differentiable": "its query",
+    "vmap": "torch.func.vmap with None leaves passed through: how the vmap property runs every "
+    "transform (tests/test_func.py)",
     "PartitionState": "a state type",
     "MaskedState": "a state type",
     "ClipByGlobalNormState": "a state type",
@@ -213,6 +235,7 @@ EXCLUDED: dict[str, str] = {
     "GaLoreState": "a state type",
     "InjectHyperparamsState": "a state type",
     "EmaParamsState": "a state type",
+    "DifferentiallyPrivateAggregateState": "a state type",
     "averaged_params": "reads the average from a state, not a transform (tests/test_ema_params.py)",
     "TorchOptimizer": "a torch.optim.Optimizer running a transform, not a transform "
     "(tests/test_torch_optimizer.py)",
@@ -274,12 +297,31 @@ _PASSES_UNREDUCED = (
     "identity passes gradients that are unreduced over the data axis on unreduced, by design "
     "(passes_unreduced): each replica's contribution is its correct output"
 )
+_PER_EXAMPLE = (
+    "per-example gradients are plain tensors on each data-parallel replica (a DTensor leaf "
+    "raises a TypeError naming it); tests/test_privacy.py runs simulated replicas against one "
+    "process"
+)
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("clip_by_global_norm", "mixed_dtypes"): _GLOBAL_NORM,
     ("chain", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[clip]", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): _PASSES_UNREDUCED,
     ("identity", "zero_grads_sharded"): _PASSES_UNREDUCED,
+    ("differentially_private_aggregate", "mixed_dtypes"): "each example is clipped to its "
+    "norm over every leaf: a leaf's update depends on the other leaves by design",
+    **{
+        ("differentially_private_aggregate", prop): _PER_EXAMPLE
+        for prop in (
+            "sharded",
+            "sharded_data_axis",
+            "state_placements",
+            "zero_redundancy_dp",
+            "step_sharded",
+            "zero_grads_sharded",
+            "compile_dtensor",
+        )
+    },
 }
 
 # Transforms whose update may read a documented CPU step counter on the host (a 0-dim int64 CPU
@@ -293,6 +335,8 @@ HOST_COUNTER_READS: dict[str, str] = {
     "galore": "GaLoreState.count decides on the host whether the projector is refreshed "
     "(documented in GaLoreState's docstring)",
     "galore_adamw": "a galore chain: GaLoreState.count, as galore",
+    "differentially_private_aggregate": "DifferentiallyPrivateAggregateState.count seeds the "
+    "noise's generator on the host (documented in its docstring)",
     "inject_hyperparams[tensors]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) are "
     "read as floats eagerly (no device synchronisation; a compiled "
     "step takes them as tensors; documented in value_of)",
@@ -306,6 +350,8 @@ HOST_COUNTER_READS: dict[str, str] = {
 # compile property still requires eager's numbers): none so far, every transform that compiles
 # at all traces as ONE graph.
 COMPILE_GRAPH_BREAKS: dict[str, str] = {
+    "differentially_private_aggregate": "the noise's generator is seeded on the host from the "
+    "CPU count and drawn outside the graph (documented in its docstring)",
     "inject_hyperparams[host]": "trace's decay and dampening are read on the host (a factory "
     "without @injectable; documented in inject_hyperparams)",
 }
@@ -316,6 +362,39 @@ COMPILE_GRAPH_BREAKS: dict[str, str] = {
 NEEDS_A_DTENSOR: dict[str, str] = {"zero_redundancy": "pass the mesh at construction"}
 
 KNOWN_BUGS: dict[tuple[str, str], str] = {}  # every bug the sweep found is fixed
+
+# The vmap and grad properties build these instead of the registry's builder, for the reason
+# given (name -> (builder, reason)).
+_MUON_F64 = (
+    "torch.optim.Muon's bfloat16 Newton-Schulz: a batched bfloat16 matmul rounds otherwise than "
+    "one matrix's, and the finite differences of a bfloat16 function are its rounding; the "
+    "float64 Newton-Schulz is the same code"
+)
+FUNC_BUILDERS: dict[str, tuple[Callable[[], ft.GradientTransformation], str]] = {
+    "muon": (lambda: ft.muon(1e-2, weight_decay=0.1, ns_dtype=torch.float64), _MUON_F64),
+}
+
+# The transforms that refuse to be differentiated (torch.func.grad / jvp, ft.differentiable()),
+# and the error they raise (NotImplementedError, a regex): their computation has no useful
+# derivative, and a derivative through it would be silently wrong.
+_SVD = r"galore: the projector refresh \(an SVD of the gradient.*is not differentiable"
+_8BIT = r"scale_by_adam with optim_bits=8: 8-bit quantisation of the moments is not"
+NOT_DIFFERENTIABLE: dict[str, str] = {
+    "galore": _SVD,  # (the second update refreshes: update_proj_gap=2)
+    "galore_adamw": _SVD,
+    "galore_adamw[8bit]": _8BIT,
+    "adamw[8bit]": _8BIT,
+}
+
+# The grad property holds the state leaves whose path contains the substring constant, for the
+# reason given (name -> (substring, reason)).
+GRAD_HELD_STATE: dict[str, tuple[str, str]] = {
+    "inject_hyperparams[host]": (
+        "hyperparams",
+        "trace's decay and dampening are read on the host (the transform is rebuilt when they "
+        "change): a traced value there raises a TypeError (tests/test_func.py)",
+    ),
+}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -914,7 +914,7 @@ def documented_host_counters(state: Any) -> list:
         if isinstance(node, ft.MultiStepsState):
             out.append(node.mini_step)
             out.extend(node.seen)
-        elif isinstance(node, ft.GaLoreState):
+        elif isinstance(node, (ft.GaLoreState, ft.DifferentiallyPrivateAggregateState)):
             out.append(node.count)
         elif isinstance(node, ft.InjectHyperparamsState):
             out.extend(v for k, v in node.hyperparams.items() if k != "learning_rate")
@@ -1334,3 +1334,131 @@ def test_sharded_cases_draw_zero_gradient_leaves():
     check(case)
     assert f"zeros={list(case.zeros)}" in repr(case)
     assert not find(sharded_cases(**three), lambda c: True, settings=quick).zeros
+
+
+# =============================================================================================
+# torch.func: vmap and grad
+# =============================================================================================
+# a small float64 tree: a matrix (projected by GaLore, orthogonalised by Muon, factored by
+# Adafactor and CAME) and a vector
+FUNC_SHAPES = {"w": (4, 3), "v": (5,)}
+VMAP_BATCH = 2
+# a batched matmul / 8-bit absmax in float32 rounds otherwise than one element's; float64 else
+VMAP_TOL = {
+    "default": (1e-10, 1e-12),
+    "adamw[8bit]": (1e-6, 1e-9),
+    "galore_adamw[8bit]": (1e-6, 1e-9),
+}
+GRAD_RTOL = 1e-6  # analytic vs central differences (h = 1e-5, float64)
+
+
+def _func_build(name: str) -> ft.GradientTransformation:
+    hit = reg.FUNC_BUILDERS.get(name)
+    return hit[0]() if hit is not None else build(name)
+
+
+def _steps(tx, params, grads, state=None, use_step=False):
+    state = tx.init(params) if state is None else state
+    for g in grads:
+        if use_step:
+            params, state = ft.step(tx, g, state, params)
+        else:
+            u, state = tx.update(g, state, params)
+            params = ft.apply_updates(params, u)
+    return params, state
+
+
+@pytest.mark.parametrize("name", cases("vmap"))
+def test_vmap(name):
+    """``ft.vmap`` of ``init``, then of ``update`` and ``apply_updates`` (and of ``ft.step``),
+    each call batched on its own, over a leading model axis equals a Python loop over that
+    axis, params and every state leaf (the global norms, trust ratios, factored statistics,
+    Newton-Schulz and counters are per batch element, as under ``jax.vmap``)."""
+    problems = [
+        problem(2, seed=s, dtype=torch.float64, shapes=FUNC_SHAPES, scale=2.0)
+        for s in range(VMAP_BATCH)
+    ]
+    stack = lambda trees: {k: torch.stack([t[k] for t in trees]) for k in trees[0]}  # noqa: E731
+    params = stack([p for p, _ in problems])
+    grads = [stack([g[t] for _, g in problems]) for t in range(2)]
+    rtol, atol = VMAP_TOL.get(name, VMAP_TOL["default"])
+    for use_step in (False, True):
+        tx = _func_build(name)
+        p, state = params, ft.vmap(tx.init)(params)  # (batched counters, as jax.vmap gives)
+        for g in grads:  # each call batched on its own, as a training loop makes them
+            if use_step:
+                p, state = ft.vmap(lambda g, s, q: ft.step(tx, g, s, q))(g, state, p)
+            else:
+                u, state = ft.vmap(tx.update)(g, state, p)
+                p = ft.vmap(ft.apply_updates)(p, u)
+        got = (p, state)
+        for i, (p, g) in enumerate(problems):
+            want = _steps(_func_build(name), p, g, use_step=use_step)
+            for (path, x), (_, w) in zip(walk(got), walk(want)):
+                what = f"{'ft.step' if use_step else 'update'}: element {i}, {path}"
+                if not isinstance(w, torch.Tensor):
+                    assert x == w, what
+                    continue
+                assert x.shape == (VMAP_BATCH, *w.shape), what
+                torch.testing.assert_close(
+                    x[i], w, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}"
+                )
+
+
+@pytest.mark.parametrize("name", cases("grad"))
+def test_grad(name):
+    """``torch.func.grad`` through ``update`` + ``apply_updates`` and ``torch.func.jvp``
+    through ``ft.step`` (two steps, from a state one step in) of a loss of the new parameters,
+    with respect to the parameters, the first gradients and every floating state leaf, equal
+    central finite differences in float64 along a random direction; a transform of
+    ``NOT_DIFFERENTIABLE`` raises its clear error instead (never a silent zero)."""
+    params, grads = problem(3, dtype=torch.float64, shapes=FUNC_SHAPES, scale=2.0)
+    tx = _func_build(name)
+    _, state = _steps(tx, params, grads[:1])
+    paths = [p for p, _ in walk(state)]
+    leaves, spec = optree.tree_flatten(state, none_is_leaf=True)
+    held = reg.GRAD_HELD_STATE.get(name)
+    fl = [
+        k
+        for k, x in enumerate(leaves)
+        if isinstance(x, torch.Tensor)
+        and x.dtype == torch.float64  # (a float32 leaf's finite differences are its rounding)
+        and not (held is not None and held[0] in paths[k])
+    ]
+    gen = torch.Generator().manual_seed(1)
+    target = {k: torch.randn(v, generator=gen, dtype=torch.float64) for k, v in FUNC_SHAPES.items()}
+
+    def loss(p, g1, g2, sf, use_step=False):
+        full = list(leaves)
+        for k, x in zip(fl, sf):
+            full[k] = x
+        s = optree.tree_unflatten(spec, full)
+        q, _ = _steps(_func_build(name), p, [g1, g2], s, use_step)
+        return sum(((q[k] - target[k]) ** 2).sum() for k in q)
+
+    primal = (params, grads[1], grads[2], [leaves[k] for k in fl])
+
+    def rnd(x, rel=False):  # state leaves: relative to the leaf (second moments stay positive)
+        d = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+        return d * x.abs() if rel else d
+
+    tangent = (*optree.tree_map(rnd, primal[:3]), [rnd(x, True) for x in primal[3]])
+    argnums = (0, 1, 2, 3)
+    if name in reg.NOT_DIFFERENTIABLE:
+        with pytest.raises(NotImplementedError, match=reg.NOT_DIFFERENTIABLE[name]):
+            torch.func.grad(loss, argnums=argnums)(*primal)
+        with pytest.raises(NotImplementedError, match=reg.NOT_DIFFERENTIABLE[name]):
+            torch.func.jvp(lambda *a: loss(*a, use_step=True), primal, tangent)
+        return
+    h = 1e-5
+    at = lambda t: loss(*optree.tree_map(lambda x, d: x + t * d, primal, tangent))  # noqa: E731
+    fd = float((at(h) - at(-h)) / (2 * h))
+    d = torch.func.grad(loss, argnums=argnums)(*primal)
+    by_grad = float(
+        sum((a * b).sum() for a, b in zip(optree.tree_leaves(d), optree.tree_leaves(tangent)))
+    )
+    _, by_jvp = torch.func.jvp(lambda *a: loss(*a, use_step=True), primal, tangent)
+    for what, got in (("grad through update", by_grad), ("jvp through ft.step", float(by_jvp))):
+        assert abs(got - fd) <= GRAD_RTOL * max(1.0, abs(fd)), (
+            f"{what}: {got}, finite differences {fd}"
+        )

@@ -19,7 +19,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ..autograd import detached, requires_grad_like
+from ..autograd import detached, requires_grad_like, traced
 from ..mesh import Mesh
 from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
 from .collectives import all_reduce, all_reduce_buckets, all_reduce_start, per_rank
@@ -431,6 +431,29 @@ def leaf_paths(tree: Any) -> list:
     return [format_path(p) for p in paths_raw]
 
 
+def _unwrapped(x: Any) -> Any:
+    """The tensor under ``x``'s ``torch.func`` wrappers (``x`` itself if it has none)."""
+    while isinstance(x, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
+
+
+def _refuse_dtensors(tree: Any, leaves: list, pleaves: list | None, name: str) -> None:
+    """Raise for a DTensor leaf under a ``torch.func`` transform.
+
+    Raises:
+        TypeError: naming the first DTensor leaf's path.
+    """
+    for k, x in enumerate(zip(leaves, pleaves or [None] * len(leaves))):
+        if any(isinstance(_unwrapped(y), DTensor) for y in x):
+            path = format_path(optree.tree_flatten_with_path(tree, none_is_leaf=True)[0][k])
+            raise TypeError(
+                f"{name}: leaf '{path}' is a DTensor; torch.func transforms (vmap, grad, jvp) "
+                f"of the library's transforms take plain tensors only (DTensor has no batching "
+                f"rules): run them on each rank's local tensors, or without torch.func"
+            )
+
+
 def prepare(
     updates: Any,
     params: Any,
@@ -470,6 +493,8 @@ def prepare(
     else:
         pleaves, treedef = tree_flatten(params)
         leaves = flatten_as(updates, treedef, "updates", "params", params)
+    if traced():  # (torch.func has no batching or grad rules for DTensor)
+        _refuse_dtensors(updates if params is None else params, leaves, pleaves, name)
     leaves = detached(leaves)  # no graph into the states (see functional_train.autograd)
     if pleaves is not None:
         pleaves = detached(pleaves)
