@@ -9,7 +9,7 @@ main job or the notebook), as ``.ci/run`` does. An explicit ``-m`` expression se
 
 Profiles (select with the ``HYPOTHESIS_PROFILE`` environment variable):
 
-* ``ci`` (the default): few examples, deterministic (``derandomize``), no deadline, so the whole
+* ``ci`` (the default): few examples (10), deterministic (``derandomize``), no deadline, so the whole
   suite stays fast and reproducible on a small CPU machine;
 * ``dev``: many more examples, random seeds, for local bug hunting
   (``HYPOTHESIS_PROFILE=dev python -m pytest tests/test_sharded_equivalence.py``).
@@ -78,7 +78,7 @@ def pytest_collection_modifyitems(config, items):
 
 settings.register_profile(
     "ci",
-    max_examples=15,
+    max_examples=10,
     deadline=None,
     derandomize=True,
     print_blob=True,
