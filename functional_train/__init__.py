@@ -89,7 +89,7 @@ def _register_safe_globals() -> None:
     registered with ``torch.serialization.add_safe_globals`` at import."""
     import torch.serialization
 
-    from .factored import _StepSizeDecayState
+    from .factored import StepSizeDecayState
 
     torch.serialization.add_safe_globals(
         [
@@ -101,7 +101,7 @@ def _register_safe_globals() -> None:
             ClipByGlobalNormState,
             EmaState,
             ScaleByFactoredRmsState,
-            _StepSizeDecayState,
+            StepSizeDecayState,
             GaLoreState,
             ScaleByAdam8bitState,
             ScaleByAdamState,

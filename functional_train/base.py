@@ -14,6 +14,7 @@ __all__ = [
     "named_chain",
     "passes_unreduced",
     "declare",
+    "check_state",
 ]
 
 
@@ -49,6 +50,19 @@ class GradientTransformation(NamedTuple):
 
 class EmptyState(NamedTuple):
     """The state of a stateless transform."""
+
+
+def check_state(state: Any, cls: type, name: str) -> None:
+    """Raise the error of a transform ``name`` given a state that is not its ``cls`` (a state
+    from another transform's ``init``).
+
+    Raises:
+        ValueError: naming the transform, the state class expected and the one given.
+    """
+    if not isinstance(state, cls):
+        raise ValueError(
+            f"{name}: expected the {cls.__name__} from {name}.init, got {type(state).__name__}"
+        )
 
 
 def declare(update_fn, *, unreduced: bool = True, view: bool = False):

@@ -22,29 +22,28 @@ import torch
 
 from . import _validate as V
 from . import foreach
-from .base import EmptyState, GradientTransformation, chain, declare
+from . import leaves as L
+from .base import EmptyState, GradientTransformation, chain, check_state, declare
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import per_leaf_result, per_leaf_view, prepare
 from .factored import (
     ScaleByFactoredRmsState,
-    _block_rms,
-    _factored_ema,
-    _factored_rms,
-    _is_factored,
-    _leaf_rms,
-    _new_state_tree,
-    _placeholder,
-    _square,
-    _state_leaves,
-    _zeros_reduced,
+    block_rms,
+    factored_ema,
+    factored_rms,
+    is_factored,
+    leaf_rms,
+    new_state_tree,
+    placeholder,
     scale_by_factored_rms,
+    squared,
+    state_leaves,
+    zeros_reduced,
 )
 from .hyperparams import injectable, is_injected, value_of
 from .transforms import (
     ScalarOrSchedule,
     ScaleByScheduleState,
-    _check_state,
-    _div,
     add_decayed_weights,
     scale_by_learning_rate,
 )
@@ -147,14 +146,14 @@ def scale_by_came(
                 rows.append(None), cols.append(None)
                 continue
             dt = state_dtype(x.dtype, None)
-            if _is_factored(x.shape, 0):
+            if is_factored(x.shape, 0):
                 if paths is None:
                     paths = tree_paths(params)
-                rows.append(_zeros_reduced(x, -1, dt, paths[k]))
-                cols.append(_zeros_reduced(x, -2, dt, paths[k]))
+                rows.append(zeros_reduced(x, -1, dt, paths[k]))
+                cols.append(zeros_reduced(x, -2, dt, paths[k]))
             else:
-                rows.append(_placeholder(x, dt))
-                cols.append(_placeholder(x, dt))
+                rows.append(placeholder(x, dt))
+                cols.append(placeholder(x, dt))
         return ScaleByCameState(
             s.count,
             s.v_row,
@@ -166,7 +165,7 @@ def scale_by_came(
         )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, ScaleByCameState, where)
+        check_state(state, ScaleByCameState, where)
         # 1. u: the factored second moment (materialises unreduced gradients)
         u_tree, s = second.update(
             updates,
@@ -176,7 +175,7 @@ def scale_by_came(
         )
         b = prepare(u_tree, params, None if mesh is None else mesh.reduced(), name=where)
         m_all = b.state_locals(state.exp_avg, "ScaleByCameState.exp_avg")
-        fac = [i for i in b.active if _is_factored(b.updates[i].shape, 0)]
+        fac = [i for i in b.active if is_factored(b.updates[i].shape, 0)]
         empty = (0,)
         fset = set(fac)
         e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in b.active}
@@ -184,8 +183,8 @@ def scale_by_came(
             i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset else empty)
             for i in b.active
         }
-        row_leaves, row_loc = _state_leaves(b, state.res_row, f"{where}: res_row", e_row, fac)
-        col_leaves, col_loc = _state_leaves(b, state.res_col, f"{where}: res_col", e_col, fac)
+        row_leaves, row_loc = state_leaves(b, state.res_row, f"{where}: res_row", e_row, fac)
+        col_leaves, col_loc = state_leaves(b, state.res_col, f"{where}: res_col", e_col, fac)
         if not b.active:
             return b.rebuild_active([]), ScaleByCameState(
                 s.count, s.v_row, s.v_col, s.v, state.exp_avg, state.res_row, state.res_col
@@ -197,7 +196,7 @@ def scale_by_came(
             for i, m in zip(act, m_old)
         ]
         # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves
-        den = _div(_block_rms(b, u, act), value_of(clip_threshold))
+        den = L.div(block_rms(b, u, act), value_of(clip_threshold))
         foreach.clamp_min_(den, 1.0)
         u = [x / d.to(x.dtype) for x, d in zip(u, den)]
         # 3. momentum (as came_pytorch: m * b1 + (1 - b1) * u)
@@ -212,7 +211,7 @@ def scale_by_came(
         items = (
             (
                 i,
-                _square(u[pos[i]].to(dts[i]) - m_new[pos[i]].to(dts[i])).add_(eps2),
+                squared(u[pos[i]].to(dts[i]) - m_new[pos[i]].to(dts[i])).add_(eps2),
                 row_loc[i],
                 col_loc[i],
             )
@@ -220,7 +219,7 @@ def scale_by_came(
         )
         beta3 = torch.full((), b3, dtype=torch.float64, device=state.count.device)
         new_row, new_col = {}, {}
-        for i, (r, c, f) in zip(fac, _factored_ema(b, items, beta3)):
+        for i, (r, c, f) in zip(fac, factored_ema(b, items, beta3)):
             new_row[i], new_col[i] = r, c
             m = m_new[pos[i]]
             out[i] = f.mul_(m.to(f.dtype)).to(b.locals[i].dtype)
@@ -230,8 +229,8 @@ def scale_by_came(
             s.v_col,
             s.v,
             b.state_tree(state.exp_avg, "ScaleByCameState.exp_avg", m_new),
-            _new_state_tree(b, row_leaves, new_row),
-            _new_state_tree(b, col_leaves, new_col),
+            new_state_tree(b, row_leaves, new_row),
+            new_state_tree(b, col_leaves, new_col),
         )
         return b.rebuild(out), new_state
 
@@ -343,7 +342,7 @@ def fused_came_step(
     act = b.active
     where = "scale_by_came"
     m_all = b.state_locals(s.exp_avg, "ScaleByCameState.exp_avg")
-    fac = [i for i in act if _is_factored(b.updates[i].shape, 0)]
+    fac = [i for i in act if is_factored(b.updates[i].shape, 0)]
     fset = set(fac)
     empty = (0,)
     e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in act}
@@ -351,8 +350,8 @@ def fused_came_step(
         i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset else empty)
         for i in act
     }
-    row_leaves, row_loc = _state_leaves(b, s.res_row, f"{where}: res_row", e_row, fac)
-    col_leaves, col_loc = _state_leaves(b, s.res_col, f"{where}: res_col", e_col, fac)
+    row_leaves, row_loc = state_leaves(b, s.res_row, f"{where}: res_row", e_row, fac)
+    col_leaves, col_loc = state_leaves(b, s.res_col, f"{where}: res_col", e_col, fac)
     if schedule:  # scale_by_learning_rate's numbers
         step = torch.as_tensor(fused.learning_rate(lr_state.count), dtype=torch.float64) * -1.0
     else:
@@ -372,7 +371,7 @@ def fused_came_step(
     def finish(i, u):
         g, p, m_old = b.locals[i], b.params[i], m_all[i]
         x = u if u.dtype == m_old.dtype else u.to(m_old.dtype)  # ours: changed in place
-        den = _leaf_rms([x], x.numel())[0].div_(fused.clip_threshold).clamp_min_(1.0)
+        den = leaf_rms([x], x.numel())[0].div_(fused.clip_threshold).clamp_min_(1.0)
         x.div_(den.to(x.dtype))
         m = m_old.mul_(fused.b1) if donate else torch.mul(m_old, fused.b1, out=new_m[i])
         m.add_(x, alpha=1.0 - fused.b1)
@@ -381,7 +380,7 @@ def fused_came_step(
             dt = row_loc[i].dtype
             res = torch.sub(x.to(dt), m.to(dt), out=scratch2.view(0, x.shape, dt, x.device))
             res = res.mul_(res).add_(fused.eps2)
-            ((r, c, f),) = _factored_ema(
+            ((r, c, f),) = factored_ema(
                 b, [(i, res, row_loc[i], col_loc[i])], beta3, scratch2, local=True
             )
             new_row[i], new_col[i] = r, c
@@ -397,7 +396,7 @@ def fused_came_step(
             torch.add(p, out, out=new_p[i])
 
     with torch.no_grad():
-        _, new_fac = _factored_rms(
+        _, new_fac = factored_rms(
             b,
             ScaleByFactoredRmsState(s.count, s.v_row, s.v_col, s.v),
             "scale_by_factored_rms",
@@ -415,8 +414,8 @@ def fused_came_step(
         new_fac.v_col,
         new_fac.v,
         b.state_tree(s.exp_avg, "ScaleByCameState.exp_avg", [new_m[i] for i in act]),
-        _new_state_tree(b, row_leaves, new_row),
-        _new_state_tree(b, col_leaves, new_col),
+        new_state_tree(b, row_leaves, new_row),
+        new_state_tree(b, col_leaves, new_col),
     )
     new_state = (
         new_s,

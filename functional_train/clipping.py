@@ -14,12 +14,13 @@ import torch
 
 from . import _validate as V
 from . import foreach
+from . import leaves as L
 from .autograd import traced
 from .base import GradientTransformation, elementwise_transform
 from .engine import elementwise as E
 from .engine import native
 from .engine.view import prepare
-from .transforms import _as_complex, _as_real, _no_fields, stateless
+from .transforms import stateless
 from .tree import first_device
 
 __all__ = ["clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm"]
@@ -43,8 +44,8 @@ def clip(max_delta: float) -> GradientTransformation:
         g = [b.locals[i] for i in b.active]
         if not any(x.is_complex() for x in g):
             return foreach.clamp_max(foreach.clamp_min(g, -max_delta), max_delta)
-        r = foreach.clamp_max(foreach.clamp_min(_as_real(g), -max_delta), max_delta)
-        return _as_complex(r, g)
+        r = foreach.clamp_max(foreach.clamp_min(L.as_real(g), -max_delta), max_delta)
+        return L.as_complex(r, g)
 
     return stateless("clip", clamp)
 
@@ -178,7 +179,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         """``u * coef`` (in ``u``'s dtype), ``coef = min(1, max_norm / (total + 1e-6))``."""
         return (u * h[0]).to(u.dtype), ()
 
-    spec = E.Elementwise("clip_by_global_norm", leaf, prologue, _no_fields, 0, reduces=True)
+    spec = E.Elementwise("clip_by_global_norm", leaf, prologue, E.no_fields, 0, reduces=True)
     tx = elementwise_transform(spec, init_fn)
     update_fn = tx.update
     update_fn.fused_clip = (max_norm, norm_type)  # type: ignore[attr-defined]  (ft.step)

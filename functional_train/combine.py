@@ -86,7 +86,7 @@ def _prefix_mismatch(prefix: PyTree, full: PyTree) -> str:
     return found or "the containers differ"
 
 
-class _PerLeaf:
+class PerLeaf:
     """Per-leaf labels (or mask values) of a params tree, resolved once per params structure
     and leaf shapes: a callable is called on the first params of each layout, as under
     ``jax.jit`` (where optax calls it once per trace), not on every update, so the per-leaf
@@ -170,7 +170,7 @@ def partition(
                 )
         return labels
 
-    labels_of = _PerLeaf(resolve_labels, "partition")
+    labels_of = PerLeaf(resolve_labels, "partition")
 
     def init_fn(params):
         leaves, treedef = tree_flatten(params)
@@ -218,11 +218,11 @@ def partition(
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
-def mask_of(mask: PyTree | Callable[[PyTree], PyTree], where: str) -> _PerLeaf:
+def mask_of(mask: PyTree | Callable[[PyTree], PyTree], where: str) -> PerLeaf:
     """``params -> [bool per leaf]`` (Python bools) for a mask given as a tree of bools (Python
     or NumPy) with the structure of the params or of a prefix of it, or as ``params -> mask
     tree`` (optax semantics; :func:`leaf_values`), resolved once per params structure and leaf
-    shapes, and reused under ``torch.compile`` (see :class:`_PerLeaf`). Calling it raises
+    shapes, and reused under ``torch.compile`` (see :class:`PerLeaf`). Calling it raises
     ValueError for a mask that is neither the params' structure nor a prefix of it and
     TypeError for a leaf that is not a bool, naming the path."""
 
@@ -236,7 +236,7 @@ def mask_of(mask: PyTree | Callable[[PyTree], PyTree], where: str) -> _PerLeaf:
                 )
         return [bool(k) for k in keep]
 
-    return _PerLeaf(resolve_mask, where)
+    return PerLeaf(resolve_mask, where)
 
 
 def masked(

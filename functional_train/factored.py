@@ -32,8 +32,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _validate as V
 from . import foreach
+from . import leaves as L
 from .autograd import traced
-from .base import EmptyState, GradientTransformation, chain, declare
+from .base import EmptyState, GradientTransformation, chain, check_state, declare
 from .combine import mask_of
 from .engine.dtensor import spec_of, to_local
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
@@ -42,11 +43,6 @@ from .hyperparams import injectable, value_of
 from .transforms import (
     ScalarOrSchedule,
     ScaleByScheduleState,
-    _cast_like,
-    _check_state,
-    _div,
-    _lerp,
-    _nonzero,
     reject_complex,
     scale,
     scale_by_learning_rate,
@@ -100,7 +96,7 @@ def _reduced_placements(x: DTensor, dim: int, path: str) -> list:
     return out
 
 
-def _zeros_reduced(x: Any, dim: int, dtype: torch.dtype, path: str) -> Any:
+def zeros_reduced(x: Any, dim: int, dtype: torch.dtype, path: str) -> Any:
     """Zeros shaped like ``x`` without tensor dim ``dim``: for a DTensor, a DTensor of global
     shape ``x.shape`` minus ``dim``, sharded like ``x`` over the remaining dims (no
     communication; the local shard is built from the local shard of ``x``, uneven shards
@@ -121,7 +117,7 @@ def _zeros_reduced(x: Any, dim: int, dtype: torch.dtype, path: str) -> Any:
     return x.narrow(dim, 0, 0).sum(dim, dtype=dtype)
 
 
-def _placeholder(x: Any, dtype: torch.dtype) -> Any:
+def placeholder(x: Any, dtype: torch.dtype) -> Any:
     """A 0-element state entry (shape ``(0,)``) for a statistic a leaf does not use; replicated
     on the leaf's mesh for DTensor leaves."""
     if isinstance(x, DTensor):
@@ -137,16 +133,16 @@ def _placeholder(x: Any, dtype: torch.dtype) -> Any:
     return torch.zeros((0,), dtype=dtype, device=x.device)
 
 
-def _square(x: torch.Tensor) -> torch.Tensor:
+def squared(x: torch.Tensor) -> torch.Tensor:
     """``x * x``, a new tensor (``torch.square`` is ``pow(x, 2)``, slower on CPU)."""
     return torch.mul(x, x)
 
 
-def _is_factored(shape: Sequence[int], min_dim: int) -> bool:
+def is_factored(shape: Sequence[int], min_dim: int) -> bool:
     return len(shape) >= 2 and min(shape[-2], shape[-1]) >= min_dim
 
 
-def _state_leaves(
+def state_leaves(
     b: Prepared, tree: Any, what: str, expected: dict, used: Sequence[int]
 ) -> tuple[list, dict]:
     """Flatten a per-leaf state tree (structure of the updates), check the shapes of the active
@@ -164,7 +160,7 @@ def _state_leaves(
     return leaves, {i: to_local(leaves[i]) for i in used}
 
 
-def _new_state_tree(b: Prepared, leaves: list, new_locals: dict) -> Any:
+def new_state_tree(b: Prepared, leaves: list, new_locals: dict) -> Any:
     """``leaves`` with the entries in ``new_locals`` (index -> local shard) rewrapped in the
     spec of the old entry; other entries are kept as they are (same objects)."""
     out = list(leaves)
@@ -197,7 +193,7 @@ def _shards_of(x: Any, dim: int) -> int:
     )
 
 
-def _factored_ema(
+def factored_ema(
     b: Prepared,
     items: Iterable[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
     beta: torch.Tensor,
@@ -294,7 +290,7 @@ class ScaleByFactoredRmsState(NamedTuple):
     v: Any
 
 
-def _factored_rms(
+def factored_rms(
     b: Prepared,
     state: ScaleByFactoredRmsState,
     where: str,
@@ -316,7 +312,7 @@ def _factored_rms(
     update is then valid only during its ``on_update`` call, and the returned locals of the
     factored leaves must not be used."""
     reject_complex(b, where)
-    fac = [i for i in b.active if _is_factored(b.updates[i].shape, min_dim)]
+    fac = [i for i in b.active if is_factored(b.updates[i].shape, min_dim)]
     fset = set(fac)
     dense = [i for i in b.active if i not in fset]
     empty = (0,)
@@ -326,9 +322,9 @@ def _factored_rms(
         for i in b.active
     }
     e_v = {i: (empty if i in fset else tuple(b.updates[i].shape)) for i in b.active}
-    row_leaves, row_loc = _state_leaves(b, state.v_row, f"{where}: v_row", e_row, fac)
-    col_leaves, col_loc = _state_leaves(b, state.v_col, f"{where}: v_col", e_col, fac)
-    v_leaves, v_loc = _state_leaves(b, state.v, f"{where}: v", e_v, dense)
+    row_leaves, row_loc = state_leaves(b, state.v_row, f"{where}: v_row", e_row, fac)
+    col_leaves, col_loc = state_leaves(b, state.v_col, f"{where}: v_col", e_col, fac)
+    v_leaves, v_loc = state_leaves(b, state.v, f"{where}: v", e_v, dense)
     count = state.count + 1
     if beta2 is None:
         b2 = 1.0 - torch.pow(count.to(torch.float64), decay_rate)
@@ -345,7 +341,7 @@ def _factored_rms(
         foreach.add_(gsq, eps)
         foreach.mul_(gsq, 1.0 - b2)  # a float64 0-dim scalar keeps each dtype
         # (a 0-dim float64 b2 would promote 0-dim leaves to float64: keep the state dtype)
-        v_new = _cast_like(foreach.mul(v_old, b2), v_old)
+        v_new = L.cast_like(foreach.mul(v_old, b2), v_old)
         foreach.add_(v_new, gsq)
         u = foreach.mul(foreach.rsqrt(v_new), gs)  # (out of place: rsqrt's result is saved
         # for autograd under torch.func.grad)
@@ -358,13 +354,13 @@ def _factored_rms(
     # factored leaves: one batched leaf_sums for all of them
     def square(x):
         if scratch is None:
-            return _square(x)
+            return squared(x)
         return torch.mul(x, x, out=scratch.view(0, x.shape, x.dtype, x.device))
 
     items = (
         (i, square(b.locals[i].to(row_loc[i].dtype)).add_(eps), row_loc[i], col_loc[i]) for i in fac
     )
-    for i, (r, c, f) in zip(fac, _factored_ema(b, items, b2, scratch, local)):
+    for i, (r, c, f) in zip(fac, factored_ema(b, items, b2, scratch, local)):
         g = b.locals[i]
         new_row[i], new_col[i] = r, c
         # f is a fresh buffer (out of place when traced: autograd may have saved it)
@@ -373,9 +369,9 @@ def _factored_rms(
             on_update(i, out[i])
     new_state = ScaleByFactoredRmsState(
         count,
-        _new_state_tree(b, row_leaves, new_row),
-        _new_state_tree(b, col_leaves, new_col),
-        _new_state_tree(b, v_leaves, new_v),
+        new_state_tree(b, row_leaves, new_row),
+        new_state_tree(b, col_leaves, new_col),
+        new_state_tree(b, v_leaves, new_v),
     )
     return out, new_state
 
@@ -408,7 +404,7 @@ def scale_by_factored_rms(
     Communication per update: one batched ``leaf_sums`` call, i.e. ONE all-reduce (per state
     dtype) for the row, column and total statistics of every sharded factored leaf, whatever
     the number of leaves and their placements. ``mean_{-1}(R)`` is completed in the same call
-    (see :func:`_factored_ema`). Non-factored leaves need no communication.
+    (see :func:`factored_ema`). Non-factored leaves need no communication.
 
     Args:
         decay_rate: exponent of the relative-step decay ``b2t = 1 - t^decay_rate``; HF's sign
@@ -447,15 +443,15 @@ def scale_by_factored_rms(
                 rows.append(None), cols.append(None), vs.append(None)
                 continue
             dt = state_dtype(x.dtype, v_dtype)
-            if _is_factored(x.shape, min_dim):
+            if is_factored(x.shape, min_dim):
                 if paths is None:
                     paths = tree_paths(params)
-                rows.append(_zeros_reduced(x, -1, dt, paths[k]))
-                cols.append(_zeros_reduced(x, -2, dt, paths[k]))
-                vs.append(_placeholder(x, dt))
+                rows.append(zeros_reduced(x, -1, dt, paths[k]))
+                cols.append(zeros_reduced(x, -2, dt, paths[k]))
+                vs.append(placeholder(x, dt))
             else:
-                rows.append(_placeholder(x, dt))
-                cols.append(_placeholder(x, dt))
+                rows.append(placeholder(x, dt))
+                cols.append(placeholder(x, dt))
                 vs.append(state_zeros_like(x, v_dtype))
         return ScaleByFactoredRmsState(
             zero_count(params),
@@ -465,9 +461,9 @@ def scale_by_factored_rms(
         )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, ScaleByFactoredRmsState, where)
+        check_state(state, ScaleByFactoredRmsState, where)
         b = prepare(updates, params, mesh, name=where)
-        out, new_state = _factored_rms(b, state, where, value_of(decay_rate), beta2, eps, min_dim)
+        out, new_state = factored_rms(b, state, where, value_of(decay_rate), beta2, eps, min_dim)
         return b.rebuild(out), new_state
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
@@ -486,7 +482,7 @@ def _unbind(vec: torch.Tensor) -> list:
     return list(vec.unbind())
 
 
-def _block_rms(b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]) -> list:
+def block_rms(b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]) -> list:
     """Per-leaf RMS over the GLOBAL leaf (0-dim tensors, float32 for low-precision leaves,
     float64 for float64 ones): local sums of squares completed by ONE ``leaf_totals``
     all-reduce for all leaves, divided by the global numel."""
@@ -516,7 +512,7 @@ def _block_rms(b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]) ->
 def _block_rms_vector(
     b: Prepared, locs: Sequence[torch.Tensor], idx: Sequence[int]
 ) -> torch.Tensor | None:
-    """:func:`_block_rms` as one vector (the same numbers: every operation is elementwise on
+    """:func:`block_rms` as one vector (the same numbers: every operation is elementwise on
     the per-leaf values) when every tensor of ``locs`` has one dtype; ``None`` otherwise."""
     dtype = locs[0].dtype
     if any(x.dtype != dtype for x in locs):
@@ -531,8 +527,8 @@ def _block_rms_vector(
     return (tot / numel).sqrt()
 
 
-def _leaf_rms(xs: Sequence[torch.Tensor], numel: int) -> list:
-    """:func:`_block_rms` of local leaves of one dtype and ``numel`` elements each, in one
+def leaf_rms(xs: Sequence[torch.Tensor], numel: int) -> list:
+    """:func:`block_rms` of local leaves of one dtype and ``numel`` elements each, in one
     process (no communication), with its numbers in fewer operations (0-dim each)."""
     dt = torch.float32 if torch.finfo(xs[0].dtype).bits < 32 else None
     n = float(max(numel, 1))
@@ -559,7 +555,7 @@ def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
 
     def clip_rms(b):
         g = [b.locals[i] for i in b.active]
-        den = _div(_block_rms(b, g, b.active), value_of(threshold))
+        den = L.div(block_rms(b, g, b.active), value_of(threshold))
         foreach.clamp_min_(den, 1.0)
         return [x / d.to(x.dtype) for x, d in zip(g, den)]
 
@@ -586,7 +582,7 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     min_scale = V.number("min_scale", min_scale, where=where, low=0.0)
 
     def scale_rms(b):
-        rms = _block_rms(b, [b.params[i] for i in b.active], b.active)
+        rms = block_rms(b, [b.params[i] for i in b.active], b.active)
         foreach.clamp_min_(rms, min_scale)
         return [b.locals[i] * s.to(b.locals[i].dtype) for i, s in zip(b.active, rms)]
 
@@ -603,8 +599,8 @@ def _clip_and_scale_by_param_rms(threshold: float, min_scale: float) -> Gradient
         act = b.active
         g = [b.locals[i] for i in act]
         p = [b.params[i] for i in act]
-        rms = _block_rms(b, g + p, act + act)
-        den = _div(rms[: len(act)], value_of(threshold))
+        rms = block_rms(b, g + p, act + act)
+        den = L.div(rms[: len(act)], value_of(threshold))
         foreach.clamp_min_(den, 1.0)
         out = [x / d.to(x.dtype) for x, d in zip(g, den)]
         scale = rms[len(act) :]
@@ -673,7 +669,7 @@ def ema(
         return EmaState(zero_count(params), state_zeros_like(params, accumulator_dtype))
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, EmaState, where)
+        check_state(state, EmaState, where)
         b = prepare(updates, params, mesh, name=where)
         g = [b.locals[i] for i in b.active]
         m_all = b.state_locals(state.ema, "EmaState.ema")
@@ -683,7 +679,7 @@ def ema(
             return b.rebuild_active([]), EmaState(count, state.ema)
         gm = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(g, m)]
         d = value_of(decay)
-        new = _lerp(m, gm, 1.0 - d)
+        new = L.lerp(m, gm, 1.0 - d)
         out = new
         if debias:
             bc = 1.0 - torch.pow(d, count.to(torch.float64))
@@ -714,7 +710,7 @@ def _adafactor_scale(
     True.
     """
     where = "adafactor"
-    decays = _nonzero(weight_decay)
+    decays = V.nonzero(weight_decay)
     need_params = min_scale is not None or decays
     keep_of = mask_of(mask, where) if (mask is not None and decays) else None
 
@@ -724,7 +720,7 @@ def _adafactor_scale(
         return ScaleByScheduleState(zero_count(params)) if callable(rho) else EmptyState()
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, ScaleByScheduleState if callable(rho) else EmptyState, where)
+        check_state(state, ScaleByScheduleState if callable(rho) else EmptyState, where)
         new_state = ScaleByScheduleState(state.count + 1) if callable(rho) else state
         b = prepare(updates, params, mesh, need_params=need_params, name=where)
         act = b.active
@@ -737,7 +733,7 @@ def _adafactor_scale(
         )
         out = list(foreach.mul(g, factors))
         wd = value_of(weight_decay)
-        if _nonzero(wd):
+        if V.nonzero(wd):
             ks = range(len(act)) if keep_of is None else _kept(keep_of(params), act)
             new = _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks], wd)
             for k, x in zip(ks, new):
@@ -781,14 +777,14 @@ def _adafactor_factors(
         factors = (step / den.to(torch.float64)).to(u[0].dtype)
         return _unbind(factors), _unbind(step)
     if scaled:
-        rms = _block_rms(b, list(u) + list(p), list(idx) + list(idx))
+        rms = block_rms(b, list(u) + list(p), list(idx) + list(idx))
         scale = rms[n:]
         foreach.clamp_min_(scale, min_scale)
         steps = [-lr * x.to(torch.float64) for x in scale]
     else:
-        rms = _block_rms(b, u, idx)
+        rms = block_rms(b, u, idx)
         steps = [-lr] * n
-    den = _div(rms[:n], threshold)
+    den = L.div(rms[:n], threshold)
     foreach.clamp_min_(den, 1.0)
     return [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, u)], steps
 
@@ -804,8 +800,8 @@ def _add_decay(
         return out
     decay = [(a * weight_decay).to(x.dtype) for a, x in zip(steps, out)]
     if traced():
-        return foreach.add(out, foreach.mul(_cast_like(p, out), decay))
-    foreach.add_(out, foreach.mul(_cast_like(p, out), decay))
+        return foreach.add(out, foreach.mul(L.cast_like(p, out), decay))
+    foreach.add_(out, foreach.mul(L.cast_like(p, out), decay))
     return out
 
 
@@ -872,7 +868,7 @@ def fused_adafactor_step(
             return
         p = b.params[i]
         # _adafactor_factors' numbers for one leaf, in fewer (0-dim) operations
-        rms = _leaf_rms([u, p] if fused.min_scale is not None else [u], u.numel())
+        rms = leaf_rms([u, p] if fused.min_scale is not None else [u], u.numel())
         den = rms[0].div_(fused.threshold).clamp_min_(1.0)
         step = neg_lr
         if fused.min_scale is not None:
@@ -884,7 +880,7 @@ def fused_adafactor_step(
 
     scratch = of_plan(b.plan, "scratch", Scratch)
     with torch.no_grad():
-        _, new_fac = _factored_rms(
+        _, new_fac = factored_rms(
             b,
             fac_state,
             "scale_by_factored_rms",
@@ -919,8 +915,14 @@ def fused_adafactor_step(
 
 
 # ---------------------------------------------------------------------------------------------
-class _StepSizeDecayState(NamedTuple):
+class StepSizeDecayState(NamedTuple):
+    """State of Adafactor's step-size-scaled weight decay: the step count."""
+
     count: torch.Tensor
+
+
+# (the name it had: objects pickled before it was public unpickle by it)
+_StepSizeDecayState = StepSizeDecayState
 
 
 def _add_step_size_decayed_weights(
@@ -939,21 +941,21 @@ def _add_step_size_decayed_weights(
     def init_fn(params):
         if keep_of is not None:
             keep_of(params)
-        return _StepSizeDecayState(zero_count(params))
+        return StepSizeDecayState(zero_count(params))
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, _StepSizeDecayState, where)
+        check_state(state, StepSizeDecayState, where)
         b = prepare(updates, params, mesh, need_params=True, name=where)
         g = [b.locals[i] for i in b.active]
         if not g:
-            return b.rebuild_active([]), _StepSizeDecayState(state.count + 1)
+            return b.rebuild_active([]), StepSizeDecayState(state.count + 1)
         wd = value_of(weight_decay)
-        if not _nonzero(wd):  # (injected as 0: as the alias without it)
-            return b.rebuild_active(g), _StepSizeDecayState(state.count + 1)
+        if not V.nonzero(wd):  # (injected as 0: as the alias without it)
+            return b.rebuild_active(g), StepSizeDecayState(state.count + 1)
         p = [b.params[i] for i in b.active]
         lr = torch.as_tensor(rho(state.count), dtype=torch.float64)
         if scale_parameter:
-            rms = _block_rms(b, p, b.active)
+            rms = block_rms(b, p, b.active)
             foreach.clamp_min_(rms, min_scale)
             coef = [(s.to(torch.float64) * lr * wd) for s in rms]
         else:
@@ -963,7 +965,7 @@ def _add_step_size_decayed_weights(
             x + y.to(x.dtype) * c.to(x.dtype) if keep[i] else x
             for i, x, y, c in zip(b.active, g, p, coef)
         ]
-        return b.rebuild_active(out), _StepSizeDecayState(state.count + 1)
+        return b.rebuild_active(out), StepSizeDecayState(state.count + 1)
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
@@ -1094,7 +1096,7 @@ def adafactor(
             txs.append(clip_by_block_rms(clip_threshold))
         txs.append(scale_by_learning_rate(rho, flip_sign=False))
         txs.append(ema(beta1))
-        if _nonzero(weight_decay):
+        if V.nonzero(weight_decay):
             rho_fn = rho if callable(rho) else (lambda count, _v=float(rho): _v)
             txs.append(
                 _add_step_size_decayed_weights(weight_decay, rho_fn, scale_parameter, eps2, mask)

@@ -41,7 +41,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from . import _validate as V
 from . import foreach
 from .autograd import host_value, not_differentiable, traced
-from .base import EmptyState, GradientTransformation, chain, declare
+from .base import EmptyState, GradientTransformation, chain, check_state, declare
 from .combine import PartitionState, leaf_values, partition
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
@@ -64,8 +64,6 @@ from .transforms import (
     ScalarOrSchedule,
     ScaleByAdamState,
     ScaleByScheduleState,
-    _check_state,
-    _nonzero,
     reject_complex,
     scale_by_adam,
     scale_by_learning_rate,
@@ -476,7 +474,7 @@ def galore(
         return run(updates, state, params, None, {}, on_update, scratch, outputs)[1]
 
     def run(updates, state, params, mesh, extra, on_update, scratch, outputs=None):
-        _check_state(state, GaLoreState, where)
+        check_state(state, GaLoreState, where)
         scale = value_of(scale_arg)
         b = prepare(updates, params, mesh, name=where)
         reject_complex(b, where)
@@ -717,7 +715,7 @@ def _decay_after_update(
 
     def decayed(b, c):
         us = [b.locals[i] for i in b.active]
-        if not _nonzero(c):  # (a weight decay injected as 0: as without it)
+        if not V.nonzero(c):  # (a weight decay injected as 0: as without it)
             return us
         return decay(us, [b.params[i] for i in b.active], c)
 
@@ -731,12 +729,12 @@ def _decay_after_update(
         )
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, ScaleByScheduleState, where)
+        check_state(state, ScaleByScheduleState, where)
         b = prepare(updates, params, mesh, need_params=True, name=where)
         wd = value_of(weight_decay)
         c = (
             torch.as_tensor(learning_rate(state.count), dtype=torch.float64) * wd
-            if _nonzero(wd)
+            if V.nonzero(wd)
             else 0.0
         )
         out = decayed(b, c) if b.active else []
@@ -862,7 +860,7 @@ def galore_adamw(
 
     def tail(decayed: bool) -> list:
         txs = [scale_by_learning_rate(lr)]
-        if decayed and _nonzero(wd):
+        if decayed and V.nonzero(wd):
             txs.append(_decay_after_update(lr, wd))
         return txs
 

@@ -53,8 +53,9 @@ import torch
 from torch.distributed.tensor import Shard
 
 from . import _validate as V
-from .base import GradientTransformation, chain, declare
-from .combine import _PerLeaf, leaf_values, partition
+from . import leaves as L
+from .base import GradientTransformation, chain, check_state, declare
+from .combine import PerLeaf, leaf_values, partition
 from .engine.owners import run_at_owners
 from .engine.view import prepare
 from .engine.whole import gather_global, is_sharded, local_part, per_rank
@@ -62,9 +63,6 @@ from .hyperparams import injectable, value_of
 from .optimizers import adamw
 from .transforms import (
     ScalarOrSchedule,
-    _cast_like,
-    _check_state,
-    _lerp,
     add_decayed_weights,
     reject_complex,
     scale_by_learning_rate,
@@ -287,7 +285,7 @@ class _LeafDimensionNumbers:
         self._per_leaf = (
             None
             if spec is None or isinstance(spec, MuonDimensionNumbers)
-            else _PerLeaf(self._resolve, "scale_by_muon")
+            else PerLeaf(self._resolve, "scale_by_muon")
         )
 
     def _resolve(self, tree) -> list:
@@ -440,7 +438,7 @@ def scale_by_muon(
         return ScaleByMuonState(zero_count(params), state_zeros_like(params, mu_dtype))
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, ScaleByMuonState, "scale_by_muon")
+        check_state(state, ScaleByMuonState, "scale_by_muon")
         b = prepare(updates, params, mesh, name="scale_by_muon")
         act = b.active
         if not act:
@@ -453,10 +451,10 @@ def scale_by_muon(
         g = [b.locals[i] for i in act]
         mu_all = b.state_locals(state.mu, "ScaleByMuonState.mu")
         beta_now, eps = value_of(beta), value_of(eps_arg)
-        mu = _lerp(
-            [mu_all[i] for i in act], _cast_like(g, [mu_all[i] for i in act]), 1.0 - beta_now
+        mu = L.lerp(
+            [mu_all[i] for i in act], L.cast_like(g, [mu_all[i] for i in act]), 1.0 - beta_now
         )
-        u = _lerp(_cast_like(g, mu), mu, beta_now) if nesterov else mu
+        u = L.lerp(L.cast_like(g, mu), mu, beta_now) if nesterov else mu
         out = dict(zip(act, u))
         # DTensor leaves split on batch axes only: each rank's block holds whole matrices
         local = {

@@ -25,11 +25,11 @@ import torch
 
 from . import _validate as V
 from . import foreach
+from . import leaves as L
 from .base import GradientTransformation, call_reduced, declare
 from .engine import elementwise as E
 from .engine.dtensor import to_local, wrap_like
 from .engine.view import Prepared, prepare
-from .transforms import _cast_like
 from .tree import find_state, first_device
 
 __all__ = [
@@ -227,10 +227,6 @@ def _end_leaf(u, p, s, h, k):
     return torch.where(h[0] != 0, u, torch.zeros_like(u)), ()
 
 
-def _no_fields(state):
-    return ()
-
-
 def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int) -> E.Fusable:
     """The :class:`~functional_train.engine.elementwise.Fusable` of ``apply_if_finite(inner)``:
     a first part that decides (``ok``, published in the run context), the inner's parts
@@ -287,7 +283,7 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
             "apply_if_finite",
             lambda u, p, s, h, k: (u, ()),
             prologue,
-            _no_fields,
+            E.no_fields,
             0,
             reduces=True,
             context=True,
@@ -297,7 +293,7 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
     def end_prologue(state, b, ctx):
         return (ctx[key],), lambda trees: None
 
-    end = E.Elementwise("apply_if_finite", _end_leaf, end_prologue, _no_fields, 0, context=True)
+    end = E.Elementwise("apply_if_finite", _end_leaf, end_prologue, E.no_fields, 0, context=True)
     parts = (first, *(_guard_part(p, key) for p in rest), end)
 
     def split(state):
@@ -554,7 +550,7 @@ def dynamic_loss_scale(
         g = [b.locals[i] for i in b.active]
         unscaled: list = [None] * len(b.locals)
         # (the float32 factor would promote 0-dim low-precision leaves: keep their dtype)
-        for i, x in zip(b.active, _cast_like(foreach.mul(g, inv.to(g[0].device)), g) if g else []):
+        for i, x in zip(b.active, L.cast_like(foreach.mul(g, inv.to(g[0].device)), g) if g else []):
             unscaled[i] = x
         b = b.with_locals(unscaled)
         finite, new_updates, new_inner = _run_checked(

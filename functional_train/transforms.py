@@ -8,7 +8,6 @@ Each ``update`` flattens its trees once, reduces unreduced gradients (see
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,7 +17,7 @@ from . import _validate as V
 from . import foreach
 from . import quantization as Q
 from .autograd import not_differentiable
-from .base import EmptyState, GradientTransformation, declare, elementwise_transform
+from .base import EmptyState, GradientTransformation, check_state, declare, elementwise_transform
 from .combine import mask_of
 from .engine import elementwise as E
 from .engine.view import prepare
@@ -48,13 +47,6 @@ def zero_count(params: Any) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=first_device(params))
 
 
-def _check_state(state: Any, cls: type, name: str) -> None:
-    if not isinstance(state, cls):
-        raise ValueError(
-            f"{name}: expected the {cls.__name__} from {name}.init, got {type(state).__name__}"
-        )
-
-
 def stateless(name: str, fn, *, need_params: bool = False) -> GradientTransformation:
     """A transform with an :class:`EmptyState` whose update is ``fn(prepared) -> new locals of
     the active leaves`` (``fn`` is not called when no leaf is active)."""
@@ -64,7 +56,7 @@ def stateless(name: str, fn, *, need_params: bool = False) -> GradientTransforma
         return EmptyState()
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        _check_state(state, EmptyState, name)
+        check_state(state, EmptyState, name)
         b = prepare(updates, params, mesh, need_params=need_params, name=name)
         return b.rebuild_active(fn(b) if b.active else []), state
 
@@ -75,51 +67,6 @@ def _active_locals(b) -> list:
     return [b.locals[i] for i in b.active]
 
 
-def _cast_like(xs, likes):
-    return [x if x.dtype == like.dtype else x.to(like.dtype) for x, like in zip(xs, likes)]
-
-
-def _leafwise(fn: Callable) -> Callable:
-    """``fn`` (a foreach helper below, on lists of leaves ``xs, ...``), returning ``[]`` and
-    doing nothing for an empty ``xs``: torch's ``_foreach_*`` ops raise on an empty list, and
-    a step where no leaf has a gradient (every gradient ``None``, a ``partition`` label that
-    owns no leaf, a frozen group) hands the transforms one (torch.optim makes it a no-op)."""
-
-    @functools.wraps(fn)
-    def run(xs: list, *args, **kwargs):
-        return fn(xs, *args, **kwargs) if len(xs) else []
-
-    return run
-
-
-def _scalar_for(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A 0-dim tensor hyperparameter in leaf ``x``'s dtype, for the per-leaf ops the tensor
-    path uses (traced, a float64 scalar tensor would promote the result; and torch 2.13's
-    inductor bakes the value of a float64 CPU scalar tensor given to ``_foreach_lerp`` into
-    the kernel at compile time, so it takes the per-leaf form)."""
-    return v.to(x.dtype)
-
-
-@_leafwise
-def _lerp(xs: list, ys: list, weight) -> list:
-    """Foreach ``lerp`` for a float ``weight`` or a 0-dim tensor one (leaf by leaf, in each
-    leaf's dtype: only under ``torch.compile``, where the graph fuses them anyway)."""
-    if not isinstance(weight, torch.Tensor):
-        return foreach.lerp(xs, ys, weight)
-    return [torch.lerp(x, y, _scalar_for(weight, x)) for x, y in zip(xs, ys)]
-
-
-@_leafwise
-def _div(xs: list, value) -> list:
-    """Foreach ``xs / value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype)."""
-    if not isinstance(value, torch.Tensor):
-        return foreach.div(xs, value)
-    return [x / _scalar_for(value, x) for x in xs]
-
-
-_nonzero = V.nonzero  # (the name this module's users import)
-
-
 def _axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
     """``x + alpha * y`` rounded once (a fused multiply-add, as ATen's ``add(alpha=)``), for a
     float ``alpha`` or a 0-dim tensor one (in ``x``'s dtype)."""
@@ -128,20 +75,16 @@ def _axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
     return torch.add(x, y, alpha=alpha)
 
 
-def _no_fields(state):
-    return ()
-
-
 def _stateless(name: str, leaf, scalars: Callable, *, needs_params=False, static=None):
     """An elementwise transform with an :class:`EmptyState`: ``leaf`` its per-leaf math,
     ``scalars()`` its scalars at this update."""
 
     def prologue(state, b):
-        _check_state(state, EmptyState, name)
+        check_state(state, EmptyState, name)
         return scalars(), _empty
 
     spec = E.Elementwise(
-        name, leaf, prologue, _no_fields, 0, needs_params=needs_params, static=static
+        name, leaf, prologue, E.no_fields, 0, needs_params=needs_params, static=static
     )
     return elementwise_transform(spec, _empty_init)
 
@@ -204,11 +147,11 @@ def scale_by_learning_rate(
         return ScaleByScheduleState(zero_count(params))
 
     def prologue(state, b):
-        _check_state(state, ScaleByScheduleState, "scale_by_learning_rate")
+        check_state(state, ScaleByScheduleState, "scale_by_learning_rate")
         value = torch.as_tensor(lr(state.count), dtype=torch.float64) * sign
         return (value,), lambda trees: ScaleByScheduleState(state.count + 1)
 
-    spec = E.Elementwise("scale_by_learning_rate", leaf, prologue, _no_fields, 0)
+    spec = E.Elementwise("scale_by_learning_rate", leaf, prologue, E.no_fields, 0)
     return elementwise_transform(spec, init_fn)
 
 
@@ -253,10 +196,10 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
         return EmptyState()
 
     def prologue(state, b):
-        _check_state(state, EmptyState, where)
+        check_state(state, EmptyState, where)
         return scalars(), _empty
 
-    spec = E.Elementwise(where, leaf, prologue, _no_fields, 0, needs_params=True, static=keep_of)
+    spec = E.Elementwise(where, leaf, prologue, E.no_fields, 0, needs_params=True, static=keep_of)
     tx = elementwise_transform(spec, init_fn)
     tx.update.keep_of = keep_of  # type: ignore[attr-defined]  (ft.step's fused AdamW)
     return tx
@@ -345,7 +288,7 @@ def trace(
         return TraceState(zero_count(params), state_zeros_like(params, accumulator_dtype))
 
     def prologue(state, b):
-        _check_state(state, TraceState, "trace")
+        check_state(state, TraceState, "trace")
         decay, dampening = value_of(decay_arg), value_of(damp_arg)
         first = (state.count == 0).to(torch.float64)
         if isinstance(decay, torch.Tensor):
@@ -500,7 +443,7 @@ def scale_by_adam(
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         # optim_bits=8: the float math of the spec between dequantisation and requantisation
-        _check_state(state, state_cls, "scale_by_adam")
+        check_state(state, state_cls, "scale_by_adam")
         b = prepare(updates, params, mesh, name="scale_by_adam")
         act = b.active
         if not act:  # every leaf None (frozen): nothing to scale, moments unchanged
@@ -540,7 +483,7 @@ def _adam_spec(b1_arg, b2_arg, eps_arg, amsgrad, bias_correction, eps_before, st
     cls = state_cls.__name__
 
     def prologue(state, b):
-        _check_state(state, state_cls, "scale_by_adam")
+        check_state(state, state_cls, "scale_by_adam")
         count = state.count + 1
 
         def finish(trees):
@@ -626,18 +569,6 @@ class AdamLeaf(NamedTuple):
             ([buf], [mu_out], [nu_out]),
         )
         return res[0][0]
-
-
-def _as_real(ts: list) -> list:
-    return [torch.view_as_real(x) if x.is_complex() else x for x in ts]
-
-
-def _as_complex(ts: list, like: list) -> list:
-    """Back to complex where ``like`` (the gradients) is complex."""
-    return [
-        torch.view_as_complex(x) if y.is_complex() and not x.is_complex() else x
-        for x, y in zip(ts, like)
-    ]
 
 
 def reject_complex(b, where: str) -> None:

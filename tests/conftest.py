@@ -9,8 +9,8 @@ main job or the notebook), as ``.ci/run`` does. An explicit ``-m`` expression se
 
 Profiles (select with the ``HYPOTHESIS_PROFILE`` environment variable):
 
-* ``ci`` (the default): few examples (10), deterministic (``derandomize``), no deadline, so the whole
-  suite stays fast and reproducible on a small CPU machine;
+* ``ci`` (the default): few examples (10), deterministic (``derandomize``), no deadline, so the
+  whole suite stays fast and reproducible on a small CPU machine;
 * ``dev``: many more examples, random seeds, for local bug hunting
   (``HYPOTHESIS_PROFILE=dev python -m pytest tests/test_sharded_equivalence.py``).
 """

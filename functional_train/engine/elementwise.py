@@ -885,6 +885,11 @@ def apply_part(part: Elementwise, u: list, fields: Sequence, scalars: Sequence, 
     return final
 
 
+def no_fields(state) -> tuple:
+    """``fields`` of a part whose state holds no params-shaped tree."""
+    return ()
+
+
 def single(spec: Elementwise) -> Fusable:
     """The :class:`Fusable` of one part."""
     return Fusable((spec,), _one, _first)

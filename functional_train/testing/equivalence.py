@@ -50,10 +50,10 @@ def _flatten(tree: Any):
 def _pl_str(pl) -> str:
     if pl is None:
         return "plain tensor"
-    return "[" + ", ".join(_one_pl_str(p) for p in pl) + "]"
+    return "[" + ", ".join(one_pl_str(p) for p in pl) + "]"
 
 
-def _one_pl_str(p) -> str:
+def one_pl_str(p) -> str:
     if isinstance(p, Shard):
         return f"Shard({p.dim})"
     if isinstance(p, Replicate):
@@ -123,7 +123,7 @@ def _resolve_placements(
                 if x.ndim == 0 or not -x.ndim <= p.dim < x.ndim:
                     raise ValueError(
                         f"assert_sharded_equivalent: {what}['{path}'] has "
-                        f"{_one_pl_str(p)}, but the leaf has shape {tuple(x.shape)}"
+                        f"{one_pl_str(p)}, but the leaf has shape {tuple(x.shape)}"
                     )
             elif isinstance(p, Partial):
                 if not allow_partial:
@@ -134,7 +134,7 @@ def _resolve_placements(
                 if p.reduce_op not in ("sum", "avg"):
                     raise ValueError(
                         f"assert_sharded_equivalent: {what}['{path}'] is "
-                        f"{_one_pl_str(p)}; only Partial('sum') and "
+                        f"{one_pl_str(p)}; only Partial('sum') and "
                         "Partial('avg') gradients can be generated"
                     )
             elif not isinstance(p, Replicate):

@@ -347,7 +347,7 @@ def pytrees(
 # whole cases
 # =============================================================================================
 def _describe_placements(pl) -> str:
-    from .equivalence import _one_pl_str as _pl_str
+    from .equivalence import one_pl_str as _pl_str
 
     if pl is None:
         return "plain"

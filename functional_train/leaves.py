@@ -1,0 +1,70 @@
+"""Operations on lists of leaves that the algorithms share (the transforms of
+``transforms.py``, Adafactor, CAME, GaLore, Muon, the clip): foreach arithmetic whose scalar may
+be a 0-dim tensor hyper-parameter, dtype casts, and complex leaves viewed as real pairs."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from . import foreach
+
+__all__ = ["leafwise", "scalar_for", "lerp", "div", "cast_like", "as_real", "as_complex"]
+
+
+def leafwise(fn: Callable) -> Callable:
+    """``fn`` (a foreach helper on lists of leaves ``xs, ...``), returning ``[]`` and doing
+    nothing for an empty ``xs``: torch's ``_foreach_*`` ops raise on an empty list, and a step
+    where no leaf has a gradient (every gradient ``None``, a ``partition`` label that owns no
+    leaf, a frozen group) hands the transforms one (torch.optim makes it a no-op)."""
+
+    @functools.wraps(fn)
+    def run(xs: list, *args, **kwargs):
+        return fn(xs, *args, **kwargs) if len(xs) else []
+
+    return run
+
+
+def scalar_for(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A 0-dim tensor hyperparameter in leaf ``x``'s dtype, for the per-leaf ops the tensor
+    path uses (traced, a float64 scalar tensor would promote the result; and torch 2.13's
+    inductor bakes the value of a float64 CPU scalar tensor given to ``_foreach_lerp`` into
+    the kernel at compile time, so it takes the per-leaf form)."""
+    return v.to(x.dtype)
+
+
+@leafwise
+def lerp(xs: list, ys: list, weight) -> list:
+    """Foreach ``lerp`` for a float ``weight`` or a 0-dim tensor one (leaf by leaf, in each
+    leaf's dtype: only under ``torch.compile``, where the graph fuses them anyway)."""
+    if not isinstance(weight, torch.Tensor):
+        return foreach.lerp(xs, ys, weight)
+    return [torch.lerp(x, y, scalar_for(weight, x)) for x, y in zip(xs, ys)]
+
+
+@leafwise
+def div(xs: list, value) -> list:
+    """Foreach ``xs / value`` for a float or a 0-dim tensor ``value`` (in each leaf's dtype)."""
+    if not isinstance(value, torch.Tensor):
+        return foreach.div(xs, value)
+    return [x / scalar_for(value, x) for x in xs]
+
+
+def cast_like(xs: list, likes: list) -> list:
+    """Each ``x`` in the dtype of its ``like`` (the same tensor where it already is)."""
+    return [x if x.dtype == like.dtype else x.to(like.dtype) for x, like in zip(xs, likes)]
+
+
+def as_real(ts: list) -> list:
+    """Complex leaves as real pairs (``torch.view_as_real``), as ``torch.optim`` treats them."""
+    return [torch.view_as_real(x) if x.is_complex() else x for x in ts]
+
+
+def as_complex(ts: list, like: list) -> list:
+    """Back to complex where ``like`` (the gradients) is complex."""
+    return [
+        torch.view_as_complex(x) if y.is_complex() and not x.is_complex() else x
+        for x, y in zip(ts, like)
+    ]
