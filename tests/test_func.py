@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 import functional_train as ft
+from _layouts import step_by_mode  # noqa: E402  (tests/ is on sys.path)
 from functional_train.testing import simulate
 
 F64 = torch.float64
@@ -63,11 +64,7 @@ def _loss_after(make, h, *, use_step=False):
     tx = make(h)
     state, p = tx.init(PARAMS), PARAMS
     for g in GRADS:
-        if use_step:
-            p, state = ft.step(tx, g, state, p)
-        else:
-            u, state = tx.update(g, state, p)
-            p = ft.apply_updates(p, u)
+        p, state = step_by_mode(tx, g, state, p, "pure" if use_step else "update")
     return sum(((p[k] - TARGET[k]) ** 2).sum() for k in p)
 
 

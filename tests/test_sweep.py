@@ -1360,11 +1360,7 @@ def _func_build(name: str) -> ft.GradientTransformation:
 def _steps(tx, params, grads, state=None, use_step=False):
     state = tx.init(params) if state is None else state
     for g in grads:
-        if use_step:
-            params, state = ft.step(tx, g, state, params)
-        else:
-            u, state = tx.update(g, state, params)
-            params = ft.apply_updates(params, u)
+        params, state = step_by_mode(tx, g, state, params, "pure" if use_step else "update")
     return params, state
 
 
