@@ -208,6 +208,52 @@ def test_compiled_step_runs_the_stage_operator(donate):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+def test_compiled_partition_runs_the_stage_operator(donate):
+    """A compiled ``partition`` (two transforms, each restricted to its leaves; their absent
+    state leaves ``None``) runs as the stage operator, bit for bit the eager step, its state's
+    ``None`` leaves kept."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    params, grads = _problem()
+    labels = {"w": "adam", "b": "sgd", "e": "adam", "s": "sgd"}
+    tx = ft.chain(
+        ft.clip_by_global_norm(0.5),
+        ft.partition(
+            {"adam": ft.adamw(1e-2, weight_decay=0.1), "sgd": ft.sgd(1e-1, momentum=0.9)}, labels
+        ),
+    )
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    counter = CompileCounterWithBackend(backend)
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda g, s, p: ft.step(tx, g, s, p, donate=donate), backend=counter, fullgraph=True
+    )
+    se, sc = tx.init(params), tx.init(params)
+    pe = {k: v.clone() for k, v in params.items()}
+    pc = {k: v.clone() for k, v in params.items()}
+    for g in grads:
+        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        pe, se = ft.step(tx, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
+        for k in params:
+            assert torch.equal(pc[k], pe[k]), k
+    assert counter.frame_count == 1
+    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("fused_stage" in o for o in ops), ops
+    got = ft.tree.tree_flatten(sc)[0]
+    want = ft.tree.tree_flatten(se)[0]
+    assert [x is None for x in got] == [x is None for x in want]
+    for x, y in zip(got, want):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.slow
 def test_compiled_mask_keeps_its_keys():
     """A mask's per-leaf keys reach the compiled operator as bools (a decoded 0 taken for a
     key other than False decayed the masked-out leaves, and the eager step that then reused

@@ -452,10 +452,10 @@ def _opaque(u, p, fields, scalars) -> bool:
         return False
     # (the first leaf of each list stands for it: ft.step asks for CPU float32 / float64
     # leaves, and a per-leaf check costs dynamo's tracing time for every leaf)
-    if any(x is None for f in fields for x in f):  # (masked / partition: traced leaf by leaf)
-        return False
     for lst in (u, p or (), *fields):
-        if lst and (lst[0].device.type != "cpu" or lst[0].requires_grad or lst[0].is_complex()):
+        # (an absent state leaf, None: masked / partition)
+        x = next((y for y in lst if y is not None), None)
+        if x is not None and (x.device.type != "cpu" or x.requires_grad or x.is_complex()):
             return False
     return not any(isinstance(x, torch.Tensor) and x.requires_grad for x in scalars)
 
@@ -492,16 +492,17 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
         ]
     layout = [int(stage.apply), int(stage.drop_u), int(p is not None), len(fields), *counts]
     res = _stage_op([part.ident for part in stage.parts], layout, enc, flat, sc)
-    outs = [res[r * n : (r + 1) * n] for r in range(len(res) // n)]
-    if apply == "donate":  # the results over their inputs, as the eager donated step
-        ins = [u] + ([p] if p is not None else []) + list(fields)
-        first_field = 1 + (p is not None)
-        dst = [] if stage.drop_u else [1 if stage.apply else 0]
-        dst += range(first_field, first_field + len(fields))
-        for r, d in enumerate(dst):
-            for x, y in zip(ins[d], outs[r]):
-                if x.dtype == y.dtype:
-                    x.copy_(y)
+    outs = [list(res[r * n : (r + 1) * n]) for r in range(len(res) // n)]
+    ins = [u] + ([p] if p is not None else []) + list(fields)
+    first_field = 1 + (p is not None)
+    dst = [] if stage.drop_u else [1 if stage.apply else 0]
+    dst += range(first_field, first_field + len(fields))
+    for r, d in enumerate(dst):
+        for j, x in enumerate(ins[d]):
+            if x is None:  # an absent state leaf stays absent
+                outs[r][j] = None
+            elif apply == "donate" and x.dtype == outs[r][j].dtype:
+                x.copy_(outs[r][j])  # the results over their inputs, as the eager donated step
     return outs
 
 
@@ -531,13 +532,14 @@ def _stage_op(
     parts: list[int],
     layout: list[int],
     keys: list[int],
-    flat: list[torch.Tensor],
+    flat: list[torch.Tensor | None],
     scalars: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """The results (result after result, leaf after leaf) of the stage of the elementwise
     ``parts`` (their ``ident``) on its inputs ``flat`` (updates, parameters if any, fields;
-    leaf after leaf), eagerly. ``layout``: ``(apply, drop_u, has_p, n_fields, *counts)``;
-    ``keys``: the leaves' static keys, part by part, leaf after leaf."""
+    leaf after leaf; an absent state leaf is ``None``, its result a 0-element placeholder),
+    eagerly. ``layout``: ``(apply, drop_u, has_p, n_fields, *counts)``; ``keys``: the leaves'
+    static keys, part by part, leaf after leaf."""
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
     # results from a pool of the operator's own, by stage (see .pool: a buffer is reused only
     # when nothing else holds it), so that a compiled step's results take no page faults
@@ -548,8 +550,13 @@ def _stage_op(
 
     with torch.no_grad():
         outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, kinds)
-    seen = {id(x) for x in flat}
-    return [x.clone() if id(x) in seen else x for lst in outs for x in lst]
+    seen = {id(x) for x in flat if x is not None}
+    # (an absent state leaf's result: a 0-element placeholder, the operator returns tensors)
+    return [
+        torch.empty(0) if x is None else x.clone() if id(x) in seen else x
+        for lst in outs
+        for x in lst
+    ]
 
 
 def _new_op_pool():
@@ -571,16 +578,19 @@ def _(parts, layout, keys, flat, scalars):
     with torch.no_grad():
         for j in range(len(u)):
             ins = tuple([u[j]] + ([p[j]] if p is not None else []) + [f[j] for f in fields])
-            sig = (tuple(x.dtype for x in ins), keys[j])
+            sig = (tuple(None if x is None else x.dtype for x in ins), keys[j])
             hit = dtypes_of.get(sig)
             if hit is None:
                 res = _function(stage, counts, keys[j])(ins, tuple(scalars))
-                hit = dtypes_of[sig] = tuple(x.dtype for x in res)
+                hit = dtypes_of[sig] = tuple(None if x is None else x.dtype for x in res)
             per_leaf.append(hit)
     out: list = []
     for r in range(len(per_leaf[0]) if per_leaf else 0):
         out.extend(
-            torch.empty(u[j].shape, dtype=d[r], device=u[j].device) for j, d in enumerate(per_leaf)
+            torch.empty(0)
+            if d[r] is None
+            else torch.empty(u[j].shape, dtype=d[r], device=u[j].device)
+            for j, d in enumerate(per_leaf)
         )
     return out
 
