@@ -116,154 +116,16 @@ A unit's time is the slowest rank's; rank 0 prints. No compiled system in Part B
     python benchmarks/bench_compose.py [--rounds 7] [--warmup 2] [--threads 1] [--rows a,b]
                                        [--device cpu|cuda] [--compile [--cold-cache]]
     python benchmarks/bench_compose.py --dtensor [--rounds 7] [--warmup 2] [--rows a,b]
+    python benchmarks/bench_compose.py --host [--rounds 9] [--rows a,b]
 
 (Run with ``PYTHONPATH`` naming the checkout whose functional_train is to be measured; the header
 prints where it was imported from.)
 
-What the tables below say: ``adamw`` with a mask or a schedule takes ft.step's fused path like
-the plain chain (0.73-0.94x the fused baseline donated, 0.92-1.08x pure; 0.23-0.40x the torch code
-on DTensors). AdamW written from primitives, ``apply_if_finite``, ``ema_params`` and
-``multi_steps`` do not: ft.step runs them primitive by primitive, donate=True no faster than the
-eager update + apply and allocating 260 MiB (5x the parameters' bytes) per step, 469 MiB per
-multi_steps cycle; 1.7-2.5x the torch code for the same math on plain tensors (the pure
-multi_steps cycle 4.3x; 4.5-7.8x the fused baseline) and 1.3-3.1x on DTensors; compiled,
-1.3-2.7x the torch code after 80-150 s of first compile. That is the gap DESIGN.md 3b (engine v3)
-is meant to close. Every system agrees with the torch code to 7.1e-7 (relative) or better.
+The measured numbers are in the README's "Composed chains" section (kept current there; the
+tables this docstring held described the engine before its elementwise specs).
 
-Measured on 2026-11-26, this machine: 2 shared AMD EPYC cores with other jobs running beside
-these (the baseline's median moved between 18 and 38 ms from row to row: compare ratios within a
-row, not milliseconds across rows), torch 2.13.0+cpu. Part A, with --compile, in three processes
-(each with its own empty inductor cache):
-
-    PYTHONPATH=. python benchmarks/bench_compose.py --rounds 5 --compile --cold-cache \
-        --rows adamw,primitives
-    PYTHONPATH=. python benchmarks/bench_compose.py --rounds 5 --compile --cold-cache \
-        --rows multi_steps,apply_if_finite
-    PYTHONPATH=. python benchmarks/bench_compose.py --rounds 5 --compile --cold-cache \
-        --rows ema_params,masked,schedule
-
-    row adamw: chain(clip, adamw)
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (a) AdamW(fused) + clip [base]          26.41   22.98   1.00    0.36      0    0.0  2.3e-07
-      (f) compile(ft.step, fullgraph), pure   27.93   27.88   1.06    0.38      4    0.0  7.1e-07
-      (b) torch code, AdamW(foreach)          72.57   70.32   2.75    1.00      0   52.1  0.0e+00
-      (c) ft.step(donate=True)                24.82   23.58   0.94    0.34      0    0.0  5.3e-07
-      (d) ft.step(donate=False), pure         27.12   22.44   1.03    0.37      0    0.0  7.1e-07
-      (e) eager tx.update + apply_updates    146.40  114.00   5.54    2.02   8161  260.4  7.1e-07
-      (f) warm-up units (the first compiles): 26.30 s, 0.13 s
-
-    row primitives: chain(clip, scale_by_adam, add_decayed_weights, scale_by_learning_rate)
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (a) AdamW(fused) + clip [base]          32.33   27.76   1.00    0.41      0    0.0  2.3e-07
-      (f) compile(ft.step, fullgraph), pure  100.31   98.99   3.10    1.27      4  156.2  7.1e-07
-      (b) torch code, AdamW(foreach)          78.79   72.82   2.44    1.00      0   52.1  0.0e+00
-      (c) ft.step(donate=True)               172.84  144.95   5.35    2.19   9217  260.4  7.1e-07
-      (d) ft.step(donate=False), pure        179.34  168.74   5.55    2.28   8417  260.4  7.1e-07
-      (e) eager tx.update + apply_updates    166.10  155.82   5.14    2.11   9409  260.4  7.1e-07
-      (f) warm-up units (the first compiles): 80.29 s, 0.10 s
-
-    row multi_steps (unit: a cycle of 4 calls): multi_steps(chain(clip, adamw), every_k=4)
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (a) AdamW(fused) + clip [base]          38.09   37.08   1.00    0.55      0    0.0  3.1e-07
-      (f) compile(ft.step, fullgraph), pure  183.66  175.10   4.82    2.66     19  416.6  7.1e-07
-      (b) torch code, AdamW(foreach)          69.10   66.62   1.81    1.00      0   52.1  0.0e+00
-      (c) ft.step(donate=True)               172.34  161.91   4.52    2.49      0  468.6  7.1e-07
-      (d) ft.step(donate=False), pure        298.26  217.79   7.83    4.32  22498  624.9  7.1e-07
-      (e) eager tx.update + apply_updates    224.25  167.81   5.89    3.25  17377  520.7  7.1e-07
-      (f) warm-up units (the first compiles): 150.26 s, 0.17 s
-
-    row apply_if_finite: apply_if_finite(chain(clip, adamw), 5)
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (a) AdamW(fused) + clip [base]          28.21   26.84   1.00    0.36      0    0.0  2.3e-07
-      (f) compile(ft.step, fullgraph), pure  143.36  139.67   5.08    1.84      4  156.2  7.1e-07
-      (b) torch code, AdamW(foreach)          77.89   74.10   2.76    1.00      0   52.1  0.0e+00
-      (c) ft.step(donate=True)               168.68  162.10   5.98    2.17      0  260.4  7.1e-07
-      (d) ft.step(donate=False), pure        174.43  154.67   6.18    2.24      0  260.4  7.1e-07
-      (e) eager tx.update + apply_updates    173.90  166.58   6.16    2.23      0  260.4  7.1e-07
-      (f) warm-up units (the first compiles): 81.99 s, 0.12 s
-
-    row ema_params: chain(clip, adamw, ema_params(0.999))
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (a) AdamW(fused) + clip [base]          18.85   18.44   1.00    0.35      0    0.0  2.3e-07
-      (f) compile(ft.step, fullgraph), pure   77.57   76.50   4.12    1.44      4  208.3  7.1e-07
-      (b) torch code, AdamW(foreach)          53.82   53.16   2.86    1.00      0   52.1  0.0e+00
-      (c) ft.step(donate=True)                91.58   89.17   4.86    1.70      0  260.4  7.1e-07
-      (d) ft.step(donate=False), pure         94.56   93.29   5.02    1.76      0  260.4  7.1e-07
-      (e) eager tx.update + apply_updates     96.12   93.96   5.10    1.79    160  260.4  7.1e-07
-      (f) warm-up units (the first compiles): 108.70 s, 0.08 s
-
-    row masked: chain(clip, adamw(mask=decay_mask))
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (a) AdamW(fused) + clip [base]          30.72   27.42   1.00    0.44      0    0.0  other
-      (f) compile(ft.step, fullgraph), pure   35.32   20.68   1.15    0.50      4    0.0  7.1e-07
-      (b) torch code, AdamW(foreach)          70.20   47.17   2.29    1.00      0   48.0  0.0e+00
-      (c) ft.step(donate=True)                22.33   15.49   0.73    0.32      0    0.0  5.3e-07
-      (d) ft.step(donate=False), pure         28.14   18.71   0.92    0.40      0    0.0  7.1e-07
-      (e) eager tx.update + apply_updates    200.17  150.17   6.52    2.85  22468  260.4  6.4e-07
-      (f) warm-up units (the first compiles): 15.85 s, 0.03 s
-
-    row schedule: chain(clip, adamw(warmup_cosine_decay_schedule(0, 0.001, 3, 12)))
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (a) AdamW(fused) + clip [base]          18.88   18.36   1.00    0.38      0    0.0  other
-      (f) compile(ft.step, fullgraph), pure   20.89   20.03   1.11    0.42      4    0.0  4.9e-07
-      (b) torch code, AdamW(foreach)          49.41   48.48   2.62    1.00      0   52.1  0.0e+00
-      (c) ft.step(donate=True)                16.23   15.64   0.86    0.33      0    0.0  4.0e-07
-      (d) ft.step(donate=False), pure         20.35   18.98   1.08    0.41      0    0.0  4.9e-07
-      (e) eager tx.update + apply_updates    140.30  129.92   7.43    2.84  20705  260.4  4.5e-07
-      (f) warm-up units (the first compiles): 16.37 s, 0.02 s
-
-Part B (the baseline is (b) there, so ``x base`` is ``x torch``):
-
-    PYTHONPATH=. python benchmarks/bench_compose.py --dtensor --rounds 5
-
-    row adamw: chain(clip, adamw)
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (b) torch code, AdamW(foreach) [base]   48.53   33.05   1.00    1.00      0   26.0  0.0e+00
-      (c) ft.step(donate=True)                12.72   10.58   0.26    0.26      0    0.0  5.2e-07
-      (d) ft.step(donate=False), pure         14.53   13.02   0.30    0.30      0    0.0  7.1e-07
-      (e) eager tx.update + apply_updates    114.98   75.23   2.37    2.37  13315  130.2  7.1e-07
-
-    row primitives: chain(clip, scale_by_adam, add_decayed_weights, scale_by_learning_rate)
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (b) torch code, AdamW(foreach) [base]   60.82   35.66   1.00    1.00      0   26.0  0.0e+00
-      (c) ft.step(donate=True)               111.86   63.41   1.84    1.84   6370  130.2  7.1e-07
-      (d) ft.step(donate=False), pure        115.16   73.18   1.89    1.89   6467  130.2  7.1e-07
-      (e) eager tx.update + apply_updates    115.38   97.31   1.90    1.90   6178  130.2  7.1e-07
-
-    row multi_steps (unit: a cycle of 4 calls): multi_steps(chain(clip, adamw), every_k=4)
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (b) torch code, AdamW(foreach) [base]   81.64   78.33   1.00    1.00      0   26.0  0.0e+00
-      (c) ft.step(donate=True)               176.77  172.99   2.17    2.17    384  227.1  7.1e-07
-      (d) ft.step(donate=False), pure        254.37  243.90   3.12    3.12      0  300.0  7.1e-07
-      (e) eager tx.update + apply_updates    207.64  186.97   2.54    2.54   6723  253.0  7.1e-07
-
-    row apply_if_finite: apply_if_finite(chain(clip, adamw), 5)
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (b) torch code, AdamW(foreach) [base]   61.48   60.02   1.00    1.00      0   26.0  0.0e+00
-      (c) ft.step(donate=True)               121.80  118.98   1.98    1.98      0  130.2  7.1e-07
-      (d) ft.step(donate=False), pure        123.71  112.82   2.01    2.01      0  130.2  7.1e-07
-      (e) eager tx.update + apply_updates    126.55  123.27   2.06    2.06      0  130.2  7.1e-07
-
-    row ema_params: chain(clip, adamw, ema_params(0.999))
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (b) torch code, AdamW(foreach) [base]   42.01   38.53   1.00    1.00      0   26.0  0.0e+00
-      (c) ft.step(donate=True)                54.50   52.49   1.30    1.30      0  130.2  7.1e-07
-      (d) ft.step(donate=False), pure         56.00   55.51   1.33    1.33      0  130.2  7.1e-07
-      (e) eager tx.update + apply_updates     56.59   55.33   1.35    1.35      0  130.2  7.1e-07
-
-    row masked: chain(clip, adamw(mask=decay_mask))
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (b) torch code, AdamW(foreach) [base]   62.37   60.71   1.00    1.00      0   24.0  0.0e+00
-      (c) ft.step(donate=True)                16.55   15.56   0.27    0.27      0    0.0  5.2e-07
-      (d) ft.step(donate=False), pure         24.66   20.83   0.40    0.40      0    0.0  6.8e-07
-      (e) eager tx.update + apply_updates     85.50   84.77   1.37    1.37      0  130.2  6.8e-07
-
-    row schedule: chain(clip, adamw(warmup_cosine_decay_schedule(0, 0.001, 3, 12)))
-      system                                ms/unit  min ms x base x torch faults    MiB  rel diff
-      (b) torch code, AdamW(foreach) [base]   99.96   58.60   1.00    1.00      0   26.0  0.0e+00
-      (c) ft.step(donate=True)                22.91   18.99   0.23    0.23      0    0.0  3.6e-07
-      (d) ft.step(donate=False), pure         35.22   29.63   0.35    0.35      0    0.0  4.6e-07
-      (e) eager tx.update + apply_updates    143.08   98.81   1.43    1.43      0  130.2  4.6e-07
+``--host`` instead measures each system's host time per leaf: trees of 122 and 244 leaves of 4
+elements, ``(t(244) - t(122)) / 122`` per row and system.
 """
 
 import argparse
