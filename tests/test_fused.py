@@ -168,21 +168,13 @@ def test_elementwise_bad_input():
         tx.update(grads[0], ft.EmptyState(), params)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("donate", [False, True])
-def test_compiled_step_runs_the_stage_operator(donate):
-    """``torch.compile(ft.step, fullgraph=True)`` of a chain of primitives with a schedule:
-    each stage is the operator ``functional_train::fused_stage`` (the eager kernels, so the
-    eager step's numbers bit for bit), and the schedule moving does not recompile."""
+def _compiled_equals_eager(tx, donate):
+    """``torch.compile(ft.step, fullgraph=True)`` of ``tx`` over the problem's steps, each
+    step's parameters bit for bit the eager step's, one graph in all, the stage operator in it:
+    the final ``(compiled state, eager state)``."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     params, grads = _problem()
-    tx = ft.chain(
-        ft.clip_by_global_norm(0.5),
-        ft.scale_by_adam(),
-        ft.add_decayed_weights(0.1),
-        ft.scale_by_learning_rate(ft.schedules.cosine_decay_schedule(1e-2, 10)),
-    )
     graphs = []
 
     def backend(gm, example_inputs):
@@ -205,6 +197,22 @@ def test_compiled_step_runs_the_stage_operator(donate):
     assert counter.frame_count == 1
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert any("fused_stage" in o for o in ops), ops
+    return sc, se
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+def test_compiled_step_runs_the_stage_operator(donate):
+    """``torch.compile(ft.step, fullgraph=True)`` of a chain of primitives with a schedule:
+    each stage is the operator ``functional_train::fused_stage`` (the eager kernels, so the
+    eager step's numbers bit for bit), and the schedule moving does not recompile."""
+    tx = ft.chain(
+        ft.clip_by_global_norm(0.5),
+        ft.scale_by_adam(),
+        ft.add_decayed_weights(0.1),
+        ft.scale_by_learning_rate(ft.schedules.cosine_decay_schedule(1e-2, 10)),
+    )
+    _compiled_equals_eager(tx, donate)
 
 
 @pytest.mark.slow
@@ -213,9 +221,6 @@ def test_compiled_partition_runs_the_stage_operator(donate):
     """A compiled ``partition`` (two transforms, each restricted to its leaves; their absent
     state leaves ``None``) runs as the stage operator, bit for bit the eager step, its state's
     ``None`` leaves kept."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    params, grads = _problem()
     labels = {"w": "adam", "b": "sgd", "e": "adam", "s": "sgd"}
     tx = ft.chain(
         ft.clip_by_global_norm(0.5),
@@ -223,28 +228,7 @@ def test_compiled_partition_runs_the_stage_operator(donate):
             {"adam": ft.adamw(1e-2, weight_decay=0.1), "sgd": ft.sgd(1e-1, momentum=0.9)}, labels
         ),
     )
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    counter = CompileCounterWithBackend(backend)
-    torch._dynamo.reset()
-    step = torch.compile(
-        lambda g, s, p: ft.step(tx, g, s, p, donate=donate), backend=counter, fullgraph=True
-    )
-    se, sc = tx.init(params), tx.init(params)
-    pe = {k: v.clone() for k, v in params.items()}
-    pc = {k: v.clone() for k, v in params.items()}
-    for g in grads:
-        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
-        pe, se = ft.step(tx, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
-        for k in params:
-            assert torch.equal(pc[k], pe[k]), k
-    assert counter.frame_count == 1
-    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
-    assert any("fused_stage" in o for o in ops), ops
+    sc, se = _compiled_equals_eager(tx, donate)
     got = ft.tree.tree_flatten(sc)[0]
     want = ft.tree.tree_flatten(se)[0]
     assert [x is None for x in got] == [x is None for x in want]
