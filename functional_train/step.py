@@ -701,7 +701,9 @@ def _run_spec(fus, grads, state, params, mesh, donate):
     with ``donate``, else into fresh buffers from the plan's pool)."""
     b = prepare(grads, params, mesh, need_params=True, name="step", view=True)
     pl, treedef = tree_flatten(params)
-    p_loc = [to_local(pl[i]) for i in b.active]
+    # (the view's detached locals: plain tensors, where nn.Parameter leaves would keep the
+    # generated kernels from taking them; in place, they write the parameters' memory)
+    p_loc = [b.params[i] for i in b.active]
     take = None if donate else of_plan(b.plan, "pool", Pool).take
     with torch.no_grad():
         new, new_state = E.run(
@@ -714,6 +716,8 @@ def _run_spec(fus, grads, state, params, mesh, donate):
             take=take,
         )
     if donate:
+        return params, new_state
+    if fus.zero_updates:  # the parameters as they are (recorded as shared by step)
         return params, new_state
     out = list(pl)
     for i, n in zip(b.active, new):

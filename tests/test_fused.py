@@ -260,3 +260,22 @@ def test_compiled_mask_keeps_its_keys():
     for k in params:
         torch.testing.assert_close(p[k], want[k], rtol=0, atol=0)
         torch.testing.assert_close(again[k], want[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_parameters_take_the_generated_kernel(mode, monkeypatch):
+    """``nn.Parameter`` leaves (``dict(model.named_parameters())``) run the generated stage as
+    plain tensors do (it writes their memory when donated), with the same numbers; the pure
+    step's results require grad as the parameters did."""
+    params, grads = _problem()
+    want, _ = _run(CHAINS["adamw"](), params, grads, mode)
+    seen = kernel_calls(monkeypatch)
+    tx = CHAINS["adamw"]()
+    p = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    state = tx.init(p)
+    for g in grads:
+        p, state = step_by_mode(tx, {k: v.clone() for k, v in g.items()}, state, p, mode)
+    assert len(seen) == STEPS and all(n == len(params) for _, n in seen)
+    for k in params:
+        assert p[k].requires_grad
+        torch.testing.assert_close(p[k].detach(), want[k], rtol=0, atol=0)
