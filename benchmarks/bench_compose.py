@@ -651,27 +651,8 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
 
 
 def dtensor_worker(rank, args, rows, world, port):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.set_num_threads(1)
-    if port is None:  # torchrun
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
-    try:
-        dm = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        fmesh = ft.Mesh(dm, data_axis="dp")
-        log = print if rank == 0 else (lambda *a, **k: None)
+    with be.gloo_dp(rank, world, port) as (dm, fmesh, log, reduce_max):
         device = torch.device("cpu")
-
-        def reduce_max(x):
-            t = torch.tensor([x], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return float(t[0])
-
         shapes = be.gpt_shapes()
         log(
             f"Part B: DTensor Shard(0) over {world} gloo ranks (FSDP2-style), 1 thread per rank; "
@@ -684,8 +665,6 @@ def dtensor_worker(rank, args, rows, world, port):
             except Exception as e:  # noqa: BLE001 - every rank raises alike: go on with the next
                 msg = " | ".join(line[:200] for line in str(e).strip().splitlines()[:2])
                 log(f"\nrow {row}: FAILED with {type(e).__name__}: {msg}", flush=True)
-    finally:
-        dist.destroy_process_group()
 
 
 def part_b(args, rows):

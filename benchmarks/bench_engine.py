@@ -68,6 +68,7 @@ rows then time that fallback).
 """
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -469,10 +470,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def dtensor_worker(rank, args, world, port):
+@contextlib.contextmanager
+def gloo_dp(rank, world, port):
+    """A gloo process group of ``world`` ranks (torchrun's when ``port`` is ``None``), 1 thread,
+    a 1-D "dp" mesh: yields ``(device mesh, ft.Mesh with data_axis "dp", log (rank 0 prints),
+    reduce_max(x): the ranks' maximum of a float)``; the group is destroyed on exit."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.set_num_threads(1)
     if port is None:  # torchrun
@@ -483,13 +487,26 @@ def dtensor_worker(rank, args, world, port):
         )
     try:
         dm = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        fmesh = ft.Mesh(dm, data_axis="dp")
-        log = print if rank == 0 else (lambda *a, **k: None)
 
         def reduce_max(x):
             t = torch.tensor([x], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return float(t[0])
+
+        yield dm, ft.Mesh(dm, data_axis="dp"), print if rank == 0 else _quiet, reduce_max
+    finally:
+        dist.destroy_process_group()
+
+
+def _quiet(*args, **kwargs):
+    pass
+
+
+def dtensor_worker(rank, args, world, port):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with gloo_dp(rank, world, port) as (dm, fmesh, log, reduce_max):
 
         def barrier():
             dist.barrier()
@@ -551,8 +568,6 @@ def dtensor_worker(rank, args, world, port):
             )
             del systems, params0, grads0
             gc.collect()
-    finally:
-        dist.destroy_process_group()
 
 
 def part_b(args):
