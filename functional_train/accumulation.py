@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from . import _validate as V
 from . import foreach
 from .aliasing import known_zeros
-from .autograd import detached, host_value, is_differentiable
+from .autograd import detached, host_value, is_differentiable, traced
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
@@ -382,7 +382,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
             params is None
             or not isinstance(state, MultiStepsState)
             or torch.compiler.is_compiling()
-            or torch._C._functorch.peek_interpreter_stack() is not None  # (the general path)
+            or traced()  # (a torch.func transform: the general path)
         ):
             return None
         g, treedef = tree_flatten(updates)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .autograd import traced
 from .engine.dtensor import to_local
 from .tree import tree_flatten, tree_unflatten
 
@@ -37,9 +38,7 @@ _ZEROS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def recording() -> bool:
     """Whether the records apply: eagerly, outside ``torch.compile`` and ``torch.func``."""
-    return (
-        not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
-    )
+    return not torch.compiler.is_compiling() and not traced()
 
 
 def mark_shared(x: torch.Tensor) -> None:

@@ -69,7 +69,9 @@ from typing import Any
 
 import torch
 
+from ..autograd import traced
 from . import fuse
+from .pool import Pool, of_plan
 
 __all__ = [
     "Elementwise",
@@ -273,9 +275,7 @@ def _stage_of(parts: tuple, apply: bool, drop_u: bool = False) -> _Stage:
 def _functional() -> bool:
     """Inside ``torch.compile`` or a ``torch.func`` transform, or recording autograd for
     :func:`~functional_train.differentiable`: the stage runs leaf by leaf in torch."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return torch.compiler.is_compiling() or traced()
 
 
 def run(
@@ -309,8 +309,6 @@ def run(
         # update's results from the plan's pool too (see .pool: reused once the caller has
         # dropped them, so that fresh results take no page faults)
         # (kinds of their own: a pure step over the same tree keeps its sets)
-        from .pool import Pool, of_plan
-
         pool_take = of_plan(b.plan, "pool", Pool).take
 
         def take(kind, like):
@@ -493,10 +491,7 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
     layout = [int(stage.apply), int(stage.drop_u), int(p is not None), len(fields), *counts]
     res = _stage_op([part.ident for part in stage.parts], layout, enc, flat, sc)
     outs = [list(res[r * n : (r + 1) * n]) for r in range(len(res) // n)]
-    ins = [u] + ([p] if p is not None else []) + list(fields)
-    first_field = 1 + (p is not None)
-    dst = [] if stage.drop_u else [1 if stage.apply else 0]
-    dst += range(first_field, first_field + len(fields))
+    ins, dst = _inputs(stage, u, p, fields)
     for r, d in enumerate(dst):
         for j, x in enumerate(ins[d]):
             if x is None:  # an absent state leaf stays absent
@@ -559,13 +554,7 @@ def _stage_op(
     ]
 
 
-def _new_op_pool():
-    from .pool import Pool
-
-    return Pool()
-
-
-_op_pool = _new_op_pool()
+_op_pool = Pool()
 
 
 @_stage_op.register_fake
@@ -649,17 +638,23 @@ def _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply):
         ]
 
 
+def _inputs(stage, u, p, fields) -> tuple[list, list]:
+    """A stage's input lists ``[u, p (if any), *fields]`` and, per result, the input it
+    overwrites when donated: the parameters (or, for a stage that does not apply, the
+    updates), then the fields."""
+    ins = [u] + ([p] if p is not None else []) + list(fields)
+    first_field = 1 + (p is not None)
+    dst = [] if stage.drop_u else [1 if stage.apply else 0]
+    dst += range(first_field, first_field + len(fields))
+    return ins, dst
+
+
 def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     n = len(u)
     n_out = len(fields) + (0 if stage.drop_u else 1)
     if n == 0:
         return [[] for _ in range(n_out)]
-    ins = [u] + ([p] if p is not None else []) + list(fields)
-    # the input each result overwrites when donated: the parameters (or, for a stage that
-    # does not apply, the updates), then the fields
-    first_field = 1 + (p is not None)
-    dst = [] if stage.drop_u else [1 if stage.apply else 0]
-    dst += range(first_field, first_field + len(fields))
+    ins, dst = _inputs(stage, u, p, fields)
     cx = any(x.is_complex() for x in u)
     if cx:
         ins = [
