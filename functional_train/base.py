@@ -249,34 +249,36 @@ def _register_chained(update_fn, transforms, names=None) -> None:
     if names is None:
         E.register(update_fn, inner)
         return
+    E.register(update_fn, E.restated(inner, *_named_states(names)))
 
-    def split(state):
+
+def _named_states(names) -> tuple:
+    """``(get, put)`` between ``named_chain``'s state (a dict of its transforms' states by
+    name) and ``chain``'s (their tuple), for :func:`~.engine.elementwise.restated`."""
+
+    def get(state):
         if not isinstance(state, dict) or list(state) != names:
             got = list(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"named_chain: expected a state dict with keys {names}, got {got}")
-        return inner.split(tuple(state[n] for n in names))
+        return tuple(state[n] for n in names)
 
-    def join(states):
-        return dict(zip(names, inner.join(states)))
+    def put(states):
+        return dict(zip(names, states))
 
-    E.register(update_fn, E.Fusable(inner.parts, split, join))
+    return get, put
 
 
 def _named_switch(sw, names):
     """A chain's Switch for ``named_chain``'s state (a dict of its transforms' states)."""
     from .engine import elementwise as E
 
+    get, put = _named_states(names)
+
     def choose(updates, state, params, mesh):
         if not isinstance(state, dict) or list(state) != names:
             return None  # (named_chain's own update raises)
-        fus = sw.choose(updates, tuple(state[n] for n in names), params, mesh)
-        if fus is None:
-            return None
-        return E.Fusable(
-            fus.parts,
-            lambda st: fus.split(tuple(st[n] for n in names)),
-            lambda states: dict(zip(names, fus.join(states))),
-        )
+        fus = sw.choose(updates, get(state), params, mesh)
+        return None if fus is None else E.restated(fus, get, put)
 
     return E.Switch(choose)
 

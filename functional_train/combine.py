@@ -356,45 +356,37 @@ def _unpack_key(key: Any, packed: bool) -> tuple:
     return True, inner
 
 
+def _restricted_fusable(fus: E.Fusable, on_of: Callable[[PyTree], list], where: str) -> E.Fusable:
+    """``fus`` with every part restricted to the leaves where ``on_of(params)`` is True."""
+    return E.Fusable(tuple(_restricted(p, on_of, where) for p in fus.parts), fus.split, fus.join)
+
+
 def _masked_fusable(inner: E.Fusable, keep_of: Callable[[PyTree], list]) -> E.Fusable:
     """``masked(inner, mask)``'s parts: ``inner``'s, restricted to the masked-in leaves."""
 
-    def split(state):
+    def get(state):
         if not isinstance(state, MaskedState):
             raise ValueError(f"masked: expected a MaskedState, got {type(state).__name__}")
-        return inner.split(state.inner_state)
+        return state.inner_state
 
-    def join(states):
-        return MaskedState(inner.join(states))
-
-    return E.Fusable(tuple(_restricted(p, keep_of, "masked") for p in inner.parts), split, join)
+    return E.restated(_restricted_fusable(inner, keep_of, "masked"), get, MaskedState)
 
 
 def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], list]):
     """``partition(transforms, labels)``'s parts: each transform's, restricted to the leaves
-    of its label, in the order of ``transforms``."""
-    counts = [len(f.parts) for f in inners]
-    parts = []
-    for n, f in zip(names, inners):
+    of its label, chained in the order of ``transforms``."""
 
-        def on_of(params, n=n):
-            return [lab == n for lab in labels_of(params)]
+    def on(n):
+        return lambda params: [lab == n for lab in labels_of(params)]
 
-        parts.extend(_restricted(p, on_of, "partition") for p in f.parts)
+    chained = E.chained([_restricted_fusable(f, on(n), "partition") for n, f in zip(names, inners)])
 
-    def split(state):
+    def get(state):
         if not isinstance(state, PartitionState) or list(state.inner_states) != names:
             raise ValueError(f"partition: expected a PartitionState with labels {names}")
-        out = []
-        for n, f in zip(names, inners):
-            out.extend(f.split(state.inner_states[n]))
-        return out
+        return tuple(state.inner_states[n] for n in names)
 
-    def join(states):
-        out, k = {}, 0
-        for n, f, c in zip(names, inners, counts):
-            out[n] = f.join(states[k : k + c])
-            k += c
-        return PartitionState(out)
+    def put(states):
+        return PartitionState(dict(zip(names, states)))
 
-    return E.Fusable(tuple(parts), split, join)
+    return E.restated(chained, get, put)

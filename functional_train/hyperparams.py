@@ -514,10 +514,10 @@ def _fused_form(resolve):
         if fus is None or fus.zero_updates:
             return None
         count = state.count + 1
-        return E.Fusable(
-            fus.parts,
-            lambda st: fus.split(st.inner_state),
-            lambda states: InjectHyperparamsState(count, hp, fus.join(states)),
+        return E.restated(
+            fus,
+            lambda st: st.inner_state,
+            lambda inner_state: InjectHyperparamsState(count, hp, inner_state),
         )
 
     return choose

@@ -82,6 +82,7 @@ __all__ = [
     "Switch",
     "switch_of",
     "chained_switch",
+    "restated",
     "run",
 ]
 
@@ -193,6 +194,18 @@ def chained(fusables: Sequence[Fusable]) -> Fusable:
         return tuple(out)
 
     return Fusable(tuple(p for f in fusables for p in f.parts), split, join)
+
+
+def restated(fus: Fusable, get: Callable, put: Callable) -> Fusable:
+    """``fus`` as the spec of a transform whose state holds ``fus``'s (a wrapper's, a named
+    chain's): ``get(state)`` gives the state held (raising for a state of another transform),
+    ``put(held)`` wraps a new one."""
+    return Fusable(
+        fus.parts,
+        lambda state: fus.split(get(state)),
+        lambda states: put(fus.join(states)),
+        fus.zero_updates,
+    )
 
 
 def chained_switch(specs: Sequence) -> Switch:
