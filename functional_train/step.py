@@ -684,16 +684,16 @@ def _spec_first(params) -> bool:
     """Whether a chain torch's fused kernels also run takes the generated stages instead: on
     CPU (eagerly and under ``torch.compile``, where a stage is the opaque operator
     ``functional_train::fused_stage``): equal speed, one definition, for float32 / float64
-    parameters (the generated kernels' dtypes). On CUDA, and for half-precision parameters,
-    the recognised chains keep torch's fused kernels for now (a stage the kernels do not take
-    runs leaf by leaf)."""
+    and (computed in float, see :mod:`.engine.fuse`) bfloat16 / float16 parameters. On CUDA
+    the recognised chains keep torch's fused kernels for now (a stage runs leaf by leaf
+    there)."""
     if not SPEC_FIRST:
         return False
     leaves, _ = tree_flatten(params)
     return all(x is None or (x.device.type == "cpu" and x.dtype in _SPEC_DTYPES) for x in leaves)
 
 
-_SPEC_DTYPES = (torch.float32, torch.float64)
+_SPEC_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _run_spec(fus, grads, state, params, mesh, donate):

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import functional_train as ft
+from functional_train.engine import fuse
 from functional_train.testing import count_collectives, per_rank, simulate
 
 
@@ -170,6 +171,7 @@ def check_fused_step(
     steps: int = 3,
     taken_at=None,
     param_rounding: bool = False,
+    op_by_op: bool = False,
 ) -> None:
     """``ft.step`` through the fused per-leaf path ``functional_train.step.<fused_name>`` equals
     the chain's update + apply_updates bit for bit, pure (inputs unchanged) and donated, over
@@ -181,7 +183,11 @@ def check_fused_step(
     product for several of the chain's passes), so they equal the chain's to float rounding
     only: within 2 units in the last place of the parameter plus 2 units of the largest
     parameter change, per fused step taken so far (the states still bit for bit, and pure ==
-    donated bit for bit)."""
+    donated bit for bit).
+
+    ``op_by_op``: the reference runs the chain's definitions operation by operation in torch
+    (no generated kernels: they compute half-precision leaves in float and round once, where a
+    fused path that runs torch's operations rounds each)."""
     step_module = sys.modules["functional_train.step"]
     taken = []
     real = getattr(step_module, fused_name)
@@ -210,7 +216,10 @@ def check_fused_step(
     p_ref = p_pure = params
     p_don = {k: v.clone() for k, v in params.items()}
     for g in grads:
-        u, s_ref = tx.update(g, s_ref, p_ref)
+        with monkeypatch.context() as m:
+            if op_by_op:
+                m.setattr(fuse, "ENABLED", False)
+            u, s_ref = tx.update(g, s_ref, p_ref)
         p_ref = ft.apply_updates(p_ref, u)
         before = [x.clone() for x in optree.tree_leaves((p_pure, s_pure, g))]
         old = (p_pure, s_pure, g)

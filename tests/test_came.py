@@ -412,7 +412,7 @@ def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
     loop): bit for bit the chain, pure and donated (see ``check_fused_step``; its leaves
     average under the 64 KiB the path asks for, which is lowered here)."""
     monkeypatch.setattr(sys.modules["functional_train.came"], "MIN_MEAN_BYTES", 0)
-    check_fused_step(lambda: came(**kw), dtype, monkeypatch, "fused_came_step")
+    check_fused_step(lambda: came(**kw), dtype, monkeypatch, "fused_came_step", op_by_op=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -424,6 +424,7 @@ def test_step_fused_path_after_a_clip(dtype, monkeypatch):
         dtype,
         monkeypatch,
         "fused_came_step",
+        op_by_op=True,
     )
 
 

@@ -12,25 +12,31 @@ signature, which :mod:`.elementwise` calls on lists of leaves.
 
 How it runs:
 
-* **CPU, float32 / float64 leaves.** The stage is traced once per signature (its function and
-  the dtypes of its inputs and scalars) with ``torch.fx.experimental.proxy_tensor.make_fx``
-  (fake tensors, about 35 ms) into ATen operations; each operation becomes one line of C inside
-  a single loop over the elements of a leaf, which the C compiler vectorises (``-O3
-  -march=native -fopenmp-simd``). No floating-point contraction beyond the fused multiply-adds
-  ATen's own CPU kernels use (``add`` with ``alpha``, ``addcmul``, ``lerp``), and IEEE's
-  correctly rounded division and square root: the results equal the stage run by torch to
-  float rounding (torch's float32 ``sqrt`` on CPU is not always correctly rounded; see
-  ``tests/test_fused.py`` for the tolerance). Selects are exact bitwise blends (GCC leaves a
-  loop-invariant ``?:`` as a branch, which stops vectorisation). One call runs every leaf of
-  the lists, reading each input once and writing each result once -- the memory traffic of
-  torch's fused optimizer kernels, for whatever elementwise work the user composed; results
-  may be written over their inputs (the donated step). Scalars reach the kernel by address
-  (:func:`scalar_pointers`: a 0-dim CPU tensor's own memory), so no value is read on the host.
-  The source is compiled with the system C compiler (:func:`.native.build_library`) into
-  ``$FT_CACHE_DIR`` under a name keyed by the source, about 0.1 s once per machine; later
-  processes load it. Under ``torch.compile`` the kernel runs inside the opaque operator
-  ``functional_train::fused_stage`` (:mod:`.elementwise`).
-* **Everywhere else** (CUDA, half-precision leaves, a ``torch.func`` transform,
+* **CPU, float32 / float64 / bfloat16 / float16 leaves.** The stage is traced once per signature
+  (its function and the dtypes of its inputs and scalars) with
+  ``torch.fx.experimental.proxy_tensor.make_fx`` (fake tensors, about 35 ms) into ATen
+  operations; each operation becomes one line of C inside a single loop over the elements of a
+  leaf, which the C compiler vectorises (``-O3 -march=native -fopenmp-simd``). No floating-point
+  contraction beyond the fused multiply-adds ATen's own CPU kernels use (``add`` with ``alpha``,
+  ``addcmul``, ``lerp``), and IEEE's correctly rounded division and square root: the results
+  equal the stage run by torch to float rounding (torch's float32 ``sqrt`` on CPU is not always
+  correctly rounded; see ``tests/test_fused.py`` for the tolerance). Selects are exact bitwise
+  blends (GCC leaves a loop-invariant ``?:`` as a branch, which stops vectorisation). One call
+  runs every leaf of the lists, reading each input once and writing each result once -- the
+  memory traffic of torch's fused optimizer kernels, for whatever elementwise work the user
+  composed; results may be written over their inputs (the donated step). Scalars reach the
+  kernel by address (:func:`scalar_pointers`: a 0-dim CPU tensor's own memory), so no value is
+  read on the host. The source is compiled with the system C compiler
+  (:func:`.native.build_library`) into ``$FT_CACHE_DIR`` under a name keyed by the source, about
+  0.1 s once per machine; later processes load it. Half-precision leaves are loaded into
+  ``float``, computed there and rounded to nearest even once, where a result is stored or the
+  stage converts to the half dtype (ATen's ``opmath``, as torch's fused optimizer kernels and
+  inductor compute; the stage run by torch rounds every operation instead). Their conversions
+  are written as integer operations, which the compiler vectorises (it does not vectorise
+  ``_Float16`` conversions), exact against torch's bit for bit. Under ``torch.compile`` the
+  kernel runs inside the opaque operator ``functional_train::fused_stage``
+  (:mod:`.elementwise`).
+* **Everywhere else** (CUDA, a ``torch.func`` transform,
   :func:`~functional_train.differentiable`, an operation the generator does not write, no C
   compiler): the same function runs leaf by leaf in torch, where torch's own machinery
   (inductor, functorch, autograd) sees the plain operations.
@@ -73,7 +79,20 @@ _CTYPE = {
     torch.int64: "int64_t",
     torch.int32: "int32_t",
 }
-_LEAF_DTYPES = (torch.float32, torch.float64)
+# half-precision leaves: stored as their 16 bits, computed in float (ATen's ``opmath``, as
+# torch's fused optimizer kernels and inductor compute them): rounded once, where a result is
+# stored or a conversion to the half dtype is written in the stage
+# (float16 through integer operations, which GCC vectorises, where it does not vectorise
+# ``_Float16`` conversions)
+_HALF = {torch.bfloat16: "uint16_t", torch.float16: "uint16_t"}
+_LOAD = {torch.bfloat16: "ft_lbf16({x})", torch.float16: "ft_lf16({x})"}
+_STORE = {torch.bfloat16: "ft_sbf16({x})", torch.float16: "ft_sf16({x})"}
+
+
+def _compute(dtype):
+    """The dtype a value of ``dtype`` is computed in."""
+    return torch.float32 if dtype in _HALF else dtype
+
 
 _lock = threading.Lock()
 _kernels: dict = {}
@@ -151,6 +170,31 @@ static inline double ft_seld(_Bool c, double a, double b) {
   __builtin_memcpy(&x, &a, 8); __builtin_memcpy(&y, &b, 8);
   x = (x & m) | (y & ~m); __builtin_memcpy(&r, &x, 8); return r;
 }
+/* half-precision conversions, branch free (integer selects: GCC vectorises no ``?:`` here) */
+#define FT_PICK(c, a, b) ((((uint32_t)0 - (uint32_t)(c)) & (a)) | (((uint32_t)0 - !(c)) & (b)))
+static inline float ft_f32(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
+static inline uint32_t ft_u32(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
+static inline float ft_lbf16(uint16_t h) { return ft_f32((uint32_t)h << 16); }
+static inline uint16_t ft_sbf16(float f) {  /* round to nearest even; NaN as c10's 0x7fc0 */
+  uint32_t u = ft_u32(f);
+  return (uint16_t)FT_PICK(f != f, 0x7fc0u, (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float ft_lf16(uint16_t h) {  /* exact; no subnormal float arithmetic */
+  uint32_t em = (uint32_t)(h & 0x7fffu) << 13, sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t e = em & 0x0f800000u, n = em + 0x38000000u;  /* rebias: (127 - 15) << 23 */
+  /* a subnormal half, renormalised by a subtraction of normal floats */
+  uint32_t sub = ft_u32(ft_f32(n + 0x00800000u) - 0x1p-14f);
+  uint32_t u = FT_PICK(e == 0x0f800000u, n + 0x38000000u, FT_PICK(e == 0, sub, n));
+  return ft_f32(u | sign);
+}
+static inline uint16_t ft_sf16(float x) {  /* round to nearest even, as c10::Half */
+  uint32_t u = ft_u32(x), sign = u & 0x80000000u, a = u ^ sign;
+  uint32_t big = FT_PICK(a > 0x7f800000u, 0x7e00u, 0x7c00u);  /* NaN, or inf / overflow */
+  uint32_t sub = ft_u32(ft_f32(a) + 0.5f) - ft_u32(0.5f);  /* below 2^-14: the FPU rounds */
+  uint32_t nrm = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;  /* rebias, round */
+  uint32_t r = FT_PICK(a >= 0x47800000u, big, FT_PICK(a < 0x38800000u, sub, nrm));
+  return (uint16_t)(r | (sign >> 16));
+}
 #define FT_SEL(c, a, b) _Generic((a), float: ft_self, default: ft_seld)(c, a, b)
 #define FT_MAX(a, b) \
   FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) > (b), (a), (b))))
@@ -172,6 +216,7 @@ class _Writer:
         self.dtypes: dict = {}
 
     def val(self, arg, want=None) -> str:
+        want = None if want is None else _compute(want)
         if isinstance(arg, torch.fx.Node):
             name = self.names[arg]
             if want is not None and self.dtypes[arg] != want:
@@ -187,6 +232,7 @@ class _Writer:
         return isinstance(arg, torch.fx.Node) and arg in self.vec
 
     def emit(self, node, expr: str, dtype, vec: bool):
+        dtype = _compute(dtype)
         if dtype not in _CTYPE:
             raise Unsupported(f"dtype {dtype} of {node.format_node()}")
         name = f"v{len(self.names)}"
@@ -200,6 +246,7 @@ class _Writer:
     def emit_tmp(self, expr: str, dtype, vec: bool) -> str:
         """A named temporary (not a graph node's value)."""
         name = f"t{len(self.pre) + len(self.body)}"
+        dtype = _compute(dtype)
         line = f"const {_CTYPE[dtype]} {name} = {expr};"
         (self.body if vec else self.pre).append(line)
         return name
@@ -210,7 +257,7 @@ class _Writer:
         blend (``FT_SEL``, exact): GCC turns a loop-invariant ``?:`` into branches, and with
         more than one in a loop gives up vectorising it ("control flow in loop")."""
         scalar_cond = not (isinstance(cond_arg, torch.fx.Node) and cond_arg in self.vec)
-        if vec and scalar_cond and dtype in (torch.float32, torch.float64):
+        if vec and scalar_cond and _compute(dtype) in (torch.float32, torch.float64):
             return f"FT_SEL({c}, {a}, {b})"
         return f"({c} ? {a} : {b})"
 
@@ -228,9 +275,11 @@ class _Writer:
                 in_dtypes.append(val.dtype)
             else:
                 self.names[node] = f"s{k - self.n_inputs}"
-            if val.dtype not in _CTYPE:
+                if val.dtype in _HALF:  # (a scalar is read by address, as its own dtype)
+                    raise Unsupported(f"a scalar of dtype {val.dtype}")
+            if _compute(val.dtype) not in _CTYPE:
                 raise Unsupported(f"dtype {val.dtype}")
-            self.dtypes[node] = val.dtype
+            self.dtypes[node] = _compute(val.dtype)
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 continue
@@ -248,7 +297,7 @@ class _Writer:
                 o not in self.vec and tuple(o.meta["val"].shape) != (_TRACE_NUMEL,)
             ):
                 raise Unsupported("a result that is not a leaf-shaped value")
-            out_dtypes.append(self.dtypes[o])
+            out_dtypes.append(o.meta["val"].dtype)
         nin, nout = self.n_inputs, len(outputs)
         lines = [
             _HEADER,
@@ -263,18 +312,20 @@ class _Writer:
         lines.append("  for (int64_t l = 0; l < nleaves; l++) {")
         lines.append("    const int64_t n = numel[l];")
         for k in range(nin):
-            t = _CTYPE[in_dtypes[k]]
+            t = _HALF.get(in_dtypes[k]) or _CTYPE[in_dtypes[k]]
             lines.append(f"    const {t} *p{k} = (const {t} *)ptr[l * {nin + nout} + {k}];")
         for j in range(nout):
-            t = _CTYPE[out_dtypes[j]]
+            t = _HALF.get(out_dtypes[j]) or _CTYPE[out_dtypes[j]]
             lines.append(f"    {t} *q{j} = ({t} *)ptr[l * {nin + nout} + {nin + j}];")
         lines.append("#pragma omp simd")
         lines.append("    for (int64_t i = 0; i < n; i++) {")
-        for k in range(nin):
-            lines.append(f"      const {_CTYPE[in_dtypes[k]]} x{k} = p{k}[i];")
+        for k, d in enumerate(in_dtypes):
+            x = _LOAD[d].format(x=f"p{k}[i]") if d in _HALF else f"p{k}[i]"
+            lines.append(f"      const {_CTYPE[_compute(d)]} x{k} = {x};")
         lines += ["      " + x for x in self.body]
-        for j, o in enumerate(outputs):
-            lines.append(f"      q{j}[i] = {self.names[o]};")
+        for j, (o, d) in enumerate(zip(outputs, out_dtypes)):
+            x = self.val(o, d)
+            lines.append(f"      q{j}[i] = {_STORE[d].format(x=x) if d in _HALF else x};")
         lines += ["    }", "  }", "}"]
         return "\n".join(lines) + "\n", [in_dtypes, out_dtypes]
 
@@ -283,7 +334,7 @@ class _Writer:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise Unsupported(node.format_node())
-        dtype = val.dtype
+        dtype = _compute(val.dtype)
         args = node.args
         vec = any(self.is_vec(a) for a in args if isinstance(a, torch.fx.Node))
         if op in ("add", "sub") and len(args) == 2 and "alpha" in node.kwargs:
@@ -295,7 +346,11 @@ class _Writer:
             a, b = self.val(args[0], dtype), self.val(args[1], dtype)
             return self.emit(node, f"FT_FMA({al}, {b}, {a})", dtype, vec)
         if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
-            return self.emit(node, self.val(args[0], dtype), dtype, vec)
+            x = self.val(args[0], dtype)
+            src = args[0].meta["val"].dtype if isinstance(args[0], torch.fx.Node) else None
+            if val.dtype in _HALF and src != val.dtype:  # a conversion to half: rounded here
+                x = _LOAD[val.dtype].format(x=_STORE[val.dtype].format(x=x))
+            return self.emit(node, x, dtype, vec)
         if op == "addcmul" and len(args) == 3 and set(node.kwargs) <= {"value"}:
             # ATen: fma(value * t1, t2, self)
             a, b, c = (self.val(x, dtype) for x in args)
@@ -317,7 +372,7 @@ class _Writer:
             return self.emit(node, f"({b} - {a})", dtype, vec)
         if op in _BINARY and len(args) == 2:
             if dtype == torch.bool and op not in ("logical_and", "logical_or"):
-                common = _common(args)
+                common = _compute(_common(args))
                 a, b = self.val(args[0], common), self.val(args[1], common)
             else:
                 a, b = self.val(args[0], dtype), self.val(args[1], dtype)
@@ -335,8 +390,6 @@ class _Writer:
             c = self.val(args[0])
             a, b = self.val(args[1], dtype), self.val(args[2], dtype)
             return self.emit(node, self.select(args[0], c, a, b, dtype, vec), dtype, vec)
-        if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
-            return self.emit(node, self.val(args[0], dtype), dtype, vec)
         if op == "pow" and len(args) == 2:
             ex = args[1]
             if isinstance(ex, (int, float)) and float(ex) == 2.0:
