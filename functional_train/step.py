@@ -2,20 +2,20 @@
 
 A transform whose chain is made of elementwise specs (``functional_train/engine/
 elementwise.py``) runs as its stages, ``p + u`` fused into the last one (:func:`_run_spec`):
-on CPU float32 / float64 parameters that path comes first, eagerly and under
-``torch.compile``, for every such chain, the ``sgd`` / ``adam`` / ``adamw`` ones included. What
-follows describes the paths the other cases take (CUDA and half-precision parameters keep the
-recognised chains' torch fused kernels; Adafactor, CAME, GaLore and 8-bit Adam their own steps).
+on CPU parameters (float32, float64, bfloat16, float16) that path comes first, eagerly and
+under ``torch.compile`` (where a stage is the operator ``functional_train::fused_stage``), for
+every such chain, the ``sgd`` / ``adam`` / ``adamw`` ones included. What follows describes
+the paths the other cases take (CUDA parameters keep the recognised chains' torch fused
+kernels; Adafactor, CAME, GaLore and 8-bit Adam their own steps).
 
 The general path runs any transform on the local view (the chain's primitives hand local shards
 along; DTensors are built once, for the new parameters) and adds the updates to the local
-parameter shards. The fused path recognises ``sgd``, ``adam`` and ``adamw`` (32-bit moments),
-alone or after ``clip_by_global_norm``, and runs torch's fused optimizer kernels
-(``torch._fused_sgd_``, ``_fused_adam_``, ``_fused_adamw_``; CPU and CUDA) on the local shards,
-one pass per group of leaves, with the clip factor as the kernel's gradient scale (a pure step
-copies its inputs first, or on CPU runs large leaves through a compiled out-of-place kernel,
-``engine/kernels.py``). The numbers
-are those of the primitives up to float rounding, and sharded equals unsharded as for
+parameter shards. The fused path, eagerly where the generated stages do not run (CUDA),
+recognises ``sgd``, ``adam`` and ``adamw`` (32-bit moments), alone or after
+``clip_by_global_norm``, and runs torch's fused optimizer kernels (``torch._fused_sgd_``,
+``_fused_adam_``, ``_fused_adamw_``) on the local shards, one pass per group of leaves, with
+the clip factor as the kernel's gradient scale (a pure step copies its inputs first). The
+numbers are those of the primitives up to float rounding, and sharded equals unsharded as for
 ``update``: the kernels are elementwise, and the clip norm takes the same one scalar
 all-reduce. ``adafactor`` without ``beta1`` and ``came`` have a per-leaf path where no leaf
 needs communication (plain tensors, one process): each large leaf is finished -- statistics,
@@ -23,15 +23,8 @@ update, clipping, moments, added to its parameter -- while it is in cache, as th
 implementations' per-parameter loops do, with the chain's numbers bit for bit
 (``functional_train.factored.fused_adafactor_step``, ``functional_train.came.fused_came_step``);
 so does ``galore_adamw`` between projector refreshes (``functional_train.galore.
-fused_galore_step``).
-
-Under ``torch.compile`` the pure step of ``sgd`` / ``adam`` / ``adamw`` (after a clip too) on CPU
-leaves is one operator, ``functional_train::pure_fused_step``, opaque to inductor: the graph
-computes the clip factor and the learning rate, and the operator runs the eager pure step on
-the real tensors (same kernels, same numbers, bit for bit). Functionalisation cannot trace
-torch's in-place kernels, and inductor's code for the chain's primitives took about twice as
-long to compile for no faster a step. Other transforms, donated steps and CUDA tensors compile
-the chain's primitives.
+fused_galore_step``). Under ``torch.compile`` these recognised paths are not taken: the
+chain compiles.
 """
 
 from __future__ import annotations
@@ -51,7 +44,6 @@ from .base import GradientTransformation, accepts_view
 from .came import FusedCame, fused_came_step
 from .clipping import ClipByGlobalNormState, global_norm_of, global_norm_start
 from .engine import elementwise as E
-from .engine import kernels
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
 from .engine.view import Prepared, per_leaf_view, prepare
@@ -165,16 +157,6 @@ def _fusable(ts_lists) -> bool:
     dtype, device = first[0].dtype, first[0].device
     if dtype not in _KERNEL_DTYPES:
         return False
-    if torch.compiler.is_compiling():  # (dynamo does not trace attrgetter)
-        return all(
-            x is not None
-            and x.shape == y.shape
-            and x.dtype == dtype
-            and x.is_contiguous()
-            and x.device == device
-            for lst in ts_lists
-            for x, y in zip(lst, first)
-        )
     shapes = list(map(_SHAPE, first))
     cpu = device.type == "cpu"
     for lst in ts_lists:  # whole-list checks in C loops: this runs for every step
@@ -213,22 +195,11 @@ def _resolved(fused):
 def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     """The fused step, or ``None`` when the inputs do not fit the kernels (general path).
 
-    Under ``torch.compile`` only the pure step of ``sgd`` / ``adam`` / ``adamw`` on CPU leaves
-    is fused, as one opaque operator (:func:`_pure_op`); everything else takes the chain."""
-    fused = _resolved(fused)
-    compiled = torch.compiler.is_compiling()
-    if compiled and (
-        donate
-        or not isinstance(fused, (FusedAdam, FusedSGD))
-        or (
-            isinstance(fused, FusedSGD)
-            and (
-                isinstance(fused.momentum, torch.Tensor)
-                or isinstance(fused.dampening, torch.Tensor)
-            )
-        )
-    ):
+    Eager only: under ``torch.compile`` the chain compiles (on CPU its generated stages, the
+    operator ``functional_train::fused_stage``)."""
+    if torch.compiler.is_compiling():
         return None
+    fused = _resolved(fused)
     if isinstance(fused, FusedAdam8bit):
         return (
             None
@@ -288,7 +259,7 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
         f: flatten_as(getattr(st, f), treedef, f"{type(st).__name__}.{f}", "params") for f in fields
     }
     bufs = {f: to_locals([trees[f][i] for i in act]) for f in fields}
-    if not _fusable([p, g, *bufs.values()]) or (compiled and not p[0].is_cpu):
+    if not _fusable([p, g, *bufs.values()]):
         return None
     lr_state = opt_state[fused.lr_index]
     count = lr_state.count if isinstance(lr_state, ScaleByScheduleState) else None
@@ -304,8 +275,6 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     groups = [(list(range(len(p))), fused.weight_decay)]
     if isinstance(fused, FusedAdam) and fused.mask is not None:  # decayed leaves, the others
         keep = fused.mask(params)
-        if compiled and not all(isinstance(keep[i], bool) for i in act):
-            return None
         groups = [
             ([k for k, i in enumerate(act) if bool(keep[i]) == on], wd)
             for on, wd in ((True, fused.weight_decay), (False, 0.0))
@@ -315,10 +284,6 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
         if donate:
             new_p, new_bufs = p, bufs
             _in_place(fused, groups, new_p, g, new_bufs, _resolve(coef), lr, new_count)
-        elif compiled:
-            new_p, new_bufs = _pure_compiled(
-                fused, groups, p, g, bufs, _resolve(coef), lr, new_count
-            )
         else:
             new_p, new_bufs = _pure(
                 fused, groups, of_plan(b.plan, "pool", Pool), p, g, bufs, coef, lr, new_count
@@ -384,26 +349,10 @@ def _resolve(coef):
 def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
     """The pure fused step's new parameters and moments (lists like ``p`` and ``bufs``'s),
     written into fresh buffers (pooled on CPU, see :mod:`.engine.pool`); the inputs are not
-    modified. The large leaves of a large tree on CPU take one out-of-place pass of a compiled
-    kernel (:mod:`functional_train.engine.kernels`); the others are copied, and torch's in-place
-    kernel runs on the copies (and on a scratch copy of the gradients when a clip factor is the
-    kernel's gradient scale, which it writes back).
-    """
+    modified: they are copied, and torch's in-place kernel runs on the copies (and on a scratch
+    copy of the gradients when a clip factor is the kernel's gradient scale, which it writes
+    back)."""
     new_p, new_bufs = list(p), {f: list(v) for f, v in bufs.items()}  # filled below
-    big = kernels.large_leaves(p)
-    if big:
-
-        def sub(xs):
-            return [xs[k] for k in big]
-
-        for f, dst, src in [("params/large", new_p, p)] + [
-            (f + "/large", new_bufs[f], bufs[f]) for f in bufs
-        ]:
-            for k, x in zip(big, pool.take(f, sub(src))):
-                dst[k] = x
-        coef = _resolve(coef)
-        if _out_of_place(fused, groups, set(big), p, g, bufs, new_p, new_bufs, coef, lr, count):
-            groups = [([k for k in ks if k not in big], wd) for ks, wd in groups]
     groups = [(ks, wd) for ks, wd in groups if ks]
     rest = sorted(k for ks, _ in groups for k in ks)
     if not rest:
@@ -433,102 +382,6 @@ def _pure(fused, groups, pool, p, g, bufs, coef, lr, count):
     torch._foreach_copy_(dst, src)
     _in_place(fused, groups, new_p, g_in, new_bufs, _resolve(coef), lr, count)
     return new_p, new_bufs
-
-
-# The pure fused step under torch.compile: functionalisation cannot trace torch's in-place
-# fused kernels, and inductor's own code for a chain of ~10 primitives per leaf takes long to
-# compile (about 40 s cold for the 122-leaf tree of benchmarks/bench_engine.py). The compiled
-# graph computes the clip factor and the learning rate and calls this operator, opaque to
-# inductor, which runs the eager pure step (_pure) on real tensors: the same numbers as eagerly.
-_POOLS: dict = {}  # the operator's result pools by layout (as the plan's, for the eager step)
-_MAX_POOLS = 4
-
-
-@torch.library.custom_op("functional_train::pure_fused_step", mutates_args=())
-def _pure_op(
-    p: list[torch.Tensor],
-    g: list[torch.Tensor],
-    bufs: list[torch.Tensor],
-    coef: torch.Tensor | None,
-    scalars: torch.Tensor,
-    count: torch.Tensor,
-    kind: str,
-    fields: str,
-    flags: list[bool],
-    decayed: list[bool],
-) -> list[torch.Tensor]:
-    """The new parameters then the new moments of one pure fused step. ``kind``: ``"adam"``
-    or ``"sgd"``; ``bufs``: the moments named by the comma-separated ``fields``, field after
-    field; ``scalars``: float64 ``(lr, b1, b2, eps, weight_decay, momentum)``; ``flags``:
-    ``(decoupled, amsgrad, maximize, nesterov)``; ``decayed[k]``: whether leaf ``k`` takes the
-    weight decay (a ``mask``)."""
-    lr, b1, b2, eps, wd, momentum = scalars.tolist()
-    decoupled, amsgrad, maximize, nesterov = flags
-    if kind == "sgd":
-        fused = FusedSGD(lr, momentum, wd, nesterov, maximize, None, 0)
-    else:
-        fused = FusedAdam(decoupled, lr, b1, b2, eps, wd, amsgrad, maximize, 0, 0)
-    names = fields.split(",") if fields else []
-    n = len(p)
-    groups = [
-        ([k for k in range(n) if decayed[k] == on], w) for on, w in ((True, wd), (False, 0.0))
-    ]
-    groups = [(ks, w) for ks, w in groups if ks]
-    key = (kind,) + tuple((tuple(x.shape), x.dtype, x.device) for x in p)
-    pool = _POOLS.pop(key, None) or Pool()
-    _POOLS[key] = pool  # most recent last
-    while len(_POOLS) > _MAX_POOLS:
-        del _POOLS[next(iter(_POOLS))]
-    with torch.no_grad():
-        new_p, new_bufs = _pure(
-            fused,
-            groups,
-            pool,
-            list(p),
-            list(g),
-            {f: list(bufs[j * n : (j + 1) * n]) for j, f in enumerate(names)},
-            coef,
-            lr,
-            count,
-        )
-    return new_p + [x for f in names for x in new_bufs[f]]
-
-
-@_pure_op.register_fake
-def _(p, g, bufs, coef, scalars, count, kind, fields, flags, decayed):
-    return [torch.empty_like(x) for x in p] + [torch.empty_like(x) for x in bufs]
-
-
-def _pure_compiled(fused, groups, p, g, bufs, coef, lr, count):
-    """:func:`_pure`'s results through :func:`_pure_op` (under ``torch.compile``); the
-    hyperparameters may be tensors (injected ones are graph inputs)."""
-    if isinstance(fused, FusedAdam):
-        kind, hyper = "adam", (fused.b1, fused.b2, fused.eps, fused.weight_decay, 0.0)
-        flags = [fused.decoupled, fused.amsgrad, fused.maximize, False]
-    else:
-        kind, hyper = "sgd", (0.0, 0.0, 0.0, fused.weight_decay, fused.momentum)
-        flags = [False, False, fused.maximize, fused.nesterov]
-    scalars = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in (lr,) + hyper])
-    decayed = [False] * len(p)
-    for ks, wd in groups:  # (a mask's undecayed group has the float 0.0)
-        if isinstance(wd, torch.Tensor) or wd != 0.0:
-            for k in ks:
-                decayed[k] = True
-    count = torch.zeros((), dtype=torch.float64) if count is None else count
-    out = _pure_op(
-        p,
-        g,
-        [x for xs in bufs.values() for x in xs],
-        coef,
-        scalars.cpu(),
-        count,
-        kind,
-        ",".join(bufs),
-        flags,
-        decayed,
-    )
-    n = len(p)
-    return out[:n], {f: out[(j + 1) * n : (j + 2) * n] for j, f in enumerate(bufs)}
 
 
 def _in_place(fused, groups, p, g, bufs, coef, lr, count):
@@ -586,63 +439,6 @@ def _in_place(fused, groups, p, g, bufs, coef, lr, count):
                 is_first_step=False,
                 grad_scale=grad_scale,
             )
-
-
-def _out_of_place(fused, groups, big, p, g, bufs, new_p, new_bufs, coef, lr, count) -> bool:
-    """The leaves ``big`` of ``groups`` through the compiled out-of-place kernels
-    (:mod:`functional_train.engine.kernels`) into the result buffers; ``False`` where they
-    could not be compiled (the caller then copies and runs the in-place kernel on them)."""
-    for ks, wd in groups:
-        ks = [k for k in ks if k in big]
-        if not ks:
-            continue
-
-        def pick(xs):
-            return [xs[k] for k in ks]
-
-        if isinstance(fused, FusedAdam):
-            nm = "nu_max" if fused.amsgrad else None
-            ok = kernels.adam_pure(
-                pick(p),
-                pick(g),
-                pick(bufs["mu"]),
-                pick(bufs["nu"]),
-                nm and pick(bufs[nm]),
-                pick(new_p),
-                pick(new_bufs["mu"]),
-                pick(new_bufs["nu"]),
-                nm and pick(new_bufs[nm]),
-                coef=coef,
-                lr=lr,
-                weight_decay=wd,
-                b1=fused.b1,
-                b2=fused.b2,
-                eps=fused.eps,
-                count=count,
-                decoupled=fused.decoupled,
-                amsgrad=fused.amsgrad,
-                maximize=fused.maximize,
-                checked=True,
-            )
-        else:
-            tr = "trace" in bufs
-            ok = kernels.sgd_pure(
-                pick(p),
-                pick(g),
-                tr and pick(bufs["trace"]),
-                pick(new_p),
-                tr and pick(new_bufs["trace"]),
-                coef=coef,
-                lr=lr,
-                weight_decay=wd,
-                momentum=fused.momentum if tr else 0.0,
-                nesterov=fused.nesterov,
-                maximize=fused.maximize,
-                checked=True,
-            )
-        if not ok:
-            return False
-    return True
 
 
 def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
@@ -791,23 +587,24 @@ def step(
     Returns:
         ``(new_params, new_state)``, the params in their own layout (placements, dtypes).
 
-    Fused path: ``tx`` is ``sgd`` (momentum without dampening), ``adam`` or ``adamw`` (32-bit
-    moments, any ``amsgrad`` / ``maximize`` / weight decay / schedule), or ``chain(
-    clip_by_global_norm(max_norm), one of those)``, and for every leaf the parameter, gradient
-    and moments have one floating dtype and are contiguous: torch's fused kernel runs on the
-    local shards of all leaves in one call, the clip factor as its gradient scale (a pure step
-    runs it on copies; on CPU, the large leaves of a tree holding 16 MiB or more in them take a
-    compiled out-of-place kernel instead, built by inductor on first use in the process: see
-    :mod:`functional_train.engine.kernels`). ``tx`` is ``adafactor`` without ``beta1`` or
-    ``came`` (alone or after ``clip_by_global_norm``), on plain tensors in one process, gradients of
-    their parameters' dtypes: each leaf is finished in cache before the next is read (for adafactor
-    the leaves under 64 KiB together; came only where leaves average 64 KiB or more), the chain's
-    numbers bit for bit; so is ``galore_adamw`` on steps that do not refresh its projectors (leaves
-    averaging 64 KiB or more; not after a ``clip_by_global_norm``). Otherwise the general path: the
-    transform's primitives on the local view, then one add per leaf. Under ``torch.compile`` only
-    the pure fused step of sgd / adam / adamw on CPU is kept (as the operator
-    ``functional_train::pure_fused_step``, see the module's docstring); the rest compiles the
-    general path. Collectives: those of ``tx.update`` (the fused path issues the same ones).
+    Fused path: a chain of the library's elementwise transforms (and of users' own, written
+    with :func:`~functional_train.elementwise`), whatever combinators and wrappers compose it,
+    runs as its stages: each run of elementwise work up to a reduction (a global norm) is one
+    pass over each group of leaves, the last one ending with ``p + u``, in place with
+    ``donate`` (see :mod:`functional_train.engine.elementwise`). On CPU a pass is a kernel
+    generated for the stage (:mod:`functional_train.engine.fuse`); elsewhere (CUDA) the stage
+    runs leaf by leaf, except that ``sgd`` / ``adam`` / ``adamw`` (alone or after
+    ``clip_by_global_norm``) take torch's fused kernels there, the clip factor as their
+    gradient scale (a pure step runs them on copies). ``tx`` is ``adafactor`` without ``beta1``
+    or ``came`` (alone or after ``clip_by_global_norm``), on plain tensors in one process,
+    gradients of their parameters' dtypes: each leaf is finished in cache before the next is
+    read (for adafactor the leaves under 64 KiB together; came only where leaves average 64 KiB
+    or more), the chain's numbers bit for bit; so is ``galore_adamw`` on steps that do not
+    refresh its projectors (leaves averaging 64 KiB or more; not after a
+    ``clip_by_global_norm``). Otherwise the general path: the transform's primitives on the
+    local view, then one add per leaf. Under ``torch.compile`` the generated stages are the
+    operator ``functional_train::fused_stage``; everything else compiles the general path.
+    Collectives: those of ``tx.update`` (the fused path issues the same ones).
 
     Raises:
         ValueError / TypeError: as ``tx.update`` and ``apply_updates`` do; ``params`` missing.
