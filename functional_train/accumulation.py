@@ -31,6 +31,7 @@ from .engine.dtensor import spec_of, to_local, wrap
 from .engine.plan import all_on_data_axis, describe, plan_for, same_layout
 from .engine.view import prepare
 from .mesh import Mesh
+from .spec import attach_spec
 from .tree import (
     flatten_as,
     format_path,
@@ -279,7 +280,7 @@ def multi_steps(
         )
 
     # what comes out is what inner returns: still unreduced if inner passes unreduced values on
-    update_fn.passes_unreduced = passes_unreduced(inner)  # type: ignore[attr-defined]
+    attach_spec(update_fn, passes_unreduced=passes_unreduced(inner))
     if switch is not None:
         E.register(update_fn, switch)
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol
 
+from .spec import attach_spec, transform_spec
 from .tree import PyTree
 
 __all__ = [
@@ -66,7 +67,8 @@ def check_state(state: Any, cls: type, name: str) -> None:
 
 
 def declare(update_fn, *, unreduced: bool = True, view: bool = False):
-    """Declare what an ``update`` function accepts, for the combinators (returns ``update_fn``).
+    """Declare what an ``update`` function accepts, for the combinators (returns ``update_fn``;
+    recorded in its :class:`~functional_train.spec.TransformSpec`).
 
     Args:
         update_fn: the transform's update function.
@@ -79,19 +81,19 @@ def declare(update_fn, *, unreduced: bool = True, view: bool = False):
             hands along as ``updates`` (it calls ``prepare`` first, reads values only from
             ``locals`` / ``params``, and returns ``rebuild(...)`` / ``rebuild_active(...)``).
     """
-    update_fn.accepts_unreduced = bool(unreduced or view)
-    update_fn.accepts_view = bool(view)
-    return update_fn
+    return attach_spec(
+        update_fn, accepts_unreduced=bool(unreduced or view), accepts_view=bool(view)
+    )
 
 
 def accepts_unreduced(tx: GradientTransformation) -> bool:
     """Whether ``tx`` declared that it reduces unreduced gradients itself (see :func:`declare`)."""
-    return bool(getattr(tx.update, "accepts_unreduced", False))
+    return transform_spec(tx).accepts_unreduced
 
 
 def accepts_view(tx: GradientTransformation) -> bool:
     """Whether ``tx`` declared that it accepts a chain's prepared view (see :func:`declare`)."""
-    return bool(getattr(tx.update, "accepts_view", False))
+    return transform_spec(tx).accepts_view
 
 
 def call_reduced(tx: GradientTransformation, updates, state, params, mesh, extra):
@@ -118,7 +120,7 @@ def passes_unreduced(tx: GradientTransformation) -> bool:
     Every other transform reduces unreduced gradients before it uses them and returns reduced
     updates, so a combinator passes the *reduced* mesh descriptor to what follows it.
     """
-    return bool(getattr(tx.update, "passes_unreduced", False))
+    return transform_spec(tx).passes_unreduced
 
 
 def identity() -> GradientTransformation:
@@ -132,7 +134,7 @@ def identity() -> GradientTransformation:
         del params, mesh, extra
         return updates, state
 
-    update_fn.passes_unreduced = True  # type: ignore[attr-defined]
+    attach_spec(update_fn, passes_unreduced=True)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
@@ -223,8 +225,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         updates, new_states = _run_sequence(transforms, state, updates, params, mesh, extra)
         return updates, tuple(new_states)
 
-    update_fn.passes_unreduced = all(passes_unreduced(t) for t in transforms)  # type: ignore[attr-defined]
-    update_fn.parts = tuple(transforms)  # type: ignore[attr-defined]
+    attach_spec(
+        update_fn,
+        passes_unreduced=all(passes_unreduced(t) for t in transforms),
+        parts=tuple(transforms),
+    )
     _register_chained(update_fn, transforms)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
@@ -331,6 +336,6 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         )
         return updates, dict(zip(names, new_states))
 
-    update_fn.passes_unreduced = all(passes_unreduced(t) for t in txs)  # type: ignore[attr-defined]
+    attach_spec(update_fn, passes_unreduced=all(passes_unreduced(t) for t in txs))
     _register_chained(update_fn, txs, names)
     return GradientTransformation(init_fn, declare(update_fn, view=True))

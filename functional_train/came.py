@@ -41,6 +41,7 @@ from .factored import (
     zeros_reduced,
 )
 from .hyperparams import injectable, is_injected, value_of
+from .spec import attach_spec, transform_spec
 from .transforms import (
     ScalarOrSchedule,
     ScaleByScheduleState,
@@ -280,22 +281,23 @@ def came(
     tx = chain(*txs)
     betas = _pair_or_triple("betas", betas, 3, where)
     eps = _pair_or_triple("eps", eps, 2, where)
-    tx.update.fused = FusedCame(  # type: ignore[attr-defined]  (ft.step)
+    fused = FusedCame(
         *(float(x) for x in betas),
         *(float(x) for x in eps),
         clip_threshold if is_injected(clip_threshold) else float(clip_threshold),
         weight_decay,
         learning_rate,
-        txs[1].update.keep_of if (V.nonzero(weight_decay) and mask is not None) else None,
+        transform_spec(txs[1]).keep_of if (V.nonzero(weight_decay) and mask is not None) else None,
         len(txs),
     )
+    attach_spec(tx.update, fused=fused)  # (ft.step)
     return tx
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedCame:
-    """What ``came`` computes, for ``ft.step``'s per-leaf path (attached to the alias's chain as
-    ``update.fused``)."""
+    """What ``came`` computes, for ``ft.step``'s per-leaf path (the ``fused`` of the alias's
+    chain's spec)."""
 
     b1: float
     b2: float

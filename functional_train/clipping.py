@@ -20,6 +20,7 @@ from .base import GradientTransformation, elementwise_transform
 from .engine import elementwise as E
 from .engine import native
 from .engine.view import prepare
+from .spec import attach_spec
 from .transforms import stateless
 from .tree import first_device
 
@@ -181,6 +182,5 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
 
     spec = E.Elementwise("clip_by_global_norm", leaf, prologue, E.no_fields, 0, reduces=True)
     tx = elementwise_transform(spec, init_fn)
-    update_fn = tx.update
-    update_fn.fused_clip = (max_norm, norm_type)  # type: ignore[attr-defined]  (ft.step)
+    attach_spec(tx.update, clip=(max_norm, norm_type))  # (ft.step, apply_if_finite)
     return tx

@@ -13,6 +13,7 @@ import torch
 from .base import GradientTransformation, declare
 from .engine import elementwise as E
 from .engine.view import prepare
+from .spec import Partitioned, attach_spec
 from .tree import PyTree, format_path, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["partition", "PartitionState", "masked", "MaskedState"]
@@ -213,8 +214,9 @@ def partition(
     if all(f is not None and _restrictable(f) for f in fusables):
         E.register(update_fn, _partition_fusable(names, fusables, labels_of))
 
-    update_fn.labels_of = labels_of  # each leaf's label (for ft.step's per-leaf GaLore path)
-    update_fn.partition = (dict(transforms), param_labels)  # (TorchOptimizer's param groups)
+    # (TorchOptimizer's param groups; labels_of: each leaf's label, for ft.step's per-leaf
+    # GaLore path)
+    attach_spec(update_fn, partition=Partitioned(dict(transforms), param_labels, labels_of))
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 

@@ -40,6 +40,7 @@ from .engine.dtensor import spec_of, to_local
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import Prepared, per_leaf_result, per_leaf_view, prepare
 from .hyperparams import injectable, value_of
+from .spec import attach_spec, transform_spec
 from .transforms import (
     ScalarOrSchedule,
     ScaleByScheduleState,
@@ -740,7 +741,7 @@ def _adafactor_scale(
                 out[k] = x
         return b.rebuild_active(out), new_state
 
-    update_fn.keep_of = keep_of
+    attach_spec(update_fn, keep_of=keep_of)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
@@ -808,7 +809,7 @@ def _add_decay(
 @dataclasses.dataclass(frozen=True)
 class FusedAdafactor:
     """What ``adafactor`` without ``beta1`` computes, for ``ft.step``'s per-leaf path (attached
-    to the alias's chain as ``update.fused``): the chain is ``scale_by_factored_rms(decay_rate,
+    to the alias's chain's spec as ``fused``): the chain is ``scale_by_factored_rms(decay_rate,
     eps)`` then :func:`_adafactor_scale` ``(threshold, min_scale, weight_decay, rho)``."""
 
     decay_rate: float
@@ -1085,9 +1086,16 @@ def adafactor(
         min_scale = eps2 if scale_parameter else None
         txs.append(_adafactor_scale(clip_threshold, min_scale, weight_decay, rho, mask))
         tx = chain(*txs)
-        tx.update.fused = FusedAdafactor(  # type: ignore[attr-defined]  (ft.step)
-            decay_rate, eps1, clip_threshold, min_scale, weight_decay, rho, txs[-1].update.keep_of
+        fused = FusedAdafactor(
+            decay_rate,
+            eps1,
+            clip_threshold,
+            min_scale,
+            weight_decay,
+            rho,
+            transform_spec(txs[-1]).keep_of,
         )
+        attach_spec(tx.update, fused=fused)  # (ft.step)
         return tx
     else:
         if scale_parameter:

@@ -59,6 +59,7 @@ from .engine.whole import (
     per_rank as _per_rank,
 )
 from .hyperparams import injectable, value_of
+from .spec import attach_spec, transform_spec
 from .transforms import (
     AdamLeaf,
     ScalarOrSchedule,
@@ -524,7 +525,7 @@ def galore(
             for i, side in proj:
                 p_full[i] = _orthogonal(full.get(i, b.locals[i]), side, rank)
                 new_proj[i] = wrap_like(p_full[i], old[i])
-        leafwise = getattr(inner.update, "leafwise", None)
+        leafwise = transform_spec(inner).adam_leaf
         if (
             on_update is not None
             and outputs is not None
@@ -597,7 +598,7 @@ def galore(
             out[i] = wrap(_scaled_(u, scale), b.specs[i])
         return tree_unflatten(b.treedef, out), new_state
 
-    update_fn.per_leaf = per_leaf
+    attach_spec(update_fn, per_leaf=per_leaf)
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
@@ -885,24 +886,28 @@ def galore_adamw(
     tx = partition(
         {k: _skip_when_empty(t) for k, t in transforms.items()}, _canonical_labels(labels)
     )
-    tx.update.fused = FusedGaLore(  # type: ignore[attr-defined]
-        transforms["galore"].update.parts[0],
+    galore_parts = transform_spec(transforms["galore"]).parts
+    partitioned = transform_spec(tx).partition
+    assert galore_parts is not None and partitioned is not None
+    fused = FusedGaLore(
+        galore_parts[0],
         lr,
         wd,
         update_proj_gap,
-        tx.update.labels_of,
+        partitioned.labels_of,
         {k: _skip_when_empty(t) for k, t in transforms.items() if k != "galore"},
-        len(transforms["galore"].update.parts) == 3,
+        len(galore_parts) == 3,
     )
+    attach_spec(tx.update, fused=fused)
     return tx
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedGaLore:
-    """What ``galore_adamw`` is, for ``ft.step``'s per-leaf path (attached to its partition as
-    ``update.fused``): the ``galore`` transform of the ``"galore"`` label, the learning rate and
-    weight decay of its tail, the projector refresh gap, the partition's labels and the other
-    labels' transforms."""
+    """What ``galore_adamw`` is, for ``ft.step``'s per-leaf path (the ``fused`` of its
+    partition's spec): the ``galore`` transform of the ``"galore"`` label, the learning rate
+    and weight decay of its tail, the projector refresh gap, the partition's labels and the
+    other labels' transforms."""
 
     galore: GradientTransformation
     learning_rate: ScalarOrSchedule
@@ -1004,7 +1009,9 @@ def fused_galore_step(
 
     with torch.no_grad():
         pool = of_plan(b.plan, "pool", Pool)
-        new_galore = fused.galore.update.per_leaf(
+        per_leaf = transform_spec(fused.galore).per_leaf
+        assert per_leaf is not None
+        new_galore = per_leaf(
             tree_unflatten(treedef, g_leaves),
             gst[0],
             tree_unflatten(treedef, p_leaves),

@@ -15,6 +15,14 @@ from . import _validate as V
 from .autograd import host_value
 from .base import GradientTransformation
 from .engine import elementwise as E
+from .spec import (
+    BuiltWith,
+    Injected,
+    attach_factory_spec,
+    attach_spec,
+    factory_spec,
+    transform_spec,
+)
 from .tree import find_state
 
 __all__ = [
@@ -145,9 +153,12 @@ def _check_learning_rate(value: Any, where: str) -> None:
 def injectable(
     factory: Callable = None, *, tensors: tuple = (), nonzero_tensors: tuple = ()
 ) -> Callable:
-    """Decorate a transform factory so that the transforms it builds remember how (their
-    ``update.built_with = (factory, arguments)``): :class:`~functional_train.TorchOptimizer`
-    uses it to turn ``adamw(1e-3)`` into ``inject_hyperparams(adamw)(learning_rate=1e-3)``.
+    """Decorate a transform factory so that the transforms it builds remember how (the
+    ``built_with`` of their spec, :class:`~functional_train.spec.BuiltWith`):
+    :class:`~functional_train.TorchOptimizer` uses it to turn ``adamw(1e-3)`` into
+    ``inject_hyperparams(adamw)(learning_rate=1e-3)``. The factory's own
+    :class:`~functional_train.spec.FactorySpec` records the decorated function and the
+    arguments below.
 
     ``tensors``: the hyperparameters the factory's transforms read per update with
     :func:`value_of` (so :func:`inject_hyperparams` hands them over natively, as tensors, with
@@ -164,15 +175,15 @@ def injectable(
     def build(*args, **kwargs):
         tx = factory(*args, **kwargs)
         bound = sig.bind(*args, **kwargs)
-        tx.update.built_with = (build, dict(bound.arguments))  # type: ignore[attr-defined]
+        attach_spec(tx.update, built_with=BuiltWith(build, dict(bound.arguments)))
         return tx
 
-    build.__wrapped_factory__ = factory  # type: ignore[attr-defined]
-    build.tensor_hyperparams = (  # type: ignore[attr-defined]
-        frozenset(tensors),
-        frozenset(nonzero_tensors),
+    return attach_factory_spec(
+        build,
+        wraps=factory,
+        tensors=frozenset(tensors),
+        nonzero_tensors=frozenset(nonzero_tensors),
     )
-    return build
 
 
 def inject_hyperparams(
@@ -242,7 +253,8 @@ def inject_hyperparams(
             f"inject_hyperparams: inner_factory must be callable, "
             f"got {type(inner_factory).__name__}"
         )
-    base = getattr(inner_factory, "__wrapped_factory__", inner_factory)
+    wraps = factory_spec(inner_factory).wraps
+    base = inner_factory if wraps is None else wraps
     sig = inspect.signature(inner_factory)
     ours = (getattr(base, "__module__", "") or "").startswith("functional_train")
 
@@ -270,7 +282,8 @@ def inject_hyperparams(
             v = injected[name]
             return _as_value(v(0) if name in schedules else v)
 
-        tensors, nonzero = getattr(inner_factory, "tensor_hyperparams", ((), ()))
+        inner_spec = factory_spec(inner_factory)
+        tensors, nonzero = inner_spec.tensors, inner_spec.nonzero_tensors
         native = {
             n
             for n in injected
@@ -420,21 +433,26 @@ def inject_hyperparams(
                 f"non-zero, or build a new transform and state): {error}"
             )
 
-        inner_update = first.update
-        for attr in ("accepts_unreduced", "accepts_view", "passes_unreduced"):
-            if hasattr(inner_update, attr):
-                setattr(update_fn, attr, getattr(inner_update, attr))
-        E.register(update_fn, E.Switch(_fused_form(resolve)))
-        update_fn.resolve = resolve  # type: ignore[attr-defined]  (ft.step: the fused kernels)
-        update_fn.explain = explain  # type: ignore[attr-defined]  (ft.step: its errors)
-        # names given as tensors (TorchOptimizer keeps them as tensors in its param_groups)
-        update_fn.given_as_tensors = frozenset(  # type: ignore[attr-defined]
-            n for n, v in injected.items() if isinstance(v, torch.Tensor)
+        # what the inner transform accepts and passes on, the fused form chosen per call
+        # (ft.step, chain), resolve (ft.step: the fused kernels), explain (ft.step: its errors)
+        # and the names given as tensors (TorchOptimizer keeps them as tensors in its
+        # param_groups)
+        inner_spec = transform_spec(first)
+        attach_spec(
+            update_fn,
+            accepts_unreduced=inner_spec.accepts_unreduced,
+            accepts_view=inner_spec.accepts_view,
+            passes_unreduced=inner_spec.passes_unreduced,
+            elementwise=E.Switch(_fused_form(resolve)),
+            inject=Injected(
+                resolve,
+                explain,
+                frozenset(n for n, v in injected.items() if isinstance(v, torch.Tensor)),
+            ),
         )
         return GradientTransformation(init_fn, update_fn)
 
-    wrapped.__wrapped_factory__ = base  # type: ignore[attr-defined]
-    return wrapped
+    return attach_factory_spec(wrapped, wraps=base)
 
 
 def set_hyperparams(state: Any, **values) -> Any:

@@ -30,6 +30,7 @@ from .base import GradientTransformation, call_reduced, declare
 from .engine import elementwise as E
 from .engine.dtensor import to_local, wrap_like
 from .engine.view import Prepared, prepare
+from .spec import transform_spec
 from .tree import find_state, first_device
 
 __all__ = [
@@ -92,10 +93,11 @@ class DynamicLossScaleState(NamedTuple):
 def _leading_clip_norm(inner: GradientTransformation):
     """``state -> pre-clip global norm`` when ``inner`` is ``clip_by_global_norm`` or a chain
     starting with it (the norm then decides finiteness at no extra cost), else ``None``."""
-    if getattr(inner.update, "fused_clip", None) is not None:
+    spec = transform_spec(inner)
+    if spec.clip is not None:
         return lambda s: s.global_norm
-    parts = getattr(inner.update, "parts", None)
-    if parts and getattr(parts[0].update, "fused_clip", None) is not None:
+    parts = spec.parts
+    if parts and transform_spec(parts[0]).clip is not None:
         return lambda s: s[0].global_norm
     return None
 

@@ -8,6 +8,7 @@ from . import _validate as V
 from .base import GradientTransformation, chain
 from .hyperparams import injectable, is_injected
 from .quantization import FusedAdam8bit
+from .spec import attach_spec, transform_spec
 from .step import FusedAdam, FusedSGD
 from .transforms import (
     ScalarOrSchedule,
@@ -76,7 +77,7 @@ def sgd(
     # injected one is read when the step runs, which falls back to the chain where it is not 0)
     if not (V.nonzero(momentum) and V.nonzero(dampening)) or is_injected(dampening):
         shift = 1 if maximize else 0
-        tx.update.fused = FusedSGD(  # type: ignore[attr-defined]
+        fused = FusedSGD(
             learning_rate,
             momentum,
             weight_decay,
@@ -86,6 +87,7 @@ def sgd(
             shift + len(txs) - 1,
             dampening if V.nonzero(momentum) else 0.0,
         )
+        attach_spec(tx.update, fused=fused)
     return tx
 
 
@@ -109,11 +111,12 @@ def _fused_adam(
     fused kernels; 8-bit without amsgrad: the compiled 8-bit kernel)."""
     shift = 1 if maximize else 0
     adam_index = shift + (1 if (V.nonzero(weight_decay) and not decoupled) else 0)
-    decay = (
-        tx.update.parts[adam_index + 1] if (mask is not None and V.nonzero(weight_decay)) else None
-    )
+    parts = transform_spec(tx).parts
+    assert parts is not None
+    decay = parts[adam_index + 1] if (mask is not None and V.nonzero(weight_decay)) else None
+    keep_of = None if decay is None else transform_spec(decay).keep_of
     if optim_bits == 8 and not amsgrad:
-        tx.update.fused = FusedAdam8bit(  # type: ignore[attr-defined]
+        fused8 = FusedAdam8bit(
             decoupled,
             learning_rate,
             b1,
@@ -123,12 +126,13 @@ def _fused_adam(
             maximize,
             adam_index,
             n_parts - 1,
-            None if decay is None else decay.update.keep_of,
+            keep_of,
             block_size,
             min_8bit_size,
         )
+        attach_spec(tx.update, fused=fused8)
     if optim_bits == 32:
-        tx.update.fused = FusedAdam(  # type: ignore
+        fused = FusedAdam(
             decoupled,
             learning_rate,
             b1,
@@ -139,8 +143,9 @@ def _fused_adam(
             maximize,
             adam_index,
             n_parts - 1,
-            None if decay is None else decay.update.keep_of,
+            keep_of,
         )
+        attach_spec(tx.update, fused=fused)
     return tx
 
 

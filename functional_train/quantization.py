@@ -755,8 +755,7 @@ def quantize_state(
 @dataclasses.dataclass(frozen=True)
 class FusedAdam8bit:
     """What ``adam`` / ``adamw`` with ``optim_bits=8`` compute, for ``ft.step``'s compiled
-    path (attached to the alias's chain as ``update.fused``; see
-    :func:`fused_adam8bit_step`)."""
+    path (the ``fused`` of the alias's chain's spec; see :func:`fused_adam8bit_step`)."""
 
     decoupled: bool
     learning_rate: Any

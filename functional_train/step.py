@@ -52,6 +52,7 @@ from .galore import FusedGaLore, fused_galore_step
 from .hyperparams import InjectHyperparamsState, is_injected, value_of
 from .mesh import Mesh
 from .quantization import FusedAdam8bit, fused_adam8bit_step
+from .spec import transform_spec
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
 from .tree import PyTree, flatten_as, tree_flatten, tree_unflatten
 from .update import apply_updates, paired_locals
@@ -62,7 +63,7 @@ __all__ = ["step"]
 @dataclasses.dataclass(frozen=True)
 class FusedAdam:
     """What ``adam`` / ``adamw`` computed, for the fused kernels (attached to the alias's
-    chain as ``update.fused``): hyper-parameters and where the moments and the learning-rate
+    chain's spec as ``fused``): hyper-parameters and where the moments and the learning-rate
     state sit in the chain's state tuple."""
 
     decoupled: bool
@@ -95,13 +96,14 @@ class FusedSGD:
 def _program(tx: GradientTransformation):
     """``(clip, fused)`` when ``tx`` is a fusable optimizer, optionally after a
     ``clip_by_global_norm``: ``clip`` is ``(max_norm, norm_type)`` or ``None``."""
-    fused = getattr(tx.update, "fused", None)
+    spec = transform_spec(tx)
+    fused = spec.fused
     if fused is not None:
         return None, fused
-    parts = getattr(tx.update, "parts", None)
+    parts = spec.parts
     if parts is not None and len(parts) == 2:
-        clip = getattr(parts[0].update, "fused_clip", None)
-        fused = getattr(parts[1].update, "fused", None)
+        clip = transform_spec(parts[0]).clip
+        fused = transform_spec(parts[1]).fused
         if clip is not None and fused is not None:
             return clip, fused
     return None
@@ -111,14 +113,14 @@ def _injected_after_clip(tx, grads, state, params, mesh, donate):
     """The fused step of ``chain(clip_by_global_norm, inject_hyperparams(alias)(...))`` (what
     :class:`~functional_train.TorchOptimizer` makes of a clipped alias) by torch's fused
     kernels where the generated stages do not run (CUDA, half precision), or ``None``."""
-    parts = getattr(tx.update, "parts", None)
+    parts = transform_spec(tx).parts
     if parts is None or len(parts) != 2:
         return None
-    clip = getattr(parts[0].update, "fused_clip", None)
-    resolve = getattr(parts[1].update, "resolve", None)
+    clip = transform_spec(parts[0]).clip
+    injected = transform_spec(parts[1]).inject
     if (
         clip is None
-        or resolve is None
+        or injected is None
         or torch.compiler.is_compiling()
         or is_differentiable()
         or _spec_first(params)  # (the chain's generated stages: its Switch)
@@ -130,8 +132,8 @@ def _injected_after_clip(tx, grads, state, params, mesh, donate):
         and isinstance(state[1], InjectHyperparamsState)
     ):
         return None
-    inner, hp = resolve(state[1])
-    fused = getattr(inner.update, "fused", None)
+    inner, hp = injected.resolve(state[1])
+    fused = transform_spec(inner).fused
     if fused is None:
         return None
     out = _run_fused(
@@ -684,15 +686,15 @@ def _same_shard(x: Any, y: Any) -> bool:
 
 def _step(tx, grads, state, params, mesh, donate, extra):
     """:func:`step` without its argument checks and the pure step's copies."""
-    resolve = getattr(tx.update, "resolve", None)
-    if resolve is not None:  # inject_hyperparams: the transform built for this step, stepped
-        inner, hp = resolve(state)
+    injected = transform_spec(tx).inject
+    if injected is not None:  # inject_hyperparams: the transform built for this step, stepped
+        inner, hp = injected.resolve(state)
         try:
             new_params, inner_state = _step(
                 inner, grads, state.inner_state, params, mesh, donate, extra
             )
         except (ValueError, TypeError) as e:
-            err = tx.update.explain(inner, hp, e)
+            err = injected.explain(inner, hp, e)
             if err is e:
                 raise
             raise err from e

@@ -14,6 +14,7 @@ import torch
 
 from .base import GradientTransformation, chain
 from .hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
+from .spec import transform_spec
 from .tree import field_paths, tree_flatten, tree_unflatten
 
 __all__ = ["TorchOptimizer"]
@@ -73,7 +74,7 @@ class _Alias(NamedTuple):
 
     @classmethod
     def of(cls, tx: GradientTransformation) -> _Alias | None:
-        built = getattr(tx.update, "built_with", None)
+        built = transform_spec(tx).built_with
         if built is None:
             return None
         factory, arguments = built
@@ -87,13 +88,14 @@ class _Alias(NamedTuple):
 
 def _injected(tx: GradientTransformation):
     """``tx`` with its hyperparameters injected where it was built by one of this library's
-    aliases (``update.built_with``), its float parameters filled in from their defaults; in a
+    aliases (its spec's ``built_with``), its float parameters filled in from their defaults; in a
     ``chain``, the one part that can be. Returns ``(transform, path to its
     InjectHyperparamsState or None, the hyperparameters given as tensors, the _Alias or
     None)``."""
-    if getattr(tx.update, "resolve", None) is not None:
-        return tx, (), getattr(tx.update, "given_as_tensors", frozenset()), None
-    built = getattr(tx.update, "built_with", None)
+    spec = transform_spec(tx)
+    if spec.inject is not None:
+        return tx, (), spec.inject.given_as_tensors, None
+    built = spec.built_with
     if built is not None:
         factory, arguments = built
         sig = inspect.signature(factory)
@@ -104,8 +106,10 @@ def _injected(tx: GradientTransformation):
         }
         kw.update(arguments)
         t = inject_hyperparams(factory)(**kw)
-        return t, (), t.update.given_as_tensors, _Alias.of(tx)
-    parts = getattr(tx.update, "parts", None)
+        injected = transform_spec(t).inject
+        assert injected is not None
+        return t, (), injected.given_as_tensors, _Alias.of(tx)
+    parts = spec.parts
     if parts:
         found = [(i, _injected(p)) for i, p in enumerate(parts)]
         found = [(i, *rest) for i, (*rest,) in found if rest[1] is not None]
@@ -115,6 +119,13 @@ def _injected(tx: GradientTransformation):
             new[i] = t
             return chain(*new), (i,), tensors, alias
     return tx, None, frozenset(), None
+
+
+def _parts(tx: GradientTransformation) -> tuple[GradientTransformation, ...]:
+    """The transforms of the ``chain`` ``tx`` (one ``_injected`` made)."""
+    parts = transform_spec(tx).parts
+    assert parts is not None
+    return parts
 
 
 # state_dict keys of the state leaves that belong to no parameter (step counts, the clipping
@@ -285,13 +296,13 @@ def _plan(tx: GradientTransformation, names: list, tensors: list, specs: list | 
             return {}, None
         return lay.flags(alias.arguments), dict(lay.fields)
 
-    spec = getattr(tx.update, "partition", None)
+    spec = transform_spec(tx).partition
     everything = list(range(len(names)))
     if specs is None or len(specs) == 1:
         options = {} if specs is None else dict(specs[0][1])
         labelled = spec is not None and not (
-            getattr(tx.update, "built_with", None) is not None
-            and all(_injected(v)[1] is None for v in spec[0].values())
+            transform_spec(tx).built_with is not None
+            and all(_injected(v)[1] is None for v in spec.transforms.values())
         )  # (galore_adamw: a partition whose labels have no hyperparameters: one group)
         if labelled:
             bad = sorted(set(options) & _TORCH_HYPERPARAMETERS)
@@ -302,11 +313,13 @@ def _plan(tx: GradientTransformation, names: list, tensors: list, specs: list | 
                 )
             from .combine import partition
 
-            done = {k: _injected(v) for k, v in spec[0].items()}
-            t = partition({k: d[0] for k, d in done.items()}, spec[1])
+            done = {k: _injected(v) for k, v in spec.transforms.items()}
+            t = partition({k: d[0] for k, d in done.items()}, spec.param_labels)
             tree = {n: p.detach() for n, p in zip(names, tensors)}
             keys = [path[0] for path in optree.tree_flatten_with_path(tree, none_is_leaf=True)[0]]
-            by_name = dict(zip(keys, t.update.labels_of(tree)))  # (optree sorts dict keys)
+            t_partition = transform_spec(t).partition
+            assert t_partition is not None
+            by_name = dict(zip(keys, t_partition.labels_of(tree)))  # (optree sorts dict keys)
             groups = []
             for k, (_, path, given, alias) in done.items():
                 idx = [i for i in everything if by_name[names[i]] == k]
@@ -340,7 +353,7 @@ def _plan(tx: GradientTransformation, names: list, tensors: list, specs: list | 
         return t, [_Group(None, None, frozenset(), {}, None, idx, o) for idx, o in specs]
     from .combine import partition
 
-    part = t if path == () else t.update.parts[path[0]]
+    part = t if path == () else _parts(t)[path[0]]
     parts, groups = {}, []
     labels = {}
     for gi, (idx, options) in enumerate(specs):
@@ -358,7 +371,7 @@ def _plan(tx: GradientTransformation, names: list, tensors: list, specs: list | 
     new_part = partition(parts, labels)
     if path == ():
         return new_part, groups
-    new = list(t.update.parts)
+    new = list(_parts(t))
     new[path[0]] = new_part
     return chain(*new), groups
 

@@ -23,6 +23,7 @@ from .engine import elementwise as E
 from .engine.view import prepare
 from .hyperparams import is_injected, value_of
 from .quantization import ScaleByAdam8bitState
+from .spec import attach_spec
 from .tree import first_device, state_zeros_like, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
@@ -201,7 +202,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
 
     spec = E.Elementwise(where, leaf, prologue, E.no_fields, 0, needs_params=True, static=keep_of)
     tx = elementwise_transform(spec, init_fn)
-    tx.update.keep_of = keep_of  # type: ignore[attr-defined]  (ft.step's fused AdamW)
+    attach_spec(tx.update, keep_of=keep_of)  # (ft.step's fused AdamW)
     return tx
 
 
@@ -432,8 +433,11 @@ def scale_by_adam(
         )
         tx = elementwise_transform(spec, init_fn)
         if not amsgrad:
-            tx.update.leafwise = AdamLeaf(  # type: ignore[attr-defined]
-                b1_arg, b2_arg, eps_arg, bias_correction, eps_before_correction, spec
+            attach_spec(
+                tx.update,
+                adam_leaf=AdamLeaf(
+                    b1_arg, b2_arg, eps_arg, bias_correction, eps_before_correction, spec
+                ),
             )
         return tx
 
@@ -526,7 +530,8 @@ class AdamLeaf(NamedTuple):
     finish each leaf while it is in cache (``ft.step``'s per-leaf GaLore path): its
     elementwise spec (``spec``, the one definition of Adam's math) run on one leaf by the
     engine (:func:`functional_train.engine.elementwise.apply_leaf`), so the moments and the
-    update are the update's own. Attached to the update function as ``update.leafwise``."""
+    update are the update's own. The ``adam_leaf`` of its
+    :class:`~functional_train.spec.TransformSpec`."""
 
     b1: float
     b2: float

@@ -30,6 +30,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import functional_train as ft
 from functional_train.galore import GaLoreState, galore, galore_adamw, galore_param_labels
+from functional_train.spec import transform_spec
 from functional_train.testing import count_collectives, gather, per_rank, simulate
 
 with warnings.catch_warnings():  # galore-torch imports bitsandbytes, which warns without a GPU
@@ -745,11 +746,12 @@ def test_step_per_leaf_path_declines_small_leaves(monkeypatch):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adam_leaf_equals_scale_by_adam(kw, dtype):
-    """``scale_by_adam``'s one-leaf form (``update.leafwise``, used by the per-leaf GaLore step)
-    gives the update's moments and output bit for bit over 3 steps, in place and into other
-    buffers, for bfloat16 gradients with float32 moments too."""
+    """``scale_by_adam``'s one-leaf form (its spec's ``adam_leaf``, used by the per-leaf GaLore
+    step) gives the update's moments and output bit for bit over 3 steps, in place and into
+    other buffers, for bfloat16 gradients with float32 moments too."""
     tx = ft.scale_by_adam(0.8, 0.95, **kw)
-    adam = tx.update.leafwise
+    adam = transform_spec(tx).adam_leaf
+    assert adam is not None
     gen = torch.Generator().manual_seed(1)
     g = {
         "a": torch.randn(30, 40, generator=gen).to(dtype),

@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 from ..autograd import traced
+from ..spec import attach_spec, transform_spec
 from . import fuse
 from .pool import Pool, of_plan
 
@@ -137,27 +138,19 @@ class Switch:
     choose: Callable
 
 
-_SPEC_ATTR = "__ft_spec__"
-
-
 def register(update_fn: Callable, spec: Elementwise | Fusable | Switch) -> Callable:
-    """Attach ``spec`` to a transform's ``update`` function (returns ``update_fn``). It is kept
-    in the function's ``__dict__``, so that it travels with the function through ``pickle``
-    (cloudpickle) and ``copy``."""
+    """Attach ``spec`` to a transform's ``update`` function (returns ``update_fn``): the
+    ``elementwise`` field of its :class:`~functional_train.spec.TransformSpec`, which travels
+    with the function through ``pickle`` (cloudpickle) and ``copy``."""
     if not isinstance(spec, (Elementwise, Fusable, Switch)):
         raise TypeError(f"register: expected an Elementwise, Fusable or Switch spec, got {spec!r}")
-    vars(update_fn)[_SPEC_ATTR] = spec
-    return update_fn
+    return attach_spec(update_fn, elementwise=spec)
 
 
 def spec_of_transform(tx) -> Elementwise | Fusable | Switch | None:
     """The spec registered for ``tx.update``, or ``None`` (a transform the engine cannot fuse:
     it runs by its own ``update``)."""
-    try:
-        spec = vars(tx.update).get(_SPEC_ATTR)
-    except TypeError:  # no __dict__ (a builtin, a bound method of a slotted object)
-        return None
-    return spec if isinstance(spec, (Elementwise, Fusable, Switch)) else None
+    return transform_spec(tx).elementwise
 
 
 def fusable_of(tx) -> Fusable | None:
