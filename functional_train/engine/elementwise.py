@@ -839,7 +839,10 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
                 else [torch.empty((), dtype=d).expand(x.shape) for x in cols[0]]
             )
             res.append(take(f"stage{r}", like) if take is not None else list(map(_fresh, like)))
-    kernel(cols, res, sc)
+    # (fresh results: streamed where large; a caller's buffers that are the inputs (apply_part)
+    # are not: streaming is right there too, the block is read before it is written, but slower)
+    fresh = apply != "donate" and not any(x[0] is y[0] for x in res for y in cols)
+    kernel(cols, res, sc, fresh=fresh)
     for r in range(n_out):
         for j, x in zip(idx, res[r]):
             outs[r][j] = x

@@ -59,10 +59,19 @@ import torch
 
 from . import native
 
-__all__ = ["ENABLED", "DEBUG", "Kernel", "kernel_for", "scalar_pointers", "Unsupported"]
+__all__ = [
+    "ENABLED",
+    "DEBUG",
+    "STREAM_MIN_BYTES",
+    "Kernel",
+    "kernel_for",
+    "scalar_pointers",
+    "Unsupported",
+]
 
 ENABLED = os.environ.get("FT_FUSED_KERNELS", "1") != "0"
 DEBUG = os.environ.get("FT_FUSED_DEBUG", "0") != "0"  # warn when a stage cannot be generated
+STREAM_MIN_BYTES = 8 * 2**20  # a call's fresh results below which ordinary stores are used
 _CFLAGS = [
     "-O3",
     "-march=native",
@@ -72,6 +81,15 @@ _CFLAGS = [
     "-shared",
     "-fPIC",
 ]
+_SIZE = {
+    torch.float32: 4,
+    torch.float64: 8,
+    torch.bfloat16: 2,
+    torch.float16: 2,
+    torch.bool: 1,
+    torch.int64: 8,
+    torch.int32: 4,
+}
 _CTYPE = {
     torch.float32: "float",
     torch.float64: "double",
@@ -195,6 +213,25 @@ static inline uint16_t ft_sf16(float x) {  /* round to nearest even, as c10::Hal
   uint32_t r = FT_PICK(a >= 0x47800000u, big, FT_PICK(a < 0x38800000u, sub, nrm));
   return (uint16_t)(r | (sign >> 16));
 }
+/* non-temporal stores: whole cache lines written without first reading them (write allocate),
+   for results in fresh memory; the head and tail that do not fill an aligned 32 bytes copied */
+#define FT_BLOCK 128
+#if defined(__AVX__)
+#include <immintrin.h>
+static inline void ft_stream(void *dst, const void *src, int64_t bytes) {
+  char *d = (char *)dst; const char *s = (const char *)src;
+  while (bytes > 0 && ((uintptr_t)d & 31)) { *d++ = *s++; bytes--; }
+  for (; bytes >= 32; bytes -= 32, d += 32, s += 32)
+    _mm256_stream_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)s));
+  while (bytes > 0) { *d++ = *s++; bytes--; }
+}
+#define FT_FENCE() _mm_sfence()
+#else
+static inline void ft_stream(void *dst, const void *src, int64_t bytes) {
+  __builtin_memcpy(dst, src, (size_t)bytes);
+}
+#define FT_FENCE() ((void)0)
+#endif
 #define FT_SEL(c, a, b) _Generic((a), float: ft_self, default: ft_seld)(c, a, b)
 #define FT_MAX(a, b) \
   FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) > (b), (a), (b))))
@@ -302,7 +339,7 @@ class _Writer:
         lines = [
             _HEADER,
             f"void {fn_name}(int64_t nleaves, const int64_t *numel, void *const *ptr,"
-            " void *const *sc) {",
+            " void *const *sc, int64_t stream) {",
         ]
         for k in range(self.n_scalars):
             node = placeholders[nin + k]
@@ -317,16 +354,39 @@ class _Writer:
         for j in range(nout):
             t = _HALF.get(out_dtypes[j]) or _CTYPE[out_dtypes[j]]
             lines.append(f"    {t} *q{j} = ({t} *)ptr[l * {nin + nout} + {nin + j}];")
-        lines.append("#pragma omp simd")
-        lines.append("    for (int64_t i = 0; i < n; i++) {")
-        for k, d in enumerate(in_dtypes):
-            x = _LOAD[d].format(x=f"p{k}[i]") if d in _HALF else f"p{k}[i]"
-            lines.append(f"      const {_CTYPE[_compute(d)]} x{k} = {x};")
-        lines += ["      " + x for x in self.body]
-        for j, (o, d) in enumerate(zip(outputs, out_dtypes)):
-            x = self.val(o, d)
-            lines.append(f"      q{j}[i] = {_STORE[d].format(x=x) if d in _HALF else x};")
-        lines += ["    }", "  }", "}"]
+        ctypes_out = [_HALF.get(d) or _CTYPE[d] for d in out_dtypes]
+
+        def loop(index: str, dst: str, indent: str) -> list:
+            out = [indent + "#pragma omp simd"]
+            out.append(f"{indent}for (int64_t i = 0; i < {'n' if index == 'i' else 'm'}; i++) {{")
+            for k, d in enumerate(in_dtypes):
+                x = f"p{k}[{index}]"
+                x = _LOAD[d].format(x=x) if d in _HALF else x
+                out.append(f"{indent}  const {_CTYPE[_compute(d)]} x{k} = {x};")
+            out += [f"{indent}  {x}" for x in self.body]
+            for j, (o, d) in enumerate(zip(outputs, out_dtypes)):
+                x = self.val(o, d)
+                x = _STORE[d].format(x=x) if d in _HALF else x
+                out.append(f"{indent}  {dst.format(j=j)}[i] = {x};")
+            out.append(f"{indent}}}")
+            return out
+
+        lines.append("    if (!stream) {")
+        lines += loop("i", "q{j}", "      ")
+        lines.append("      continue;")
+        lines.append("    }")
+        # streamed: each block of results computed into a buffer in L1, then written out with
+        # non-temporal stores (no read of the destination's lines: see ft_stream)
+        lines.append("    for (int64_t i0 = 0; i0 < n; i0 += FT_BLOCK) {")
+        lines.append("      const int64_t m = n - i0 < FT_BLOCK ? n - i0 : FT_BLOCK;")
+        lines += loop("i0 + i", "b{j}", "      ")
+        for j in range(nout):
+            lines.append(f"      ft_stream(q{j} + i0, b{j}, m * (int64_t)sizeof(*q{j}));")
+        lines.append("    }")
+        lines += ["  }", "  if (stream) FT_FENCE();", "}"]
+        head = lines.index("  for (int64_t l = 0; l < nleaves; l++) {")
+        for j, t in enumerate(ctypes_out):
+            lines.insert(head, f"  {t} b{j}[FT_BLOCK] __attribute__((aligned(64)));")
         return "\n".join(lines) + "\n", [in_dtypes, out_dtypes]
 
     def lower(self, node):
@@ -476,21 +536,34 @@ class Kernel:
         self._lib = _build(self.source)
         f = self._lib.ft_stage
         f.restype = None
-        f.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        f.argtypes = [
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+        ]
         self.fn = f
 
-    def __call__(self, inputs: Sequence[Sequence[torch.Tensor]], outputs, scalars) -> None:
+    def __call__(
+        self, inputs: Sequence[Sequence[torch.Tensor]], outputs, scalars, fresh: bool = False
+    ) -> None:
         """Run on the leaves of ``inputs`` (per input, a list of contiguous CPU tensors of the
         kernel's dtypes; equal sizes leaf by leaf), writing ``outputs`` (per result, a list of
         tensors of those sizes; a result may be its input's tensor: in place). ``scalars``:
-        the addresses of the scalars' values (:func:`scalar_pointers`)."""
+        the addresses of the scalars' values (:func:`scalar_pointers`). ``fresh``: no result
+        is an input; where the results then hold :data:`STREAM_MIN_BYTES` or more they are
+        written with non-temporal stores (a block at a time from a buffer in L1: the
+        destination's lines are not read first, which an ordinary store into memory the
+        caches do not hold does; a step this small stays in the caches, where they are)."""
         n = len(inputs[0])
         roles = list(inputs) + list(outputs)
         ptrs = array.array("q", [0]) * (n * len(roles))
         for r, lst in enumerate(roles):
             ptrs[r :: len(roles)] = array.array("q", map(torch.Tensor.data_ptr, lst))
         numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
-        self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0])
+        stream = fresh and sum(numel) * sum(_SIZE[d] for d in self.out_dtypes) >= STREAM_MIN_BYTES
+        self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0], stream)
 
 
 def scalar_pointers(scalars: Sequence) -> tuple | None:
