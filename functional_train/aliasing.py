@@ -44,7 +44,8 @@ def recording() -> bool:
 def mark_shared(x: torch.Tensor) -> None:
     """Record ``x``'s local shard as held by the caller's trees too."""
     local = to_local(x)
-    _SHARED[id(local)] = local
+    if _SHARED.get(id(local)) is not local:  # (a multi_steps cycle marks the same ones again)
+        _SHARED[id(local)] = local
 
 
 def is_shared(x: torch.Tensor) -> bool:
@@ -69,20 +70,28 @@ def claimed(trees: tuple, copy) -> tuple:
 
 def known_zeros(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Zeros of ``like``'s shape (and device; ``dtype``: default ``like``'s) for a plain tensor
-    ``like``: eagerly an expanded 0-dim zero, recorded; otherwise ``torch.zeros_like``."""
+    ``like``: eagerly an expanded 0-dim zero, recorded (one per shape, dtype and device, kept
+    for the next call: a ``multi_steps`` cycle asks for the same ones at every micro-step);
+    otherwise ``torch.zeros_like``."""
     dtype = like.dtype if dtype is None else dtype
     if not recording() or type(like) is not torch.Tensor:
         return torch.zeros_like(like, dtype=dtype)
-    key = (dtype, like.device)
-    zero = _ZERO.get(key)
-    if zero is None:
-        zero = _ZERO[key] = torch.zeros((), dtype=dtype, device=like.device)
-    z = zero.expand(like.shape)
-    _ZEROS[id(z)] = z
+    key = (like.shape, dtype, like.device)
+    z = _EXPANDED.get(key)
+    if z is None:
+        zero = _ZERO.get(key[1:])
+        if zero is None:
+            zero = _ZERO[key[1:]] = torch.zeros((), dtype=dtype, device=like.device)
+        if len(_EXPANDED) >= _MAX_EXPANDED:
+            _EXPANDED.clear()
+        z = _EXPANDED[key] = zero.expand(like.shape)
+        _ZEROS[id(z)] = z
     return z
 
 
 _ZERO: dict = {}  # (dtype, device) -> the 0-dim zero the known zeros expand
+_EXPANDED: dict = {}  # (shape, dtype, device) -> a known zero (no memory of its own)
+_MAX_EXPANDED = 4096
 
 
 def is_known_zero(x: Any) -> bool:
