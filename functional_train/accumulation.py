@@ -401,13 +401,18 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
         seen = list(map(int, state.seen))
         final = int(state.mini_step) + 1 >= every_k
-        if (  # the common case by whole-list checks: plain tensors, every leaf alike
+        kinds = set(map(type, g))
+        if (  # the common case by whole-list checks: plain tensors or DTensors, leaves alike
             len(set(seen)) == 1
-            and set(map(type, g)) == {torch.Tensor}
-            and set(map(type, acc)) == {torch.Tensor}
+            and len(kinds) == 1
+            and kinds <= {torch.Tensor, DTensor}
+            and set(map(type, acc)) == kinds
             and list(map(_DTYPE, g)) == list(map(_DTYPE, acc))
             and all(d.is_floating_point for d in set(map(_DTYPE, g)))
             and list(map(_SHAPE, g)) == list(map(_SHAPE, acc))
+            and (
+                kinds == {torch.Tensor} or all(map(same_layout, map(spec_of, g), map(spec_of, acc)))
+            )
         ):
             return variants[(final, not seen[0])]
         fresh = None
