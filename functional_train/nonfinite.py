@@ -17,7 +17,6 @@ last part zeroes the update where not ``ok``; ``ft.step`` runs it all as one pas
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, NamedTuple
 
 import optree
@@ -176,54 +175,6 @@ def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, devi
     return finite.to(device), updates, new_inner
 
 
-def _select_state(ok: torch.Tensor, new, old, fields):
-    """``torch.where(ok, new, old)`` on the leaves of a part's new state that are not its new
-    field leaves (``fields``: the trees its leaf function wrote, already selected there):
-    counters, norms, 0-dim tensors."""
-    written = {id(x) for t in fields for x in optree.tree_leaves(t, none_is_leaf=True)}
-
-    def pick(n, o):
-        if not isinstance(n, torch.Tensor) or n is o or id(n) in written:
-            return n
-        ln, lo = to_local(n), to_local(o)
-        return wrap_like(torch.where(ok.to(ln.device), ln, lo), n)
-
-    return optree.tree_map(pick, new, old, none_is_leaf=True)
-
-
-def _call_prologue(part, state, b, ctx):
-    if part.context:
-        return part.prologue(state, b, ctx)
-    return part.prologue(state, b)
-
-
-def _guard_part(part, key):
-    """``part`` with its new fields ``torch.where(ok, new, old)`` and its other new state
-    selected likewise, ``ok`` read from the run context under ``key`` (one more scalar)."""
-
-    def prologue(state, b, ctx):
-        sc, fin = _call_prologue(part, state, b, ctx)
-        ok = ctx[key]
-        return (*sc, ok), lambda trees: _select_state(ok, fin(trees), state, trees)
-
-    def leaf(u, p, s, h, k):
-        ok = h[-1] != 0
-        u, new = part.leaf(u, p, s, h[:-1], k)
-        return u, tuple(torch.where(ok, n, o) for n, o in zip(new, s))
-
-    return E.Elementwise(
-        f"apply_if_finite({part.name})",
-        leaf,
-        prologue,
-        part.fields,
-        part.n_fields,
-        needs_params=part.needs_params,
-        static=part.static,
-        reduces=part.reduces,
-        context=True,
-    )
-
-
 def _end_leaf(u, p, s, h, k):
     """The update where ``ok``, zeros elsewhere."""
     return torch.where(h[0] != 0, u, torch.zeros_like(u)), ()
@@ -232,14 +183,15 @@ def _end_leaf(u, p, s, h, k):
 def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int) -> E.Fusable:
     """The :class:`~functional_train.engine.elementwise.Fusable` of ``apply_if_finite(inner)``:
     a first part that decides (``ok``, published in the run context), the inner's parts
-    guarded (:func:`_guard_part`), a last part that zeroes the update where not ``ok``.
+    guarded (:func:`~functional_train.engine.elementwise.guarded`), a last part that zeroes
+    the update where not ``ok``.
 
     With ``clip_first`` (``inner`` starts with ``clip_by_global_norm``) the first part IS the
     clip's: its norm, finite exactly when every element is, decides, and the gradients are
     read once (for the norm) before the pass. Otherwise the first part reduces the per-leaf
     non-finite flags (:func:`_all_finite_of`) and passes the updates through."""
     # this wrapper's entry in the run context (a string: dynamo compares dict keys by value)
-    key = f"apply_if_finite:{next(_CONTEXT_KEYS)}"
+    key = E.context_key("apply_if_finite")
     inner_parts = inner_fus.parts
     clip = inner_parts[0] if clip_first else None
     if clip is not None and clip.n_fields:
@@ -248,7 +200,7 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
     def prologue(state, b, ctx):
         ws, cs = state
         if clip is not None:
-            sc, fin = _call_prologue(clip, cs, b, ctx)
+            sc, fin = E.call_prologue(clip, cs, b, ctx)
             new_cs = fin(())
             finite = torch.isfinite(new_cs.global_norm)
         else:
@@ -263,7 +215,7 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
             counters = (count, finite, ws.total_notfinite + (~finite).to(torch.int64))
             if clip is None:
                 return counters, None
-            return counters, _select_state(ok, new_cs, cs, ())
+            return counters, E.select_state(ok, new_cs, cs, ())
 
         return sc, finish
 
@@ -296,7 +248,7 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
         return (ctx[key],), lambda trees: None
 
     end = E.Elementwise("apply_if_finite", _end_leaf, end_prologue, E.no_fields, 0, context=True)
-    parts = (first, *(_guard_part(p, key) for p in rest), end)
+    parts = (first, *(E.guarded(p, key, "apply_if_finite") for p in rest), end)
 
     def split(state):
         _check_finite_state(state)
@@ -320,7 +272,6 @@ def _check_finite_state(state):
         )
 
 
-_CONTEXT_KEYS = itertools.count()
 
 
 def apply_if_finite(

@@ -67,6 +67,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
 
 from ..autograd import traced
@@ -897,6 +898,70 @@ def apply_part(part: Elementwise, u: list, fields: Sequence, scalars: Sequence, 
             row.append(x)
         final.append(row)
     return final
+
+
+def context_key(name: str) -> str:
+    """A key of the run context of its own (a string: dynamo compares dict keys by value),
+    for a wrapper that publishes a value there for the parts it wraps."""
+    return f"{name}:{next(_CONTEXT_KEYS)}"
+
+
+_CONTEXT_KEYS = itertools.count()
+
+
+def call_prologue(part: Elementwise, state, b, ctx):
+    """``part``'s prologue, with the run context where it takes one."""
+    if part.context:
+        return part.prologue(state, b, ctx)
+    return part.prologue(state, b)
+
+
+def select_state(ok: torch.Tensor, new, old, fields):
+    """``torch.where(ok, new, old)`` on the leaves of a part's new state that are not its new
+    field leaves (``fields``: the trees its leaf function wrote, already selected there):
+    counters, norms, 0-dim tensors (DTensors on their local shards)."""
+    from .dtensor import to_local, wrap_like
+
+    written = {id(x) for t in fields for x in optree.tree_leaves(t, none_is_leaf=True)}
+
+    def pick(n, o):
+        if not isinstance(n, torch.Tensor) or n is o or id(n) in written:
+            return n
+        ln, lo = to_local(n), to_local(o)
+        return wrap_like(torch.where(ok.to(ln.device), ln, lo), n)
+
+    return optree.tree_map(pick, new, old, none_is_leaf=True)
+
+
+def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
+    """``part`` under a flag another part of the run published in the run context under
+    ``key`` (a 0-dim bool tensor, one more scalar of the leaf): its new fields are
+    ``torch.where(ok, new, old)`` and its other new state is selected likewise
+    (:func:`select_state`), so that where the flag is false the part leaves its state as it
+    was. ``apply_if_finite`` guards its inner parts by the all-finite flag, ``multi_steps``
+    (compiled) by whether the micro-step is the cycle's last; ``wrapper`` names it."""
+
+    def prologue(state, b, ctx):
+        sc, fin = call_prologue(part, state, b, ctx)
+        ok = ctx[key]
+        return (*sc, ok), lambda trees: select_state(ok, fin(trees), state, trees)
+
+    def leaf(u, p, s, h, k):
+        ok = h[-1] != 0
+        u, new = part.leaf(u, p, s, h[:-1], k)
+        return u, tuple(torch.where(ok, n, o) for n, o in zip(new, s))
+
+    return Elementwise(
+        f"{wrapper}({part.name})",
+        leaf,
+        prologue,
+        part.fields,
+        part.n_fields,
+        needs_params=part.needs_params,
+        static=part.static,
+        reduces=part.reduces,
+        context=True,
+    )
 
 
 def no_fields(state) -> tuple:
