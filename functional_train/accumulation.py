@@ -5,10 +5,14 @@
 runs a non-final micro-step as one pass ``acc += g`` that leaves the parameters alone, and the
 final one as ``u = (acc + g) / k``, the inner's parts and ``p + u`` in one pass (the
 accumulators cleared in it; a second pass first when the inner starts with a reduction such as
-``clip_by_global_norm``, whose norm needs the mean). Taken for plain tensors without a mesh
-(a mesh keeps the general path, whose non-final micro-steps issue no collective), gradients of
-their accumulators' dtypes, and no ``should_skip_update_fn``; anything else runs the general
-``update``.
+``clip_by_global_norm``, whose norm needs the mean). Taken for plain tensors, and DTensors
+whose gradients need no reduction (FSDP-style; unreduced gradients keep the general path, whose
+non-final micro-steps issue no collective), gradients of their accumulators' dtypes, and no
+``should_skip_update_fn``; anything else runs the general ``update``. Under ``torch.compile``,
+where the counters cannot be read on the host, one fused form serves every micro-step: the
+accumulation, the inner's parts guarded by the tensor "this is the cycle's last"
+(:func:`~functional_train.engine.elementwise.guarded`: their state kept where it is false)
+and the updates zeroed there.
 """
 
 from __future__ import annotations
@@ -371,6 +375,59 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
     def join(states):
         return states[0]._replace(inner_state=inner_fus.join(states[1:]))
 
+    # under torch.compile the counters cannot be read on the host: one Fusable for every
+    # micro-step, the flag "this is the cycle's last" a tensor in the run context, the inner
+    # parts guarded by it (their state kept where it is false, as apply_if_finite keeps it
+    # for a non-finite step) and the updates zeroed where it is false
+    key = E.context_key("multi_steps")
+
+    def traced_prologue(state, b, ctx):
+        check(state, b)
+        final = state.mini_step + 1 >= every_k
+        ctx[key] = final
+        active = set(b.active)
+
+        def finish(trees):
+            zero, one = torch.zeros_like(state.mini_step), torch.ones_like(state.mini_step)
+            seen = tuple(
+                torch.where(final, torch.zeros_like(f), torch.ones_like(f) if i in active else f)
+                for i, f in enumerate(state.seen)
+            )
+            return MultiStepsState(
+                torch.where(final, zero, state.mini_step + one),
+                state.gradient_step + final.to(state.gradient_step.dtype),
+                state.inner_state,  # (replaced by the inner's new state in join)
+                trees[0],
+                seen,
+                state.skip_state,
+            )
+
+        return (final,), finish
+
+    def traced_add(u, p, s, h, k):
+        """``acc + g``, its mean the update (kept where the micro-step is the cycle's last);
+        the accumulator cleared there. (From zeros, ``acc + g`` is ``g``: the copy the
+        eager first micro-step makes, but for the sign of a zero.)"""
+        acc = s[0] + u.to(s[0].dtype)
+        return acc / kf, (torch.where(h[0] != 0, torch.zeros_like(acc), acc),)
+
+    def end_prologue(state, b, ctx):
+        return (ctx[key],), lambda trees: None
+
+    def end_leaf(u, p, s, h, k):
+        return torch.where(h[0] != 0, u, torch.zeros_like(u)), ()
+
+    traced_parts = (
+        E.Elementwise("multi_steps", traced_add, traced_prologue, fields, 1, context=True),
+        *(E.guarded(q, key, "multi_steps") for q in inner_fus.parts),
+        E.Elementwise("multi_steps", end_leaf, end_prologue, E.no_fields, 0, context=True),
+    )
+    traced_variant = E.Fusable(
+        traced_parts,
+        lambda state: [state, *inner_fus.split(state.inner_state), None],
+        lambda states: states[0]._replace(inner_state=inner_fus.join(states[1:-1])),
+    )
+
     variants = {
         (False, False): E.Fusable((part(add, non_final_prologue),), one, first, zero_updates=True),
         (False, True): E.Fusable((part(start, non_final_prologue),), one, first, zero_updates=True),
@@ -379,11 +436,11 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
     }
 
     def choose(updates, state, params, mesh):
+        compiling = torch.compiler.is_compiling()
         if (
             params is None
             or not isinstance(state, MultiStepsState)
-            or torch.compiler.is_compiling()
-            or traced()  # (a torch.func transform: the general path)
+            or (traced() and not compiling)  # (a torch.func transform: the general path)
         ):
             return None
         g, treedef = tree_flatten(updates)
@@ -397,23 +454,13 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
             return None
         if mesh is not None and not _reduced(treedef, g, pl, mesh):
             return None  # (unreduced gradients: accumulated as they are, reduced once)
+        if compiling:  # (no host read: every leaf alike, the cycle's position a tensor)
+            return traced_variant if _alike(g, acc) else None
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
         seen = list(map(int, state.seen))
         final = int(state.mini_step) + 1 >= every_k
-        kinds = set(map(type, g))
-        if (  # the common case by whole-list checks: plain tensors or DTensors, leaves alike
-            len(set(seen)) == 1
-            and len(kinds) == 1
-            and kinds <= {torch.Tensor, DTensor}
-            and set(map(type, acc)) == kinds
-            and list(map(_DTYPE, g)) == list(map(_DTYPE, acc))
-            and all(d.is_floating_point for d in set(map(_DTYPE, g)))
-            and list(map(_SHAPE, g)) == list(map(_SHAPE, acc))
-            and (
-                kinds == {torch.Tensor} or all(map(same_layout, map(spec_of, g), map(spec_of, acc)))
-            )
-        ):
+        if len(set(seen)) == 1 and _alike(g, acc):  # the common case, by whole-list checks
             return variants[(final, not seen[0])]
         fresh = None
         for i, (x, a) in enumerate(zip(g, acc)):
@@ -440,6 +487,29 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         return variants[(final, fresh)]
 
     return E.Switch(choose)
+
+
+def _alike(g: list, acc: list) -> bool:
+    """Every gradient a plain tensor (or every one a DTensor) of its accumulator's floating
+    dtype, shape (and layout), by whole-list checks (leaf by leaf under ``torch.compile``:
+    dynamo does not trace ``attrgetter``)."""
+    kinds = {type(x) for x in g}
+    if len(kinds) != 1 or not kinds <= {torch.Tensor, DTensor} or {type(a) for a in acc} != kinds:
+        return False
+    if torch.compiler.is_compiling():
+        same = all(
+            x.dtype == a.dtype and x.shape == a.shape and x.dtype.is_floating_point
+            for x, a in zip(g, acc)
+        )
+    else:
+        same = (
+            list(map(_DTYPE, g)) == list(map(_DTYPE, acc))
+            and all(d.is_floating_point for d in set(map(_DTYPE, g)))
+            and list(map(_SHAPE, g)) == list(map(_SHAPE, acc))
+        )
+    return same and (
+        kinds == {torch.Tensor} or all(map(same_layout, map(spec_of, g), map(spec_of, acc)))
+    )
 
 
 def _reduced(treedef, g: list, pl: list, mesh: Mesh) -> bool:

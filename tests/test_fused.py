@@ -379,3 +379,17 @@ def test_parameters_take_the_generated_kernel(mode, monkeypatch):
     for k in params:
         assert p[k].requires_grad
         torch.testing.assert_close(p[k].detach(), want[k], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+def test_compiled_multi_steps_runs_the_stage_operator(donate):
+    """``torch.compile(ft.step, fullgraph=True)`` of ``multi_steps`` (two cycles of 2): its
+    counters are not read on the host, so every micro-step runs one fused form, the inner
+    parts guarded by the tensor "this is the cycle's last" (``elementwise.guarded``) and the
+    updates zeroed elsewhere: the stage operator in one graph, no recompile from one
+    micro-step to the next, and the eager step's parameters and state bit for bit."""
+    tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)), 2)
+    sc, se = _compiled_equals_eager(tx, donate)
+    for x, y in zip(ft.tree.tree_flatten(sc)[0], ft.tree.tree_flatten(se)[0]):
+        assert not isinstance(x, torch.Tensor) or torch.equal(x, y)
