@@ -272,8 +272,6 @@ def _check_finite_state(state):
         )
 
 
-
-
 def apply_if_finite(
     inner: GradientTransformation, max_consecutive_errors: int
 ) -> GradientTransformation:
