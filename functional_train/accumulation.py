@@ -344,9 +344,13 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
 
         return (), finish
 
+    def summed(u, s):
+        """``acc + g``, in the accumulator's dtype (every variant's accumulation)."""
+        return s[0] + u.to(s[0].dtype)
+
     def add(u, p, s, h, k):
         """``acc + g`` (the update passes, unused)."""
-        return u, (s[0] + u.to(s[0].dtype),)
+        return u, (summed(u, s),)
 
     def start(u, p, s, h, k):
         """``g`` (a copy; the accumulator was zeros)."""
@@ -354,7 +358,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
 
     def mean_add(u, p, s, h, k):
         """``(acc + g) / every_k``; the accumulator cleared."""
-        return (s[0] + u.to(s[0].dtype)) / kf, (torch.zeros_like(s[0]),)
+        return summed(u, s) / kf, (torch.zeros_like(s[0]),)
 
     def mean_start(u, p, s, h, k):
         """``g / every_k`` (``every_k == 1``, or every leaf's first gradient of the cycle)."""
@@ -408,7 +412,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         """``acc + g``, its mean the update (kept where the micro-step is the cycle's last);
         the accumulator cleared there. (From zeros, ``acc + g`` is ``g``: the copy the
         eager first micro-step makes, but for the sign of a zero.)"""
-        acc = s[0] + u.to(s[0].dtype)
+        acc = summed(u, s)
         return acc / kf, (torch.where(h[0] != 0, torch.zeros_like(acc), acc),)
 
     def end_prologue(state, b, ctx):
