@@ -10,6 +10,7 @@ import torch
 
 from . import aliasing, foreach
 from .autograd import is_differentiable, requires_grad_like
+from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap_like
 from .engine.plan import describe
 from .tree import flatten_as, format_path, tree_flatten, tree_unflatten
@@ -104,8 +105,10 @@ def apply_updates(params: Any, updates: Any) -> Any:
                 )
     ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
     record = is_differentiable()
-    with contextlib.nullcontext() if record else torch.no_grad():
-        new = foreach.add(pl, ul) if idx else []
+    new = None if record or not idx else E.apply_locals(pl, ul)
+    if new is None:
+        with contextlib.nullcontext() if record else torch.no_grad():
+            new = foreach.add(pl, ul) if idx else []
     out = list(p)
     for i, n in zip(idx, new):
         out[i] = requires_grad_like(wrap_like(n, p[i]), p[i])  # a no-op when recorded

@@ -393,3 +393,19 @@ def test_compiled_multi_steps_runs_the_stage_operator(donate):
     sc, se = _compiled_equals_eager(tx, donate)
     for x, y in zip(ft.tree.tree_flatten(sc)[0], ft.tree.tree_flatten(se)[0]):
         assert not isinstance(x, torch.Tensor) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_updates_runs_the_stage_add(dtype, monkeypatch):
+    """``apply_updates`` on plain CPU tensors is the engine's ``p + u`` (the last stage's), one
+    generated kernel call for the tree: torch's ``p + u.to(p.dtype)`` bit for bit (one rounding
+    either way), float32 updates of bfloat16 parameters included, the inputs untouched."""
+    params, grads = _problem(dtype)
+    updates = {k: v.float() for k, v in grads[0].items()}
+    before = {k: v.clone() for k, v in params.items()}
+    seen = kernel_calls(monkeypatch)
+    new = ft.apply_updates(params, updates)
+    assert len(seen) == 1
+    for k in params:
+        assert torch.equal(new[k], params[k] + updates[k].to(dtype)), k
+        assert torch.equal(params[k], before[k])

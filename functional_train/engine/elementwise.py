@@ -404,6 +404,27 @@ def run(
     return b.rebuild_active(u), new_state
 
 
+def apply_locals(p: list, u: list) -> list | None:
+    """``p + u`` leaf by leaf (``apply_updates``' arithmetic: the last stage's ``p + u`` of
+    :class:`_Stage`) for plain CPU tensors of equal shapes, through the generated kernels: fresh
+    results, written with non-temporal stores where large (see :mod:`.fuse`). ``None`` where
+    they do not run here (autograd recording, ``torch.compile``, a ``torch.func`` transform, the
+    kernels off, another device or tensor type): the caller adds them itself."""
+    if (
+        not p
+        or not fuse.ENABLED
+        or _recording()
+        or torch.compiler.is_compiling()
+        or traced()
+        or not all(type(x) is torch.Tensor and x.is_cpu for x in p)
+        or not all(type(x) is torch.Tensor and x.is_cpu for x in u)
+    ):
+        return None
+    stage = _stage_of((), True)
+    n = len(p)
+    return _execute_local(stage, (), list(u), list(p), [], [], [None] * n, "pure", None)[0]
+
+
 def _kinds(take, lo):
     """``take`` with the pool's kinds of buffers named per stage (a stage's results must not
     take the buffers of an earlier stage's results of the same run)."""
