@@ -81,15 +81,6 @@ _CFLAGS = [
     "-shared",
     "-fPIC",
 ]
-_SIZE = {
-    torch.float32: 4,
-    torch.float64: 8,
-    torch.bfloat16: 2,
-    torch.float16: 2,
-    torch.bool: 1,
-    torch.int64: 8,
-    torch.int32: 4,
-}
 _CTYPE = {
     torch.float32: "float",
     torch.float64: "double",
@@ -102,7 +93,7 @@ _CTYPE = {
 # stored or a conversion to the half dtype is written in the stage
 # (float16 through integer operations, which GCC vectorises, where it does not vectorise
 # ``_Float16`` conversions)
-_HALF = {torch.bfloat16: "uint16_t", torch.float16: "uint16_t"}
+_HALF = (torch.bfloat16, torch.float16)
 _LOAD = {torch.bfloat16: "ft_lbf16({x})", torch.float16: "ft_lf16({x})"}
 _STORE = {torch.bfloat16: "ft_sbf16({x})", torch.float16: "ft_sf16({x})"}
 
@@ -110,6 +101,11 @@ _STORE = {torch.bfloat16: "ft_sbf16({x})", torch.float16: "ft_sf16({x})"}
 def _compute(dtype):
     """The dtype a value of ``dtype`` is computed in."""
     return torch.float32 if dtype in _HALF else dtype
+
+
+def _storage(dtype) -> str:
+    """The C type a leaf of ``dtype`` is stored as (its 16 bits for a half dtype)."""
+    return "uint16_t" if dtype in _HALF else _CTYPE[dtype]
 
 
 _lock = threading.Lock()
@@ -346,19 +342,20 @@ class _Writer:
             t = _CTYPE[self.dtypes[node]]
             lines.append(f"  const {t} s{k} = *(const {t} *)sc[{k}];")
         lines += ["  " + x for x in self.pre]
+        for j, d in enumerate(out_dtypes):  # the streamed results' blocks
+            lines.append(f"  {_storage(d)} b{j}[FT_BLOCK] __attribute__((aligned(64)));")
         lines.append("  for (int64_t l = 0; l < nleaves; l++) {")
         lines.append("    const int64_t n = numel[l];")
-        for k in range(nin):
-            t = _HALF.get(in_dtypes[k]) or _CTYPE[in_dtypes[k]]
+        for k, d in enumerate(in_dtypes):
+            t = _storage(d)
             lines.append(f"    const {t} *p{k} = (const {t} *)ptr[l * {nin + nout} + {k}];")
-        for j in range(nout):
-            t = _HALF.get(out_dtypes[j]) or _CTYPE[out_dtypes[j]]
+        for j, d in enumerate(out_dtypes):
+            t = _storage(d)
             lines.append(f"    {t} *q{j} = ({t} *)ptr[l * {nin + nout} + {nin + j}];")
-        ctypes_out = [_HALF.get(d) or _CTYPE[d] for d in out_dtypes]
 
-        def loop(index: str, dst: str, indent: str) -> list:
+        def loop(count: str, index: str, dst: str, indent: str) -> list:
             out = [indent + "#pragma omp simd"]
-            out.append(f"{indent}for (int64_t i = 0; i < {'n' if index == 'i' else 'm'}; i++) {{")
+            out.append(f"{indent}for (int64_t i = 0; i < {count}; i++) {{")
             for k, d in enumerate(in_dtypes):
                 x = f"p{k}[{index}]"
                 x = _LOAD[d].format(x=x) if d in _HALF else x
@@ -372,21 +369,18 @@ class _Writer:
             return out
 
         lines.append("    if (!stream) {")
-        lines += loop("i", "q{j}", "      ")
+        lines += loop("n", "i", "q{j}", "      ")
         lines.append("      continue;")
         lines.append("    }")
         # streamed: each block of results computed into a buffer in L1, then written out with
         # non-temporal stores (no read of the destination's lines: see ft_stream)
         lines.append("    for (int64_t i0 = 0; i0 < n; i0 += FT_BLOCK) {")
         lines.append("      const int64_t m = n - i0 < FT_BLOCK ? n - i0 : FT_BLOCK;")
-        lines += loop("i0 + i", "b{j}", "      ")
+        lines += loop("m", "i0 + i", "b{j}", "      ")
         for j in range(nout):
             lines.append(f"      ft_stream(q{j} + i0, b{j}, m * (int64_t)sizeof(*q{j}));")
         lines.append("    }")
         lines += ["  }", "  if (stream) FT_FENCE();", "}"]
-        head = lines.index("  for (int64_t l = 0; l < nleaves; l++) {")
-        for j, t in enumerate(ctypes_out):
-            lines.insert(head, f"  {t} b{j}[FT_BLOCK] __attribute__((aligned(64)));")
         return "\n".join(lines) + "\n", [in_dtypes, out_dtypes]
 
     def lower(self, node):
@@ -562,7 +556,7 @@ class Kernel:
         for r, lst in enumerate(roles):
             ptrs[r :: len(roles)] = array.array("q", map(torch.Tensor.data_ptr, lst))
         numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
-        stream = fresh and sum(numel) * sum(_SIZE[d] for d in self.out_dtypes) >= STREAM_MIN_BYTES
+        stream = fresh and sum(numel) * sum(d.itemsize for d in self.out_dtypes) >= STREAM_MIN_BYTES
         self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0], stream)
 
 
