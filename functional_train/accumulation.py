@@ -415,16 +415,10 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         acc = summed(u, s)
         return acc / kf, (torch.where(h[0] != 0, torch.zeros_like(acc), acc),)
 
-    def end_prologue(state, b, ctx):
-        return (ctx[key],), lambda trees: None
-
-    def end_leaf(u, p, s, h, k):
-        return torch.where(h[0] != 0, u, torch.zeros_like(u)), ()
-
     traced_parts = (
         E.Elementwise("multi_steps", traced_add, traced_prologue, fields, 1, context=True),
         *(E.guarded(q, key, "multi_steps") for q in inner_fus.parts),
-        E.Elementwise("multi_steps", end_leaf, end_prologue, E.no_fields, 0, context=True),
+        E.zeroed_unless(key, "multi_steps"),
     )
     traced_variant = E.Fusable(
         traced_parts,

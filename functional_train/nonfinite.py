@@ -175,11 +175,6 @@ def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, devi
     return finite.to(device), updates, new_inner
 
 
-def _end_leaf(u, p, s, h, k):
-    """The update where ``ok``, zeros elsewhere."""
-    return torch.where(h[0] != 0, u, torch.zeros_like(u)), ()
-
-
 def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int) -> E.Fusable:
     """The :class:`~functional_train.engine.elementwise.Fusable` of ``apply_if_finite(inner)``:
     a first part that decides (``ok``, published in the run context), the inner's parts
@@ -244,10 +239,7 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
         )
         rest = inner_parts
 
-    def end_prologue(state, b, ctx):
-        return (ctx[key],), lambda trees: None
-
-    end = E.Elementwise("apply_if_finite", _end_leaf, end_prologue, E.no_fields, 0, context=True)
+    end = E.zeroed_unless(key, "apply_if_finite")
     parts = (first, *(E.guarded(p, key, "apply_if_finite") for p in rest), end)
 
     def split(state):

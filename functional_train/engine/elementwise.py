@@ -73,6 +73,7 @@ import torch
 from ..autograd import traced
 from ..spec import attach_spec, transform_spec
 from . import fuse
+from .dtensor import to_local, wrap_like
 from .pool import Pool, of_plan
 
 __all__ = [
@@ -413,9 +414,7 @@ def apply_locals(p: list, u: list) -> list | None:
     if (
         not p
         or not fuse.ENABLED
-        or _recording()
-        or torch.compiler.is_compiling()
-        or traced()
+        or _recording()  # (autograd, torch.compile, torch.func)
         or not all(type(x) is torch.Tensor and x.is_cpu for x in p)
         or not all(type(x) is torch.Tensor and x.is_cpu for x in u)
     ):
@@ -941,8 +940,6 @@ def select_state(ok: torch.Tensor, new, old, fields):
     """``torch.where(ok, new, old)`` on the leaves of a part's new state that are not its new
     field leaves (``fields``: the trees its leaf function wrote, already selected there):
     counters, norms, 0-dim tensors (DTensors on their local shards)."""
-    from .dtensor import to_local, wrap_like
-
     written = {id(x) for t in fields for x in optree.tree_leaves(t, none_is_leaf=True)}
 
     def pick(n, o):
@@ -983,6 +980,21 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
         reduces=part.reduces,
         context=True,
     )
+
+
+def zeroed_unless(key: str, wrapper: str) -> Elementwise:
+    """The last part of a wrapper whose parts run under a flag in the run context (see
+    :func:`guarded`): the updates where the flag under ``key`` is true, zeros elsewhere
+    (``apply_if_finite``: a non-finite step's; ``multi_steps``, compiled: a non-final
+    micro-step's)."""
+
+    def prologue(state, b, ctx):
+        return (ctx[key],), lambda trees: None
+
+    def leaf(u, p, s, h, k):
+        return torch.where(h[0] != 0, u, torch.zeros_like(u)), ()
+
+    return Elementwise(wrapper, leaf, prologue, no_fields, 0, context=True)
 
 
 def no_fields(state) -> tuple:
