@@ -72,9 +72,12 @@ Systems per row:
                  params = ft.apply_updates(params, updates)
   (f) compiled   with --compile: torch.compile(lambda g, s, p: ft.step(tx, g, s, p),
                  fullgraph=True), pure, run second in each round (before the eager ft.step, as
-                 in bench_engine); its warm-up units (the first one compiles) are printed below
-                 the table; torch._dynamo.reset() before each row; ``--cold-cache`` gives the
-                 process an empty inductor cache (a temporary TORCHINDUCTOR_CACHE_DIR; the
+                 in bench_engine); its ratio to (d), the eager step of its kind, and its warm-up
+                 units (the first one compiles) are printed below the table;
+  (g) compiled   with --compile: the same with donate=True, after (f); its ratio to (c) and
+      donated    its warm-up units below the table. torch._dynamo.reset() before each row;
+                 ``--cold-cache`` gives the process an empty inductor cache (a temporary
+                 TORCHINDUCTOR_CACHE_DIR; the
                  process's later rows reuse what its earlier rows compiled: the dynamo reset
                  leaves inductor's caches, and the kernels of ft's fused step are shared). A
                  system that raises is dropped with a note (fullgraph=True refuses graph breaks)
@@ -362,11 +365,21 @@ def ft_systems(row, tx, params0, grads, device, mesh=None, compiled=False):
     if compiled:
         torch._dynamo.reset()  # each row compiles its own step from scratch
         fn = torch.compile(lambda g, s, p: ft.step(tx, g, s, p), fullgraph=True)
-        systems.insert(
-            0,
-            FtLoop("(f) compile(ft.step, fullgraph), pure", fn, tx, params0, grads, device, k),
-        )
+        fd = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=True), fullgraph=True)
+        systems[:0] = [
+            FtLoop(COMPILED_PURE, fn, tx, params0, grads, device, k),
+            FtLoop(COMPILED_DONATED, fd, tx, params0, grads, device, k),
+        ]
     return systems
+
+
+COMPILED_PURE = "(f) compile(ft.step, fullgraph), pure"
+COMPILED_DONATED = "(g) compile(ft.step, fullgraph), donated"
+# each compiled system and the eager step of its kind, its denominator
+COMPILED_OF = {
+    COMPILED_PURE: "(d) ft.step(donate=False), pure",
+    COMPILED_DONATED: "(c) ft.step(donate=True)",
+}
 
 
 # -- measurements -----------------------------------------------------------------------------
@@ -452,7 +465,7 @@ def checks(systems, ref, same_math, reduce_max=None):
     return out
 
 
-def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiled_name=None):
+def row_table(title, times, faults, mem, diffs, base, torch_name, warm):
     lines = [
         title,
         f"  {'system':<37s} {'ms/unit':>7s} {'min ms':>7s} {'x base':>6s} {'x torch':>7s} "
@@ -477,11 +490,14 @@ def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiled
             f"  {name:<37s} {med * 1e3:7.2f} {min(ts) * 1e3:7.2f} {med / t_base:6.2f} "
             f"{med / t_torch:7.2f} {statistics.median(faults[name]):6.0f} {ms:>6s}  {ds}"
         )
-    if compiled_name is not None and warm.get(compiled_name):
-        lines.append(
-            f"  {compiled_name[:3]} warm-up units (the first compiles): "
-            + ", ".join(f"{t:.2f} s" for t in warm[compiled_name])
-        )
+    for name, eager in COMPILED_OF.items():
+        if name in times and eager in times:
+            ratio = statistics.median(times[name]) / statistics.median(times[eager])
+            first = ", ".join(f"{t:.2f} s" for t in warm.get(name, ()))
+            lines.append(
+                f"  {name[:3]} x {eager[:3]} (compiled x eager of its kind): {ratio:.2f}; "
+                f"warm-up units (the first compiles): {first}"
+            )
     if failed:
         lines.append(f"  FAILED: {', '.join(failed)} disagree with the torch code")
     return "\n".join(lines), not failed
@@ -564,8 +580,7 @@ def part_a(args, rows):
         )
         ref = TorchCode("(b) torch code, AdamW(foreach)", row, params0, grads, device, fused=False)
         fts = ft_systems(row, tx, params0, grads, device, compiled=args.compile)
-        systems = [base] + fts[:1] + [ref] + fts[1:] if args.compile else [base, ref] + fts
-        compiled_name = fts[0].name if args.compile else None
+        systems = [base] + fts[:2] + [ref] + fts[2:] if args.compile else [base, ref] + fts
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*donated buffers.*")
             times, faults, warm = be.run_rounds(systems, args.rounds, args.warmup)
@@ -583,7 +598,6 @@ def part_a(args, rows):
             base.name,
             ref.name,
             warm,
-            compiled_name,
         )
         print(text, flush=True)
         ok &= good
