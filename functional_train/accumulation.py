@@ -416,7 +416,10 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         return acc / kf, (torch.where(h[0] != 0, torch.zeros_like(acc), acc),)
 
     traced_parts = (
-        E.Elementwise("multi_steps", traced_add, traced_prologue, fields, 1, context=True),
+        # (its updates used only where the flag holds: the parts after it are guarded by it)
+        E.Elementwise(
+            "multi_steps", traced_add, traced_prologue, fields, 1, context=True, guard=E.DISCARDS
+        ),
         *(E.guarded(q, key, "multi_steps") for q in inner_fus.parts),
         E.zeroed_unless(key, "multi_steps"),
     )

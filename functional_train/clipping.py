@@ -78,7 +78,8 @@ def _local_norm_terms(b, norm_type: float):
         elif not torch.compiler.is_compiling():
             squares = native.sum_squares(g)
         elif native.ENABLED and g and all(x.is_cpu and x.dtype in _NATIVE for x in g):
-            squares = native.sum_squares_op(g)  # (opaque to the compiler: eager's numbers)
+            # (opaque to the compiler: eager's numbers; zeros where not needed at all)
+            squares = native.sum_squares_op(g, b.needed)
         else:
             squares = None
         if squares is not None:

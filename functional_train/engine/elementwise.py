@@ -20,6 +20,13 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   ``static=None``: every leaf's key is ``None``.
 * ``reduces``: whether ``prologue`` reads the updates' values (a norm): a fused pass then
   starts at this transform, since the updates it reads must exist first.
+* ``guard``: what the part promises where its last scalar (a flag) is false: ``HOLDS`` (it
+  writes its fields as they were: :func:`guarded`), ``ZEROES`` (no fields, zero updates:
+  :func:`zeroed_unless`), ``DISCARDS`` (its updates are used by no one: every later part of
+  the run holds or zeroes under the same flag; compiled ``multi_steps``' accumulation), or 0
+  (no promise). The compiled donated operator reads the flags at run time: it skips a stage
+  that leaves every buffer as it was (see :func:`_idle`) and does not write updates no one
+  uses (see :func:`_discarded`).
 * ``context``: whether ``prologue`` takes a third argument, ``prologue(state, b, ctx)``:
   the *run context*, a dict shared by the prologues of the parts of one :func:`run` call, in
   the parts' order. A part publishes a value there for the parts after it (under a key object
@@ -53,7 +60,10 @@ old fields, and an intermediate stage's updates over the updates (the gradients,
 The spec is attached to a transform's ``update`` function by :func:`register` and read back by
 :func:`spec_of_transform` / :func:`fusable_of`: the typed protocol between transforms and the
 engine. Under ``torch.compile`` a stage on CPU tensors is the operator
-``functional_train::fused_stage`` (the eager kernels; each part is named by its ``ident``);
+``functional_train::fused_stage`` (the eager kernels; each part is named by its ``ident``), or
+for a donated step ``functional_train::fused_stage_donated``, which writes over the step's
+inputs (inductor gives it the inputs themselves) and reads the wrappers' flags when it runs
+(see ``guard``);
 under a ``torch.func`` transform the parts' leaf functions run leaf by leaf in torch; ranks
 simulated by ``LocalTensor`` run the kernels rank by rank.
 """
@@ -74,6 +84,7 @@ from ..autograd import traced
 from ..spec import attach_spec, transform_spec
 from . import fuse
 from .dtensor import to_local, wrap_like
+from .owners import assume_constant_result
 from .pool import Pool, of_plan
 
 __all__ = [
@@ -103,6 +114,7 @@ class Elementwise:
     static: Callable | None = None
     reduces: bool = False
     context: bool = False
+    guard: int = 0
 
     def __post_init__(self):
         # a number of its own, by which a compiled graph names it (functional_train::fused_stage)
@@ -111,6 +123,7 @@ class Elementwise:
         _PARTS[ident] = self
 
 
+HOLDS, ZEROES, DISCARDS = 1, 2, 3  # Elementwise.guard
 _IDENTS = itertools.count()
 _PARTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -462,8 +475,10 @@ def _execute(stage, counts, u, p, fields, scalars, keys, apply, take):
 # injected learning rate: graph values, so changing them does not recompile) and the operator
 # runs the generated kernel on the real tensors -- the eager step's numbers and speed, and
 # nothing for inductor to generate (its code for ~10 primitives per leaf over 122 leaves took
-# 60-90 s to compile). Elsewhere (CUDA) the stage's plain operations are traced, leaf by leaf,
-# for inductor.
+# 60-90 s to compile). A donated step's stage is ``functional_train::fused_stage_donated``,
+# which mutates its inputs (the pure operator's results copied back cost 2.4x the eager
+# donated step). Elsewhere (CUDA) the stage's plain operations are traced, leaf by leaf, for
+# inductor.
 
 
 def _opaque(u, p, fields, scalars) -> bool:
@@ -516,9 +531,23 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
             _encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)
         ]
     layout = [int(stage.apply), int(stage.drop_u), int(p is not None), len(fields), *counts]
-    res = _stage_op([part.ident for part in stage.parts], layout, enc, flat, sc)
-    outs = [list(res[r * n : (r + 1) * n]) for r in range(len(res) // n)]
+    idents = [part.ident for part in stage.parts]
     ins, dst = _inputs(stage, u, p, fields)
+    if apply == "donate" and _all_in_place(
+        tuple(idents),
+        tuple(layout),
+        tuple(enc),
+        tuple(tuple(None if x is None else x.dtype for x in lst) for lst in ins),
+        tuple(x.dtype for x in sc),
+    ):
+        # every result over the input it replaces, by the operator itself: no copies
+        # (a mutated list takes no None: an absent state leaf by a placeholder, named)
+        absent = [i for i, x in enumerate(flat) if x is None]
+        filled = [torch.empty(0) if x is None else x for x in flat]
+        _stage_op_donated(idents, layout, enc, filled, absent, sc)
+        return [list(ins[d]) for d in dst]
+    res = _stage_op(idents, layout, enc, flat, sc)
+    outs = [list(res[r * n : (r + 1) * n]) for r in range(len(res) // n)]
     for r, d in enumerate(dst):
         for j, x in enumerate(ins[d]):
             if x is None:  # an absent state leaf stays absent
@@ -526,6 +555,39 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
             elif apply == "donate" and x.dtype == outs[r][j].dtype:
                 x.copy_(outs[r][j])  # the results over their inputs, as the eager donated step
     return outs
+
+
+@assume_constant_result
+def _all_in_place(parts: tuple, layout: tuple, enc: tuple, in_dtypes: tuple, sc_dtypes: tuple):
+    """Whether every result of the stage has the dtype of the input it replaces when donated
+    (then ``functional_train::fused_stage_donated`` writes them all in place): the stage run
+    once per dtype signature on 1-element meta tensors (the scalars 0-dim, as in the
+    step: a 0-dim scalar does not promote a leaf's dtype). Called by dynamo while it traces, on the
+    dtypes (constants): no graph operation."""
+    n = len(in_dtypes[0])
+    metas = [
+        [None if d is None else torch.empty((1,), dtype=d, device="meta") for d in lst]
+        for lst in in_dtypes
+    ]
+    stage, counts, keys, u, p, fields = _unflat(
+        list(parts), list(layout), list(enc), [x for lst in metas for x in lst]
+    )
+    scalars = [torch.empty((), dtype=d, device="meta") for d in sc_dtypes]
+    ins, dst = _inputs(stage, u, p, fields)
+    seen = set()
+    with torch.no_grad():
+        for j in range(n):
+            leaf = tuple(lst[j] for lst in ins)
+            sig = (tuple(None if x is None else x.dtype for x in leaf), keys[j])
+            if sig in seen:
+                continue
+            seen.add(sig)
+            res = _function(stage, counts, keys[j])(leaf, tuple(scalars))
+            for r, x in enumerate(res):
+                d = leaf[dst[r]]
+                if d is not None and x is not None and x.dtype != d.dtype:
+                    return False
+    return True
 
 
 def _unflat(parts, layout, enc, flat):
@@ -584,9 +646,86 @@ def _stage_op(
 _op_pool = Pool()
 
 
+@torch.library.custom_op("functional_train::fused_stage_donated", mutates_args=("flat",))
+def _stage_op_donated(
+    parts: list[int],
+    layout: list[int],
+    keys: list[int],
+    flat: list[torch.Tensor],
+    absent: list[int],
+    scalars: list[torch.Tensor],
+) -> None:
+    """``functional_train::fused_stage`` for a donated step whose results all have the dtypes
+    of the inputs they replace (see :func:`_inputs`): each written over its input, as the
+    eager donated step writes it. Under ``torch.compile`` inductor runs it on the step's
+    inputs themselves (no copies). ``absent``: the positions in ``flat`` of absent state
+    leaves (0-element placeholders)."""
+    stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, _present(flat, absent))
+    if _idle(stage, counts, scalars):
+        return
+    if _discarded(stage, counts, scalars):  # (its fields only: the updates over nothing)
+        stage = _stage_of(stage.parts, False, True)
+    with torch.no_grad():
+        outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, "donate", None)
+    ins, dst = _inputs(stage, u, p, fields)
+    for r, lst in enumerate(outs):
+        for j, x in enumerate(lst):
+            d = ins[dst[r]][j]
+            if x is not None and x is not d:
+                d.copy_(x)  # (the eager step's fallback, leaf by leaf in torch: fresh results)
+
+
+@_stage_op_donated.register_fake
+def _(parts, layout, keys, flat, absent, scalars):
+    return None
+
+
+def _idle(stage, counts, scalars) -> bool:
+    """Whether a donated stage leaves every buffer it writes as it was, read from its flags
+    (see :attr:`Elementwise.guard`): each part guarded and its flag false, and the stage's
+    updates not written (only fields) or zero where they meet the parameters (``p + 0``,
+    which leaves ``p`` as the eager step does, whose skipped micro-step makes no pass over
+    it). A compiled ``multi_steps`` non-final micro-step's inner stage, a non-finite step's of
+    ``apply_if_finite``. Reads the flags' values: at run time, inside the operator."""
+    if not (stage.apply or stage.drop_u) or not stage.parts:
+        return False
+    k = 0
+    for part, n in zip(stage.parts, counts):
+        k += n
+        if part.guard not in (HOLDS, ZEROES) or n == 0 or bool(scalars[k - 1]):
+            return False
+    return stage.drop_u or stage.parts[-1].guard == ZEROES
+
+
+def _discarded(stage, counts, scalars) -> bool:
+    """Whether a stage's updates are used by no one (a part of it ``DISCARDS`` them, its flag
+    false) while the stage would write them (see :attr:`Elementwise.guard`)."""
+    if stage.apply or stage.drop_u:
+        return False
+    k = 0
+    for part, n in zip(stage.parts, counts):
+        k += n
+        if part.guard == DISCARDS and n and not bool(scalars[k - 1]):
+            return True
+    return False
+
+
+def _present(flat: list, absent: list) -> list:
+    if not absent:
+        return flat
+    gone = set(absent)
+    return [None if i in gone else x for i, x in enumerate(flat)]
+
+
 @_stage_op.register_fake
 def _(parts, layout, keys, flat, scalars):
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
+    return _fake_results(stage, counts, keys, u, p, fields, scalars)
+
+
+def _fake_results(stage, counts, keys, u, p, fields, scalars):
+    """The stage's results as empty tensors of their shapes and dtypes (result after result,
+    leaf after leaf; an absent state leaf's a 0-element placeholder)."""
     # the results' dtypes from one run of the stage per dtype signature and key (every result
     # has its leaf's shape): tracing it on every leaf took 2.5 s of a 122-leaf compile
     dtypes_of: dict = {}
@@ -960,8 +1099,9 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
     (compiled) by whether the micro-step is the cycle's last; ``wrapper`` names it."""
 
     def prologue(state, b, ctx):
-        sc, fin = call_prologue(part, state, b, ctx)
         ok = ctx[key]
+        # (its reductions' values are used only where the flag holds: b.needed)
+        sc, fin = call_prologue(part, state, b.needed_if(ok) if part.reduces else b, ctx)
         return (*sc, ok), lambda trees: select_state(ok, fin(trees), state, trees)
 
     def leaf(u, p, s, h, k):
@@ -979,6 +1119,7 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
         static=part.static,
         reduces=part.reduces,
         context=True,
+        guard=HOLDS,
     )
 
 
@@ -994,7 +1135,7 @@ def zeroed_unless(key: str, wrapper: str) -> Elementwise:
     def leaf(u, p, s, h, k):
         return torch.where(h[0] != 0, u, torch.zeros_like(u)), ()
 
-    return Elementwise(wrapper, leaf, prologue, no_fields, 0, context=True)
+    return Elementwise(wrapper, leaf, prologue, no_fields, 0, context=True, guard=ZEROES)
 
 
 def no_fields(state) -> tuple:

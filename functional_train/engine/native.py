@@ -197,11 +197,15 @@ _DTYPE_OF = operator.attrgetter("dtype")
 
 
 @torch.library.custom_op("functional_train::sum_squares", mutates_args=())
-def sum_squares_op(xs: list[torch.Tensor]) -> torch.Tensor:
+def sum_squares_op(xs: list[torch.Tensor], needed: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`sum_squares` as an operator that ``torch.compile`` keeps opaque, so that a
     compiled gradient norm equals the eager one bit for bit. Where the native kernels do not
     run (no compiler), torch sums the squares in float64 instead (the same numbers to float64
-    rounding)."""
+    rounding). ``needed``: a 0-dim bool tensor; where false (read when the operator runs)
+    nobody uses the sums (a compiled ``multi_steps`` non-final micro-step's clip) and they
+    are zeros, without a pass over ``xs``."""
+    if needed is not None and not bool(needed):
+        return torch.zeros(len(xs), dtype=torch.float64)
     out = sum_squares(xs)
     if out is None:
         out = (
@@ -213,5 +217,5 @@ def sum_squares_op(xs: list[torch.Tensor]) -> torch.Tensor:
 
 
 @sum_squares_op.register_fake
-def _(xs):
+def _(xs, needed=None):
     return torch.empty(len(xs), dtype=torch.float64)

@@ -47,6 +47,10 @@ class Prepared:
         world: the :class:`World` of the call.
         mesh: the descriptor after materialisation (data axis reduced).
         is_view: whether :meth:`rebuild` returns a view (inside a chain) rather than a tree.
+        needed: ``None``, or a 0-dim bool tensor: whether the values of reductions over this
+            view are used at all (false: a part guarded by a false flag reads it, see
+            :func:`~functional_train.engine.elementwise.guarded`; an operator that reads the
+            flag when it runs may then skip the reduction and give zeros).
     """
 
     __slots__ = (
@@ -60,6 +64,7 @@ class Prepared:
         "world",
         "mesh",
         "is_view",
+        "needed",
     )
 
     def __init__(self, plan: Plan, updates, locals_, params, is_view: bool = False):
@@ -72,6 +77,7 @@ class Prepared:
             plan.mesh,
         )
         self.is_view = is_view
+        self.needed = None
 
     @property
     def paths(self) -> list:
@@ -80,6 +86,13 @@ class Prepared:
     def with_locals(self, new_locals: Sequence[Any]) -> Prepared:
         """The same view with other local values (one per leaf, ``None`` allowed)."""
         return Prepared(self.plan, self.updates, list(new_locals), self.params, self.is_view)
+
+    def needed_if(self, flag) -> Prepared:
+        """The same view, its reductions' values used only where ``flag`` (a 0-dim bool
+        tensor) is true (see :attr:`needed`)."""
+        out = Prepared(self.plan, self.updates, self.locals, self.params, self.is_view)
+        out.needed = flag
+        return out
 
     def tree(self) -> Any:
         """The current values as a tree of the caller's kind (DTensors rewrapped in ``specs``)."""
