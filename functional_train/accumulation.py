@@ -393,8 +393,13 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
 
         def finish(trees):
             zero, one = torch.zeros_like(state.mini_step), torch.ones_like(state.mini_step)
+            # (an active leaf's flag: 0 after the cycle's last micro-step, else 1, computed once;
+            # a flag of its own per leaf: three graph operations per leaf took inductor ~3 s)
+            cleared = torch.where(final, zero, one)
             seen = tuple(
-                torch.where(final, torch.zeros_like(f), torch.ones_like(f) if i in active else f)
+                (cleared.clone() if f.dtype == cleared.dtype else cleared.to(f.dtype))
+                if i in active
+                else torch.where(final, torch.zeros_like(f), f)
                 for i, f in enumerate(state.seen)
             )
             return MultiStepsState(

@@ -14,7 +14,7 @@ from .base import GradientTransformation, declare
 from .engine import elementwise as E
 from .engine.view import prepare
 from .spec import Partitioned, attach_spec
-from .tree import PyTree, format_path, tree_flatten, tree_paths, tree_unflatten
+from .tree import PyTree, flat_dict_leaves, format_path, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["partition", "PartitionState", "masked", "MaskedState"]
 
@@ -103,9 +103,12 @@ class PerLeaf:
         self._resolve, self._name, self._seen, self._eager = resolve, name, {}, {}
 
     def __call__(self, params) -> list:
-        leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
-        sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
         if torch.compiler.is_compiling():
+            # (a dict of tensors by its values: see tree.flat_dict_leaves)
+            leaves = flat_dict_leaves(params)
+            if leaves is None:
+                leaves = optree.tree_leaves(params, none_is_leaf=True)
+            sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
             hit = self._seen.get(sig)
             if hit is None or hit is self._AMBIGUOUS:
                 raise RuntimeError(
@@ -114,6 +117,8 @@ class PerLeaf:
                     + (" (two param trees of these shapes have different labels)" if hit else "")
                 )
             return hit
+        leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
+        sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
         key = (treedef, sig)
         values = self._eager.get(key)
         if values is None:

@@ -54,7 +54,7 @@ from .mesh import Mesh
 from .quantization import FusedAdam8bit, fused_adam8bit_step
 from .spec import transform_spec
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
-from .tree import PyTree, flatten_as, tree_flatten, tree_unflatten
+from .tree import PyTree, flat_dict_leaves, flatten_as, tree_flatten, tree_unflatten, unflatten_like
 from .update import apply_updates, paired_locals
 
 __all__ = ["step"]
@@ -498,7 +498,6 @@ def _run_spec(fus, grads, state, params, mesh, donate):
     """A fusable transform's step: its stages, the last one ending with ``p + u`` (in place
     with ``donate``, else into fresh buffers from the plan's pool)."""
     b = prepare(grads, params, mesh, need_params=True, name="step", view=True)
-    pl, treedef = tree_flatten(params)
     # (the view's detached locals: plain tensors, where nn.Parameter leaves would keep the
     # generated kernels from taking them; in place, they write the parameters' memory)
     p_loc = [b.params[i] for i in b.active]
@@ -517,10 +516,13 @@ def _run_spec(fus, grads, state, params, mesh, donate):
         return params, new_state
     if fus.zero_updates:  # the parameters as they are (recorded as shared by step)
         return params, new_state
+    pl = flat_dict_leaves(params) if torch.compiler.is_compiling() else None
+    if pl is None:
+        pl = tree_flatten(params)[0]
     out = list(pl)
     for i, n in zip(b.active, new):
         out[i] = requires_grad_like(wrap_like(n, pl[i]), pl[i])
-    return tree_unflatten(treedef, out), new_state
+    return unflatten_like(params, b.treedef, out), new_state
 
 
 def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
@@ -658,6 +660,11 @@ def _unaliased_traced(new: PyTree, old: PyTree) -> PyTree:
     graph resolves them at trace time: no guard, no recompile). Through torch's own pytree
     (dynamo cannot flatten every state with optree: a dict of constants), whose ``None`` is an
     empty node rather than a leaf, the same on both sides."""
+    if flat_dict_leaves(new) is not None and flat_dict_leaves(old) is not None:
+        # (the parameters: a dict by its keys, see tree.flat_dict_leaves)
+        if new.keys() != old.keys():
+            return new
+        return {k: _copy(x) if x is old[k] and _writable(x) else x for k, x in new.items()}
     olds, leaves = _pytree.tree_leaves(old), _pytree.tree_leaves(new)
     if len(olds) != len(leaves):
         return new

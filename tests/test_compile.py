@@ -59,3 +59,33 @@ def test_import_does_not_load_dynamo_and_its_marker_is_dynamos():
         return 1
 
     assert vars(torch._dynamo.assume_constant_result(a)) == vars(assume_constant_result(b)) != {}
+
+
+def test_flat_dict_leaves_is_optrees_order():
+    """``tree.flat_dict_leaves`` (the dict fast path of traced flattening) gives optree's
+    leaves for a dict of tensors under string keys in any insertion order, ``None`` leaves
+    included, and declines anything else; ``unflatten_like`` gives the dict back in its own
+    key order, under ``torch.compile`` as eagerly."""
+    import optree
+
+    from functional_train.tree import flat_dict_leaves, tree_flatten, unflatten_like
+
+    tree = {"w": torch.ones(2), "b": None, "a.0": torch.zeros(3), "Z": torch.ones(())}
+    want = optree.tree_leaves(tree, none_is_leaf=True)
+    got = flat_dict_leaves(tree)
+    assert len(got) == len(want) and all(x is y for x, y in zip(got, want))
+    for other in ({1: torch.ones(1)}, {"a": {"b": torch.ones(1)}}, [torch.ones(1)], {"a": 1.0}):
+        assert flat_dict_leaves(other) is None
+    leaves, treedef = tree_flatten(tree)
+
+    def rebuilt(t):
+        return unflatten_like(t, treedef, [None if x is None else x + 1 for x in leaves])
+
+    eager = rebuilt(tree)
+    compiled = torch.compile(rebuilt, backend="eager", fullgraph=True)(tree)
+    for out in (eager, compiled):
+        assert list(out) == list(tree)
+        for k in tree:
+            assert (out[k] is None) == (tree[k] is None)
+            if tree[k] is not None:
+                assert torch.equal(out[k], tree[k] + 1)

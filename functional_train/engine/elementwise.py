@@ -1079,15 +1079,17 @@ def select_state(ok: torch.Tensor, new, old, fields):
     """``torch.where(ok, new, old)`` on the leaves of a part's new state that are not its new
     field leaves (``fields``: the trees its leaf function wrote, already selected there):
     counters, norms, 0-dim tensors (DTensors on their local shards)."""
-    written = {id(x) for t in fields for x in optree.tree_leaves(t, none_is_leaf=True)}
+
+    def written(x) -> bool:  # (a field tree: taken whole, not descended into)
+        return any(x is t for t in fields)
 
     def pick(n, o):
-        if not isinstance(n, torch.Tensor) or n is o or id(n) in written:
+        if not isinstance(n, torch.Tensor) or n is o:
             return n
         ln, lo = to_local(n), to_local(o)
         return wrap_like(torch.where(ok.to(ln.device), ln, lo), n)
 
-    return optree.tree_map(pick, new, old, none_is_leaf=True)
+    return optree.tree_map(pick, new, old, is_leaf=written, none_is_leaf=True)
 
 
 def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..autograd import detached, requires_grad_like, traced
 from ..mesh import Mesh
-from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten
+from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten, unflatten_like
 from .collectives import all_reduce, all_reduce_buckets, all_reduce_start, per_rank
 from .dtensor import spec_of, to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
@@ -172,7 +172,7 @@ class Prepared:
         leaves = list(old)
         for i, v in zip(self.active, wraps_like(new_active, [old[i] for i in self.active])):
             leaves[i] = v
-        return tree_unflatten(self.treedef, leaves)
+        return unflatten_like(tree, self.treedef, leaves)
 
     def leaf_sums(
         self,
