@@ -560,11 +560,10 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
 @assume_constant_result
 def _all_in_place(parts: tuple, layout: tuple, enc: tuple, in_dtypes: tuple, sc_dtypes: tuple):
     """Whether every result of the stage has the dtype of the input it replaces when donated
-    (then ``functional_train::fused_stage_donated`` writes them all in place): the stage run
-    once per dtype signature on 1-element meta tensors (the scalars 0-dim, as in the
-    step: a 0-dim scalar does not promote a leaf's dtype). Called by dynamo while it traces, on the
+    (then ``functional_train::fused_stage_donated`` writes them all in place), from
+    :func:`_result_dtypes` on 1-element meta tensors (the scalars 0-dim, as in the step: a
+    0-dim scalar does not promote a leaf's dtype). Called by dynamo while it traces, on the
     dtypes (constants): no graph operation."""
-    n = len(in_dtypes[0])
     metas = [
         [None if d is None else torch.empty((1,), dtype=d, device="meta") for d in lst]
         for lst in in_dtypes
@@ -574,19 +573,11 @@ def _all_in_place(parts: tuple, layout: tuple, enc: tuple, in_dtypes: tuple, sc_
     )
     scalars = [torch.empty((), dtype=d, device="meta") for d in sc_dtypes]
     ins, dst = _inputs(stage, u, p, fields)
-    seen = set()
-    with torch.no_grad():
-        for j in range(n):
-            leaf = tuple(lst[j] for lst in ins)
-            sig = (tuple(None if x is None else x.dtype for x in leaf), keys[j])
-            if sig in seen:
-                continue
-            seen.add(sig)
-            res = _function(stage, counts, keys[j])(leaf, tuple(scalars))
-            for r, x in enumerate(res):
-                d = leaf[dst[r]]
-                if d is not None and x is not None and x.dtype != d.dtype:
-                    return False
+    for j, res in enumerate(_result_dtypes(stage, counts, keys, u, p, fields, scalars)):
+        for r, dtype in enumerate(res):
+            d = ins[dst[r]][j]
+            if d is not None and dtype is not None and dtype != d.dtype:
+                return False
     return True
 
 
@@ -723,11 +714,10 @@ def _(parts, layout, keys, flat, scalars):
     return _fake_results(stage, counts, keys, u, p, fields, scalars)
 
 
-def _fake_results(stage, counts, keys, u, p, fields, scalars):
-    """The stage's results as empty tensors of their shapes and dtypes (result after result,
-    leaf after leaf; an absent state leaf's a 0-element placeholder)."""
-    # the results' dtypes from one run of the stage per dtype signature and key (every result
-    # has its leaf's shape): tracing it on every leaf took 2.5 s of a 122-leaf compile
+def _result_dtypes(stage, counts, keys, u, p, fields, scalars) -> list:
+    """Per leaf, the dtypes of the stage's results (``None`` for an absent state leaf's), from
+    one run of the stage per dtype signature and key (tracing it on every leaf took 2.5 s of
+    a 122-leaf compile)."""
     dtypes_of: dict = {}
     per_leaf = []
     with torch.no_grad():
@@ -739,6 +729,13 @@ def _fake_results(stage, counts, keys, u, p, fields, scalars):
                 res = _function(stage, counts, keys[j])(ins, tuple(scalars))
                 hit = dtypes_of[sig] = tuple(None if x is None else x.dtype for x in res)
             per_leaf.append(hit)
+    return per_leaf
+
+
+def _fake_results(stage, counts, keys, u, p, fields, scalars):
+    """The stage's results as empty tensors of their shapes and dtypes (result after result,
+    leaf after leaf; an absent state leaf's a 0-element placeholder)."""
+    per_leaf = _result_dtypes(stage, counts, keys, u, p, fields, scalars)
     out: list = []
     for r in range(len(per_leaf[0]) if per_leaf else 0):
         out.extend(
