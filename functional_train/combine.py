@@ -14,7 +14,7 @@ from .base import GradientTransformation, declare
 from .engine import elementwise as E
 from .engine.view import prepare
 from .spec import Partitioned, attach_spec
-from .tree import PyTree, flat_dict_leaves, format_path, tree_flatten, tree_paths, tree_unflatten
+from .tree import PyTree, format_path, leaves_of, tree_flatten, tree_paths, tree_unflatten
 
 __all__ = ["partition", "PartitionState", "masked", "MaskedState"]
 
@@ -104,10 +104,7 @@ class PerLeaf:
 
     def __call__(self, params) -> list:
         if torch.compiler.is_compiling():
-            # (a dict of tensors by its values: see tree.flat_dict_leaves)
-            leaves = flat_dict_leaves(params)
-            if leaves is None:
-                leaves = optree.tree_leaves(params, none_is_leaf=True)
+            leaves = leaves_of(params)  # (a dict of tensors by its values)
             sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
             hit = self._seen.get(sig)
             if hit is None or hit is self._AMBIGUOUS:

@@ -54,7 +54,15 @@ from .mesh import Mesh
 from .quantization import FusedAdam8bit, fused_adam8bit_step
 from .spec import transform_spec
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
-from .tree import PyTree, flat_dict_leaves, flatten_as, tree_flatten, tree_unflatten, unflatten_like
+from .tree import (
+    PyTree,
+    flat_dict_leaves,
+    flatten_as,
+    leaves_of,
+    tree_flatten,
+    tree_unflatten,
+    unflatten_like,
+)
 from .update import apply_updates, paired_locals
 
 __all__ = ["step"]
@@ -516,9 +524,7 @@ def _run_spec(fus, grads, state, params, mesh, donate):
         return params, new_state
     if fus.zero_updates:  # the parameters as they are (recorded as shared by step)
         return params, new_state
-    pl = flat_dict_leaves(params) if torch.compiler.is_compiling() else None
-    if pl is None:
-        pl = tree_flatten(params)[0]
+    pl = leaves_of(params)
     out = list(pl)
     for i, n in zip(b.active, new):
         out[i] = requires_grad_like(wrap_like(n, pl[i]), pl[i])
