@@ -334,6 +334,7 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         part.n_fields,
         needs_params=part.needs_params,
         static=static,
+        leaf_scalars=part.leaf_scalars,
     )
 
 

@@ -20,6 +20,11 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   ``static=None``: every leaf's key is ``None``.
 * ``reduces``: whether ``prologue`` reads the updates' values (a norm): a fused pass then
   starts at this transform, since the updates it reads must exist first.
+* ``leaf_scalars``: the positions in the prologue's scalars that hold one value PER LEAF (a
+  list of 0-dim tensors, one per leaf of ``b.active``, in that order: ``scale_by_trust_ratio``'s
+  ratios, from its per-leaf norms); the leaf function finds its own leaf's value there. They
+  reach the pass as inputs after the fields (0-dim, read once per leaf by a generated
+  kernel), not as shared scalars.
 * ``guard``: what the part promises where its last scalar (a flag) is false: ``HOLDS`` (it
   writes its fields as they were: :func:`guarded`), ``ZEROES`` (no fields, zero updates:
   :func:`zeroed_unless`), ``DISCARDS`` (its updates are used by no one: every later part of
@@ -115,6 +120,7 @@ class Elementwise:
     reduces: bool = False
     context: bool = False
     guard: int = 0
+    leaf_scalars: tuple[int, ...] = ()
 
     def __post_init__(self):
         # a number of its own, by which a compiled graph names it (functional_train::fused_stage)
@@ -245,31 +251,36 @@ class _Stage:
     """The composed per-leaf function of consecutive parts, optionally followed by
     ``apply_updates``; one object per (parts, apply), so that its kernels are cached."""
 
-    __slots__ = ("parts", "apply", "drop_u", "params", "counts", "__weakref__")
+    __slots__ = ("parts", "apply", "drop_u", "params", "n_per_leaf", "__weakref__")
 
     def __init__(self, parts: tuple, apply: bool, drop_u: bool = False):
         self.parts = parts
         self.apply = apply
         self.drop_u = drop_u  # the updates are not a result (only the new fields are)
         self.params = apply or any(p.needs_params for p in parts)
-        self.counts = None  # per part: number of scalars (set on first call)
+        # the inputs after the fields: the parts' per-leaf scalars, in order
+        self.n_per_leaf = sum(len(p.leaf_scalars) for p in parts)
 
     def function(self, counts: tuple, keys: tuple) -> Callable:
         parts, apply, params, drop_u = self.parts, self.apply, self.params, self.drop_u
+        first_per_leaf = (2 if params else 1) + sum(part.n_fields for part in parts)
 
         def f(ins, scalars):
             u = ins[0]
             p = ins[1] if params else None
             k = 2 if params else 1
+            r = first_per_leaf
             s = 0
             outs = []
             for part, n, key in zip(parts, counts, keys):
                 fields = tuple(ins[k : k + part.n_fields])
                 k += part.n_fields
-                u, new = part.leaf(
-                    u, p if part.needs_params else None, fields, scalars[s : s + n], key
-                )
+                h = scalars[s : s + n]
                 s += n
+                if part.leaf_scalars:
+                    h = _merged(h, ins[r : r + len(part.leaf_scalars)], part.leaf_scalars)
+                    r += len(part.leaf_scalars)
+                u, new = part.leaf(u, p if part.needs_params else None, fields, h, key)
                 outs.extend(new)
             if apply:
                 return (p + u.to(p.dtype), *outs)
@@ -278,6 +289,14 @@ class _Stage:
             return (u, *outs)
 
         return f
+
+
+def _merged(scalars: tuple, per_leaf: tuple, positions: tuple) -> tuple:
+    """A part's scalars with its per-leaf ones (this leaf's) back at their ``positions``."""
+    shared, own = iter(scalars), iter(per_leaf)
+    return tuple(
+        next(own) if i in positions else next(shared) for i in range(len(scalars) + len(per_leaf))
+    )
 
 
 _stages: dict = {}
@@ -346,6 +365,7 @@ def run(
         scalars: list = []
         counts: list = []
         fields: list = []
+        per_leaf: list = []
         keys: list = []
         for k in range(lo, hi):
             part = parts[k]
@@ -354,6 +374,9 @@ def run(
                 sc, finishes[k] = part.prologue(states[k], view, ctx)
             else:
                 sc, finishes[k] = part.prologue(states[k], view)
+            if part.leaf_scalars:  # (inputs of the stage, after its fields)
+                per_leaf.extend(list(sc[i]) for i in part.leaf_scalars)
+                sc = [x for i, x in enumerate(sc) if i not in part.leaf_scalars]
             scalars.extend(sc)
             counts.append(len(sc))
             trees_of[k] = part.fields(states[k])
@@ -386,7 +409,7 @@ def run(
             tuple(counts),
             u,
             p_loc,
-            fields,
+            fields + per_leaf,
             scalars,
             leaf_keys,
             apply,
@@ -564,9 +587,15 @@ def _all_in_place(parts: tuple, layout: tuple, enc: tuple, in_dtypes: tuple, sc_
     :func:`_result_dtypes` on 1-element meta tensors (the scalars 0-dim, as in the step: a
     0-dim scalar does not promote a leaf's dtype). Called by dynamo while it traces, on the
     dtypes (constants): no graph operation."""
+    first_per_leaf = len(in_dtypes) - sum(len(_PARTS[i].leaf_scalars) for i in parts)
     metas = [
-        [None if d is None else torch.empty((1,), dtype=d, device="meta") for d in lst]
-        for lst in in_dtypes
+        [
+            None
+            if d is None
+            else torch.empty((1,) if r < first_per_leaf else (), dtype=d, device="meta")
+            for d in lst
+        ]
+        for r, lst in enumerate(in_dtypes)
     ]
     stage, counts, keys, u, p, fields = _unflat(
         list(parts), list(layout), list(enc), [x for lst in metas for x in lst]
@@ -802,19 +831,19 @@ def _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply):
 
 
 def _inputs(stage, u, p, fields) -> tuple[list, list]:
-    """A stage's input lists ``[u, p (if any), *fields]`` and, per result, the input it
-    overwrites when donated: the parameters (or, for a stage that does not apply, the
-    updates), then the fields."""
+    """A stage's input lists ``[u, p (if any), *fields]`` (``fields``: the state fields, then
+    the per-leaf scalars) and, per result, the input it overwrites when donated: the
+    parameters (or, for a stage that does not apply, the updates), then the state fields."""
     ins = [u] + ([p] if p is not None else []) + list(fields)
     first_field = 1 + (p is not None)
     dst = [] if stage.drop_u else [1 if stage.apply else 0]
-    dst += range(first_field, first_field + len(fields))
+    dst += range(first_field, first_field + len(fields) - stage.n_per_leaf)
     return ins, dst
 
 
 def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     n = len(u)
-    n_out = len(fields) + (0 if stage.drop_u else 1)
+    n_out = len(fields) - stage.n_per_leaf + (0 if stage.drop_u else 1)
     if n == 0:
         return [[] for _ in range(n_out)]
     ins, dst = _inputs(stage, u, p, fields)
@@ -861,7 +890,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
                     g_ins = [ins[i] for i in in_keep]
                     g_outs = [outs[r] for r in out_keep]
                     g_dst = [in_keep.index(dst[r]) for r in out_keep]
-                kernel = fuse.kernel_for(g_fn, dtypes, sc[1])
+                kernel = fuse.kernel_for(g_fn, dtypes, sc[1], stage.n_per_leaf)
                 if kernel is not None and _run_kernel(
                     kernel, g_ins, idx, g_outs, sc[0], apply, _group_kinds(take, g), g_dst
                 ):
@@ -1010,19 +1039,41 @@ def _fresh(like):
     return torch.empty(like.shape, dtype=like.dtype)
 
 
-def apply_part(part: Elementwise, u: list, fields: Sequence, scalars: Sequence, out=None):
+def apply_part(
+    part: Elementwise,
+    u: list,
+    fields: Sequence,
+    scalars: Sequence,
+    out=None,
+    *,
+    params: Sequence | None = None,
+    keys: Sequence | None = None,
+):
     """``part`` on the leaves ``u`` (a list of updates) and ``fields`` (per state field, a list
-    of leaves), ``scalars`` as its prologue gives them, through the kernels the engine runs for
-    it: the results ``[u, *fields]`` (lists). ``out``: per result, a list of buffers to write
-    into (``None`` entries: fresh; a buffer may be the input it replaces), or ``None``. For
-    algorithms that run a primitive's math inside their own update (8-bit Adam between its
-    dequantisation and requantisation, per-leaf steps that finish each leaf in cache)."""
+    of leaves), ``scalars`` as its prologue gives them (a per-leaf one, at a position of
+    ``part.leaf_scalars``: a list over ``u``), through the kernels the engine runs for it: the
+    results ``[u, *fields]`` (lists). ``out``: per result, a list of buffers to write into
+    (``None`` entries: fresh; a buffer may be the input it replaces), or ``None``. ``params``:
+    the parameters of ``u`` (a part that ``needs_params``); ``keys``: the leaves' static keys
+    (``None``: ``None`` each). For algorithms that run a primitive's math inside their own
+    update (8-bit Adam between its dequantisation and requantisation, per-leaf steps that
+    finish each leaf in cache)."""
     stage = _stage_of((part,), False)
     n = len(u)
+    per_leaf = [list(scalars[i]) for i in part.leaf_scalars]
+    scalars = [x for i, x in enumerate(scalars) if i not in part.leaf_scalars]
+    fields = [list(f) for f in fields]
     take = None
-    if out is not None:
+    apply = None
+    if out is not None and all(
+        b is x for bufs, ins in zip(out, [u, *fields]) for b, x in zip(bufs, ins)
+    ):
+        apply = "donate"  # every result over its input, as a donated step writes them
+    elif out is not None:
 
         def take(kind, like):
+            if "/" in kind:  # (a second group of leaves: fresh, copied below)
+                return [torch.empty(x.shape, dtype=x.dtype) for x in like]
             bufs = out[int(kind[len("stage") :])]
             return [
                 b
@@ -1035,11 +1086,11 @@ def apply_part(part: Elementwise, u: list, fields: Sequence, scalars: Sequence, 
         stage,
         (len(scalars),),
         list(u),
-        None,
-        [list(f) for f in fields],
-        list(scalars),
-        [None] * n,
-        None,
+        list(params) if params is not None and part.needs_params else None,
+        fields + per_leaf,
+        scalars,
+        [None] * n if keys is None else [(k,) for k in keys],
+        apply,
         take,
     )
     if out is None:
@@ -1119,6 +1170,7 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
         reduces=part.reduces,
         context=True,
         guard=HOLDS,
+        leaf_scalars=part.leaf_scalars,
     )
 
 

@@ -5,9 +5,12 @@ definitions, composed in the order the user chained them; see :mod:`.elementwise
 
     def stage(inputs: tuple[Tensor, ...], scalars: tuple[Tensor, ...]) -> tuple[Tensor, ...]
 
-``inputs`` are leaves of one shape (the update, the parameter, state leaves), ``scalars`` are
-0-dim tensors or numbers (hyper-parameters, a clip factor, bias corrections), the results are
-leaves of the inputs' shape. :func:`kernel_for` gives its :class:`Kernel` for a dtype
+``inputs`` are leaves of one shape (the update, the parameter, state leaves), then any
+per-leaf values (0-dim tensors, one per leaf: a trust ratio; ``n_per_leaf`` of
+:func:`kernel_for`), ``scalars`` are 0-dim tensors or numbers shared by every leaf
+(hyper-parameters, a clip factor, bias corrections), the results are leaves of the inputs'
+shape. A value computed from scalars only is computed once per call, from a per-leaf value
+once per leaf, the rest once per element. :func:`kernel_for` gives its :class:`Kernel` for a dtype
 signature, which :mod:`.elementwise` calls on lists of leaves.
 
 How it runs:
@@ -238,14 +241,18 @@ static inline void ft_stream(void *dst, const void *src, int64_t bytes) {
 class _Writer:
     """C source of one stage from its traced graph."""
 
-    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, n_scalars: int):
+    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, n_scalars: int, n_per_leaf: int):
         self.gm = gm
         self.n_inputs = n_inputs
         self.n_scalars = n_scalars
+        self.n_per_leaf = n_per_leaf  # the last inputs: one value per leaf (0-dim)
         self.names: dict = {}
         self.pre: list = []  # scalar-only lines, once per call
+        self.mid: list = []  # lines of per-leaf values, once per leaf
         self.body: list = []  # per element
         self.vec: set = set()  # names of per-element values
+        self.leafy: set = set()  # names of per-leaf values (not per element)
+        self.leafy_now = False  # the node being lowered reads a per-leaf value
         self.dtypes: dict = {}
 
     def val(self, arg, want=None) -> str:
@@ -272,16 +279,22 @@ class _Writer:
         self.names[node] = name
         self.dtypes[node] = dtype
         line = f"const {_CTYPE[dtype]} {name} = {expr};"
-        (self.body if vec else self.pre).append(line)
+        self._lines(vec).append(line)
         if vec:
             self.vec.add(node)
+        elif self.leafy_now:
+            self.leafy.add(node)
+
+    def _lines(self, vec: bool) -> list:
+        """Where a value's line goes: per element, per leaf or once per call."""
+        return self.body if vec else self.mid if self.leafy_now else self.pre
 
     def emit_tmp(self, expr: str, dtype, vec: bool) -> str:
         """A named temporary (not a graph node's value)."""
-        name = f"t{len(self.pre) + len(self.body)}"
+        name = f"t{len(self.pre) + len(self.mid) + len(self.body)}"
         dtype = _compute(dtype)
         line = f"const {_CTYPE[dtype]} {name} = {expr};"
-        (self.body if vec else self.pre).append(line)
+        self._lines(vec).append(line)
         return name
 
     def select(self, cond_arg, c: str, a: str, b: str, dtype, vec: bool) -> str:
@@ -300,11 +313,12 @@ class _Writer:
         if len(placeholders) != self.n_inputs + self.n_scalars:
             raise Unsupported("unexpected placeholders")
         in_dtypes = []
+        first_per_leaf = self.n_inputs - self.n_per_leaf
         for k, node in enumerate(placeholders):
             val = node.meta["val"]
             if k < self.n_inputs:
                 self.names[node] = f"x{k}"
-                self.vec.add(node)
+                (self.vec if k < first_per_leaf else self.leafy).add(node)
                 in_dtypes.append(val.dtype)
             else:
                 self.names[node] = f"s{k - self.n_inputs}"
@@ -352,11 +366,16 @@ class _Writer:
         for j, d in enumerate(out_dtypes):
             t = _storage(d)
             lines.append(f"    {t} *q{j} = ({t} *)ptr[l * {nin + nout} + {nin + j}];")
+        for k in range(first_per_leaf, nin):  # the leaf's own values, then what they give
+            d = in_dtypes[k]
+            x = _LOAD[d].format(x=f"*p{k}") if d in _HALF else f"*p{k}"
+            lines.append(f"    const {_CTYPE[_compute(d)]} x{k} = {x};")
+        lines += ["    " + x for x in self.mid]
 
         def loop(count: str, index: str, dst: str, indent: str) -> list:
             out = [indent + "#pragma omp simd"]
             out.append(f"{indent}for (int64_t i = 0; i < {count}; i++) {{")
-            for k, d in enumerate(in_dtypes):
+            for k, d in enumerate(in_dtypes[:first_per_leaf]):
                 x = f"p{k}[{index}]"
                 x = _LOAD[d].format(x=x) if d in _HALF else x
                 out.append(f"{indent}  const {_CTYPE[_compute(d)]} x{k} = {x};")
@@ -391,6 +410,9 @@ class _Writer:
         dtype = _compute(val.dtype)
         args = node.args
         vec = any(self.is_vec(a) for a in args if isinstance(a, torch.fx.Node))
+        self.leafy_now = not vec and any(
+            isinstance(a, torch.fx.Node) and a in self.leafy for a in (*args, *node.kwargs.values())
+        )
         if op in ("add", "sub") and len(args) == 2 and "alpha" in node.kwargs:
             alpha = node.kwargs["alpha"]
             # ATen: a fused multiply-add, alpha * b + a
@@ -497,10 +519,14 @@ def _common(args) -> torch.dtype:
 _TRACE_NUMEL = 3  # the leaves a stage is traced on: 1-D, of this many elements
 
 
-def _trace(fn: Callable, in_dtypes, scalar_dtypes):
+def _trace(fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    ins = tuple(torch.zeros(_TRACE_NUMEL, dtype=d) for d in in_dtypes)
+    first_per_leaf = len(in_dtypes) - n_per_leaf
+    ins = tuple(
+        torch.zeros(_TRACE_NUMEL if k < first_per_leaf else (), dtype=d)
+        for k, d in enumerate(in_dtypes)
+    )
     scs = tuple(torch.ones((), dtype=d) for d in scalar_dtypes)
 
     def flat(*args):
@@ -520,9 +546,9 @@ class Kernel:
 
     __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "_lib")
 
-    def __init__(self, fn: Callable, in_dtypes, scalar_dtypes):
-        gm = _trace(fn, in_dtypes, scalar_dtypes)
-        w = _Writer(gm, len(in_dtypes), len(scalar_dtypes))
+    def __init__(self, fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int = 0):
+        gm = _trace(fn, in_dtypes, scalar_dtypes, n_per_leaf)
+        w = _Writer(gm, len(in_dtypes), len(scalar_dtypes), n_per_leaf)
         self.source, (_, out_dtypes) = w.source("ft_stage")
         self.n_inputs = len(in_dtypes)
         self.n_outputs = len(out_dtypes)
@@ -593,10 +619,13 @@ def scalar_pointers(scalars: Sequence) -> tuple | None:
     return addrs, tuple(dtypes), keep
 
 
-def kernel_for(fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple) -> Kernel | None:
+def kernel_for(
+    fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple, n_per_leaf: int = 0
+) -> Kernel | None:
     """The compiled kernel of ``fn`` for these dtypes, or ``None`` where it cannot be generated
-    (an unsupported operation or dtype, no compiler)."""
-    key = (fn, in_dtypes, scalar_dtypes)
+    (an unsupported operation or dtype, no compiler). ``n_per_leaf``: the last inputs hold one
+    value per leaf (a 0-dim tensor each: a trust ratio), read once per leaf."""
+    key = (fn, in_dtypes, scalar_dtypes, n_per_leaf)
     k = _kernels.get(key, _MISSING)
     if k is not _MISSING:
         return k
@@ -605,7 +634,7 @@ def kernel_for(fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple) -> Kernel |
         if k is not _MISSING:
             return k
         try:
-            k = Kernel(fn, in_dtypes, scalar_dtypes)
+            k = Kernel(fn, in_dtypes, scalar_dtypes, n_per_leaf)
         except Unsupported as e:
             if DEBUG:
                 warnings.warn(f"functional_train: a stage runs leaf by leaf: {e}", stacklevel=3)
