@@ -55,6 +55,11 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
                    torch code: clip + AdamW(foreach, lr=1e-3) + LambdaLR whose lambda computes the
                    same schedule divided by the peak (in Python floats), sched.step() after each
                    opt.step() (optax counts: the first update uses the schedule at 0, as LambdaLR)
+  lamb             chain(clip, lamb(1e-3, 0.9, 0.999, 1e-6, weight_decay=0.1)): a per-leaf trust
+                   ratio from per-leaf norms, between two elementwise passes
+                   torch code: clip + LAMB in torch._foreach operations (TorchCode.lamb_step:
+                   Adam's moments, the update with decay, _foreach_norm of the parameters and
+                   of the update, the ratios as tensors, _foreach_mul_ and _foreach_add_)
 
 Systems per row:
 
@@ -63,7 +68,7 @@ Systems per row:
                  column ``x base`` is on one scale across rows); only the multi_steps row's
                  baseline accumulates and averages the 4 gradients first like (b) (otherwise it
                  would time a quarter of the gradients). Its parameters are compared with (b)'s
-                 only where its math is the row's (not in masked and schedule: "other")
+                 only where its math is the row's (not in masked, schedule and lamb: "other")
   (b) torch      the torch code for the row's math (above); the reference of the check
   (c) donate     params, state = ft.step(tx, grads, state, params, donate=True)
   (d) pure       params, state = ft.step(tx, grads, state, params) (donate=False; nothing is
@@ -88,9 +93,9 @@ minor page faults during one unit (see bench_engine), ``MiB`` the peak extra mem
 (below), ``rel diff`` the largest difference of the final parameters from (b)'s, relative to the
 leaf's largest |value| (max over leaves of max|p - p_torch| / max|p_torch|, the EMA included in
 the ema_params row; after the memory unit every system has taken the same steps with the same
-gradients); ``other`` where the system's math is not the row's (the baseline in masked and
-schedule). A row is flagged FAILED (and the script exits 1) when any system's relative difference
-exceeds 1e-5 or its results are not finite.
+gradients); ``other`` where the system's math is not the row's (the baseline in masked,
+schedule and lamb). A row is flagged FAILED (and the script exits 1) when any system's relative
+difference exceeds 1e-5 or its results are not finite.
 
 Peak extra memory (``MiB``): one more unit per system after the timed rounds, untimed. On
 CUDA, ``torch.cuda.max_memory_allocated`` minus the allocated bytes before it. On CPU, the unit
@@ -151,6 +156,7 @@ LR, WD, MAX_NORM = be.LR, be.WD, be.MAX_NORM
 BETAS, EPS = (0.9, 0.999), 1e-8
 EVERY_K = 4
 EMA_DECAY = 0.999
+LAMB_EPS = 1e-6  # lamb's default (optax's, Colossal-AI's)
 MAX_ERRORS = 5
 WARMUP_STEPS, DECAY_STEPS = 3, 12
 ROWS = [
@@ -163,8 +169,10 @@ ROWS = [
     "masked_primitives",
     "partition",
     "schedule",
+    "lamb",
 ]
 MASKED_ROWS = ("masked", "masked_primitives", "partition")  # the math of two param groups
+OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "lamb")  # the baseline (a) is not the row's math
 RTOL = 1e-5
 
 
@@ -225,7 +233,13 @@ def make_tx(row):
     if row == "schedule":
         sched = ft.schedules.warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS)
         return ft.chain(clip(), ft.adamw(sched, weight_decay=WD))
+    if row == "lamb":
+        return ft.chain(clip(), ft.lamb(LR, *BETAS, LAMB_EPS, weight_decay=WD))
     raise ValueError(f"unknown row {row!r}; rows: {', '.join(ROWS)}")
+
+
+def ref_name(row):
+    return "(b) torch code, " + ("LAMB (foreach)" if row == "lamb" else "AdamW(foreach)")
 
 
 def sync(device):
@@ -265,6 +279,10 @@ class TorchCode:
         if self.row == "ema_params":
             self.ema = [p.detach().clone() for p in self.ps]
             self.ema_steps = 0
+        if self.row == "lamb":
+            self.m = [torch.zeros_like(p.detach()) for p in self.ps]
+            self.v = [torch.zeros_like(p.detach()) for p in self.ps]
+            self.t = 0
 
     def prepare(self):
         with torch.no_grad():
@@ -280,7 +298,9 @@ class TorchCode:
                 torch._foreach_add_(gs, more)
             torch._foreach_div_(gs, float(self.k))
         total = torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
-        if self.row == "apply_if_finite":
+        if self.row == "lamb":
+            self.lamb_step()
+        elif self.row == "apply_if_finite":
             if torch.isfinite(total):
                 self.opt.step()
         else:
@@ -297,6 +317,32 @@ class TorchCode:
                     torch._foreach_lerp_(self.ema, cur, 1.0 - EMA_DECAY)
             self.ema_steps += 1
         sync(self.device)
+
+    def lamb_step(self):
+        """LAMB in torch's foreach operations, as a torch.optim-style implementation writes
+        it: Adam's moments, ``r = m_hat / (sqrt(v_hat) + eps) + wd * p``, the per-leaf norms of
+        the parameters and of ``r``, ``ratio = ||p|| / ||r||`` (1 where either is 0), ``p -=
+        lr * ratio * r``; the ratios stay tensors (no host read)."""
+        b1, b2 = BETAS
+        self.t += 1
+        with torch.no_grad():
+            gs = [p.grad for p in self.ps]
+            ps = [p.detach() for p in self.ps]
+            torch._foreach_lerp_(self.m, gs, 1.0 - b1)
+            torch._foreach_mul_(self.v, b2)
+            torch._foreach_addcmul_(self.v, gs, gs, 1.0 - b2)
+            den = torch._foreach_div(self.v, 1.0 - b2**self.t)
+            torch._foreach_sqrt_(den)
+            torch._foreach_add_(den, LAMB_EPS)
+            r = torch._foreach_div(self.m, 1.0 - b1**self.t)
+            torch._foreach_div_(r, den)
+            del den
+            torch._foreach_add_(r, ps, alpha=WD)
+            pn = torch.stack(torch._foreach_norm(ps))
+            rn = torch.stack(torch._foreach_norm(r))
+            ratio = torch.where((pn == 0) | (rn == 0), torch.ones_like(pn), pn / rn)
+            torch._foreach_mul_(r, list((ratio * -LR).unbind()))
+            torch._foreach_add_(ps, r)
 
     def params(self):
         return [be.local(p.detach()) for p in self.ps]
@@ -546,9 +592,7 @@ def part_host(args, rows):
                 fused=True,
                 plain=True,
             )
-            ref = TorchCode(
-                "(b) torch code, AdamW(foreach)", row, params0, grads, device, fused=False
-            )
+            ref = TorchCode(ref_name(row), row, params0, grads, device, fused=False)
             systems = [base, ref] + ft_systems(row, tx, params0, grads, device)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*donated buffers.*")
@@ -578,7 +622,7 @@ def part_a(args, rows):
         base = TorchCode(
             "(a) AdamW(fused) + clip [base]", row, params0, grads, device, fused=True, plain=True
         )
-        ref = TorchCode("(b) torch code, AdamW(foreach)", row, params0, grads, device, fused=False)
+        ref = TorchCode(ref_name(row), row, params0, grads, device, fused=False)
         fts = ft_systems(row, tx, params0, grads, device, compiled=args.compile)
         systems = [base] + fts[:2] + [ref] + fts[2:] if args.compile else [base, ref] + fts
         with warnings.catch_warnings():
@@ -586,7 +630,7 @@ def part_a(args, rows):
             times, faults, warm = be.run_rounds(systems, args.rounds, args.warmup)
             alive = [s for s in systems if s.name in times]
             mem = memory_unit(alive, device)
-        other_math = {base.name} if row in (*MASKED_ROWS, "schedule") else set()
+        other_math = {base.name} if row in OTHER_MATH_ROWS else set()
         diffs = checks(alive, ref, lambda s: s.name not in other_math)
         unit = f" (unit: a cycle of {EVERY_K} calls)" if row == "multi_steps" else ""
         text, good = row_table(
@@ -618,6 +662,7 @@ def describe(row):
         "partition": "chain(clip, partition({decay: adamw(wd), no_decay: adamw(0)}))",
         "schedule": f"chain(clip, adamw(warmup_cosine_decay_schedule(0, {LR}, {WARMUP_STEPS}, "
         f"{DECAY_STEPS})))",
+        "lamb": f"chain(clip, lamb({LR}, weight_decay={WD}))",
     }[row]
 
 
@@ -632,7 +677,7 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
     del p_full, g_full
     tx = make_tx(row)
     ref = TorchCode(
-        "(b) torch code, AdamW(foreach) [base]",
+        ref_name(row) + " [base]",
         row,
         params0,
         grads,

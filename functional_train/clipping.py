@@ -15,7 +15,6 @@ import torch
 from . import _validate as V
 from . import foreach
 from . import leaves as L
-from .autograd import traced
 from .base import GradientTransformation, elementwise_transform
 from .engine import elementwise as E
 from .engine import native
@@ -73,15 +72,8 @@ def _local_norm_terms(b, norm_type: float):
         # _foreach_norm has no identity for inf on empty shards (uneven sharding): pad one zero.
         return [torch.cat([x.reshape(-1), x.new_zeros(1)]).abs().max() for x in g], "max", None
     if norm_type == 2.0:
-        if traced():  # (wrappers without storage: plain operations, below)
-            squares = None
-        elif not torch.compiler.is_compiling():
-            squares = native.sum_squares(g)
-        elif native.ENABLED and g and all(x.is_cpu and x.dtype in _NATIVE for x in g):
-            # (opaque to the compiler: eager's numbers; zeros where not needed at all)
-            squares = native.sum_squares_op(g, b.needed)
-        else:
-            squares = None
+        # (compiled: zeros where not needed at all, see Prepared.needed)
+        squares = native.local_sum_squares(g, b.needed)
         if squares is not None:
             f32 = all(x.dtype == torch.float32 for x in g)
             return squares, "sum", torch.float32 if f32 else None
@@ -92,9 +84,6 @@ def _local_norm_terms(b, norm_type: float):
     if norm_type == 2.0:
         return [n.to(_wide(n.dtype)).square() for n in norms], "sum", None
     return [n.to(_wide(n.dtype)).pow(norm_type) for n in norms], "sum", None
-
-
-_NATIVE = (torch.float32, torch.float64)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

@@ -34,8 +34,16 @@ from . import _validate as V
 from . import foreach
 from . import leaves as L
 from .autograd import traced
-from .base import EmptyState, GradientTransformation, chain, check_state, declare
+from .base import (
+    EmptyState,
+    GradientTransformation,
+    chain,
+    check_state,
+    declare,
+    elementwise_transform,
+)
 from .combine import mask_of
+from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import Prepared, per_leaf_result, per_leaf_view, prepare
@@ -47,7 +55,7 @@ from .transforms import (
     reject_complex,
     scale,
     scale_by_learning_rate,
-    stateless,
+    stateless_elementwise,
     zero_count,
 )
 from .tree import (
@@ -543,7 +551,8 @@ def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
     ``clip_by_block_rms``).
 
     Communication per update: one batched ``leaf_sums``: ONE all-reduce of the per-leaf sums of
-    every sharded leaf, whatever the number of leaves. No state.
+    every sharded leaf, whatever the number of leaves. No state. Elementwise with a per-leaf
+    scalar: a fused pass starts here (after the updates' RMS) and takes what follows.
 
     Args:
         threshold: > 0.
@@ -554,13 +563,33 @@ def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
     where = "clip_by_block_rms"
     threshold = V.number("threshold", threshold, where=where, low=0.0, low_open=True)
 
-    def clip_rms(b):
-        g = [b.locals[i] for i in b.active]
-        den = L.div(block_rms(b, g, b.active), value_of(threshold))
-        foreach.clamp_min_(den, 1.0)
-        return [x / d.to(x.dtype) for x, d in zip(g, den)]
+    def dens(b):
+        if not b.active:
+            return ([],)
+        return (_clip_dens(b, [b.locals[i] for i in b.active], threshold),)
 
-    return stateless(where, clip_rms)
+    return stateless_elementwise(where, _clip_leaf, dens, reduces=True, leaf_scalars=(0,))
+
+
+def _clip_dens(b: Prepared, rms_or_locals: list, threshold, *, rms: bool = False) -> list:
+    """Per leaf ``max(1, RMS(u) / threshold)`` (0-dim), from the updates' locals (or from
+    their RMS with ``rms=True``)."""
+    vals = rms_or_locals if rms else block_rms(b, rms_or_locals, b.active)
+    den = L.div(vals, value_of(threshold))
+    foreach.clamp_min_(den, 1.0)
+    return den
+
+
+def _clip_leaf(u, p, s, h, key):
+    """``clip_by_block_rms`` on one leaf: ``u / den``, the leaf's own ``den = max(1, RMS(u) /
+    threshold)`` in ``u``'s dtype."""
+    return u / h[0].to(u.dtype), ()
+
+
+def _scale_leaf(u, p, s, h, key):
+    """``scale_by_param_block_rms`` on one leaf: ``u * scale``, the leaf's own ``scale =
+    max(min_scale, RMS(param))`` in ``u``'s dtype."""
+    return u * h[0].to(u.dtype), ()
 
 
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
@@ -570,7 +599,8 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
 
     The RMS is of the parameters passed to ``update`` (the values before this step), recomputed
     every update. Communication per update: one batched ``leaf_sums`` (see
-    :func:`clip_by_block_rms`). No state.
+    :func:`clip_by_block_rms`). No state. Elementwise with a per-leaf scalar: fuses with the
+    transforms beside it.
 
     Args:
         min_scale: >= 0 (default ``1e-3``, HF's ``eps[1]``).
@@ -582,33 +612,39 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     where = "scale_by_param_block_rms"
     min_scale = V.number("min_scale", min_scale, where=where, low=0.0)
 
-    def scale_rms(b):
+    def scales(b):
+        if not b.active:
+            return ([],)
         rms = block_rms(b, [b.params[i] for i in b.active], b.active)
         foreach.clamp_min_(rms, min_scale)
-        return [b.locals[i] * s.to(b.locals[i].dtype) for i, s in zip(b.active, rms)]
+        return (rms,)
 
-    return stateless(where, scale_rms, need_params=True)
+    return stateless_elementwise(where, _scale_leaf, scales, needs_params=True, leaf_scalars=(0,))
 
 
 def _clip_and_scale_by_param_rms(threshold: float, min_scale: float) -> GradientTransformation:
     """``clip_by_block_rms(threshold)`` and ``scale_by_param_block_rms(min_scale)`` in one
     transform, so that the RMS of every update and of every parameter take ONE all-reduce
-    together (Adafactor's two scalar statistics, with ``beta1``). Same numbers as the two
-    primitives in sequence."""
+    together (Adafactor's two scalar statistics, with ``beta1``). The two primitives' leaf
+    functions in sequence: their numbers."""
 
-    def fused(b):
+    def both(b):
         act = b.active
-        g = [b.locals[i] for i in act]
-        p = [b.params[i] for i in act]
-        rms = block_rms(b, g + p, act + act)
-        den = L.div(rms[: len(act)], value_of(threshold))
-        foreach.clamp_min_(den, 1.0)
-        out = [x / d.to(x.dtype) for x, d in zip(g, den)]
-        scale = rms[len(act) :]
+        if not act:
+            return ([], [])
+        n = len(act)
+        rms = block_rms(b, [b.locals[i] for i in act] + [b.params[i] for i in act], act + act)
+        scale = rms[n:]
         foreach.clamp_min_(scale, min_scale)
-        return [x * s.to(x.dtype) for x, s in zip(out, scale)]
+        return (_clip_dens(b, rms[:n], threshold, rms=True), scale)
 
-    return stateless("adafactor", fused, need_params=True)
+    def leaf(u, p, s, h, key):
+        u, _ = _clip_leaf(u, p, s, h[:1], key)
+        return _scale_leaf(u, p, s, h[1:], key)
+
+    return stateless_elementwise(
+        "adafactor", leaf, both, needs_params=True, reduces=True, leaf_scalars=(0, 1)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -714,40 +750,51 @@ def _adafactor_scale(
     decays = V.nonzero(weight_decay)
     need_params = min_scale is not None or decays
     keep_of = mask_of(mask, where) if (mask is not None and decays) else None
+    kind = ScaleByScheduleState if callable(rho) else EmptyState
 
     def init_fn(params):
         if keep_of is not None:
             keep_of(params)  # resolved (and checked) once eagerly
         return ScaleByScheduleState(zero_count(params)) if callable(rho) else EmptyState()
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        check_state(state, ScaleByScheduleState if callable(rho) else EmptyState, where)
+    def prologue(state, b):
+        check_state(state, kind, where)
         new_state = ScaleByScheduleState(state.count + 1) if callable(rho) else state
-        b = prepare(updates, params, mesh, need_params=need_params, name=where)
         act = b.active
         if not act:
-            return b.rebuild_active([]), new_state
+            return ([], []), lambda trees: new_state
+        if need_params and b.params is None:
+            raise ValueError(f"{where}: needs params (update(..., params))")
         g = [b.locals[i] for i in act]
         p = [b.params[i] for i in act] if need_params else []
         factors, steps = _adafactor_factors(
             b, act, g, p, _rho_at(rho, state), value_of(threshold), min_scale
         )
-        out = list(foreach.mul(g, factors))
-        wd = value_of(weight_decay)
-        if V.nonzero(wd):
-            ks = range(len(act)) if keep_of is None else _kept(keep_of(params), act)
-            new = _add_decay([out[k] for k in ks], [p[k] for k in ks], [steps[k] for k in ks], wd)
-            for k, x in zip(ks, new):
-                out[k] = x
-        return b.rebuild_active(out), new_state
+        return (factors, _decays(steps, value_of(weight_decay))), lambda trees: new_state
 
-    attach_spec(update_fn, keep_of=keep_of)
-    return GradientTransformation(init_fn, declare(update_fn, view=True))
+    def leaf(u, p, s, h, key):
+        """``u * factor`` (the leaf's ``-rho_t s / max(1, RMS(u) / threshold)``, in ``u``'s
+        dtype), plus ``decay * p`` (the leaf's ``-alpha_t * weight_decay``, float64, cast to
+        ``u``'s dtype) where it decays."""
+        out = u * h[0].to(u.dtype)
+        if not decays or key is False:
+            return out, ()
+        return out + p.to(out.dtype) * h[1].to(out.dtype), ()
 
-
-def _kept(keep: Sequence[bool], idx: Sequence[int]) -> list:
-    """Positions ``k`` in ``idx`` whose leaf ``idx[k]`` the mask keeps."""
-    return [k for k, i in enumerate(idx) if keep[i]]
+    spec = E.Elementwise(
+        where,
+        leaf,
+        prologue,
+        E.no_fields,
+        0,
+        needs_params=need_params,
+        static=keep_of,
+        reduces=True,
+        leaf_scalars=(0, 1),
+    )
+    tx = elementwise_transform(spec, init_fn)
+    attach_spec(tx.update, keep_of=keep_of)
+    return tx
 
 
 def _rho_at(rho, state) -> torch.Tensor:
@@ -790,20 +837,9 @@ def _adafactor_factors(
     return [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, u)], steps
 
 
-def _add_decay(
-    out: Sequence[torch.Tensor], p: Sequence[torch.Tensor], steps: Sequence, weight_decay: float
-) -> Sequence[torch.Tensor]:
-    """``out += step * weight_decay * p`` in place, per leaf (HF's decay ``-alpha_t wd theta``;
-    nothing for no leaf: a mask that decays none); returns ``out``. Under a ``torch.func``
-    transform the sums are new tensors, returned (a batched weight decay cannot be added into
-    an unbatched update in place)."""
-    if not out:
-        return out
-    decay = [(a * weight_decay).to(x.dtype) for a, x in zip(steps, out)]
-    if traced():
-        return foreach.add(out, foreach.mul(L.cast_like(p, out), decay))
-    foreach.add_(out, foreach.mul(L.cast_like(p, out), decay))
-    return out
+def _decays(steps: Sequence, weight_decay) -> list:
+    """Per leaf, the weight decay's factor ``step * weight_decay`` (HF's ``-alpha_t wd``)."""
+    return [a * weight_decay for a in steps]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -819,6 +855,7 @@ class FusedAdafactor:
     weight_decay: float
     rho: Any
     mask: Any = None  # params -> [bool per leaf]: the leaves decayed (None: all)
+    tail: Any = None  # the tail's Elementwise part (_adafactor_scale): its leaf math
 
     min_mean_bytes = 0  # small leaves are finished together: the path pays on any tree
 
@@ -874,10 +911,20 @@ def fused_adafactor_step(
         step = neg_lr
         if fused.min_scale is not None:
             step = neg_lr * rms[1].clamp_min_(fused.min_scale).to(torch.float64)
-        u.mul_((step / den.to(torch.float64)).to(u.dtype))
-        if fused.weight_decay and (keep is None or keep[i]):
-            u.add_(p * (step * fused.weight_decay).to(u.dtype))
+        factor = (step / den.to(torch.float64)).to(u.dtype)
+        tail([u], [p], [factor], [step], [i])
         apply(i, u)
+
+    def tail(us, ps, factors, steps, idx):  # the tail's own leaf function, in place
+        E.apply_part(
+            fused.tail,
+            us,
+            (),
+            (factors, _decays(steps, fused.weight_decay)),
+            out=[us],
+            params=ps,
+            keys=None if keep is None else [bool(keep[i]) for i in idx],
+        )
 
     scratch = of_plan(b.plan, "scratch", Scratch)
     with torch.no_grad():
@@ -900,15 +947,7 @@ def fused_adafactor_step(
             factors, steps = _adafactor_factors(
                 b, idx, us, ps, lr, fused.threshold, fused.min_scale
             )
-            foreach.mul_(us, factors)
-            if fused.weight_decay:
-                ks = range(len(idx)) if keep is None else _kept(keep, idx)
-                _add_decay(
-                    [us[k] for k in ks],
-                    [ps[k] for k in ks],
-                    [steps[k] for k in ks],
-                    fused.weight_decay,
-                )
+            tail(us, ps, factors, steps, idx)
             for i, u in small:
                 apply(i, u)
     new_tail = ScaleByScheduleState(tail_state.count + 1) if callable(fused.rho) else tail_state
@@ -1094,6 +1133,7 @@ def adafactor(
             weight_decay,
             rho,
             transform_spec(txs[-1]).keep_of,
+            E.spec_of_transform(txs[-1]),
         )
         attach_spec(tx.update, fused=fused)  # (ft.step)
         return tx

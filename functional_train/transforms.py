@@ -20,6 +20,7 @@ from .autograd import not_differentiable
 from .base import EmptyState, GradientTransformation, check_state, declare, elementwise_transform
 from .combine import mask_of
 from .engine import elementwise as E
+from .engine import native
 from .engine.view import prepare
 from .hyperparams import is_injected, value_of
 from .quantization import ScaleByAdam8bitState
@@ -37,6 +38,7 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByAmsgradState",
     "scale_by_trust_ratio",
+    "stateless_elementwise",
 ]
 
 Schedule = Callable[[torch.Tensor], Any]
@@ -76,16 +78,38 @@ def _axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
     return torch.add(x, y, alpha=alpha)
 
 
-def _stateless(name: str, leaf, scalars: Callable, *, needs_params=False, static=None):
+def stateless_elementwise(
+    name: str,
+    leaf,
+    scalars: Callable,
+    *,
+    needs_params: bool = False,
+    static=None,
+    reduces: bool = False,
+    leaf_scalars: tuple = (),
+) -> GradientTransformation:
     """An elementwise transform with an :class:`EmptyState`: ``leaf`` its per-leaf math,
-    ``scalars()`` its scalars at this update."""
+    ``scalars(b)`` its scalars at this update from the prepared view ``b`` (the updates as
+    they reach it where ``reduces``; per-leaf ones, lists over ``b.active``, at the positions
+    ``leaf_scalars``); the other arguments are
+    :class:`~functional_train.engine.elementwise.Elementwise`'s."""
 
     def prologue(state, b):
         check_state(state, EmptyState, name)
-        return scalars(), _empty
+        if needs_params and b.params is None:
+            raise ValueError(f"{name}: needs params (update(..., params))")
+        return scalars(b), _empty
 
     spec = E.Elementwise(
-        name, leaf, prologue, E.no_fields, 0, needs_params=needs_params, static=static
+        name,
+        leaf,
+        prologue,
+        E.no_fields,
+        0,
+        needs_params=needs_params,
+        static=static,
+        reduces=reduces,
+        leaf_scalars=leaf_scalars,
     )
     return elementwise_transform(spec, _empty_init)
 
@@ -107,7 +131,7 @@ def scale(step_size: float) -> GradientTransformation:
         """``u * step_size``."""
         return u * h[0], ()
 
-    return _stateless("scale", leaf, lambda: (step_size,))
+    return stateless_elementwise("scale", leaf, lambda b: (step_size,))
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -142,7 +166,7 @@ def scale_by_learning_rate(
 
     if not callable(lr):
         step = sign * lr
-        return _stateless("scale_by_learning_rate", leaf, lambda: (step,))
+        return stateless_elementwise("scale_by_learning_rate", leaf, lambda b: (step,))
 
     def init_fn(params):
         return ScaleByScheduleState(zero_count(params))
@@ -185,11 +209,11 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
             return u, ()
         return _axpy(u, p.to(u.dtype), h[0]), ()
 
-    def scalars():
+    def scalars(b):
         return (value_of(wd_arg),)
 
     if mask is None:
-        return _stateless(where, leaf, scalars, needs_params=True)
+        return stateless_elementwise(where, leaf, scalars, needs_params=True)
     keep_of = mask_of(mask, where)
 
     def init_fn(params):
@@ -198,7 +222,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
 
     def prologue(state, b):
         check_state(state, EmptyState, where)
-        return scalars(), _empty
+        return scalars(b), _empty
 
     spec = E.Elementwise(where, leaf, prologue, E.no_fields, 0, needs_params=True, static=keep_of)
     tx = elementwise_transform(spec, init_fn)
@@ -603,6 +627,14 @@ def scale_by_trust_ratio(
     count once): the local sums of squares of every leaf's parameter and update are completed
     by ONE all-reduce per update, whatever the number of leaves. Needs ``params``. No state.
 
+    The norms are accumulated and the ratios computed in float64 (CPU float32 / float64
+    leaves: the native kernels of the gradient clip's norm; others: ``torch._foreach_norm``
+    with ``dtype=torch.float64``), so that a tiny update's norm does not underflow to 0 (1e-30
+    gradients have the float32 norm 0, ratio 1). The elementwise part, ``u * ratio``, fuses
+    with what follows it (the learning rate, ``apply_updates``): each leaf's ratio is a
+    per-leaf scalar of that pass (``Elementwise.leaf_scalars``), read once per leaf, so
+    ``lamb`` is two passes over the leaves with the norms between them.
+
     Raises:
         ValueError: negative ``min_norm`` / ``eps``, ``trust_coefficient <= 0``; at update,
             ``params`` missing.
@@ -614,26 +646,36 @@ def scale_by_trust_ratio(
     )
     eps = V.number("eps", eps, where=where, low=0.0)
 
-    def trust(b):
+    def ratios(b):
         act = b.active
+        if not act:
+            return ([],)
         g = _active_locals(b)
         p = [b.params[i] for i in act]
-        sq = [
-            n.to(torch.promote_types(n.dtype, torch.float32)).square()
-            for n in foreach.norm(p + g, 2)
-        ]
-        totals = b.leaf_totals(list(zip(act + act, sq)))
-        ratios: list = [None] * len(act)
         n = len(act)
-        kinds = [torch.promote_types(totals[k].dtype, totals[n + k].dtype) for k in range(n)]
-        for dtype in dict.fromkeys(kinds):  # per dtype: a leaf's ratio sees no other dtype
-            ks = [k for k in range(n) if kinds[k] == dtype]
-            pn = torch.stack([totals[k].to(dtype) for k in ks]).sqrt().clamp(min=min_norm)
-            un = torch.stack([totals[n + k].to(dtype) for k in ks]).sqrt().clamp(min=min_norm)
-            ratio = trust_coefficient * pn / (un + eps)
-            ratio = torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
-            for k, r in zip(ks, ratio.unbind()):
-                ratios[k] = r
-        return [x * r.to(x.dtype) for x, r in zip(g, ratios)]
 
-    return stateless(where, trust, need_params=True)
+        def ratio_of(pn, un):
+            pn, un = pn.clamp(min=min_norm), un.clamp(min=min_norm)
+            ratio = trust_coefficient * pn / (un + eps)
+            return torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
+
+        # float64 sums of squares: the native kernels (compiled: zeros where not needed at
+        # all, see Prepared.needed), else torch's norms accumulated in float64
+        xs = p + g
+        sums = native.local_sum_squares(xs, b.needed)
+        if sums is None:
+            if any(x.is_complex() for x in xs):
+                norms = [x.double() for x in foreach.norm(xs, 2)]
+            else:
+                norms = foreach.norm(xs, 2, dtype=torch.float64)
+            sums = torch.stack(norms).square()
+        totals = b.leaf_totals_vector(act + act, sums).sqrt()
+        return (list(ratio_of(totals[:n], totals[n:]).unbind()),)
+
+    def leaf(u, p, s, h, key):
+        """``u * ratio``, the leaf's own ratio (a 0-dim float64 tensor) in ``u``'s dtype."""
+        return u * h[0].to(u.dtype), ()
+
+    return stateless_elementwise(
+        where, leaf, ratios, needs_params=True, reduces=True, leaf_scalars=(0,)
+    )

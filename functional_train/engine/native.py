@@ -32,7 +32,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ENABLED", "available", "build_library", "sum_squares", "sum_squares_op"]
+from ..autograd import traced
+
+__all__ = [
+    "ENABLED",
+    "available",
+    "build_library",
+    "sum_squares",
+    "sum_squares_op",
+    "local_sum_squares",
+]
 
 ENABLED = os.environ.get("FT_NATIVE_KERNELS", "1") != "0"
 _VERSION = 6
@@ -219,3 +228,19 @@ def sum_squares_op(xs: list[torch.Tensor], needed: torch.Tensor | None = None) -
 @sum_squares_op.register_fake
 def _(xs, needed=None):
     return torch.empty(len(xs), dtype=torch.float64)
+
+
+def local_sum_squares(xs: list, needed: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The sums of squares of ``xs`` (local leaves; a float64 vector, one per tensor) by the
+    native kernels wherever they run: eagerly :func:`sum_squares`, under ``torch.compile``
+    :func:`sum_squares_op` (opaque: the eager numbers; ``needed`` as there). ``None`` where
+    they do not: under a ``torch.func`` transform or autograd recording (wrappers without
+    storage), or for leaves that are not CPU float32 / float64 (the caller then takes
+    ``torch._foreach_norm``). The gradient clip's 2-norm and the trust ratio's norms."""
+    if traced():
+        return None
+    if not torch.compiler.is_compiling():
+        return sum_squares(xs)
+    if ENABLED and xs and all(x.is_cpu and x.dtype in _DTYPES for x in xs):
+        return sum_squares_op(xs, needed)
+    return None
