@@ -837,8 +837,11 @@ def _adafactor_factors(
     return [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, u)], steps
 
 
-def _decays(steps: Sequence, weight_decay) -> list:
-    """Per leaf, the weight decay's factor ``step * weight_decay`` (HF's ``-alpha_t wd``)."""
+def _decays(steps: Sequence, weight_decay) -> Sequence:
+    """Per leaf, the weight decay's factor ``step * weight_decay`` (HF's ``-alpha_t wd``;
+    ``steps`` themselves, unread, without decay)."""
+    if not V.nonzero(weight_decay):
+        return steps
     return [a * weight_decay for a in steps]
 
 
@@ -894,12 +897,6 @@ def fused_adafactor_step(
     small: list = []  # (i, u) of small leaves, finished together at the end
     keep = fused.mask(params) if fused.mask is not None else None
 
-    def apply(i, u):
-        if donate:
-            b.params[i].add_(u)
-        else:
-            torch.add(b.params[i], u, out=new_p[i])
-
     def finish(i, u):
         if u.numel() * u.element_size() < MIN_MEAN_BYTES:  # few ops for all of them at once
             small.append((i, u.clone()))  # (u may be a scratch view)
@@ -912,20 +909,27 @@ def fused_adafactor_step(
         if fused.min_scale is not None:
             step = neg_lr * rms[1].clamp_min_(fused.min_scale).to(torch.float64)
         factor = (step / den.to(torch.float64)).to(u.dtype)
-        tail([u], [p], [factor], [step], [i])
-        apply(i, u)
+        out = p if donate else new_p[i]
+        key = None if keep is None else bool(keep[i])
+        decay = _decays([step], fused.weight_decay)[0]
+        if run is None or not run((u, p, factor, decay), (out,), key):
+            tail([u], [p], [factor], [step], [i])
 
-    def tail(us, ps, factors, steps, idx):  # the tail's own leaf function, in place
+    def tail(us, ps, factors, steps, idx):
+        # the tail's own leaf function and apply_updates, in one pass (ft.step's last stage)
         E.apply_part(
             fused.tail,
             us,
             (),
             (factors, _decays(steps, fused.weight_decay)),
-            out=[us],
+            out=[ps if donate else [new_p[i] for i in idx]],
             params=ps,
             keys=None if keep is None else [bool(keep[i]) for i in idx],
+            apply=True,
         )
 
+    # (the tail and apply_updates on one leaf: its leaf function's kernel, called directly)
+    run = E.leaf_runner(fused.tail, (), apply=True)
     scratch = of_plan(b.plan, "scratch", Scratch)
     with torch.no_grad():
         _, new_fac = factored_rms(
@@ -948,8 +952,6 @@ def fused_adafactor_step(
                 b, idx, us, ps, lr, fused.threshold, fused.min_scale
             )
             tail(us, ps, factors, steps, idx)
-            for i, u in small:
-                apply(i, u)
     new_tail = ScaleByScheduleState(tail_state.count + 1) if callable(fused.rho) else tail_state
     return per_leaf_result(params, pl, treedef, new_p, (new_fac, new_tail), donate)
 

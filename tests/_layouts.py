@@ -172,6 +172,7 @@ def check_fused_step(
     taken_at=None,
     param_rounding: bool = False,
     op_by_op: bool = False,
+    engine_reference: bool = False,
 ) -> None:
     """``ft.step`` through the fused per-leaf path ``functional_train.step.<fused_name>`` equals
     the chain's update + apply_updates bit for bit, pure (inputs unchanged) and donated, over
@@ -187,7 +188,12 @@ def check_fused_step(
 
     ``op_by_op``: the reference runs the chain's definitions operation by operation in torch
     (no generated kernels: they compute half-precision leaves in float and round once, where a
-    fused path that runs torch's operations rounds each)."""
+    fused path that runs torch's operations rounds each).
+
+    ``engine_reference``: the reference is the chain's own ``ft.step`` through the engine (the
+    per-leaf path turned off), for a per-leaf path that runs the chain's last stage and
+    ``apply_updates`` in one kernel as the engine does (with half-precision leaves, one
+    rounding of ``p + u`` where update + apply_updates rounds ``u`` first)."""
     step_module = sys.modules["functional_train.step"]
     taken = []
     real = getattr(step_module, fused_name)
@@ -219,8 +225,12 @@ def check_fused_step(
         with monkeypatch.context() as m:
             if op_by_op:
                 m.setattr(fuse, "ENABLED", False)
-            u, s_ref = tx.update(g, s_ref, p_ref)
-        p_ref = ft.apply_updates(p_ref, u)
+            if engine_reference:
+                m.setattr(step_module, fused_name, lambda *a: None)
+                p_ref, s_ref = ft.step(tx, g, s_ref, p_ref)
+            else:
+                u, s_ref = tx.update(g, s_ref, p_ref)
+                p_ref = ft.apply_updates(p_ref, u)
         before = [x.clone() for x in optree.tree_leaves((p_pure, s_pure, g))]
         old = (p_pure, s_pure, g)
         p_pure, s_pure = ft.step(tx, g, s_pure, p_pure)

@@ -925,6 +925,16 @@ def _uniform(ins: list, keys: list):
     contiguous CPU tensors without autograd, one dtype per list, one key), else ``None``:
     whole-list checks in C loops (this runs for every stage of every step)."""
     k0 = keys[0]
+    if len(keys) == 1:  # (one leaf: per-leaf steps call this once per leaf)
+        dtypes = []
+        for lst in ins:
+            x = lst[0]
+            if type(x) is not torch.Tensor or not x.is_cpu or x.requires_grad:
+                return None
+            if not x.is_contiguous():
+                return None
+            dtypes.append(x.dtype)
+        return tuple(dtypes)
     if keys.count(k0) != len(keys) if k0 is None else any(k != k0 for k in keys):
         return None
     dtypes = []
@@ -1048,27 +1058,31 @@ def apply_part(
     *,
     params: Sequence | None = None,
     keys: Sequence | None = None,
+    apply: bool = False,
 ):
     """``part`` on the leaves ``u`` (a list of updates) and ``fields`` (per state field, a list
     of leaves), ``scalars`` as its prologue gives them (a per-leaf one, at a position of
     ``part.leaf_scalars``: a list over ``u``), through the kernels the engine runs for it: the
-    results ``[u, *fields]`` (lists). ``out``: per result, a list of buffers to write into
-    (``None`` entries: fresh; a buffer may be the input it replaces), or ``None``. ``params``:
-    the parameters of ``u`` (a part that ``needs_params``); ``keys``: the leaves' static keys
-    (``None``: ``None`` each). For algorithms that run a primitive's math inside their own
-    update (8-bit Adam between its dequantisation and requantisation, per-leaf steps that
-    finish each leaf in cache)."""
-    stage = _stage_of((part,), False)
+    results ``[u, *fields]`` (lists); with ``apply``, ``[params + u, *fields]`` (the part and
+    ``apply_updates`` in one pass, as the last stage of ``ft.step``). ``out``: per result, a
+    list of buffers to write into (``None`` entries: fresh; a buffer may be the input it
+    replaces: the parameters' for ``apply``), or ``None``. ``params``: the parameters of ``u``
+    (a part that ``needs_params``, or ``apply``); ``keys``: the leaves' static keys (``None``:
+    ``None`` each). For algorithms that run a primitive's math inside their own update (8-bit
+    Adam between its dequantisation and requantisation, per-leaf steps that finish each leaf
+    in cache)."""
+    stage = _stage_of((part,), apply)
     n = len(u)
     per_leaf = [list(scalars[i]) for i in part.leaf_scalars]
     scalars = [x for i, x in enumerate(scalars) if i not in part.leaf_scalars]
     fields = [list(f) for f in fields]
     take = None
-    apply = None
+    mode = None
+    first = params if apply else u
     if out is not None and all(
-        b is x for bufs, ins in zip(out, [u, *fields]) for b, x in zip(bufs, ins)
+        b is x for bufs, ins in zip(out, [first, *fields]) for b, x in zip(bufs, ins)
     ):
-        apply = "donate"  # every result over its input, as a donated step writes them
+        mode = "donate"  # every result over its input, as a donated step writes them
     elif out is not None:
 
         def take(kind, like):
@@ -1082,15 +1096,16 @@ def apply_part(
                 for b, x in zip(bufs, like)
             ]
 
+    p = list(params) if params is not None and stage.params else None
     res = _execute(
         stage,
         (len(scalars),),
         list(u),
-        list(params) if params is not None and part.needs_params else None,
+        p,
         fields + per_leaf,
         scalars,
         [None] * n if keys is None else [(k,) for k in keys],
-        apply,
+        mode,
         take,
     )
     if out is None:
@@ -1105,6 +1120,54 @@ def apply_part(
             row.append(x)
         final.append(row)
     return final
+
+
+def leaf_runner(part: Elementwise, scalars: Sequence, *, apply: bool = False) -> Callable | None:
+    """For a per-leaf step that finishes each leaf in cache: ``run(ins, dst, key=None) ->
+    bool``, ``part`` (then ``apply_updates`` with ``apply``) on ONE leaf through its stage's
+    generated kernel, as :func:`apply_part` runs it, without the per-call work of the general
+    path (about 30 us a call): ``ins`` the leaf's inputs in the stage's order (the update, the
+    parameter where the stage reads it, the fields, the per-leaf scalars: 0-dim tensors),
+    ``dst`` a buffer per result (the new parameter or update, the new fields; a buffer may be
+    its input), ``scalars`` the part's shared scalars, fixed for the runner. ``run`` returns
+    ``False`` without doing anything where the kernel cannot take the leaf (a tensor that is
+    not a plain contiguous CPU tensor, a dtype the generator does not write, a result of
+    another dtype or shape): the caller then runs :func:`apply_part`. ``None`` where no kernel
+    runs here at all (autograd recording, ``torch.compile``, a ``torch.func`` transform, the
+    kernels off, a scalar the kernels cannot read)."""
+    if not fuse.ENABLED or _recording():
+        return None
+    sc = fuse.scalar_pointers(scalars)
+    if sc is None:
+        return None
+    stage = _stage_of((part,), apply)
+    counts = (len(scalars),)
+    kernels: dict = {}
+
+    def run(ins: Sequence, dst: Sequence, key=None) -> bool:
+        for x in (*ins, *dst):
+            if type(x) is not torch.Tensor or not x.is_cpu or x.requires_grad:
+                return False
+            if not x.is_contiguous():
+                return False
+        sig = (key, tuple(x.dtype for x in ins))
+        kernel = kernels.get(sig, _NO_KERNEL)
+        if kernel is _NO_KERNEL:
+            fn = _function(stage, counts, None if key is None else (key,))
+            kernel = kernels[sig] = fuse.kernel_for(fn, sig[1], sc[1], stage.n_per_leaf)
+        shape = ins[0].shape
+        if kernel is None or any(
+            d.dtype != t or d.shape != shape for d, t in zip(dst, kernel.out_dtypes)
+        ):
+            return False
+        fresh = not any(d is x for d in dst for x in ins)
+        kernel([[x] for x in ins], [[d] for d in dst], sc[0], fresh=fresh)
+        return True
+
+    return run
+
+
+_NO_KERNEL = object()
 
 
 def context_key(name: str) -> str:

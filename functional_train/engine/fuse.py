@@ -578,10 +578,14 @@ class Kernel:
         caches do not hold does; a step this small stays in the caches, where they are)."""
         n = len(inputs[0])
         roles = list(inputs) + list(outputs)
-        ptrs = array.array("q", [0]) * (n * len(roles))
-        for r, lst in enumerate(roles):
-            ptrs[r :: len(roles)] = array.array("q", map(torch.Tensor.data_ptr, lst))
-        numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
+        if n == 1:  # (per-leaf steps: a call per leaf)
+            ptrs = array.array("q", [lst[0].data_ptr() for lst in roles])
+            numel = array.array("q", [inputs[0][0].numel()])
+        else:
+            ptrs = array.array("q", [0]) * (n * len(roles))
+            for r, lst in enumerate(roles):
+                ptrs[r :: len(roles)] = array.array("q", map(torch.Tensor.data_ptr, lst))
+            numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
         stream = fresh and sum(numel) * sum(d.itemsize for d in self.out_dtypes) >= STREAM_MIN_BYTES
         self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0], stream)
 
