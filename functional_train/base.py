@@ -146,7 +146,7 @@ def _check_txs(txs, where: str) -> None:
             )
 
 
-def _run_sequence(txs, states, updates, params, mesh, extra):
+def run_sequence(txs, states, updates, params, mesh, extra):
     """Run ``txs`` in sequence on local shards: the first transform that accepts a view gets the
     prepared view (unreduced gradients reduced once, local shards taken once), which travels
     from primitive to primitive; DTensors are rebuilt once, for what the caller receives, or
@@ -222,7 +222,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise ValueError(
                 f"chain: expected a tuple of {len(transforms)} states from chain.init, got {got}"
             )
-        updates, new_states = _run_sequence(transforms, state, updates, params, mesh, extra)
+        updates, new_states = run_sequence(transforms, state, updates, params, mesh, extra)
         return updates, tuple(new_states)
 
     attach_spec(
@@ -331,7 +331,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         if not isinstance(state, dict) or list(state) != names:
             got = list(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"named_chain: expected a state dict with keys {names}, got {got}")
-        updates, new_states = _run_sequence(
+        updates, new_states = run_sequence(
             txs, [state[n] for n in names], updates, params, mesh, extra
         )
         return updates, dict(zip(names, new_states))

@@ -40,7 +40,7 @@ from torch.utils import _pytree
 
 from . import aliasing
 from .autograd import is_differentiable, requires_grad_like
-from .base import GradientTransformation, accepts_view
+from .base import GradientTransformation, accepts_view, run_sequence
 from .came import FusedCame, fused_came_step
 from .clipping import ClipByGlobalNormState, global_norm_of, global_norm_start
 from .engine import elementwise as E
@@ -506,6 +506,86 @@ def _run_spec(fus, grads, state, params, mesh, donate):
     """A fusable transform's step: its stages, the last one ending with ``p + u`` (in place
     with ``donate``, else into fresh buffers from the plan's pool)."""
     b = prepare(grads, params, mesh, need_params=True, name="step", view=True)
+    return _run_spec_on(fus, b, state, params, donate)
+
+
+def _fusable_suffix(tx, state, donate):
+    """``(parts, states, rebuild, k, Fusable)`` for a ``chain`` (nested chains taken apart:
+    ``parts`` and their ``states`` in order, ``rebuild(new states) -> the chain's state``)
+    whose transforms from the ``k``-th on (``0 < k``) are elementwise while the one before is
+    not (Adafactor's factored statistics, a user's ``tree_map`` transform, Newton-Schulz):
+    ``ft.step`` runs the first ``k`` by their updates and the rest as fused stages, the last
+    one ending with ``p + u``, as for a chain that is elementwise throughout. ``None``
+    otherwise, and for a donated step whose suffix is more than one stage (an intermediate
+    stage writes over its input updates, which a transform before it may share with its
+    state)."""
+    flat = _chain_parts(tx, state)
+    if flat is None:
+        return None
+    parts, states, rebuild = flat
+    k = len(parts)
+    while k > 0 and E.fusable_of(parts[k - 1]) is not None:
+        k -= 1
+    if k == 0 or k == len(parts):
+        return None
+    fus = E.chained([E.fusable_of(t) for t in parts[k:]])
+    if donate and any(part.reduces for part in fus.parts[1:]):
+        return None
+    return parts, states, rebuild, k, fus
+
+
+def _chain_parts(tx, state):
+    """``(parts, states, rebuild)`` of a ``chain`` and its state, nested chains taken apart;
+    ``None`` for anything else (a state that is not the chain's: its update then raises)."""
+    parts = transform_spec(tx).parts
+    if (
+        not parts
+        or not isinstance(state, tuple)
+        or hasattr(state, "_fields")
+        or len(state) != len(parts)
+    ):
+        return None
+    flat: list = []
+    states: list = []
+    shape: list = []
+    for t, s in zip(parts, state):
+        inner = _chain_parts(t, s)
+        if inner is None:
+            flat.append(t)
+            states.append(s)
+            shape.append(None)
+        else:
+            flat.extend(inner[0])
+            states.extend(inner[1])
+            shape.append((len(inner[0]), inner[2]))
+
+    def rebuild(new: list) -> tuple:
+        out, i = [], 0
+        for sh in shape:
+            if sh is None:
+                out.append(new[i])
+                i += 1
+            else:
+                out.append(sh[1](new[i : i + sh[0]]))
+                i += sh[0]
+        return tuple(out)
+
+    return flat, states, rebuild
+
+
+def _run_suffix(parts, states, rebuild, k, fus, grads, params, mesh, donate, extra):
+    """:func:`_fusable_suffix`'s step: the chain's first ``k`` transforms as ``chain`` runs
+    them (on the step's prepared view), then ``fus`` with ``apply_updates``."""
+    b = prepare(grads, params, mesh, need_params=True, name="step", view=True)
+    updates, pre = run_sequence(parts[:k], states[:k], b, params, b.mesh, extra)
+    if not isinstance(updates, Prepared):  # (a foreign transform's tree)
+        updates = prepare(updates, params, b.mesh, need_params=True, name="step", view=True)
+    new_params, post = _run_spec_on(fus, updates, tuple(states[k:]), params, donate)
+    return new_params, rebuild([*pre, *post])
+
+
+def _run_spec_on(fus, b, state, params, donate):
+    """:func:`_run_spec` on the prepared view ``b`` (its parameters ``params``)."""
     # (the view's detached locals: plain tensors, where nn.Parameter leaves would keep the
     # generated kernels from taking them; in place, they write the parameters' memory)
     p_loc = [b.params[i] for i in b.active]
@@ -729,6 +809,9 @@ def _step(tx, grads, state, params, mesh, donate, extra):
         out = _run_fused(tx, *prog, grads, state, params, mesh, donate)
         if out is not None:
             return out
+    suffix = None if is_differentiable() else _fusable_suffix(tx, state, donate)
+    if suffix is not None:
+        return _run_suffix(*suffix, grads, params, mesh, donate, extra)
     if accepts_view(tx):
         b = prepare(grads, params, mesh, name="step", view=True)
         updates, new_state = tx.update(b, state, params, mesh=b.mesh, **extra)

@@ -12,6 +12,8 @@ torch's own fused and foreach AdamW, on this problem, differ by up to 3e-6 of th
 change after 4 steps.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -266,6 +268,39 @@ def test_a_foreign_transform_breaks_the_pass_and_composes(monkeypatch):
         ft.chain(ft.scale_by_adam(), ft.scale(2.0), ft.scale(-1e-2)), params, grads, "pure"
     )
     _close(got, want, params, torch.float64)
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_the_elementwise_run_after_a_foreign_transform_ends_the_step(mode, monkeypatch):
+    """``ft.step`` of ``chain(foreign, adamw)`` (``adamw`` itself a chain: taken apart) runs the
+    optax-style transform by its update, then AdamW and ``apply_updates`` as ONE kernel call
+    (no separate ``p + u``), pure and donated: bit for bit update + apply_updates for float64,
+    the state nested as the chain's."""
+    import optree
+
+    def foreign():
+        def update(updates, state, params=None, **kw):
+            return optree.tree_map(lambda u: u * 2.0, updates), state
+
+        return ft.GradientTransformation(lambda params: ft.EmptyState(), update)
+
+    params, grads = _problem(torch.float64)
+    tx = ft.chain(foreign(), ft.adamw(1e-2, weight_decay=0.1))
+    want, want_state = _run(tx, params, grads, "update")
+    step_module = sys.modules["functional_train.step"]
+
+    def no_separate_add(*a, **k):
+        raise AssertionError("p + u ran apart from the elementwise pass")
+
+    monkeypatch.setattr(step_module, "_apply", no_separate_add)
+    seen = kernel_calls(monkeypatch)
+    got, got_state = _run(tx, params, grads, mode)
+    assert len(seen) == STEPS
+    for k in params:
+        assert torch.equal(got[k], want[k]), k
+    assert optree.tree_structure(got_state) == optree.tree_structure(want_state)
+    for x, y in zip(optree.tree_leaves(got_state), optree.tree_leaves(want_state)):
+        assert torch.equal(x, y)
 
 
 def test_elementwise_bad_input():
