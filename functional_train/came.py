@@ -22,13 +22,12 @@ import torch
 
 from . import _validate as V
 from . import foreach
-from . import leaves as L
 from .base import EmptyState, GradientTransformation, chain, check_state, declare
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import per_leaf_result, per_leaf_view, prepare
 from .factored import (
     ScaleByFactoredRmsState,
-    block_rms,
+    clip_denominators,
     factored_ema,
     factored_rms,
     is_factored,
@@ -40,7 +39,7 @@ from .factored import (
     state_leaves,
     zeros_reduced,
 )
-from .hyperparams import injectable, is_injected, value_of
+from .hyperparams import injectable, is_injected
 from .spec import attach_spec, transform_spec
 from .transforms import (
     ScalarOrSchedule,
@@ -197,8 +196,7 @@ def scale_by_came(
             for i, m in zip(act, m_old)
         ]
         # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves
-        den = L.div(block_rms(b, u, act), value_of(clip_threshold))
-        foreach.clamp_min_(den, 1.0)
+        den = clip_denominators(b, u, clip_threshold)
         u = [x / d.to(x.dtype) for x, d in zip(u, den)]
         # 3. momentum (as came_pytorch: m * b1 + (1 - b1) * u)
         m_new = foreach.mul(m_old, b1)

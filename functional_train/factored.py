@@ -566,14 +566,15 @@ def clip_by_block_rms(threshold: float = 1.0) -> GradientTransformation:
     def dens(b):
         if not b.active:
             return ([],)
-        return (_clip_dens(b, [b.locals[i] for i in b.active], threshold),)
+        return (clip_denominators(b, [b.locals[i] for i in b.active], threshold),)
 
     return stateless_elementwise(where, _clip_leaf, dens, reduces=True, leaf_scalars=(0,))
 
 
-def _clip_dens(b: Prepared, rms_or_locals: list, threshold, *, rms: bool = False) -> list:
-    """Per leaf ``max(1, RMS(u) / threshold)`` (0-dim), from the updates' locals (or from
-    their RMS with ``rms=True``)."""
+def clip_denominators(b: Prepared, rms_or_locals: list, threshold, *, rms: bool = False) -> list:
+    """Per active leaf of ``b``, :func:`clip_by_block_rms`' ``max(1, RMS(u) / threshold)``
+    (0-dim tensors), from the updates' locals (one ``leaf_totals`` all-reduce for their RMS),
+    or from their RMS with ``rms=True`` (CAME's update clipping too)."""
     vals = rms_or_locals if rms else block_rms(b, rms_or_locals, b.active)
     den = L.div(vals, value_of(threshold))
     foreach.clamp_min_(den, 1.0)
@@ -636,7 +637,7 @@ def _clip_and_scale_by_param_rms(threshold: float, min_scale: float) -> Gradient
         rms = block_rms(b, [b.locals[i] for i in act] + [b.params[i] for i in act], act + act)
         scale = rms[n:]
         foreach.clamp_min_(scale, min_scale)
-        return (_clip_dens(b, rms[:n], threshold, rms=True), scale)
+        return (clip_denominators(b, rms[:n], threshold, rms=True), scale)
 
     def leaf(u, p, s, h, key):
         u, _ = _clip_leaf(u, p, s, h[:1], key)
@@ -837,11 +838,9 @@ def _adafactor_factors(
     return [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, u)], steps
 
 
-def _decays(steps: Sequence, weight_decay) -> Sequence:
+def _decays(steps: Sequence, weight_decay) -> list:
     """Per leaf, the weight decay's factor ``step * weight_decay`` (HF's ``-alpha_t wd``;
-    ``steps`` themselves, unread, without decay)."""
-    if not V.nonzero(weight_decay):
-        return steps
+    computed even for a zero ``weight_decay``: an injected one makes the tail decay)."""
     return [a * weight_decay for a in steps]
 
 

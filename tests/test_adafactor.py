@@ -570,6 +570,26 @@ def test_step_fused_path_equals_the_chain(kw, dtype, monkeypatch):
         check_fused_step(lambda: _alias(kw), dtype, monkeypatch, "fused_adafactor_step")
 
 
+@pytest.mark.parametrize("per_leaf", [True, False])
+def test_injected_zero_weight_decay_decays_by_zero(per_leaf, monkeypatch):
+    """Under ``inject_hyperparams`` (what TorchOptimizer builds) a zero weight decay is
+    injected too: the tail then decays by ``0 * p`` (its factor computed, not skipped: the
+    chain once handed the tail the unscaled step, ``p * step`` added to every update), through
+    the per-leaf path and through the engine alike: the plain alias's numbers."""
+    if not per_leaf:
+        monkeypatch.setattr(_STEP, "fused_adafactor_step", lambda *a: None)
+    params, grads = _values({"w": (40, 30), "b": (30,), "m": (300, 70)}, 3, torch.float32)
+    injected = ft.inject_hyperparams(adafactor)(1e-2, relative_step=False, weight_decay=0.0)
+    plain = adafactor(1e-2, relative_step=False)
+    got, want = params, params
+    s_got, s_want = injected.init(params), plain.init(params)
+    for g in grads:
+        got, s_got = ft.step(injected, g, s_got, got)
+        want, s_want = ft.step(plain, g, s_want, want)
+    for k in params:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_step_fused_path_after_a_clip(dtype, monkeypatch):
     """``chain(clip_by_global_norm, adafactor())`` (the main job's chain) takes it too."""
