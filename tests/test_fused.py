@@ -571,7 +571,8 @@ def test_compiled_half_precision_step_is_the_eager_one(dtype):
     ``apply_if_finite`` are the eager step bit for bit, parameters and states (the stages are
     the eager kernels; the clip's norm, ``_foreach_norm`` traced for inductor, agrees here).
     A compiled ``multi_steps`` is not: its cycle's last micro-step ends an ulp of the half
-    dtype apart in some parameters (README, Known limitations)."""
+    dtype apart in some parameters (half-precision gradients into float32 accumulators take
+    its general path, whose accumulation inductor compiles)."""
     import optree
 
     params, grads = _problem(dtype)
