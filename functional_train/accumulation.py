@@ -170,7 +170,8 @@ def multi_steps(
             if fus is not None:  # the accumulation and the inner transform fused
                 b = prepare(updates, params, mesh, name="multi_steps", view=True)
                 new_updates, new_state = E.run(fus, b, state, params)
-                return new_updates.tree(), new_state
+                g, treedef = tree_flatten(updates)
+                return _in_dtypes_of(new_updates.tree(), treedef, g), new_state
         skip_state = state.skip_state
         if should_skip_update_fn is not None:
             skip, skip_state = should_skip_update_fn(
@@ -263,17 +264,7 @@ def multi_steps(
         new_updates, inner_state, _ = call_reduced(
             inner, tree_unflatten(treedef, grads), state.inner_state, params, mesh, extra
         )
-        # the inner transform saw the accumulator's dtype (float32 for bfloat16 gradients):
-        # return updates in the gradients' dtypes, as the non-final micro-steps do
-        out = flatten_as(new_updates, treedef, "multi_steps' inner updates", "the updates")
-        if any(o is not None and x is not None and o.dtype != x.dtype for o, x in zip(out, g)):
-            new_updates = tree_unflatten(
-                treedef,
-                [
-                    o if o is None or x is None or o.dtype == x.dtype else o.to(x.dtype)
-                    for o, x in zip(out, g)
-                ],
-            )
+        new_updates = _in_dtypes_of(new_updates, treedef, g)
         return new_updates, MultiStepsState(
             torch.zeros_like(state.mini_step),
             state.gradient_step + 1,
@@ -461,12 +452,12 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         if mesh is not None and not _reduced(treedef, g, pl, mesh):
             return None  # (unreduced gradients: accumulated as they are, reduced once)
         if compiling:  # (no host read: every leaf alike, the cycle's position a tensor)
-            return traced_variant if _alike(g, acc) else None
+            return traced_variant if _alike(g, acc, params, treedef) else None
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
         seen = list(map(int, state.seen))
         final = int(state.mini_step) + 1 >= every_k
-        if len(set(seen)) == 1 and _alike(g, acc):  # the common case, by whole-list checks
+        if len(set(seen)) == 1 and _alike(g, acc, params, treedef):  # the common case
             return variants[(final, not seen[0])]
         fresh = None
         for i, (x, a) in enumerate(zip(g, acc)):
@@ -495,24 +486,50 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
     return E.Switch(choose)
 
 
-def _alike(g: list, acc: list) -> bool:
-    """Every gradient a plain tensor (or every one a DTensor) of its accumulator's floating
-    dtype, shape (and layout), by whole-list checks (leaf by leaf under ``torch.compile``:
-    dynamo does not trace ``attrgetter``)."""
+def _in_dtypes_of(updates: Any, treedef: Any, g: list) -> Any:
+    """``updates`` in the gradients' (``g``, flat) dtypes: the inner transform saw the
+    accumulators' (float32 for bfloat16 gradients); every micro-step returns updates in the
+    gradients' dtypes."""
+    out = flatten_as(updates, treedef, "multi_steps' inner updates", "the updates")
+    if not any(o is not None and x is not None and o.dtype != x.dtype for o, x in zip(out, g)):
+        return updates
+    return tree_unflatten(
+        treedef,
+        [
+            o if o is None or x is None or o.dtype == x.dtype else o.to(x.dtype)
+            for o, x in zip(out, g)
+        ],
+    )
+
+
+def _alike(g: list, acc: list, params: Any = None, treedef: Any = None) -> bool:
+    """Every gradient a plain tensor (or every one a DTensor) of a floating dtype and of its
+    accumulator's shape (and layout), by whole-list checks (leaf by leaf under
+    ``torch.compile``: dynamo does not trace ``attrgetter``). Its dtype is its accumulator's,
+    or (bfloat16 gradients into float32 accumulators) its parameter's: ``ft.step`` then
+    rounds the update to it in ``p + u.to(p.dtype)``, as the general path returns updates in
+    the gradients' dtypes (``params``, ``treedef``: the parameters and the gradients' treedef;
+    without them the dtypes must be the accumulators')."""
     kinds = {type(x) for x in g}
     if len(kinds) != 1 or not kinds <= {torch.Tensor, DTensor} or {type(a) for a in acc} != kinds:
         return False
     if torch.compiler.is_compiling():
         same = all(
-            x.dtype == a.dtype and x.shape == a.shape and x.dtype.is_floating_point
+            x.shape == a.shape and x.dtype.is_floating_point and a.dtype.is_floating_point
             for x, a in zip(g, acc)
         )
     else:
-        same = (
-            list(map(_DTYPE, g)) == list(map(_DTYPE, acc))
-            and all(d.is_floating_point for d in set(map(_DTYPE, g)))
-            and list(map(_SHAPE, g)) == list(map(_SHAPE, acc))
-        )
+        same = all(d.is_floating_point for d in {*map(_DTYPE, g), *map(_DTYPE, acc)}) and list(
+            map(_SHAPE, g)
+        ) == list(map(_SHAPE, acc))
+    if same and [x.dtype for x in g] != [a.dtype for a in acc]:
+        if params is None:
+            return False
+        try:
+            pl = flatten_as(params, treedef, "params", "the updates")
+        except ValueError:
+            return False
+        same = all(x.dtype == a.dtype or x.dtype == p.dtype for x, a, p in zip(g, acc, pl))
     return same and (
         kinds == {torch.Tensor} or all(map(same_layout, map(spec_of, g), map(spec_of, acc)))
     )

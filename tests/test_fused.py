@@ -88,6 +88,10 @@ CHAINS = {
         ft.scale_by_learning_rate(1e-2),
     ),
     "adafactor_tail": lambda: ft.adafactor(weight_decay=0.1, mask=ft.decay_mask),
+    # (half-precision gradients into float32 accumulators: fused too)
+    "multi_steps": lambda: ft.multi_steps(
+        ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1)), every_k=2
+    ),
     "block_rms": lambda: ft.chain(
         ft.scale_by_adam(), ft.clip_by_block_rms(0.5), ft.scale_by_param_block_rms(), ft.scale(-0.1)
     ),
@@ -567,18 +571,19 @@ def test_compiled_lamb_runs_the_stage_operator(donate):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_half_precision_step_is_the_eager_one(dtype):
-    """With half-precision leaves too a compiled ``chain(clip, adamw)`` and its
-    ``apply_if_finite`` are the eager step bit for bit, parameters and states (the stages are
-    the eager kernels; the clip's norm, ``_foreach_norm`` traced for inductor, agrees here).
-    A compiled ``multi_steps`` is not: its cycle's last micro-step ends an ulp of the half
-    dtype apart in some parameters (half-precision gradients into float32 accumulators take
-    its general path, whose accumulation inductor compiles)."""
+    """With half-precision leaves too a compiled ``chain(clip, adamw)``, its
+    ``apply_if_finite`` and its ``multi_steps`` are the eager step bit for bit, parameters and
+    states (the stages are the eager kernels; the clip's norm, ``_foreach_norm`` traced for
+    inductor, agrees here). ``multi_steps`` adds half-precision gradients into its float32
+    accumulators in its fused form (its general path, compiled by inductor, ended a cycle an
+    ulp of the half dtype apart)."""
     import optree
 
     params, grads = _problem(dtype)
     for tx in (
         ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)),
         ft.apply_if_finite(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 3),
+        ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), every_k=2),
     ):
         torch._dynamo.reset()
         step = torch.compile(lambda g, s, p, tx=tx: ft.step(tx, g, s, p), fullgraph=True)
@@ -589,3 +594,36 @@ def test_compiled_half_precision_step_is_the_eager_one(dtype):
             pc, sc = step(g, sc, pc)
         for x, y in zip(optree.tree_leaves((pe, se)), optree.tree_leaves((pc, sc))):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_multi_steps_is_fused_and_exact(dtype, mode, monkeypatch):
+    """``multi_steps`` over half-precision gradients with its default float32 accumulators
+    takes its fused form: a non-final micro-step is ONE kernel call (``acc + g.float()``),
+    and over two cycles the parameters, updates' dtypes and states are its general path's bit
+    for bit (the mean and the inner transform in float32, the update rounded to the
+    gradient's dtype once, as the general path returns it)."""
+    import optree
+
+    acc_mod = sys.modules["functional_train.accumulation"]
+    params, grads = _problem(dtype)
+
+    def tx():
+        return ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), every_k=2)
+
+    seen = kernel_calls(monkeypatch)
+    t = tx()
+    state = t.init(params)
+    assert ft.tree.tree_flatten(state.acc_grads)[0][0].dtype == torch.float32
+    step_by_mode(t, {k: v.clone() for k, v in grads[0].items()}, state, params, mode)
+    assert len(seen) == 1  # the accumulation only
+    got, got_state = _run(tx(), params, grads, mode)
+    with monkeypatch.context() as m:
+        m.setattr(acc_mod, "_alike", lambda *a: False)  # the general path
+        want, want_state = _run(tx(), params, grads, mode)
+    for k in params:
+        assert got[k].dtype == dtype
+        assert torch.equal(got[k], want[k]), k
+    for x, y in zip(optree.tree_leaves(got_state), optree.tree_leaves(want_state)):
+        assert torch.equal(x, y)

@@ -1022,8 +1022,13 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
     cols = [[lst[j] for j in idx] for lst in ins]
     n_out = len(outs)
     if apply == "donate":
-        res = [cols[dst[r]] for r in range(n_out)]
-        if any(t[0].dtype != d for t, d in zip(res, kernel.out_dtypes)):
+        # each result over its input; one of another dtype (a stage whose updates widen:
+        # bfloat16 gradients into float32 sums) into fresh buffers
+        res = [
+            cols[dst[r]] if cols[dst[r]][0].dtype == d else [_fresh_as(x, d) for x in cols[0]]
+            for r, d in enumerate(kernel.out_dtypes)
+        ]
+        if any(x.dtype != d for t, d in zip(res, kernel.out_dtypes) for x in t):
             return False
     else:
         res = []
@@ -1047,6 +1052,10 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
 
 def _fresh(like):
     return torch.empty(like.shape, dtype=like.dtype)
+
+
+def _fresh_as(like, dtype):
+    return torch.empty(like.shape, dtype=dtype)
 
 
 def apply_part(
