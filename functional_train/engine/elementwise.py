@@ -291,6 +291,12 @@ class _Stage:
         return f
 
 
+def _split_scalars(part: Elementwise, scalars) -> tuple[list, list]:
+    """A part's scalars as its prologue gives them: ``(shared, per-leaf lists)``."""
+    at = part.leaf_scalars
+    return [x for i, x in enumerate(scalars) if i not in at], [list(scalars[i]) for i in at]
+
+
 def _merged(scalars: tuple, per_leaf: tuple, positions: tuple) -> tuple:
     """A part's scalars with its per-leaf ones (this leaf's) back at their ``positions``."""
     shared, own = iter(scalars), iter(per_leaf)
@@ -375,8 +381,8 @@ def run(
             else:
                 sc, finishes[k] = part.prologue(states[k], view)
             if part.leaf_scalars:  # (inputs of the stage, after its fields)
-                per_leaf.extend(list(sc[i]) for i in part.leaf_scalars)
-                sc = [x for i, x in enumerate(sc) if i not in part.leaf_scalars]
+                sc, own = _split_scalars(part, sc)
+                per_leaf.extend(own)
             scalars.extend(sc)
             counts.append(len(sc))
             trees_of[k] = part.fields(states[k])
@@ -1025,7 +1031,7 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
         # each result over its input; one of another dtype (a stage whose updates widen:
         # bfloat16 gradients into float32 sums) into fresh buffers
         res = [
-            cols[dst[r]] if cols[dst[r]][0].dtype == d else [_fresh_as(x, d) for x in cols[0]]
+            cols[dst[r]] if cols[dst[r]][0].dtype == d else [_fresh(x, d) for x in cols[0]]
             for r, d in enumerate(kernel.out_dtypes)
         ]
         if any(x.dtype != d for t, d in zip(res, kernel.out_dtypes) for x in t):
@@ -1050,12 +1056,8 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
     return True
 
 
-def _fresh(like):
-    return torch.empty(like.shape, dtype=like.dtype)
-
-
-def _fresh_as(like, dtype):
-    return torch.empty(like.shape, dtype=dtype)
+def _fresh(like, dtype=None):
+    return torch.empty(like.shape, dtype=like.dtype if dtype is None else dtype)
 
 
 def apply_part(
@@ -1082,8 +1084,7 @@ def apply_part(
     in cache)."""
     stage = _stage_of((part,), apply)
     n = len(u)
-    per_leaf = [list(scalars[i]) for i in part.leaf_scalars]
-    scalars = [x for i, x in enumerate(scalars) if i not in part.leaf_scalars]
+    scalars, per_leaf = _split_scalars(part, scalars)
     fields = [list(f) for f in fields]
     take = None
     mode = None
@@ -1154,11 +1155,9 @@ def leaf_runner(part: Elementwise, scalars: Sequence, *, apply: bool = False) ->
     kernels: dict = {}
 
     def run(ins: Sequence, dst: Sequence, key=None) -> bool:
-        for x in (*ins, *dst):
-            if type(x) is not torch.Tensor or not x.is_cpu or x.requires_grad:
-                return False
-            if not x.is_contiguous():
-                return False
+        # (plain contiguous CPU tensors without autograd, as a kernel call takes them)
+        if _uniform([[x] for x in (*ins, *dst)], [None]) is None:
+            return False
         sig = (key, tuple(x.dtype for x in ins))
         kernel = kernels.get(sig, _NO_KERNEL)
         if kernel is _NO_KERNEL:
