@@ -78,7 +78,8 @@ Systems per row:
   (f) compiled   with --compile: torch.compile(lambda g, s, p: ft.step(tx, g, s, p),
                  fullgraph=True), pure, run second in each round (before the eager ft.step, as
                  in bench_engine); its ratio to (d), the eager step of its kind, and its warm-up
-                 units (the first one compiles) are printed below the table;
+                 units (the first one compiles) and the number of graphs inductor compiled
+                 for it over all rounds (1: no recompile) are printed below the table;
   (g) compiled   with --compile: the same with donate=True, after (f); its ratio to (c) and
       donated    its warm-up units below the table. torch._dynamo.reset() before each row;
                  ``--cold-cache`` gives the process an empty inductor cache (a temporary
@@ -409,13 +410,20 @@ def ft_systems(row, tx, params0, grads, device, mesh=None, compiled=False):
         FtLoop("(e) eager tx.update + apply_updates", eager, tx, params0, grads, device, k),
     ]
     if compiled:
+        from torch._dynamo.testing import CompileCounterWithBackend
+
         torch._dynamo.reset()  # each row compiles its own step from scratch
-        fn = torch.compile(lambda g, s, p: ft.step(tx, g, s, p), fullgraph=True)
-        fd = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=True), fullgraph=True)
+        # (inductor, counting the graphs it is handed: one per system is no recompile)
+        cp, cd = CompileCounterWithBackend("inductor"), CompileCounterWithBackend("inductor")
+        fn = torch.compile(lambda g, s, p: ft.step(tx, g, s, p), backend=cp, fullgraph=True)
+        fd = torch.compile(
+            lambda g, s, p: ft.step(tx, g, s, p, donate=True), backend=cd, fullgraph=True
+        )
         systems[:0] = [
             FtLoop(COMPILED_PURE, fn, tx, params0, grads, device, k),
             FtLoop(COMPILED_DONATED, fd, tx, params0, grads, device, k),
         ]
+        systems[0].compiles, systems[1].compiles = cp, cd
     return systems
 
 
@@ -511,7 +519,7 @@ def checks(systems, ref, same_math, reduce_max=None):
     return out
 
 
-def row_table(title, times, faults, mem, diffs, base, torch_name, warm):
+def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiles):
     lines = [
         title,
         f"  {'system':<37s} {'ms/unit':>7s} {'min ms':>7s} {'x base':>6s} {'x torch':>7s} "
@@ -542,7 +550,8 @@ def row_table(title, times, faults, mem, diffs, base, torch_name, warm):
             first = ", ".join(f"{t:.2f} s" for t in warm.get(name, ()))
             lines.append(
                 f"  {name[:3]} x {eager[:3]} (compiled x eager of its kind): {ratio:.2f}; "
-                f"warm-up units (the first compiles): {first}"
+                f"warm-up units (the first compiles): {first}; graphs compiled: "
+                f"{compiles.get(name, '?')}"
             )
     if failed:
         lines.append(f"  FAILED: {', '.join(failed)} disagree with the torch code")
@@ -642,6 +651,7 @@ def part_a(args, rows):
             base.name,
             ref.name,
             warm,
+            {s.name: s.compiles.frame_count for s in fts if hasattr(s, "compiles")},
         )
         print(text, flush=True)
         ok &= good
@@ -704,6 +714,7 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
         diffs,
         ref.name,
         ref.name,
+        {},
         {},
     )
     log(text, flush=True)

@@ -385,10 +385,14 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         def finish(trees):
             zero, one = torch.zeros_like(state.mini_step), torch.ones_like(state.mini_step)
             # (an active leaf's flag: 0 after the cycle's last micro-step, else 1, computed once;
-            # a flag of its own per leaf: three graph operations per leaf took inductor ~3 s)
+            # a flag of its own per leaf: three graph operations per leaf took inductor ~3 s.
+            # Each flag a view of one buffer: inductor merges copies of one value into one
+            # output, the flags would come back as one tensor, and dynamo, guarding against
+            # duplicate inputs, would compile the next call again)
             cleared = torch.where(final, zero, one)
+            fresh = iter(cleared.repeat(len(active)).unbind())
             seen = tuple(
-                (cleared.clone() if f.dtype == cleared.dtype else cleared.to(f.dtype))
+                next(fresh).to(f.dtype)
                 if i in active
                 else torch.where(final, torch.zeros_like(f), f)
                 for i, f in enumerate(state.seen)
