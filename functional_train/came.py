@@ -21,8 +21,9 @@ import optree
 import torch
 
 from . import _validate as V
-from . import foreach
-from .base import EmptyState, GradientTransformation, chain, check_state, declare
+from .autograd import traced
+from .base import GradientTransformation, chain, check_state, declare
+from .engine import elementwise as E
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import per_leaf_result, per_leaf_view, prepare
 from .factored import (
@@ -40,11 +41,11 @@ from .factored import (
     zeros_reduced,
 )
 from .hyperparams import injectable, is_injected
-from .spec import attach_spec, transform_spec
+from .spec import attach_spec
 from .transforms import (
     ScalarOrSchedule,
-    ScaleByScheduleState,
     add_decayed_weights,
+    axpy,
     scale_by_learning_rate,
 )
 from .tree import state_dtype, state_zeros_like, tree_paths
@@ -76,6 +77,42 @@ class ScaleByCameState(NamedTuple):
     exp_avg: Any
     res_row: Any
     res_col: Any
+
+
+def _momentum_leaf(u, p, s, h, key):
+    """CAME's update clipping and momentum on one leaf, :func:`scale_by_came`'s definition:
+    ``x = u / den`` (the leaf's ``den = max(1, RMS(u) / clip_threshold)``) and
+    ``m <- b1 m + (1 - b1) x``, in the momentum's dtype. The update: ``m`` in ``u``'s dtype, or
+    for a factored leaf (``key`` True) the residual ``(x - m)^2 + eps2`` whose row and column
+    means are the confidence statistics."""
+    b1, eps2, den = h
+    (m,) = s
+    dt = m.dtype
+    x = u.to(dt) / den.to(dt)
+    # (scalars as 0-dim float64 tensors, as a compiled stage passes them, in m's dtype: they
+    # would promote a 0-dim leaf; 1 - b1 rounded once, as the Python float is)
+    m = axpy(m * (b1.to(dt) if isinstance(b1, torch.Tensor) else b1), x, 1.0 - b1)
+    if key:
+        return squared(x - m) + (eps2.to(dt) if isinstance(eps2, torch.Tensor) else eps2), (m,)
+    return m.to(u.dtype), (m,)
+
+
+def _run_by_scale_by_came(state, b):
+    raise TypeError("scale_by_came's momentum part runs inside its update (apply_part)")
+
+
+# (b1, eps2, den): den per leaf; run through the engine's kernels by scale_by_came's update and
+# by ft.step's per-leaf step (fused_came_step), so that both compute it once, the same way
+_MOMENTUM = E.Elementwise(
+    "scale_by_came", _momentum_leaf, _run_by_scale_by_came, E.no_fields, 1, leaf_scalars=(2,)
+)
+
+
+def _confident(f: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A factored leaf's update ``m`` scaled by its confidence factor ``f`` (a fresh buffer,
+    written in place except when traced: autograd may have saved it), in ``dtype``."""
+    m = m.to(f.dtype)
+    return (f * m if traced() else f.mul_(m)).to(dtype)
 
 
 def _pair_or_triple(name: str, value: Any, n: int, where: str) -> tuple:
@@ -191,37 +228,29 @@ def scale_by_came(
             )
         act = b.active
         m_old = [m_all[i] for i in act]
-        u = [
-            b.locals[i] if b.locals[i].dtype == m.dtype else b.locals[i].to(m.dtype)
-            for i, m in zip(act, m_old)
-        ]
-        # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves
-        den = clip_denominators(b, u, clip_threshold)
-        u = [x / d.to(x.dtype) for x, d in zip(u, den)]
-        # 3. momentum (as came_pytorch: m * b1 + (1 - b1) * u)
-        m_new = foreach.mul(m_old, b1)
-        foreach.add_(m_new, u, alpha=1.0 - b1)
+        g = [b.locals[i] for i in act]
+        # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves (u in m's dtype)
+        den = clip_denominators(
+            b,
+            [x if x.dtype == m.dtype else x.to(m.dtype) for x, m in zip(g, m_old)],
+            clip_threshold,
+        )
+        # 3. the clip and the momentum (as came_pytorch: m * b1 + (1 - b1) * u), and the
+        # factored leaves' residuals, in one pass (the update of a 1-D / 0-D leaf: m)
+        first, m_new = E.apply_part(
+            _MOMENTUM, g, (m_old,), (b1, eps2, den), keys=[i in fset for i in act]
+        )
         pos = {i: k for k, i in enumerate(act)}
         out: list = [None] * len(b.locals)
-        for i, m in zip(act, m_new):  # 1-D / 0-D leaves: a copy of m (never the state itself)
-            out[i] = m.to(b.locals[i].dtype, copy=True)
+        for i, x in zip(act, first):
+            out[i] = x
         # 4. confidence statistics of the factored leaves: one batched leaf_sums
-        dts = {i: row_loc[i].dtype for i in fac}
-        items = (
-            (
-                i,
-                squared(u[pos[i]].to(dts[i]) - m_new[pos[i]].to(dts[i])).add_(eps2),
-                row_loc[i],
-                col_loc[i],
-            )
-            for i in fac
-        )
+        items = ((i, first[pos[i]].to(row_loc[i].dtype), row_loc[i], col_loc[i]) for i in fac)
         beta3 = torch.full((), b3, dtype=torch.float64, device=state.count.device)
         new_row, new_col = {}, {}
         for i, (r, c, f) in zip(fac, factored_ema(b, items, beta3)):
             new_row[i], new_col[i] = r, c
-            m = m_new[pos[i]]
-            out[i] = f.mul_(m.to(f.dtype)).to(b.locals[i].dtype)
+            out[i] = _confident(f, m_new[pos[i]], b.locals[i].dtype)
         new_state = ScaleByCameState(
             s.count,
             s.v_row,
@@ -279,14 +308,13 @@ def came(
     tx = chain(*txs)
     betas = _pair_or_triple("betas", betas, 3, where)
     eps = _pair_or_triple("eps", eps, 2, where)
+    tail = tuple(E.spec_of_transform(t) for t in txs[1:])
+    assert all(isinstance(x, E.Elementwise) for x in tail)
     fused = FusedCame(
         *(float(x) for x in betas),
         *(float(x) for x in eps),
         clip_threshold if is_injected(clip_threshold) else float(clip_threshold),
-        weight_decay,
-        learning_rate,
-        transform_spec(txs[1]).keep_of if (V.nonzero(weight_decay) and mask is not None) else None,
-        len(txs),
+        tail,
     )
     attach_spec(tx.update, fused=fused)  # (ft.step)
     return tx
@@ -303,10 +331,9 @@ class FusedCame:
     eps1: float
     eps2: float
     clip_threshold: float
-    weight_decay: float
-    learning_rate: Any
-    mask: Any = None  # params -> [bool per leaf]: the leaves decayed (None: all)
-    parts: int = 2  # transforms in the chain (3 with the decay: its value may be an injected 0)
+    # the chain's transforms after scale_by_came (the weight decay where there is one, the
+    # learning rate): their elementwise parts, run with apply_updates per leaf
+    tail: tuple
 
     @property
     def min_mean_bytes(self) -> int:
@@ -320,18 +347,18 @@ def fused_came_step(
 ) -> tuple | None:
     """``ft.step`` of ``came`` when no leaf needs communication (plain tensors, one process):
     each leaf is finished while it is in cache -- second moment, RMS clip, momentum,
-    confidence statistics, decay and learning rate, added to its parameter (in place with
-    ``donate``) -- before the next is read, as ``came_pytorch``'s per-parameter loop does, with
-    the chain's numbers op for op. Returns ``None`` where the general path must run (see
+    confidence statistics, then the chain's tail (decay, learning rate) and ``apply_updates``
+    (in place with ``donate``) -- before the next is read, as ``came_pytorch``'s per-parameter
+    loop does. It runs the chain's definitions: the factored statistics' helpers, the
+    momentum part (:func:`_momentum_leaf`) and the tail's parts through the engine's kernels,
+    one leaf at a time, so the numbers are the chain's ``ft.step``'s bit for bit. Returns
+    ``None`` where the general path must run (see
     :func:`functional_train.factored.fused_adafactor_step`; also when the leaves average under
     ``engine.pool.MIN_MEAN_BYTES``, 64 KiB, where the chain's batched operations are faster)."""
-    lr_state = state[-1] if isinstance(state, tuple) and state else None
-    schedule = callable(fused.learning_rate)
     if not (
         isinstance(state, tuple)
-        and len(state) == fused.parts
+        and len(state) == 1 + len(fused.tail)
         and isinstance(state[0], ScaleByCameState)
-        and isinstance(lr_state, ScaleByScheduleState if schedule else EmptyState)
     ):
         return None
     s = state[0]
@@ -339,6 +366,12 @@ def fused_came_step(
     if view is None:
         return None
     b, pl, treedef = view
+    try:  # the tail's scalars (and its new states), as the chain's step computes them
+        prologues = [part.prologue(x, b) for part, x in zip(fused.tail, state[1:])]
+    except ValueError:  # (a state that is not this chain's: the chain raises)
+        return None
+    tail_scalars = [sc for sc, _ in prologues]
+    statics = [None if part.static is None else part.static(params) for part in fused.tail]
     act = b.active
     where = "scale_by_came"
     m_all = b.state_locals(s.exp_avg, "ScaleByCameState.exp_avg")
@@ -352,10 +385,6 @@ def fused_came_step(
     }
     row_leaves, row_loc = state_leaves(b, s.res_row, f"{where}: res_row", e_row, fac)
     col_leaves, col_loc = state_leaves(b, s.res_col, f"{where}: res_col", e_col, fac)
-    if schedule:  # scale_by_learning_rate's numbers
-        step = torch.as_tensor(fused.learning_rate(lr_state.count), dtype=torch.float64) * -1.0
-    else:
-        step = -1.0 * fused.learning_rate
     beta3 = torch.full((), fused.b3, dtype=torch.float64, device=s.count.device)
     new_p = {}
     if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
@@ -363,37 +392,58 @@ def fused_came_step(
         new_p = dict(zip(act, pool.take("params", [b.params[i] for i in act])))
     scratch = of_plan(b.plan, "scratch", Scratch)
     scratch2 = of_plan(b.plan, "scratch2", Scratch)
+    scratch3 = of_plan(b.plan, "scratch3", Scratch)
     new_m, new_row, new_col = {}, {}, {}
     if not donate:
         new_m = dict(zip(act, pool.take("exp_avg", [m_all[i] for i in act])))
-    keep = fused.mask(params) if fused.mask is not None else None
+    # (the momentum part, the tail's parts and apply_updates: their kernels, called directly)
+    momentum = E.leaf_runner(_MOMENTUM, (fused.b1, fused.eps2))
+    finish_tail = E.leaf_runner(fused.tail, tail_scalars, apply=True)
+
+    def run(runner, part, scalars, ins, dst, key, apply=False):
+        if runner is None or not runner(ins, dst, key):
+            shared = scalars if apply else (*scalars, [ins[-1]])
+            fields = () if apply else ([ins[1]],)
+            E.apply_part(
+                part,
+                [ins[0]],
+                fields,
+                shared,
+                out=[[d] for d in dst],
+                params=[ins[1]] if apply else None,
+                keys=[key],
+                apply=apply,
+            )
 
     def finish(i, u):
         g, p, m_old = b.locals[i], b.params[i], m_all[i]
-        x = u if u.dtype == m_old.dtype else u.to(m_old.dtype)  # ours: changed in place
-        den = leaf_rms([x], x.numel())[0].div_(fused.clip_threshold).clamp_min_(1.0)
-        x.div_(den.to(x.dtype))
-        m = m_old.mul_(fused.b1) if donate else torch.mul(m_old, fused.b1, out=new_m[i])
-        m.add_(x, alpha=1.0 - fused.b1)
+        x = u if u.dtype == m_old.dtype else u.to(m_old.dtype)
+        den = clip_denominators(b, leaf_rms([x], x.numel()), fused.clip_threshold, rms=True)[0]
+        m = m_old if donate else new_m[i]
+        factored = i in fset
+        first = scratch3.view(0, u.shape, m_old.dtype if factored else u.dtype, u.device)
+        run(momentum, _MOMENTUM, (fused.b1, fused.eps2), (u, m_old, den), (first, m), factored)
         new_m[i] = m
-        if i in fset:
-            dt = row_loc[i].dtype
-            res = torch.sub(x.to(dt), m.to(dt), out=scratch2.view(0, x.shape, dt, x.device))
-            res = res.mul_(res).add_(fused.eps2)
+        if factored:
             ((r, c, f),) = factored_ema(
-                b, [(i, res, row_loc[i], col_loc[i])], beta3, scratch2, local=True
+                b,
+                [(i, first.to(row_loc[i].dtype), row_loc[i], col_loc[i])],
+                beta3,
+                scratch2,
+                local=True,
             )
             new_row[i], new_col[i] = r, c
-            out = f.mul_(m.to(f.dtype)).to(g.dtype)
-        else:
-            out = m.to(g.dtype, copy=True)
-        if fused.weight_decay and (keep is None or keep[i]):
-            out.add_(p if p.dtype == out.dtype else p.to(out.dtype), alpha=fused.weight_decay)
-        out.mul_(step.to(out.dtype) if schedule else step)
-        if donate:
-            p.add_(out)
-        else:
-            torch.add(p, out, out=new_p[i])
+            first = _confident(f, m, g.dtype)
+        key = tuple(None if k is None else bool(k[i]) for k in statics)
+        run(
+            finish_tail,
+            fused.tail,
+            tail_scalars,
+            (first, p),
+            (p if donate else new_p[i],),
+            key,
+            apply=True,
+        )
 
     with torch.no_grad():
         _, new_fac = factored_rms(
@@ -417,9 +467,5 @@ def fused_came_step(
         new_state_tree(b, row_leaves, new_row),
         new_state_tree(b, col_leaves, new_col),
     )
-    new_state = (
-        new_s,
-        *state[1:-1],
-        ScaleByScheduleState(lr_state.count + 1) if schedule else lr_state,
-    )
+    new_state = (new_s, *(done(()) for _, done in prologues))
     return per_leaf_result(params, pl, treedef, new_p, new_state, donate)

@@ -70,7 +70,7 @@ def _active_locals(b) -> list:
     return [b.locals[i] for i in b.active]
 
 
-def _axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
+def axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
     """``x + alpha * y`` rounded once (a fused multiply-add, as ATen's ``add(alpha=)``), for a
     float ``alpha`` or a 0-dim tensor one (in ``x``'s dtype)."""
     if isinstance(alpha, torch.Tensor):
@@ -207,7 +207,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
         passes through."""
         if key is False:
             return u, ()
-        return _axpy(u, p.to(u.dtype), h[0]), ()
+        return axpy(u, p.to(u.dtype), h[0]), ()
 
     def scalars(b):
         return (value_of(wd_arg),)
@@ -335,10 +335,10 @@ def trace(
         decay, undamped, first, on = h
         tr = s[0]
         g = u.to(tr.dtype)
-        new = _axpy(tr * decay, g, undamped)
+        new = axpy(tr * decay, g, undamped)
         if damped:  # (the first buffer is g: exact without this when not damped)
             new = torch.where(first != 0, g, new)
-        out = _axpy(g, new, decay) if nesterov else new
+        out = axpy(g, new, decay) if nesterov else new
         if injected:
             new = torch.where(on != 0, new, tr)
             out = torch.where(on != 0, out, g)

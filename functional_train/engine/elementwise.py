@@ -297,6 +297,24 @@ def _split_scalars(part: Elementwise, scalars) -> tuple[list, list]:
     return [x for i, x in enumerate(scalars) if i not in at], [list(scalars[i]) for i in at]
 
 
+def _parts_of(parts, scalars, keys=None) -> tuple:
+    """:func:`apply_part`'s and :func:`leaf_runner`'s arguments for one part (its scalars, a
+    key per leaf) or for consecutive parts (a scalars sequence per part, a tuple of keys per
+    leaf): ``(parts, shared scalars, counts, per-leaf scalar lists, keys as tuples)``."""
+    if isinstance(parts, Elementwise):
+        parts, scalars = (parts,), (scalars,)
+        keys = None if keys is None else [(k,) for k in keys]
+    shared: list = []
+    counts: list = []
+    per_leaf: list = []
+    for part, sc in zip(parts, scalars, strict=True):
+        mine, own = _split_scalars(part, sc)
+        shared.extend(mine)
+        counts.append(len(mine))
+        per_leaf.extend(own)
+    return tuple(parts), shared, tuple(counts), per_leaf, keys
+
+
 def _merged(scalars: tuple, per_leaf: tuple, positions: tuple) -> tuple:
     """A part's scalars with its per-leaf ones (this leaf's) back at their ``positions``."""
     shared, own = iter(scalars), iter(per_leaf)
@@ -660,13 +678,20 @@ def _stage_op(
 
     with torch.no_grad():
         outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, kinds)
+    # (an operator's result may be neither an input nor another result: a leaf function's
+    # update that is its new state, as trace's, run in torch, is copied)
     seen = {id(x) for x in flat if x is not None}
-    # (an absent state leaf's result: a 0-element placeholder, the operator returns tensors)
-    return [
-        torch.empty(0) if x is None else x.clone() if id(x) in seen else x
-        for lst in outs
-        for x in lst
-    ]
+    results = []
+    for lst in outs:
+        for x in lst:
+            if x is None:  # (an absent state leaf's: a 0-element placeholder)
+                results.append(torch.empty(0))
+            elif id(x) in seen:
+                results.append(x.clone())
+            else:
+                seen.add(id(x))
+                results.append(x)
+    return results
 
 
 _op_pool = Pool()
@@ -1061,7 +1086,7 @@ def _fresh(like, dtype=None):
 
 
 def apply_part(
-    part: Elementwise,
+    part: Elementwise | tuple,
     u: list,
     fields: Sequence,
     scalars: Sequence,
@@ -1079,12 +1104,13 @@ def apply_part(
     list of buffers to write into (``None`` entries: fresh; a buffer may be the input it
     replaces: the parameters' for ``apply``), or ``None``. ``params``: the parameters of ``u``
     (a part that ``needs_params``, or ``apply``); ``keys``: the leaves' static keys (``None``:
-    ``None`` each). For algorithms that run a primitive's math inside their own update (8-bit
-    Adam between its dequantisation and requantisation, per-leaf steps that finish each leaf
-    in cache)."""
-    stage = _stage_of((part,), apply)
+    ``None`` each). ``part`` may be a tuple of consecutive parts, one stage: ``scalars`` then
+    holds each part's, ``fields`` theirs in order and ``keys`` a tuple per leaf. For
+    algorithms that run a primitive's math inside their own update (8-bit Adam between its
+    dequantisation and requantisation, per-leaf steps that finish each leaf in cache)."""
+    parts, scalars, counts, per_leaf, keys = _parts_of(part, scalars, keys)
+    stage = _stage_of(parts, apply)
     n = len(u)
-    scalars, per_leaf = _split_scalars(part, scalars)
     fields = [list(f) for f in fields]
     take = None
     mode = None
@@ -1109,12 +1135,12 @@ def apply_part(
     p = list(params) if params is not None and stage.params else None
     res = _execute(
         stage,
-        (len(scalars),),
+        counts,
         list(u),
         p,
         fields + per_leaf,
         scalars,
-        [None] * n if keys is None else [(k,) for k in keys],
+        [None] * n if keys is None else list(keys),
         mode,
         take,
     )
@@ -1132,14 +1158,18 @@ def apply_part(
     return final
 
 
-def leaf_runner(part: Elementwise, scalars: Sequence, *, apply: bool = False) -> Callable | None:
+def leaf_runner(
+    part: Elementwise | tuple, scalars: Sequence, *, apply: bool = False
+) -> Callable | None:
     """For a per-leaf step that finishes each leaf in cache: ``run(ins, dst, key=None) ->
     bool``, ``part`` (then ``apply_updates`` with ``apply``) on ONE leaf through its stage's
     generated kernel, as :func:`apply_part` runs it, without the per-call work of the general
     path (about 30 us a call): ``ins`` the leaf's inputs in the stage's order (the update, the
     parameter where the stage reads it, the fields, the per-leaf scalars: 0-dim tensors),
     ``dst`` a buffer per result (the new parameter or update, the new fields; a buffer may be
-    its input), ``scalars`` the part's shared scalars, fixed for the runner. ``run`` returns
+    its input), ``scalars`` the part's shared scalars, fixed for the runner (for a tuple of
+    consecutive parts, as :func:`apply_part` takes them: a sequence per part, ``key`` a tuple
+    over the parts). ``run`` returns
     ``False`` without doing anything where the kernel cannot take the leaf (a tensor that is
     not a plain contiguous CPU tensor, a dtype the generator does not write, a result of
     another dtype or shape): the caller then runs :func:`apply_part`. ``None`` where no kernel
@@ -1147,11 +1177,13 @@ def leaf_runner(part: Elementwise, scalars: Sequence, *, apply: bool = False) ->
     kernels off, a scalar the kernels cannot read)."""
     if not fuse.ENABLED or _recording():
         return None
-    sc = fuse.scalar_pointers(scalars)
+    one = isinstance(part, Elementwise)
+    parts, per_part = ((part,), (scalars,)) if isinstance(part, Elementwise) else (part, scalars)
+    counts = tuple(len(x) for x in per_part)
+    sc = fuse.scalar_pointers([x for mine in per_part for x in mine])
     if sc is None:
         return None
-    stage = _stage_of((part,), apply)
-    counts = (len(scalars),)
+    stage = _stage_of(parts, apply)
     kernels: dict = {}
 
     def run(ins: Sequence, dst: Sequence, key=None) -> bool:
@@ -1161,7 +1193,7 @@ def leaf_runner(part: Elementwise, scalars: Sequence, *, apply: bool = False) ->
         sig = (key, tuple(x.dtype for x in ins))
         kernel = kernels.get(sig, _NO_KERNEL)
         if kernel is _NO_KERNEL:
-            fn = _function(stage, counts, None if key is None else (key,))
+            fn = _function(stage, counts, None if key is None else (key,) if one else key)
             kernel = kernels[sig] = fuse.kernel_for(fn, sig[1], sc[1], stage.n_per_leaf)
         shape = ins[0].shape
         if kernel is None or any(
