@@ -40,9 +40,16 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
 from . import foreach
-from .autograd import host_value, not_differentiable, traced
-from .base import EmptyState, GradientTransformation, chain, check_state, declare
+from .autograd import host_value, not_differentiable
+from .base import (
+    GradientTransformation,
+    chain,
+    check_state,
+    declare,
+    elementwise_transform,
+)
 from .combine import PartitionState, leaf_values, partition
+from .engine import elementwise as E
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
 from .engine.view import Prepared, per_leaf_result, per_leaf_view, prepare
@@ -68,7 +75,7 @@ from .transforms import (
     reject_complex,
     scale_by_adam,
     scale_by_learning_rate,
-    stateless,
+    stateless_elementwise,
 )
 from .tree import (
     PyTree,
@@ -680,68 +687,40 @@ def _decay_after_update(
     ``learning_rate`` is a float or a schedule of the number of previous updates, as in
     :func:`~functional_train.scale_by_learning_rate` (put the two at the same place of a chain
     and they see the same learning rate). Needs params. State: ``EmptyState`` for a float,
-    :class:`~functional_train.ScaleByScheduleState` for a schedule.
+    :class:`~functional_train.ScaleByScheduleState` for a schedule. Elementwise: fuses with the
+    learning rate before it and ``apply_updates`` after it.
     """
     where = "galore_adamw weight decay"
-    scratch = Scratch()
 
-    def decay(us, ps, c):
-        ps = [p if p.dtype == u.dtype else p.to(u.dtype) for p, u in zip(ps, us)]
-        if (
-            not torch.compiler.is_compiling()
-            and not traced()
-            and all(type(u) is torch.Tensor for u in us)
-        ):
-            # the updates are scale_by_learning_rate's fresh outputs (this transform always
-            # follows it in galore_adamw's chains): each becomes u + (-c) (u + p) in place, the
-            # temporary u + p in a scratch buffer reused leaf after leaf (no leaf-sized
-            # allocation; the same numbers as below). Plain tensors only: not under
-            # torch.compile, nor for simulated ranks' tensors (LocalTensorMode)
-            neg = -c
-            for u, p in zip(us, ps):
-                t = torch.add(u, p, out=scratch.view(0, u.shape, u.dtype, u.device))
-                if isinstance(neg, torch.Tensor):
-                    t.mul_(neg.to(u.dtype))
-                else:  # (the foreach kernel: a Python scalar rounds otherwise than Tensor.mul_)
-                    foreach.mul_([t], neg)
-                u.add_(t)
-            return us
-        s = foreach.add(us, ps)
-        if isinstance(c, torch.Tensor):
-            s = [x * (-c).to(x.dtype) for x in s]
-        else:
-            foreach.mul_(s, -c)
-        foreach.add_(s, us)
-        return s
-
-    def decayed(b, c):
-        us = [b.locals[i] for i in b.active]
-        if not V.nonzero(c):  # (a weight decay injected as 0: as without it)
-            return us
-        return decay(us, [b.params[i] for i in b.active], c)
+    def leaf(u, p, s, h, key):
+        """``u + (u + p) * (-c)``, ``c = lr * weight_decay`` (``p`` in the update's dtype; a
+        scheduled ``c``, a tensor, in it too)."""
+        c = h[0]
+        neg = (-c).to(u.dtype) if isinstance(c, torch.Tensor) else -c
+        return u + (u + p.to(u.dtype)) * neg, ()
 
     if not callable(learning_rate):
         lr = float(learning_rate)
-        return stateless(where, lambda b: decayed(b, lr * value_of(weight_decay)), need_params=True)
+        return stateless_elementwise(
+            where, leaf, lambda b: (lr * value_of(weight_decay),), needs_params=True
+        )
 
     def init_fn(params):
         return ScaleByScheduleState(
             torch.zeros((), dtype=torch.int64, device=_first_device(params))
         )
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def prologue(state, b):
         check_state(state, ScaleByScheduleState, where)
-        b = prepare(updates, params, mesh, need_params=True, name=where)
-        wd = value_of(weight_decay)
-        c = (
-            torch.as_tensor(learning_rate(state.count), dtype=torch.float64) * wd
-            if V.nonzero(wd)
-            else 0.0
+        if b.params is None:
+            raise ValueError(f"{where}: needs params (update(..., params))")
+        c = torch.as_tensor(learning_rate(state.count), dtype=torch.float64) * value_of(
+            weight_decay
         )
-        out = decayed(b, c) if b.active else []
-        return b.rebuild_active(out), ScaleByScheduleState(state.count + 1)
+        return (c,), lambda trees: ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init_fn, declare(update_fn, view=True))
+    spec = E.Elementwise(where, leaf, prologue, E.no_fields, 0, needs_params=True)
+    return elementwise_transform(spec, init_fn)
 
 
 def _first_device(tree: PyTree) -> torch.device:
@@ -847,7 +826,8 @@ def galore_adamw(
     Collectives: those of :func:`galore` (Adam, the learning rate and the decay are local).
 
     ``ft.step`` runs it leaf by leaf between projector refreshes on plain tensors in one process
-    (:func:`fused_galore_step`): the same moments, the parameters to float rounding.
+    (:func:`fused_galore_step`), with the chain's definitions: the same moments, and float32
+    parameters bit for bit (half precision ones to the rounding of ``p + u``, done once).
 
     Raises:
         ValueError: out-of-range hyper-parameters (naming the argument); at update, a labels
@@ -889,14 +869,14 @@ def galore_adamw(
     galore_parts = transform_spec(transforms["galore"]).parts
     partitioned = transform_spec(tx).partition
     assert galore_parts is not None and partitioned is not None
+    tail = tuple(E.spec_of_transform(t) for t in galore_parts[1:])
+    assert all(isinstance(x, E.Elementwise) for x in tail)
     fused = FusedGaLore(
         galore_parts[0],
-        lr,
-        wd,
+        tail,
         update_proj_gap,
         partitioned.labels_of,
         {k: _skip_when_empty(t) for k, t in transforms.items() if k != "galore"},
-        len(galore_parts) == 3,
     )
     attach_spec(tx.update, fused=fused)
     return tx
@@ -905,17 +885,17 @@ def galore_adamw(
 @dataclasses.dataclass(frozen=True)
 class FusedGaLore:
     """What ``galore_adamw`` is, for ``ft.step``'s per-leaf path (the ``fused`` of its
-    partition's spec): the ``galore`` transform of the ``"galore"`` label, the learning rate
-    and weight decay of its tail, the projector refresh gap, the partition's labels and the
-    other labels' transforms."""
+    partition's spec): the ``galore`` transform of the ``"galore"`` label, the parts of its
+    tail, the projector refresh gap, the partition's labels and the other labels'
+    transforms."""
 
     galore: GradientTransformation
-    learning_rate: ScalarOrSchedule
-    weight_decay: float
+    # the label's transforms after galore (the learning rate, the decay where there is one):
+    # their elementwise parts, run with apply_updates per leaf
+    tail: tuple
     update_proj_gap: int
     labels_of: Callable
     others: dict
-    decayed: bool  # the chains have the decay transform (its value may be an injected 0)
 
     min_mean_bytes = MIN_MEAN_BYTES  # per-leaf Python work pays only on large leaves
 
@@ -927,30 +907,23 @@ def fused_galore_step(
     communication (plain tensors, one process, leaves averaging 64 KiB or more), leaf by leaf
     as galore-torch's per-parameter loop does: each ``"galore"`` leaf's gradient is projected,
     its Adam moments updated (in place with ``donate``, else into pooled buffers; the
-    operations of ``scale_by_adam`` on one leaf, so the moments are the chain's bit for bit)
-    and the result applied as ONE matrix product into the parameter,
-    ``p <- (1 - lr wd) p - lr scale (1 - lr wd) (P N)`` (BLAS ``addmm``, in place with
-    ``donate``), before the next leaf is read; galore-torch makes the same product and then
-    three passes over the leaf. The parameters equal the chain's to float rounding (the chain
-    rounds the scale, the learning rate and the decay separately); the other labels run their
-    chains. Returns ``None`` where the general path must run: a refresh step (the SVDs dominate
-    it), a mesh of more than one rank, DTensor, complex or small leaves, or a state that is not
-    this transform's (the chain then raises)."""
+    operations of ``scale_by_adam`` on one leaf, so the moments are the chain's bit for bit),
+    projected back into a scratch buffer, and the label's tail (learning rate, decay) and
+    ``apply_updates`` run on it in one kernel call (their parts' own, as the chain's
+    ``ft.step`` runs them: the parameters are the chain's bit for bit) before the next leaf is
+    read; the other labels run their chains. Returns ``None`` where the general path must run:
+    a refresh step (the SVDs dominate it), a mesh of more than one rank, DTensor, complex or
+    small leaves, or a state that is not this transform's (the chain then raises)."""
     if not (isinstance(state, PartitionState) and "galore" in state.inner_states):
         return None
     gst = state.inner_states["galore"]
     if not (
         isinstance(gst, tuple)
-        and len(gst) == 2 + fused.decayed
+        and len(gst) == 1 + len(fused.tail)
         and isinstance(gst[0], GaLoreState)
         and isinstance(gst[0].count, torch.Tensor)
         and int(gst[0].count) % fused.update_proj_gap != 0
     ):
-        return None
-    lr, wd = fused.learning_rate, fused.weight_decay
-    decayed = fused.decayed and wd != 0.0  # (an injected weight decay: a float here)
-    sched = callable(lr)
-    if not all(isinstance(x, ScaleByScheduleState if sched else EmptyState) for x in gst[1:]):
         return None
     view = per_leaf_view(grads, params, mesh, "galore_adamw", fused.min_mean_bytes)
     if view is None:
@@ -960,12 +933,11 @@ def fused_galore_step(
     mine = [i for i in b.active if labels[i] == "galore"]
     if not mine or set(state.inner_states) != {"galore", *fused.others}:
         return None
-    if sched:
-        step = torch.as_tensor(lr(gst[1].count), dtype=torch.float64) * -1.0
-        c = torch.as_tensor(lr(gst[2].count), dtype=torch.float64) * wd if decayed else None
-    else:
-        step, c = -float(lr), float(lr) * wd
-    neg = None if not decayed else -c
+    try:  # the tail's scalars (and its new states), as the chain's step computes them
+        prologues = [part.prologue(x, b) for part, x in zip(fused.tail, gst[1:])]
+    except ValueError:  # (a state that is not this chain's: the chain raises)
+        return None
+    tail_scalars = [sc for sc, _ in prologues]
     new_p: dict = {}
     if not donate:
         new_p = dict(
@@ -977,35 +949,26 @@ def fused_galore_step(
     scratch = of_plan(b.plan, "scratch", Scratch)
     g_leaves = [b.locals[i] if labels[i] == "galore" else None for i in range(len(pl))]
     p_leaves = [b.params[i] if labels[i] == "galore" else None for i in range(len(pl))]
+    # (the tail's parts and apply_updates: their kernel, called directly)
+    run = E.leaf_runner(fused.tail, tail_scalars, apply=True)
+    no_keys = (None,) * len(fused.tail)
 
-    def finish(i, u):  # scale_by_learning_rate, _decay_after_update, then the add
+    def finish(i, u):  # the label's tail and apply_updates, in one pass
         p = b.params[i]
         if isinstance(u, BackProjection):
-            if u.low.dtype == p.dtype and (not sched or step.device.type == "cpu"):
-                # p <- (1 - lr wd) (p - lr scale P N) as one matrix product (BLAS gemm:
-                # C <- beta C + alpha A B), galore-torch's three passes in one
-                keep = 1.0 - (float(c) if decayed else 0.0)
-                alpha = float(step) * u.scale * keep
-                if donate:
-                    p.addmm_(*u.factors(), beta=keep, alpha=alpha)
-                else:
-                    torch.addmm(p, *u.factors(), beta=keep, alpha=alpha, out=new_p[i])
-                return
             u = u.into(scratch.view(0, p.shape, u.low.dtype, u.low.device))
-        # (scale_by_learning_rate's out-of-place torch._foreach_mul rounds as Tensor.mul_ does;
-        # the in-place torch._foreach_mul_ rounds a Python scalar to bfloat16 first)
-        u.mul_(step.to(u.dtype) if sched else step)
-        if decayed:
-            t = torch.add(u, p, out=scratch.view(1, u.shape, u.dtype, u.device))
-            if sched:
-                t.mul_(neg.to(u.dtype))
-            else:
-                foreach.mul_([t], neg)
-            u.add_(t)
-        if donate:
-            p.add_(u)
-        else:
-            torch.add(p, u, out=new_p[i])
+        dst = p if donate else new_p[i]
+        if run is None or not run((u, p), (dst,), no_keys):
+            E.apply_part(
+                fused.tail,
+                [u],
+                (),
+                tail_scalars,
+                out=[[dst]],
+                params=[p],
+                keys=[no_keys],
+                apply=True,
+            )
 
     with torch.no_grad():
         pool = of_plan(b.plan, "pool", Pool)
@@ -1020,10 +983,7 @@ def fused_galore_step(
             (lambda kind, xs: xs) if donate else pool.take,
         )
         # the other labels: their chains, then one add per leaf
-        states = {
-            "galore": (new_galore,)
-            + tuple(ScaleByScheduleState(x.count + 1) if sched else x for x in gst[1:])
-        }
+        states = {"galore": (new_galore, *(done(()) for _, done in prologues))}
         upd: dict = {}
         for name, tx in fused.others.items():
             keep = [labels[i] == name for i in range(len(pl))]
