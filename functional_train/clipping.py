@@ -123,6 +123,13 @@ def global_norm(updates, *, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
     return global_norm_of(b, norm_type)
 
 
+def clip_factor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """:func:`clip_by_global_norm`'s factor ``min(1, max_norm / (total + 1e-6))`` for the
+    global norm ``total`` (a 0-dim tensor; the result has its dtype and device), as
+    ``torch.nn.utils.clip_grad_norm_`` computes it."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
 def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTransformation:
     """Scale the updates so that their global p-norm is at most ``max_norm``.
 
@@ -163,7 +170,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
                 f"clip_by_global_norm: expected a ClipByGlobalNormState, got {type(state).__name__}"
             )
         total = global_norm_of(b, norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_factor(total, max_norm)
         return (coef,), lambda trees: ClipByGlobalNormState(total.to(state.global_norm.dtype))
 
     def leaf(u, p, s, h, key):

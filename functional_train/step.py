@@ -42,7 +42,7 @@ from . import aliasing
 from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view, run_sequence
 from .came import FusedCame, fused_came_step
-from .clipping import ClipByGlobalNormState, global_norm_of, global_norm_start
+from .clipping import ClipByGlobalNormState, clip_factor, global_norm_of, global_norm_start
 from .engine import elementwise as E
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
@@ -110,11 +110,18 @@ def _program(tx: GradientTransformation):
         return None, fused
     parts = spec.parts
     if parts is not None and len(parts) == 2:
-        clip = transform_spec(parts[0]).clip
+        clip = _clip_of(parts[0])
         fused = transform_spec(parts[1]).fused
         if clip is not None and fused is not None:
             return clip, fused
     return None
+
+
+def _clip_of(tx) -> tuple | None:
+    """``(max_norm, norm_type, its elementwise part)`` of a ``clip_by_global_norm``, else
+    ``None``."""
+    clip = transform_spec(tx).clip
+    return None if clip is None else (*clip, E.spec_of_transform(tx))
 
 
 def _injected_after_clip(tx, grads, state, params, mesh, donate):
@@ -124,7 +131,7 @@ def _injected_after_clip(tx, grads, state, params, mesh, donate):
     parts = transform_spec(tx).parts
     if parts is None or len(parts) != 2:
         return None
-    clip = transform_spec(parts[0]).clip
+    clip = _clip_of(parts[0])
     injected = transform_spec(parts[1]).inject
     if (
         clip is None
@@ -342,7 +349,7 @@ class _ClipFactor:
     def get(self) -> torch.Tensor:
         if self.coef is None:
             self.total = self.finish()
-            self.coef = torch.clamp(self.max_norm / (self.total + 1e-6), max=1.0)
+            self.coef = clip_factor(self.total, self.max_norm)
         return self.coef
 
     def norm(self) -> torch.Tensor:
@@ -452,9 +459,9 @@ def _in_place(fused, groups, p, g, bufs, coef, lr, count):
 
 
 def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
-    """``chain(clip_by_global_norm, adafactor / came)`` through their per-leaf step: the clip's
-    numbers (one norm over every gradient, then ``g * coef`` into pooled buffers), then ``run``
-    on the clipped gradients; ``None`` (general path) where ``run`` does not apply."""
+    """``chain(clip_by_global_norm, adafactor / came)`` through their per-leaf step: the clip
+    (one norm over every gradient, then its part, ``g * coef``, into pooled buffers), then
+    ``run`` on the clipped gradients; ``None`` (general path) where ``run`` does not apply."""
     if not (
         isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], ClipByGlobalNormState)
     ):
@@ -464,19 +471,16 @@ def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
         return None
     b = view[0]
     g_tree, treedef = tree_flatten(grads)
-    max_norm, norm_type = clip
+    max_norm, norm_type, clip_part = clip
     total = global_norm_of(b, norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_factor(total, max_norm)
     pool = of_plan(b.plan, "pool", Pool)
     g = [b.locals[i] for i in b.active]
     leaves = list(g_tree)
-    with torch.no_grad():  # clip_by_global_norm's g * coef, in each gradient's dtype
-        for i, x, buf in zip(b.active, g, pool.take("clipped", g)):
-            leaves[i] = (
-                torch.mul(x, coef, out=buf)
-                if x.ndim or x.dtype == coef.dtype
-                else (x * coef).to(x.dtype)
-            )
+    with torch.no_grad():  # clip_by_global_norm's own part: g * coef, in each gradient's dtype
+        (clipped,) = E.apply_part(clip_part, g, (), (coef,), out=[pool.take("clipped", g)])
+        for i, x in zip(b.active, clipped):
+            leaves[i] = x
     out = run(fused, tree_unflatten(treedef, leaves), state[1], params, mesh, donate)
     if out is None:
         return None
