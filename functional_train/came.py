@@ -108,6 +108,24 @@ _MOMENTUM = E.Elementwise(
 )
 
 
+def _confidence_leaves(b, state: ScaleByCameState) -> tuple:
+    """``(factored active leaves, res_row leaves, their locals, res_col leaves, their
+    locals)`` of the prepared view ``b``: the confidence statistics, checked against the
+    updates' shapes (row ``(..., n)``, column ``(..., m)``, ``(0,)`` for the other leaves)."""
+    where = "scale_by_came"
+    fac = [i for i in b.active if is_factored(b.updates[i].shape, 0)]
+    fset = set(fac)
+    empty = (0,)
+    e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in b.active}
+    e_col = {
+        i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset else empty)
+        for i in b.active
+    }
+    row_leaves, row_loc = state_leaves(b, state.res_row, f"{where}: res_row", e_row, fac)
+    col_leaves, col_loc = state_leaves(b, state.res_col, f"{where}: res_col", e_col, fac)
+    return fac, row_leaves, row_loc, col_leaves, col_loc
+
+
 def _confident(f: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A factored leaf's update ``m`` scaled by its confidence factor ``f`` (a fresh buffer,
     written in place except when traced: autograd may have saved it), in ``dtype``."""
@@ -212,16 +230,8 @@ def scale_by_came(
         )
         b = prepare(u_tree, params, None if mesh is None else mesh.reduced(), name=where)
         m_all = b.state_locals(state.exp_avg, "ScaleByCameState.exp_avg")
-        fac = [i for i in b.active if is_factored(b.updates[i].shape, 0)]
-        empty = (0,)
+        fac, row_leaves, row_loc, col_leaves, col_loc = _confidence_leaves(b, state)
         fset = set(fac)
-        e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in b.active}
-        e_col = {
-            i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset else empty)
-            for i in b.active
-        }
-        row_leaves, row_loc = state_leaves(b, state.res_row, f"{where}: res_row", e_row, fac)
-        col_leaves, col_loc = state_leaves(b, state.res_col, f"{where}: res_col", e_col, fac)
         if not b.active:
             return b.rebuild_active([]), ScaleByCameState(
                 s.count, s.v_row, s.v_col, s.v, state.exp_avg, state.res_row, state.res_col
@@ -373,18 +383,9 @@ def fused_came_step(
     tail_scalars = [sc for sc, _ in prologues]
     statics = [None if part.static is None else part.static(params) for part in fused.tail]
     act = b.active
-    where = "scale_by_came"
     m_all = b.state_locals(s.exp_avg, "ScaleByCameState.exp_avg")
-    fac = [i for i in act if is_factored(b.updates[i].shape, 0)]
+    fac, row_leaves, row_loc, col_leaves, col_loc = _confidence_leaves(b, s)
     fset = set(fac)
-    empty = (0,)
-    e_row = {i: (tuple(b.updates[i].shape[:-1]) if i in fset else empty) for i in act}
-    e_col = {
-        i: (tuple(b.updates[i].shape[:-2] + b.updates[i].shape[-1:]) if i in fset else empty)
-        for i in act
-    }
-    row_leaves, row_loc = state_leaves(b, s.res_row, f"{where}: res_row", e_row, fac)
-    col_leaves, col_loc = state_leaves(b, s.res_col, f"{where}: res_col", e_col, fac)
     beta3 = torch.full((), fused.b3, dtype=torch.float64, device=s.count.device)
     new_p = {}
     if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
