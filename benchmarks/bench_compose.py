@@ -28,7 +28,9 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
                    it), the other 3 are added with torch._foreach_add_ (autograd's accumulation,
                    timed here because functional_train's accumulation is), then
                    torch._foreach_div_(grads, 4) (the mean, as multi_steps feeds its inner
-                   transform the sum divided by every_k), clip, AdamW(foreach)
+                   transform the sum divided by every_k), clip, AdamW(foreach); with --dtype
+                   bfloat16 / float16 the sum and mean in float32 buffers kept from unit
+                   to unit (multi_steps' accumulators are float32), copied into .grad
   apply_if_finite  apply_if_finite(chain(clip, adamw), max_consecutive_errors=5)
                    torch code: total = clip_grad_norm_(foreach); ``if torch.isfinite(total):
                    opt.step()`` (AdamW foreach; a host read of the norm, as users write it).
@@ -96,7 +98,12 @@ leaf's largest |value| (max over leaves of max|p - p_torch| / max|p_torch|, the 
 the ema_params row; after the memory unit every system has taken the same steps with the same
 gradients); ``other`` where the system's math is not the row's (the baseline in masked,
 schedule and lamb). A row is flagged FAILED (and the script exits 1) when any system's relative
-difference exceeds 1e-5 or its results are not finite.
+difference exceeds 1e-5 or its results (or the torch code's) are not finite. ``--dtype
+bfloat16`` casts the parameters and gradients (made in float32) to bfloat16 for every system,
+torch's included; the bound is then 4 units in bfloat16's last place (the generated kernels
+round each result once, torch's foreach code every operation). Not float16: torch.optim's
+AdamW keeps float16 moments, its eps (1e-8) is 0 there, and its parameters go to inf on these
+gradients.
 
 Peak extra memory (``MiB``): one more unit per system after the timed rounds, untimed. On
 CUDA, ``torch.cuda.max_memory_allocated`` minus the allocated bytes before it. On CPU, the unit
@@ -124,6 +131,7 @@ A unit's time is the slowest rank's; rank 0 prints. No compiled system in Part B
 
     python benchmarks/bench_compose.py [--rounds 7] [--warmup 2] [--threads 1] [--rows a,b]
                                        [--device cpu|cuda] [--compile [--cold-cache]]
+                                       [--dtype float32|bfloat16]
     python benchmarks/bench_compose.py --dtensor [--rounds 7] [--warmup 2] [--rows a,b]
     python benchmarks/bench_compose.py --host [--rounds 9] [--rows a,b]
 
@@ -256,6 +264,7 @@ class TorchCode:
         self.name, self.device = name, device
         self.row = "plain" if plain else row
         self.k = EVERY_K if row == "multi_steps" else 1  # the baseline accumulates too there
+        self.acc = None  # float32 accumulators of half-precision gradients (multi_steps)
         self.keys = list(params0)
         self.ps = [torch.nn.Parameter(v.clone()) for v in params0.values()]
         self.gsrc = [list(g.values()) for g in grads[: self.k]]
@@ -281,8 +290,13 @@ class TorchCode:
             self.ema = [p.detach().clone() for p in self.ps]
             self.ema_steps = 0
         if self.row == "lamb":
-            self.m = [torch.zeros_like(p.detach()) for p in self.ps]
-            self.v = [torch.zeros_like(p.detach()) for p in self.ps]
+            # (the moments of half-precision parameters in float32, as lamb keeps them: in
+            # float16, v = (1 - b2) g^2 underflows and a leaf's update blows up)
+            half = self.ps[0].dtype in (torch.bfloat16, torch.float16)
+            kw = {"dtype": torch.float32} if half else {}
+            self.m = [torch.zeros_like(p.detach(), **kw) for p in self.ps]
+            self.v = [torch.zeros_like(p.detach(), **kw) for p in self.ps]
+            self.g32 = [torch.empty_like(p.detach(), **kw) for p in self.ps] if half else None
             self.t = 0
 
     def prepare(self):
@@ -295,9 +309,22 @@ class TorchCode:
         ps = self.ps
         if self.k > 1:  # micro-gradients 2..k accumulate in .grad, then the mean
             gs = [p.grad for p in ps]
-            for more in self.gsrc[1:]:
-                torch._foreach_add_(gs, more)
-            torch._foreach_div_(gs, float(self.k))
+            if gs[0].dtype in (torch.bfloat16, torch.float16):
+                # (in float32, as multi_steps' accumulators: half-precision sums of 4 random
+                # gradients lose the bits that decide Adam's direction where they nearly
+                # cancel, and the parameters drift apart by the learning rate per step)
+                if self.acc is None:  # (float32 buffers kept from unit to unit)
+                    self.acc = [torch.empty_like(g, dtype=torch.float32) for g in gs]
+                acc = self.acc
+                torch._foreach_copy_(acc, gs)
+                for more in self.gsrc[1:]:
+                    torch._foreach_add_(acc, more)
+                torch._foreach_div_(acc, float(self.k))
+                torch._foreach_copy_(gs, acc)
+            else:
+                for more in self.gsrc[1:]:
+                    torch._foreach_add_(gs, more)
+                torch._foreach_div_(gs, float(self.k))
         total = torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
         if self.row == "lamb":
             self.lamb_step()
@@ -329,6 +356,9 @@ class TorchCode:
         with torch.no_grad():
             gs = [p.grad for p in self.ps]
             ps = [p.detach() for p in self.ps]
+            if self.g32 is not None:  # (half-precision gradients, read in float32)
+                torch._foreach_copy_(self.g32, gs)
+                gs = self.g32
             torch._foreach_lerp_(self.m, gs, 1.0 - b1)
             torch._foreach_mul_(self.v, b2)
             torch._foreach_addcmul_(self.v, gs, gs, 1.0 - b2)
@@ -485,13 +515,13 @@ def memory_unit(systems, device, reduce_max=None):
 
 
 def rel_diff(xs, refs):
-    """max over leaves of max|x - ref| / max|ref| (inf if x is not finite)."""
+    """max over leaves of max|x - ref| / max|ref| (inf if x or ref is not finite)."""
     worst = 0.0
     for x, r in zip(xs, refs):
         if x.numel() == 0:
             continue
         x, r = x.double(), r.double()
-        if not bool(torch.isfinite(x).all()):
+        if not bool(torch.isfinite(x).all()) or not bool(torch.isfinite(r).all()):
             return math.inf
         scale = float(r.abs().max()) or 1.0
         worst = max(worst, float((x - r).abs().max()) / scale)
@@ -519,7 +549,7 @@ def checks(systems, ref, same_math, reduce_max=None):
     return out
 
 
-def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiles):
+def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiles, rtol=RTOL):
     lines = [
         title,
         f"  {'system':<37s} {'ms/unit':>7s} {'min ms':>7s} {'x base':>6s} {'x torch':>7s} "
@@ -535,7 +565,7 @@ def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiles
             ds = "other"
         else:
             ds = f"{d:.1e}"
-            if not d <= RTOL:
+            if not d <= rtol:
                 ds += "   FAILED" if math.isfinite(d) else "   NOT FINITE"
                 failed.append(name)
         m = mem.get(name)
@@ -558,14 +588,28 @@ def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiles
     return "\n".join(lines), not failed
 
 
-def problem(shapes, row, device):
+# (not float16: torch.optim's AdamW keeps float16 moments, its eps 1e-8 is 0 there, and on
+# these gradients its parameters go to inf, so there is no torch code to compare with)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def problem(shapes, row, device, dtype=torch.float32):
+    """The row's parameters and gradient trees (``EVERY_K`` of them for multi_steps), made in
+    float32 and cast to ``dtype``."""
     params0, g0 = be.make_problem(shapes, seed=0)
     grads = [g0]
     if row == "multi_steps":
         grads += [be.make_problem(shapes, seed=i)[1] for i in range(1, EVERY_K)]
-    params0 = {k: v.to(device) for k, v in params0.items()}
-    grads = [{k: v.to(device) for k, v in g.items()} for g in grads]
+    params0 = {k: v.to(device, dtype) for k, v in params0.items()}
+    grads = [{k: v.to(device, dtype) for k, v in g.items()} for g in grads]
     return params0, grads
+
+
+def tolerance(dtype) -> float:
+    """The agreement every system must reach with the row's torch code, relative to the
+    largest parameter: ``RTOL`` in float32; in bfloat16 4 units in the last place (the
+    generated kernels round each result once, torch's foreach code every operation)."""
+    return RTOL if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
 
 
 # -- host time per leaf -----------------------------------------------------------------------
@@ -618,15 +662,18 @@ def part_host(args, rows):
 # -- Part A -----------------------------------------------------------------------------------
 def part_a(args, rows):
     device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.threads)
     shapes = be.gpt_shapes()
     print(
         f"Part A: plain tensors on {device}, one process, {torch.get_num_threads()} thread(s); "
-        f"GPT-like tree {be.n_params(shapes):,} float32 params in {len(shapes)} leaves"
+        f"GPT-like tree {be.n_params(shapes):,} {args.dtype} params in {len(shapes)} leaves; "
+        f"every system within {tolerance(dtype):.1e} of the torch code (relative to the "
+        f"largest parameter)"
     )
     ok = True
     for row in rows:
-        params0, grads = problem(shapes, row, device)
+        params0, grads = problem(shapes, row, device, dtype)
         tx = make_tx(row)
         base = TorchCode(
             "(a) AdamW(fused) + clip [base]", row, params0, grads, device, fused=True, plain=True
@@ -652,6 +699,7 @@ def part_a(args, rows):
             ref.name,
             warm,
             {s.name: s.compiles.frame_count for s in fts if hasattr(s, "compiles")},
+            tolerance(dtype),
         )
         print(text, flush=True)
         ok &= good
@@ -758,6 +806,12 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch threads, Part A")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: %(default)s")
     ap.add_argument("--device", default="cpu", help="Part A: cpu (default) or cuda")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=list(DTYPES),
+        help="Part A: the parameters' and gradients' dtype (default float32)",
+    )
     ap.add_argument("--compile", action="store_true", help="Part A: also torch.compile(ft.step)")
     ap.add_argument(
         "--cold-cache",
