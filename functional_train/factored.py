@@ -820,22 +820,34 @@ def _adafactor_factors(
     vec = _block_rms_vector(
         b, list(u) + list(p) if scaled else list(u), list(idx) * (2 if scaled else 1)
     )
-    if vec is not None:  # one dtype: the same numbers as below, as vectors
-        den = (vec[:n] / threshold).clamp_min(1.0)
-        step = -lr * vec[n:].clamp_min(min_scale).to(torch.float64) if scaled else (-lr).expand(n)
-        factors = (step / den.to(torch.float64)).to(u[0].dtype)
-        return _unbind(factors), _unbind(step)
-    if scaled:
-        rms = block_rms(b, list(u) + list(p), list(idx) + list(idx))
-        scale = rms[n:]
-        foreach.clamp_min_(scale, min_scale)
-        steps = [-lr * x.to(torch.float64) for x in scale]
-    else:
-        rms = block_rms(b, u, idx)
-        steps = [-lr] * n
-    den = L.div(rms[:n], threshold)
-    foreach.clamp_min_(den, 1.0)
-    return [(a / d.to(torch.float64)).to(x.dtype) for a, d, x in zip(steps, den, u)], steps
+    if vec is not None:  # one dtype: the leaves' values as vectors
+        factors, step = adafactor_factor(
+            vec[:n], vec[n:] if scaled else None, lr, threshold, min_scale, u[0].dtype
+        )
+        return _unbind(factors), _unbind(step.expand(n))
+    rms = block_rms(b, list(u) + list(p) if scaled else list(u), list(idx) * (2 if scaled else 1))
+    out = [
+        adafactor_factor(rms[k], rms[n + k] if scaled else None, lr, threshold, min_scale, x.dtype)
+        for k, x in enumerate(u)
+    ]
+    return [f for f, _ in out], [a for _, a in out]
+
+
+def adafactor_factor(
+    rms_u: torch.Tensor,
+    rms_p: torch.Tensor | None,
+    lr: torch.Tensor,
+    threshold: float,
+    min_scale: float | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adafactor's per-leaf ``(factor, step)`` from the RMS of the update and of the
+    parameter (0-dim tensors, or vectors of several leaves' values): ``step = -lr *
+    max(min_scale, RMS(p))`` (float64; ``-lr`` when ``rms_p`` is None) and ``factor = step /
+    max(1, RMS(u) / threshold)`` in ``dtype``."""
+    den = (rms_u / threshold).clamp_min(1.0)
+    step = -lr if rms_p is None else -lr * rms_p.clamp_min(min_scale).to(torch.float64)
+    return (step / den.to(torch.float64)).to(dtype), step
 
 
 def _decays(steps: Sequence, weight_decay) -> list:
@@ -887,7 +899,6 @@ def fused_adafactor_step(
     b, pl, treedef = view
     act = b.active
     lr = _rho_at(fused.rho, tail_state)
-    neg_lr = -lr
     new_p: dict = {}
     if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
         new_p = dict(
@@ -901,13 +912,12 @@ def fused_adafactor_step(
             small.append((i, u.clone()))  # (u may be a scratch view)
             return
         p = b.params[i]
-        # _adafactor_factors' numbers for one leaf, in fewer (0-dim) operations
-        rms = leaf_rms([u, p] if fused.min_scale is not None else [u], u.numel())
-        den = rms[0].div_(fused.threshold).clamp_min_(1.0)
-        step = neg_lr
-        if fused.min_scale is not None:
-            step = neg_lr * rms[1].clamp_min_(fused.min_scale).to(torch.float64)
-        factor = (step / den.to(torch.float64)).to(u.dtype)
+        # _adafactor_factors for one local leaf, its RMS in fewer (0-dim) operations
+        scaled = fused.min_scale is not None
+        rms = leaf_rms([u, p] if scaled else [u], u.numel())
+        factor, step = adafactor_factor(
+            rms[0], rms[1] if scaled else None, lr, fused.threshold, fused.min_scale, u.dtype
+        )
         out = p if donate else new_p[i]
         key = None if keep is None else bool(keep[i])
         decay = _decays([step], fused.weight_decay)[0]
