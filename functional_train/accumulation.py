@@ -39,6 +39,7 @@ from .spec import attach_spec
 from .tree import (
     flatten_as,
     format_path,
+    leaves_of,
     state_zeros_like,
     tree_flatten,
     tree_unflatten,
@@ -444,6 +445,11 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
             or (traced() and not compiling)  # (a torch.func transform: the general path)
         ):
             return None
+        if compiling and mesh is None:  # (no treedef: dynamo traces optree's flattening)
+            g, acc, pl = leaves_of(updates), leaves_of(state.acc_grads), leaves_of(params)
+            if not len(g) == len(acc) == len(pl) == len(state.seen):
+                return None
+            return traced_variant if _alike(g, acc, pl) else None
         g, treedef = tree_flatten(updates)
         try:
             acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
@@ -456,12 +462,12 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         if mesh is not None and not _reduced(treedef, g, pl, mesh):
             return None  # (unreduced gradients: accumulated as they are, reduced once)
         if compiling:  # (no host read: every leaf alike, the cycle's position a tensor)
-            return traced_variant if _alike(g, acc, params, treedef) else None
+            return traced_variant if _alike(g, acc, pl) else None
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
         seen = list(map(int, state.seen))
         final = int(state.mini_step) + 1 >= every_k
-        if len(set(seen)) == 1 and _alike(g, acc, params, treedef):  # the common case
+        if len(set(seen)) == 1 and _alike(g, acc, lambda: _leaves_or_none(params, treedef)):
             return variants[(final, not seen[0])]
         fresh = None
         for i, (x, a) in enumerate(zip(g, acc)):
@@ -506,14 +512,23 @@ def _in_dtypes_of(updates: Any, treedef: Any, g: list) -> Any:
     )
 
 
-def _alike(g: list, acc: list, params: Any = None, treedef: Any = None) -> bool:
+def _leaves_or_none(params: Any, treedef: Any) -> list | None:
+    """``params`` flattened as the gradients (``treedef``), or ``None`` where it is not."""
+    try:
+        return flatten_as(params, treedef, "params", "the updates")
+    except ValueError:
+        return None
+
+
+def _alike(g: list, acc: list, pl: list | Callable | None = None) -> bool:
     """Every gradient a plain tensor (or every one a DTensor) of a floating dtype and of its
     accumulator's shape (and layout), by whole-list checks (leaf by leaf under
     ``torch.compile``: dynamo does not trace ``attrgetter``). Its dtype is its accumulator's,
     or (bfloat16 gradients into float32 accumulators) its parameter's: ``ft.step`` then
     rounds the update to it in ``p + u.to(p.dtype)``, as the general path returns updates in
-    the gradients' dtypes (``params``, ``treedef``: the parameters and the gradients' treedef;
-    without them the dtypes must be the accumulators')."""
+    the gradients' dtypes (``pl``: the parameters' leaves in the gradients' order, or a
+    function giving them, called only where the dtypes differ; without them the dtypes must
+    be the accumulators')."""
     kinds = {type(x) for x in g}
     if len(kinds) != 1 or not kinds <= {torch.Tensor, DTensor} or {type(a) for a in acc} != kinds:
         return False
@@ -527,11 +542,9 @@ def _alike(g: list, acc: list, params: Any = None, treedef: Any = None) -> bool:
             map(_SHAPE, g)
         ) == list(map(_SHAPE, acc))
     if same and [x.dtype for x in g] != [a.dtype for a in acc]:
-        if params is None:
-            return False
-        try:
-            pl = flatten_as(params, treedef, "params", "the updates")
-        except ValueError:
+        if callable(pl):
+            pl = pl()
+        if pl is None:
             return False
         same = all(x.dtype == a.dtype or x.dtype == p.dtype for x, a, p in zip(g, acc, pl))
     return same and (
