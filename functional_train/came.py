@@ -376,11 +376,10 @@ def fused_came_step(
     if view is None:
         return None
     b, pl, treedef = view
-    try:  # the tail's scalars (and its new states), as the chain's step computes them
-        prologues = [part.prologue(x, b) for part, x in zip(fused.tail, state[1:])]
-    except ValueError:  # (a state that is not this chain's: the chain raises)
+    tail = E.prologues_of(fused.tail, state[1:], b)
+    if tail is None:  # (a state that is not this chain's: the chain raises)
         return None
-    tail_scalars = [sc for sc, _ in prologues]
+    tail_scalars, tail_states = tail
     statics = [None if part.static is None else part.static(params) for part in fused.tail]
     act = b.active
     m_all = b.state_locals(s.exp_avg, "ScaleByCameState.exp_avg")
@@ -401,21 +400,6 @@ def fused_came_step(
     momentum = E.leaf_runner(_MOMENTUM, (fused.b1, fused.eps2))
     finish_tail = E.leaf_runner(fused.tail, tail_scalars, apply=True)
 
-    def run(runner, part, scalars, ins, dst, key, apply=False):
-        if runner is None or not runner(ins, dst, key):
-            shared = scalars if apply else (*scalars, [ins[-1]])
-            fields = () if apply else ([ins[1]],)
-            E.apply_part(
-                part,
-                [ins[0]],
-                fields,
-                shared,
-                out=[[d] for d in dst],
-                params=[ins[1]] if apply else None,
-                keys=[key],
-                apply=apply,
-            )
-
     def finish(i, u):
         g, p, m_old = b.locals[i], b.params[i], m_all[i]
         x = u if u.dtype == m_old.dtype else u.to(m_old.dtype)
@@ -423,7 +407,7 @@ def fused_came_step(
         m = m_old if donate else new_m[i]
         factored = i in fset
         first = scratch3.view(0, u.shape, m_old.dtype if factored else u.dtype, u.device)
-        run(momentum, _MOMENTUM, (fused.b1, fused.eps2), (u, m_old, den), (first, m), factored)
+        momentum((u, m_old, den), (first, m), factored)
         new_m[i] = m
         if factored:
             ((r, c, f),) = factored_ema(
@@ -436,15 +420,7 @@ def fused_came_step(
             new_row[i], new_col[i] = r, c
             first = _confident(f, m, g.dtype)
         key = tuple(None if k is None else bool(k[i]) for k in statics)
-        run(
-            finish_tail,
-            fused.tail,
-            tail_scalars,
-            (first, p),
-            (p if donate else new_p[i],),
-            key,
-            apply=True,
-        )
+        finish_tail((first, p), (p if donate else new_p[i],), key)
 
     with torch.no_grad():
         _, new_fac = factored_rms(
@@ -468,5 +444,5 @@ def fused_came_step(
         new_state_tree(b, row_leaves, new_row),
         new_state_tree(b, col_leaves, new_col),
     )
-    new_state = (new_s, *(done(()) for _, done in prologues))
+    new_state = (new_s, *tail_states())
     return per_leaf_result(params, pl, treedef, new_p, new_state, donate)

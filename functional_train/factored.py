@@ -920,9 +920,7 @@ def fused_adafactor_step(
         )
         out = p if donate else new_p[i]
         key = None if keep is None else bool(keep[i])
-        decay = _decays([step], fused.weight_decay)[0]
-        if run is None or not run((u, p, factor, decay), (out,), key):
-            tail([u], [p], [factor], [step], [i])
+        run((u, p, factor, _decays([step], fused.weight_decay)[0]), (out,), key)
 
     def tail(us, ps, factors, steps, idx):
         # the tail's own leaf function and apply_updates, in one pass (ft.step's last stage)

@@ -933,11 +933,10 @@ def fused_galore_step(
     mine = [i for i in b.active if labels[i] == "galore"]
     if not mine or set(state.inner_states) != {"galore", *fused.others}:
         return None
-    try:  # the tail's scalars (and its new states), as the chain's step computes them
-        prologues = [part.prologue(x, b) for part, x in zip(fused.tail, gst[1:])]
-    except ValueError:  # (a state that is not this chain's: the chain raises)
+    tail = E.prologues_of(fused.tail, gst[1:], b)
+    if tail is None:  # (a state that is not this chain's: the chain raises)
         return None
-    tail_scalars = [sc for sc, _ in prologues]
+    tail_scalars, tail_states = tail
     new_p: dict = {}
     if not donate:
         new_p = dict(
@@ -958,17 +957,7 @@ def fused_galore_step(
         if isinstance(u, BackProjection):
             u = u.into(scratch.view(0, p.shape, u.low.dtype, u.low.device))
         dst = p if donate else new_p[i]
-        if run is None or not run((u, p), (dst,), no_keys):
-            E.apply_part(
-                fused.tail,
-                [u],
-                (),
-                tail_scalars,
-                out=[[dst]],
-                params=[p],
-                keys=[no_keys],
-                apply=True,
-            )
+        run((u, p), (dst,), no_keys)
 
     with torch.no_grad():
         pool = of_plan(b.plan, "pool", Pool)
@@ -983,7 +972,7 @@ def fused_galore_step(
             (lambda kind, xs: xs) if donate else pool.take,
         )
         # the other labels: their chains, then one add per leaf
-        states = {"galore": (new_galore, *(done(()) for _, done in prologues))}
+        states = {"galore": (new_galore, *tail_states())}
         upd: dict = {}
         for name, tx in fused.others.items():
             keep = [labels[i] == name for i in range(len(pl))]

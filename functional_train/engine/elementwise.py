@@ -1158,38 +1158,56 @@ def apply_part(
     return final
 
 
-def leaf_runner(
-    part: Elementwise | tuple, scalars: Sequence, *, apply: bool = False
-) -> Callable | None:
-    """For a per-leaf step that finishes each leaf in cache: ``run(ins, dst, key=None) ->
-    bool``, ``part`` (then ``apply_updates`` with ``apply``) on ONE leaf through its stage's
-    generated kernel, as :func:`apply_part` runs it, without the per-call work of the general
-    path (about 30 us a call): ``ins`` the leaf's inputs in the stage's order (the update, the
-    parameter where the stage reads it, the fields, the per-leaf scalars: 0-dim tensors),
-    ``dst`` a buffer per result (the new parameter or update, the new fields; a buffer may be
-    its input), ``scalars`` the part's shared scalars, fixed for the runner (for a tuple of
-    consecutive parts, as :func:`apply_part` takes them: a sequence per part, ``key`` a tuple
-    over the parts). ``run`` returns
-    ``False`` without doing anything where the kernel cannot take the leaf (a tensor that is
-    not a plain contiguous CPU tensor, a dtype the generator does not write, a result of
-    another dtype or shape): the caller then runs :func:`apply_part`. ``None`` where no kernel
-    runs here at all (autograd recording, ``torch.compile``, a ``torch.func`` transform, the
-    kernels off, a scalar the kernels cannot read)."""
-    if not fuse.ENABLED or _recording():
-        return None
+def leaf_runner(part: Elementwise | tuple, scalars: Sequence, *, apply: bool = False) -> Callable:
+    """For a per-leaf step that finishes each leaf in cache: ``run(ins, dst, key=None)``,
+    ``part`` (then ``apply_updates`` with ``apply``) on ONE leaf, written into ``dst``.
+    ``ins`` are the leaf's inputs in the stage's order (the update, the parameter where the
+    stage reads it, the fields, the per-leaf scalars: 0-dim tensors), ``dst`` a buffer per
+    result (the new parameter or update, the new fields; a buffer may be its input),
+    ``scalars`` the part's shared scalars, fixed for the runner (for a tuple of consecutive
+    parts, as :func:`apply_part` takes them: a sequence per part, ``key`` a tuple over the
+    parts). ``run`` calls the stage's generated kernel directly, without the per-call work of
+    the general path (about 30 us a call); where the kernel cannot take the leaf (a tensor
+    that is not a plain contiguous CPU tensor, a dtype the generator does not write, a result
+    of another dtype or shape) or none runs here at all (autograd recording,
+    ``torch.compile``, a ``torch.func`` transform, the kernels off, a scalar the kernels
+    cannot read) it runs :func:`apply_part` on the leaf: the same definitions either way."""
     one = isinstance(part, Elementwise)
-    parts, per_part = ((part,), (scalars,)) if isinstance(part, Elementwise) else (part, scalars)
-    counts = tuple(len(x) for x in per_part)
-    sc = fuse.scalar_pointers([x for mine in per_part for x in mine])
-    if sc is None:
-        return None
+    parts: tuple = (part,) if isinstance(part, Elementwise) else part
+    per_part = (scalars,) if one else scalars
     stage = _stage_of(parts, apply)
+    n_fields = sum(p.n_fields for p in parts)
+
+    def general(ins: Sequence, dst: Sequence, key=None) -> None:
+        k = 2 if stage.params else 1
+        own = iter(ins[k + n_fields :])  # (the per-leaf scalars, part by part)
+        merged = [
+            _merged(tuple(sc), tuple([next(own)] for _ in p.leaf_scalars), p.leaf_scalars)
+            for p, sc in zip(parts, per_part)
+        ]
+        apply_part(
+            part,
+            [ins[0]],
+            [[x] for x in ins[k : k + n_fields]],
+            merged[0] if one else merged,
+            out=[[d] for d in dst],
+            params=[ins[1]] if stage.params else None,
+            keys=None if key is None else [key],
+            apply=apply,
+        )
+
+    sc = None
+    if fuse.ENABLED and not _recording():
+        sc = fuse.scalar_pointers([x for mine in per_part for x in mine])
+    if sc is None:
+        return general
+    counts = tuple(len(x) for x in per_part)
     kernels: dict = {}
 
-    def run(ins: Sequence, dst: Sequence, key=None) -> bool:
+    def run(ins: Sequence, dst: Sequence, key=None) -> None:
         # (plain contiguous CPU tensors without autograd, as a kernel call takes them)
         if _uniform([[x] for x in (*ins, *dst)], [None]) is None:
-            return False
+            return general(ins, dst, key)
         sig = (key, tuple(x.dtype for x in ins))
         kernel = kernels.get(sig, _NO_KERNEL)
         if kernel is _NO_KERNEL:
@@ -1199,10 +1217,10 @@ def leaf_runner(
         if kernel is None or any(
             d.dtype != t or d.shape != shape for d, t in zip(dst, kernel.out_dtypes)
         ):
-            return False
+            return general(ins, dst, key)
         fresh = not any(d is x for d in dst for x in ins)
         kernel([[x] for x in ins], [[d] for d in dst], sc[0], fresh=fresh)
-        return True
+        return None
 
     return run
 
@@ -1224,6 +1242,20 @@ def call_prologue(part: Elementwise, state, b, ctx):
     if part.context:
         return part.prologue(state, b, ctx)
     return part.prologue(state, b)
+
+
+def prologues_of(parts: Sequence, states: Sequence, b) -> tuple[list, Callable] | None:
+    """For a per-leaf step that runs a chain's parts itself (its tail, through
+    :func:`leaf_runner`): the parts' prologues on their ``states`` and the batch ``b`` --
+    ``(scalars per part, new_states)``, ``new_states()`` the parts' new states (a tuple, in
+    order), as the chain's step finishes them. ``None`` where a prologue raises ``ValueError``
+    (a state that is not the part's): the per-leaf step then declines, and the chain's own
+    step raises the error."""
+    try:
+        prologues = [part.prologue(x, b) for part, x in zip(parts, states, strict=True)]
+    except ValueError:
+        return None
+    return [sc for sc, _ in prologues], lambda: tuple(done(()) for _, done in prologues)
 
 
 def select_state(ok: torch.Tensor, new, old, fields):
