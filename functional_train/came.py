@@ -47,6 +47,7 @@ from .transforms import (
     add_decayed_weights,
     axpy,
     scale_by_learning_rate,
+    times,
 )
 from .tree import state_dtype, state_zeros_like, tree_paths
 
@@ -91,7 +92,7 @@ def _momentum_leaf(u, p, s, h, key):
     x = u.to(dt) / den.to(dt)
     # (scalars as 0-dim float64 tensors, as a compiled stage passes them, in m's dtype: they
     # would promote a 0-dim leaf; 1 - b1 rounded once, as the Python float is)
-    m = axpy(m * (b1.to(dt) if isinstance(b1, torch.Tensor) else b1), x, 1.0 - b1)
+    m = axpy(times(m, b1), x, 1.0 - b1)
     if key:
         return squared(x - m) + (eps2.to(dt) if isinstance(eps2, torch.Tensor) else eps2), (m,)
     return m.to(u.dtype), (m,)

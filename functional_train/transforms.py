@@ -78,6 +78,15 @@ def axpy(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
     return torch.add(x, y, alpha=alpha)
 
 
+def times(x: torch.Tensor, alpha) -> torch.Tensor:
+    """``x * alpha`` in ``x``'s dtype, for a float ``alpha`` or a 0-dim tensor one (a scalar
+    arrives as a 0-dim float64 tensor under ``torch.compile`` and ``inject_hyperparams``: it
+    would promote a 0-dim ``x``)."""
+    if isinstance(alpha, torch.Tensor):
+        return x * alpha.to(x.dtype)
+    return x * alpha
+
+
 def stateless_elementwise(
     name: str,
     leaf,
@@ -335,7 +344,7 @@ def trace(
         decay, undamped, first, on = h
         tr = s[0]
         g = u.to(tr.dtype)
-        new = axpy(tr * decay, g, undamped)
+        new = axpy(times(tr, decay), g, undamped)
         if damped:  # (the first buffer is g: exact without this when not damped)
             new = torch.where(first != 0, g, new)
         out = axpy(g, new, decay) if nesterov else new
