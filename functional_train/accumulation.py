@@ -393,10 +393,12 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
             cleared = torch.where(final, zero, one)
             fresh = iter(cleared.repeat(len(active)).unbind())
             seen = tuple(
-                next(fresh).to(f.dtype)
-                if i in active
-                else torch.where(final, torch.zeros_like(f), f)
-                for i, f in enumerate(state.seen)
+                [
+                    next(fresh).to(f.dtype)
+                    if i in active
+                    else torch.where(final, torch.zeros_like(f), f)
+                    for i, f in enumerate(state.seen)
+                ]
             )
             return MultiStepsState(
                 torch.where(final, zero, state.mini_step + one),
@@ -534,8 +536,10 @@ def _alike(g: list, acc: list, pl: list | Callable | None = None) -> bool:
         return False
     if torch.compiler.is_compiling():
         same = all(
-            x.shape == a.shape and x.dtype.is_floating_point and a.dtype.is_floating_point
-            for x, a in zip(g, acc)
+            [
+                x.shape == a.shape and x.dtype.is_floating_point and a.dtype.is_floating_point
+                for x, a in zip(g, acc)
+            ]
         )
     else:
         same = all(d.is_floating_point for d in {*map(_DTYPE, g), *map(_DTYPE, acc)}) and list(

@@ -141,8 +141,8 @@ def detached(leaves: list) -> list:
             return leaves
     except AttributeError:  # None leaves
         pass
-    if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves):
-        return leaves
+    if not any([isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]):
+        return leaves  # (a list, not a generator: dynamo resumes a generator per item)
     return [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in leaves]
 
 

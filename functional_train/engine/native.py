@@ -241,6 +241,6 @@ def local_sum_squares(xs: list, needed: torch.Tensor | None = None) -> torch.Ten
         return None
     if not torch.compiler.is_compiling():
         return sum_squares(xs)
-    if ENABLED and xs and all(x.is_cpu and x.dtype in _DTYPES for x in xs):
+    if ENABLED and xs and all([x.is_cpu and x.dtype in _DTYPES for x in xs]):  # (list: traced)
         return sum_squares_op(xs, needed)
     return None
