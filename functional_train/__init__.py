@@ -54,6 +54,7 @@ from .nonfinite import (
     zero_nans,
 )
 from .optimizers import adam, adamw, lamb, sgd
+from .precompile import PrecompiledStep, precompiled_step
 from .privacy import DifferentiallyPrivateAggregateState, differentially_private_aggregate
 from .quantization import (
     ScaleByAdam8bitState,
@@ -139,6 +140,8 @@ __all__ = [
     "Mesh",
     "tree_get",
     "step",
+    "precompiled_step",
+    "PrecompiledStep",
     "partition",
     "PartitionState",
     "masked",

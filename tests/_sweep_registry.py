@@ -259,6 +259,9 @@ EXCLUDED: dict[str, str] = {
     "step": "update + apply_updates as one call, not a transform (swept as the step and "
     "step_sharded properties of every transform)",
     "apply_updates": "params + updates, not a transform (used by every property that steps)",
+    "precompiled_step": "ft.step compiled ahead of time and loaded by a later process, not a "
+    "transform (tests/test_precompile.py)",
+    "PrecompiledStep": "the callable precompiled_step returns (tests/test_precompile.py)",
     "tree_get": "a state-inspection helper, not a transform",
     "has_updated": "reads a MultiStepsState, not a transform",
     "global_norm": "a function of a gradient tree returning a tensor, not a transform "

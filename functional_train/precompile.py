@@ -1,0 +1,216 @@
+"""``ft.step`` compiled ahead of time and loaded by later processes: :func:`precompiled_step`.
+
+``torch.compile(ft.step)`` traces the step's Python in every process (dynamo; seconds for a
+model's tree) even when inductor's cache holds the kernels. torch's precompile
+(``torch.compile(fn, fullgraph=True).aot_compile(example_inputs)``, then
+``save_compiled_function`` / ``torch.compiler.load_compiled_function``) saves the traced
+step itself, so a later process loads it without tracing. What it saves guards the inputs
+(their structure, shapes, dtypes, devices) but not the transform: dynamo's guards on the
+transform's closures are object identities, which a file cannot keep, and torch drops them.
+A step loaded for a transform other than the one it was compiled for would run the old
+hyper-parameters silently. :func:`precompiled_step` names each file by a fingerprint of the
+transform (its ``cloudpickle`` bytes: its functions' code and every closure value,
+hyper-parameters and schedules included), ``donate``, this library's sources and torch's
+version, and the inputs' signature, so a file is loaded only for the step it holds.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import os
+import pathlib
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from .base import GradientTransformation
+from .step import step as _step_function
+
+__all__ = ["precompiled_step", "PrecompiledStep"]
+
+
+def _body(grads, state, params):  # traced with the globals of one PrecompiledStep
+    return _ft_step(_tx, grads, state, params, mesh=None, donate=_donate)  # type: ignore[name-defined]  # noqa: F821
+
+
+_SOURCES: list[str] = []
+
+
+def _sources_digest() -> str:
+    """A digest of this library's sources (a step compiled by other code is not loaded)."""
+    if not _SOURCES:
+        root = pathlib.Path(__file__).parent
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".c") and path.is_file():
+                h.update(str(path.relative_to(root)).encode())
+                h.update(path.read_bytes())
+        _SOURCES.append(h.hexdigest())
+    return _SOURCES[0]
+
+
+def _signature(tree: Any) -> str:
+    """The structure of ``tree`` and each tensor leaf's type, shape, stride, dtype, device and
+    ``requires_grad`` (what the saved step's guards check), as text."""
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)
+    parts = [repr(treedef)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            parts.append(
+                f"{type(x).__name__}{tuple(x.shape)}{x.stride()}{x.dtype}{x.device}"
+                f"{x.requires_grad}"
+            )
+        else:
+            parts.append(repr(x))
+    return "\n".join(parts)
+
+
+class PrecompiledStep:
+    """``(grads, state, params) -> (params, state)``: ``ft.step(tx, grads, state, params,
+    donate=donate)``, compiled ahead of time; see :func:`precompiled_step`.
+
+    Attributes:
+        compiled: how many steps this object compiled (then saved).
+        loaded: how many it loaded from ``cache_dir``.
+    """
+
+    def __init__(self, tx: GradientTransformation, cache_dir: str | os.PathLike, donate: bool):
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"precompiled_step: tx must be a GradientTransformation, got {type(tx).__name__}"
+            )
+        self._tx = tx
+        self.cache_dir = pathlib.Path(cache_dir)
+        self.donate = bool(donate)
+        self._fingerprint()  # (refused here, before any step, where it cannot be taken)
+        self._key: str | None = None
+        self._globals = {
+            "__name__": __name__,
+            "__builtins__": builtins,
+            "_ft_step": _step_function,
+            "_tx": tx,
+            "_donate": self.donate,
+        }
+        self._fn = _function_with_globals(_body, self._globals)
+        self._steps: list = []
+        self.compiled = 0
+        self.loaded = 0
+
+    def _fingerprint(self) -> str:
+        import cloudpickle
+
+        try:
+            tx_bytes = cloudpickle.dumps(self._tx)
+        except Exception as e:  # (what cloudpickle raises for an object it cannot pickle)
+            raise ValueError(
+                "precompiled_step: the transform cannot be fingerprinted (cloudpickle could "
+                f"not pickle it: {type(e).__name__}: {e}); compile the step with "
+                "torch.compile(ft.step) instead"
+            ) from e
+        key = hashlib.sha256()
+        for part in (torch.__version__, _sources_digest(), repr(self.donate)):
+            key.update(part.encode())
+            key.update(b"\0")
+        key.update(tx_bytes)
+        return key.hexdigest()
+
+    def path_for(self, grads, state, params) -> pathlib.Path:
+        """The file that holds (or will hold) the step for these inputs. The transform's
+        part is taken at the first call (after ``init``, which may fill a mask's cache)."""
+        if self._key is None:
+            self._key = self._fingerprint()
+        sig = hashlib.sha256(_signature((grads, state, params)).encode()).hexdigest()
+        return self.cache_dir / f"ft-step-{self._key[:24]}-{sig[:16]}.pt2"
+
+    def __call__(self, grads, state, params):
+        args = (grads, state, params)
+        for fn in self._steps:
+            if fn.guard_check(*args):
+                return fn(*args)
+        fn = self._load_or_compile(*args)
+        self._steps.append(fn)
+        return fn(*args)
+
+    def _load_or_compile(self, grads, state, params):
+        args = (grads, state, params)
+        path = self.path_for(*args)
+        if path.exists():
+            try:
+                with open(path, "rb") as fh:
+                    fn = torch.compiler.load_compiled_function(fh, f_globals=self._globals)
+            except Exception as e:  # (a file torch cannot load back: compiled again below)
+                warnings.warn(
+                    f"precompiled_step: {path} could not be loaded ({type(e).__name__}: {e}); "
+                    "compiling the step again",
+                    stacklevel=3,
+                )
+                fn = None
+            if fn is not None and fn.guard_check(*args):
+                fn.disable_guard_check()  # (checked in __call__, once per call)
+                self.loaded += 1
+                return fn
+        fn = torch.compile(self._fn, fullgraph=True).aot_compile((args, {}))
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        fn.save_compiled_function(str(path))
+        fn.disable_guard_check()
+        self.compiled += 1
+        return fn
+
+
+def _function_with_globals(fn: Callable, globals_: dict) -> Callable:
+    return types.FunctionType(fn.__code__, globals_, "precompiled_step", fn.__defaults__)
+
+
+def precompiled_step(
+    tx: GradientTransformation, cache_dir: str | os.PathLike, *, donate: bool = False
+) -> PrecompiledStep:
+    """``ft.step(tx, grads, state, params, donate=donate)`` compiled ahead of time by torch's
+    precompile and kept in ``cache_dir``, for a later process to load instead of tracing
+    the step again (``torch.compile(ft.step)`` traces it in every process: seconds for a
+    model's tree, with inductor's cache warm).
+
+    The returned callable takes ``(grads, state, params)`` and returns ``(params, state)``,
+    as ``ft.step``. Its first call for inputs of a new signature (tree structure, shapes,
+    strides, dtypes, devices) loads the step from ``cache_dir`` where a file for this
+    transform and signature is there, and otherwise compiles it with
+    ``torch.compile(fullgraph=True).aot_compile`` (inductor; as long as
+    ``torch.compile(ft.step)``'s first call) and saves it there. Later calls check the
+    saved step's guards and run it. Hyper-parameters computed in the step (schedules,
+    ``inject_hyperparams``' state) change without compiling again.
+
+    The file's name holds a fingerprint of everything the saved step was compiled from and
+    its guards do not check: ``tx`` (its ``cloudpickle`` bytes: the code of its functions
+    and their closures' values, so a different learning rate, schedule or chain is another
+    file), ``donate``, this library's sources and torch's version. A function a transform
+    calls by reference (a module-level function of an installed package other than this
+    library) is fingerprinted by its name only: after changing such code, clear
+    ``cache_dir``. The compiled step names the library's elementwise parts by the numbers a
+    process gives them as it builds transforms; those numbers are in the fingerprint, so a
+    process loads the file when it builds its transforms in the same order as the one that
+    saved it (the same training script), and compiles again otherwise. The fingerprint is
+    taken at the first call (``tx.init`` fills a mask's per-tree cache first).
+
+    Args:
+        tx: the transform.
+        cache_dir: a directory (created on the first save).
+        donate: as ``ft.step``'s ``donate``.
+
+    Returns:
+        A :class:`PrecompiledStep`; its ``compiled`` and ``loaded`` count the steps it
+        compiled and loaded.
+
+    Raises:
+        TypeError: ``tx`` is not a :class:`GradientTransformation`.
+        ValueError: ``tx`` cannot be pickled by ``cloudpickle`` (then it cannot be
+            fingerprinted: use ``torch.compile(ft.step)``).
+
+    Plain tensors in one process (no ``mesh``): torch's precompile does not serialise
+    DTensor steps' process groups. Reference: torch's ``aot_compile`` precompile API
+    (``torch._dynamo.aot_compile``, experimental in torch 2.13).
+    """
+    return PrecompiledStep(tx, cache_dir, donate)

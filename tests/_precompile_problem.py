@@ -1,0 +1,42 @@
+"""The problem tests/test_precompile.py steps, built alike by the test and by the process it
+starts (``python tests/_precompile_problem.py CACHE_DIR OUT``: loads the precompiled step from
+CACHE_DIR, runs it, saves the results and its counters to OUT; ``... path CACHE_DIR LR DONATE
+SHAPE``: prints the file it would load for that learning rate, donate and last leaf shape)."""
+
+import sys
+
+import torch
+
+import functional_train as ft
+
+
+def make(lr=1e-2, shapes=((16, 8), (8,), (4, 3))):
+    gen = torch.Generator().manual_seed(0)
+    params = {f"p{i}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(5)]
+    schedule = ft.schedules.warmup_cosine_decay_schedule(0.0, lr, 1, 10)
+    tx = ft.multi_steps(
+        ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(schedule, weight_decay=0.1)), every_k=2
+    )
+    return tx, params, grads
+
+
+def run(step, tx, params, grads):
+    p, s = params, tx.init(params)
+    for g in grads:
+        p, s = step(g, s, p)
+    return p, s
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "path":  # path CACHE_DIR LR DONATE LAST_SHAPE: print the step's file
+        lr, donate, last = float(sys.argv[3]), sys.argv[4] == "1", eval(sys.argv[5])
+        tx, params, grads = make(lr, shapes=((16, 8), (8,), last))
+        f = ft.precompiled_step(tx, sys.argv[2], donate=donate)
+        print(f.path_for(grads[0], tx.init(params), params))
+    else:
+        cache_dir, out = sys.argv[1], sys.argv[2]
+        tx, params, grads = make()
+        f = ft.precompiled_step(tx, cache_dir)
+        p, s = run(f, tx, params, grads)
+        torch.save({"params": p, "compiled": f.compiled, "loaded": f.loaded}, out)

@@ -1,0 +1,99 @@
+"""``ft.precompiled_step``: ft.step compiled ahead of time, saved, and loaded by a later
+process instead of traced again; loaded only for the transform, ``donate`` and input
+signature it was compiled for."""
+
+import pathlib
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import functional_train as ft
+from _precompile_problem import make, run
+
+
+def eager(tx):
+    return lambda g, s, p: ft.step(tx, g, s, p)
+
+
+@pytest.mark.slow
+def test_the_file_is_named_by_the_transform_donate_and_the_inputs(tmp_path):
+    """Fresh processes building equal transforms name the same file; another learning rate,
+    ``donate`` or leaf shape another (``path_for`` only, no compile)."""
+    here = pathlib.Path(__file__).parent
+    configs = [("0.01", "0", "(4, 3)"), ("0.01", "0", "(4, 3)"), ("0.02", "0", "(4, 3)")]
+    configs += [("0.01", "1", "(4, 3)"), ("0.01", "0", "(4, 4)")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(here / "_precompile_problem.py"), "path", str(tmp_path), *c],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=here,
+        )
+        for c in configs
+    ]
+    base, again, lr, donate, shape = (pathlib.Path(p.communicate()[0].strip()) for p in procs)
+    assert all(p.returncode == 0 for p in procs)
+    assert base.parent == tmp_path and base == again
+    assert len({base, lr, donate, shape}) == 4
+    assert shape.name[:32] == base.name[:32]  # (the same transform; the inputs differ)
+
+
+def test_bad_transforms_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        ft.precompiled_step(lambda g, s, p: None, tmp_path)
+    lock = threading.Lock()
+
+    def update(updates, state, params=None):
+        with lock:
+            return updates, state
+
+    tx = ft.GradientTransformation(lambda params: ft.EmptyState(), update)
+    with pytest.raises(ValueError, match="cannot be fingerprinted"):
+        ft.precompiled_step(tx, tmp_path)
+
+
+@pytest.mark.slow
+def test_saved_step_is_loaded_by_another_process_and_matches_eager(tmp_path):
+    """A fresh process compiles and saves the step; a second one, building the same
+    transform, loads it; both give eager ``ft.step``'s numbers. (Processes of their own: the
+    file is named by the parts' numbers, which depend on what a process built before.)"""
+    here = pathlib.Path(__file__).parent
+    results = []
+    for i in range(2):
+        out = tmp_path / f"out{i}.pt"
+        cmd = [sys.executable, str(here / "_precompile_problem.py"), str(tmp_path / "c"), str(out)]
+        subprocess.run(cmd, check=True, cwd=here)
+        results.append(torch.load(out))
+    assert [(r["compiled"], r["loaded"]) for r in results] == [(1, 0), (0, 1)]
+    tx, params, grads = make()
+    pe, se = run(eager(tx), tx, params, grads)
+    assert int(se.mini_step) == 1
+    for k in params:  # (five steps: two multi_steps cycles and a half, a warm-up schedule)
+        assert not torch.equal(pe[k], params[k])
+        for r in results:
+            torch.testing.assert_close(r["params"][k], pe[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_another_transform_or_new_shapes_compile_again(tmp_path):
+    """In one process: steps of two transforms are two files, and inputs of new shapes
+    compile a second step for the same transform; each gives eager ``ft.step``'s numbers."""
+    tx, params, grads = make()
+    run(ft.precompiled_step(tx, tmp_path), tx, params, grads)
+    tx2, params, grads = make(lr=3e-2)
+    f = ft.precompiled_step(tx2, tmp_path)
+    p, _ = run(f, tx2, params, grads)
+    assert (f.compiled, f.loaded) == (1, 0)
+    pe, _ = run(eager(tx2), tx2, params, grads)
+    for k in params:
+        torch.testing.assert_close(p[k], pe[k], rtol=1e-6, atol=1e-7)
+    _, params3, grads3 = make(lr=3e-2, shapes=((16, 8), (8,), (4, 4)))
+    p3, _ = run(f, tx2, params3, grads3)
+    assert (f.compiled, f.loaded) == (2, 0)
+    pe3, _ = run(eager(tx2), tx2, params3, grads3)
+    for k in params3:
+        torch.testing.assert_close(p3[k], pe3[k], rtol=1e-6, atol=1e-7)
+    assert len(list(tmp_path.glob("*.pt2"))) == 3
