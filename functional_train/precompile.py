@@ -30,6 +30,7 @@ import torch
 
 from .base import GradientTransformation
 from .step import step as _step_function
+from .tree import tree_paths
 
 __all__ = ["precompiled_step", "PrecompiledStep"]
 
@@ -138,6 +139,19 @@ class PrecompiledStep:
 
     def _load_or_compile(self, grads, state, params):
         args = (grads, state, params)
+        for name, tree in zip(("grads", "state", "params"), args):
+            for path, x in zip(tree_paths(tree), optree.tree_leaves(tree, none_is_leaf=True)):
+                if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor:
+                    raise ValueError(
+                        f"precompiled_step: {name} leaf {path} is a {type(x).__name__}; the "
+                        "precompiled step takes plain tensors (compile a DTensor step with "
+                        "torch.compile(ft.step); pass a Parameter's .detach())"
+                    )
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    raise ValueError(
+                        f"precompiled_step: {name} leaf {path} requires grad; the precompiled "
+                        "step takes tensors that do not (pass .detach())"
+                    )
         path = self.path_for(*args)
         if path.exists():
             try:
@@ -207,10 +221,12 @@ def precompiled_step(
     Raises:
         TypeError: ``tx`` is not a :class:`GradientTransformation`.
         ValueError: ``tx`` cannot be pickled by ``cloudpickle`` (then it cannot be
-            fingerprinted: use ``torch.compile(ft.step)``).
+            fingerprinted: use ``torch.compile(ft.step)``); at a call, a leaf that is a
+            tensor subclass (DTensor, ``nn.Parameter``) or requires grad (named by its path).
 
-    Plain tensors in one process (no ``mesh``): torch's precompile does not serialise
-    DTensor steps' process groups. Reference: torch's ``aot_compile`` precompile API
+    Plain tensors that do not require grad, in one process (no ``mesh``): a DTensor step
+    holds process groups, which torch's precompile does not serialise, and dynamo cannot
+    return a tensor that requires grad from a precompiled graph. Reference: torch's ``aot_compile`` precompile API
     (``torch._dynamo.aot_compile``, experimental in torch 2.13).
     """
     return PrecompiledStep(tx, cache_dir, donate)

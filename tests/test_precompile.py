@@ -55,6 +55,20 @@ def test_bad_transforms_are_refused(tmp_path):
         ft.precompiled_step(tx, tmp_path)
 
 
+def test_tensor_subclasses_are_refused_before_compiling(tmp_path):
+    """A tensor subclass (a DTensor; here a Parameter) or a tensor that requires grad (which
+    dynamo cannot return from a precompiled step) is refused, named by its leaf path."""
+    tx, params, grads = make()
+    f = ft.precompiled_step(tx, tmp_path)
+    bad = {**params, "p1": torch.nn.Parameter(params["p1"])}
+    with pytest.raises(ValueError, match="params leaf p1 is a Parameter"):
+        f(grads[0], tx.init(bad), bad)
+    bad = {**params, "p2": params["p2"].clone().requires_grad_()}
+    with pytest.raises(ValueError, match="params leaf p2 requires grad"):
+        f(grads[0], tx.init(params), bad)
+    assert f.compiled == 0 and not list(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_saved_step_is_loaded_by_another_process_and_matches_eager(tmp_path):
     """A fresh process compiles and saves the step; a second one, building the same
