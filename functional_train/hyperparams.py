@@ -284,13 +284,13 @@ def inject_hyperparams(
 
         inner_spec = factory_spec(inner_factory)
         tensors, nonzero = inner_spec.tensors, inner_spec.nonzero_tensors
-        native = {
+        native = [  # (in the given order, not a set's: the cells below keep it)
             n
             for n in injected
             if (n in _NATIVE and ours)
             or n in tensors
             or (n in nonzero and float(initial(n)) != 0.0)
-        }
+        ]
         cells = {n: _Cell(n) for n in native}
 
         builds: OrderedDict = OrderedDict()

@@ -71,6 +71,29 @@ def _signature(tree: Any) -> str:
     return "\n".join(parts)
 
 
+def _fingerprint_bytes(obj: Any) -> bytes:
+    """``obj``'s ``cloudpickle`` bytes, the same in every process: a set's elements in order
+    of their ``repr`` (a set of strings iterates in an order of the process's hash seed), a
+    plain tensor as its dtype, shape, device and bytes (torch pickles its storage's
+    address)."""
+    import io
+
+    import cloudpickle
+
+    class Fingerprinter(cloudpickle.Pickler):
+        def persistent_id(self, x):  # (called for every object, sets included)
+            if type(x) in (set, frozenset):
+                return (type(x).__name__, tuple(sorted(x, key=repr)))
+            if type(x) in (torch.Tensor, torch.nn.Parameter):
+                data = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                return ("tensor", str(x.dtype), tuple(x.shape), str(x.device), bytes(data.numpy()))
+            return None
+
+    buf = io.BytesIO()
+    Fingerprinter(buf).dump(obj)
+    return buf.getvalue()
+
+
 class PrecompiledStep:
     """``(grads, state, params) -> (params, state)``: ``ft.step(tx, grads, state, params,
     donate=donate)``, compiled ahead of time; see :func:`precompiled_step`.
@@ -103,10 +126,8 @@ class PrecompiledStep:
         self.loaded = 0
 
     def _fingerprint(self) -> str:
-        import cloudpickle
-
         try:
-            tx_bytes = cloudpickle.dumps(self._tx)
+            tx_bytes = _fingerprint_bytes(self._tx)
         except Exception as e:  # (what cloudpickle raises for an object it cannot pickle)
             raise ValueError(
                 "precompiled_step: the transform cannot be fingerprinted (cloudpickle could "
@@ -198,16 +219,17 @@ def precompiled_step(
     ``inject_hyperparams``' state) change without compiling again.
 
     The file's name holds a fingerprint of everything the saved step was compiled from and
-    its guards do not check: ``tx`` (its ``cloudpickle`` bytes: the code of its functions
-    and their closures' values, so a different learning rate, schedule or chain is another
-    file), ``donate``, this library's sources and torch's version. A function a transform
-    calls by reference (a module-level function of an installed package other than this
-    library) is fingerprinted by its name only: after changing such code, clear
-    ``cache_dir``. The compiled step names the library's elementwise parts by the numbers a
-    process gives them as it builds transforms; those numbers are in the fingerprint, so a
-    process loads the file when it builds its transforms in the same order as the one that
-    saved it (the same training script), and compiles again otherwise. The fingerprint is
-    taken at the first call (``tx.init`` fills a mask's per-tree cache first).
+    its guards do not check: ``tx`` (its ``cloudpickle`` bytes, sets in a fixed order and
+    tensors by value: the code of its functions and their closures' values, so a different
+    learning rate, schedule or chain is another file), ``donate``, this library's sources
+    and torch's version. A function a transform calls by reference (a module-level function
+    of an installed package other than this library) is fingerprinted by its name only:
+    after changing such code, clear ``cache_dir``. The compiled step names the library's
+    elementwise parts by the numbers a process gives them as it builds transforms; those
+    numbers are in the fingerprint, so a process loads the file when it builds its
+    transforms in the same order as the one that saved it (the same training script), and
+    compiles again otherwise. The fingerprint is taken at the first call (``tx.init`` fills
+    a mask's per-tree cache first).
 
     Args:
         tx: the transform.
@@ -226,7 +248,8 @@ def precompiled_step(
 
     Plain tensors that do not require grad, in one process (no ``mesh``): a DTensor step
     holds process groups, which torch's precompile does not serialise, and dynamo cannot
-    return a tensor that requires grad from a precompiled graph. Reference: torch's ``aot_compile`` precompile API
-    (``torch._dynamo.aot_compile``, experimental in torch 2.13).
+    return a tensor that requires grad from a precompiled graph. Reference: torch's
+    ``aot_compile`` precompile API (``torch._dynamo.aot_compile``, experimental in torch
+    2.13).
     """
     return PrecompiledStep(tx, cache_dir, donate)

@@ -28,8 +28,33 @@ def run(step, tx, params, grads):
     return p, s
 
 
+def transforms():
+    """Transforms whose closures hold sets, dicts built from sets, tensors and schedules."""
+    return {
+        "inject_hyperparams": ft.inject_hyperparams(ft.adamw)(
+            learning_rate=1e-3, weight_decay=0.1, b1=torch.tensor(0.9), eps=1e-8
+        ),
+        "came": ft.came(1e-3),
+        "adafactor": ft.adafactor(),
+        "galore_adamw": ft.galore_adamw(1e-3),
+        "muon": ft.muon(1e-3),
+        "sgd": ft.sgd(0.1, momentum=0.9, nesterov=True),
+        "lamb": ft.lamb(1e-3),
+        "masked": ft.masked(ft.add_decayed_weights(0.1), ft.decay_mask),
+        "dynamic_loss_scale": ft.dynamic_loss_scale(ft.adamw(1e-3)),
+        "apply_if_finite": ft.apply_if_finite(ft.adamw(1e-3), 3),
+    }
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "path":  # path CACHE_DIR LR DONATE LAST_SHAPE: print the step's file
+    if sys.argv[1] == "fingerprints":  # each transform's fingerprint bytes' digest
+        import hashlib
+
+        from functional_train.precompile import _fingerprint_bytes
+
+        for name, tx in transforms().items():
+            print(name, hashlib.sha256(_fingerprint_bytes(tx)).hexdigest())
+    elif sys.argv[1] == "path":  # path CACHE_DIR LR DONATE LAST_SHAPE: print the step's file
         lr, donate, last = float(sys.argv[3]), sys.argv[4] == "1", eval(sys.argv[5])
         tx, params, grads = make(lr, shapes=((16, 8), (8,), last))
         f = ft.precompiled_step(tx, sys.argv[2], donate=donate)

@@ -41,6 +41,29 @@ def test_the_file_is_named_by_the_transform_donate_and_the_inputs(tmp_path):
     assert shape.name[:32] == base.name[:32]  # (the same transform; the inputs differ)
 
 
+@pytest.mark.slow
+def test_fingerprints_do_not_depend_on_the_hash_seed():
+    """Processes with different hash seeds fingerprint equal transforms alike (sets are
+    pickled in a fixed order, tensors by value; inject_hyperparams ordered a dict by a set)."""
+    import os
+
+    here = pathlib.Path(__file__).parent
+    outs = []
+    for seed in ("1", "2", "3"):
+        outs.append(
+            subprocess.run(
+                [sys.executable, str(here / "_precompile_problem.py"), "fingerprints"],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=here,
+                env={**os.environ, "PYTHONHASHSEED": seed},
+            ).stdout
+        )
+    assert len(outs[0].splitlines()) == 10
+    assert outs[0] == outs[1] == outs[2]
+
+
 def test_bad_transforms_are_refused(tmp_path):
     with pytest.raises(TypeError, match="GradientTransformation"):
         ft.precompiled_step(lambda g, s, p: None, tmp_path)
