@@ -89,3 +89,30 @@ def test_flat_dict_leaves_is_optrees_order():
             assert (out[k] is None) == (tree[k] is None)
             if tree[k] is not None:
                 assert torch.equal(out[k], tree[k] + 1)
+
+
+@pytest.mark.slow
+def test_compiled_muon_with_a_tall_matrix_matches_eager():
+    """Muon orthogonalises a tall matrix through its transpose: its update arrives at the
+    stage operator transposed, and the operator's results must be contiguous as its fake
+    kernel says (they were made like the update: inductor's stride assertion failed)."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"tall": torch.randn(32, 16, generator=gen), "wide": torch.randn(8, 16, generator=gen)}
+    params["b"] = torch.randn(16, generator=gen)
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
+    tx = ft.muon(1e-2, ns_dtype=torch.float32)  # (float32 Newton-Schulz: comparable closely)
+
+    def step(g, state, p):
+        return ft.step(tx, g, state, p)
+
+    compiled = torch.compile(step, fullgraph=True)
+    pe, se = params, tx.init(params)
+    pc, sc = params, tx.init(params)
+    for g in grads:
+        pe, se = step(g, se, pe)
+        pc, sc = compiled(g, sc, pc)
+    for k in params:
+        assert pc[k].is_contiguous()
+        change = pe[k] - params[k]
+        assert float(change.abs().max()) > 1e-3
+        torch.testing.assert_close(pc[k] - params[k], change, rtol=1e-4, atol=1e-6)

@@ -679,15 +679,17 @@ def _stage_op(
     with torch.no_grad():
         outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, kinds)
     # (an operator's result may be neither an input nor another result: a leaf function's
-    # update that is its new state, as trace's, run in torch, is copied)
+    # update that is its new state, as trace's, run in torch, is copied; and it is
+    # contiguous, as the fake results are: a result made like a transposed update, as Muon's
+    # for a tall matrix, is copied)
     seen = {id(x) for x in flat if x is not None}
     results = []
     for lst in outs:
         for x in lst:
             if x is None:  # (an absent state leaf's: a 0-element placeholder)
                 results.append(torch.empty(0))
-            elif id(x) in seen:
-                results.append(x.clone())
+            elif id(x) in seen or not x.is_contiguous():
+                results.append(x.clone(memory_format=torch.contiguous_format))
             else:
                 seen.add(id(x))
                 results.append(x)
