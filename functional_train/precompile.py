@@ -189,12 +189,27 @@ class PrecompiledStep:
                 fn.disable_guard_check()  # (checked in __call__, once per call)
                 self.loaded += 1
                 return fn
-        fn = torch.compile(self._fn, fullgraph=True).aot_compile((args, {}))
+        fn = _aot_compile(self._fn, args)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         fn.save_compiled_function(str(path))
         fn.disable_guard_check()
         self.compiled += 1
         return fn
+
+
+def _aot_compile(fn: Callable, args: tuple):
+    """``torch.compile(fn, fullgraph=True).aot_compile``, restarted where dynamo asks for it:
+    ``torch.compile`` restarts its analysis when a float it made an input must be a constant
+    (``TensorifyScalarRestartAnalysis``, having recorded which), ``aot_compile`` raises it."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    for attempt in range(8):
+        try:
+            return torch.compile(fn, fullgraph=True).aot_compile((args, {}))
+        except TensorifyScalarRestartAnalysis:
+            if attempt == 7:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _function_with_globals(fn: Callable, globals_: dict) -> Callable:

@@ -37,7 +37,7 @@ def transforms():
         "came": ft.came(1e-3),
         "adafactor": ft.adafactor(),
         "galore_adamw": ft.galore_adamw(1e-3),
-        "muon": ft.muon(1e-3),
+        "muon": ft.muon(1e-3, ns_dtype=torch.float32),
         "sgd": ft.sgd(0.1, momentum=0.9, nesterov=True),
         "lamb": ft.lamb(1e-3),
         "masked": ft.masked(ft.add_decayed_weights(0.1), ft.decay_mask),
