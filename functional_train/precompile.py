@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import itertools
 import os
 import pathlib
 import types
@@ -142,12 +143,14 @@ class PrecompiledStep:
         return key.hexdigest()
 
     def path_for(self, grads, state, params) -> pathlib.Path:
-        """The file that holds (or will hold) the step for these inputs. The transform's
-        part is taken at the first call (after ``init``, which may fill a mask's cache)."""
+        """The files' name for these inputs (without the variant's ``-N.pt2``: a step
+        whose guards fail on other values, as galore_adamw's at its projector refreshes, is
+        saved again as the next variant). The transform's part is taken at the first call
+        (after ``init``, which may fill a mask's cache)."""
         if self._key is None:
             self._key = self._fingerprint()
         sig = hashlib.sha256(_signature((grads, state, params)).encode()).hexdigest()
-        return self.cache_dir / f"ft-step-{self._key[:24]}-{sig[:16]}.pt2"
+        return self.cache_dir / f"ft-step-{self._key[:24]}-{sig[:16]}"
 
     def __call__(self, grads, state, params):
         args = (grads, state, params)
@@ -173,8 +176,13 @@ class PrecompiledStep:
                         f"precompiled_step: {name} leaf {path} requires grad; the precompiled "
                         "step takes tensors that do not (pass .detach())"
                     )
-        path = self.path_for(*args)
-        if path.exists():
+        # (a step's guards may hold on values, not only on the signature: galore_adamw's
+        # projector refresh. Each variant is a file of its own: -0, -1, ...)
+        base = self.path_for(*args)
+        for n in itertools.count():
+            path = base.with_name(f"{base.name}-{n}.pt2")
+            if not path.exists():
+                break
             try:
                 with open(path, "rb") as fh:
                     fn = torch.compiler.load_compiled_function(fh, f_globals=self._globals)
@@ -184,8 +192,8 @@ class PrecompiledStep:
                     "compiling the step again",
                     stacklevel=3,
                 )
-                fn = None
-            if fn is not None and fn.guard_check(*args):
+                break
+            if fn.guard_check(*args):
                 fn.disable_guard_check()  # (checked in __call__, once per call)
                 self.loaded += 1
                 return fn
