@@ -7,6 +7,18 @@ import torch
 import functional_train as ft
 
 
+def eager_and_compiled(step, tx, params, grads):
+    """``step`` run on every gradient tree eagerly and under ``torch.compile(fullgraph)``:
+    ``((params, state), (params, state))``."""
+    compiled = torch.compile(step, fullgraph=True)
+    pe, se = params, tx.init(params)
+    pc, sc = params, tx.init(params)
+    for g in grads:
+        pe, se = step(g, se, pe)
+        pc, sc = compiled(g, sc, pc)
+    return (pe, se), (pc, sc)
+
+
 @pytest.mark.slow
 def test_compiled_step_matches_eager():
     gen = torch.Generator().manual_seed(0)
@@ -19,12 +31,7 @@ def test_compiled_step_matches_eager():
         updates, state = tx.update(g, state, p)
         return ft.apply_updates(p, updates), state
 
-    compiled = torch.compile(step, fullgraph=True)
-    pe, se = params, tx.init(params)
-    pc, sc = params, tx.init(params)
-    for g in grads:
-        pe, se = step(g, se, pe)
-        pc, sc = compiled(g, sc, pc)
+    (pe, se), (pc, sc) = eager_and_compiled(step, tx, params, grads)
     for k in params:
         torch.testing.assert_close(pc[k], pe[k], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ft.tree_get(sc, "global_norm"), ft.tree_get(se, "global_norm"))
@@ -102,15 +109,7 @@ def test_compiled_muon_with_a_tall_matrix_matches_eager():
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
     tx = ft.muon(1e-2, ns_dtype=torch.float32)  # (float32 Newton-Schulz: comparable closely)
 
-    def step(g, state, p):
-        return ft.step(tx, g, state, p)
-
-    compiled = torch.compile(step, fullgraph=True)
-    pe, se = params, tx.init(params)
-    pc, sc = params, tx.init(params)
-    for g in grads:
-        pe, se = step(g, se, pe)
-        pc, sc = compiled(g, sc, pc)
+    (pe, _), (pc, _) = eager_and_compiled(lambda g, s, p: ft.step(tx, g, s, p), tx, params, grads)
     for k in params:
         assert pc[k].is_contiguous()
         change = pe[k] - params[k]
