@@ -1184,8 +1184,8 @@ def leaf_runner(part: Elementwise | tuple, scalars: Sequence, *, apply: bool = F
         k = 2 if stage.params else 1
         own = iter(ins[k + n_fields :])  # (the per-leaf scalars, part by part)
         merged = [
-            _merged(tuple(sc), tuple([next(own)] for _ in p.leaf_scalars), p.leaf_scalars)
-            for p, sc in zip(parts, per_part)
+            _merged(tuple(shared), tuple([next(own)] for _ in p.leaf_scalars), p.leaf_scalars)
+            for p, shared in zip(parts, per_part)
         ]
         apply_part(
             part,
