@@ -532,7 +532,9 @@ def _block_rms_vector(
         norms = foreach.norm(locs, 2)
     v = torch.stack(norms)
     tot = b.leaf_totals_vector(idx, v * v)
-    numel = torch.tensor([max(b.updates[i].numel(), 1) for i in idx], dtype=tot.dtype)
+    numel = torch.tensor(
+        [max(b.updates[i].numel(), 1) for i in idx], dtype=tot.dtype, device=tot.device
+    )
     return (tot / numel).sqrt()
 
 
