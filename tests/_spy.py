@@ -1,17 +1,45 @@
 """Test helpers that watch the engine: the generated kernels' calls."""
 
-from functional_train.engine import fuse
+import torch
+
+from functional_train.engine import fuse, fuse_triton
 
 
 def kernel_calls(monkeypatch) -> list:
     """A list that receives ``(kernel, number of leaves)`` for every call of a generated
-    kernel (``functional_train.engine.fuse.Kernel``) for the rest of the test."""
+    kernel (``functional_train.engine.fuse.Kernel``, C; ``fuse_triton.TritonKernel``, CUDA)
+    for the rest of the test."""
     seen: list = []
-    real = fuse.Kernel.__call__
+    for cls in (fuse.Kernel, fuse_triton.TritonKernel):
 
-    def spy(self, inputs, outputs, scalars, **kw):
-        seen.append((self, len(inputs[0])))
-        return real(self, inputs, outputs, scalars, **kw)
+        def spy(self, inputs, outputs, scalars, *, _real=cls.__call__, **kw):
+            seen.append((self, len(inputs[0])))
+            return _real(self, inputs, outputs, scalars, **kw)
 
-    monkeypatch.setattr(fuse.Kernel, "__call__", spy)
+        monkeypatch.setattr(cls, "__call__", spy)
+    return seen
+
+
+def kernels_run_on(device) -> bool:
+    """Whether the engine's generated kernels run on ``device`` (CPU: C; CUDA: Triton, where
+    it is importable)."""
+    return device.type == "cpu" or fuse_triton.available(device)
+
+
+def torch_fused_calls(monkeypatch) -> list:
+    """A list that receives the name of every call of torch's fused optimizer kernels
+    (``torch._fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_``) for the rest of the test."""
+    seen: list = []
+
+    def spy_of(name):
+        real = getattr(torch, name)
+
+        def spy(*args, **kw):
+            seen.append(name)
+            return real(*args, **kw)
+
+        return spy
+
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"):
+        monkeypatch.setattr(torch, name, spy_of(name))
     return seen

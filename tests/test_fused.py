@@ -19,7 +19,7 @@ import torch
 
 import functional_train as ft
 from _layouts import step_by_mode
-from _spy import kernel_calls
+from _spy import kernel_calls, kernels_run_on, torch_fused_calls
 from functional_train.engine import fuse
 
 STEPS = 4
@@ -103,13 +103,18 @@ CHAINS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_equals_unfused(name, mode, dtype, monkeypatch, device):
     """The generated kernels give the per-leaf definitions' numbers (see the tolerance in
-    the module's docstring), states included. On ``--device cuda``: whatever runs there
-    (torch's fused kernels for the recognised chains, the definitions leaf by leaf)
-    against the definitions leaf by leaf."""
+    the module's docstring), states included. On ``--device cuda``: the generated Triton
+    kernels (where Triton is importable; ``fuse_triton``), within the same tolerance: ATen's
+    CUDA kernels contract ``a * b + c`` into one rounding where the generated one may round
+    twice; a chain ``ft.step`` recognises runs torch's fused kernel there instead."""
     params, grads = _problem(dtype, device=device)
     seen = kernel_calls(monkeypatch)
+    torch_fused = torch_fused_calls(monkeypatch)
     got, got_state = _run(CHAINS[name](), params, grads, mode)
-    assert bool(seen) == (device.type == "cpu"), "generated kernels run on CPU leaves only"
+    if device.type == "cuda" and torch_fused:  # (a recognised chain: torch's kernel)
+        assert not seen and mode != "update"
+    else:
+        assert bool(seen) == kernels_run_on(device), "generated kernels run where they can"
     _unfused(monkeypatch)
     want, want_state = _run(CHAINS[name](), params, grads, mode)
     _close(got, want, params, dtype)
@@ -129,7 +134,7 @@ HALF = [torch.bfloat16, torch.float16]
     "dtype, name",
     [(d, n) for d in HALF for n in sorted(CHAINS) if not (n == "user" and d == torch.float16)],
 )
-def test_half_precision_computes_in_float(name, mode, dtype, monkeypatch):
+def test_half_precision_computes_in_float(name, mode, dtype, monkeypatch, device):
     """Half-precision leaves take the generated kernels too: loaded into float, computed
     there, rounded once where a result is stored (ATen's ``opmath``, as torch's fused
     optimizer kernels and inductor compute). The definitions run leaf by leaf in torch round
@@ -139,11 +144,16 @@ def test_half_precision_computes_in_float(name, mode, dtype, monkeypatch):
     parameters, which see the updates rounded to half several times in the reference) within
     4 units of the half dtype's last place of their largest element. The user's primitive
     keeps its second moment in float16, where the reference's ``sqrt(v) + 1e-8`` underflows to
-    a division by zero: not compared."""
-    params, grads = _problem(dtype)
+    a division by zero: not compared. On ``--device cuda``: the Triton kernels, the same
+    bounds."""
+    params, grads = _problem(dtype, device=device)
     seen = kernel_calls(monkeypatch)
+    torch_fused = torch_fused_calls(monkeypatch)
     got, got_state = _run(CHAINS[name](), params, grads, mode)
-    assert seen, "half-precision leaves take the generated kernels"
+    if device.type == "cuda" and torch_fused:  # (a recognised chain: torch's kernel)
+        assert not seen and mode != "update"
+    else:
+        assert bool(seen) == kernels_run_on(device), "half-precision leaves take the kernels"
     _unfused(monkeypatch)
     want, want_state = _run(CHAINS[name](), params, grads, mode)
     for k in params:
@@ -158,15 +168,54 @@ def test_half_precision_computes_in_float(name, mode, dtype, monkeypatch):
             assert (x.float() - y.float()).abs().max() <= tol * y.float().abs().max() + 1e-30
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF])
+def test_triton_writer_writes_every_generated_stage(dtype, monkeypatch):
+    """Every stage the C writer generates for the chains above (their CPU steps, every mode),
+    the Triton writer (``fuse_triton``: the CUDA kernels) writes too, as Python that parses,
+    with scalars read by address and by value: what a CUDA step runs, checked where no GPU
+    (and no Triton) is. Its numbers are checked on CUDA by the tests above (``--device
+    cuda``)."""
+    from functional_train.engine import fuse_triton
+
+    stages: dict = {}
+    real = fuse.kernel_for
+
+    def spy(fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu"):
+        k = real(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type)
+        if k is not None:
+            stages[(fn, in_dtypes, scalar_dtypes, n_per_leaf)] = k
+        return k
+
+    monkeypatch.setattr(fuse, "kernel_for", spy)
+    params, grads = _problem(dtype)
+    for name in sorted(CHAINS):
+        if name == "user" and dtype == torch.float16:
+            continue
+        for mode in ("update", "pure", "donate"):
+            _run(CHAINS[name](), params, grads, mode)
+    assert len(stages) >= 10
+    for (fn, in_dtypes, scalar_dtypes, n_per_leaf), k in stages.items():
+        for by_address in (True, False):
+            kinds = tuple((d, by_address) for d in scalar_dtypes)
+            source, out_dtypes = fuse_triton.source_of(fn, in_dtypes, kinds, n_per_leaf)
+            compile(source, "<triton stage>", "exec")
+            assert "def ft_stage(" in source and list(out_dtypes) == list(k.out_dtypes)
+            assert source.count("tl.store(") == len(out_dtypes)
+
+
 @pytest.mark.parametrize("dtype", HALF)
-def test_half_conversions_round_as_torch(dtype):
+def test_half_conversions_round_as_torch(dtype, device):
     """The generated conversions: every half value to float exactly; floats (a sample of bit
     patterns across the range, the boundaries, subnormals, infinities and NaN) to half rounded
-    to nearest even, as torch's ``.to(dtype)``, bit for bit."""
-    none = fuse.scalar_pointers(())[0]
+    to nearest even, as torch's ``.to(dtype)``, bit for bit (C on CPU, Triton on CUDA)."""
+    if not kernels_run_on(device):
+        pytest.fail(f"no generated kernels on {device} (Triton is not importable)")
+    none, kinds, _ = fuse.scalar_pointers((), device)
     halves = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
-    up = fuse.kernel_for(lambda ins, sc: (ins[0].float(),), (dtype,), ())
-    got = torch.empty(halves.shape)
+    halves = halves.to(device)
+    up = fuse.kernel_for(lambda ins, sc: (ins[0].float(),), (dtype,), kinds, 0, device.type)
+    assert up is not None
+    got = torch.empty(halves.shape, device=device)
     up([[halves]], [[got]], none)
     want = halves.float()
     assert torch.equal(got.isnan(), want.isnan())
@@ -174,9 +223,12 @@ def test_half_conversions_round_as_torch(dtype):
     bits = torch.arange(0, 2**32, 4099, dtype=torch.int64).to(torch.int32)
     special = [0.0, -0.0, 65504.0, 65519.99, 65520.0, 6.1e-5, 6.09e-5, 5.96e-8, 2.98e-8, 1e-45]
     special += [3.3895e38, float("inf"), -float("inf"), float("nan")]
-    floats = torch.cat([bits.view(torch.float32), torch.tensor(special)])
-    down = fuse.kernel_for(lambda ins, sc: (ins[0].to(dtype),), (torch.float32,), ())
-    got = torch.empty(floats.shape, dtype=dtype)
+    floats = torch.cat([bits.view(torch.float32), torch.tensor(special)]).to(device)
+    down = fuse.kernel_for(
+        lambda ins, sc: (ins[0].to(dtype),), (torch.float32,), kinds, 0, device.type
+    )
+    assert down is not None
+    got = torch.empty(floats.shape, dtype=dtype, device=device)
     down([[floats]], [[got]], none)
     want = floats.to(dtype)
     assert torch.equal(got.isnan(), want.isnan())

@@ -10,7 +10,7 @@ import torch
 
 import functional_train as ft
 from _layouts import step_by_mode
-from _spy import kernel_calls
+from _spy import kernel_calls, kernels_run_on, torch_fused_calls
 from functional_train import accumulation, combine
 from functional_train.engine import elementwise as E
 from functional_train.engine import fuse
@@ -43,7 +43,12 @@ def _run(tx, params, grads, mode):
 
 
 def _close(got, want, params, dtype):
-    rtol = 2e-6 if dtype == torch.float32 else 1e-12
+    """Parameters within ``rtol`` of their largest change: float32 2e-6 on CPU (the C kernels
+    round as torch's CPU kernels do), 1e-5 on CUDA (tests/test_fused.py's bound: ATen's CUDA
+    kernels contract multiply-adds the generated Triton code may round twice); float64
+    1e-12."""
+    cuda = next(iter(params.values())).is_cuda
+    rtol = (1e-5 if cuda else 2e-6) if dtype == torch.float32 else 1e-12
     for k in params:
         change = (want[k] - params[k]).abs().max()
         err = (got[k] - want[k]).abs().max()
@@ -60,9 +65,13 @@ def _states_close(got, want, dtype, structure=True):
     for x, y in zip(a, b):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             assert x.dtype == y.dtype
-            torch.testing.assert_close(
-                x, y, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-12, equal_nan=True
-            )
+            # (CUDA: an element near 0 of a first moment is a difference of rounded terms, so
+            # its absolute bound is relative to the state's largest element, as in test_fused)
+            rtol = 1e-5 if dtype == torch.float32 else 1e-12
+            atol = 1e-12
+            if x.is_cuda and x.numel():
+                atol = max(atol, rtol * float(y.abs().nan_to_num(0.0, 0.0, 0.0).max()))
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol, equal_nan=True)
         elif isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and torch.equal(x, y)
 
@@ -398,8 +407,11 @@ def test_masked_and_partition_fuse(name, mode, dtype, monkeypatch, device):
     tx = COMBINED[name]()
     assert E.fusable_of(tx) is not None
     seen = kernel_calls(monkeypatch)
+    torch_fused = torch_fused_calls(monkeypatch)
     got, got_state = _run(tx, params, grads, mode)
-    if mode != "update" and device.type == "cpu":  # one pass: each leaf in one call per step
+    if device.type == "cuda" and torch_fused:  # (a chain ft.step recognises: torch's kernel)
+        assert not seen
+    elif mode != "update" and kernels_run_on(device):  # one pass: each leaf in one call a step
         assert sum(k for _, k in seen) == STEPS * len(params), seen
     _close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
@@ -438,8 +450,11 @@ def test_chain_with_inject_hyperparams_fuses(mode, dtype, monkeypatch, device):
     tx = _injected_chain()
     assert E.switch_of(tx) is not None
     seen = kernel_calls(monkeypatch)
+    torch_fused = torch_fused_calls(monkeypatch)
     got, got_state = _run_injected(tx, params, grads, mode)
-    if device.type == "cpu":
+    if device.type == "cuda" and torch_fused:  # (a chain ft.step recognises: torch's kernel)
+        assert not seen
+    elif kernels_run_on(device):
         assert sum(k for _, k in seen) == STEPS * len(params), seen
     _close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)

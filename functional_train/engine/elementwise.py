@@ -904,18 +904,24 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
         absent = tuple(k for k, x in enumerate(leaf_ins) if x is None)
         if absent:
             leaf_ins = [x for x in leaf_ins if x is not None]
-        fast = plain and all(
-            type(x) is torch.Tensor and x.is_cpu and x.is_contiguous() and not x.requires_grad
+        dev = leaf_ins[0].device if plain and _kernel_device(leaf_ins[0]) else None
+        fast = dev is not None and all(
+            type(x) is torch.Tensor
+            and x.device == dev
+            and x.is_contiguous()
+            and not x.requires_grad
             for x in leaf_ins
         )
         sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j], absent)
         groups.setdefault(sig, []).append(j)
-    sc: Any = False
+    scs: dict = {}  # the scalars as each device's kernels read them
     for g, ((fast, dtypes, key, absent), idx) in enumerate(groups.items()):
         fn = _function(stage, counts, key)
         if fast:
+            dev = ins[0][idx[0]].device
+            sc = scs.get(dev, False)
             if sc is False:
-                sc = fuse.scalar_pointers(scalars)
+                sc = scs[dev] = fuse.scalar_pointers(scalars, dev)
             if sc is not None:
                 g_fn, g_ins, g_outs, g_dst = fn, ins, outs, dst
                 if absent:  # the kernel of the present inputs and results
@@ -923,7 +929,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
                     g_ins = [ins[i] for i in in_keep]
                     g_outs = [outs[r] for r in out_keep]
                     g_dst = [in_keep.index(dst[r]) for r in out_keep]
-                kernel = fuse.kernel_for(g_fn, dtypes, sc[1], stage.n_per_leaf)
+                kernel = fuse.kernel_for(g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type)
                 if kernel is not None and _run_kernel(
                     kernel, g_ins, idx, g_outs, sc[0], apply, _group_kinds(take, g), g_dst
                 ):
@@ -953,18 +959,33 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     return outs
 
 
+def _kernel_device(x) -> bool:
+    """Whether generated kernels run on ``x``'s device: CPU (C), CUDA with Triton."""
+    if x.is_cpu:
+        return True
+    from . import fuse_triton
+
+    return fuse_triton.available(x.device)
+
+
 def _uniform(ins: list, keys: list):
     """The dtypes of the inputs' lists when every leaf can run in one kernel call (plain
-    contiguous CPU tensors without autograd, one dtype per list, one key), else ``None``:
-    whole-list checks in C loops (this runs for every stage of every step)."""
+    contiguous tensors without autograd on one device where kernels run, one dtype per list,
+    one key), else ``None``: whole-list checks in C loops (this runs for every stage of every
+    step)."""
     k0 = keys[0]
+    x0 = ins[0][0]
+    if type(x0) is not torch.Tensor or not _kernel_device(x0):
+        return None
+    cpu = x0.is_cpu
+    dev = x0.device
     if len(keys) == 1:  # (one leaf: per-leaf steps call this once per leaf)
         dtypes = []
         for lst in ins:
             x = lst[0]
-            if type(x) is not torch.Tensor or not x.is_cpu or x.requires_grad:
+            if type(x) is not torch.Tensor or x.requires_grad:
                 return None
-            if not x.is_contiguous():
+            if not (x.is_cpu if cpu else x.device == dev) or not x.is_contiguous():
                 return None
             dtypes.append(x.dtype)
         return tuple(dtypes)
@@ -978,7 +999,7 @@ def _uniform(ins: list, keys: list):
         if (
             len(ds) != 1
             or not all(map(_CONTIGUOUS, lst))
-            or not all(map(_IS_CPU, lst))
+            or not (all(map(_IS_CPU, lst)) if cpu else set(map(_DEVICE, lst)) == {dev})
             or any(map(_REQUIRES_GRAD, lst))
         ):
             return None
@@ -986,8 +1007,8 @@ def _uniform(ins: list, keys: list):
     return tuple(dtypes)
 
 
-_DTYPE, _IS_CPU, _REQUIRES_GRAD = (
-    operator.attrgetter(a) for a in ("dtype", "is_cpu", "requires_grad")
+_DTYPE, _IS_CPU, _REQUIRES_GRAD, _DEVICE = (
+    operator.attrgetter(a) for a in ("dtype", "is_cpu", "requires_grad", "device")
 )
 _CONTIGUOUS = torch.Tensor.is_contiguous
 
@@ -1070,13 +1091,14 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
             like = (
                 cols[0]
                 if all(x.dtype == d for x in cols[0])
-                else [torch.empty((), dtype=d).expand(x.shape) for x in cols[0]]
+                else [torch.empty((), dtype=d, device=x.device).expand(x.shape) for x in cols[0]]
             )
             res.append(take(f"stage{r}", like) if take is not None else list(map(_fresh, like)))
     # (fresh results: streamed where large; a caller's buffers that are the inputs (apply_part)
     # are not: streaming is right there too, the block is read before it is written, but slower)
     fresh = apply != "donate" and not any(x[0] is y[0] for x in res for y in cols)
-    kernel(cols, res, sc, fresh=fresh)
+    if kernel(cols, res, sc, fresh=fresh) is False:  # (a Triton kernel that did not compile)
+        return False
     for r in range(n_out):
         for j, x in zip(idx, res[r]):
             outs[r][j] = x
@@ -1084,7 +1106,7 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
 
 
 def _fresh(like, dtype=None):
-    return torch.empty(like.shape, dtype=like.dtype if dtype is None else dtype)
+    return torch.empty(like.shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
 
 
 def apply_part(
@@ -1125,12 +1147,16 @@ def apply_part(
 
         def take(kind, like):
             if "/" in kind:  # (a second group of leaves: fresh, copied below)
-                return [torch.empty(x.shape, dtype=x.dtype) for x in like]
+                return [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in like]
             bufs = out[int(kind[len("stage") :])]
             return [
                 b
-                if b is not None and b.dtype == x.dtype and b.shape == x.shape and b.is_contiguous()
-                else torch.empty(x.shape, dtype=x.dtype)
+                if b is not None
+                and b.dtype == x.dtype
+                and b.shape == x.shape
+                and b.device == x.device
+                and b.is_contiguous()
+                else torch.empty(x.shape, dtype=x.dtype, device=x.device)
                 for b, x in zip(bufs, like)
             ]
 
@@ -1207,8 +1233,9 @@ def leaf_runner(part: Elementwise | tuple, scalars: Sequence, *, apply: bool = F
     kernels: dict = {}
 
     def run(ins: Sequence, dst: Sequence, key=None) -> None:
-        # (plain contiguous CPU tensors without autograd, as a kernel call takes them)
-        if _uniform([[x] for x in (*ins, *dst)], [None]) is None:
+        # (plain contiguous CPU tensors without autograd, as a C kernel call takes them; the
+        # per-leaf steps' leaves elsewhere run in torch)
+        if not ins[0].is_cpu or _uniform([[x] for x in (*ins, *dst)], [None]) is None:
             return general(ins, dst, key)
         sig = (key, tuple(x.dtype for x in ins))
         kernel = kernels.get(sig, _NO_KERNEL)

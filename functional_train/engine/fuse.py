@@ -101,7 +101,7 @@ _LOAD = {torch.bfloat16: "ft_lbf16({x})", torch.float16: "ft_lf16({x})"}
 _STORE = {torch.bfloat16: "ft_sbf16({x})", torch.float16: "ft_sf16({x})"}
 
 
-def _compute(dtype):
+def compute_dtype(dtype):
     """The dtype a value of ``dtype`` is computed in."""
     return torch.float32 if dtype in _HALF else dtype
 
@@ -164,7 +164,7 @@ _UNARY = {
 }
 
 
-def _op_name(target) -> str:
+def op_name(target) -> str:
     name = getattr(target, "__name__", str(target))  # "add.Tensor"
     return name.split(".")[0]
 
@@ -256,7 +256,7 @@ class _Writer:
         self.dtypes: dict = {}
 
     def val(self, arg, want=None) -> str:
-        want = None if want is None else _compute(want)
+        want = None if want is None else compute_dtype(want)
         if isinstance(arg, torch.fx.Node):
             name = self.names[arg]
             if want is not None and self.dtypes[arg] != want:
@@ -272,7 +272,7 @@ class _Writer:
         return isinstance(arg, torch.fx.Node) and arg in self.vec
 
     def emit(self, node, expr: str, dtype, vec: bool):
-        dtype = _compute(dtype)
+        dtype = compute_dtype(dtype)
         if dtype not in _CTYPE:
             raise Unsupported(f"dtype {dtype} of {node.format_node()}")
         name = f"v{len(self.names)}"
@@ -292,7 +292,7 @@ class _Writer:
     def emit_tmp(self, expr: str, dtype, vec: bool) -> str:
         """A named temporary (not a graph node's value)."""
         name = f"t{len(self.pre) + len(self.mid) + len(self.body)}"
-        dtype = _compute(dtype)
+        dtype = compute_dtype(dtype)
         line = f"const {_CTYPE[dtype]} {name} = {expr};"
         self._lines(vec).append(line)
         return name
@@ -303,7 +303,7 @@ class _Writer:
         blend (``FT_SEL``, exact): GCC turns a loop-invariant ``?:`` into branches, and with
         more than one in a loop gives up vectorising it ("control flow in loop")."""
         scalar_cond = not (isinstance(cond_arg, torch.fx.Node) and cond_arg in self.vec)
-        if vec and scalar_cond and _compute(dtype) in (torch.float32, torch.float64):
+        if vec and scalar_cond and compute_dtype(dtype) in (torch.float32, torch.float64):
             return f"FT_SEL({c}, {a}, {b})"
         return f"({c} ? {a} : {b})"
 
@@ -324,9 +324,9 @@ class _Writer:
                 self.names[node] = f"s{k - self.n_inputs}"
                 if val.dtype in _HALF:  # (a scalar is read by address, as its own dtype)
                     raise Unsupported(f"a scalar of dtype {val.dtype}")
-            if _compute(val.dtype) not in _CTYPE:
+            if compute_dtype(val.dtype) not in _CTYPE:
                 raise Unsupported(f"dtype {val.dtype}")
-            self.dtypes[node] = _compute(val.dtype)
+            self.dtypes[node] = compute_dtype(val.dtype)
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 continue
@@ -341,7 +341,7 @@ class _Writer:
             # a leaf-shaped result computed from scalars only (``zeros_like(x)``) is written
             # to every element
             if not isinstance(o, torch.fx.Node) or (
-                o not in self.vec and tuple(o.meta["val"].shape) != (_TRACE_NUMEL,)
+                o not in self.vec and tuple(o.meta["val"].shape) != (TRACE_NUMEL,)
             ):
                 raise Unsupported("a result that is not a leaf-shaped value")
             out_dtypes.append(o.meta["val"].dtype)
@@ -369,7 +369,7 @@ class _Writer:
         for k in range(first_per_leaf, nin):  # the leaf's own values, then what they give
             d = in_dtypes[k]
             x = _LOAD[d].format(x=f"*p{k}") if d in _HALF else f"*p{k}"
-            lines.append(f"    const {_CTYPE[_compute(d)]} x{k} = {x};")
+            lines.append(f"    const {_CTYPE[compute_dtype(d)]} x{k} = {x};")
         lines += ["    " + x for x in self.mid]
 
         def loop(count: str, index: str, dst: str, indent: str) -> list:
@@ -378,7 +378,7 @@ class _Writer:
             for k, d in enumerate(in_dtypes[:first_per_leaf]):
                 x = f"p{k}[{index}]"
                 x = _LOAD[d].format(x=x) if d in _HALF else x
-                out.append(f"{indent}  const {_CTYPE[_compute(d)]} x{k} = {x};")
+                out.append(f"{indent}  const {_CTYPE[compute_dtype(d)]} x{k} = {x};")
             out += [f"{indent}  {x}" for x in self.body]
             for j, (o, d) in enumerate(zip(outputs, out_dtypes)):
                 x = self.val(o, d)
@@ -403,11 +403,11 @@ class _Writer:
         return "\n".join(lines) + "\n", [in_dtypes, out_dtypes]
 
     def lower(self, node):
-        op = _op_name(node.target)
+        op = op_name(node.target)
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise Unsupported(node.format_node())
-        dtype = _compute(val.dtype)
+        dtype = compute_dtype(val.dtype)
         args = node.args
         vec = any(self.is_vec(a) for a in args if isinstance(a, torch.fx.Node))
         self.leafy_now = not vec and any(
@@ -448,7 +448,7 @@ class _Writer:
             return self.emit(node, f"({b} - {a})", dtype, vec)
         if op in _BINARY and len(args) == 2:
             if dtype == torch.bool and op not in ("logical_and", "logical_or"):
-                common = _compute(_common(args))
+                common = compute_dtype(common_dtype(args))
                 a, b = self.val(args[0], common), self.val(args[1], common)
             else:
                 a, b = self.val(args[0], dtype), self.val(args[1], dtype)
@@ -511,20 +511,20 @@ class _Writer:
         raise Unsupported(node.format_node())
 
 
-def _common(args) -> torch.dtype:
+def common_dtype(args) -> torch.dtype:
     vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
     return torch.result_type(*vals) if len(vals) == 2 else vals[0].dtype
 
 
-_TRACE_NUMEL = 3  # the leaves a stage is traced on: 1-D, of this many elements
+TRACE_NUMEL = 3  # the leaves a stage is traced on: 1-D, of this many elements
 
 
-def _trace(fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int):
+def trace(fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     first_per_leaf = len(in_dtypes) - n_per_leaf
     ins = tuple(
-        torch.zeros(_TRACE_NUMEL if k < first_per_leaf else (), dtype=d)
+        torch.zeros(TRACE_NUMEL if k < first_per_leaf else (), dtype=d)
         for k, d in enumerate(in_dtypes)
     )
     scs = tuple(torch.ones((), dtype=d) for d in scalar_dtypes)
@@ -547,7 +547,7 @@ class Kernel:
     __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "_lib")
 
     def __init__(self, fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int = 0):
-        gm = _trace(fn, in_dtypes, scalar_dtypes, n_per_leaf)
+        gm = trace(fn, in_dtypes, scalar_dtypes, n_per_leaf)
         w = _Writer(gm, len(in_dtypes), len(scalar_dtypes), n_per_leaf)
         self.source, (_, out_dtypes) = w.source("ft_stage")
         self.n_inputs = len(in_dtypes)
@@ -590,12 +590,17 @@ class Kernel:
         self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0], stream)
 
 
-def scalar_pointers(scalars: Sequence) -> tuple | None:
+def scalar_pointers(scalars: Sequence, device: torch.device | None = None) -> tuple | None:
     """``(addresses, dtypes, keep)`` for a kernel call: the address of each scalar's value (a
     0-dim CPU tensor's own memory, read by the kernel: no host read in Python; a Python number
     copied into a float64 buffer) and its dtype for the kernel's signature; ``keep`` holds
     what must stay alive through the call. ``None`` where a scalar cannot be read so (a tensor
-    on another device, of more than one element, or one autograd records)."""
+    on another device, of more than one element, or one autograd records). For the kernels of
+    a CUDA ``device``: :func:`.fuse_triton.scalar_slots`."""
+    if device is not None and device.type != "cpu":
+        from . import fuse_triton
+
+        return fuse_triton.scalar_slots(scalars, device)
     addrs = array.array("q", [0]) * max(len(scalars), 1)
     dtypes = []
     numbers = array.array("d", [0.0]) * max(len(scalars), 1)
@@ -624,12 +629,18 @@ def scalar_pointers(scalars: Sequence) -> tuple | None:
 
 
 def kernel_for(
-    fn: Callable, in_dtypes: tuple, scalar_dtypes: tuple, n_per_leaf: int = 0
+    fn: Callable,
+    in_dtypes: tuple,
+    scalar_dtypes: tuple,
+    n_per_leaf: int = 0,
+    device_type: str = "cpu",
 ) -> Kernel | None:
     """The compiled kernel of ``fn`` for these dtypes, or ``None`` where it cannot be generated
     (an unsupported operation or dtype, no compiler). ``n_per_leaf``: the last inputs hold one
-    value per leaf (a 0-dim tensor each: a trust ratio), read once per leaf."""
-    key = (fn, in_dtypes, scalar_dtypes, n_per_leaf)
+    value per leaf (a 0-dim tensor each: a trust ratio), read once per leaf. ``device_type``
+    ``"cuda"``: a :class:`.fuse_triton.TritonKernel` (``scalar_dtypes``: the kinds of
+    :func:`.fuse_triton.scalar_slots`)."""
+    key = (fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type)
     k = _kernels.get(key, _MISSING)
     if k is not _MISSING:
         return k
@@ -638,7 +649,12 @@ def kernel_for(
         if k is not _MISSING:
             return k
         try:
-            k = Kernel(fn, in_dtypes, scalar_dtypes, n_per_leaf)
+            if device_type == "cpu":
+                k = Kernel(fn, in_dtypes, scalar_dtypes, n_per_leaf)
+            else:
+                from .fuse_triton import TritonKernel
+
+                k = TritonKernel(fn, in_dtypes, scalar_dtypes, n_per_leaf)
         except Unsupported as e:
             if DEBUG:
                 warnings.warn(f"functional_train: a stage runs leaf by leaf: {e}", stacklevel=3)

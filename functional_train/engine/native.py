@@ -55,7 +55,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     d = os.environ.get("FT_CACHE_DIR")
     if d:
         return Path(d)
@@ -94,7 +94,7 @@ class CompileError(RuntimeError):
 
 def build_library(source: bytes, prefix: str, flags: list) -> Path:
     """The shared library of the C ``source`` compiled with ``flags``: built on first use with
-    the system compiler (:func:`_compiler`) into the cache directory (:func:`_cache_dir`)
+    the system compiler (:func:`_compiler`) into the cache directory (:func:`cache_dir`)
     under ``<prefix>-<key>.so``, ``key`` a hash of the source, the compiler, the flags and the
     CPU; later calls and processes reuse the file.
 
@@ -106,7 +106,7 @@ def build_library(source: bytes, prefix: str, flags: list) -> Path:
     key = hashlib.sha256(
         b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu().encode()])
     ).hexdigest()[:24]
-    path = _cache_dir() / f"{prefix}-{key}.so"
+    path = cache_dir() / f"{prefix}-{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,580 @@
+"""Fused elementwise passes on CUDA: one generated Triton kernel per stage.
+
+The CUDA counterpart of :mod:`.fuse`'s C kernels. The stage (a per-leaf function of plain
+tensor operations, see :mod:`.fuse`) is traced once per signature with ``make_fx`` into ATen
+operations, as for the C kernels (:func:`.fuse.trace`); each operation becomes one line of a
+Triton kernel, which :func:`triton.jit` compiles for the GPU (Triton caches the binary in
+``~/.triton``; the generated source is written to ``$FT_CACHE_DIR/triton``).
+
+One launch runs every leaf of the lists, reading each input once and writing each result once,
+in the manner of torch's multi-tensor-apply kernels (``torch._fused_adamw_``): each program
+instance takes one block of ``BLOCK`` elements of one leaf, found through a table of (leaf,
+first element) pairs, and the leaf's tensors through a table of addresses. The address table
+and the host scalars (Python numbers, 0-dim CPU tensors: values, not addresses) travel in one
+``int64`` tensor copied to the device per call (a few kB; no read of device memory on the
+host), the block table is cached per set of leaf sizes. A 0-dim tensor on the leaves' device (a
+clip factor, a bias correction, a scheduled learning rate) is read by the kernel through its
+address, so a stage's scalars never synchronise the host.
+
+Arithmetic follows ATen's CUDA kernels: half-precision leaves are computed in float32 and
+rounded once where stored (ATen's ``opmath``); float32 division and square root are IEEE's
+correctly rounded ones (``div_rn``, ``sqrt_rn``; Triton's defaults are approximations);
+``add`` with ``alpha``, ``addcmul`` and ``lerp`` are fused multiply-adds, as ATen writes them.
+ATen's CUDA kernels are compiled with contraction on (``nvcc``'s default ``-fmad=true``), so an
+unfused ``a * b + c`` of theirs may round once where this kernel rounds twice: the results
+equal the stage run by torch to float rounding (``tests/test_fused.py`` states the tolerance).
+Selects (``torch.where``, NaN-propagating ``maximum`` / ``minimum``) are exact.
+
+Used when Triton is importable and the leaves are plain contiguous CUDA tensors of float32,
+float64, bfloat16 or float16 on one device; anything else (an operation the writer does not
+write, another device) runs leaf by leaf in torch, as before. ``FT_FUSED_KERNELS=0`` turns
+these kernels off as it does the C ones.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import hashlib
+import importlib.util
+import os
+import struct
+import sys
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from . import native
+from .fuse import TRACE_NUMEL, Unsupported, common_dtype, compute_dtype, op_name, trace
+
+__all__ = ["available", "TritonKernel", "scalar_slots", "BLOCK"]
+
+# elements per program instance (``FT_TRITON_BLOCK``: a power of two, for measuring)
+BLOCK = int(os.environ.get("FT_TRITON_BLOCK", "1024"))
+_NUM_WARPS = 4
+
+# the dtypes a leaf or scalar may have, as Triton names them
+_TL = {
+    torch.float32: "tl.float32",
+    torch.float64: "tl.float64",
+    torch.bfloat16: "tl.bfloat16",
+    torch.float16: "tl.float16",
+    torch.int64: "tl.int64",
+    torch.int32: "tl.int32",
+    torch.bool: "tl.int1",
+}
+_LEAF_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+_triton = None  # (triton, triton.language) once imported; False when not importable
+
+
+def available(device: torch.device) -> bool:
+    """Whether stages on ``device`` can run as generated Triton kernels: a CUDA device and an
+    importable Triton."""
+    global _triton
+    if device.type != "cuda":
+        return False
+    if _triton is None:
+        try:
+            import triton
+            import triton.language as tl
+
+            _triton = (triton, tl)
+        except Exception:  # (not installed, or no working backend)
+            _triton = False
+    return _triton is not False
+
+
+_BINARY = {
+    "add": "({a} + {b})",
+    "sub": "({a} - {b})",
+    "mul": "({a} * {b})",
+    "maximum": "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
+    "minimum": "tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
+    "eq": "({a} == {b})",
+    "ne": "({a} != {b})",
+    "lt": "({a} < {b})",
+    "le": "({a} <= {b})",
+    "gt": "({a} > {b})",
+    "ge": "({a} >= {b})",
+    "logical_and": "({a} & {b})",
+    "logical_or": "({a} | {b})",
+    "bitwise_and": "({a} & {b})",
+    "bitwise_or": "({a} | {b})",
+}
+
+
+class _Writer:
+    """Triton source of one stage from its traced graph (the operations :mod:`.fuse`'s C
+    writer lowers, with ATen's CUDA arithmetic)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, scalar_kinds, n_per_leaf: int):
+        self.gm = gm
+        self.n_inputs = n_inputs
+        self.scalar_kinds = scalar_kinds  # per scalar: (dtype, read through an address)
+        self.n_per_leaf = n_per_leaf
+        self.names: dict = {}
+        self.dtypes: dict = {}
+        self.vec: set = set()  # values per element (the others are 0-dim: per call or leaf)
+        self.lines: list = []
+        self.consts: list = []  # the literals, as module-level constexprs
+
+    def lit(self, v, dtype) -> str:
+        name = f"_C{len(self.consts)}"
+        if dtype == torch.bool:
+            v = bool(v)
+        elif dtype in (torch.int64, torch.int32):
+            v = int(v)
+        else:
+            v = float(v)
+        self.consts.append(f"{name} = tl.constexpr({v!r})")
+        if isinstance(v, float) and v != v:
+            self.consts[-1] = f"{name} = tl.constexpr(float('nan'))"
+        elif isinstance(v, float) and v in (float("inf"), float("-inf")):
+            self.consts[-1] = f"{name} = tl.constexpr(float('{'inf' if v > 0 else '-inf'}'))"
+        return f"tl.full([], {name}, {_TL[dtype]})"
+
+    def val(self, arg, want=None) -> str:
+        want = None if want is None else compute_dtype(want)
+        if isinstance(arg, torch.fx.Node):
+            name = self.names[arg]
+            if want is not None and self.dtypes[arg] != want:
+                return f"{name}.to({_TL[want]})"
+            return name
+        if isinstance(arg, (bool, int, float)):
+            if want is None:
+                want = (
+                    torch.bool
+                    if isinstance(arg, bool)
+                    else torch.float64
+                    if isinstance(arg, float)
+                    else torch.int64
+                )
+            return self.lit(arg, want)
+        raise Unsupported(f"argument {arg!r}")
+
+    def is_vec(self, arg) -> bool:
+        return isinstance(arg, torch.fx.Node) and arg in self.vec
+
+    def emit(self, node, expr: str, dtype, vec: bool):
+        dtype = compute_dtype(dtype)
+        if dtype not in _TL:
+            raise Unsupported(f"dtype {dtype} of {node.format_node()}")
+        name = f"v{len(self.names)}"
+        self.names[node] = name
+        self.dtypes[node] = dtype
+        self.lines.append(f"{name} = {expr}")
+        if vec:
+            self.vec.add(node)
+
+    def tmp(self, expr: str) -> str:
+        name = f"t{len(self.lines)}"
+        self.lines.append(f"{name} = {expr}")
+        return name
+
+    def div(self, a: str, b: str, dtype) -> str:
+        return f"tl.div_rn({a}, {b})" if dtype == torch.float32 else f"({a} / {b})"
+
+    def sqrt(self, a: str, dtype) -> str:
+        return f"tl.sqrt_rn({a})" if dtype == torch.float32 else f"tl.sqrt({a})"
+
+    def source(self, fn_name: str) -> tuple[str, list, list]:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        n_sc = len(self.scalar_kinds)
+        if len(placeholders) != self.n_inputs + n_sc:
+            raise Unsupported("unexpected placeholders")
+        first_per_leaf = self.n_inputs - self.n_per_leaf
+        in_dtypes = []
+        outputs: list = []
+        for k, node in enumerate(placeholders):
+            d = node.meta["val"].dtype
+            if k < self.n_inputs:
+                if d not in _LEAF_DTYPES:
+                    raise Unsupported(f"a leaf of dtype {d}")
+                in_dtypes.append(d)
+                self.names[node] = f"x{k}"
+                if k < first_per_leaf:
+                    self.vec.add(node)
+            else:
+                self.names[node] = f"s{k - self.n_inputs}"
+            if compute_dtype(d) not in _TL:
+                raise Unsupported(f"dtype {d}")
+            self.dtypes[node] = compute_dtype(d)
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                outputs = list(node.args[0])
+                continue
+            if node.op != "call_function":
+                raise Unsupported(node.format_node())
+            self.lower(node)
+        out_dtypes = []
+        for o in outputs:
+            if not isinstance(o, torch.fx.Node) or (
+                o not in self.vec and tuple(o.meta["val"].shape) != (TRACE_NUMEL,)
+            ):
+                raise Unsupported("a result that is not a leaf-shaped value")
+            if o.meta["val"].dtype not in _LEAF_DTYPES:
+                raise Unsupported(f"a result of dtype {o.meta['val'].dtype}")
+            out_dtypes.append(o.meta["val"].dtype)
+        nin, nout = self.n_inputs, len(outputs)
+        nr = nin + nout + 1  # a leaf's row of the table: its addresses, then its numel
+        src = [
+            "import triton",
+            "import triton.language as tl",
+            "",
+            *self.consts,
+            "",
+            "",
+            "@triton.jit",
+            f"def {fn_name}(tab, blocks, sc_off, BLOCK: tl.constexpr):",
+            "    pid = tl.program_id(0)",
+            "    leaf = tl.load(blocks + 2 * pid)",
+            "    offs = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)",
+            f"    row = tab + leaf * {nr}",
+            f"    mask = offs < tl.load(row + {nr - 1})",
+        ]
+        for k, (d, by_address) in enumerate(self.scalar_kinds):
+            slot = f"tl.load(tab + sc_off + {k})"
+            if by_address:
+                x = f"tl.load({slot}.to(tl.pointer_type({_storage_tl(d)})))"
+                x = f"({x} != 0)" if d == torch.bool else x
+            elif d.is_floating_point:
+                x = f"{slot}.to(tl.float64, bitcast=True).to({_TL[compute_dtype(d)]})"
+            elif d == torch.bool:
+                x = f"({slot} != 0)"
+            else:
+                x = f"{slot}.to({_TL[d]})"
+            src.append(f"    s{k} = {x}")
+        for k, d in enumerate(in_dtypes):
+            ptr = f"tl.load(row + {k}).to(tl.pointer_type({_TL[d]}))"
+            x = f"tl.load({ptr} + offs, mask=mask)" if k < first_per_leaf else f"tl.load({ptr})"
+            if compute_dtype(d) != d:
+                x = f"{x}.to({_TL[compute_dtype(d)]})"
+            src.append(f"    x{k} = {x}")
+        src += ["    " + x for x in self.lines]
+        for j, (o, d) in enumerate(zip(outputs, out_dtypes)):
+            x = self.val(o, d)
+            if o not in self.vec:  # (computed from scalars only: written to every element)
+                x = f"({x} + tl.zeros([BLOCK], {_TL[compute_dtype(d)]}))"
+            if compute_dtype(d) != d:
+                x = f"{x}.to({_TL[d]})"
+            ptr = f"tl.load(row + {nin + j}).to(tl.pointer_type({_TL[d]}))"
+            src.append(f"    tl.store({ptr} + offs, {x}, mask=mask)")
+        return "\n".join(src) + "\n", in_dtypes, out_dtypes
+
+    def lower(self, node):
+        op = op_name(node.target)
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise Unsupported(node.format_node())
+        dtype = compute_dtype(val.dtype)
+        args = node.args
+        vec = any(self.is_vec(a) for a in (*args, *node.kwargs.values()))
+        if op in ("add", "sub") and len(args) == 2 and "alpha" in node.kwargs:
+            al = self.val(node.kwargs["alpha"], dtype)
+            if op == "sub":
+                al = f"(-{al})"
+            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, f"tl.fma({al}, {b}, {a})", dtype, vec)
+        if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
+            x = self.val(args[0], dtype)
+            src = args[0].meta["val"].dtype if isinstance(args[0], torch.fx.Node) else None
+            if val.dtype != compute_dtype(val.dtype) and src != val.dtype:  # rounded to half here
+                x = f"{x}.to({_TL[val.dtype]}).to({_TL[dtype]})"
+            return self.emit(node, x, dtype, vec)
+        if op == "addcmul" and len(args) == 3 and set(node.kwargs) <= {"value"}:
+            a, b, c = (self.val(x, dtype) for x in args)
+            if "value" in node.kwargs:
+                b = f"({self.val(node.kwargs['value'], dtype)} * {b})"
+            return self.emit(node, f"tl.fma({b}, {c}, {a})", dtype, vec)
+        if op in ("full_like", "zeros_like", "ones_like", "scalar_tensor", "full") and set(
+            node.kwargs
+        ) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}:
+            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
+            if fill is None:
+                fill = args[1] if op in ("full_like", "full") else args[0]
+            return self.emit(node, self.val(fill, dtype), dtype, False)
+        if node.kwargs:
+            raise Unsupported(node.format_node())
+        if op == "rsub" and len(args) == 2:
+            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, f"({b} - {a})", dtype, vec)
+        if op == "div" and len(args) == 2:
+            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, self.div(a, b, dtype), dtype, vec)
+        if op in _BINARY and len(args) == 2:
+            if dtype == torch.bool and op not in ("logical_and", "logical_or"):
+                common = compute_dtype(common_dtype(args))
+                a, b = self.val(args[0], common), self.val(args[1], common)
+            else:
+                a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, _BINARY[op].format(a=a, b=b), dtype, vec)
+        if len(args) == 1 and op in (
+            "neg",
+            "abs",
+            "sqrt",
+            "rsqrt",
+            "reciprocal",
+            "logical_not",
+            "bitwise_not",
+            "sign",
+            "isnan",
+            "isfinite",
+        ):
+            if op in ("isnan", "isfinite"):
+                a = self.val(args[0])
+            else:
+                a = self.val(args[0], dtype if dtype != torch.bool else None)
+            one = self.lit(1, dtype) if dtype != torch.bool else ""
+            expr = {
+                "neg": f"(-{a})",
+                "abs": f"tl.abs({a})",
+                "sqrt": self.sqrt(a, dtype),
+                "rsqrt": self.div(one, self.sqrt(a, dtype), dtype),
+                "reciprocal": self.div(one, a, dtype),
+                "logical_not": f"({a} == 0)",
+                "bitwise_not": f"({a} == 0)",
+                "sign": f"(({a} > 0).to({_TL[dtype]}) - ({a} < 0).to({_TL[dtype]}))",
+                "isnan": f"({a} != {a})",
+                "isfinite": f"(({a} - {a}) == ({a} - {a}))",
+            }[op]
+            return self.emit(node, expr, dtype, vec)
+        if op == "where" and len(args) == 3:
+            c = self.val(args[0])
+            a, b = self.val(args[1], dtype), self.val(args[2], dtype)
+            return self.emit(node, f"tl.where({c}, {a}, {b})", dtype, vec)
+        if op == "pow" and len(args) == 2:
+            ex = args[1]
+            if isinstance(ex, (int, float)) and float(ex) == 2.0:
+                a = self.val(args[0], dtype)
+                return self.emit(node, f"({a} * {a})", dtype, vec)
+            if isinstance(ex, (int, float)) and float(ex) == 0.5:
+                return self.emit(node, self.sqrt(self.val(args[0], dtype), dtype), dtype, vec)
+            if not vec:
+                a, b = self.val(args[0], dtype), self.val(ex, dtype)
+                return self.emit(node, f"libdevice.pow({a}, {b})", dtype, vec)
+            raise Unsupported(node.format_node())
+        if op == "lerp" and len(args) == 3:
+            # ATen's lerp: start + weight * (end - start) when |weight| < 0.5, else
+            # end - (end - start) * (1 - weight), as fused multiply-adds
+            a, b, w = (self.val(x, dtype) for x in args)
+            small = self.tmp(f"tl.abs({w}) < 0.5")
+            coeff = self.tmp(f"tl.where({small}, {w}, {w} - {self.lit(1, dtype)})")
+            base = self.tmp(f"tl.where({small}, {a}, {b})")
+            return self.emit(node, f"tl.fma({coeff}, {b} - {a}, {base})", dtype, vec)
+        if op == "addcdiv" and len(args) == 3:
+            a, b, c = (self.val(x, dtype) for x in args)
+            return self.emit(node, f"({a} + {self.div(b, c, dtype)})", dtype, vec)
+        if op in ("clamp", "clamp_min", "clamp_max"):
+            a = self.val(args[0], dtype)
+            lo = args[1] if op != "clamp_max" else None
+            hi = (
+                args[2]
+                if op == "clamp" and len(args) > 2
+                else (args[1] if op == "clamp_max" else None)
+            )
+            expr = a
+            if lo is not None:
+                expr = _BINARY["maximum"].format(a=expr, b=self.val(lo, dtype))
+            if hi is not None:
+                expr = _BINARY["minimum"].format(a=expr, b=self.val(hi, dtype))
+            return self.emit(node, expr, dtype, vec)
+        raise Unsupported(node.format_node())
+
+
+def _storage_tl(dtype) -> str:
+    """The Triton type a scalar of ``dtype`` is read from memory as (a bool as its byte)."""
+    return "tl.int8" if dtype == torch.bool else _TL[dtype]
+
+
+def _load_source(source: str, fn_name: str):
+    """The jitted function of ``source``, written to a file (Triton reads a kernel's source
+    from its module's file) in ``$FT_CACHE_DIR/triton`` under a name keyed by the source."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    d = native.cache_dir() / "triton"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"ft_stage_{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    name = f"functional_train_triton_{digest}"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules[name] = mod
+    return getattr(mod, fn_name)
+
+
+_blocks_cache: dict = {}
+_GET_DEVICE = torch.Tensor.get_device
+
+
+def _blocks(numels: tuple, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The (leaf, first element) pairs of every block of ``BLOCK`` elements, on ``device``,
+    and their number (cached per set of leaf sizes)."""
+    key = (numels, device)
+    hit = _blocks_cache.get(key)
+    if hit is None:
+        pairs = array.array("q")
+        for leaf, n in enumerate(numels):
+            for start in range(0, n, BLOCK):
+                pairs.extend((leaf, start))
+        if len(_blocks_cache) > 256:
+            _blocks_cache.clear()
+        on_device = (
+            torch.frombuffer(pairs, dtype=torch.int64).to(device)
+            if pairs
+            else torch.empty(0, dtype=torch.int64, device=device)
+        )
+        hit = _blocks_cache[key] = (on_device, len(pairs) // 2)
+    return hit
+
+
+def source_of(fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0) -> tuple[str, list]:
+    """The Triton source of the stage ``fn`` (its kernel ``ft_stage``) for leaves of
+    ``in_dtypes`` and scalars of ``scalar_kinds`` (:func:`scalar_slots`' kinds), and the
+    dtypes of its results. Needs no Triton (the source is text).
+
+    Raises:
+        Unsupported: an operation or dtype the writer does not write.
+    """
+    gm = trace(fn, in_dtypes, tuple(d for d, _ in scalar_kinds), n_per_leaf)
+    source, _, out_dtypes = _Writer(gm, len(in_dtypes), scalar_kinds, n_per_leaf).source(
+        "ft_stage"
+    )
+    if "libdevice." in source:
+        source = source.replace(
+            "import triton.language as tl\n",
+            "import triton.language as tl\nfrom triton.language.extra import libdevice\n",
+            1,
+        )
+    return source, out_dtypes
+
+
+_tables: dict = {}  # (the table's bytes, device) -> the table on the device, newest last
+_TABLES_MAX = 64
+
+
+def _table(tab: array.array, device: torch.device) -> torch.Tensor:
+    """``tab`` on ``device``. A donated step's table (the same addresses and host scalars every
+    step) is copied once and kept; a new one goes through pinned memory, so the copy is
+    asynchronous (from pageable memory, CUDA synchronises the stream first: the host would
+    wait for all the work queued before it, every stage)."""
+    key = (tab.tobytes(), device)
+    hit = _tables.pop(key, None)
+    if hit is None:
+        src = torch.frombuffer(tab, dtype=torch.int64)
+        if device.type == "cuda":
+            host = torch.empty(len(tab), dtype=torch.int64, pin_memory=True)
+            host.copy_(src)
+            hit = host.to(device, non_blocking=True)
+        else:  # (Triton's interpreter, in tests: the table is read where it is)
+            hit = src.clone()
+        if len(_tables) >= _TABLES_MAX:
+            del _tables[next(iter(_tables))]
+    _tables[key] = hit
+    return hit
+
+
+class TritonKernel:
+    """A stage compiled for one signature, called like :class:`.fuse.Kernel` on lists of CUDA
+    leaves; ``scalars``: :func:`scalar_slots`' values."""
+
+    __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "_checked")
+
+    def __init__(self, fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0):
+        self.source, out_dtypes = source_of(fn, in_dtypes, scalar_kinds, n_per_leaf)
+        self.n_inputs = len(in_dtypes)
+        self.n_outputs = len(out_dtypes)
+        self.out_dtypes = out_dtypes
+        self.fn = _load_source(self.source, "ft_stage")
+        self._checked = False  # Triton compiles at the first launch
+
+    def __call__(self, inputs, outputs, scalars, fresh: bool = False) -> bool:
+        """Run on the leaves of ``inputs`` (per input, a list of contiguous CUDA tensors of
+        the kernel's dtypes on one device; equal sizes leaf by leaf), writing ``outputs`` (per
+        result, a list of tensors of those sizes; a result may be its input's tensor: in
+        place). ``fresh`` is :class:`.fuse.Kernel`'s, unused here. ``False`` (nothing written)
+        where Triton could not compile the kernel: the caller runs the stage in torch (a
+        warning names the error once)."""
+        if self._checked is None:
+            return False
+        first = inputs[0]
+        n = len(first)
+        roles = list(inputs) + list(outputs)
+        nr = len(roles) + 1
+        numels = tuple(map(torch.Tensor.numel, first))
+        tab = array.array("q", [0]) * (n * nr)
+        for r, lst in enumerate(roles):
+            tab[r::nr] = array.array("q", map(torch.Tensor.data_ptr, lst))
+        tab[nr - 1 :: nr] = array.array("q", numels)
+        tab.extend(scalars)
+        device = first[0].device
+        index = first[0].get_device()
+        for lst in outputs:  # (an engine bug otherwise: the kernel would write another device)
+            if set(map(_GET_DEVICE, lst)) != {index}:
+                raise RuntimeError(f"a fused stage's results are not all on {device}")
+        blocks, nblocks = _blocks(numels, device)
+        if nblocks == 0:
+            return True
+        t = _table(tab, device)
+        other = device.type == "cuda" and torch.cuda.current_device() != index
+        with torch.cuda.device(device) if other else contextlib.nullcontext():
+            if self._checked:
+                self.fn[(nblocks,)](t, blocks, n * nr, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+                return True
+            try:  # the first launch compiles
+                self.fn[(nblocks,)](t, blocks, n * nr, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+            except Exception as e:
+                self._checked = None
+                warnings.warn(
+                    f"functional_train: a fused stage runs leaf by leaf, its generated Triton "
+                    f"kernel did not compile ({type(e).__name__}: {e})",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return False
+            self._checked = True
+        return True
+
+
+def scalar_slots(scalars: Sequence, device: torch.device) -> tuple | None:
+    """``(slots, kinds, keep)`` for a :class:`TritonKernel` call on ``device``: per scalar an
+    ``int64`` slot (a 0-dim tensor on ``device``: its address, read by the kernel; a Python
+    number or 0-dim CPU tensor: its value, a float's as float64 bits) and its kind
+    ``(dtype, by address)`` for the kernel's signature; ``keep`` holds what must stay alive
+    through the call. ``None`` where a scalar cannot be passed so (a tensor of more than one
+    element, on another device, or one autograd records)."""
+    slots = array.array("q")
+    kinds = []
+    keep: list = []
+    for x in scalars:
+        if isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor or x.numel() != 1 or x.requires_grad or x.ndim != 0:
+                return None
+            if x.dtype not in _TL:
+                return None
+            if x.device == device:
+                keep.append(x)
+                slots.append(x.data_ptr())
+                kinds.append((x.dtype, True))
+                continue
+            if not x.is_cpu:
+                return None
+            v = x.item()
+            d = x.dtype
+        else:  # (a Python number: float64, as the C kernels read it)
+            v, d = float(x), torch.float64
+        if d.is_floating_point:
+            slots.append(struct.unpack("q", struct.pack("d", float(v)))[0])
+        else:
+            slots.append(int(v))
+        kinds.append((d, False))
+    return slots, tuple(kinds), keep
