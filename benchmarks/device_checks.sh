@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The checks and benchmarks a session runs on a lent CUDA machine (the device tool), as one
+# script: the environment, the device-generic tests on CUDA, and bench_compose on CUDA.
+# Usage there: bash benchmarks/device_checks.sh [step ...]   (steps: env tests compose aliases)
+# Logs go to $OUT (or /tmp/device_checks when OUT is unset); each step has its own time limit.
+# The machine's python3 holds a CUDA torch; optree travels as a wheel in .whl (see the
+# device tool's README), installed into /tmp/site.
+set -u
+OUT=${OUT:-/tmp/device_checks}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+else
+  export PYTHONPATH=$PWD
+fi
+steps=${*:-env tests compose}
+for s in $steps; do
+  echo "=== $s $(date +%T)"
+  case $s in
+    env)
+      nvidia-smi -L
+      python3 -c 'import torch, optree; print("torch", torch.__version__, torch.version.cuda,
+torch.cuda.get_device_name(), "optree", optree.__version__)'
+      FT_FUSED_DEBUG=1 timeout 120 python3 -W always -c 'import torch, functional_train as ft
+p = {"w": torch.randn(64, 32, device="cuda"), "b": torch.randn(32, device="cuda")}
+g = {k: torch.randn_like(v) for k, v in p.items()}
+tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-3))
+s = tx.init(p)
+p2, s2 = ft.step(tx, g, s, p)
+print("ft.step on cuda:", {k: float((p2[k] - p[k]).abs().max()) for k in p})
+from functional_train.engine import fuse_triton
+from functional_train.engine import fuse
+print("triton:", fuse_triton.available(p["w"].device),
+      "kernels:", [type(k).__name__ for k in fuse._kernels.values()])' 2>&1 | tail -20
+      ;;
+    tests)
+      timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider --device cuda \
+        tests/test_fused.py tests/test_fused_wrappers.py tests/test_bad_input.py 2>&1 | tee "$OUT/tests_cuda.log" | tail -40
+      ;;
+    compose)
+      timeout 240 python3 benchmarks/bench_compose.py --device cuda --rounds 7 2>&1 \
+        | tee "$OUT/bench_compose_cuda.txt" | tail -45
+      ;;
+    compose-block)  # the generated kernels' block size, on two rows
+      for b in ${BLOCKS:-4096}; do
+        FT_TRITON_BLOCK=$b timeout 120 python3 benchmarks/bench_compose.py --device cuda \
+          --rounds 7 --rows adamw,primitives 2>&1 | tee "$OUT/bench_compose_cuda_block$b.txt" \
+          | grep -E "^row|\(c\)|\(d\)|\(a\)"
+      done
+      ;;
+    prof)  # host time by function (cProfile) of donated steps; the script is not committed
+      timeout 150 python3 .dev/prof_cuda.py ${ROWS:-primitives,multi_steps} 2>&1 \
+        | tee "$OUT/prof_cuda.txt" | grep -E "#####|tottime|^ +[0-9]" | head -60
+      ;;
+    compose-compile)
+      timeout 240 python3 benchmarks/bench_compose.py --device cuda --rounds 5 --compile \
+        --rows "${ROWS:-primitives}" 2>&1 | tee "$OUT/bench_compose_cuda_compile.txt" | tail -30
+      ;;
+    *) echo "unknown step $s";;
+  esac
+done
