@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from . import _validate as V
 from . import foreach
 from .aliasing import known_zeros
-from .autograd import detached, host_value, is_differentiable, traced
+from .autograd import detached, host_value, host_values, is_differentiable, traced
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
@@ -193,7 +193,7 @@ def multi_steps(
                 )
         k = int(host_value(state.mini_step, _MINI))  # CPU counter: a host read without device
         # synchronisation
-        seen = [int(host_value(f, _SEEN)) for f in state.seen]  # CPU flags: no sync either
+        seen = [int(v) for v in host_values(state.seen, _SEEN)]  # CPU flags: no sync either
         if len(seen) != len(g):
             raise ValueError(
                 f"multi_steps: MultiStepsState.seen has {len(seen)} flags for "
@@ -306,9 +306,14 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         active = set(b.active)
 
         def finish(trees):
-            seen = tuple(
-                _flag(1) if i in active and not host_value(f, _SEEN) else f
-                for i, f in enumerate(state.seen)
+            flags = host_values(state.seen, _SEEN)
+            seen = (
+                state.seen  # (every leaf seen already: the same flags)
+                if all(flags)
+                else tuple(
+                    _flag(1) if not v and i in active else f
+                    for i, (f, v) in enumerate(zip(state.seen, flags))
+                )
             )
             return MultiStepsState(
                 state.mini_step + 1,
@@ -330,7 +335,9 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
                 state.gradient_step + 1,
                 state.inner_state,  # (replaced by the inner's new state in join)
                 trees[0],
-                tuple(_flag(0) if host_value(f, _SEEN) else f for f in state.seen),
+                tuple(
+                    _flag(0) if v else f for f, v in zip(state.seen, host_values(state.seen, _SEEN))
+                ),
                 state.skip_state,
             )
 

@@ -127,6 +127,14 @@ def host_value(x: torch.Tensor, what: str) -> float:
     return values.pop()
 
 
+def host_values(xs, what: str) -> list:
+    """:func:`host_value` of each of ``xs`` (one check of the transform stack for them all:
+    a flag per leaf is read every step)."""
+    if not traced():
+        return [x.item() for x in xs]
+    return [host_value(x, what) for x in xs]
+
+
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 

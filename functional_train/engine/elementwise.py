@@ -822,9 +822,10 @@ def _simulated_ranks(u, p, fields, scalars):
     if LocalTensor is None:
         return None
     for lst in (u, p or (), *fields, scalars):
-        for x in lst:
-            if type(x) is LocalTensor:
-                return sorted(x._local_tensors)
+        if LocalTensor in set(map(type, lst)):  # (whole lists: this runs every stage)
+            for x in lst:
+                if type(x) is LocalTensor:
+                    return sorted(x._local_tensors)
     return None
 
 
@@ -880,7 +881,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     if n == 0:
         return [[] for _ in range(n_out)]
     ins, dst = _inputs(stage, u, p, fields)
-    cx = any(x.is_complex() for x in u)
+    cx = any(map(_IS_COMPLEX, u))
     if cx:
         ins = [
             [torch.view_as_real(x) if x is not None and x.is_complex() else x for x in lst]
@@ -1011,6 +1012,7 @@ _DTYPE, _IS_CPU, _REQUIRES_GRAD, _DEVICE = (
     operator.attrgetter(a) for a in ("dtype", "is_cpu", "requires_grad", "device")
 )
 _CONTIGUOUS = torch.Tensor.is_contiguous
+_IS_COMPLEX = torch.Tensor.is_complex
 
 
 def _without(fn, absent: tuple, n_in: int, dst: list):
@@ -1073,7 +1075,8 @@ def _function(stage, counts, key):
 def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
     """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
     as asked (a donated buffer of another dtype)."""
-    cols = [[lst[j] for j in idx] for lst in ins]
+    whole = len(idx) == len(ins[0])  # (every leaf: the common case, lists as they are)
+    cols = [list(lst) for lst in ins] if whole else [[lst[j] for j in idx] for lst in ins]
     n_out = len(outs)
     if apply == "donate":
         # each result over its input; one of another dtype (a stage whose updates widen:
@@ -1082,15 +1085,16 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
             cols[dst[r]] if cols[dst[r]][0].dtype == d else [_fresh(x, d) for x in cols[0]]
             for r, d in enumerate(kernel.out_dtypes)
         ]
-        if any(x.dtype != d for t, d in zip(res, kernel.out_dtypes) for x in t):
-            return False
+        for t, d in zip(res, kernel.out_dtypes):
+            if set(map(_DTYPE, t)) != {d}:
+                return False
     else:
         res = []
         for r, d in enumerate(kernel.out_dtypes):
             # (the updates stand for the results' shapes where their dtype is the result's)
             like = (
                 cols[0]
-                if all(x.dtype == d for x in cols[0])
+                if set(map(_DTYPE, cols[0])) == {d}
                 else [torch.empty((), dtype=d, device=x.device).expand(x.shape) for x in cols[0]]
             )
             res.append(take(f"stage{r}", like) if take is not None else list(map(_fresh, like)))
@@ -1100,8 +1104,11 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
     if kernel(cols, res, sc, fresh=fresh) is False:  # (a Triton kernel that did not compile)
         return False
     for r in range(n_out):
-        for j, x in zip(idx, res[r]):
-            outs[r][j] = x
+        if whole:
+            outs[r][:] = res[r]
+        else:
+            for j, x in zip(idx, res[r]):
+                outs[r][j] = x
     return True
 
 

@@ -446,9 +446,7 @@ def source_of(fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0) -> tuple[str, li
         Unsupported: an operation or dtype the writer does not write.
     """
     gm = trace(fn, in_dtypes, tuple(d for d, _ in scalar_kinds), n_per_leaf)
-    source, _, out_dtypes = _Writer(gm, len(in_dtypes), scalar_kinds, n_per_leaf).source(
-        "ft_stage"
-    )
+    source, _, out_dtypes = _Writer(gm, len(in_dtypes), scalar_kinds, n_per_leaf).source("ft_stage")
     if "libdevice." in source:
         source = source.replace(
             "import triton.language as tl\n",

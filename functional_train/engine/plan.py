@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +47,17 @@ def _leaf_key(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return (x.shape, x.dtype, x.device)
     return type(x)
+
+
+_SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
+
+
+def _leaves_key(leaves: Sequence[Any]) -> tuple:
+    """``_leaf_key`` of each leaf; for a list of plain tensors (the common case) by whole-list
+    C loops (this runs for every step)."""
+    if set(map(type, leaves)) == {torch.Tensor}:
+        return tuple(zip(map(_SHAPE, leaves), map(_DTYPE, leaves), map(_DEVICE, leaves)))
+    return tuple(map(_leaf_key, leaves))
 
 
 def describe(x: Any) -> str:
@@ -302,8 +314,8 @@ def plan_for(
         return Plan(treedef, leaves, pleaves, mesh)
     key = (
         treedef,
-        tuple(map(_leaf_key, leaves)),
-        None if pleaves is None else tuple(map(_leaf_key, pleaves)),
+        _leaves_key(leaves),
+        None if pleaves is None else _leaves_key(pleaves),
         mesh,
     )
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,9 @@ from .layout import region, statistic_shape
 from .plan import Plan, agree_presence, describe, plan_for, same_layout
 
 __all__ = ["Prepared", "prepare", "leaf_paths"]
+
+
+_SHAPE = operator.attrgetter("shape")
 
 
 class Prepared:
@@ -134,6 +138,16 @@ class Prepared:
             ValueError: naming the leaf path whose structure or shape differs.
         """
         leaves = flatten_as(tree, self.treedef, what, "the updates")
+        n = len(leaves)
+        if (  # (plain tensors of the updates' shapes, every leaf active: whole-list checks)
+            not torch.compiler.is_compiling()
+            and len(self.active) == n
+            and self.specs.count(None) == n
+            and set(map(type, leaves)) == {torch.Tensor}
+            and set(map(type, self.updates)) == {torch.Tensor}
+            and list(map(_SHAPE, leaves)) == list(map(_SHAPE, self.updates))
+        ):
+            return list(leaves)
         # the DTensorSpec objects already checked, per leaf (states keep their spec objects from
         # step to step, so the layout is checked once per layout, not per step)
         # (not under torch.compile: reading x._spec there makes dynamo guard on the spec
