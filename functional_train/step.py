@@ -686,11 +686,12 @@ def step(
     with :func:`~functional_train.elementwise`), whatever combinators and wrappers compose it,
     runs as its stages: each run of elementwise work up to a reduction (a global norm) is one
     pass over each group of leaves, the last one ending with ``p + u``, in place with
-    ``donate`` (see :mod:`functional_train.engine.elementwise`). On CPU a pass is a kernel
-    generated for the stage (:mod:`functional_train.engine.fuse`); elsewhere (CUDA) the stage
-    runs leaf by leaf, except that ``sgd`` / ``adam`` / ``adamw`` (alone or after
-    ``clip_by_global_norm``) take torch's fused kernels there, the clip factor as their
-    gradient scale (a pure step runs them on copies). ``tx`` is ``adafactor`` without ``beta1``
+    ``donate`` (see :mod:`functional_train.engine.elementwise`). A pass is a kernel generated
+    for the stage: C on CPU (:mod:`functional_train.engine.fuse`), Triton on CUDA
+    (:mod:`functional_train.engine.fuse_triton`, where Triton is importable; else the stage
+    runs leaf by leaf), except that on CUDA ``sgd`` / ``adam`` / ``adamw`` (alone or after
+    ``clip_by_global_norm``) take torch's fused kernels, the clip factor as their gradient
+    scale (a pure step runs them on copies). ``tx`` is ``adafactor`` without ``beta1``
     or ``came`` (alone or after ``clip_by_global_norm``), on plain tensors in one process,
     gradients of their parameters' dtypes: each leaf is finished in cache before the next is
     read (for adafactor the leaves under 64 KiB together; came only where leaves average 64 KiB

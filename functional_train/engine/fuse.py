@@ -39,10 +39,13 @@ How it runs:
   ``_Float16`` conversions), exact against torch's bit for bit. Under ``torch.compile`` the
   kernel runs inside the opaque operator ``functional_train::fused_stage``
   (:mod:`.elementwise`).
-* **Everywhere else** (CUDA, a ``torch.func`` transform,
-  :func:`~functional_train.differentiable`, an operation the generator does not write, no C
-  compiler): the same function runs leaf by leaf in torch, where torch's own machinery
-  (inductor, functorch, autograd) sees the plain operations.
+* **CUDA leaves** (where Triton is importable): the same traced graph written as a Triton
+  kernel, one launch per call (:mod:`.fuse_triton`; :func:`kernel_for` with ``device_type
+  "cuda"``).
+* **Everywhere else** (a ``torch.func`` transform, :func:`~functional_train.differentiable`,
+  an operation the generators do not write, no C compiler or Triton, ``torch.compile`` on
+  CUDA): the same function runs leaf by leaf in torch, where torch's own machinery (inductor,
+  functorch, autograd) sees the plain operations.
 
 ``FT_FUSED_KERNELS=0`` in the environment, or ``ENABLED = False`` here, turns the generated
 kernels off (every stage runs leaf by leaf); ``FT_FUSED_DEBUG=1`` warns when a stage cannot be
@@ -57,10 +60,14 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import native
+
+if TYPE_CHECKING:
+    from .fuse_triton import TritonKernel
 
 __all__ = [
     "ENABLED",
@@ -634,7 +641,7 @@ def kernel_for(
     scalar_dtypes: tuple,
     n_per_leaf: int = 0,
     device_type: str = "cpu",
-) -> Kernel | None:
+) -> Kernel | TritonKernel | None:
     """The compiled kernel of ``fn`` for these dtypes, or ``None`` where it cannot be generated
     (an unsupported operation or dtype, no compiler). ``n_per_leaf``: the last inputs hold one
     value per leaf (a 0-dim tensor each: a trust ratio), read once per leaf. ``device_type``
