@@ -141,7 +141,7 @@ def _c_literal(v, dtype) -> str:
     return s + ("f" if dtype == torch.float32 else "")
 
 
-_BINARY = {
+BINARY = {
     "add": "({a} + {b})",
     "sub": "({a} - {b})",
     "mul": "({a} * {b})",
@@ -245,64 +245,252 @@ static inline void ft_stream(void *dst, const void *src, int64_t bytes) {
   FT_SEL((a) != (a), (a), FT_SEL((b) != (b), (b), FT_SEL((a) < (b), (a), (b))))"""
 
 
-class _Writer:
-    """C source of one stage from its traced graph."""
+class Lowering:
+    """The lowering of a traced stage's ATen operations into expressions, written once for
+    the C kernels (:class:`_Writer`) and the Triton ones (:mod:`.fuse_triton`): a writer
+    supplies ``val`` (an argument's expression, converted to a dtype), ``emit`` (a node's
+    value), ``emit_tmp`` (a named temporary), ``is_vec`` (a per-element value) and the
+    dialect's expressions (``fma``, ``binary``, ``unary``, ``where``, ...). ATen's
+    arithmetic: ``add`` / ``sub`` with ``alpha``, ``addcmul`` and ``lerp`` as fused
+    multiply-adds, as ATen's kernels write them; a conversion to a half dtype rounds there."""
 
-    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, n_scalars: int, n_per_leaf: int):
+    #: the dtypes a value may have in the writer's language, with their names there
+    TYPES: dict = {}
+
+    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, n_per_leaf: int):
         self.gm = gm
         self.n_inputs = n_inputs
-        self.n_scalars = n_scalars
         self.n_per_leaf = n_per_leaf  # the last inputs: one value per leaf (0-dim)
-        self.names: dict = {}
-        self.pre: list = []  # scalar-only lines, once per call
-        self.mid: list = []  # lines of per-leaf values, once per leaf
-        self.body: list = []  # per element
-        self.vec: set = set()  # names of per-element values
-        self.leafy: set = set()  # names of per-leaf values (not per element)
-        self.leafy_now = False  # the node being lowered reads a per-leaf value
-        self.dtypes: dict = {}
+        self.names: dict = {}  # node -> its value's name
+        self.dtypes: dict = {}  # node -> the dtype its value is computed in
+        self.vec: set = set()  # the nodes of per-element values
+
+    # what a writer supplies: a value's line, a conversion, a literal, its lines so far
+    def write(self, name: str, expr: str, dtype, vec: bool) -> None:
+        raise NotImplementedError
+
+    def cast(self, name: str, dtype) -> str:
+        raise NotImplementedError
+
+    def literal(self, v, dtype) -> str:
+        raise NotImplementedError
+
+    def n_lines(self) -> int:
+        raise NotImplementedError
 
     def val(self, arg, want=None) -> str:
+        """``arg``'s expression (a node's value or a number), converted to ``want``."""
         want = None if want is None else compute_dtype(want)
         if isinstance(arg, torch.fx.Node):
             name = self.names[arg]
             if want is not None and self.dtypes[arg] != want:
-                return f"(({_CTYPE[want]}){name})"
+                return self.cast(name, want)
             return name
         if isinstance(arg, (bool, int, float)):
-            return _c_literal(
-                arg, want or (torch.float64 if isinstance(arg, float) else torch.int64)
-            )
+            if want is None:
+                want = (
+                    torch.bool
+                    if isinstance(arg, bool)
+                    else torch.float64
+                    if isinstance(arg, float)
+                    else torch.int64
+                )
+            return self.literal(arg, want)
         raise Unsupported(f"argument {arg!r}")
 
     def is_vec(self, arg) -> bool:
         return isinstance(arg, torch.fx.Node) and arg in self.vec
 
-    def emit(self, node, expr: str, dtype, vec: bool):
+    def emit(self, node, expr: str, dtype, vec: bool) -> None:
+        """``node``'s value: ``expr`` in ``dtype``, per element where ``vec``."""
         dtype = compute_dtype(dtype)
-        if dtype not in _CTYPE:
+        if dtype not in self.TYPES:
             raise Unsupported(f"dtype {dtype} of {node.format_node()}")
         name = f"v{len(self.names)}"
         self.names[node] = name
         self.dtypes[node] = dtype
-        line = f"const {_CTYPE[dtype]} {name} = {expr};"
-        self._lines(vec).append(line)
+        self.write(name, expr, dtype, vec)
         if vec:
             self.vec.add(node)
-        elif self.leafy_now:
-            self.leafy.add(node)
-
-    def _lines(self, vec: bool) -> list:
-        """Where a value's line goes: per element, per leaf or once per call."""
-        return self.body if vec else self.mid if self.leafy_now else self.pre
+        else:
+            self.placed(node)
 
     def emit_tmp(self, expr: str, dtype, vec: bool) -> str:
         """A named temporary (not a graph node's value)."""
-        name = f"t{len(self.pre) + len(self.mid) + len(self.body)}"
-        dtype = compute_dtype(dtype)
-        line = f"const {_CTYPE[dtype]} {name} = {expr};"
-        self._lines(vec).append(line)
+        name = f"t{self.n_lines()}"
+        self.write(name, expr, compute_dtype(dtype), vec)
         return name
+
+    def placed(self, node) -> None:
+        """Called for a value that is not per element (the C writer tracks per-leaf ones)."""
+
+    def enter(self, node, args, vec: bool) -> None:
+        """Called before a node is lowered (the C writer places values by level)."""
+
+    def lower_graph(self, gm: torch.fx.GraphModule) -> list:
+        """Lower every operation of ``gm`` (its placeholders named already); its results,
+        each a leaf-shaped value (one computed from scalars only, ``zeros_like(x)``, is
+        written to every element).
+
+        Raises:
+            Unsupported: an operation or result the writer does not write.
+        """
+        outputs: list = []
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                outputs = list(node.args[0])
+                continue
+            if node.op != "call_function":
+                raise Unsupported(node.format_node())
+            self.lower(node)
+        for o in outputs:
+            if not isinstance(o, torch.fx.Node) or (
+                not self.is_vec(o) and tuple(o.meta["val"].shape) != (TRACE_NUMEL,)
+            ):
+                raise Unsupported("a result that is not a leaf-shaped value")
+        return outputs
+
+    def lower(self, node):
+        op = op_name(node.target)
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise Unsupported(node.format_node())
+        dtype = compute_dtype(val.dtype)
+        args = node.args
+        vec = any(self.is_vec(a) for a in args if isinstance(a, torch.fx.Node))
+        self.enter(node, args, vec)
+        if op in ("add", "sub") and len(args) == 2 and "alpha" in node.kwargs:
+            # ATen: a fused multiply-add, alpha * b + a
+            al = self.val(node.kwargs["alpha"], dtype)
+            if op == "sub":
+                al = f"(-{al})"
+            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, self.fma(al, b, a), dtype, vec)
+        if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
+            x = self.val(args[0], dtype)
+            src = args[0].meta["val"].dtype if isinstance(args[0], torch.fx.Node) else None
+            if val.dtype in _HALF and src != val.dtype:  # a conversion to half: rounded here
+                x = self.to_half(x, val.dtype)
+            return self.emit(node, x, dtype, vec)
+        if op == "addcmul" and len(args) == 3 and set(node.kwargs) <= {"value"}:
+            # ATen: fma(value * t1, t2, self)
+            a, b, c = (self.val(x, dtype) for x in args)
+            if "value" in node.kwargs:
+                b = self.binary("mul", self.val(node.kwargs["value"], dtype), b, dtype)
+            return self.emit(node, self.fma(b, c, a), dtype, vec)
+        if op in ("full_like", "zeros_like", "ones_like", "scalar_tensor", "full") and set(
+            node.kwargs
+        ) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}:
+            # a constant (of the node's dtype: ``val``'s)
+            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
+            if fill is None:
+                fill = args[1] if op in ("full_like", "full") else args[0]
+            return self.emit(node, self.val(fill, dtype), dtype, False)
+        if node.kwargs:
+            raise Unsupported(node.format_node())
+        if op == "rsub" and len(args) == 2:
+            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, self.binary("sub", b, a, dtype), dtype, vec)
+        if op in BINARY and len(args) == 2:
+            if dtype == torch.bool and op not in ("logical_and", "logical_or"):
+                common = compute_dtype(common_dtype(args))
+                a, b = self.val(args[0], common), self.val(args[1], common)
+            else:
+                a, b = self.val(args[0], dtype), self.val(args[1], dtype)
+            return self.emit(node, self.binary(op, a, b, dtype), dtype, vec)
+        if op in (*_UNARY, "isfinite", "rsqrt") and len(args) == 1:
+            if op in ("isnan", "isfinite"):
+                a = self.val(args[0])
+            else:
+                a = self.val(args[0], dtype if dtype != torch.bool else None)
+            return self.emit(node, self.unary(op, a, dtype), dtype, vec)
+        if op == "where" and len(args) == 3:
+            c = self.val(args[0])
+            a, b = self.val(args[1], dtype), self.val(args[2], dtype)
+            return self.emit(node, self.where(args[0], c, a, b, dtype, vec), dtype, vec)
+        if op == "pow" and len(args) == 2:
+            ex = args[1]
+            if isinstance(ex, (int, float)) and float(ex) == 2.0:
+                a = self.val(args[0], dtype)
+                return self.emit(node, self.binary("mul", a, a, dtype), dtype, vec)
+            if isinstance(ex, (int, float)) and float(ex) == 0.5:
+                return self.emit(
+                    node, self.unary("sqrt", self.val(args[0], dtype), dtype), dtype, vec
+                )
+            if not vec:
+                a, b = self.val(args[0], dtype), self.val(ex, dtype)
+                return self.emit(node, self.pow_scalar(a, b, dtype), dtype, vec)
+            raise Unsupported(node.format_node())
+        if op == "lerp" and len(args) == 3:
+            # ATen's lerp: start + weight * (end - start) when |weight| < 0.5, else
+            # end - (end - start) * (1 - weight), as fma(coeff, end - start, base); the choice
+            # as selects of computed values (which a C compiler vectorises, a branch it does not)
+            a, b, w = (self.val(x, dtype) for x in args)
+            wv = self.is_vec(args[2])
+            small = self.emit_tmp(
+                self.binary("lt", self.unary("abs", w, dtype), self.val(0.5, dtype), dtype),
+                torch.bool,
+                wv,
+            )
+            coeff = self.emit_tmp(self.lerp_pick(small, w, dtype), dtype, wv)
+            base = self.emit_tmp(self.where(args[2], small, a, b, dtype, vec), dtype, vec)
+            diff = self.binary("sub", b, a, dtype)
+            return self.emit(node, self.fma(coeff, diff, base), dtype, vec)
+        if op == "addcdiv" and len(args) == 3:
+            a, b, c = (self.val(x, dtype) for x in args)
+            return self.emit(
+                node, self.binary("add", a, self.binary("div", b, c, dtype), dtype), dtype, vec
+            )
+        if op in ("clamp", "clamp_min", "clamp_max"):
+            a = self.val(args[0], dtype)
+            lo = args[1] if op != "clamp_max" else None
+            hi = (
+                args[2]
+                if op == "clamp" and len(args) > 2
+                else (args[1] if op == "clamp_max" else None)
+            )
+            expr = a
+            if lo is not None:
+                expr = self.binary("maximum", expr, self.val(lo, dtype), dtype)
+            if hi is not None:
+                expr = self.binary("minimum", expr, self.val(hi, dtype), dtype)
+            return self.emit(node, expr, dtype, vec)
+        raise Unsupported(node.format_node())
+
+
+class _Writer(Lowering):
+    """C source of one stage from its traced graph."""
+
+    TYPES = _CTYPE
+
+    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, n_scalars: int, n_per_leaf: int):
+        super().__init__(gm, n_inputs, n_per_leaf)
+        self.n_scalars = n_scalars
+        self.pre: list = []  # scalar-only lines, once per call
+        self.mid: list = []  # lines of per-leaf values, once per leaf
+        self.body: list = []  # per element
+        self.leafy: set = set()  # names of per-leaf values (not per element)
+        self.leafy_now = False  # the node being lowered reads a per-leaf value
+
+    def write(self, name: str, expr: str, dtype, vec: bool) -> None:
+        # where a value's line goes: per element, per leaf or once per call
+        lines = self.body if vec else self.mid if self.leafy_now else self.pre
+        lines.append(f"const {_CTYPE[dtype]} {name} = {expr};")
+
+    def cast(self, name: str, dtype) -> str:
+        return f"(({_CTYPE[dtype]}){name})"
+
+    def literal(self, v, dtype) -> str:
+        return _c_literal(v, dtype)
+
+    def n_lines(self) -> int:
+        return len(self.pre) + len(self.mid) + len(self.body)
+
+    def placed(self, node) -> None:
+        if self.leafy_now:
+            self.leafy.add(node)
 
     def select(self, cond_arg, c: str, a: str, b: str, dtype, vec: bool) -> str:
         """``c ? a : b``. A condition that is the same for every element (a scalar's: a flag,
@@ -334,24 +522,8 @@ class _Writer:
             if compute_dtype(val.dtype) not in _CTYPE:
                 raise Unsupported(f"dtype {val.dtype}")
             self.dtypes[node] = compute_dtype(val.dtype)
-        for node in self.gm.graph.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                outputs = list(node.args[0])
-                continue
-            if node.op != "call_function":
-                raise Unsupported(node.format_node())
-            self.lower(node)
-        out_dtypes = []
-        for o in outputs:
-            # a leaf-shaped result computed from scalars only (``zeros_like(x)``) is written
-            # to every element
-            if not isinstance(o, torch.fx.Node) or (
-                o not in self.vec and tuple(o.meta["val"].shape) != (TRACE_NUMEL,)
-            ):
-                raise Unsupported("a result that is not a leaf-shaped value")
-            out_dtypes.append(o.meta["val"].dtype)
+        outputs = self.lower_graph(self.gm)
+        out_dtypes = [o.meta["val"].dtype for o in outputs]
         nin, nout = self.n_inputs, len(outputs)
         lines = [
             _HEADER,
@@ -409,113 +581,40 @@ class _Writer:
         lines += ["  }", "  if (stream) FT_FENCE();", "}"]
         return "\n".join(lines) + "\n", [in_dtypes, out_dtypes]
 
-    def lower(self, node):
-        op = op_name(node.target)
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise Unsupported(node.format_node())
-        dtype = compute_dtype(val.dtype)
-        args = node.args
-        vec = any(self.is_vec(a) for a in args if isinstance(a, torch.fx.Node))
+    def enter(self, node, args, vec: bool) -> None:
+        # a value from scalars and per-leaf values only: computed once per leaf
         self.leafy_now = not vec and any(
             isinstance(a, torch.fx.Node) and a in self.leafy for a in (*args, *node.kwargs.values())
         )
-        if op in ("add", "sub") and len(args) == 2 and "alpha" in node.kwargs:
-            alpha = node.kwargs["alpha"]
-            # ATen: a fused multiply-add, alpha * b + a
-            al = self.val(alpha, dtype)
-            if op == "sub":
-                al = f"(-{al})"
-            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
-            return self.emit(node, f"FT_FMA({al}, {b}, {a})", dtype, vec)
-        if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
-            x = self.val(args[0], dtype)
-            src = args[0].meta["val"].dtype if isinstance(args[0], torch.fx.Node) else None
-            if val.dtype in _HALF and src != val.dtype:  # a conversion to half: rounded here
-                x = _LOAD[val.dtype].format(x=_STORE[val.dtype].format(x=x))
-            return self.emit(node, x, dtype, vec)
-        if op == "addcmul" and len(args) == 3 and set(node.kwargs) <= {"value"}:
-            # ATen: fma(value * t1, t2, self)
-            a, b, c = (self.val(x, dtype) for x in args)
-            if "value" in node.kwargs:
-                b = f"({self.val(node.kwargs['value'], dtype)} * {b})"
-            return self.emit(node, f"FT_FMA({b}, {c}, {a})", dtype, vec)
-        if op in ("full_like", "zeros_like", "ones_like", "scalar_tensor", "full") and set(
-            node.kwargs
-        ) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}:
-            # a constant (of the node's dtype: ``val``'s)
-            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
-            if fill is None:
-                fill = args[1] if op in ("full_like", "full") else args[0]
-            return self.emit(node, self.val(fill, dtype), dtype, False)
-        if node.kwargs:
-            raise Unsupported(node.format_node())
-        if op == "rsub" and len(args) == 2:
-            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
-            return self.emit(node, f"({b} - {a})", dtype, vec)
-        if op in _BINARY and len(args) == 2:
-            if dtype == torch.bool and op not in ("logical_and", "logical_or"):
-                common = compute_dtype(common_dtype(args))
-                a, b = self.val(args[0], common), self.val(args[1], common)
-            else:
-                a, b = self.val(args[0], dtype), self.val(args[1], dtype)
-            return self.emit(node, _BINARY[op].format(a=a, b=b), dtype, vec)
-        if op in _UNARY and len(args) == 1:
-            a = self.val(args[0], dtype if dtype != torch.bool else None)
-            return self.emit(node, _UNARY[op].format(a=a, t=_CTYPE[dtype]), dtype, vec)
-        if op == "isfinite" and len(args) == 1:
-            a = self.val(args[0])
-            return self.emit(node, f"(({a} - {a}) == ({a} - {a}))", dtype, vec)
+
+    # the C dialect of :class:`Lowering`
+    def fma(self, a: str, b: str, c: str) -> str:
+        return f"FT_FMA({a}, {b}, {c})"
+
+    def binary(self, op: str, a: str, b: str, dtype) -> str:
+        return BINARY[op].format(a=a, b=b)
+
+    def unary(self, op: str, a: str, dtype) -> str:
         if op == "rsqrt":
-            a = self.val(args[0], dtype)
-            return self.emit(node, f"(({_CTYPE[dtype]})1 / FT_SQRT({a}))", dtype, vec)
-        if op == "where" and len(args) == 3:
-            c = self.val(args[0])
-            a, b = self.val(args[1], dtype), self.val(args[2], dtype)
-            return self.emit(node, self.select(args[0], c, a, b, dtype, vec), dtype, vec)
-        if op == "pow" and len(args) == 2:
-            ex = args[1]
-            if isinstance(ex, (int, float)) and float(ex) == 2.0:
-                a = self.val(args[0], dtype)
-                return self.emit(node, f"({a} * {a})", dtype, vec)
-            if isinstance(ex, (int, float)) and float(ex) == 0.5:
-                return self.emit(node, f"FT_SQRT({self.val(args[0], dtype)})", dtype, vec)
-            if not vec:
-                fn = "pow" if dtype == torch.float64 else "powf"
-                a, b = self.val(args[0], dtype), self.val(ex, dtype)
-                return self.emit(node, f"{fn}({a}, {b})", dtype, vec)
-            raise Unsupported(node.format_node())
-        if op == "lerp" and len(args) == 3:
-            # ATen's lerp: start + weight * (end - start) when |weight| < 0.5, else
-            # end - (end - start) * (1 - weight)
-            a, b, w = (self.val(x, dtype) for x in args)
-            t = _CTYPE[dtype]
-            # (vectorised ATen: fma(coeff, end - start, base)); the choice as selects of
-            # computed values, which the compiler vectorises (a branch it does not)
-            wv = isinstance(args[2], torch.fx.Node) and args[2] in self.vec
-            small = self.emit_tmp(f"(FT_ABS({w}) < ({t})0.5)", torch.bool, wv)
-            coeff = self.emit_tmp(f"({small} ? {w} : {w} - ({t})1)", dtype, wv)
-            base = self.emit_tmp(self.select(args[2], small, a, b, dtype, vec), dtype, vec)
-            expr = f"FT_FMA({coeff}, {b} - {a}, {base})"
-            return self.emit(node, expr, dtype, vec)
-        if op == "addcdiv" and len(args) == 3:
-            a, b, c = (self.val(x, dtype) for x in args)
-            return self.emit(node, f"({a} + {b} / {c})", dtype, vec)
-        if op in ("clamp", "clamp_min", "clamp_max"):
-            a = self.val(args[0], dtype)
-            lo = args[1] if op != "clamp_max" else None
-            hi = (
-                args[2]
-                if op == "clamp" and len(args) > 2
-                else (args[1] if op == "clamp_max" else None)
-            )
-            expr = a
-            if lo is not None:
-                expr = f"FT_MAX({expr}, {self.val(lo, dtype)})"
-            if hi is not None:
-                expr = f"FT_MIN({expr}, {self.val(hi, dtype)})"
-            return self.emit(node, expr, dtype, vec)
-        raise Unsupported(node.format_node())
+            return f"(({_CTYPE[dtype]})1 / FT_SQRT({a}))"
+        if op == "isfinite":
+            return f"(({a} - {a}) == ({a} - {a}))"
+        return _UNARY[op].format(a=a, t=_CTYPE[dtype])
+
+    def one(self, dtype) -> str:
+        return f"({_CTYPE[dtype]})1"
+
+    def to_half(self, x: str, dtype) -> str:
+        return _LOAD[dtype].format(x=_STORE[dtype].format(x=x))
+
+    def pow_scalar(self, a: str, b: str, dtype) -> str:
+        return f"{'pow' if dtype == torch.float64 else 'powf'}({a}, {b})"
+
+    def where(self, cond_arg, c: str, a: str, b: str, dtype, vec: bool) -> str:
+        return self.select(cond_arg, c, a, b, dtype, vec)
+
+    def lerp_pick(self, small: str, w: str, dtype) -> str:
+        return f"({small} ? {w} : {w} - {self.one(dtype)})"
 
 
 def common_dtype(args) -> torch.dtype:

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 
 from . import native
-from .fuse import TRACE_NUMEL, Unsupported, common_dtype, compute_dtype, op_name, trace
+from .fuse import BINARY, Lowering, Unsupported, compute_dtype, trace
 
 __all__ = ["available", "TritonKernel", "scalar_slots", "BLOCK"]
 
@@ -86,41 +86,30 @@ def available(device: torch.device) -> bool:
     return _triton is not False
 
 
+# C's operators but for NaN-propagating maximum / minimum and logical operators on int1
+# (division: ``_Writer.binary``)
 _BINARY = {
-    "add": "({a} + {b})",
-    "sub": "({a} - {b})",
-    "mul": "({a} * {b})",
+    **BINARY,
     "maximum": "tl.maximum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
     "minimum": "tl.minimum({a}, {b}, propagate_nan=tl.PropagateNan.ALL)",
-    "eq": "({a} == {b})",
-    "ne": "({a} != {b})",
-    "lt": "({a} < {b})",
-    "le": "({a} <= {b})",
-    "gt": "({a} > {b})",
-    "ge": "({a} >= {b})",
     "logical_and": "({a} & {b})",
     "logical_or": "({a} | {b})",
-    "bitwise_and": "({a} & {b})",
-    "bitwise_or": "({a} | {b})",
 }
 
 
-class _Writer:
+class _Writer(Lowering):
     """Triton source of one stage from its traced graph (the operations :mod:`.fuse`'s C
     writer lowers, with ATen's CUDA arithmetic)."""
 
+    TYPES = _TL
+
     def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, scalar_kinds, n_per_leaf: int):
-        self.gm = gm
-        self.n_inputs = n_inputs
+        super().__init__(gm, n_inputs, n_per_leaf)
         self.scalar_kinds = scalar_kinds  # per scalar: (dtype, read through an address)
-        self.n_per_leaf = n_per_leaf
-        self.names: dict = {}
-        self.dtypes: dict = {}
-        self.vec: set = set()  # values per element (the others are 0-dim: per call or leaf)
-        self.lines: list = []
+        self.lines: list = []  # (every value a line: Triton computes them per program)
         self.consts: list = []  # the literals, as module-level constexprs
 
-    def lit(self, v, dtype) -> str:
+    def literal(self, v, dtype) -> str:
         name = f"_C{len(self.consts)}"
         if dtype == torch.bool:
             v = bool(v)
@@ -135,49 +124,60 @@ class _Writer:
             self.consts[-1] = f"{name} = tl.constexpr(float('{'inf' if v > 0 else '-inf'}'))"
         return f"tl.full([], {name}, {_TL[dtype]})"
 
-    def val(self, arg, want=None) -> str:
-        want = None if want is None else compute_dtype(want)
-        if isinstance(arg, torch.fx.Node):
-            name = self.names[arg]
-            if want is not None and self.dtypes[arg] != want:
-                return f"{name}.to({_TL[want]})"
-            return name
-        if isinstance(arg, (bool, int, float)):
-            if want is None:
-                want = (
-                    torch.bool
-                    if isinstance(arg, bool)
-                    else torch.float64
-                    if isinstance(arg, float)
-                    else torch.int64
-                )
-            return self.lit(arg, want)
-        raise Unsupported(f"argument {arg!r}")
-
-    def is_vec(self, arg) -> bool:
-        return isinstance(arg, torch.fx.Node) and arg in self.vec
-
-    def emit(self, node, expr: str, dtype, vec: bool):
-        dtype = compute_dtype(dtype)
-        if dtype not in _TL:
-            raise Unsupported(f"dtype {dtype} of {node.format_node()}")
-        name = f"v{len(self.names)}"
-        self.names[node] = name
-        self.dtypes[node] = dtype
+    def write(self, name: str, expr: str, dtype, vec: bool) -> None:
         self.lines.append(f"{name} = {expr}")
-        if vec:
-            self.vec.add(node)
 
-    def tmp(self, expr: str) -> str:
-        name = f"t{len(self.lines)}"
-        self.lines.append(f"{name} = {expr}")
-        return name
+    def cast(self, name: str, dtype) -> str:
+        return f"{name}.to({_TL[dtype]})"
 
-    def div(self, a: str, b: str, dtype) -> str:
-        return f"tl.div_rn({a}, {b})" if dtype == torch.float32 else f"({a} / {b})"
+    def n_lines(self) -> int:
+        return len(self.lines)
+
+    # the Triton dialect of :class:`.fuse.Lowering`
+    def fma(self, a: str, b: str, c: str) -> str:
+        return f"tl.fma({a}, {b}, {c})"
+
+    def binary(self, op: str, a: str, b: str, dtype) -> str:
+        if op == "div":  # (Triton's float32 division is an approximation)
+            return f"tl.div_rn({a}, {b})" if dtype == torch.float32 else f"({a} / {b})"
+        return _BINARY[op].format(a=a, b=b)
 
     def sqrt(self, a: str, dtype) -> str:
         return f"tl.sqrt_rn({a})" if dtype == torch.float32 else f"tl.sqrt({a})"
+
+    def unary(self, op: str, a: str, dtype) -> str:
+        if op == "sqrt":
+            return self.sqrt(a, dtype)
+        if op == "rsqrt":
+            return self.binary("div", self.one(dtype), self.sqrt(a, dtype), dtype)
+        if op == "reciprocal":
+            return self.binary("div", self.one(dtype), a, dtype)
+        if op == "sign":
+            t = _TL[dtype]
+            return f"(({a} > 0).to({t}) - ({a} < 0).to({t}))"
+        return {
+            "neg": f"(-{a})",
+            "abs": f"tl.abs({a})",
+            "logical_not": f"({a} == 0)",
+            "bitwise_not": f"({a} == 0)",
+            "isnan": f"({a} != {a})",
+            "isfinite": f"(({a} - {a}) == ({a} - {a}))",
+        }[op]
+
+    def one(self, dtype) -> str:
+        return self.literal(1, dtype)
+
+    def to_half(self, x: str, dtype) -> str:
+        return f"{x}.to({_TL[dtype]}).to(tl.float32)"
+
+    def pow_scalar(self, a: str, b: str, dtype) -> str:
+        return f"libdevice.pow({a}, {b})"
+
+    def where(self, cond_arg, c: str, a: str, b: str, dtype, vec: bool) -> str:
+        return f"tl.where({c}, {a}, {b})"
+
+    def lerp_pick(self, small: str, w: str, dtype) -> str:
+        return f"tl.where({small}, {w}, {w} - {self.one(dtype)})"
 
     def source(self, fn_name: str) -> tuple[str, list, list]:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -201,24 +201,11 @@ class _Writer:
             if compute_dtype(d) not in _TL:
                 raise Unsupported(f"dtype {d}")
             self.dtypes[node] = compute_dtype(d)
-        for node in self.gm.graph.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                outputs = list(node.args[0])
-                continue
-            if node.op != "call_function":
-                raise Unsupported(node.format_node())
-            self.lower(node)
-        out_dtypes = []
-        for o in outputs:
-            if not isinstance(o, torch.fx.Node) or (
-                o not in self.vec and tuple(o.meta["val"].shape) != (TRACE_NUMEL,)
-            ):
-                raise Unsupported("a result that is not a leaf-shaped value")
-            if o.meta["val"].dtype not in _LEAF_DTYPES:
-                raise Unsupported(f"a result of dtype {o.meta['val'].dtype}")
-            out_dtypes.append(o.meta["val"].dtype)
+        outputs = self.lower_graph(self.gm)
+        out_dtypes = [o.meta["val"].dtype for o in outputs]
+        for d in out_dtypes:
+            if d not in _LEAF_DTYPES:
+                raise Unsupported(f"a result of dtype {d}")
         nin, nout = self.n_inputs, len(outputs)
         nr = nin + nout + 1  # a leaf's row of the table: its addresses, then its numel
         src = [
@@ -240,7 +227,10 @@ class _Writer:
             slot = f"tl.load(tab + sc_off + {k})"
             if by_address:
                 x = f"tl.load({slot}.to(tl.pointer_type({_storage_tl(d)})))"
-                x = f"({x} != 0)" if d == torch.bool else x
+                if d == torch.bool:
+                    x = f"({x} != 0)"
+                elif compute_dtype(d) != d:  # (a half-precision scalar: computed in float)
+                    x = f"{x}.to({_TL[compute_dtype(d)]})"
             elif d.is_floating_point:
                 x = f"{slot}.to(tl.float64, bitcast=True).to({_TL[compute_dtype(d)]})"
             elif d == torch.bool:
@@ -264,125 +254,6 @@ class _Writer:
             ptr = f"tl.load(row + {nin + j}).to(tl.pointer_type({_TL[d]}))"
             src.append(f"    tl.store({ptr} + offs, {x}, mask=mask)")
         return "\n".join(src) + "\n", in_dtypes, out_dtypes
-
-    def lower(self, node):
-        op = op_name(node.target)
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise Unsupported(node.format_node())
-        dtype = compute_dtype(val.dtype)
-        args = node.args
-        vec = any(self.is_vec(a) for a in (*args, *node.kwargs.values()))
-        if op in ("add", "sub") and len(args) == 2 and "alpha" in node.kwargs:
-            al = self.val(node.kwargs["alpha"], dtype)
-            if op == "sub":
-                al = f"(-{al})"
-            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
-            return self.emit(node, f"tl.fma({al}, {b}, {a})", dtype, vec)
-        if op in ("_to_copy", "clone", "alias", "detach", "lift_fresh_copy") and len(args) == 1:
-            x = self.val(args[0], dtype)
-            src = args[0].meta["val"].dtype if isinstance(args[0], torch.fx.Node) else None
-            if val.dtype != compute_dtype(val.dtype) and src != val.dtype:  # rounded to half here
-                x = f"{x}.to({_TL[val.dtype]}).to({_TL[dtype]})"
-            return self.emit(node, x, dtype, vec)
-        if op == "addcmul" and len(args) == 3 and set(node.kwargs) <= {"value"}:
-            a, b, c = (self.val(x, dtype) for x in args)
-            if "value" in node.kwargs:
-                b = f"({self.val(node.kwargs['value'], dtype)} * {b})"
-            return self.emit(node, f"tl.fma({b}, {c}, {a})", dtype, vec)
-        if op in ("full_like", "zeros_like", "ones_like", "scalar_tensor", "full") and set(
-            node.kwargs
-        ) <= {"dtype", "layout", "device", "pin_memory", "memory_format"}:
-            fill = {"zeros_like": 0, "ones_like": 1}.get(op)
-            if fill is None:
-                fill = args[1] if op in ("full_like", "full") else args[0]
-            return self.emit(node, self.val(fill, dtype), dtype, False)
-        if node.kwargs:
-            raise Unsupported(node.format_node())
-        if op == "rsub" and len(args) == 2:
-            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
-            return self.emit(node, f"({b} - {a})", dtype, vec)
-        if op == "div" and len(args) == 2:
-            a, b = self.val(args[0], dtype), self.val(args[1], dtype)
-            return self.emit(node, self.div(a, b, dtype), dtype, vec)
-        if op in _BINARY and len(args) == 2:
-            if dtype == torch.bool and op not in ("logical_and", "logical_or"):
-                common = compute_dtype(common_dtype(args))
-                a, b = self.val(args[0], common), self.val(args[1], common)
-            else:
-                a, b = self.val(args[0], dtype), self.val(args[1], dtype)
-            return self.emit(node, _BINARY[op].format(a=a, b=b), dtype, vec)
-        if len(args) == 1 and op in (
-            "neg",
-            "abs",
-            "sqrt",
-            "rsqrt",
-            "reciprocal",
-            "logical_not",
-            "bitwise_not",
-            "sign",
-            "isnan",
-            "isfinite",
-        ):
-            if op in ("isnan", "isfinite"):
-                a = self.val(args[0])
-            else:
-                a = self.val(args[0], dtype if dtype != torch.bool else None)
-            one = self.lit(1, dtype) if dtype != torch.bool else ""
-            expr = {
-                "neg": f"(-{a})",
-                "abs": f"tl.abs({a})",
-                "sqrt": self.sqrt(a, dtype),
-                "rsqrt": self.div(one, self.sqrt(a, dtype), dtype),
-                "reciprocal": self.div(one, a, dtype),
-                "logical_not": f"({a} == 0)",
-                "bitwise_not": f"({a} == 0)",
-                "sign": f"(({a} > 0).to({_TL[dtype]}) - ({a} < 0).to({_TL[dtype]}))",
-                "isnan": f"({a} != {a})",
-                "isfinite": f"(({a} - {a}) == ({a} - {a}))",
-            }[op]
-            return self.emit(node, expr, dtype, vec)
-        if op == "where" and len(args) == 3:
-            c = self.val(args[0])
-            a, b = self.val(args[1], dtype), self.val(args[2], dtype)
-            return self.emit(node, f"tl.where({c}, {a}, {b})", dtype, vec)
-        if op == "pow" and len(args) == 2:
-            ex = args[1]
-            if isinstance(ex, (int, float)) and float(ex) == 2.0:
-                a = self.val(args[0], dtype)
-                return self.emit(node, f"({a} * {a})", dtype, vec)
-            if isinstance(ex, (int, float)) and float(ex) == 0.5:
-                return self.emit(node, self.sqrt(self.val(args[0], dtype), dtype), dtype, vec)
-            if not vec:
-                a, b = self.val(args[0], dtype), self.val(ex, dtype)
-                return self.emit(node, f"libdevice.pow({a}, {b})", dtype, vec)
-            raise Unsupported(node.format_node())
-        if op == "lerp" and len(args) == 3:
-            # ATen's lerp: start + weight * (end - start) when |weight| < 0.5, else
-            # end - (end - start) * (1 - weight), as fused multiply-adds
-            a, b, w = (self.val(x, dtype) for x in args)
-            small = self.tmp(f"tl.abs({w}) < 0.5")
-            coeff = self.tmp(f"tl.where({small}, {w}, {w} - {self.lit(1, dtype)})")
-            base = self.tmp(f"tl.where({small}, {a}, {b})")
-            return self.emit(node, f"tl.fma({coeff}, {b} - {a}, {base})", dtype, vec)
-        if op == "addcdiv" and len(args) == 3:
-            a, b, c = (self.val(x, dtype) for x in args)
-            return self.emit(node, f"({a} + {self.div(b, c, dtype)})", dtype, vec)
-        if op in ("clamp", "clamp_min", "clamp_max"):
-            a = self.val(args[0], dtype)
-            lo = args[1] if op != "clamp_max" else None
-            hi = (
-                args[2]
-                if op == "clamp" and len(args) > 2
-                else (args[1] if op == "clamp_max" else None)
-            )
-            expr = a
-            if lo is not None:
-                expr = _BINARY["maximum"].format(a=expr, b=self.val(lo, dtype))
-            if hi is not None:
-                expr = _BINARY["minimum"].format(a=expr, b=self.val(hi, dtype))
-            return self.emit(node, expr, dtype, vec)
-        raise Unsupported(node.format_node())
 
 
 def _storage_tl(dtype) -> str:
