@@ -116,10 +116,15 @@ def to_local(x: Any) -> Any:
     return x
 
 
+_PLAIN = {torch.Tensor, type(None)}
+
+
 def to_locals(xs) -> list:
     """:func:`to_local` of every element of ``xs`` (one compile check for the whole list)."""
     if torch.compiler.is_compiling():
         return [x.to_local() if isinstance(x, DTensor) else x for x in xs]
+    if set(map(type, xs)) <= _PLAIN:  # (plain tensors: whole-list C loops)
+        return list(xs)
     return [x._local_tensor if isinstance(x, DTensor) else x for x in xs]
 
 
@@ -152,6 +157,8 @@ def wraps_like(locals_, likes) -> list:
     """:func:`wrap_like` of every pair (one compile check for the whole list)."""
     if torch.compiler.is_compiling():
         return [wrap_like(x, like) for x, like in zip(locals_, likes)]
+    if set(map(type, likes)) <= _PLAIN:  # (plain tensors: whole-list C loops)
+        return list(locals_)
     return [
         x
         if x is None or not isinstance(like, DTensor)

@@ -169,6 +169,9 @@ def available(dtype: torch.dtype) -> bool:
     return ENABLED and dtype in _DTYPES and _library() is not None
 
 
+_IS_CPU = operator.attrgetter("is_cpu")
+
+
 def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The sum of squares of each of ``xs`` (plain CPU tensors, float32 or float64; a
     non-contiguous one is copied first), accumulated in float64: a float64 vector with an
@@ -177,7 +180,7 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     order, not on its strides or where it lies in memory (see ``ft_sumsq`` in
     ``_kernels.c``), nor on a dispatch mode (the tensors themselves must be plain). One call
     per dtype, on the calling thread."""
-    if not xs or not all(type(x) is torch.Tensor and x.is_cpu for x in xs):
+    if not xs or set(map(type, xs)) != {torch.Tensor} or not all(map(_IS_CPU, xs)):
         return None
     dtypes = set(map(_DTYPE_OF, xs))
     if not dtypes <= _DTYPES.keys() or not all(map(available, dtypes)):
@@ -192,8 +195,9 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
             else [k for k, x in enumerate(xs) if x.dtype == dtype]
         )
         part = out if len(dtypes) == 1 else torch.empty(len(idx), dtype=torch.float64)
-        ptrs = array.array("q", (xs[k].data_ptr() for k in idx))
-        numel = array.array("q", (xs[k].numel() for k in idx))
+        sub = xs if len(dtypes) == 1 else [xs[k] for k in idx]
+        ptrs = array.array("q", map(torch.Tensor.data_ptr, sub))
+        numel = array.array("q", map(torch.Tensor.numel, sub))
         getattr(_lib, f"ft_sumsq_{_DTYPES[dtype][0]}")(
             len(idx), ptrs.buffer_info()[0], numel.buffer_info()[0], part.data_ptr()
         )
