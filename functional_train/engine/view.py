@@ -69,6 +69,7 @@ class Prepared:
         "mesh",
         "is_view",
         "needed",
+        "_flat",
     )
 
     def __init__(self, plan: Plan, updates, locals_, params, is_view: bool = False):
@@ -82,6 +83,7 @@ class Prepared:
         )
         self.is_view = is_view
         self.needed = None
+        self._flat: dict = {}  # id(state tree) -> (tree, leaves): a state field is read twice
 
     @property
     def paths(self) -> list:
@@ -130,6 +132,18 @@ class Prepared:
             hit = memo[key] = self.world.replicas(self.updates[i], self.paths[i], within)
         return hit
 
+    def _flatten(self, tree: Any, what: str) -> list:
+        """``flatten_as`` of a state tree, once per tree object for this step (its
+        :meth:`state_locals` and then its :meth:`state_tree`; the engine builds new trees and
+        changes none, and the entry holds the tree, so its id is not reused)."""
+        hit = self._flat.get(id(tree))
+        if hit is not None and hit[0] is tree:
+            return list(hit[1])
+        leaves = flatten_as(tree, self.treedef, what, "the updates")
+        if not torch.compiler.is_compiling():
+            self._flat[id(tree)] = (tree, leaves)
+        return list(leaves)
+
     def state_locals(self, tree: Any, what: str) -> list:
         """Local shards of a params-shaped state tree, checked against the updates' structure
         and, leaf by leaf, their shapes.
@@ -137,7 +151,7 @@ class Prepared:
         Raises:
             ValueError: naming the leaf path whose structure or shape differs.
         """
-        leaves = flatten_as(tree, self.treedef, what, "the updates")
+        leaves = self._flatten(tree, what)
         n = len(leaves)
         if (  # (plain tensors of the updates' shapes, every leaf active: whole-list checks)
             not torch.compiler.is_compiling()
@@ -180,7 +194,7 @@ class Prepared:
 
     def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
         """A params-shaped state tree with the ``active`` leaves replaced by rewrapped locals."""
-        old = flatten_as(tree, self.treedef, what, "the updates")
+        old = self._flatten(tree, what)
         if all(x is None for x in old) and all(v is None for v in new_active):
             return tree  # an all-None field (dynamo cannot rebuild a dict of constants)
         leaves = list(old)
