@@ -246,7 +246,9 @@ def multi_steps(
                 state.inner_state,
                 tree_unflatten(treedef, new_acc),
                 tuple(
-                    _flag(1) if not s and n else f for f, s, n in zip(state.seen, seen, new_seen)
+                    next(ones) if not s and n else f
+                    for ones in [_flags(1, len(state.seen))]
+                    for f, s, n in zip(state.seen, seen, new_seen)
                 ),
                 skip_state,
             )
@@ -271,7 +273,11 @@ def multi_steps(
             state.gradient_step + 1,
             inner_state,
             tree_unflatten(treedef, new_acc),
-            tuple(_flag(0) if v else f for f, v in zip(state.seen, new_seen)),
+            tuple(
+                next(zeros) if v else f
+                for zeros in [_flags(0, len(state.seen))]
+                for f, v in zip(state.seen, new_seen)
+            ),
             skip_state,
         )
 
@@ -311,7 +317,8 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
                 state.seen  # (every leaf seen already: the same flags)
                 if all(flags)
                 else tuple(
-                    _flag(1) if not v and i in active else f
+                    next(ones) if not v and i in active else f
+                    for ones in [_flags(1, len(flags))]
                     for i, (f, v) in enumerate(zip(state.seen, flags))
                 )
             )
@@ -336,7 +343,9 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
                 state.inner_state,  # (replaced by the inner's new state in join)
                 trees[0],
                 tuple(
-                    _flag(0) if v else f for f, v in zip(state.seen, host_values(state.seen, _SEEN))
+                    next(zeros) if v else f
+                    for zeros in [_flags(0, len(state.seen))]
+                    for f, v in zip(state.seen, host_values(state.seen, _SEEN))
                 ),
                 state.skip_state,
             )
@@ -591,6 +600,13 @@ _DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 def _flag(v: int) -> torch.Tensor:
     # (scalar_tensor: a third of torch.tensor's host time, for a flag per leaf)
     return torch.scalar_tensor(v, dtype=torch.int64, device="cpu")
+
+
+def _flags(v: int, n: int):
+    """An iterator of ``n`` flags holding ``v``: 0-dim int64 CPU tensors, each its own element
+    of one buffer (one allocation per step where a flag each cost about 1.2 us; distinct
+    memory, so loading a checkpoint into them in place keeps them apart)."""
+    return iter(torch.full((n,), v, dtype=torch.int64).unbind())
 
 
 def has_updated(state: Any) -> torch.Tensor:
