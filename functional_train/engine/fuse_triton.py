@@ -3,18 +3,21 @@
 The CUDA counterpart of :mod:`.fuse`'s C kernels. The stage (a per-leaf function of plain
 tensor operations, see :mod:`.fuse`) is traced once per signature with ``make_fx`` into ATen
 operations, as for the C kernels (:func:`.fuse.trace`); each operation becomes one line of a
-Triton kernel, which :func:`triton.jit` compiles for the GPU (Triton caches the binary in
-``~/.triton``; the generated source is written to ``$FT_CACHE_DIR/triton``).
+Triton kernel (the lowering is :class:`.fuse.Lowering`'s, shared with the C writer; this module
+supplies the Triton dialect), which :func:`triton.jit` compiles for the GPU at its first launch
+(Triton caches the binary in ``~/.triton``; the generated source is written to
+``$FT_CACHE_DIR/triton``).
 
 One launch runs every leaf of the lists, reading each input once and writing each result once,
 in the manner of torch's multi-tensor-apply kernels (``torch._fused_adamw_``): each program
 instance takes one block of ``BLOCK`` elements of one leaf, found through a table of (leaf,
 first element) pairs, and the leaf's tensors through a table of addresses. The address table
 and the host scalars (Python numbers, 0-dim CPU tensors: values, not addresses) travel in one
-``int64`` tensor copied to the device per call (a few kB; no read of device memory on the
-host), the block table is cached per set of leaf sizes. A 0-dim tensor on the leaves' device (a
-clip factor, a bias correction, a scheduled learning rate) is read by the kernel through its
-address, so a stage's scalars never synchronise the host.
+``int64`` tensor (a few kB), kept on the device per content (a donated step's is copied once)
+and otherwise copied through pinned memory, asynchronously; the block table is cached per set
+of leaf sizes. A 0-dim tensor on the leaves' device (a clip factor, a bias correction, a
+scheduled learning rate) is read by the kernel through its address, so a stage's scalars never
+synchronise the host. No collectives (a stage is local; the engine issues a step's).
 
 Arithmetic follows ATen's CUDA kernels: half-precision leaves are computed in float32 and
 rounded once where stored (ATen's ``opmath``); float32 division and square root are IEEE's
@@ -27,8 +30,10 @@ Selects (``torch.where``, NaN-propagating ``maximum`` / ``minimum``) are exact.
 
 Used when Triton is importable and the leaves are plain contiguous CUDA tensors of float32,
 float64, bfloat16 or float16 on one device; anything else (an operation the writer does not
-write, another device) runs leaf by leaf in torch, as before. ``FT_FUSED_KERNELS=0`` turns
-these kernels off as it does the C ones.
+write, another device) runs leaf by leaf in torch, as does a kernel Triton cannot compile
+(with a warning). ``FT_FUSED_KERNELS=0`` turns these kernels off as it does the C ones. A call
+whose result buffers are not all on the leaves' device raises ``RuntimeError`` (an engine bug
+otherwise: the kernel would write through another device's addresses).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import torch
 from . import native
 from .fuse import BINARY, Lowering, Unsupported, compute_dtype, trace
 
-__all__ = ["available", "TritonKernel", "scalar_slots", "BLOCK"]
+__all__ = ["available", "TritonKernel", "scalar_slots", "source_of", "BLOCK"]
 
 # elements per program instance (``FT_TRITON_BLOCK``: a power of two, for measuring)
 BLOCK = int(os.environ.get("FT_TRITON_BLOCK", "1024"))
