@@ -246,9 +246,7 @@ def multi_steps(
                 state.inner_state,
                 tree_unflatten(treedef, new_acc),
                 tuple(
-                    next(ones) if not s and n else f
-                    for ones in [_flags(1, len(state.seen))]
-                    for f, s, n in zip(state.seen, seen, new_seen)
+                    _flag(1) if not s and n else f for f, s, n in zip(state.seen, seen, new_seen)
                 ),
                 skip_state,
             )
@@ -273,11 +271,7 @@ def multi_steps(
             state.gradient_step + 1,
             inner_state,
             tree_unflatten(treedef, new_acc),
-            tuple(
-                next(zeros) if v else f
-                for zeros in [_flags(0, len(state.seen))]
-                for f, v in zip(state.seen, new_seen)
-            ),
+            tuple(_flag(0) if v else f for f, v in zip(state.seen, new_seen)),
             skip_state,
         )
 

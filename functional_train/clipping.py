@@ -6,7 +6,6 @@ Colossal-AI's ``clip_grad_by_value`` / ``clip_grad_by_norm`` (seeds 000/001) as 
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -25,9 +24,6 @@ from .transforms import stateless
 from .tree import first_device
 
 __all__ = ["clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm"]
-
-
-_DTYPE = operator.attrgetter("dtype")
 
 
 def clip(max_delta: float) -> GradientTransformation:
@@ -79,7 +75,7 @@ def _local_norm_terms(b, norm_type: float):
         # (compiled: zeros where not needed at all, see Prepared.needed)
         squares = native.local_sum_squares(g, b.needed)
         if squares is not None:
-            f32 = set(map(_DTYPE, g)) <= {torch.float32}
+            f32 = all([x.dtype == torch.float32 for x in g])  # (a list: traced too)
             return squares, "sum", torch.float32 if f32 else None
     norms = foreach.norm(g, norm_type) if g else []
     if norms and all(n.dtype == norms[0].dtype for n in norms):  # one vector, three ops

@@ -821,8 +821,9 @@ def _simulated_ranks(u, p, fields, scalars):
     LocalTensor = _local_tensor_type()
     if LocalTensor is None:
         return None
+    compiling = torch.compiler.is_compiling()
     for lst in (u, p or (), *fields, scalars):
-        if LocalTensor in set(map(type, lst)):  # (whole lists: this runs every stage)
+        if compiling or LocalTensor in set(map(type, lst)):  # (eagerly: whole lists)
             for x in lst:
                 if type(x) is LocalTensor:
                     return sorted(x._local_tensors)
@@ -881,7 +882,12 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     if n == 0:
         return [[] for _ in range(n_out)]
     ins, dst = _inputs(stage, u, p, fields)
-    cx = any(map(_IS_COMPLEX, u))
+    # (whole-list C loops eagerly; a list under torch.compile, whose dynamo does not trace
+    # a map of a method)
+    if torch.compiler.is_compiling():
+        cx = any([x.is_complex() for x in u])
+    else:
+        cx = any(map(_IS_COMPLEX, u))
     if cx:
         ins = [
             [torch.view_as_real(x) if x is not None and x.is_complex() else x for x in lst]

@@ -136,12 +136,13 @@ class Prepared:
         """``flatten_as`` of a state tree, once per tree object for this step (its
         :meth:`state_locals` and then its :meth:`state_tree`; the engine builds new trees and
         changes none, and the entry holds the tree, so its id is not reused)."""
+        if torch.compiler.is_compiling():  # (dynamo traces the flattening as it is)
+            return flatten_as(tree, self.treedef, what, "the updates")
         hit = self._flat.get(id(tree))
         if hit is not None and hit[0] is tree:
             return list(hit[1])
         leaves = flatten_as(tree, self.treedef, what, "the updates")
-        if not torch.compiler.is_compiling():
-            self._flat[id(tree)] = (tree, leaves)
+        self._flat[id(tree)] = (tree, leaves)
         return list(leaves)
 
     def state_locals(self, tree: Any, what: str) -> list:
