@@ -43,3 +43,13 @@ def torch_fused_calls(monkeypatch) -> list:
     for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"):
         monkeypatch.setattr(torch, name, spy_of(name))
     return seen
+
+
+def took_torch_fused(device, torch_fused: list, seen: list) -> bool:
+    """Whether a step on CUDA ran torch's fused optimizer kernel (``torch_fused``: from
+    :func:`torch_fused_calls`), as ``ft.step`` does for the chains it recognises there; if
+    so, no generated kernel ran (``seen``: from :func:`kernel_calls`)."""
+    if device.type == "cuda" and torch_fused:
+        assert not seen, "a recognised chain runs torch's fused kernel, not a generated one"
+        return True
+    return False
