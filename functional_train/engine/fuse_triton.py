@@ -184,7 +184,7 @@ class _Writer(Lowering):
     def lerp_pick(self, small: str, w: str, dtype) -> str:
         return f"tl.where({small}, {w}, {w} - {self.one(dtype)})"
 
-    def source(self, fn_name: str) -> tuple[str, list, list]:
+    def source(self, fn_name: str) -> tuple[str, list]:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         n_sc = len(self.scalar_kinds)
         if len(placeholders) != self.n_inputs + n_sc:
@@ -252,13 +252,13 @@ class _Writer(Lowering):
         src += ["    " + x for x in self.lines]
         for j, (o, d) in enumerate(zip(outputs, out_dtypes)):
             x = self.val(o, d)
-            if o not in self.vec:  # (computed from scalars only: written to every element)
+            if not self.is_vec(o):  # (computed from scalars only: written to every element)
                 x = f"({x} + tl.zeros([BLOCK], {_TL[compute_dtype(d)]}))"
             if compute_dtype(d) != d:
                 x = f"{x}.to({_TL[d]})"
             ptr = f"tl.load(row + {nin + j}).to(tl.pointer_type({_TL[d]}))"
             src.append(f"    tl.store({ptr} + offs, {x}, mask=mask)")
-        return "\n".join(src) + "\n", in_dtypes, out_dtypes
+        return "\n".join(src) + "\n", out_dtypes
 
 
 def _storage_tl(dtype) -> str:
@@ -322,7 +322,7 @@ def source_of(fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0) -> tuple[str, li
         Unsupported: an operation or dtype the writer does not write.
     """
     gm = trace(fn, in_dtypes, tuple(d for d, _ in scalar_kinds), n_per_leaf)
-    source, _, out_dtypes = _Writer(gm, len(in_dtypes), scalar_kinds, n_per_leaf).source("ft_stage")
+    source, out_dtypes = _Writer(gm, len(in_dtypes), scalar_kinds, n_per_leaf).source("ft_stage")
     if "libdevice." in source:
         source = source.replace(
             "import triton.language as tl\n",
