@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -114,15 +116,28 @@ class PerLeaf:
                     + (" (two param trees of these shapes have different labels)" if hit else "")
                 )
             return hit
+        memo = E.statics_memo()  # (the parts of one step ask once)
+        if memo is not None:
+            seen = memo.get(self)
+            if seen is not None and seen[0] is params:
+                return seen[1]
         leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
-        sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
+        try:  # (every leaf a tensor, the common case: a C loop; a torch.Size is a tuple)
+            sig = tuple(map(_SHAPE, leaves))
+        except AttributeError:
+            sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
         key = (treedef, sig)
         values = self._eager.get(key)
         if values is None:
             values = self._eager[key] = self._resolve(params)
             prev = self._seen.get(sig)
             self._seen[sig] = values if prev is None or prev == values else self._AMBIGUOUS
+        if memo is not None:
+            memo[self] = (params, values)
         return values
+
+
+_SHAPE = operator.attrgetter("shape")
 
 
 def _select(leaves: list, keep: list) -> list:
@@ -315,7 +330,7 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
     def static(params):
         on = on_of(params)
         if inner_static is None:
-            return [bool(k) for k in on]
+            return [bool(k) for k in on] if torch.compiler.is_compiling() else list(map(bool, on))
         leaves, treedef = tree_flatten(params)
         inner = inner_static(tree_unflatten(treedef, _select(leaves, on)))
         return [_pack_key(bool(k), ik) for k, ik in zip(on, inner)]
@@ -382,7 +397,13 @@ def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], 
     of its label, chained in the order of ``transforms``."""
 
     def on(n):
-        return lambda params: [lab == n for lab in labels_of(params)]
+        def of(params):
+            labels = labels_of(params)
+            if torch.compiler.is_compiling():  # (dynamo: a list, not a map of an operator)
+                return [lab == n for lab in labels]
+            return list(map(operator.eq, labels, repeat(n)))
+
+        return of
 
     chained = E.chained([_restricted_fusable(f, on(n), "partition") for n, f in zip(names, inners)])
 

@@ -501,10 +501,18 @@ def _spec_first(params) -> bool:
     if not SPEC_FIRST:
         return False
     leaves, _ = tree_flatten(params)
+    if not torch.compiler.is_compiling():  # (C loops: this runs for every step)
+        present = [x for x in leaves if x is not None]
+        try:
+            return all(map(_IS_CPU, present)) and set(map(_DTYPE, present)) <= _SPEC_DTYPE_SET
+        except AttributeError:  # (not a tensor: the step's validation names it)
+            pass
     return all(x is None or (x.device.type == "cpu" and x.dtype in _SPEC_DTYPES) for x in leaves)
 
 
 _SPEC_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_SPEC_DTYPE_SET = frozenset(_SPEC_DTYPES)
+_IS_CPU, _DTYPE = operator.attrgetter("is_cpu"), operator.attrgetter("dtype")
 
 
 def _run_spec(fus, grads, state, params, mesh, donate):

@@ -416,6 +416,51 @@ def test_masked_and_partition_fuse(name, mode, dtype, monkeypatch, device):
     _states_close(got_state, want_state, dtype)
 
 
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_partition_groups_mixed_leaves(mode, monkeypatch, device):
+    """A ``partition`` whose labels group leaves of two dtypes, one of them with a
+    non-contiguous gradient: the leaves are grouped by label (and absent state) first, each
+    group's lists checked whole; a group that cannot run as one kernel call (two dtypes, a
+    strided leaf) is grouped leaf by leaf, the strided leaf running in torch. Numbers and
+    state of the general path, and one kernel call per (label, dtype) group of contiguous
+    leaves per step."""
+    g = torch.Generator().manual_seed(3)
+    shapes = {"w": (17, 33), "v": (5, 4), "b": (33,), "e": (4, 3)}
+    dtypes = {"w": torch.float32, "v": torch.float64, "b": torch.float32, "e": torch.float32}
+    labels = {"w": "adam", "v": "adam", "b": "sgd", "e": "sgd"}
+    params = {k: torch.randn(s, generator=g, dtype=dtypes[k]).to(device) for k, s in shapes.items()}
+    grads = []
+    for _ in range(4):
+        gt = {k: torch.randn(s, generator=g, dtype=dtypes[k]) * 0.1 for k, s in shapes.items()}
+        gt["e"] = torch.randn(3, 4, generator=g).t()  # (strided: a transposed view)
+        grads.append({k: v.to(device) for k, v in gt.items()})
+    assert not grads[0]["e"].is_contiguous()
+
+    def make():
+        return ft.chain(
+            ft.clip_by_global_norm(1.0),
+            ft.partition({"adam": ft.scale_by_adam(), "sgd": ft.trace(0.9)}, labels),
+            ft.scale_by_learning_rate(1e-2),
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(combine.E, "register", lambda fn, spec: fn)
+        general = make()
+    want, want_state = _run(general, params, grads, "update")
+    seen = kernel_calls(monkeypatch)
+    got, got_state = _run(make(), params, grads, mode)
+    if kernels_run_on(device):  # adam's w (float32) and v (float64), sgd's b; e in torch
+        assert sorted(k for _, k in seen) == [1, 1, 1] * 4, seen
+    for k in params:
+        change = (want[k] - params[k]).abs().max()
+        rtol = 1e-12 if dtypes[k] == torch.float64 else (1e-5 if device.type == "cuda" else 2e-6)
+        assert (got[k] - want[k]).abs().max() <= rtol * change + 1e-30, k
+    for a, b in zip(ft.tree.tree_flatten(got_state)[0], ft.tree.tree_flatten(want_state)[0]):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert E.statics_memo() is None  # (lives while a step's statics run, no longer)
+
+
 def _injected_chain():
     return ft.chain(
         ft.clip_by_global_norm(1.0),

@@ -75,6 +75,7 @@ simulated by ``LocalTensor`` run the kernels rank by rank.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import itertools
 import operator
@@ -379,6 +380,7 @@ def run(
             return pool_take("update:" + kind, like)
 
     u = [b.locals[i] for i in act]
+    statics_memo: dict = {}  # (see statics_memo)
     bounds = [k for k, part in enumerate(parts) if k == 0 or part.reduces] + [len(parts)]
     finishes: list = [None] * len(parts)
     trees_of: list = [None] * len(parts)
@@ -410,8 +412,8 @@ def run(
             if part.static is not None:
                 if params is None:
                     raise ValueError(f"{part.name}: needs params (update(..., params))")
-                every = part.static(params)
-                keys.append([every[i] for i in act])
+                every = _call_static(part.static, params, statics_memo)
+                keys.append(list(every) if len(every) == len(act) else [every[i] for i in act])
             else:
                 keys.append(None)
         last = hi == len(parts)
@@ -426,8 +428,11 @@ def run(
             p_loc = [b.params[i] for i in act]
         if all(k is None for k in keys):  # (checked once: dynamo traces every loop)
             leaf_keys: list = [None] * len(act)
-        else:
+        elif torch.compiler.is_compiling():
             leaf_keys = [tuple(None if k is None else k[j] for k in keys) for j in range(len(act))]
+        else:  # (a C loop: this runs for every stage of every step)
+            na = len(act)  # (a repeat per absent key: one iterator each)
+            leaf_keys = list(zip(*(itertools.repeat(None, na) if k is None else k for k in keys)))
         outs = _execute(
             stage,
             tuple(counts),
@@ -463,6 +468,30 @@ def run(
 
         u = [known_zeros(x) for x in u]
     return b.rebuild_active(u), new_state
+
+
+_STATICS_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "functional_train_statics_memo", default=None
+)
+
+
+def statics_memo() -> dict | None:
+    """While a part's ``static`` runs (eagerly), a dict shared by the statics of one
+    :func:`run` call, for values every part computes from the same ``params`` (a
+    ``partition``'s labels: one flatten of the params per step, not one per part); keyed by
+    the caller's own object, holding the params it saw, so nothing outlives the step.
+    ``None`` otherwise."""
+    return _STATICS_MEMO.get()
+
+
+def _call_static(static: Callable, params: Any, memo: dict):
+    if torch.compiler.is_compiling():
+        return static(params)
+    token = _STATICS_MEMO.set(memo)
+    try:
+        return static(params)
+    finally:
+        _STATICS_MEMO.reset(token)
 
 
 def apply_locals(p: list, u: list) -> list | None:
@@ -906,21 +935,19 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     uniform = _uniform(ins, keys) if plain else None
     if uniform is not None:  # (the common case, checked by whole lists: one group)
         groups[(True, uniform, keys[0], ())] = list(range(n))
-    for j in range(n) if uniform is None else ():
-        leaf_ins = [lst[j] for lst in ins]
-        absent = tuple(k for k, x in enumerate(leaf_ins) if x is None)
-        if absent:
-            leaf_ins = [x for x in leaf_ins if x is not None]
-        dev = leaf_ins[0].device if plain and _kernel_device(leaf_ins[0]) else None
-        fast = dev is not None and all(
-            type(x) is torch.Tensor
-            and x.device == dev
-            and x.is_contiguous()
-            and not x.requires_grad
-            for x in leaf_ins
-        )
-        sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j], absent)
-        groups.setdefault(sig, []).append(j)
+    elif plain and not torch.compiler.is_compiling():
+        # (a masked / partitioned chain: groups by key and absent leaves first, then each
+        # group's lists checked whole, leaf by leaf only where that fails)
+        for (key, absent), idx in _by_key(ins, keys).items():
+            present = [lst for k, lst in enumerate(ins) if k not in absent]
+            whole = len(idx) == n
+            dtypes = _dtypes_of([lst if whole else [lst[j] for j in idx] for lst in present])
+            if dtypes is not None:
+                groups[(True, dtypes, key, absent)] = idx
+            else:
+                _leaf_groups(ins, keys, idx, plain, groups)
+    else:
+        _leaf_groups(ins, keys, range(n), plain, groups)
     scs: dict = {}  # the scalars as each device's kernels read them
     for g, ((fast, dtypes, key, absent), idx) in enumerate(groups.items()):
         fn = _function(stage, counts, key)
@@ -966,6 +993,46 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
     return outs
 
 
+def _leaf_groups(ins: list, keys: list, idx, plain: bool, groups: dict) -> None:
+    """The leaves ``idx`` into ``groups``, leaf by leaf: by whether a kernel runs them (plain
+    contiguous tensors without autograd on a device where kernels run), their dtypes, key and
+    absent inputs."""
+    for j in idx:
+        leaf_ins = [lst[j] for lst in ins]
+        absent = tuple(k for k, x in enumerate(leaf_ins) if x is None)
+        if absent:
+            leaf_ins = [x for x in leaf_ins if x is not None]
+        dev = leaf_ins[0].device if plain and _kernel_device(leaf_ins[0]) else None
+        fast = dev is not None and all(
+            type(x) is torch.Tensor
+            and x.device == dev
+            and x.is_contiguous()
+            and not x.requires_grad
+            for x in leaf_ins
+        )
+        sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j], absent)
+        groups.setdefault(sig, []).append(j)
+
+
+def _by_key(ins: list, keys: list) -> dict:
+    """``{(key, absent inputs): leaf indices}``: the leaves grouped by their static key and by
+    which of their inputs are ``None`` (a state leaf outside a ``masked`` / ``partition``
+    part's leaves), by C loops over whole lists where they can."""
+    holes = [k for k, lst in enumerate(ins) if any(map(operator.is_, lst, itertools.repeat(None)))]
+    if holes:
+        sigs: Any = zip(keys, *([x is None for x in ins[k]] for k in holes))
+    else:
+        sigs = zip(keys)
+    by: dict = {}
+    for j, sg in enumerate(sigs):
+        hit = by.get(sg)
+        if hit is None:
+            by[sg] = [j]
+        else:
+            hit.append(j)
+    return {(sg[0], tuple(k for k, a in zip(holes, sg[1:]) if a)): idx for sg, idx in by.items()}
+
+
 def _kernel_device(x) -> bool:
     """Whether generated kernels run on ``x``'s device: CPU (C), CUDA with Triton."""
     if x.is_cpu:
@@ -981,12 +1048,21 @@ def _uniform(ins: list, keys: list):
     one key), else ``None``: whole-list checks in C loops (this runs for every stage of every
     step)."""
     k0 = keys[0]
+    if len(keys) > 1:
+        if keys.count(k0) != len(keys) if k0 is None else any(k != k0 for k in keys):
+            return None
+    return _dtypes_of(ins)
+
+
+def _dtypes_of(ins: list):
+    """The dtypes of the inputs' lists when every leaf can run in one kernel call whatever
+    its key (:func:`_uniform`'s checks but the key's), else ``None``."""
     x0 = ins[0][0]
     if type(x0) is not torch.Tensor or not _kernel_device(x0):
         return None
     cpu = x0.is_cpu
     dev = x0.device
-    if len(keys) == 1:  # (one leaf: per-leaf steps call this once per leaf)
+    if len(ins[0]) == 1:  # (one leaf: per-leaf steps call this once per leaf)
         dtypes = []
         for lst in ins:
             x = lst[0]
@@ -996,8 +1072,6 @@ def _uniform(ins: list, keys: list):
                 return None
             dtypes.append(x.dtype)
         return tuple(dtypes)
-    if keys.count(k0) != len(keys) if k0 is None else any(k != k0 for k in keys):
-        return None
     dtypes = []
     for lst in ins:
         if set(map(type, lst)) != {torch.Tensor}:

@@ -158,11 +158,16 @@ class Prepared:
             not torch.compiler.is_compiling()
             and len(self.active) == n
             and self.specs.count(None) == n
-            and set(map(type, leaves)) == {torch.Tensor}
-            and set(map(type, self.updates)) == {torch.Tensor}
-            and list(map(_SHAPE, leaves)) == list(map(_SHAPE, self.updates))
         ):
-            return list(leaves)
+            kinds = set(map(type, leaves))
+            if kinds == {type(None)}:  # (a part's state outside its leaves: partition)
+                return list(leaves)
+            if (
+                kinds == {torch.Tensor}
+                and set(map(type, self.updates)) == {torch.Tensor}
+                and list(map(_SHAPE, leaves)) == list(map(_SHAPE, self.updates))
+            ):
+                return list(leaves)
         # the DTensorSpec objects already checked, per leaf (states keep their spec objects from
         # step to step, so the layout is checked once per layout, not per step)
         # (not under torch.compile: reading x._spec there makes dynamo guard on the spec
