@@ -52,7 +52,11 @@ print("triton:", fuse_triton.available(p["w"].device),
       ;;
     prof)  # host time by function (cProfile) of donated steps; the script is not committed
       timeout 150 python3 .dev/prof_cuda.py ${ROWS:-primitives,multi_steps} 2>&1 \
-        | tee "$OUT/prof_cuda.txt" | grep -E "#####|tottime|^ +[0-9]" | head -60
+        | tee "$OUT/prof_cuda.txt" | grep -E "#####|tottime|^ +[0-9]" | head -400
+      ;;
+    tprof)  # torch.profiler of donated steps (syncs, copies, launches); the script is not committed
+      timeout 150 python3 .dev/tprof_cuda.py ${ROWS:-primitives,multi_steps} 2>&1 \
+        | tee "$OUT/tprof_cuda.txt" | tail -80
       ;;
     compose-compile)
       timeout 240 python3 benchmarks/bench_compose.py --device cuda --rounds 5 --compile \

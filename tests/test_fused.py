@@ -707,3 +707,29 @@ def test_half_precision_multi_steps_is_fused_and_exact(dtype, mode, monkeypatch)
         assert torch.equal(got[k], want[k]), k
     for x, y in zip(optree.tree_leaves(got_state), optree.tree_leaves(want_state)):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sums_of_squares_by_generated_kernels(dtype, device):
+    """The clip's (and the trust ratio's) per-leaf sums of squares: on CPU the native C
+    kernel, on CUDA the generated Triton kernels (``fuse_triton.sum_squares``: two launches
+    for every leaf, float64 accumulation); the float64 sums of the leaves within float64
+    rounding, the same bits on a second call (a fixed order), empty leaves 0."""
+    from functional_train.engine import fuse_triton, native
+
+    g = torch.Generator().manual_seed(0)
+    sizes = (0, 1, 5, 1023, 1024, 1025, 70_000, 3 * 1024 + 7)
+    xs = [torch.randn(n, generator=g).to(dtype).to(device) for n in sizes]
+    xs.append(torch.randn(33, 17, generator=g).to(dtype).to(device))
+    got = native.local_sum_squares(xs)
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        assert got is None  # (the C kernels take float32 / float64: torch's norm then)
+        return
+    assert got is not None and got.dtype == torch.float64 and got.device == xs[0].device
+    want = torch.stack([x.double().square().sum() for x in xs])
+    assert (got - want).abs().max() <= 1e-14 * want.max()
+    assert torch.equal(got, native.local_sum_squares(xs))
+    if device.type == "cuda" and fuse_triton.available(device):
+        assert fuse_triton.sum_squares(xs) is not None
+    if device.type == "cpu":
+        assert fuse_triton.sum_squares(xs) is None

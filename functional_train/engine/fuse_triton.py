@@ -53,7 +53,7 @@ import torch
 from . import native
 from .fuse import BINARY, Lowering, Unsupported, compute_dtype, trace
 
-__all__ = ["available", "TritonKernel", "scalar_slots", "source_of", "BLOCK"]
+__all__ = ["available", "TritonKernel", "scalar_slots", "source_of", "sum_squares", "BLOCK"]
 
 # elements per program instance (``FT_TRITON_BLOCK``: a power of two, for measuring)
 BLOCK = int(os.environ.get("FT_TRITON_BLOCK", "1024"))
@@ -393,6 +393,8 @@ class TritonKernel:
         device = first[0].device
         index = first[0].get_device()
         for lst in outputs:  # (an engine bug otherwise: the kernel would write another device)
+            if any(lst is x for x in inputs):
+                continue  # (in place: the inputs are on it, the caller checked)
             if set(map(_GET_DEVICE, lst)) != {index}:
                 raise RuntimeError(f"a fused stage's results are not all on {device}")
         blocks, nblocks = _blocks(numels, device)
@@ -417,6 +419,127 @@ class TritonKernel:
                 return False
             self._checked = True
         return True
+
+
+# the sums of squares of a list of leaves: per block of BLOCK elements (found through the
+# block table, as a stage's), then per leaf over its blocks (consecutive in that table, in
+# order: the same order every call, so the sums are deterministic); float64 accumulation
+_SUMSQ_SOURCE = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def ft_sumsq_blocks(tab, blocks, n, partial, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    leaf = tl.load(blocks + 2 * pid)
+    offs = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)
+    ptr = tl.load(tab + leaf).to(tl.pointer_type({dtype}))
+    x = tl.load(ptr + offs, mask=offs < tl.load(tab + n + leaf), other=0.0).to(tl.float64)
+    tl.store(partial + pid, tl.sum(x * x, axis=0))
+
+
+@triton.jit
+def ft_sumsq_leaves(tab, n, partial, out, BLOCK: tl.constexpr):
+    leaf = tl.program_id(0)
+    lo = tl.load(tab + 2 * n + leaf)
+    hi = tl.load(tab + 2 * n + leaf + 1)
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(partial + offs, mask=offs < hi, other=0.0)
+    tl.store(out + leaf, tl.sum(acc, axis=0))
+"""
+_sumsq_kernels: dict = {}  # dtype -> (blocks kernel, leaves kernel), or None: did not compile
+_REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
+
+
+def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The sum of squares of each of ``xs`` (plain contiguous CUDA tensors of one floating
+    dtype on one device, without autograd), accumulated in float64 as
+    :func:`.native.sum_squares` does on the CPU: a float64 vector on their device, an element
+    per tensor. Two launches whatever the number of tensors (the squares per block of
+    ``BLOCK`` elements, then per tensor over its blocks in order: deterministic), where
+    ``torch._foreach_norm`` and a ``stack`` of its norms take one operation per tensor on
+    the host. ``None`` (nothing computed) where the tensors do not qualify, Triton is not
+    importable, the kernels are off (``FT_FUSED_KERNELS=0``) or did not compile (a warning,
+    once). No collectives, no synchronisation."""
+    from . import fuse
+
+    if not xs or not fuse.ENABLED or set(map(type, xs)) != {torch.Tensor}:
+        return None
+    x0 = xs[0]
+    device = x0.device
+    if (
+        not available(device)
+        or set(map(_GET_DEVICE, xs)) != {x0.get_device()}
+        or set(map(_DTYPE, xs)) != {x0.dtype}
+        or x0.dtype not in _LEAF_DTYPES
+        or not all(map(torch.Tensor.is_contiguous, xs))
+        or any(map(_REQUIRES_GRAD, xs))
+    ):
+        return None
+    return _sum_squares(xs, device)
+
+
+def _sum_squares(xs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """:func:`sum_squares` without its checks (Triton's interpreter runs it on CPU tensors)."""
+    dtype = xs[0].dtype
+    kernels = _sumsq_kernels.get(dtype, False)
+    if kernels is False:
+        source = _SUMSQ_SOURCE.replace("{dtype}", _TL[dtype])
+        kernels = _sumsq_kernels[dtype] = (
+            _load_source(source, "ft_sumsq_blocks"),
+            _load_source(source, "ft_sumsq_leaves"),
+        )
+    if kernels is None:
+        return None
+    n = len(xs)
+    numels = tuple(map(torch.Tensor.numel, xs))
+    blocks, nblocks = _blocks(numels, device)
+    tab = array.array("q", map(torch.Tensor.data_ptr, xs))
+    tab.extend(numels)
+    tab.extend(_firsts(numels))
+    t = _table(tab, device)
+    out = torch.zeros(n, dtype=torch.float64, device=device)
+    if nblocks == 0:
+        return out
+    partial = torch.empty(nblocks, dtype=torch.float64, device=device)
+    index = xs[0].get_device()
+    other = device.type == "cuda" and torch.cuda.current_device() != index
+    with torch.cuda.device(device) if other else contextlib.nullcontext():
+        try:
+            kernels[0][(nblocks,)](t, blocks, n, partial, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+            kernels[1][(n,)](t, n, partial, out, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+        except Exception as e:
+            _sumsq_kernels[dtype] = None
+            warnings.warn(
+                f"functional_train: the sums of squares run in torch, their generated Triton "
+                f"kernel did not compile ({type(e).__name__}: {e})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+    return out
+
+
+_firsts_cache: dict = {}
+
+
+def _firsts(numels: tuple) -> array.array:
+    """Per leaf the index of its first block in :func:`_blocks`' table, then their total
+    (cached per set of leaf sizes)."""
+    hit = _firsts_cache.get(numels)
+    if hit is None:
+        hit = array.array("q", [0])
+        for n in numels:
+            hit.append(hit[-1] + -(-n // BLOCK))
+        if len(_firsts_cache) > 256:
+            _firsts_cache.clear()
+        _firsts_cache[numels] = hit
+    return hit
+
+
+_DTYPE = torch.Tensor.dtype.__get__
 
 
 def scalar_slots(scalars: Sequence, device: torch.device) -> tuple | None:

@@ -240,11 +240,18 @@ def local_sum_squares(xs: list, needed: torch.Tensor | None = None) -> torch.Ten
     :func:`sum_squares_op` (opaque: the eager numbers; ``needed`` as there). ``None`` where
     they do not: under a ``torch.func`` transform or autograd recording (wrappers without
     storage), or for leaves that are not CPU float32 / float64 (the caller then takes
-    ``torch._foreach_norm``). The gradient clip's 2-norm and the trust ratio's norms."""
+    ``torch._foreach_norm``). Eagerly on CUDA: :func:`.fuse_triton.sum_squares` (plain
+    contiguous leaves of one floating dtype; else ``None`` as well). The gradient clip's
+    2-norm and the trust ratio's norms."""
     if traced():
         return None
     if not torch.compiler.is_compiling():
-        return sum_squares(xs)
+        out = sum_squares(xs)
+        if out is None and xs and type(xs[0]) is torch.Tensor and xs[0].is_cuda:
+            from . import fuse_triton  # (CUDA: the generated Triton kernels)
+
+            out = fuse_triton.sum_squares(xs)
+        return out
     if ENABLED and xs and all([x.is_cpu and x.dtype in _DTYPES for x in xs]):  # (list: traced)
         return sum_squares_op(xs, needed)
     return None
