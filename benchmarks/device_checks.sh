@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks and benchmarks a session runs on a lent CUDA machine (the device tool), as one
 # script: the environment, the device-generic tests on CUDA, and bench_compose on CUDA.
-# Usage there: bash benchmarks/device_checks.sh [step ...]   (steps: env tests compose aliases)
+# Usage there: bash benchmarks/device_checks.sh [step ...]
+# (steps: env tests compose compose-block prof tprof compose-compile)
 # Logs go to $OUT (or /tmp/device_checks when OUT is unset); each step has its own time limit.
 # The machine's python3 holds a CUDA torch; optree travels as a wheel in .whl (see the
 # device tool's README), installed into /tmp/site.
@@ -50,13 +51,13 @@ print("triton:", fuse_triton.available(p["w"].device),
           | grep -E "^row|\(c\)|\(d\)|\(a\)"
       done
       ;;
-    prof)  # host time by function (cProfile) of donated steps; the script is not committed
-      timeout 150 python3 .dev/prof_cuda.py ${ROWS:-primitives,multi_steps} 2>&1 \
+    prof)  # host time by function (cProfile) of donated steps
+      timeout 150 python3 benchmarks/profile_step.py --device cuda --rows "${ROWS:-primitives,multi_steps}" 2>&1 \
         | tee "$OUT/prof_cuda.txt" | grep -E "#####|tottime|^ +[0-9]" | head -400
       ;;
-    tprof)  # torch.profiler of donated steps (syncs, copies, launches); the script is not committed
-      timeout 150 python3 .dev/tprof_cuda.py ${ROWS:-primitives,multi_steps} 2>&1 \
-        | tee "$OUT/tprof_cuda.txt" | tail -80
+    tprof)  # torch.profiler of donated steps (launches, copies, synchronisations)
+      timeout 150 python3 benchmarks/profile_step.py --device cuda --tool torch \
+        --rows "${ROWS:-primitives,multi_steps}" 2>&1 | tee "$OUT/tprof_cuda.txt" | tail -80
       ;;
     compose-compile)
       timeout 240 python3 benchmarks/bench_compose.py --device cuda --rounds 5 --compile \
