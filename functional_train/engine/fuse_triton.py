@@ -499,10 +499,10 @@ def _sum_squares(xs: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
     tab = array.array("q", map(torch.Tensor.data_ptr, xs))
     tab.extend(numels)
     tab.extend(_firsts(numels))
-    t = _table(tab, device)
-    out = torch.zeros(n, dtype=torch.float64, device=device)
     if nblocks == 0:
-        return out
+        return torch.zeros(n, dtype=torch.float64, device=device)
+    t = _table(tab, device)
+    out = torch.empty(n, dtype=torch.float64, device=device)  # (every element written)
     partial = torch.empty(nblocks, dtype=torch.float64, device=device)
     index = xs[0].get_device()
     other = device.type == "cuda" and torch.cuda.current_device() != index
