@@ -541,21 +541,27 @@ def _alike(g: list, acc: list, pl: list | Callable | None = None) -> bool:
     the gradients' dtypes (``pl``: the parameters' leaves in the gradients' order, or a
     function giving them, called only where the dtypes differ; without them the dtypes must
     be the accumulators')."""
-    kinds = {type(x) for x in g}
-    if len(kinds) != 1 or not kinds <= {torch.Tensor, DTensor} or {type(a) for a in acc} != kinds:
+    compiling = torch.compiler.is_compiling()
+    kinds = {type(x) for x in g} if compiling else set(map(type, g))
+    if len(kinds) != 1 or not kinds <= {torch.Tensor, DTensor}:
         return False
-    if torch.compiler.is_compiling():
+    if ({type(a) for a in acc} if compiling else set(map(type, acc))) != kinds:
+        return False
+    if compiling:
         same = all(
             [
                 x.shape == a.shape and x.dtype.is_floating_point and a.dtype.is_floating_point
                 for x, a in zip(g, acc)
             ]
         )
-    else:
-        same = all(d.is_floating_point for d in {*map(_DTYPE, g), *map(_DTYPE, acc)}) and list(
+        differ = same and [x.dtype for x in g] != [a.dtype for a in acc]
+    else:  # (C loops: this runs for every micro-step)
+        g_dtypes, acc_dtypes = list(map(_DTYPE, g)), list(map(_DTYPE, acc))
+        same = all(d.is_floating_point for d in {*g_dtypes, *acc_dtypes}) and list(
             map(_SHAPE, g)
         ) == list(map(_SHAPE, acc))
-    if same and [x.dtype for x in g] != [a.dtype for a in acc]:
+        differ = same and g_dtypes != acc_dtypes
+    if differ:
         if callable(pl):
             pl = pl()
         if pl is None:
