@@ -1018,11 +1018,12 @@ def _by_key(ins: list, keys: list) -> dict:
     """``{(key, absent inputs): leaf indices}``: the leaves grouped by their static key and by
     which of their inputs are ``None`` (a state leaf outside a ``masked`` / ``partition``
     part's leaves), by C loops over whole lists where they can."""
-    holes = [k for k, lst in enumerate(ins) if any(map(operator.is_, lst, itertools.repeat(None)))]
-    if holes:
-        sigs: Any = zip(keys, *([x is None for x in ins[k]] for k in holes))
-    else:
-        sigs = zip(keys)
+    none = itertools.repeat(None)
+    holes = [k for k, lst in enumerate(ins) if any(map(operator.is_, lst, none))]
+    sigs = list(zip(keys, *(map(operator.is_, ins[k], none) for k in holes)))
+    if len(set(sigs)) == 1:  # (one group: a C loop decides it)
+        sg = sigs[0]
+        return {(sg[0], tuple(k for k, a in zip(holes, sg[1:]) if a)): list(range(len(sigs)))}
     by: dict = {}
     for j, sg in enumerate(sigs):
         hit = by.get(sg)
@@ -1047,10 +1048,8 @@ def _uniform(ins: list, keys: list):
     contiguous tensors without autograd on one device where kernels run, one dtype per list,
     one key), else ``None``: whole-list checks in C loops (this runs for every stage of every
     step)."""
-    k0 = keys[0]
-    if len(keys) > 1:
-        if keys.count(k0) != len(keys) if k0 is None else any(k != k0 for k in keys):
-            return None
+    if len(keys) > 1 and keys.count(keys[0]) != len(keys):  # (a C loop of ==, as a != loop)
+        return None
     return _dtypes_of(ins)
 
 

@@ -201,7 +201,14 @@ class Prepared:
     def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
         """A params-shaped state tree with the ``active`` leaves replaced by rewrapped locals."""
         old = self._flatten(tree, what)
-        if all(x is None for x in old) and all(v is None for v in new_active):
+        if not torch.compiler.is_compiling():  # (C loops: this runs per state tree per step)
+            if not any(map(operator.is_not, old, itertools.repeat(None))) and not any(
+                map(operator.is_not, new_active, itertools.repeat(None))
+            ):
+                return tree  # an all-None field
+            if len(self.active) == len(old):  # (every leaf active: the new leaves in order)
+                return unflatten_like(tree, self.treedef, wraps_like(new_active, old))
+        elif all(x is None for x in old) and all(v is None for v in new_active):
             return tree  # an all-None field (dynamo cannot rebuild a dict of constants)
         leaves = list(old)
         for i, v in zip(self.active, wraps_like(new_active, [old[i] for i in self.active])):
