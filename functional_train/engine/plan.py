@@ -120,6 +120,8 @@ class Plan:
         world: the :class:`World` of the layout.
         mesh: the descriptor after materialisation (data axis reduced), or ``None``.
         active: indices of the non-``None`` update leaves.
+        shapes: each update leaf's (global) ``torch.Size``, ``None`` for an absent one: those
+            of every call of this plan (they are part of its key).
         specs: the :class:`Spec` of each materialised update leaf (``None``: plain or absent).
         data_rounds: per round (the data axis, then an expert axis that is data parallel too;
             see :class:`~functional_train.Mesh`), ``(mesh dim, leaves averaged over it, its
@@ -137,6 +139,7 @@ class Plan:
         "world",
         "mesh",
         "active",
+        "shapes",
         "specs",
         "data_rounds",
         "expert_scale",
@@ -157,6 +160,8 @@ class Plan:
         for i, u in enumerate(leaves):
             _check_leaf(paths[i], u, None if pleaves is None else pleaves[i], pleaves is not None)
         self.active = [i for i, x in enumerate(leaves) if x is not None]
+        # the update leaves' (global) shapes: every call of this plan has them (its key)
+        self.shapes = [None if x is None else x.shape for x in leaves]
         self.param_specs: list[Spec | None] | None = (
             None if pleaves is None else [spec_of(p) for p in pleaves]
         )

@@ -70,6 +70,7 @@ class Prepared:
         "is_view",
         "needed",
         "_flat",
+        "_plain",
     )
 
     def __init__(self, plan: Plan, updates, locals_, params, is_view: bool = False):
@@ -84,6 +85,7 @@ class Prepared:
         self.is_view = is_view
         self.needed = None
         self._flat: dict = {}  # id(state tree) -> (tree, leaves): a state field is read twice
+        self._plain: bool | None = None  # every update leaf a plain tensor (once per view)
 
     @property
     def paths(self) -> list:
@@ -162,10 +164,12 @@ class Prepared:
             kinds = set(map(type, leaves))
             if kinds == {type(None)}:  # (a part's state outside its leaves: partition)
                 return list(leaves)
+            if self._plain is None:
+                self._plain = set(map(type, self.updates)) == {torch.Tensor}
             if (
                 kinds == {torch.Tensor}
-                and set(map(type, self.updates)) == {torch.Tensor}
-                and list(map(_SHAPE, leaves)) == list(map(_SHAPE, self.updates))
+                and self._plain
+                and list(map(_SHAPE, leaves)) == self.plan.shapes  # (the updates' shapes)
             ):
                 return list(leaves)
         # the DTensorSpec objects already checked, per leaf (states keep their spec objects from
