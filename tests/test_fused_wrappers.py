@@ -461,6 +461,33 @@ def test_partition_groups_mixed_leaves(mode, monkeypatch, device):
     assert E.statics_memo() is None  # (lives while a step's statics run, no longer)
 
 
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_partition_with_an_empty_label_is_one_group(mode, monkeypatch, device):
+    """A ``partition`` whose every leaf has one label (the other transform has no leaves:
+    its state leaves are all ``None``): one group, found by one C loop over the leaves'
+    keys and absent inputs, one kernel call per step; the general path's numbers and state."""
+    params, grads = _problem(device=device)
+    labels = {k: "adam" for k in params}
+
+    def make():
+        return ft.chain(
+            ft.clip_by_global_norm(1.0),
+            ft.partition({"adam": ft.scale_by_adam(), "sgd": ft.trace(0.9)}, labels),
+            ft.scale_by_learning_rate(1e-2),
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(combine.E, "register", lambda fn, spec: fn)
+        general = make()
+    want, want_state = _run(general, params, grads, "update")
+    seen = kernel_calls(monkeypatch)
+    got, got_state = _run(make(), params, grads, mode)
+    if kernels_run_on(device):
+        assert [k for _, k in seen] == [len(params)] * STEPS, seen
+    _close(got, want, params, torch.float32)
+    _states_close(got_state, want_state, torch.float32)
+
+
 def _injected_chain():
     return ft.chain(
         ft.clip_by_global_norm(1.0),
