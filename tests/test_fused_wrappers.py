@@ -416,6 +416,27 @@ def test_masked_and_partition_fuse(name, mode, dtype, monkeypatch, device):
     _states_close(got_state, want_state, dtype)
 
 
+def _partition_runs(labels, params, grads, mode, monkeypatch):
+    """``chain(clip, partition({adam: scale_by_adam, sgd: trace}, labels), lr)`` by its general
+    path (``update``) and by ``ft.step`` in ``mode``: ``(want, want_state, got, got_state,
+    the generated kernel calls of the latter)``."""
+
+    def make():
+        return ft.chain(
+            ft.clip_by_global_norm(1.0),
+            ft.partition({"adam": ft.scale_by_adam(), "sgd": ft.trace(0.9)}, labels),
+            ft.scale_by_learning_rate(1e-2),
+        )
+
+    with monkeypatch.context() as m:
+        m.setattr(combine.E, "register", lambda fn, spec: fn)
+        general = make()
+    want, want_state = _run(general, params, grads, "update")
+    seen = kernel_calls(monkeypatch)
+    got, got_state = _run(make(), params, grads, mode)
+    return want, want_state, got, got_state, seen
+
+
 @pytest.mark.parametrize("mode", ["pure", "donate"])
 def test_partition_groups_mixed_leaves(mode, monkeypatch, device):
     """A ``partition`` whose labels group leaves of two dtypes, one of them with a
@@ -435,20 +456,9 @@ def test_partition_groups_mixed_leaves(mode, monkeypatch, device):
         gt["e"] = torch.randn(3, 4, generator=g).t()  # (strided: a transposed view)
         grads.append({k: v.to(device) for k, v in gt.items()})
     assert not grads[0]["e"].is_contiguous()
-
-    def make():
-        return ft.chain(
-            ft.clip_by_global_norm(1.0),
-            ft.partition({"adam": ft.scale_by_adam(), "sgd": ft.trace(0.9)}, labels),
-            ft.scale_by_learning_rate(1e-2),
-        )
-
-    with monkeypatch.context() as m:
-        m.setattr(combine.E, "register", lambda fn, spec: fn)
-        general = make()
-    want, want_state = _run(general, params, grads, "update")
-    seen = kernel_calls(monkeypatch)
-    got, got_state = _run(make(), params, grads, mode)
+    want, want_state, got, got_state, seen = _partition_runs(
+        labels, params, grads, mode, monkeypatch
+    )
     if kernels_run_on(device):  # adam's w (float32) and v (float64), sgd's b; e in torch
         assert sorted(k for _, k in seen) == [1, 1, 1] * 4, seen
     for k in params:
@@ -468,20 +478,9 @@ def test_partition_with_an_empty_label_is_one_group(mode, monkeypatch, device):
     keys and absent inputs, one kernel call per step; the general path's numbers and state."""
     params, grads = _problem(device=device)
     labels = {k: "adam" for k in params}
-
-    def make():
-        return ft.chain(
-            ft.clip_by_global_norm(1.0),
-            ft.partition({"adam": ft.scale_by_adam(), "sgd": ft.trace(0.9)}, labels),
-            ft.scale_by_learning_rate(1e-2),
-        )
-
-    with monkeypatch.context() as m:
-        m.setattr(combine.E, "register", lambda fn, spec: fn)
-        general = make()
-    want, want_state = _run(general, params, grads, "update")
-    seen = kernel_calls(monkeypatch)
-    got, got_state = _run(make(), params, grads, mode)
+    want, want_state, got, got_state, seen = _partition_runs(
+        labels, params, grads, mode, monkeypatch
+    )
     if kernels_run_on(device):
         assert [k for _, k in seen] == [len(params)] * STEPS, seen
     _close(got, want, params, torch.float32)
