@@ -32,7 +32,15 @@ from .autograd import detached, host_value, host_values, is_differentiable, trac
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
-from .engine.plan import all_on_data_axis, describe, plan_for, same_layout
+from .engine.plan import (
+    all_on_data_axis,
+    by_specs,
+    describe,
+    only_dtensors,
+    plan_for,
+    same_layout,
+    same_layouts,
+)
 from .engine.view import prepare
 from .mesh import Mesh
 from .spec import attach_spec
@@ -541,12 +549,29 @@ def _alike(g: list, acc: list, pl: list | Callable | None = None) -> bool:
     the gradients' dtypes (``pl``: the parameters' leaves in the gradients' order, or a
     function giving them, called only where the dtypes differ; without them the dtypes must
     be the accumulators')."""
+    if only_dtensors(g, acc):  # (decided by their spec objects: remembered per them)
+        same, differ = by_specs("multi_steps alike", (g, acc), lambda: _alike_checks(g, acc))
+    else:
+        same, differ = _alike_checks(g, acc)
+    if same and differ:
+        if callable(pl):
+            pl = pl()
+        if pl is None:
+            return False
+        same = all(x.dtype == a.dtype or x.dtype == p.dtype for x, a, p in zip(g, acc, pl))
+    return same
+
+
+def _alike_checks(g: list, acc: list) -> tuple[bool, bool]:
+    """``(same, differ)`` for :func:`_alike`: ``same``, the checks of every leaf but its
+    dtype's against its parameter's; ``differ``, some gradient's dtype is not its
+    accumulator's (then the parameters decide)."""
     compiling = torch.compiler.is_compiling()
     kinds = {type(x) for x in g} if compiling else set(map(type, g))
     if len(kinds) != 1 or not kinds <= {torch.Tensor, DTensor}:
-        return False
+        return False, False
     if ({type(a) for a in acc} if compiling else set(map(type, acc))) != kinds:
-        return False
+        return False, False
     if compiling:
         same = all(
             [
@@ -561,15 +586,8 @@ def _alike(g: list, acc: list, pl: list | Callable | None = None) -> bool:
             map(_SHAPE, g)
         ) == list(map(_SHAPE, acc))
         differ = same and g_dtypes != acc_dtypes
-    if differ:
-        if callable(pl):
-            pl = pl()
-        if pl is None:
-            return False
-        same = all(x.dtype == a.dtype or x.dtype == p.dtype for x, a, p in zip(g, acc, pl))
-    return same and (
-        kinds == {torch.Tensor} or all(map(same_layout, map(spec_of, g), map(spec_of, acc)))
-    )
+    same = same and (kinds == {torch.Tensor} or same_layouts(g, acc))
+    return same, same and differ
 
 
 def _reduced(treedef, g: list, pl: list, mesh: Mesh) -> bool:

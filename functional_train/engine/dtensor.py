@@ -9,6 +9,7 @@ of the leaf they belong to. Eagerly a DTensor is built straight from a cached ``
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, overload
 
 import torch
@@ -117,14 +118,19 @@ def to_local(x: Any) -> Any:
 
 
 _PLAIN = {torch.Tensor, type(None)}
+_LOCAL = operator.attrgetter("_local_tensor")
+_ONLY_DTENSOR = {DTensor}
 
 
 def to_locals(xs) -> list:
     """:func:`to_local` of every element of ``xs`` (one compile check for the whole list)."""
     if torch.compiler.is_compiling():
         return [x.to_local() if isinstance(x, DTensor) else x for x in xs]
-    if set(map(type, xs)) <= _PLAIN:  # (plain tensors: whole-list C loops)
+    kinds = set(map(type, xs))
+    if kinds <= _PLAIN:  # (plain tensors: whole-list C loops)
         return list(xs)
+    if kinds == _ONLY_DTENSOR:  # (every leaf a DTensor: one C loop)
+        return list(map(_LOCAL, xs))
     return [x._local_tensor if isinstance(x, DTensor) else x for x in xs]
 
 
@@ -154,14 +160,23 @@ def wrap_like(local: Any, like: Any) -> Any:
 
 
 def wraps_like(locals_, likes) -> list:
-    """:func:`wrap_like` of every pair (one compile check for the whole list)."""
+    """:func:`wrap_like` of every pair (one compile check for the whole list). Eagerly a
+    DTensor whose own local shard is the new local (a donated step wrote into it, or left it
+    as it was) is given back as it is: the same object, spec and shard, no new DTensor."""
     if torch.compiler.is_compiling():
         return [wrap_like(x, like) for x, like in zip(locals_, likes)]
-    if set(map(type, likes)) <= _PLAIN:  # (plain tensors: whole-list C loops)
+    kinds = set(map(type, likes))
+    if kinds <= _PLAIN:  # (plain tensors: whole-list C loops)
         return list(locals_)
+    if kinds == _ONLY_DTENSOR and all(map(operator.is_, locals_, map(_LOCAL, likes))):
+        return list(likes)  # (every shard the DTensor's own: C loops)
     return [
         x
         if x is None or not isinstance(like, DTensor)
-        else (_make(x, like._spec) if x.dtype == like.dtype else wrap(x, spec_of(like)))
+        else (
+            like
+            if x is like._local_tensor
+            else (_make(x, like._spec) if x.dtype == like.dtype else wrap(x, spec_of(like)))
+        )
         for x, like in zip(locals_, likes)
     ]

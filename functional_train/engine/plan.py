@@ -12,10 +12,11 @@ then only packs, communicates and unpacks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ _MAX_PLANS = 64
 def cache_clear() -> None:
     """Forget every cached plan (``functional_train.testing.simulate`` calls this)."""
     _PLANS.clear()
+    _BY_SPECS.clear()
 
 
 def _leaf_key(x: Any) -> Any:
@@ -52,11 +54,19 @@ def _leaf_key(x: Any) -> Any:
 _SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
 
 
+_SPEC, _MESH = operator.attrgetter("_spec"), operator.attrgetter("mesh")
+_SPEC_MESH = operator.attrgetter("_spec.mesh")
+
+
 def _leaves_key(leaves: Sequence[Any]) -> tuple:
-    """``_leaf_key`` of each leaf; for a list of plain tensors (the common case) by whole-list
-    C loops (this runs for every step)."""
-    if set(map(type, leaves)) == {torch.Tensor}:
+    """``_leaf_key`` of each leaf; for a list of plain tensors (the common case), or of
+    DTensors, by whole-list C loops (this runs for every step)."""
+    kinds = set(map(type, leaves))
+    if kinds == {torch.Tensor}:
         return tuple(zip(map(_SHAPE, leaves), map(_DTYPE, leaves), map(_DEVICE, leaves)))
+    if kinds == {DTensor}:
+        specs = list(map(_SPEC, leaves))
+        return tuple(zip(specs, map(id, map(_MESH, specs))))
     return tuple(map(_leaf_key, leaves))
 
 
@@ -303,6 +313,48 @@ def same_layout(a: Spec, b: Spec) -> bool:
     )
 
 
+# (what, the DTensorSpec ids of lists of DTensors) -> (their specs, kept alive so that the
+# ids are not reused; the value computed from them). Bounded: gradients made by
+# ``DTensor.from_local`` each step bring new spec objects.
+_BY_SPECS: dict = {}
+_MAX_BY_SPECS = 256
+
+
+def only_dtensors(*lists: Sequence[Any]) -> bool:
+    """Every element of every list is a DTensor (eagerly: whole-list C loops)."""
+    return not torch.compiler.is_compiling() and all(
+        set(map(type, xs)) == {DTensor} for xs in lists
+    )
+
+
+def by_specs(what: Any, lists: Sequence[Sequence[DTensor]], compute: Callable[[], Any]) -> Any:
+    """``compute()``, remembered per ``what`` and the ``DTensorSpec`` objects of ``lists``
+    (lists of DTensors only, see :func:`only_dtensors`): for a value decided by what the specs
+    hold (mesh, placements, global shape and stride, dtype). A state's and a parameter's
+    DTensors keep their spec objects from step to step, and so do FSDP's gradients and the
+    results of one DTensor operation: computed once, then a lookup made in C loops (this runs
+    every step)."""
+    specs = [list(map(_SPEC, xs)) for xs in lists]
+    key = (what, *[tuple(map(id, s)) for s in specs])
+    hit = _BY_SPECS.get(key)
+    if hit is None:
+        hit = (specs, compute())
+        if len(_BY_SPECS) >= _MAX_BY_SPECS:
+            _BY_SPECS.clear()
+        _BY_SPECS[key] = hit
+    return hit[1]
+
+
+def same_layouts(xs: Sequence[Any], ys: Sequence[Any]) -> bool:
+    """:func:`same_layout` of every pair of DTensors of ``xs`` and ``ys`` (remembered per their
+    spec objects where every element is a DTensor: :func:`by_specs`)."""
+
+    def compute() -> bool:
+        return all(map(same_layout, map(spec_of, xs), map(spec_of, ys)))
+
+    return by_specs("same layouts", (xs, ys), compute) if only_dtensors(xs, ys) else compute()
+
+
 def _respec(s: Spec, placements: tuple) -> Spec:
     return dataclasses.replace(s, placements=placements)
 
@@ -317,6 +369,18 @@ def plan_for(
     since tracing runs once per layout anyway)."""
     if torch.compiler.is_compiling():
         return Plan(treedef, leaves, pleaves, mesh)
+    if only_dtensors(leaves, () if pleaves is None else pleaves):
+        return by_specs(
+            ("plan", treedef, mesh, pleaves is None),
+            (leaves, () if pleaves is None else pleaves),
+            lambda: _cached_plan(treedef, leaves, pleaves, mesh),
+        )
+    return _cached_plan(treedef, leaves, pleaves, mesh)
+
+
+def _cached_plan(
+    treedef, leaves: Sequence[Any], pleaves: Sequence[Any] | None, mesh: Mesh | None
+) -> Plan:
     key = (
         treedef,
         _leaves_key(leaves),
@@ -339,12 +403,28 @@ def all_on_data_axis(pleaves: Sequence[Any], axis: str | None) -> bool:
     """Every parameter is a DTensor whose mesh has the data axis: their gradients are placed
     over it (FSDP's reduce-scatter made them), so none is averaged over it by the engine. A
     property of the parameters, the same on every rank."""
+    if only_dtensors(pleaves):
+        return by_specs(("on data axis", axis), (pleaves,), lambda: _on_axis(pleaves, axis))
+    return _on_axis(pleaves, axis)
+
+
+def _on_axis(pleaves: Sequence[Any], axis: str | None) -> bool:
+    if not torch.compiler.is_compiling() and set(map(type, pleaves)) <= {DTensor, type(None)}:
+        # (C loops over the leaves, the names read once per mesh: this runs every step)
+        present = itertools.compress(pleaves, map(operator.is_not, pleaves, _NONES))
+        meshes = list(map(_SPEC_MESH, present))
+        return all(
+            axis in (m.mesh_dim_names or ()) for m in dict(zip(map(id, meshes), meshes)).values()
+        )
     for p in pleaves:
         if p is None:
             continue
         if not isinstance(p, DTensor) or axis not in (p.device_mesh.mesh_dim_names or ()):
             return False
     return True
+
+
+_NONES = itertools.repeat(None)
 
 
 _DTYPES = (

@@ -147,6 +147,15 @@ class Prepared:
         self._flat[id(tree)] = (tree, leaves)
         return list(leaves)
 
+    def _plain_specs(self) -> bool:
+        """Every update leaf plain or absent (no :class:`Spec`): once per plan (a
+        ``list.count(None)`` calls each ``Spec``'s ``__eq__`` in Python)."""
+        memo = self.plan.memo
+        hit = memo.get("plain specs")
+        if hit is None:
+            hit = memo["plain specs"] = all(s is None for s in self.specs)
+        return hit
+
     def state_locals(self, tree: Any, what: str) -> list:
         """Local shards of a params-shaped state tree, checked against the updates' structure
         and, leaf by leaf, their shapes.
@@ -157,9 +166,7 @@ class Prepared:
         leaves = self._flatten(tree, what)
         n = len(leaves)
         if (  # (plain tensors of the updates' shapes, every leaf active: whole-list checks)
-            not torch.compiler.is_compiling()
-            and len(self.active) == n
-            and self.specs.count(None) == n
+            not torch.compiler.is_compiling() and len(self.active) == n and self._plain_specs()
         ):
             kinds = set(map(type, leaves))
             if kinds == {type(None)}:  # (a part's state outside its leaves: partition)
