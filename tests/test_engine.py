@@ -67,6 +67,61 @@ def test_one_plan_per_layout():
         assert c.specs[c.paths.index("w0")].placements == params["w0"].placements  # relaid
 
 
+def test_layout_checks_remembered_per_spec_objects():
+    """``plan.by_specs``: a layout's plan and multi_steps' checks are remembered per the
+    DTensors' spec objects, and told apart by them: gradients made anew (new spec objects,
+    equal layouts) get the same plan; another placement, shape or dtype gets its own answer."""
+    from functional_train.engine import plan as engine_plan
+
+    with simulate(2):
+        mesh = make_mesh((2,), ("tp",))
+        a, b = _tree(mesh), _tree(mesh, seed=1)
+        xs, ys = list(a.values()), list(b.values())
+        assert engine_plan.only_dtensors(xs, ys)
+        assert engine_plan.same_layouts(xs, ys) and engine_plan.same_layouts(xs, ys)
+        moved = dict(b, w0=shard(torch.zeros(5, 3), mesh, [Replicate()]))
+        assert not engine_plan.same_layouts(xs, list(moved.values()))
+        assert engine_plan.same_layouts(xs, ys)  # (the earlier answer, unchanged)
+        treedef = ft.tree.tree_flatten(a)[1]
+        p1 = engine_plan.plan_for(treedef, ys, xs, None)
+        p2 = engine_plan.plan_for(treedef, list(_tree(mesh, seed=2).values()), xs, None)
+        assert p1 is p2  # (equal layouts, other spec objects: the value-keyed cache)
+        wide = {k: shard(v.full_tensor().double(), mesh, v.placements) for k, v in b.items()}
+        p3 = engine_plan.plan_for(treedef, list(wide.values()), xs, None)
+        assert p3 is not p1
+
+
+def test_donated_dtensor_step_gives_its_dtensors_back():
+    """A donated step on DTensors writes into their local shards and returns the same
+    DTensor objects (no new wrapper per leaf); a pure step returns new ones, the inputs
+    unchanged."""
+    with simulate(2):
+        mesh = make_mesh((2,), ("tp",))
+        params, grads = _tree(mesh), _tree(mesh, seed=1)
+        tx = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2))
+        before = {k: v.full_tensor() for k, v in params.items()}
+        state = tx.init(params)
+        pure, pure_state = ft.step(tx, grads, state, params)
+        assert all(pure[k] is not params[k] for k in params)
+        assert all(torch.equal(params[k].full_tensor(), before[k]) for k in params)
+        new, new_state = ft.step(tx, _tree(mesh, seed=1), state, params, donate=True)
+        assert all(new[k] is params[k] for k in params)
+        for k in params:
+            assert torch.equal(new[k].full_tensor(), pure[k].full_tensor())
+        # (wraps_like: a DTensor whose own shard is the result is given back; another shard
+        # gets a new DTensor of its layout)
+        xs = list(params.values())
+        locals_ = [x._local_tensor for x in xs]
+        assert all(a is b for a, b in zip(engine_dtensor.wraps_like(locals_, xs), xs))
+        other = [loc * 1 for loc in locals_]
+        got = engine_dtensor.wraps_like([locals_[0], *other[1:]], xs)
+        assert got[0] is xs[0] and all(g is not x for g, x in zip(got[1:], xs[1:]))
+        assert all(
+            g._local_tensor is o and g._spec is x._spec
+            for g, o, x in zip(got[1:], other[1:], xs[1:])
+        )
+
+
 def test_chain_builds_dtensors_once(monkeypatch):
     """``chain(clip_by_global_norm, adamw)`` (5 primitives) on n DTensor leaves builds n
     DTensors for the updates and 2n for the moments, not one per leaf per primitive."""
