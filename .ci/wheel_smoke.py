@@ -1,7 +1,8 @@
 """The built wheel, installed (not editable) in a fresh virtual environment, from outside the
 source tree: the package and its data files are there, one ``ft.step`` of
 ``chain(clip_by_global_norm, adamw)`` equals torch's ``clip_grad_norm_`` + ``AdamW``, its clip's
-norm ran the native kernel built from the wheel's ``engine/_kernels.c``, and its stage ran a
+norm ran the native kernel built from the wheel's ``engine/_kernels.c`` (with its
+``engine/_sumsq.h``), and its stage ran a
 kernel generated and compiled in this environment (``engine/fuse.py``).
 
 Run by ``.ci/run`` as ``python .ci/wheel_smoke.py`` with the wheel's environment active and the
@@ -18,7 +19,7 @@ from functional_train.engine import fuse, native
 
 here = Path(ft.__file__).resolve().parent
 assert "site-packages" in here.parts, f"imported from {here}, not from the installed wheel"
-for data in ("py.typed", "engine/_kernels.c"):
+for data in ("py.typed", "engine/_kernels.c", "engine/_sumsq.h"):
     assert (here / data).is_file(), f"the wheel lacks functional_train/{data}"
 
 os.environ["FT_CACHE_DIR"] = tempfile.mkdtemp()  # build the kernel from the wheel's source

@@ -72,8 +72,11 @@ def _local_norm_terms(b, norm_type: float):
         # _foreach_norm has no identity for inf on empty shards (uneven sharding): pad one zero.
         return [torch.cat([x.reshape(-1), x.new_zeros(1)]).abs().max() for x in g], "max", None
     if norm_type == 2.0:
-        # (compiled: zeros where not needed at all, see Prepared.needed)
-        squares = native.local_sum_squares(g, b.needed)
+        # (given by the stage that wrote them; compiled: zeros where not needed at all, see
+        # Prepared.needed)
+        squares = b.sum_squares
+        if squares is None:
+            squares = native.local_sum_squares(g, b.needed)
         if squares is not None:
             f32 = all([x.dtype == torch.float32 for x in g])  # (a list: traced too)
             return squares, "sum", torch.float32 if f32 else None
@@ -177,7 +180,15 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         """``u * coef`` (in ``u``'s dtype), ``coef = min(1, max_norm / (total + 1e-6))``."""
         return (u * h[0]).to(u.dtype), ()
 
-    spec = E.Elementwise("clip_by_global_norm", leaf, prologue, E.no_fields, 0, reduces=True)
+    spec = E.Elementwise(
+        "clip_by_global_norm",
+        leaf,
+        prologue,
+        E.no_fields,
+        0,
+        reduces=True,
+        reads_sum_squares=norm_type == 2.0,
+    )
     tx = elementwise_transform(spec, init_fn)
     attach_spec(tx.update, clip=(max_norm, norm_type))  # (ft.step, apply_if_finite)
     return tx

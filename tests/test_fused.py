@@ -180,8 +180,8 @@ def test_triton_writer_writes_every_generated_stage(dtype, monkeypatch):
     stages: dict = {}
     real = fuse.kernel_for
 
-    def spy(fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu"):
-        k = real(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type)
+    def spy(fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu", sumsq=False):
+        k = real(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq)
         if k is not None:
             stages[(fn, in_dtypes, scalar_dtypes, n_per_leaf)] = k
         return k
@@ -733,3 +733,66 @@ def test_sums_of_squares_by_generated_kernels(dtype, device):
         assert fuse_triton.sum_squares(xs) is not None
     if device.type == "cpu":
         assert fuse_triton.sum_squares(xs) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["pure", "donate", "update"])
+@pytest.mark.parametrize(
+    "chain",
+    [
+        "multi_steps",  # (the last micro-step's mean, then the clip)
+        "adam_then_clip",  # (scale_by_adam's stage, then the clip)
+    ],
+)
+def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
+    """A clip after a stage (``multi_steps``' last micro-step: its mean; a chain with the clip
+    after ``scale_by_adam``) reads the sums of squares the stage's kernel took as it wrote the
+    updates (``Elementwise.reads_sum_squares``): no pass of its own over them
+    (``native.sum_squares`` not called for them), and the same bits as the native sums of
+    the updates in memory: parameters and states equal to the step whose clip sums them
+    itself, over whole cycles, with leaves of 0, 1, 16, 17 and 700 elements."""
+    from functional_train.engine import native
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {"w": (35, 20), "b": (17,), "c": (16,), "s": (), "e": (0, 4)}
+    params = {k: torch.randn(s, generator=g, dtype=dtype) for k, s in shapes.items()}
+    grads = [
+        {k: torch.randn(s, generator=g, dtype=dtype) * 0.3 for k, s in shapes.items()}
+        for _ in range(6)
+    ]
+
+    def make():
+        if chain == "multi_steps":
+            return ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 3)
+        return ft.chain(ft.scale_by_adam(), ft.clip_by_global_norm(0.5), ft.scale(-1e-2))
+
+    calls = []
+    real = native.sum_squares
+
+    def counted(xs):
+        calls.append(len(xs))
+        return real(xs)
+
+    monkeypatch.setattr(native, "sum_squares", counted)
+    got, got_state = _run(make(), params, grads, mode)
+    fused_calls = list(calls)
+    calls.clear()
+    real_kernel_for = fuse.kernel_for
+
+    def without_sums(fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu", sumsq=False):
+        return (
+            None
+            if sumsq
+            else real_kernel_for(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type)
+        )
+
+    monkeypatch.setattr(fuse, "kernel_for", without_sums)
+    want, want_state = _run(make(), params, grads, mode)
+    clips = 2 if chain == "multi_steps" else 6  # (the steps whose clip reads a stage's sums)
+    assert fused_calls == [] and calls == [len(shapes)] * clips
+    for k in params:
+        assert torch.equal(got[k], want[k]), k
+    a, b = ft.tree.tree_flatten(got_state)[0], ft.tree.tree_flatten(want_state)[0]
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    norm = ft.tree.tree_flatten(got_state)[0]
+    assert any(x.ndim == 0 and x.dtype.is_floating_point and x > 0 for x in norm)

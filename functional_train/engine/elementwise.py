@@ -20,6 +20,12 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   ``static=None``: every leaf's key is ``None``.
 * ``reduces``: whether ``prologue`` reads the updates' values (a norm): a fused pass then
   starts at this transform, since the updates it reads must exist first.
+* ``reads_sum_squares``: a reducing part whose prologue reads the updates only as their
+  per-leaf sums of squares (the 2-norm's terms: ``clip_by_global_norm``): the stage before it
+  then sums the updates' squares as it writes them (a generated CPU kernel, in the order of
+  the native sums of squares: the same bits), and the prologue finds them in the view
+  (``b.sum_squares``), one pass over the updates fewer (where they are not given there, the
+  prologue sums them itself).
 * ``leaf_scalars``: the positions in the prologue's scalars that hold one value PER LEAF (a
   list of 0-dim tensors, one per leaf of ``b.active``, in that order: ``scale_by_trust_ratio``'s
   ratios, from its per-leaf norms); the leaf function finds its own leaf's value there. They
@@ -122,6 +128,7 @@ class Elementwise:
     context: bool = False
     guard: int = 0
     leaf_scalars: tuple[int, ...] = ()
+    reads_sum_squares: bool = False
 
     def __post_init__(self):
         # a number of its own, by which a compiled graph names it (functional_train::fused_stage)
@@ -380,6 +387,7 @@ def run(
             return pool_take("update:" + kind, like)
 
     u = [b.locals[i] for i in act]
+    given = None  # the updates' sums of squares from the stage that wrote them
     statics_memo: dict = {}  # (see statics_memo)
     bounds = [k for k, part in enumerate(parts) if k == 0 or part.reduces] + [len(parts)]
     finishes: list = [None] * len(parts)
@@ -396,6 +404,8 @@ def run(
         for k in range(lo, hi):
             part = parts[k]
             view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
+            if k > 0 and part.reduces and part.reads_sum_squares:
+                view.sum_squares = given  # (None: the prologue sums them itself)
             if part.context:
                 sc, finishes[k] = part.prologue(states[k], view, ctx)
             else:
@@ -418,6 +428,8 @@ def run(
                 keys.append(None)
         last = hi == len(parts)
         stage = _stage_of(parts[lo:hi], apply is not None and last and not drop, drop and last)
+        # (the next stage's reduction: its sums of squares taken as this stage writes them)
+        sums: list | None = [] if not last and parts[hi].reads_sum_squares else None
         p_loc = None
         if stage.apply:
             p_loc = list(params_locals or ())
@@ -443,7 +455,9 @@ def run(
             leaf_keys,
             apply,
             None if take is None else _kinds(take, lo),
+            sums,
         )
+        given = sums[0] if sums else None
         r = 0
         if not stage.drop_u:
             u = outs[0]
@@ -528,9 +542,12 @@ def _scatter(b, active_values):
     return full
 
 
-def _execute(stage, counts, u, p, fields, scalars, keys, apply, take):
+def _execute(stage, counts, u, p, fields, scalars, keys, apply, take, sums=None):
     """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists; without
     the first for ``stage.drop_u``). ``apply="donate"``: the results over their inputs.
+    ``sums``: an empty list, to which the updates' per-leaf sums of squares (a float64
+    vector) are appended where one kernel call wrote every leaf's (see
+    ``Elementwise.reads_sum_squares``); nothing is appended otherwise.
 
     Ranks simulated in one process (``torch.distributed._local_tensor.LocalTensor``: a tensor
     holding one tensor per rank) run rank by rank on their own tensors, through the same
@@ -540,7 +557,7 @@ def _execute(stage, counts, u, p, fields, scalars, keys, apply, take):
     ranks = _simulated_ranks(u, p, fields, scalars)
     if ranks is not None:
         return _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply)
-    return _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take)
+    return _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -905,7 +922,7 @@ def _inputs(stage, u, p, fields) -> tuple[list, list]:
     return ins, dst
 
 
-def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
+def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums=None):
     n = len(u)
     n_out = len(fields) - stage.n_per_leaf + (0 if stage.drop_u else 1)
     if n == 0:
@@ -948,6 +965,8 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
                 _leaf_groups(ins, keys, idx, plain, groups)
     else:
         _leaf_groups(ins, keys, range(n), plain, groups)
+    if uniform is None or cx or stage.drop_u or torch.compiler.is_compiling():
+        sums = None  # (sums of squares of the updates: of one whole call only)
     scs: dict = {}  # the scalars as each device's kernels read them
     for g, ((fast, dtypes, key, absent), idx) in enumerate(groups.items()):
         fn = _function(stage, counts, key)
@@ -963,9 +982,15 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take):
                     g_ins = [ins[i] for i in in_keep]
                     g_outs = [outs[r] for r in out_keep]
                     g_dst = [in_keep.index(dst[r]) for r in out_keep]
-                kernel = fuse.kernel_for(g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type)
+                kernel = None
+                if sums is not None:
+                    kernel = fuse.kernel_for(
+                        g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type, sumsq=True
+                    )
+                if kernel is None:
+                    kernel = fuse.kernel_for(g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type)
                 if kernel is not None and _run_kernel(
-                    kernel, g_ins, idx, g_outs, sc[0], apply, _group_kinds(take, g), g_dst
+                    kernel, g_ins, idx, g_outs, sc[0], apply, _group_kinds(take, g), g_dst, sums
                 ):
                     continue
         with torch.enable_grad() if _recording() else torch.no_grad():
@@ -1151,9 +1176,10 @@ def _function(stage, counts, key):
     return hit[1]
 
 
-def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
+def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst, sums=None) -> bool:
     """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
-    as asked (a donated buffer of another dtype)."""
+    as asked (a donated buffer of another dtype). A kernel that sums its updates' squares
+    (``kernel.sumsq``) appends their sums to ``sums``."""
     whole = len(idx) == len(ins[0])  # (every leaf: the common case, lists as they are)
     cols = [list(lst) for lst in ins] if whole else [[lst[j] for j in idx] for lst in ins]
     n_out = len(outs)
@@ -1180,8 +1206,14 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst) -> bool:
     # (fresh results: streamed where large; a caller's buffers that are the inputs (apply_part)
     # are not: streaming is right there too, the block is read before it is written, but slower)
     fresh = apply != "donate" and not any(x[0] is y[0] for x in res for y in cols)
-    if kernel(cols, res, sc, fresh=fresh) is False:  # (a Triton kernel that did not compile)
-        return False
+    squares = torch.empty(len(idx), dtype=torch.float64) if kernel.sumsq else None
+    if squares is None:
+        if kernel(cols, res, sc, fresh=fresh) is False:  # (a Triton kernel that did not compile)
+            return False
+    else:
+        kernel(cols, res, sc, fresh=fresh, sums=squares)
+        if sums is not None:
+            sums.append(squares)
     for r in range(n_out):
         if whole:
             outs[r][:] = res[r]

@@ -104,6 +104,7 @@ _CTYPE = {
 # (float16 through integer operations, which GCC vectorises, where it does not vectorise
 # ``_Float16`` conversions)
 _HALF = (torch.bfloat16, torch.float16)
+_SUMSQ = {torch.float32: "f32", torch.float64: "f64"}  # (the results a stage may sum)
 _LOAD = {torch.bfloat16: "ft_lbf16({x})", torch.float16: "ft_lf16({x})"}
 _STORE = {torch.bfloat16: "ft_sbf16({x})", torch.float16: "ft_sf16({x})"}
 
@@ -502,7 +503,12 @@ class _Writer(Lowering):
             return f"FT_SEL({c}, {a}, {b})"
         return f"({c} ? {a} : {b})"
 
-    def source(self, fn_name: str) -> tuple[str, list]:
+    def source(self, fn_name: str, sumsq: bool = False) -> tuple[str, list]:
+        """The C source of the stage, and ``[input dtypes, output dtypes]``. ``sumsq``: the
+        stage also writes each leaf's sum of squares of its first result (the updates) into
+        one more per-leaf pointer, a float64, summed block by block as the results are
+        written, in ``_sumsq.h``'s order (the bits :func:`.native.sum_squares` gives for the
+        result in memory)."""
         outputs = []
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != self.n_inputs + self.n_scalars:
@@ -525,8 +531,12 @@ class _Writer(Lowering):
         outputs = self.lower_graph(self.gm)
         out_dtypes = [o.meta["val"].dtype for o in outputs]
         nin, nout = self.n_inputs, len(outputs)
+        if sumsq and (not outputs or out_dtypes[0] not in _SUMSQ):
+            raise Unsupported("sums of squares of a result that is not float32 or float64")
+        stride = nin + nout + (1 if sumsq else 0)  # (pointers per leaf)
         lines = [
             _HEADER,
+            *([native.sumsq_header()] if sumsq else []),
             f"void {fn_name}(int64_t nleaves, const int64_t *numel, void *const *ptr,"
             " void *const *sc, int64_t stream) {",
         ]
@@ -541,10 +551,15 @@ class _Writer(Lowering):
         lines.append("    const int64_t n = numel[l];")
         for k, d in enumerate(in_dtypes):
             t = _storage(d)
-            lines.append(f"    const {t} *p{k} = (const {t} *)ptr[l * {nin + nout} + {k}];")
+            lines.append(f"    const {t} *p{k} = (const {t} *)ptr[l * {stride} + {k}];")
         for j, d in enumerate(out_dtypes):
             t = _storage(d)
-            lines.append(f"    {t} *q{j} = ({t} *)ptr[l * {nin + nout} + {nin + j}];")
+            lines.append(f"    {t} *q{j} = ({t} *)ptr[l * {stride} + {nin + j}];")
+        if sumsq:
+            lines.append(f"    double *r = (double *)ptr[l * {stride} + {nin + nout}];")
+            lines.append("    ft_sq sq;")
+            lines.append("    ft_sq_init(&sq);")
+            lines.append("    if (n == 0) *r = 0.0;")
         for k in range(first_per_leaf, nin):  # the leaf's own values, then what they give
             d = in_dtypes[k]
             x = _LOAD[d].format(x=f"*p{k}") if d in _HALF else f"*p{k}"
@@ -566,8 +581,25 @@ class _Writer(Lowering):
             out.append(f"{indent}}}")
             return out
 
+        sq = _SUMSQ.get(out_dtypes[0]) if sumsq else None
+
+        def summed(block: str) -> list:
+            # (the block's whole chunks of 16, and where it is the leaf's last, the rest)
+            return [
+                f"      ft_sq_chunks_{sq}(&sq, {block}, m);",
+                f"      if (i0 + m == n) *r = ft_sq_end_{sq}(&sq, {block} + (m & ~(int64_t)15),"
+                " m & 15);",
+            ]
+
         lines.append("    if (!stream) {")
-        lines += loop("n", "i", "q{j}", "      ")
+        if sq is None:
+            lines += loop("n", "i", "q{j}", "      ")
+        else:  # (by blocks, each summed while it is in L1)
+            lines.append("    for (int64_t i0 = 0; i0 < n; i0 += FT_BLOCK) {")
+            lines.append("      const int64_t m = n - i0 < FT_BLOCK ? n - i0 : FT_BLOCK;")
+            lines += loop("m", "i0 + i", "(q{j} + i0)", "      ")
+            lines += summed("(q0 + i0)")
+            lines.append("    }")
         lines.append("      continue;")
         lines.append("    }")
         # streamed: each block of results computed into a buffer in L1, then written out with
@@ -575,6 +607,8 @@ class _Writer(Lowering):
         lines.append("    for (int64_t i0 = 0; i0 < n; i0 += FT_BLOCK) {")
         lines.append("      const int64_t m = n - i0 < FT_BLOCK ? n - i0 : FT_BLOCK;")
         lines += loop("m", "i0 + i", "b{j}", "      ")
+        if sq is not None:
+            lines += summed("b0")
         for j in range(nout):
             lines.append(f"      ft_stream(q{j} + i0, b{j}, m * (int64_t)sizeof(*q{j}));")
         lines.append("    }")
@@ -648,14 +682,18 @@ def _build(source: str) -> ctypes.CDLL:
 
 
 class Kernel:
-    """A stage compiled for one signature: call it with per-leaf pointers."""
+    """A stage compiled for one signature: call it with per-leaf pointers. ``sumsq``: it also
+    gives each leaf's sum of squares of its first result (see :meth:`_Writer.source`)."""
 
-    __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "_lib")
+    __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "sumsq", "_lib")
 
-    def __init__(self, fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int = 0):
+    def __init__(
+        self, fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int = 0, sumsq: bool = False
+    ):
         gm = trace(fn, in_dtypes, scalar_dtypes, n_per_leaf)
         w = _Writer(gm, len(in_dtypes), len(scalar_dtypes), n_per_leaf)
-        self.source, (_, out_dtypes) = w.source("ft_stage")
+        self.source, (_, out_dtypes) = w.source("ft_stage", sumsq)
+        self.sumsq = sumsq
         self.n_inputs = len(in_dtypes)
         self.n_outputs = len(out_dtypes)
         self.out_dtypes = out_dtypes
@@ -672,7 +710,12 @@ class Kernel:
         self.fn = f
 
     def __call__(
-        self, inputs: Sequence[Sequence[torch.Tensor]], outputs, scalars, fresh: bool = False
+        self,
+        inputs: Sequence[Sequence[torch.Tensor]],
+        outputs,
+        scalars,
+        fresh: bool = False,
+        sums: torch.Tensor | None = None,
     ) -> None:
         """Run on the leaves of ``inputs`` (per input, a list of contiguous CPU tensors of the
         kernel's dtypes; equal sizes leaf by leaf), writing ``outputs`` (per result, a list of
@@ -681,16 +724,25 @@ class Kernel:
         is an input; where the results then hold :data:`STREAM_MIN_BYTES` or more they are
         written with non-temporal stores (a block at a time from a buffer in L1: the
         destination's lines are not read first, which an ordinary store into memory the
-        caches do not hold does; a step this small stays in the caches, where they are)."""
+        caches do not hold does; a step this small stays in the caches, where they are).
+        ``sums``: for a ``sumsq`` kernel, a contiguous float64 CPU tensor of one element per
+        leaf, written (required there, refused elsewhere)."""
         n = len(inputs[0])
         roles = list(inputs) + list(outputs)
-        if n == 1:  # (per-leaf steps: a call per leaf)
+        if (sums is not None) != self.sumsq:
+            raise ValueError("a sumsq kernel takes sums, and only it")
+        if n == 1 and sums is None:  # (per-leaf steps: a call per leaf)
             ptrs = array.array("q", [lst[0].data_ptr() for lst in roles])
             numel = array.array("q", [inputs[0][0].numel()])
         else:
-            ptrs = array.array("q", [0]) * (n * len(roles))
+            width = len(roles) + (sums is not None)
+            ptrs = array.array("q", [0]) * (n * width)
             for r, lst in enumerate(roles):
-                ptrs[r :: len(roles)] = array.array("q", map(torch.Tensor.data_ptr, lst))
+                ptrs[r::width] = array.array("q", map(torch.Tensor.data_ptr, lst))
+            if sums is not None:
+                assert sums.dtype == torch.float64 and sums.numel() == n and sums.is_contiguous()
+                base = sums.data_ptr()
+                ptrs[len(roles) :: width] = array.array("q", range(base, base + 8 * n, 8))
             numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
         stream = fresh and sum(numel) * sum(d.itemsize for d in self.out_dtypes) >= STREAM_MIN_BYTES
         self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0], stream)
@@ -740,13 +792,18 @@ def kernel_for(
     scalar_dtypes: tuple,
     n_per_leaf: int = 0,
     device_type: str = "cpu",
+    sumsq: bool = False,
 ) -> Kernel | TritonKernel | None:
     """The compiled kernel of ``fn`` for these dtypes, or ``None`` where it cannot be generated
     (an unsupported operation or dtype, no compiler). ``n_per_leaf``: the last inputs hold one
     value per leaf (a 0-dim tensor each: a trust ratio), read once per leaf. ``device_type``
     ``"cuda"``: a :class:`.fuse_triton.TritonKernel` (``scalar_dtypes``: the kinds of
-    :func:`.fuse_triton.scalar_slots`)."""
-    key = (fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type)
+    :func:`.fuse_triton.scalar_slots`). ``sumsq``: a CPU kernel that also sums each leaf's
+    squares of its first result (``None`` where it cannot: a result not float32 or float64,
+    CUDA)."""
+    if sumsq and device_type != "cpu":
+        return None
+    key = (fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq)
     k = _kernels.get(key, _MISSING)
     if k is not _MISSING:
         return k
@@ -756,7 +813,7 @@ def kernel_for(
             return k
         try:
             if device_type == "cpu":
-                k = Kernel(fn, in_dtypes, scalar_dtypes, n_per_leaf)
+                k = Kernel(fn, in_dtypes, scalar_dtypes, n_per_leaf, sumsq)
             else:
                 from .fuse_triton import TritonKernel
 

@@ -359,9 +359,11 @@ def _table(tab: array.array, device: torch.device) -> torch.Tensor:
 
 class TritonKernel:
     """A stage compiled for one signature, called like :class:`.fuse.Kernel` on lists of CUDA
-    leaves; ``scalars``: :func:`scalar_slots`' values."""
+    leaves; ``scalars``: :func:`scalar_slots`' values. It does not sum its updates' squares
+    (``sumsq`` is false: the clip's sums run as their own launches, :func:`sum_squares`)."""
 
     __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "_checked")
+    sumsq = False
 
     def __init__(self, fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0):
         self.source, out_dtypes = source_of(fn, in_dtypes, scalar_kinds, n_per_leaf)

@@ -4,8 +4,9 @@ use it too).
 
 ``_kernels.c`` (next to this file) sums each tensor's squares in float64 on 256-bit vectors
 (AVX2 with FMA; elsewhere a plain C loop), in an order that depends only on the tensor's
-length. The source is compiled on first use with the system C compiler (``$CC``, else ``cc``,
-else Python's; ``-O3 -march=native -ffp-contract=off``) into ``$FT_CACHE_DIR`` (default
+length (``_sumsq.h``, which a generated stage uses too where it sums the updates it
+writes). The source is compiled on first use with the system C compiler (``$CC``, else
+``cc``, else Python's; ``-O3 -march=native -ffp-contract=off``) into ``$FT_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/functional_train``, else ``~/.cache/functional_train``) under a name keyed
 by the source, the compiler, the flags and the CPU, once per machine; later processes load the
 cached library. Where that fails (no compiler, a read-only cache) it warns once and torch sums
@@ -47,6 +48,23 @@ ENABLED = os.environ.get("FT_NATIVE_KERNELS", "1") != "0"
 _VERSION = 6
 
 _SOURCE = Path(__file__).with_name("_kernels.c")
+_SUMSQ_HEADER = Path(__file__).with_name("_sumsq.h")
+_INCLUDE = '#include "_sumsq.h"'
+
+
+def sumsq_header() -> str:
+    """The C text of ``_sumsq.h``: the one definition of the clip's sums of squares (their
+    order of additions), which ``_kernels.c`` and the generated stages of :mod:`.fuse`
+    include (sources are compiled from text, so it is put in place of the ``#include``)."""
+    return _SUMSQ_HEADER.read_text()
+
+
+def _source() -> bytes:
+    text = _SOURCE.read_text()
+    assert _INCLUDE in text, "_kernels.c includes _sumsq.h"
+    return text.replace(_INCLUDE, sumsq_header(), 1).encode()
+
+
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
 _DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
 
@@ -134,7 +152,7 @@ def build_library(source: bytes, prefix: str, flags: list) -> Path:
 
 
 def _build() -> ctypes.CDLL:
-    path = build_library(_SOURCE.read_bytes(), "kernels", _CFLAGS)
+    path = build_library(_source(), "kernels", _CFLAGS)
     lib = ctypes.CDLL(str(path))
     if lib.ft_version() != _VERSION:
         raise RuntimeError(f"{path} is not version {_VERSION} of the kernels")

@@ -55,6 +55,9 @@ class Prepared:
             view are used at all (false: a part guarded by a false flag reads it, see
             :func:`~functional_train.engine.elementwise.guarded`; an operator that reads the
             flag when it runs may then skip the reduction and give zeros).
+        sum_squares: ``None``, or the per-leaf sums of squares of ``locals`` over ``active``
+            (a float64 vector, in that order), computed by the stage that wrote them (see
+            ``Elementwise.reads_sum_squares``).
     """
 
     __slots__ = (
@@ -69,6 +72,7 @@ class Prepared:
         "mesh",
         "is_view",
         "needed",
+        "sum_squares",
         "_flat",
         "_plain",
     )
@@ -84,6 +88,7 @@ class Prepared:
         )
         self.is_view = is_view
         self.needed = None
+        self.sum_squares: torch.Tensor | None = None
         self._flat: dict = {}  # id(state tree) -> (tree, leaves): a state field is read twice
         self._plain: bool | None = None  # every update leaf a plain tensor (once per view)
 

@@ -1,0 +1,96 @@
+/* Sums of squares in float64, one per tensor, for the global norm of a gradient clip.
+ *
+ * Part of functional_train: the one definition of the clip's sums, used by ``_kernels.c``
+ * (``ft_sumsq``, on tensors in memory) and by the stages ``fuse.py`` generates (a stage that
+ * writes the updates a clip then reads sums them block by block as it writes them), so that
+ * both give the same bits. The order of the additions depends only on the tensor's length:
+ * with AVX2 and FMA, 16 interleaved lanes (four 256-bit accumulators) over every whole chunk
+ * of 16 elements, added as ((a0 + a1) + (a2 + a3)) and then the four lanes as
+ * ((l0 + l1) + (l2 + l3)); then the remaining elements one by one. Elsewhere every element one
+ * by one. The square of a float32 is exact in float64; every step is a correctly rounded fused
+ * multiply-add where the machine has one. Compile without floating-point contraction
+ * (-ffp-contract=off): the fused multiply-adds are the explicit ones.
+ *
+ * Use: ft_sq_init(&s); ft_sq_chunks_f32(&s, x, m) over consecutive pieces of the tensor, each
+ * a whole number of chunks of 16 but the last (whose own remainder it leaves); then
+ * ft_sq_end_f32(&s, the last n % 16 elements, n % 16).
+ */
+#include <stdint.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FT_SQ_VECTOR 1
+#else
+#define FT_SQ_VECTOR 0
+#endif
+
+#define FT_SQ_ALWAYS static inline __attribute__((always_inline))
+
+#if defined(__FMA__) || defined(__aarch64__) || defined(__ARM_FEATURE_FMA)
+#define FT_SQ_FMA(a, b, c) __builtin_fma(a, b, c)
+#else /* no fused multiply-add instruction: a product and a sum, each rounded */
+#define FT_SQ_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
+#if FT_SQ_VECTOR
+typedef struct { __m256d a0, a1, a2, a3; } ft_sq;
+
+FT_SQ_ALWAYS void ft_sq_init(ft_sq *s) {
+    s->a0 = s->a1 = s->a2 = s->a3 = _mm256_setzero_pd();
+}
+
+FT_SQ_ALWAYS void ft_sq_chunks_f32(ft_sq *s, const float *x, int64_t n) {
+    __m256d a0 = s->a0, a1 = s->a1, a2 = s->a2, a3 = s->a3;
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        const __m256 u = _mm256_loadu_ps(x + i), w = _mm256_loadu_ps(x + i + 8);
+        const __m256d u0 = _mm256_cvtps_pd(_mm256_castps256_ps128(u)),
+                      u1 = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)),
+                      w0 = _mm256_cvtps_pd(_mm256_castps256_ps128(w)),
+                      w1 = _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1));
+        a0 = _mm256_fmadd_pd(u0, u0, a0); a1 = _mm256_fmadd_pd(u1, u1, a1);
+        a2 = _mm256_fmadd_pd(w0, w0, a2); a3 = _mm256_fmadd_pd(w1, w1, a3);
+    }
+    s->a0 = a0; s->a1 = a1; s->a2 = a2; s->a3 = a3;
+}
+
+FT_SQ_ALWAYS void ft_sq_chunks_f64(ft_sq *s, const double *x, int64_t n) {
+    __m256d a0 = s->a0, a1 = s->a1, a2 = s->a2, a3 = s->a3;
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        const __m256d u0 = _mm256_loadu_pd(x + i), u1 = _mm256_loadu_pd(x + i + 4),
+                      w0 = _mm256_loadu_pd(x + i + 8), w1 = _mm256_loadu_pd(x + i + 12);
+        a0 = _mm256_fmadd_pd(u0, u0, a0); a1 = _mm256_fmadd_pd(u1, u1, a1);
+        a2 = _mm256_fmadd_pd(w0, w0, a2); a3 = _mm256_fmadd_pd(w1, w1, a3);
+    }
+    s->a0 = a0; s->a1 = a1; s->a2 = a2; s->a3 = a3;
+}
+
+FT_SQ_ALWAYS double ft_sq_total(const ft_sq *s) {
+    double l[4];
+    _mm256_storeu_pd(l, _mm256_add_pd(_mm256_add_pd(s->a0, s->a1), _mm256_add_pd(s->a2, s->a3)));
+    return (l[0] + l[1]) + (l[2] + l[3]);
+}
+#else
+typedef struct { double total; } ft_sq;
+
+FT_SQ_ALWAYS void ft_sq_init(ft_sq *s) { s->total = 0.0; }
+
+#define FT_SQ_CHUNKS(T, SUF)                                                                    \
+FT_SQ_ALWAYS void ft_sq_chunks_##SUF(ft_sq *s, const T *x, int64_t n) {                         \
+    double total = s->total;                                                                    \
+    for (int64_t i = 0; i < (n & ~(int64_t)15); i++)                                            \
+        total = FT_SQ_FMA((double)x[i], (double)x[i], total);                                   \
+    s->total = total;                                                                           \
+}
+FT_SQ_CHUNKS(float, f32)
+FT_SQ_CHUNKS(double, f64)
+
+FT_SQ_ALWAYS double ft_sq_total(const ft_sq *s) { return s->total; }
+#endif
+
+#define FT_SQ_END(T, SUF)                                                                       \
+FT_SQ_ALWAYS double ft_sq_end_##SUF(const ft_sq *s, const T *rest, int64_t r) {                 \
+    double total = ft_sq_total(s);                                                              \
+    for (int64_t i = 0; i < r; i++) total = FT_SQ_FMA((double)rest[i], (double)rest[i], total); \
+    return total;                                                                               \
+}
+FT_SQ_END(float, f32)
+FT_SQ_END(double, f64)
