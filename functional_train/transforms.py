@@ -96,6 +96,7 @@ def stateless_elementwise(
     static=None,
     reduces: bool = False,
     leaf_scalars: tuple = (),
+    reads_sum_squares: bool = False,
 ) -> GradientTransformation:
     """An elementwise transform with an :class:`EmptyState`: ``leaf`` its per-leaf math,
     ``scalars(b)`` its scalars at this update from the prepared view ``b`` (the updates as
@@ -119,6 +120,7 @@ def stateless_elementwise(
         static=static,
         reduces=reduces,
         leaf_scalars=leaf_scalars,
+        reads_sum_squares=reads_sum_squares,
     )
     return elementwise_transform(spec, _empty_init)
 
@@ -669,9 +671,16 @@ def scale_by_trust_ratio(
             return torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
 
         # float64 sums of squares: the native kernels (compiled: zeros where not needed at
-        # all, see Prepared.needed), else torch's norms accumulated in float64
+        # all, see Prepared.needed), else torch's norms accumulated in float64; the updates'
+        # as the stage that wrote them summed them, where it did (the same bits)
         xs = p + g
-        sums = native.local_sum_squares(xs, b.needed)
+        sums = None
+        if b.sum_squares is not None:
+            ps = native.local_sum_squares(p, b.needed)
+            if ps is not None:
+                sums = torch.cat([ps, b.sum_squares])
+        if sums is None:
+            sums = native.local_sum_squares(xs, b.needed)
         if sums is None:
             if any(x.is_complex() for x in xs):
                 norms = [x.double() for x in foreach.norm(xs, 2)]
@@ -686,5 +695,11 @@ def scale_by_trust_ratio(
         return u * h[0].to(u.dtype), ()
 
     return stateless_elementwise(
-        where, leaf, ratios, needs_params=True, reduces=True, leaf_scalars=(0,)
+        where,
+        leaf,
+        ratios,
+        needs_params=True,
+        reduces=True,
+        leaf_scalars=(0,),
+        reads_sum_squares=True,
     )

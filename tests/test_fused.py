@@ -742,15 +742,17 @@ def test_sums_of_squares_by_generated_kernels(dtype, device):
     [
         "multi_steps",  # (the last micro-step's mean, then the clip)
         "adam_then_clip",  # (scale_by_adam's stage, then the clip)
+        "lamb",  # (the trust ratio: the updates' sums from the stage, the params' its own)
     ],
 )
 def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
     """A clip after a stage (``multi_steps``' last micro-step: its mean; a chain with the clip
-    after ``scale_by_adam``) reads the sums of squares the stage's kernel took as it wrote the
-    updates (``Elementwise.reads_sum_squares``): no pass of its own over them
-    (``native.sum_squares`` not called for them), and the same bits as the native sums of
-    the updates in memory: parameters and states equal to the step whose clip sums them
-    itself, over whole cycles, with leaves of 0, 1, 16, 17 and 700 elements."""
+    after ``scale_by_adam``), and lamb's trust ratio, read the sums of squares the stage's
+    kernel took as it wrote the updates (``Elementwise.reads_sum_squares``): no pass of their
+    own over them (``native.sum_squares`` not called for them), and the same bits as the
+    native sums of the updates in memory: parameters and states equal to the step whose
+    reduction sums them itself, over whole cycles, with leaves of 0, 1, 16, 17 and 700
+    elements."""
     from functional_train.engine import native
 
     g = torch.Generator().manual_seed(3)
@@ -764,6 +766,8 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
     def make():
         if chain == "multi_steps":
             return ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 3)
+        if chain == "lamb":
+            return ft.lamb(1e-2, weight_decay=0.1)
         return ft.chain(ft.scale_by_adam(), ft.clip_by_global_norm(0.5), ft.scale(-1e-2))
 
     calls = []
@@ -788,11 +792,16 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
 
     monkeypatch.setattr(fuse, "kernel_for", without_sums)
     want, want_state = _run(make(), params, grads, mode)
-    clips = 2 if chain == "multi_steps" else 6  # (the steps whose clip reads a stage's sums)
-    assert fused_calls == [] and calls == [len(shapes)] * clips
+    n = len(shapes)
+    steps = 2 if chain == "multi_steps" else 6  # (the steps whose reduction reads the sums)
+    if chain == "lamb":  # (the parameters' sums, then both)
+        assert fused_calls == [n] * steps and calls == [2 * n] * steps
+    else:
+        assert fused_calls == [] and calls == [n] * steps
     for k in params:
         assert torch.equal(got[k], want[k]), k
     a, b = ft.tree.tree_flatten(got_state)[0], ft.tree.tree_flatten(want_state)[0]
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-    norm = ft.tree.tree_flatten(got_state)[0]
-    assert any(x.ndim == 0 and x.dtype.is_floating_point and x > 0 for x in norm)
+    if chain != "lamb":  # (the clip's norm, kept in its state)
+        norm = ft.tree.tree_flatten(got_state)[0]
+        assert any(x.ndim == 0 and x.dtype.is_floating_point and x > 0 for x in norm)
