@@ -32,6 +32,7 @@ __all__ = ["Prepared", "prepare", "leaf_paths"]
 
 
 _SHAPE = operator.attrgetter("shape")
+_SPEC = operator.attrgetter("_spec")
 
 
 class Prepared:
@@ -190,6 +191,12 @@ class Prepared:
         # object, and the next step's state has another one: a recompile per step)
         memo = not torch.compiler.is_compiling()
         checked = self.plan.memo.setdefault(("state specs", what), {}) if memo else {}
+        every = memo and len(self.active) == n and set(map(type, leaves)) == {DTensor}
+        if every:  # (every leaf an active DTensor: the spec objects checked last, C loops)
+            specs = list(map(_SPEC, leaves))
+            last = checked.get("all")
+            if last is not None and all(map(operator.is_, specs, last)):
+                return to_locals(leaves)
         for i in self.active:
             x = leaves[i]
             if x is None:
@@ -212,6 +219,8 @@ class Prepared:
                 )
             if dt and memo:
                 checked[i] = x._spec
+        if every:
+            checked["all"] = specs  # (holding them: their ids are not reused)
         return to_locals(leaves)
 
     def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
