@@ -21,6 +21,7 @@ step copies what it would share; zero updates are real zeros).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -30,9 +31,34 @@ from .autograd import traced
 from .engine.dtensor import to_local
 from .tree import tree_flatten, tree_unflatten
 
-__all__ = ["mark_shared", "claimed", "known_zeros", "is_known_zero", "recording"]
+__all__ = [
+    "mark_shared",
+    "mark_shared_locals",
+    "claimed",
+    "known_zeros",
+    "is_known_zero",
+    "recording",
+]
 
-_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# id(local shard) -> a weak reference to it, removed when the tensor goes (a plain dict of
+# weakrefs rather than a WeakValueDictionary: read by whole-list C loops, ~1,000 leaves a
+# pure multi_steps micro-step)
+_SHARED: dict = {}
+
+
+def _forget(ref: weakref.ref, key: int) -> None:
+    if _SHARED.get(key) is ref:
+        del _SHARED[key]
+
+
+def _record(local: torch.Tensor) -> None:
+    key = id(local)
+    _SHARED[key] = weakref.ref(local, functools.partial(_forget, key=key))
+
+
+def _shared(local: Any) -> bool:
+    ref = _SHARED.get(id(local))
+    return ref is not None and ref() is local
 _ZEROS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -44,13 +70,22 @@ def recording() -> bool:
 def mark_shared(x: torch.Tensor) -> None:
     """Record ``x``'s local shard as held by the caller's trees too."""
     local = to_local(x)
-    if _SHARED.get(id(local)) is not local:  # (a multi_steps cycle marks the same ones again)
-        _SHARED[id(local)] = local
+    if not _shared(local):  # (a multi_steps cycle marks the same ones again)
+        _record(local)
+
+
+def mark_shared_locals(locals_: list) -> None:
+    """:func:`mark_shared` of tensors that are local shards already (or plain tensors), in
+    one pass: a lookup each, an entry for those not recorded yet."""
+    refs = list(map(_SHARED.get, map(id, locals_)))  # (C loops; most are recorded already)
+    for local, ref in zip(locals_, refs):
+        if ref is None or ref() is not local:
+            _record(local)
 
 
 def is_shared(x: torch.Tensor) -> bool:
     local = to_local(x)
-    return _SHARED.get(id(local)) is local
+    return _shared(local)
 
 
 def claimed(trees: tuple, copy) -> tuple:
