@@ -122,7 +122,8 @@ caching allocator's reuse is not counted either. "n/a" where the profiler's even
 read.
 
 Part B (--dtensor): FSDP2-style DTensors on 2 gloo ranks (spawned on a free port of 127.0.0.1
-with bench_engine's helper, or torchrun's ranks), 1 thread per rank, the GPT-like tree, every
+with bench_engine's helper, or torchrun's ranks), 1 thread per rank, the GPT-like tree
+(``--tree small``: bench_engine's small-leaf tree, 534,336 parameters in 242 leaves), every
 parameter and gradient leaf ``distribute_tensor(t, mesh, [Shard(0)])`` on a 1-D "dp" mesh,
 functional_train given ``mesh=ft.Mesh(device_mesh, data_axis="dp")``. The rows as above; the
 baseline is (b), the torch code for the row's math with AdamW(foreach) on nn.Parameter(DTensor)
@@ -133,6 +134,7 @@ A unit's time is the slowest rank's; rank 0 prints. No compiled system in Part B
                                        [--device cpu|cuda] [--compile [--cold-cache]]
                                        [--dtype float32|bfloat16]
     python benchmarks/bench_compose.py --dtensor [--rounds 7] [--warmup 2] [--rows a,b]
+                                       [--tree gpt|small]
     python benchmarks/bench_compose.py --host [--rounds 9] [--rows a,b]
 
 (Run with ``PYTHONPATH`` naming the checkout whose functional_train is to be measured; the header
@@ -771,10 +773,11 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
 def dtensor_worker(rank, args, rows, world, port):
     with be.gloo_dp(rank, world, port) as (dm, fmesh, log, reduce_max):
         device = torch.device("cpu")
-        shapes = be.gpt_shapes()
+        shapes = be.gpt_shapes() if args.tree == "gpt" else be.small_shapes()
+        name = "GPT-like" if args.tree == "gpt" else "small-leaf"
         log(
             f"Part B: DTensor Shard(0) over {world} gloo ranks (FSDP2-style), 1 thread per rank; "
-            f"GPT-like tree {be.n_params(shapes):,} params in {len(shapes)} leaves; a unit's "
+            f"{name} tree {be.n_params(shapes):,} params in {len(shapes)} leaves; a unit's "
             f"time is the slowest rank's"
         )
         for row in rows:
@@ -823,6 +826,13 @@ def main():
         "--host", action="store_true", help="instead: host time per leaf (tiny-leaf trees)"
     )
     ap.add_argument("--world", type=int, default=2, help="Part B: ranks to spawn")
+    ap.add_argument(
+        "--tree",
+        default="gpt",
+        choices=["gpt", "small"],
+        help="Part B: the GPT-like tree (default) or the small-leaf tree (242 leaves of "
+        "64 x 68 and 64: bench_engine.small_shapes)",
+    )
     args = ap.parse_args()
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     for r in rows:
