@@ -7,25 +7,18 @@
  */
 #include "_sumsq.h" /* (native.py puts the header's text here) */
 
-void ft_sumsq_f32(int64_t leaves, const float *const *ptr, const int64_t *numel, double *out) {
-    for (int64_t k = 0; k < leaves; k++) {
-        const int64_t n = numel[k];
-        ft_sq s;
-        ft_sq_init(&s);
-        ft_sq_chunks_f32(&s, ptr[k], n);
-        out[k] = ft_sq_end_f32(&s, ptr[k] + (n & ~(int64_t)15), n & 15);
-    }
+#define FT_DEFINE_SUMSQ(T, SUF)                                                                 \
+void ft_sumsq_##SUF(int64_t leaves, const T *const *ptr, const int64_t *numel, double *out) {  \
+    for (int64_t k = 0; k < leaves; k++) {                                                      \
+        const int64_t n = numel[k];                                                             \
+        ft_sq s;                                                                                \
+        ft_sq_init(&s);                                                                         \
+        ft_sq_chunks_##SUF(&s, ptr[k], n);                                                      \
+        out[k] = ft_sq_end_##SUF(&s, ptr[k] + (n & ~(int64_t)15), n & 15);                      \
+    }                                                                                           \
 }
-
-void ft_sumsq_f64(int64_t leaves, const double *const *ptr, const int64_t *numel, double *out) {
-    for (int64_t k = 0; k < leaves; k++) {
-        const int64_t n = numel[k];
-        ft_sq s;
-        ft_sq_init(&s);
-        ft_sq_chunks_f64(&s, ptr[k], n);
-        out[k] = ft_sq_end_f64(&s, ptr[k] + (n & ~(int64_t)15), n & 15);
-    }
-}
+FT_DEFINE_SUMSQ(float, f32)
+FT_DEFINE_SUMSQ(double, f64)
 
 /* The ABI version engine/native.py checks. */
 int ft_version(void) { return 6; }
