@@ -59,6 +59,8 @@ def _record(local: torch.Tensor) -> None:
 def _shared(local: Any) -> bool:
     ref = _SHARED.get(id(local))
     return ref is not None and ref() is local
+
+
 _ZEROS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 

@@ -603,6 +603,54 @@ def test_compiled_donated_multi_steps_skips_the_inner_stage(monkeypatch):
         assert not isinstance(x, torch.Tensor) or torch.equal(x, y)
 
 
+@pytest.mark.slow
+def test_compiled_pure_multi_steps_hands_back_lazy_clones(monkeypatch):
+    """A compiled pure ``multi_steps`` non-final micro-step makes no pass over the parameters
+    and moments it leaves as they were: the stage operator, reading the flag "this is the
+    cycle's last" false, returns copy-on-write lazy clones of them (``_held``: no copy until
+    one side is written) and does not compute the accumulation's unused updates. Value
+    semantics hold: the results equal the inputs; writing a returned tensor (an eager donated
+    step, or in place) leaves the tree the caller passed in as it was and the other way
+    round; the final micro-step's fresh results do not take a pooled buffer a live clone
+    still reads (``pool.lazy_clone``). Parameters and state bit for bit the eager step's."""
+    params, grads = _problem()
+
+    def tx():
+        return ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 2)
+
+    torch._dynamo.reset()
+    t = tx()
+    step = torch.compile(lambda g, s, p: ft.step(t, g, s, p), backend="eager", fullgraph=True)
+    pc, sc = {k: v.clone() for k, v in params.items()}, t.init(params)
+    held = []  # the results of each cycle's first (non-final) micro-step
+    for i, g in enumerate(grads[:4]):
+        before = {k: v.clone() for k, v in pc.items()}
+        new_p, new_s = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        if i % 2 == 0:  # (non-final: the parameters and moments as they were, lazily)
+            assert all(torch._C._is_cow_tensor(new_p[k]) for k in params)
+            mu = new_s.inner_state[1][0].mu
+            assert all(torch._C._is_cow_tensor(mu[k]) for k in mu)
+            assert all(torch.equal(new_p[k], before[k]) for k in params)
+            held.append({k: (v, v.clone()) for k, v in new_p.items()})
+        pc, sc = new_p, new_s
+    for clones in held:  # (alive through the final micro-steps: still their values)
+        assert all(torch.equal(v, want) for v, want in clones.values())
+    want, want_state = _run(tx(), params, grads[:4], "pure")
+    for k in params:
+        assert torch.equal(pc[k], want[k]), k
+    for x, y in zip(ft.tree.tree_flatten(sc)[0], ft.tree.tree_flatten(want_state)[0]):
+        assert not isinstance(x, torch.Tensor) or torch.equal(x, y)
+    # writing one side of a lazy clone leaves the other as it was, either way round
+    p1, s1 = step({k: v.clone() for k, v in grads[0].items()}, sc, pc)
+    p2, _ = ft.step(t, {k: v.clone() for k, v in grads[1].items()}, s1, p1, donate=True)
+    assert all(torch.equal(pc[k], want[k]) for k in params)  # (the donated step wrote p1's)
+    assert not all(torch.equal(p2[k], want[k]) for k in params)
+    p3, _ = step({k: v.clone() for k, v in grads[0].items()}, sc, pc)
+    for k in params:
+        pc[k].add_(1.0)
+        assert torch.equal(p3[k], want[k]), k
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_updates_runs_the_stage_add(dtype, monkeypatch):
     """``apply_updates`` on plain CPU tensors is the engine's ``p + u`` (the last stage's), one

@@ -97,7 +97,7 @@ from ..spec import attach_spec, transform_spec
 from . import fuse
 from .dtensor import to_local, wrap_like
 from .owners import assume_constant_result
-from .pool import Pool, of_plan
+from .pool import Pool, lazy_clone, of_plan
 
 __all__ = [
     "Elementwise",
@@ -714,6 +714,7 @@ def _stage_op(
     leaf after leaf; an absent state leaf is ``None``, its result a 0-element placeholder),
     eagerly. ``layout``: ``(apply, drop_u, has_p, n_fields, *counts)``; ``keys``: the leaves'
     static keys, part by part, leaf after leaf."""
+    enc = keys
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
     # results from a pool of the operator's own, by stage (see .pool: a buffer is reused only
     # when nothing else holds it), so that a compiled step's results take no page faults
@@ -722,8 +723,20 @@ def _stage_op(
     def kinds(kind, like):
         return take(f"op{id(stage)}:{kind}", like)
 
+    # (what the flags say, read when the operator runs, as the donated operator reads them:
+    # a stage that leaves every buffer as it was gives lazy clones of them, copy-on-write,
+    # no pass; a stage whose updates no one uses does not compute them)
+    lazy = _LAZY and _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars)
+    if lazy and _idle(stage, counts, scalars):
+        ins, dst = _inputs(stage, u, p, fields)
+        return [_held(x) for d in dst for x in ins[d]]
+    unused = lazy and _discarded(stage, counts, scalars)
+    if unused:
+        stage = _stage_of(stage.parts, False, True)
     with torch.no_grad():
         outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, kinds)
+    if unused:  # (the updates' buffers, as they are: read by no one)
+        outs = [kinds("discarded", u), *outs]
     # (an operator's result may be neither an input nor another result: a leaf function's
     # update that is its new state, as trace's, run in torch, is copied; and it is
     # contiguous, as the fake results are: a result made like a transposed update, as Muon's
@@ -743,6 +756,40 @@ def _stage_op(
 
 
 _op_pool = Pool()
+_LAZY = hasattr(torch, "_lazy_clone")  # (copy-on-write clones: see .pool.lazy_clone)
+
+
+def _held(x: torch.Tensor | None) -> torch.Tensor:
+    """The result of an idle stage of ``functional_train::fused_stage`` for the input ``x`` it
+    leaves as it was: its lazy clone (no copy until either is written), a contiguous copy of a
+    strided one, a 0-element placeholder for an absent state leaf."""
+    if x is None:
+        return torch.empty(0)
+    if not x.is_contiguous():
+        return x.contiguous()
+    c = lazy_clone(x)
+    return x.clone() if c is None else c
+
+
+_SAME_DTYPES: dict = {}
+
+
+def _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars) -> bool:
+    """Whether every result of the stage has the dtype of the input it replaces (then a
+    result left as it was may be its input's lazy clone, and unused updates a buffer of the
+    updates' dtype), remembered per signature."""
+    ins, _ = _inputs(stage, u, p, fields)
+    key = (
+        tuple(parts),
+        tuple(layout),
+        tuple(enc),
+        tuple(tuple(None if x is None else x.dtype for x in lst) for lst in ins),
+        tuple(x.dtype for x in scalars),
+    )
+    hit = _SAME_DTYPES.get(key)
+    if hit is None:
+        hit = _SAME_DTYPES[key] = _all_in_place(*key)
+    return hit
 
 
 @torch.library.custom_op("functional_train::fused_stage_donated", mutates_args=("flat",))
@@ -798,15 +845,20 @@ def _idle(stage, counts, scalars) -> bool:
 
 def _discarded(stage, counts, scalars) -> bool:
     """Whether a stage's updates are used by no one (a part of it ``DISCARDS`` them, its flag
-    false) while the stage would write them (see :attr:`Elementwise.guard`)."""
+    false, and no later part of the stage makes them zeros, which are used: ``zeroed_unless``
+    ending a run that returns its updates) while the stage would write them (see
+    :attr:`Elementwise.guard`)."""
     if stage.apply or stage.drop_u:
         return False
     k = 0
+    found = False
     for part, n in zip(stage.parts, counts):
         k += n
         if part.guard == DISCARDS and n and not bool(scalars[k - 1]):
-            return True
-    return False
+            found = True
+        elif found and part.guard == ZEROES:
+            return False
+    return found
 
 
 def _present(flat: list, absent: list) -> list:

@@ -731,14 +731,20 @@ class Kernel:
         roles = list(inputs) + list(outputs)
         if (sums is not None) != self.sumsq:
             raise ValueError("a sumsq kernel takes sums, and only it")
+        # (the results' addresses first, for writing: a copy-on-write result, a lazy clone,
+        # gets its own memory there; then the inputs', for reading: a lazy clone is read
+        # where it lies, not copied)
+        n_in = len(inputs)
         if n == 1 and sums is None:  # (per-leaf steps: a call per leaf)
-            ptrs = array.array("q", [lst[0].data_ptr() for lst in roles])
+            outs = [lst[0].data_ptr() for lst in outputs]
+            ptrs = array.array("q", [_CONST_PTR(lst[0]) for lst in inputs] + outs)
             numel = array.array("q", [inputs[0][0].numel()])
         else:
             width = len(roles) + (sums is not None)
             ptrs = array.array("q", [0]) * (n * width)
-            for r, lst in enumerate(roles):
-                ptrs[r::width] = array.array("q", map(torch.Tensor.data_ptr, lst))
+            for r in range(len(roles) - 1, -1, -1):
+                addr = _CONST_PTR if r < n_in else _PTR
+                ptrs[r::width] = array.array("q", map(addr, roles[r]))
             if sums is not None:
                 assert sums.dtype == torch.float64 and sums.numel() == n and sums.is_contiguous()
                 base = sums.data_ptr()
@@ -746,6 +752,11 @@ class Kernel:
             numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
         stream = fresh and sum(numel) * sum(d.itemsize for d in self.out_dtypes) >= STREAM_MIN_BYTES
         self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0], stream)
+
+
+_PTR: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr
+# (the address for reading: a copy-on-write tensor is not copied; missing from torch's stubs)
+_CONST_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 
 
 def scalar_pointers(scalars: Sequence, device: torch.device | None = None) -> tuple | None:
@@ -776,7 +787,7 @@ def scalar_pointers(scalars: Sequence, device: torch.device | None = None) -> tu
             if not x.is_contiguous():
                 x = x.contiguous()
             keep.append(x)
-            addrs[k] = x.data_ptr()
+            addrs[k] = _CONST_PTR(x)
             dtypes.append(x.dtype)
         else:
             numbers[k] = float(x)

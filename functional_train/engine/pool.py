@@ -20,11 +20,12 @@ dropped (as a caching allocator would), and nothing when the plan is evicted
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Pool", "Scratch", "of_plan", "GENERATIONS", "MIN_MEAN_BYTES"]
+__all__ = ["Pool", "Scratch", "of_plan", "lazy_clone", "GENERATIONS", "MIN_MEAN_BYTES"]
 
 GENERATIONS = 2
 
@@ -35,11 +36,46 @@ MIN_MEAN_BYTES = 64 * 1024
 
 _use_count = torch._C._storage_Use_Count
 _contiguous = torch.Tensor.is_contiguous
+_is_cow = torch._C._is_cow_tensor
+# (the address for reading: a copy-on-write tensor is not copied; missing from torch's stubs)
+_CONST_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
+_LAZY_CLONE: Callable[[torch.Tensor], torch.Tensor] | None = getattr(torch, "_lazy_clone", None)
+
+# the data address of a copy-on-write tensor -> the lazy clones made by :func:`lazy_clone`
+# that still read it (their memory is that of a buffer they were cloned from until one of
+# them is written)
+_COW_CLONES: dict = {}
+
+
+def lazy_clone(x: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``x`` that shares its memory until either is written (torch's copy-on-write
+    ``_lazy_clone``: the write copies), recorded so that a pooled buffer it reads is not
+    taken while it lives (writing the buffer would copy it: :meth:`Pool.take` takes another).
+    ``None`` where torch has no lazy clones."""
+    if _LAZY_CLONE is None:
+        return None
+    c = _LAZY_CLONE(x)
+    ptr = _CONST_PTR(c)
+    clones = _COW_CLONES.get(ptr)
+    if clones is None:
+        clones = _COW_CLONES[ptr] = weakref.WeakSet()
+    clones.add(c)
+    return c
 
 
 def _free(buf: torch.Tensor) -> bool:
-    # the temporary UntypedStorage object accounts for one use
-    return _use_count(buf.untyped_storage()._cdata) == 2
+    # the temporary UntypedStorage object accounts for one use; a copy-on-write buffer is
+    # free once no lazy clone of it lives (then writing it takes its memory without a copy)
+    if _use_count(buf.untyped_storage()._cdata) != 2:
+        return False
+    if not _is_cow(buf):
+        return True
+    ptr = _CONST_PTR(buf)
+    clones = _COW_CLONES.get(ptr)
+    if clones:
+        return False
+    _COW_CLONES.pop(ptr, None)
+    return True
 
 
 class Pool:
