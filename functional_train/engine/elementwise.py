@@ -686,14 +686,15 @@ def _unflat(parts, layout, enc, flat):
     stage = _stage_of(tuple(_PARTS[i] for i in parts), bool(apply), bool(drop_u))
     n = len(flat) // (1 + has_p + n_fields)
     m = len(parts)
-    if not enc:
-        enc = [_NONE_KEY] * (n * m)
-    keys = [
-        None
-        if all(e == _NONE_KEY for e in enc[j * m : (j + 1) * m])
-        else tuple(_DECODE.get(e, e) for e in enc[j * m : (j + 1) * m])
-        for j in range(n)
-    ]
+    if not enc:  # (no static keys: the common case, no loop over the leaves)
+        keys: list = [None] * n
+    else:
+        keys = [
+            None
+            if all(e == _NONE_KEY for e in enc[j * m : (j + 1) * m])
+            else tuple(_DECODE.get(e, e) for e in enc[j * m : (j + 1) * m])
+            for j in range(n)
+        ]
     u = flat[:n]
     p = flat[n : 2 * n] if has_p else None
     base = n * (1 + has_p)
