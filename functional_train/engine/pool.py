@@ -36,7 +36,7 @@ MIN_MEAN_BYTES = 64 * 1024
 
 _use_count = torch._C._storage_Use_Count
 _contiguous = torch.Tensor.is_contiguous
-_is_cow = torch._C._is_cow_tensor
+_is_cow: Callable[[torch.Tensor], bool] | None = getattr(torch._C, "_is_cow_tensor", None)
 # (the address for reading: a copy-on-write tensor is not copied; missing from torch's stubs)
 _CONST_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 _LAZY_CLONE: Callable[[torch.Tensor], torch.Tensor] | None = getattr(torch, "_lazy_clone", None)
@@ -68,7 +68,7 @@ def _free(buf: torch.Tensor) -> bool:
     # free once no lazy clone of it lives (then writing it takes its memory without a copy)
     if _use_count(buf.untyped_storage()._cdata) != 2:
         return False
-    if not _is_cow(buf):
+    if _is_cow is None or not _is_cow(buf):
         return True
     ptr = _CONST_PTR(buf)
     clones = _COW_CLONES.get(ptr)
