@@ -97,7 +97,7 @@ from ..spec import attach_spec, transform_spec
 from . import fuse
 from .dtensor import to_local, wrap_like
 from .owners import assume_constant_result
-from .pool import Pool, lazy_clone, of_plan
+from .pool import LAZY_CLONES, Pool, lazy_clone, of_plan
 
 __all__ = [
     "Elementwise",
@@ -713,8 +713,12 @@ def _stage_op(
     """The results (result after result, leaf after leaf) of the stage of the elementwise
     ``parts`` (their ``ident``) on its inputs ``flat`` (updates, parameters if any, fields;
     leaf after leaf; an absent state leaf is ``None``, its result a 0-element placeholder),
-    eagerly. ``layout``: ``(apply, drop_u, has_p, n_fields, *counts)``; ``keys``: the leaves'
-    static keys, part by part, leaf after leaf."""
+    eagerly. It reads the wrappers' flags when it runs, as ``fused_stage_donated`` does: a
+    stage that leaves every buffer as it was (:func:`_idle`) returns lazy clones of them
+    (copy-on-write, :func:`.pool.lazy_clone`: no pass), and updates no one uses
+    (:func:`_discarded`) are not computed (their results are buffers of the right shape and
+    dtype, as they are). ``layout``: ``(apply, drop_u, has_p, n_fields, *counts)``;
+    ``keys``: the leaves' static keys, part by part, leaf after leaf."""
     enc = keys
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
     # results from a pool of the operator's own, by stage (see .pool: a buffer is reused only
@@ -727,7 +731,7 @@ def _stage_op(
     # (what the flags say, read when the operator runs, as the donated operator reads them:
     # a stage that leaves every buffer as it was gives lazy clones of them, copy-on-write,
     # no pass; a stage whose updates no one uses does not compute them)
-    lazy = _LAZY and _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars)
+    lazy = LAZY_CLONES and _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars)
     if lazy and _idle(stage, counts, scalars):
         ins, dst = _inputs(stage, u, p, fields)
         return [_held(x) for d in dst for x in ins[d]]
@@ -757,7 +761,6 @@ def _stage_op(
 
 
 _op_pool = Pool()
-_LAZY = hasattr(torch, "_lazy_clone")  # (copy-on-write clones: see .pool.lazy_clone)
 
 
 def _held(x: torch.Tensor | None) -> torch.Tensor:

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import native
+from .pool import const_data_ptr
 
 if TYPE_CHECKING:
     from .fuse_triton import TritonKernel
@@ -737,13 +738,13 @@ class Kernel:
         n_in = len(inputs)
         if n == 1 and sums is None:  # (per-leaf steps: a call per leaf)
             outs = [lst[0].data_ptr() for lst in outputs]
-            ptrs = array.array("q", [_CONST_PTR(lst[0]) for lst in inputs] + outs)
+            ptrs = array.array("q", [const_data_ptr(lst[0]) for lst in inputs] + outs)
             numel = array.array("q", [inputs[0][0].numel()])
         else:
             width = len(roles) + (sums is not None)
             ptrs = array.array("q", [0]) * (n * width)
             for r in range(len(roles) - 1, -1, -1):
-                addr = _CONST_PTR if r < n_in else _PTR
+                addr = const_data_ptr if r < n_in else _PTR
                 ptrs[r::width] = array.array("q", map(addr, roles[r]))
             if sums is not None:
                 assert sums.dtype == torch.float64 and sums.numel() == n and sums.is_contiguous()
@@ -755,8 +756,6 @@ class Kernel:
 
 
 _PTR: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr
-# (the address for reading: a copy-on-write tensor is not copied; missing from torch's stubs)
-_CONST_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 
 
 def scalar_pointers(scalars: Sequence, device: torch.device | None = None) -> tuple | None:
@@ -787,7 +786,7 @@ def scalar_pointers(scalars: Sequence, device: torch.device | None = None) -> tu
             if not x.is_contiguous():
                 x = x.contiguous()
             keep.append(x)
-            addrs[k] = _CONST_PTR(x)
+            addrs[k] = const_data_ptr(x)
             dtypes.append(x.dtype)
         else:
             numbers[k] = float(x)

@@ -28,12 +28,13 @@ import sysconfig
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from ..autograd import traced
+from .pool import const_data_ptr
 
 __all__ = [
     "ENABLED",
@@ -214,7 +215,7 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
         )
         part = out if len(dtypes) == 1 else torch.empty(len(idx), dtype=torch.float64)
         sub = xs if len(dtypes) == 1 else [xs[k] for k in idx]
-        ptrs = array.array("q", map(_CONST_PTR, sub))  # (read only: a lazy clone is not copied)
+        ptrs = array.array("q", map(const_data_ptr, sub))  # (read only: a lazy clone is not copied)
         numel = array.array("q", map(torch.Tensor.numel, sub))
         getattr(_lib, f"ft_sumsq_{_DTYPES[dtype][0]}")(
             len(idx), ptrs.buffer_info()[0], numel.buffer_info()[0], part.data_ptr()
@@ -225,7 +226,6 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 _DTYPE_OF = operator.attrgetter("dtype")
-_CONST_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 
 
 @torch.library.custom_op("functional_train::sum_squares", mutates_args=())

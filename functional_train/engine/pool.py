@@ -25,7 +25,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["Pool", "Scratch", "of_plan", "lazy_clone", "GENERATIONS", "MIN_MEAN_BYTES"]
+__all__ = [
+    "Pool",
+    "Scratch",
+    "of_plan",
+    "lazy_clone",
+    "const_data_ptr",
+    "LAZY_CLONES",
+    "GENERATIONS",
+    "MIN_MEAN_BYTES",
+]
 
 GENERATIONS = 2
 
@@ -37,9 +46,11 @@ MIN_MEAN_BYTES = 64 * 1024
 _use_count = torch._C._storage_Use_Count
 _contiguous = torch.Tensor.is_contiguous
 _is_cow: Callable[[torch.Tensor], bool] | None = getattr(torch._C, "_is_cow_tensor", None)
-# (the address for reading: a copy-on-write tensor is not copied; missing from torch's stubs)
-_CONST_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
+# a tensor's address for reading (a copy-on-write tensor is read where it lies, not copied:
+# the kernels take their inputs' by it; missing from torch's type stubs)
+const_data_ptr: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 _LAZY_CLONE: Callable[[torch.Tensor], torch.Tensor] | None = getattr(torch, "_lazy_clone", None)
+LAZY_CLONES = _LAZY_CLONE is not None  # (torch's copy-on-write clones: torch 2.2 and later)
 
 # the data address of a copy-on-write tensor -> the lazy clones made by :func:`lazy_clone`
 # that still read it (their memory is that of a buffer they were cloned from until one of
@@ -55,7 +66,7 @@ def lazy_clone(x: torch.Tensor) -> torch.Tensor | None:
     if _LAZY_CLONE is None:
         return None
     c = _LAZY_CLONE(x)
-    ptr = _CONST_PTR(c)
+    ptr = const_data_ptr(c)
     clones = _COW_CLONES.get(ptr)
     if clones is None:
         clones = _COW_CLONES[ptr] = weakref.WeakSet()
@@ -70,7 +81,7 @@ def _free(buf: torch.Tensor) -> bool:
         return False
     if _is_cow is None or not _is_cow(buf):
         return True
-    ptr = _CONST_PTR(buf)
+    ptr = const_data_ptr(buf)
     clones = _COW_CLONES.get(ptr)
     if clones:
         return False
