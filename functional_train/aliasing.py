@@ -71,14 +71,13 @@ def recording() -> bool:
 
 def mark_shared(x: torch.Tensor) -> None:
     """Record ``x``'s local shard as held by the caller's trees too."""
-    local = to_local(x)
-    if not _shared(local):  # (a multi_steps cycle marks the same ones again)
-        _record(local)
+    mark_shared_locals([to_local(x)])
 
 
 def mark_shared_locals(locals_: list) -> None:
     """:func:`mark_shared` of tensors that are local shards already (or plain tensors), in
-    one pass: a lookup each, an entry for those not recorded yet."""
+    one pass: a lookup each, an entry for those not recorded yet (a ``multi_steps`` cycle
+    marks the same ones again)."""
     refs = list(map(_SHARED.get, map(id, locals_)))  # (C loops; most are recorded already)
     for local, ref in zip(locals_, refs):
         if ref is None or ref() is not local:
