@@ -536,7 +536,8 @@ def test_compiled_donated_step_writes_its_inputs():
     """Under inductor, a compiled donated step runs the operator on the step's own inputs: no
     buffer of a leaf's size is allocated and nothing is copied back (a copy of every leaf
     after the operator made it 2.4x the eager donated step on the benchmark tree); bit for
-    bit the eager donated step."""
+    bit the eager donated step, the parameters' version counters bumped (autograd's record
+    of an in-place write: ``elementwise._bump_versions_once``)."""
     from torch._inductor.utils import run_and_get_code
 
     params, grads = _problem()
@@ -544,10 +545,14 @@ def test_compiled_donated_step_writes_its_inputs():
     torch._dynamo.reset()
     step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=True), fullgraph=True)
     pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    inputs = dict(pc)
+    versions = {k: v._version for k, v in pc.items()}
     (pc, sc), codes = run_and_get_code(step, grads[0], sc, pc)
     want, _ = _run(CHAINS["adamw"](), params, grads[:1], "donate")
     for k in params:
         assert torch.equal(pc[k], want[k]), k
+        # (written in place, and autograd told so: the operator bumps the versions)
+        assert pc[k] is inputs[k] and pc[k]._version > versions[k], k
     code = "\n".join(codes)
     assert "fused_stage_donated.default(" in code
     # (no copy kernel, copy_ or clone: what inductor makes of a result copied back)
