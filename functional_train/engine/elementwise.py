@@ -732,11 +732,13 @@ def _stage_op(
     # (what the flags say, read when the operator runs, as the donated operator reads them:
     # a stage that leaves every buffer as it was gives lazy clones of them, copy-on-write,
     # no pass; a stage whose updates no one uses does not compute them)
-    lazy = LAZY_CLONES and _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars)
-    if lazy and _idle(stage, counts, scalars):
+    idle = LAZY_CLONES and _idle(stage, counts, scalars)
+    unused = LAZY_CLONES and not idle and _discarded(stage, counts, scalars)
+    if (idle or unused) and not _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars):
+        idle = unused = False
+    if idle:
         ins, dst = _inputs(stage, u, p, fields)
         return [_held(x) for d in dst for x in ins[d]]
-    unused = lazy and _discarded(stage, counts, scalars)
     if unused:
         stage = _stage_of(stage.parts, False, True)
     with torch.no_grad():
@@ -793,6 +795,8 @@ def _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars) -> bool:
     )
     hit = _SAME_DTYPES.get(key)
     if hit is None:
+        if len(_SAME_DTYPES) >= 256:
+            _SAME_DTYPES.clear()
         hit = _SAME_DTYPES[key] = _all_in_place(*key)
     return hit
 
