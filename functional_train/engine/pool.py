@@ -56,6 +56,7 @@ LAZY_CLONES = _LAZY_CLONE is not None  # (torch's copy-on-write clones: torch 2.
 # that still read it (their memory is that of a buffer they were cloned from until one of
 # them is written)
 _COW_CLONES: dict = {}
+_MAX_COW_ADDRESSES = 4096  # (then the entries of addresses no clone reads any more go)
 
 
 def lazy_clone(x: torch.Tensor) -> torch.Tensor | None:
@@ -69,6 +70,9 @@ def lazy_clone(x: torch.Tensor) -> torch.Tensor | None:
     ptr = const_data_ptr(c)
     clones = _COW_CLONES.get(ptr)
     if clones is None:
+        if len(_COW_CLONES) >= _MAX_COW_ADDRESSES:  # (addresses whose clones are all gone)
+            for gone in [k for k, v in _COW_CLONES.items() if not v]:
+                del _COW_CLONES[gone]
         clones = _COW_CLONES[ptr] = weakref.WeakSet()
     clones.add(c)
     return c
