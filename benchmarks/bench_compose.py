@@ -52,6 +52,11 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
   partition        chain(clip, partition({"decay": adamw(1e-3, weight_decay=0.1), "no_decay":
                    adamw(1e-3, weight_decay=0.0)}, labels from ft.decay_mask))
                    torch code: as masked
+  partition_clips  partition({"decay": chain(clip, adamw(1e-3, weight_decay=0.1)), "no_decay":
+                   chain(clip, adamw(1e-3, weight_decay=0.0))}, labels from ft.decay_mask):
+                   each group clipped by its own norm
+                   torch code: clip_grad_norm_(foreach) of each parameter group, then AdamW
+                   (foreach) with the two groups of masked
   schedule         chain(clip, adamw(ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-3,
                    warmup_steps=3, decay_steps=12), weight_decay=0.1))
                    torch code: clip + AdamW(foreach, lr=1e-3) + LambdaLR whose lambda computes the
@@ -179,10 +184,12 @@ ROWS = [
     "masked",
     "masked_primitives",
     "partition",
+    "partition_clips",
     "schedule",
     "lamb",
 ]
-MASKED_ROWS = ("masked", "masked_primitives", "partition")  # the math of two param groups
+# the math of two param groups
+MASKED_ROWS = ("masked", "masked_primitives", "partition", "partition_clips")
 OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "lamb")  # the baseline (a) is not the row's math
 RTOL = 1e-5
 
@@ -226,21 +233,17 @@ def make_tx(row):
             ft.masked(ft.add_decayed_weights(WD), ft.decay_mask),
             ft.scale_by_learning_rate(LR),
         )
-    if row == "partition":
+    if row in ("partition", "partition_clips"):
 
         def labels(params):
             return {k: "decay" if v else "no_decay" for k, v in ft.decay_mask(params).items()}
 
-        return ft.chain(
-            clip(),
-            ft.partition(
-                {
-                    "decay": ft.adamw(LR, *BETAS, EPS, weight_decay=WD),
-                    "no_decay": ft.adamw(LR, *BETAS, EPS, weight_decay=0.0),
-                },
-                labels,
-            ),
-        )
+        def group(wd):
+            opt = ft.adamw(LR, *BETAS, EPS, weight_decay=wd)
+            return ft.chain(clip(), opt) if row == "partition_clips" else opt
+
+        groups = ft.partition({"decay": group(WD), "no_decay": group(0.0)}, labels)
+        return groups if row == "partition_clips" else ft.chain(clip(), groups)
     if row == "schedule":
         sched = ft.schedules.warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS)
         return ft.chain(clip(), ft.adamw(sched, weight_decay=WD))
@@ -327,7 +330,12 @@ class TorchCode:
                 for more in self.gsrc[1:]:
                     torch._foreach_add_(gs, more)
                 torch._foreach_div_(gs, float(self.k))
-        total = torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
+        if self.row == "partition_clips":  # (each group by its own norm)
+            for group in self.opt.param_groups:
+                torch.nn.utils.clip_grad_norm_(group["params"], MAX_NORM, foreach=True)
+            total = None
+        else:
+            total = torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
         if self.row == "lamb":
             self.lamb_step()
         elif self.row == "apply_if_finite":
@@ -720,6 +728,8 @@ def describe(row):
         "masked_primitives": "chain(clip, scale_by_adam, masked(add_decayed_weights, "
         "decay_mask), scale_by_learning_rate)",
         "partition": "chain(clip, partition({decay: adamw(wd), no_decay: adamw(0)}))",
+        "partition_clips": "partition({decay: chain(clip, adamw(wd)), no_decay: chain(clip, "
+        "adamw(0))})",
         "schedule": f"chain(clip, adamw(warmup_cosine_decay_schedule(0, {LR}, {WARMUP_STEPS}, "
         f"{DECAY_STEPS})))",
         "lamb": f"chain(clip, lamb({LR}, weight_decay={WD}))",

@@ -314,9 +314,10 @@ def masked(
 
 def _restrictable(fus: E.Fusable) -> bool:
     """Whether the parts of ``fus`` can run restricted to some leaves in a pass over all: no
-    part reduces over the updates (a norm over its own leaves only is the general path's) or
-    reads the run context."""
-    return not fus.zero_updates and all(not p.reduces and not p.context for p in fus.parts)
+    part reads the run context (``apply_if_finite`` inside) and its updates are not zeros
+    (``multi_steps`` inside). A reducing part (a clip) reduces over its own leaves (see
+    ``Elementwise.restrict``)."""
+    return not fus.zero_updates and all(not p.context for p in fus.parts)
 
 
 def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str) -> E.Elementwise:
@@ -326,6 +327,15 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
     as the inner transform does; a leaf's key packs the flag and the part's key
     (:func:`_pack_key`)."""
     inner_static = part.static
+    inner_restrict = part.restrict
+
+    def restrict(params):
+        on = on_of(params)
+        if inner_restrict is None:
+            return on
+        leaves, treedef = tree_flatten(params)
+        inner = inner_restrict(tree_unflatten(treedef, _select(leaves, on)))
+        return [bool(a) and bool(b) for a, b in zip(on, inner)]
 
     def static(params):
         on = on_of(params)
@@ -349,7 +359,10 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         part.n_fields,
         needs_params=part.needs_params,
         static=static,
+        reduces=part.reduces,
         leaf_scalars=part.leaf_scalars,
+        reads_sum_squares=part.reads_sum_squares,
+        restrict=restrict,
     )
 
 
@@ -397,11 +410,16 @@ def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], 
     of its label, chained in the order of ``transforms``."""
 
     def on(n):
+        last: list = [None, None]  # (the labels seen last and their flags: one list object
+        # per layout, which the engine's memos key on)
+
         def of(params):
             labels = labels_of(params)
             if torch.compiler.is_compiling():  # (dynamo: a list, not a map of an operator)
                 return [lab == n for lab in labels]
-            return list(map(operator.eq, labels, repeat(n)))
+            if last[0] is not labels:
+                last[:] = labels, list(map(operator.eq, labels, repeat(n)))
+            return last[1]
 
         return of
 

@@ -189,6 +189,26 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
     "galore_adamw[8bit]": lambda: ft.galore_adamw(
         1e-2, weight_decay=0.1, rank=2, update_proj_gap=2, optim_bits=8, min_8bit_size=0
     ),
+    # reductions over their own leaves inside the combinators: each clip's norm over its
+    # label's leaves (one fused pass after both norms), the masked clip's over its leaves
+    "partition[clips]": lambda: ft.partition(
+        {
+            "a": ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)),
+            "b": ft.chain(ft.clip_by_global_norm(0.2), ft.sgd(0.1, momentum=0.9)),
+        },
+        by_ndim("a", "b"),
+    ),
+    "masked[clip]": lambda: ft.chain(
+        ft.masked(ft.clip_by_global_norm(0.3), by_ndim(True, False)), ft.adamw(1e-2)
+    ),
+    # the fused apply_if_finite guarding a partition (fields absent outside each label)
+    "apply_if_finite[partition]": lambda: ft.apply_if_finite(
+        ft.partition(
+            {"a": ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), "b": ft.trace(0.9)},
+            by_ndim("a", "b"),
+        ),
+        2,
+    ),
     # a weight-decay mask: the masked decay, and ft.step's fused kernel in two calls
     "adamw[mask]": lambda: ft.adamw(1e-2, weight_decay=0.1, mask=ft.decay_mask),
     # b1, eps and the (L2) weight decay as tensors the transforms read at every update
@@ -309,6 +329,9 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("clip_by_global_norm", "mixed_dtypes"): _GLOBAL_NORM,
     ("chain", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[clip]", "mixed_dtypes"): _GLOBAL_NORM,
+    ("partition[clips]", "mixed_dtypes"): _GLOBAL_NORM,
+    ("masked[clip]", "mixed_dtypes"): _GLOBAL_NORM,
+    ("apply_if_finite[partition]", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): _PASSES_UNREDUCED,
     ("identity", "zero_grads_sharded"): _PASSES_UNREDUCED,
     ("differentially_private_aggregate", "mixed_dtypes"): "each example is clipped to its "

@@ -387,7 +387,44 @@ COMBINED = {
         ft.partition({"adam": ft.scale_by_adam(), "sgd": ft.trace(0.9)}, _LABELS),
         ft.scale_by_learning_rate(1e-2),
     ),
+    # reductions over their own leaves (a norm, a trust ratio, a block RMS)
+    "masked_clip": lambda: ft.chain(ft.masked(ft.clip_by_global_norm(0.3), _MASK), _adamw()),
+    "masked_clip_nested": lambda: ft.chain(
+        ft.masked(ft.masked(ft.clip_by_global_norm(0.3), {**_MASK, "e": False, "b": True}), _MASK),
+        _adamw(),
+    ),
+    "masked_clip_no_leaf": lambda: ft.chain(
+        ft.masked(ft.clip_by_global_norm(0.3), {k: False for k in _MASK}), _adamw()
+    ),
+    "partition_clips": lambda: ft.partition(_clipped_pair(), _LABELS),
+    "partition_lamb": lambda: ft.partition(
+        {"adam": ft.lamb(1e-2), "sgd": ft.chain(ft.clip_by_global_norm(0.2), ft.sgd(1e-1))},
+        _LABELS,
+    ),
+    "masked_lamb": lambda: ft.masked(ft.lamb(1e-2), _MASK),
+    "masked_block_rms": lambda: ft.chain(
+        ft.scale_by_adam(), ft.masked(ft.clip_by_block_rms(0.5), _MASK), ft.scale(-1e-2)
+    ),
+    "apply_if_finite_partition_clips": lambda: ft.apply_if_finite(
+        ft.partition(_clipped_pair(), _LABELS), 3
+    ),
 }
+# passes over the leaves per step where more than one: a reduction after a pass that acted
+# on its leaves (lamb's trust ratio, the block RMS after Adam, the partition's clips after
+# apply_if_finite's check)
+PASSES = {
+    "partition_lamb": 2,
+    "masked_lamb": 2,
+    "masked_block_rms": 2,
+    "apply_if_finite_partition_clips": 2,
+}
+
+
+def _clipped_pair():
+    return {
+        "adam": ft.chain(ft.clip_by_global_norm(0.5), _adamw()),
+        "sgd": ft.chain(ft.clip_by_global_norm(0.2), ft.sgd(1e-1, momentum=0.9)),
+    }
 
 
 @pytest.mark.parametrize("mode", ["update", "pure", "donate"])
@@ -397,9 +434,13 @@ def test_masked_and_partition_fuse(name, mode, dtype, monkeypatch, device):
     """``masked`` and ``partition`` of fusable transforms run their parts restricted to their
     leaves in the fused pass (generated kernels on every step; the leaves outside pass
     through, their state ``None``), with the numbers and state of the combinators' general
-    paths (the transforms built without their fused forms). ``ft.step`` visits each leaf
-    once per step: one kernel call per group of leaves (in, out, per inner key)."""
-    params, grads = _problem(dtype, device=device)
+    paths (the transforms built without their fused forms). A reduction inside (a clip, a
+    trust ratio) is over its own leaves, as the general path computes it, and one restricted
+    to leaves the pass has not acted on yet does not start a pass (``partition`` of two
+    clipped chains: one pass per step). ``ft.step`` visits each leaf once per pass: one
+    kernel call per group of leaves (in, out, per inner key); non-finite gradients for
+    ``apply_if_finite``."""
+    params, grads = _problem(dtype, bad=name.startswith("apply_if_finite"), device=device)
     with monkeypatch.context() as m:
         m.setattr(combine.E, "register", lambda fn, spec: fn)
         general = COMBINED[name]()
@@ -411,7 +452,7 @@ def test_masked_and_partition_fuse(name, mode, dtype, monkeypatch, device):
     got, got_state = _run(tx, params, grads, mode)
     recognised = took_torch_fused(device, torch_fused, seen)
     if not recognised and mode != "update" and kernels_run_on(device):  # one call per step
-        assert sum(k for _, k in seen) == STEPS * len(params), seen
+        assert sum(k for _, k in seen) == PASSES.get(name, 1) * STEPS * len(params), seen
     _close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
 

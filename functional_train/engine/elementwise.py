@@ -31,6 +31,14 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   ratios, from its per-leaf norms); the leaf function finds its own leaf's value there. They
   reach the pass as inputs after the fields (0-dim, read once per leaf by a generated
   kernel), not as shared scalars.
+* ``restrict``: ``None``, or ``restrict(params) -> list`` of a bool per leaf: the only leaves
+  the part acts on (``masked`` / ``partition`` build such parts: elsewhere the update passes
+  through). Its prologue's view then covers those leaves only (``b.active``,
+  ``b.sum_squares``), so a reduction is over its own leaves, as the combinator's general path
+  computes it, and its per-leaf scalars are given for them (the leaves outside get a
+  placeholder their leaf function does not read). A reducing part restricted to leaves no
+  earlier part of the current pass has touched reads that pass's inputs and does not start a
+  new pass: ``partition`` of chains each starting with a clip is one pass after the norms.
 * ``guard``: what the part promises where its last scalar (a flag) is false: ``HOLDS`` (it
   writes its fields as they were: :func:`guarded`), ``ZEROES`` (no fields, zero updates:
   :func:`zeroed_unless`), ``DISCARDS`` (its updates are used by no one: every later part of
@@ -130,6 +138,7 @@ class Elementwise:
     guard: int = 0
     leaf_scalars: tuple[int, ...] = ()
     reads_sum_squares: bool = False
+    restrict: Callable | None = None
 
     def __post_init__(self):
         # a number of its own, by which a compiled graph names it (functional_train::fused_stage)
@@ -390,7 +399,18 @@ def run(
     u = [b.locals[i] for i in act]
     given = None  # the updates' sums of squares from the stage that wrote them
     statics_memo: dict = {}  # (see statics_memo)
-    bounds = [k for k, part in enumerate(parts) if k == 0 or part.reduces] + [len(parts)]
+    # (per part: the positions in act of the leaves it is restricted to, None for every leaf)
+    where: list = [None] * len(parts)
+    if any(part.restrict is not None for part in parts):
+        if params is None:
+            name = next(p.name for p in parts if p.restrict is not None)
+            raise ValueError(f"{name}: needs params (update(..., params))")
+        for k, part in enumerate(parts):
+            if part.restrict is not None:
+                where[k] = _positions(b, _call_static(part.restrict, params, statics_memo))
+        bounds = _bounds(parts, where)
+    else:
+        bounds = [k for k, part in enumerate(parts) if k == 0 or part.reduces] + [len(parts)]
     finishes: list = [None] * len(parts)
     trees_of: list = [None] * len(parts)
     new_fields: list = [None] * len(parts)
@@ -407,12 +427,16 @@ def run(
             view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
             if k > 0 and part.reduces and part.reads_sum_squares:
                 view.sum_squares = given  # (None: the prologue sums them itself)
+            if where[k] is not None:
+                view = view.restricted(where[k])
             if part.context:
                 sc, finishes[k] = part.prologue(states[k], view, ctx)
             else:
                 sc, finishes[k] = part.prologue(states[k], view)
             if part.leaf_scalars:  # (inputs of the stage, after its fields)
                 sc, own = _split_scalars(part, sc)
+                if where[k] is not None:
+                    own = [_spread(x, where[k].positions, u) for x in own]
                 per_leaf.extend(own)
             scalars.extend(sc)
             counts.append(len(sc))
@@ -534,6 +558,62 @@ def _kinds(take, lo):
     if lo == 0:
         return take
     return lambda kind, like: take(f"{kind}@{lo}", like)
+
+
+class _Where:
+    """The leaves a restricted part acts on (see ``Elementwise.restrict``), as positions in
+    the view's ``active`` list (a list, and a set for :func:`_bounds`)."""
+
+    __slots__ = ("positions", "of", "index")
+
+    def __init__(self, positions: list):
+        self.positions = positions
+        self.of = frozenset(positions)
+        self.index: torch.Tensor | None = None  # (for sums of squares, made once)
+
+
+def _positions(b, on: Sequence) -> _Where | None:
+    """``on`` (a bool per leaf of the tree, or per active leaf) as a :class:`_Where` over
+    ``b.active``; ``None`` where it holds every active leaf. Remembered per plan and list
+    object (a combinator's mask or labels are resolved once per layout)."""
+    memo = None if torch.compiler.is_compiling() else b.plan.memo
+    if memo is not None:
+        key = ("restrict", id(on))
+        hit = memo.get(key)
+        if hit is not None and hit[0] is on:
+            return hit[1]
+    act = b.active
+    flags = on if len(on) == len(act) else [on[i] for i in act]
+    positions = [j for j, f in enumerate(flags) if f]
+    out = None if len(positions) == len(act) else _Where(positions)
+    if memo is not None:
+        memo[key] = (on, out)  # (holding on: its id is not reused while the entry lives)
+    return out
+
+
+def _bounds(parts: tuple, where: list) -> list:
+    """Where the stages of ``parts`` start (and ``len(parts)``): at every reducing part, but
+    for one restricted to leaves no earlier part of the current stage acts on (its
+    prologue reads the stage's inputs there, which are its own inputs)."""
+    bounds = [0]
+    touched: frozenset | None = frozenset()  # (None: every leaf)
+    for k, part in enumerate(parts):
+        w = where[k]
+        if k and part.reduces and (touched is None or w is None or not touched.isdisjoint(w.of)):
+            bounds.append(k)
+            touched = frozenset()
+        touched = None if touched is None or w is None else touched | w.of
+    return [*bounds, len(parts)]
+
+
+def _spread(values: list, positions: list, u: list) -> list:
+    """A restricted part's per-leaf scalars (one per leaf of its view) as one per active
+    leaf: the others get a placeholder (the first value, or a 0-dim zero), not read."""
+    fill = values[0] if values else (u[0].new_zeros(()) if u else None)
+    out = [fill] * len(u)
+    for j, x in zip(positions, values):
+        out[j] = x
+    return out
 
 
 def _scatter(b, active_values):
@@ -1525,7 +1605,8 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
     def leaf(u, p, s, h, k):
         ok = h[-1] != 0
         u, new = part.leaf(u, p, s, h[:-1], k)
-        return u, tuple(torch.where(ok, n, o) for n, o in zip(new, s))
+        # (a field absent at this leaf, None: a restricted part's leaf outside its leaves)
+        return u, tuple(n if o is None else torch.where(ok, n, o) for n, o in zip(new, s))
 
     return Elementwise(
         f"{wrapper}({part.name})",
@@ -1539,6 +1620,7 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
         context=True,
         guard=HOLDS,
         leaf_scalars=part.leaf_scalars,
+        restrict=part.restrict,
     )
 
 

@@ -99,13 +99,29 @@ class Prepared:
 
     def with_locals(self, new_locals: Sequence[Any]) -> Prepared:
         """The same view with other local values (one per leaf, ``None`` allowed)."""
-        return Prepared(self.plan, self.updates, list(new_locals), self.params, self.is_view)
+        out = Prepared(self.plan, self.updates, list(new_locals), self.params, self.is_view)
+        out.active = self.active
+        return out
 
     def needed_if(self, flag) -> Prepared:
         """The same view, its reductions' values used only where ``flag`` (a 0-dim bool
         tensor) is true (see :attr:`needed`)."""
         out = Prepared(self.plan, self.updates, self.locals, self.params, self.is_view)
-        out.needed = flag
+        out.active, out.needed = self.active, flag
+        return out
+
+    def restricted(self, where) -> Prepared:
+        """The view of some of its active leaves (``masked`` / ``partition``'s parts, see
+        ``Elementwise.restrict``): ``where.positions``, positions in :attr:`active`, become
+        the active leaves, and :attr:`sum_squares` theirs; values and layout are shared."""
+        out = Prepared(self.plan, self.updates, self.locals, self.params, self.is_view)
+        out.active = [self.active[j] for j in where.positions]
+        out.needed = self.needed
+        sums = self.sum_squares
+        if sums is not None:
+            if where.index is None or where.index.device != sums.device:
+                where.index = torch.tensor(where.positions, dtype=torch.long, device=sums.device)
+            out.sum_squares = sums.index_select(0, where.index)
         return out
 
     def tree(self) -> Any:
