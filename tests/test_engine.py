@@ -232,3 +232,34 @@ def test_pure_step_reuses_only_dropped_results(monkeypatch):
     torch.testing.assert_close(kept_mu, snapshot[1], rtol=0, atol=0)
     assert params["w"].data_ptr() not in (kept_view.data_ptr() - 5 * 4, kept_mu.data_ptr())
     torch.testing.assert_close(params["w"], ref_p["w"], rtol=0, atol=0)
+
+
+def test_pooled_buffer_with_a_live_lazy_clone_is_not_taken(monkeypatch):
+    """``pool.lazy_clones`` records its clones by data address: a pooled buffer a live lazy
+    clone reads is not handed out again (writing it would copy it), it is once the clones
+    are gone; many clones of one address keep the record bounded (``_MAX_REFS``), the live
+    ones kept."""
+    from functional_train.engine import pool
+
+    if not pool.LAZY_CLONES:
+        pytest.skip("this torch has no lazy clones")
+    monkeypatch.setattr(pool, "MIN_MEAN_BYTES", 0)
+    p = pool.Pool()
+    like = [torch.empty(64), torch.empty(3, 5)]
+    first = p.take("x", like)
+    ptrs = [x.data_ptr() for x in first]
+    clones = pool.lazy_clones(first)
+    assert all(torch._C._is_cow_tensor(c) for c in clones)
+    del first
+    second = p.take("x", like)  # (first's buffers are read by the clones: a new set)
+    assert [x.data_ptr() for x in second] != ptrs
+    del second
+    kept = clones[0]
+    for _ in range(3 * pool._MAX_REFS):  # (clones made and dropped: the record stays small)
+        pool.lazy_clones([kept])
+    assert len(pool._COW_CLONES[kept.const_data_ptr()]) <= pool._MAX_REFS
+    del clones, kept
+    third = p.take("x", like)  # (no clone lives: the first set again, written in place)
+    assert [x.const_data_ptr() for x in third] == ptrs
+    third[0].fill_(1.0)
+    assert third[0].data_ptr() == ptrs[0]

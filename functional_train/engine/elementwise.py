@@ -106,7 +106,7 @@ from ..spec import attach_spec, transform_spec
 from . import fuse
 from .dtensor import to_local, wrap_like
 from .owners import assume_constant_result
-from .pool import LAZY_CLONES, Pool, lazy_clone, of_plan
+from .pool import LAZY_CLONES, Pool, lazy_clones, of_plan
 
 __all__ = [
     "Elementwise",
@@ -715,10 +715,11 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
         tuple(x.dtype for x in sc),
     ):
         # every result over the input it replaces, by the operator itself: no copies
-        # (a mutated list takes no None: an absent state leaf by a placeholder, named)
+        # (a mutated list takes no None: the present tensors, and where the absent state
+        # leaves stand, which the operator puts back as None)
         absent = [i for i, x in enumerate(flat) if x is None]
-        filled = [torch.empty(0) if x is None else x for x in flat]
-        _stage_op_donated(idents, layout, enc, filled, absent, sc)
+        present = [x for x in flat if x is not None] if absent else flat
+        _stage_op_donated(idents, layout, enc, present, absent, sc)
         return [list(ins[d]) for d in dst]
     res = _stage_op(idents, layout, enc, flat, sc)
     outs = [list(res[r * n : (r + 1) * n]) for r in range(len(res) // n)]
@@ -767,20 +768,32 @@ def _unflat(parts, layout, enc, flat):
     stage = _stage_of(tuple(_PARTS[i] for i in parts), bool(apply), bool(drop_u))
     n = len(flat) // (1 + has_p + n_fields)
     m = len(parts)
-    if not enc:  # (no static keys: the common case, no loop over the leaves)
-        keys: list = [None] * n
-    else:
-        keys = [
-            None
-            if all(e == _NONE_KEY for e in enc[j * m : (j + 1) * m])
-            else tuple(_DECODE.get(e, e) for e in enc[j * m : (j + 1) * m])
-            for j in range(n)
-        ]
+    keys = [None] * n if not enc else _decoded(enc, n, m)  # (no keys: the common case)
     u = flat[:n]
     p = flat[n : 2 * n] if has_p else None
     base = n * (1 + has_p)
     fields = [flat[base + f * n : base + (f + 1) * n] for f in range(n_fields)]
     return stage, counts, keys, u, p, fields
+
+
+_DECODED: dict = {}
+
+
+def _decoded(enc: list, n: int, m: int) -> list:
+    """The leaves' static keys from a compiled stage's encoding (:func:`_encode_key`, part by
+    part, leaf after leaf), remembered per encoding (the same every call of a graph)."""
+    key = (n, m, tuple(enc))
+    hit = _DECODED.get(key)
+    if hit is None:
+        if len(_DECODED) >= 64:
+            _DECODED.clear()
+        hit = _DECODED[key] = [
+            None
+            if all(e == _NONE_KEY for e in enc[j * m : (j + 1) * m])
+            else tuple(_DECODE.get(e, e) for e in enc[j * m : (j + 1) * m])
+            for j in range(n)
+        ]
+    return list(hit)
 
 
 @torch.library.custom_op("functional_train::fused_stage", mutates_args=())
@@ -818,7 +831,7 @@ def _stage_op(
         idle = unused = False
     if idle:
         ins, dst = _inputs(stage, u, p, fields)
-        return [_held(x) for d in dst for x in ins[d]]
+        return _held([x for d in dst for x in ins[d]])
     if unused:
         stage = _stage_of(stage.parts, False, True)
     with torch.no_grad():
@@ -846,16 +859,28 @@ def _stage_op(
 _op_pool = Pool()
 
 
-def _held(x: torch.Tensor | None) -> torch.Tensor:
-    """The result of an idle stage of ``functional_train::fused_stage`` for the input ``x`` it
-    leaves as it was: its lazy clone (no copy until either is written), a contiguous copy of a
-    strided one, a 0-element placeholder for an absent state leaf."""
-    if x is None:
-        return torch.empty(0)
-    if not x.is_contiguous():
-        return x.contiguous()
-    c = lazy_clone(x)
-    return x.clone() if c is None else c
+def _held(xs: list) -> list:
+    """The results of an idle stage of ``functional_train::fused_stage`` for the inputs
+    ``xs`` it leaves as they were: their lazy clones (no copy until either side is written),
+    a contiguous copy of a strided one, a 0-element placeholder for an absent state leaf."""
+    # (the common case: one batch; `None in xs` would compare each tensor with None)
+    plain = not any(map(operator.is_, xs, itertools.repeat(None))) and all(map(_contiguous, xs))
+    cs = lazy_clones(xs) if plain else None
+    if cs is not None:
+        return cs
+    out = []
+    for x in xs:
+        if x is None:
+            out.append(torch.empty(0))
+        elif not x.is_contiguous():
+            out.append(x.contiguous())
+        else:
+            c = lazy_clones([x])
+            out.append(x.clone() if c is None else c[0])
+    return out
+
+
+_contiguous = torch.Tensor.is_contiguous
 
 
 _SAME_DTYPES: dict = {}
@@ -893,8 +918,9 @@ def _stage_op_donated(
     """``functional_train::fused_stage`` for a donated step whose results all have the dtypes
     of the inputs they replace (see :func:`_inputs`): each written over its input, as the
     eager donated step writes it. Under ``torch.compile`` inductor runs it on the step's
-    inputs themselves (no copies). ``absent``: the positions in ``flat`` of absent state
-    leaves (0-element placeholders)."""
+    inputs themselves (no copies). ``absent``: the positions of absent state leaves in the
+    inputs (``flat`` holds the present ones only: the inputs are ``flat`` with ``None``
+    inserted there)."""
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, _present(flat, absent))
     if _idle(stage, counts, scalars):
         return
@@ -926,18 +952,27 @@ def _bump_versions_once(keyset, parts, layout, keys, flat, absent, scalars):
     )
 
 
-def _register_version_bump() -> None:
-    if not hasattr(torch._C, "_after_ADInplaceOrView_keyset"):
-        return  # (another torch: custom_op's own kernel stays)
+def _register_kernels() -> None:
+    """Kernels of the operators registered over ``torch.library.custom_op``'s own:
+    ``fused_stage_donated``'s ADInplaceOrView kernel (:func:`_bump_versions_once`), and both
+    operators' CompositeExplicitAutograd kernels, the operators themselves without the check
+    custom_op wraps them in, that no result aliases an input or another result (a pass over
+    every input and result, 0.1 to 0.2 ms per call of a 122-leaf stage: :func:`_stage_op`
+    makes its results fresh itself, see there; the donated one returns nothing)."""
     lib = torch.library.Library("functional_train", "FRAGMENT")
-    with warnings.catch_warnings():  # (it replaces custom_op's kernel for that key: intended)
+    with warnings.catch_warnings():  # (it replaces custom_op's kernels for those keys: intended)
         warnings.simplefilter("ignore")
-        lib.impl("fused_stage_donated", _bump_versions_once, "ADInplaceOrView", with_keyset=True)
+        if hasattr(torch._C, "_after_ADInplaceOrView_keyset"):  # (else custom_op's stays)
+            lib.impl(
+                "fused_stage_donated", _bump_versions_once, "ADInplaceOrView", with_keyset=True
+            )
+        lib.impl("fused_stage", _stage_op._init_fn, "CompositeExplicitAutograd")
+        lib.impl("fused_stage_donated", _stage_op_donated._init_fn, "CompositeExplicitAutograd")
     _LIBS.append(lib)  # (a Library unregisters its kernels when it is collected)
 
 
 _LIBS: list = []
-_register_version_bump()
+_register_kernels()
 
 
 def _idle(stage, counts, scalars) -> bool:
@@ -976,10 +1011,13 @@ def _discarded(stage, counts, scalars) -> bool:
 
 
 def _present(flat: list, absent: list) -> list:
+    """The inputs of ``fused_stage_donated``: ``flat`` with ``None`` at ``absent``."""
     if not absent:
         return flat
-    gone = set(absent)
-    return [None if i in gone else x for i, x in enumerate(flat)]
+    out = list(flat)
+    for i in absent:  # (ascending: each at its final position)
+        out.insert(i, None)
+    return out
 
 
 @_stage_op.register_fake

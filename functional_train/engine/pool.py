@@ -30,6 +30,7 @@ __all__ = [
     "Scratch",
     "of_plan",
     "lazy_clone",
+    "lazy_clones",
     "const_data_ptr",
     "LAZY_CLONES",
     "GENERATIONS",
@@ -52,30 +53,47 @@ const_data_ptr: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # t
 _LAZY_CLONE: Callable[[torch.Tensor], torch.Tensor] | None = getattr(torch, "_lazy_clone", None)
 LAZY_CLONES = _LAZY_CLONE is not None  # (torch's copy-on-write clones: torch 2.2 and later)
 
-# the data address of a copy-on-write tensor -> the lazy clones made by :func:`lazy_clone`
-# that still read it (their memory is that of a buffer they were cloned from until one of
-# them is written)
+# the data address of a copy-on-write tensor -> weak references to the lazy clones made by
+# :func:`lazy_clones` that may still read it (their memory is that of a buffer they were cloned
+# from until one of them is written); at most _MAX_REFS each, the dead ones dropped first
 _COW_CLONES: dict = {}
 _MAX_COW_ADDRESSES = 4096  # (then the entries of addresses no clone reads any more go)
+_MAX_REFS = 8
+_ref = weakref.ref
+
+
+def lazy_clones(xs: Sequence[torch.Tensor]) -> list | None:
+    """Copies of the tensors ``xs`` that share their memory until either side is written
+    (torch's copy-on-write ``_lazy_clone``: the write copies), recorded so that a pooled
+    buffer they read is not taken while they live (writing the buffer would copy it:
+    :meth:`Pool.take` takes another). A miss of the record costs a copy, never a wrong
+    value. ``None`` where torch has no lazy clones."""
+    if _LAZY_CLONE is None:
+        return None
+    cs = list(map(_LAZY_CLONE, xs))
+    if len(_COW_CLONES) >= _MAX_COW_ADDRESSES:  # (addresses whose clones are all gone)
+        for gone in [k for k, v in _COW_CLONES.items() if not _alive(v)]:
+            del _COW_CLONES[gone]
+    get = _COW_CLONES.get
+    for ptr, r in zip(map(const_data_ptr, cs), map(_ref, cs)):
+        refs = get(ptr)
+        if refs is None:
+            _COW_CLONES[ptr] = [r]
+        elif len(refs) < _MAX_REFS:
+            refs.append(r)
+        else:
+            refs[:] = [*(q for q in refs if q() is not None), r][-_MAX_REFS:]
+    return cs
 
 
 def lazy_clone(x: torch.Tensor) -> torch.Tensor | None:
-    """A copy of ``x`` that shares its memory until either is written (torch's copy-on-write
-    ``_lazy_clone``: the write copies), recorded so that a pooled buffer it reads is not
-    taken while it lives (writing the buffer would copy it: :meth:`Pool.take` takes another).
-    ``None`` where torch has no lazy clones."""
-    if _LAZY_CLONE is None:
-        return None
-    c = _LAZY_CLONE(x)
-    ptr = const_data_ptr(c)
-    clones = _COW_CLONES.get(ptr)
-    if clones is None:
-        if len(_COW_CLONES) >= _MAX_COW_ADDRESSES:  # (addresses whose clones are all gone)
-            for gone in [k for k, v in _COW_CLONES.items() if not v]:
-                del _COW_CLONES[gone]
-        clones = _COW_CLONES[ptr] = weakref.WeakSet()
-    clones.add(c)
-    return c
+    """:func:`lazy_clones` of one tensor."""
+    cs = lazy_clones([x])
+    return None if cs is None else cs[0]
+
+
+def _alive(refs: list) -> bool:
+    return any(r() is not None for r in refs)
 
 
 def _free(buf: torch.Tensor) -> bool:
@@ -86,8 +104,8 @@ def _free(buf: torch.Tensor) -> bool:
     if _is_cow is None or not _is_cow(buf):
         return True
     ptr = const_data_ptr(buf)
-    clones = _COW_CLONES.get(ptr)
-    if clones:
+    refs = _COW_CLONES.get(ptr)
+    if refs is not None and _alive(refs):
         return False
     _COW_CLONES.pop(ptr, None)
     return True
