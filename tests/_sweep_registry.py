@@ -198,6 +198,15 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
         },
         by_ndim("a", "b"),
     ),
+    # lamb's first pass over its own leaves only (the "b" leaves skip it), then its trust
+    # ratio and the "b" clip in one pass
+    "partition[lamb]": lambda: ft.partition(
+        {
+            "a": ft.lamb(1e-2, weight_decay=0.1),
+            "b": ft.chain(ft.clip_by_global_norm(0.2), ft.sgd(0.1)),
+        },
+        by_ndim("a", "b"),
+    ),
     "masked[clip]": lambda: ft.chain(
         ft.masked(ft.clip_by_global_norm(0.3), by_ndim(True, False)), ft.adamw(1e-2)
     ),
@@ -330,6 +339,7 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("chain", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[clip]", "mixed_dtypes"): _GLOBAL_NORM,
     ("partition[clips]", "mixed_dtypes"): _GLOBAL_NORM,
+    ("partition[lamb]", "mixed_dtypes"): _GLOBAL_NORM,
     ("masked[clip]", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[partition]", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): _PASSES_UNREDUCED,

@@ -398,6 +398,7 @@ def run(
 
     u = [b.locals[i] for i in act]
     given = None  # the updates' sums of squares from the stage that wrote them
+    given_on: frozenset | None = None  # (the positions where they were summed; None: all)
     statics_memo: dict = {}  # (see statics_memo)
     # (per part: the positions in act of the leaves it is restricted to, None for every leaf)
     where: list = [None] * len(parts)
@@ -426,7 +427,10 @@ def run(
             part = parts[k]
             view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
             if k > 0 and part.reduces and part.reads_sum_squares:
-                view.sum_squares = given  # (None: the prologue sums them itself)
+                # (None: the prologue sums them itself; so where the stage that wrote the
+                # updates summed only some leaves and the part reads others)
+                if given_on is None or (where[k] is not None and where[k].of <= given_on):
+                    view.sum_squares = given
             if where[k] is not None:
                 view = view.restricted(where[k])
             if part.context:
@@ -470,18 +474,47 @@ def run(
         else:  # (a C loop: this runs for every stage of every step)
             na = len(act)  # (a repeat per absent key: one iterator each)
             leaf_keys = list(zip(*(itertools.repeat(None, na) if k is None else k for k in keys)))
-        outs = _execute(
-            stage,
-            tuple(counts),
-            u,
-            p_loc,
-            fields + per_leaf,
-            scalars,
-            leaf_keys,
-            apply,
-            None if take is None else _kinds(take, lo),
-            sums,
-        )
+        ins = fields + per_leaf
+        # (an intermediate stage of restricted parts only: the leaves none of them acts on
+        # pass through it as they are, no pass over them; the sums of squares the next part
+        # reads are taken where it reads them, zeros elsewhere, which no view reads: given_on)
+        run_on = None if last else _acted_on(where[lo:hi], len(act))
+        if run_on is not None and sums is not None:
+            w = where[hi]
+            if w is None or not w.of.issubset(run_on):
+                run_on = None
+        if run_on is not None:
+            outs = _execute(
+                stage,
+                tuple(counts),
+                _pick(u, run_on),
+                None if p_loc is None else _pick(p_loc, run_on),
+                [_pick(x, run_on) for x in ins],
+                scalars,
+                _pick(leaf_keys, run_on),
+                apply,
+                None if take is None else _kinds(take, lo),
+                sums,
+            )
+            outs = [_put(x, run_on, base) for x, base in zip(outs, [u, *fields])]
+            if sums:
+                taken = sums[0]
+                index = torch.tensor(run_on, device=taken.device)
+                sums[0] = taken.new_zeros(len(act)).index_copy_(0, index, taken)
+        given_on = None if run_on is None else frozenset(run_on)
+        if run_on is None:
+            outs = _execute(
+                stage,
+                tuple(counts),
+                u,
+                p_loc,
+                ins,
+                scalars,
+                leaf_keys,
+                apply,
+                None if take is None else _kinds(take, lo),
+                sums,
+            )
         given = sums[0] if sums else None
         r = 0
         if not stage.drop_u:
@@ -604,6 +637,28 @@ def _bounds(parts: tuple, where: list) -> list:
             touched = frozenset()
         touched = None if touched is None or w is None else touched | w.of
     return [*bounds, len(parts)]
+
+
+def _acted_on(where: list, n: int) -> list | None:
+    """The positions (in ``act``) of the leaves some part of a stage acts on, where every
+    part is restricted (``where``: their :class:`_Where`) and together they leave some of
+    the ``n`` leaves out; ``None`` otherwise."""
+    if not where or any(w is None for w in where):
+        return None
+    on: frozenset = frozenset().union(*(w.of for w in where))
+    return sorted(on) if len(on) < n else None
+
+
+def _pick(values: list, positions: list) -> list:
+    return [values[j] for j in positions]
+
+
+def _put(new: list, positions: list, base: list) -> list:
+    """``base`` (one value per active leaf) with ``new`` at ``positions``."""
+    out = list(base)
+    for j, x in zip(positions, new):
+        out[j] = x
+    return out
 
 
 def _spread(values: list, positions: list, u: list) -> list:
