@@ -202,21 +202,35 @@ def _leave(chunks: Sequence[torch.Tensor], views: Sequence[_View], group) -> lis
         buf = per_rank(ts, pack)
         parts = vs[0].parts
         full = all_gather(buf, group)
-        for k, i in enumerate(idx):
 
-            def unpack(r, xs, k=k, vs=vs):
-                f, cs_ = xs[0].view(parts, -1), xs[1:]
-                offset = 0
-                for c, v in zip(cs_[:k], vs[:k]):
-                    offset += -(-v.size // v.parts) * math.prod(_rest(c.shape, v.dim))
-                v = vs[k]
-                rest = _rest(cs_[k].shape, v.dim)
+        def unpack(r, xs, vs=vs):
+            """Every leaf of the bucket from the gathered buffer (offsets in one pass)."""
+            f, cs_ = xs[0].view(parts, -1), xs[1:]
+            offset = 0
+            res = []
+            for c, v in zip(cs_, vs):
+                rest = _rest(c.shape, v.dim)
                 cs = -(-v.size // v.parts)
-                part = f[:, offset : offset + cs * math.prod(rest)]
-                return part.reshape(parts * cs, *rest)[: v.size].movedim(0, v.dim).contiguous()
+                width = cs * math.prod(rest)
+                part = f[:, offset : offset + width]
+                offset += width
+                res.append(part.reshape(parts * cs, *rest)[: v.size].movedim(0, v.dim))
+            return res
 
-            out[i] = per_rank([full] + ts[: k + 1], unpack)
+        for k, x in enumerate(_per_rank_list([full, *ts], unpack, len(idx))):
+            out[idx[k]] = x.contiguous()
     return out
+
+
+def _per_rank_list(tensors: Sequence[torch.Tensor], fn, n: int) -> list:
+    """:func:`~functional_train.engine.collectives.per_rank` of an ``fn`` that returns a list
+    of ``n`` tensors: one call per rank for all of them (simulated ranks: a LocalTensor
+    each)."""
+    from torch.distributed import _local_tensor as lt
+
+    if lt.enabled_local_tensor_mode() is None:
+        return per_rank(tensors, lambda r, xs: fn(r, xs))  # (a list: per_rank passes it on)
+    return [per_rank(tensors, lambda r, xs, k=k: fn(r, xs)[k]) for k in range(n)]
 
 
 def zero_redundancy(

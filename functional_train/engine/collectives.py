@@ -109,13 +109,22 @@ def all_reduce(t: torch.Tensor, op: str, groups: tuple) -> torch.Tensor:
 
 
 def _by_c10d(t: torch.Tensor, op: str) -> bool:
+    return op in _C10D_OPS and _eager(t)
+
+
+def _eager(t: torch.Tensor) -> bool:
+    """A plain tensor outside ``torch.compile``, dispatch modes (simulated ranks, collective
+    counters) and autograd: a collective on it may be c10d's own, issued eagerly."""
     return (
-        op in _C10D_OPS
-        and type(t) is torch.Tensor
+        type(t) is torch.Tensor
         and not t.requires_grad
         and not torch.compiler.is_compiling()
         and _get_current_dispatch_mode() is None
     )
+
+
+def _process_group(group) -> dist.ProcessGroup:
+    return group if isinstance(group, dist.ProcessGroup) else group[0].get_group(group[1])
 
 
 def all_reduce_start(t: torch.Tensor, op: str, groups: tuple) -> Callable[[], torch.Tensor]:
@@ -135,7 +144,7 @@ def all_reduce_start(t: torch.Tensor, op: str, groups: tuple) -> Callable[[], to
                 t,
                 _C10D_OPS[op],
                 async_op=True,
-                group=g if isinstance(g, dist.ProcessGroup) else g[0].get_group(g[1]),
+                group=_process_group(g),
             )
 
         def finish() -> torch.Tensor:
@@ -190,7 +199,26 @@ def reduce_scatter(buf: torch.Tensor, op: str, group) -> torch.Tensor:
 
 
 def all_gather(buf: torch.Tensor, group) -> torch.Tensor:
-    """All-gather a buffer along dim 0 (the ranks' buffers concatenated in rank order)."""
+    """All-gather a buffer along dim 0 (the ranks' buffers concatenated in rank order).
+
+    On a gloo process group, eagerly, issued as one broadcast per rank into the result (all
+    in flight at once, as torch's ``ZeroRedundancyOptimizer`` broadcasts its shards): gloo's
+    all-gather (a ring) took 56 ms where two broadcasts took 17 ms for 27 MB per rank on 2
+    ranks of one machine (``functional_collectives``' all-gather 79 ms). Elsewhere (NCCL,
+    ``torch.compile``, simulated ranks, :func:`~functional_train.testing.count_collectives`)
+    the functional all-gather, one collective."""
+    if _eager(buf) and buf.dim() > 0 and buf.numel() > 0:
+        pg = _process_group(group)
+        if dist.get_backend(pg) == "gloo":
+            world = pg.size()
+            out = buf.new_empty((world, *buf.shape))
+            out[pg.rank()].copy_(buf)
+            works = [
+                dist.broadcast(out[r], group=pg, group_src=r, async_op=True) for r in range(world)
+            ]
+            for w in works:
+                w.wait()
+            return out.view(world * buf.shape[0], *buf.shape[1:])
     return funcol.wait_tensor(funcol.all_gather_single(buf, 0, group))
 
 
