@@ -12,9 +12,12 @@ this machine (default 2), 1 thread each. Systems, interleaved round by round
                    its share of the parameters and broadcasts it
   (b) donate       ft.step(tx, grads, state, params, mesh=ft.Mesh(mesh), donate=True), tx =
                    zero_redundancy(chain(clip_by_global_norm(1.0), adamw(1e-3,
-                   weight_decay=0.1)), axis="dp"): each rank runs the chain on 1/world of every
-                   leaf (its state too), the updates are all-gathered, then p + u
+                   weight_decay=0.1)), axis="dp"): each rank steps the chain (fused, p + u
+                   included) on 1/world of every leaf, its state too, and the new parameter
+                   chunks are all-gathered into the parameters
   (c) pure         the same, donate=False
+  (d) update       updates, state = tx.update(...); params = ft.apply_updates(params, updates):
+                   the updates all-gathered, then p + u over whole leaves
 
 Printed: the median and minimum per unit, the ratio to (a), and each system's largest
 parameter difference from (a) after the timed rounds.
@@ -73,6 +76,11 @@ def worker(rank, world, port, args):
             device_mesh=dm,
         )
         mesh = ft.Mesh(dm)
+
+        def update_apply(g, s, p):
+            u, s = tx.update(g, s, p, mesh=mesh)
+            return ft.apply_updates(p, u), s
+
         systems = [
             TorchZero("(a) torch ZeRO, AdamW(foreach) + clip", p0, gs[0]),
             be.PureLoop(
@@ -89,6 +97,7 @@ def worker(rank, world, port, args):
                 p0,
                 gs[0],
             ),
+            be.PureLoop("(d) tx.update + apply_updates", update_apply, tx, p0, gs[0]),
         ]
         times, _, _ = be.run_rounds(
             systems, args.rounds, args.warmup, dist.barrier, reduce_max, log=log

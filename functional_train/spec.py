@@ -132,6 +132,10 @@ class TransformSpec:
             moments, no amsgrad); read by GaLore's per-leaf step.
         per_leaf: ``scale_by_galore``'s update, finishing each leaf by a callback. Set by it;
             read by ``galore_adamw``'s fused step.
+        zero: ``zero_redundancy``'s step, ``zero(grads, state, params, mesh, donate, extra,
+            inner_step) -> (params, state)``: the inner transform stepped by ``inner_step``
+            (``ft.step``'s own) on the zero view, the new parameter chunks gathered. Set by
+            ``zero_redundancy``; read by ``ft.step``.
     """
 
     accepts_unreduced: bool = False
@@ -147,6 +151,7 @@ class TransformSpec:
     keep_of: Callable[[Any], list] | None = None
     adam_leaf: AdamLeaf | None = None
     per_leaf: Callable[..., Any] | None = None
+    zero: Callable[..., Any] | None = None
 
 
 _NOTHING = TransformSpec()

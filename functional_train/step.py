@@ -843,6 +843,9 @@ def _step(tx, grads, state, params, mesh, donate, extra):
                 raise
             raise err from e
         return new_params, InjectHyperparamsState(state.count + 1, hp, inner_state)
+    zero = transform_spec(tx).zero
+    if zero is not None and not is_differentiable():  # the inner stepped on the zero view
+        return zero(grads, state, params, mesh, donate, extra, _step)
     out = _injected_after_clip(tx, grads, state, params, mesh, donate)
     if out is not None:
         return out

@@ -21,15 +21,33 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from .autograd import requires_grad_like
 from .base import GradientTransformation, declare
 from .engine.collectives import all_gather, all_reduce_buckets, per_rank, reduce_scatter
-from .engine.dtensor import Spec, spec_of, to_local, wrap
+from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.plan import agree_presence, data_mean, plan_for
 from .engine.view import leaf_paths, mesh_coordinates
 from .mesh import Mesh
+from .spec import attach_spec
 from .tree import contiguous_stride, flatten_as, tree_flatten, tree_unflatten
 
 __all__ = ["zero_redundancy", "ZeroRedundancyState"]
+
+
+class _Entered(NamedTuple):
+    """The zero view of one update (see :func:`zero_redundancy`'s step 1): gradients and
+    parameters (DTensors sharded over the data axis), the descriptor with the data axis
+    reduced, the updates' treedef, the parameter leaves (or ``None``), the leaves whose layout
+    the results take, each leaf's :class:`_View`, and the data axis' group."""
+
+    grads: Any
+    params: Any
+    mesh: Mesh
+    treedef: Any
+    p: list | None
+    layout: list
+    views: list
+    group: tuple
 
 
 class ZeroRedundancyState(NamedTuple):
@@ -179,8 +197,25 @@ def _enter(
     return out
 
 
-def _leave(chunks: Sequence[torch.Tensor], views: Sequence[_View], group) -> list:
-    """All-gather chunks back into full local tensors: ONE collective per dtype."""
+def _leave(
+    chunks: Sequence[torch.Tensor],
+    views: Sequence[_View],
+    group,
+    into: Sequence[torch.Tensor] | None = None,
+) -> list:
+    """All-gather chunks back into full local tensors: ONE collective per dtype. With
+    ``into`` (full local tensors, one per chunk; on a real process group, eagerly), each
+    rank's part is copied from the gathered buffer into them (one copy, no whole-leaf
+    temporary) and they are returned."""
+    from torch.distributed import _local_tensor as lt
+
+    if into is not None and (
+        lt.enabled_local_tensor_mode() is not None or torch.compiler.is_compiling()
+    ):
+        got = _leave(chunks, views, group)
+        for d, x in zip(into, got):
+            d.copy_(x)
+        return list(into)
     out: list = [None] * len(chunks)
     buckets: dict = {}
     for i, t in enumerate(chunks):
@@ -217,6 +252,22 @@ def _leave(chunks: Sequence[torch.Tensor], views: Sequence[_View], group) -> lis
                 res.append(part.reshape(parts * cs, *rest)[: v.size].movedim(0, v.dim))
             return res
 
+        if into is not None:  # (every rank's rows copied where they go)
+            f = full.view(parts, -1)
+            offset = 0
+            for i, c, v in zip(idx, ts, vs):
+                rest = _rest(c.shape, v.dim)
+                cs = -(-v.size // v.parts)
+                width = cs * math.prod(rest)
+                src = f[:, offset : offset + width].view(parts, cs, *rest)
+                offset += width
+                dst = into[i].movedim(v.dim, 0)
+                for r in range(parts):
+                    n = max(0, min(v.size, (r + 1) * cs) - r * cs)
+                    if n:
+                        dst.narrow(0, r * cs, n).copy_(src[r, :n])
+                out[i] = into[i]
+            continue
         for k, x in enumerate(_per_rank_list([full, *ts], unpack, len(idx))):
             out[idx[k]] = x.contiguous()
     return out
@@ -308,7 +359,7 @@ def zero_redundancy(
 
     own_mesh: dict = {}
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def check(state, mesh):
         if not isinstance(state, ZeroRedundancyState):
             raise ValueError(
                 f"zero_redundancy: expected a ZeroRedundancyState from "
@@ -319,6 +370,10 @@ def zero_redundancy(
                 f"zero_redundancy: mesh must be a functional_train.Mesh or None, "
                 f"got {type(mesh).__name__}"
             )
+
+    def enter(updates, params, mesh) -> _Entered | None:
+        """Step 1: the gradients and parameters in the zero view (``None``: no zero view, one
+        rank over ``axis`` or no mesh: ``inner`` runs on the trees as they are)."""
         g, treedef = tree_flatten(updates)
         p = None if params is None else flatten_as(params, treedef, "params", "the updates")
         paths = leaf_paths(updates)
@@ -337,8 +392,7 @@ def zero_redundancy(
                 f"zero_redundancy(inner, axis={axis!r}, device_mesh=...)"
             )
         if root is None or root.size(root.mesh_dim_names.index(axis)) == 1:
-            new, inner_state = inner.update(updates, state.inner_state, params, mesh=mesh, **extra)
-            return new, ZeroRedundancyState(inner_state)
+            return None
         if mesh is None:
             # no descriptor: the gradients are each rank's own over the declared axis (ZeRO-2
             # reduce-scatters them), never taken as replicated -- slicing gradients that differ
@@ -407,17 +461,68 @@ def zero_redundancy(
             treedef, [None if z is None else wrap(z, v.spec) for z, v in zip(zg, views)]
         )
         zparams = None if params is None else view_tree(params, views)
+        return _Entered(zgrads, zparams, rest, treedef, p, layout, views, group)
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        check(state, mesh)
+        z = enter(updates, params, mesh)
+        if z is None:
+            new, inner_state = inner.update(updates, state.inner_state, params, mesh=mesh, **extra)
+            return new, ZeroRedundancyState(inner_state)
         # 2. the inner transform on the shards
-        new, inner_state = inner.update(zgrads, state.inner_state, zparams, mesh=rest, **extra)
+        new, inner_state = inner.update(z.grads, state.inner_state, z.params, mesh=z.mesh, **extra)
         # 3. out of the zero view
-        nl = flatten_as(new, treedef, "zero_redundancy's inner updates", "the updates")
+        nl = flatten_as(new, z.treedef, "zero_redundancy's inner updates", "the updates")
         out = [to_local(x) for x in nl]
-        ga = [i for i, x in enumerate(nl) if x is not None and views[i].dim is not None]
-        for i, r in zip(ga, _leave([out[i] for i in ga], [views[i] for i in ga], group)):
+        ga = [i for i, x in enumerate(nl) if x is not None and z.views[i].dim is not None]
+        for i, r in zip(ga, _leave([out[i] for i in ga], [z.views[i] for i in ga], z.group)):
             out[i] = r
-        specs = [None if x is None else spec_of(x) for x in layout]
+        specs = [None if x is None else spec_of(x) for x in z.layout]
         return tree_unflatten(
-            treedef, [None if o is None else wrap(o, s) for o, s in zip(out, specs)]
+            z.treedef, [None if o is None else wrap(o, s) for o, s in zip(out, specs)]
         ), ZeroRedundancyState(inner_state)
 
+    def step(grads, state, params, mesh, donate, extra, inner_step):
+        """``ft.step`` of this transform: the inner's step (``inner_step``, ``ft.step``'s own,
+        fused where the inner is) on the zero view of the parameters, then the new parameter
+        chunks all-gathered into whole leaves (ONE bucketed all-gather per dtype, as the
+        updates otherwise), with no pass of ``p + u`` over whole leaves: donated, the inner
+        step writes its rows of every leaf in place (a dim-0 zero view is a view of the
+        parameter) and the gathered leaves are copied over the parameters."""
+        check(state, mesh)
+        z = enter(grads, params, mesh)
+        if z is None:
+            new_p, inner_state = inner_step(
+                inner, grads, state.inner_state, params, mesh, donate, extra
+            )
+            return new_p, ZeroRedundancyState(inner_state)
+        new_zp, inner_state = inner_step(
+            inner, z.grads, state.inner_state, z.params, z.mesh, donate, extra
+        )
+        nz = flatten_as(new_zp, z.treedef, "zero_redundancy's inner parameters", "the params")
+        gl = tree_flatten(z.grads)[0]
+        pl = list(z.p)
+        active = [i for i, x in enumerate(gl) if x is not None]
+        ga = [i for i in active if z.views[i].dim is not None]
+        out = list(pl)
+        with torch.no_grad():
+            chunks = [to_local(nz[i]) for i in ga]
+            # (donated: gathered straight into the parameters' memory)
+            into = [to_local(pl[i]) for i in ga] if donate else None
+            full = dict(zip(ga, _leave(chunks, [z.views[i] for i in ga], z.group, into)))
+            for i in active:
+                new = full.get(i)
+                if new is None:  # (a leaf whole in the zero view: the inner's result itself)
+                    new = to_local(nz[i])
+                if donate:
+                    local = to_local(pl[i])
+                    if new is not local:
+                        local.copy_(new)
+                else:
+                    out[i] = requires_grad_like(wrap_like(new, pl[i]), pl[i])
+        if donate:
+            return params, ZeroRedundancyState(inner_state)
+        return tree_unflatten(z.treedef, out), ZeroRedundancyState(inner_state)
+
+    attach_spec(update_fn, zero=step)
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))

@@ -34,8 +34,9 @@ def main(rank, world):
     fmesh = ft.Mesh(mesh, data_axis="dp")
     params, grads = problem()
 
-    def place(x, k):
-        return x.clone() if PLACE[k] is None else distribute_tensor(x, tp, PLACE[k])
+    def place(x, k):  # (a copy: a Replicate DTensor's local would be x, which a donated step
+        # writes)
+        return x.clone() if PLACE[k] is None else distribute_tensor(x.clone(), tp, PLACE[k])
 
     results = {}
     for name, make in aliases().items():
@@ -51,4 +52,16 @@ def main(rank, world):
             p = ft.apply_updates(p, updates)
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in p.items()}
         results[name] = {"params": full, "counts": counts}
+        # ft.step: the inner's step on the zero view, the new parameter chunks gathered
+        for donate in (False, True):
+            p = {k: place(v, k) for k, v in params.items()}
+            state = tx.init(p)
+            counts = []
+            for step in grads:
+                g = {k: place(v, k) for k, v in step[dp_rank].items()}
+                with count_collectives() as c:
+                    p, state = ft.step(tx, g, state, p, mesh=fmesh, donate=donate)
+                counts.append(c.counts)
+            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in p.items()}
+            results[f"{name} step donate={donate}"] = {"params": full, "counts": counts}
     return results

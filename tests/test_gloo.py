@@ -37,12 +37,27 @@ def test_dp_tp_chain_matches_one_process(ranks):
 
 def test_zero_aliases_tp2_dp2_match_one_process(ranks):
     """Each optimizer alias as zero_redundancy(alias) at tp=2 x ZeRO dp=2 on real collectives
-    equals the one-process run; one reduce-scatter in and one all-gather out per step."""
+    equals the one-process run; one reduce-scatter in and one all-gather out per step. Its
+    ``ft.step``, pure and donated (the inner's step on the zero view, the new parameter chunks
+    all-gathered), gives ``update`` + ``apply_updates``' parameters with the same
+    collectives."""
     import _gloo_zero_worker as zw
 
     res = ranks.run(4, "_gloo_zero_worker:main")[0]
     params0, grads = zw.problem()
-    assert set(res) == set(zw.aliases())
+    runs = [f"{n} step donate={d}" for n in zw.aliases() for d in (False, True)]
+    assert set(res) == set(zw.aliases()) | set(runs)
+    for run in runs:  # ft.step: tx.update + apply_updates' parameters, the same collectives
+        name = run.split(" ")[0]
+        for k in params0:
+            torch.testing.assert_close(
+                res[run]["params"][k],
+                res[name]["params"][k],
+                rtol=1e-6,
+                atol=1e-7,
+                msg=lambda m: f"{run} {k}: {m}",
+            )
+        assert res[run]["counts"] == res[name]["counts"], (run, res[run]["counts"])
     for name, make in zw.aliases().items():
         tx = make()
         params = dict(params0)
