@@ -240,28 +240,15 @@ def _leave(
 
         def unpack(r, xs, vs=vs):
             """Every leaf of the bucket from the gathered buffer (offsets in one pass)."""
-            f, cs_ = xs[0].view(parts, -1), xs[1:]
-            offset = 0
-            res = []
-            for c, v in zip(cs_, vs):
-                rest = _rest(c.shape, v.dim)
-                cs = -(-v.size // v.parts)
-                width = cs * math.prod(rest)
-                part = f[:, offset : offset + width]
-                offset += width
-                res.append(part.reshape(parts * cs, *rest)[: v.size].movedim(0, v.dim))
-            return res
+            return [
+                src.reshape(parts * src.shape[1], *src.shape[2:])[: v.size].movedim(0, v.dim)
+                for src, v in _gathered(xs[0], xs[1:], vs, parts)
+            ]
 
         if into is not None:  # (every rank's rows copied where they go)
-            f = full.view(parts, -1)
-            offset = 0
-            for i, c, v in zip(idx, ts, vs):
-                rest = _rest(c.shape, v.dim)
-                cs = -(-v.size // v.parts)
-                width = cs * math.prod(rest)
-                src = f[:, offset : offset + width].view(parts, cs, *rest)
-                offset += width
+            for i, (src, v) in zip(idx, _gathered(full, ts, vs, parts)):
                 dst = into[i].movedim(v.dim, 0)
+                cs = src.shape[1]
                 for r in range(parts):
                     n = max(0, min(v.size, (r + 1) * cs) - r * cs)
                     if n:
@@ -271,6 +258,20 @@ def _leave(
         for k, x in enumerate(_per_rank_list([full, *ts], unpack, len(idx))):
             out[idx[k]] = x.contiguous()
     return out
+
+
+def _gathered(full: torch.Tensor, chunks: Sequence[torch.Tensor], views: Sequence[_View], parts):
+    """Per leaf of an all-gathered bucket (the ranks' packed chunks, rank after rank): its
+    rows from every rank, a ``(parts, chunk rows, *other dims)`` view of ``full``, and its
+    :class:`_View`."""
+    f = full.view(parts, -1)
+    offset = 0
+    for c, v in zip(chunks, views):
+        rest = _rest(c.shape, v.dim)
+        cs = -(-v.size // v.parts)
+        width = cs * math.prod(rest)
+        yield f[:, offset : offset + width].view(parts, cs, *rest), v
+        offset += width
 
 
 def _per_rank_list(tensors: Sequence[torch.Tensor], fn, n: int) -> list:
