@@ -815,8 +815,13 @@ _NUMEL = torch.Tensor.numel
 
 
 def _writable(x: Any) -> bool:
-    """A tensor with elements (a donated step could write into it)."""
-    return isinstance(x, torch.Tensor) and x.numel() > 0
+    """A tensor with elements (a donated step could write into it); one whose number of
+    elements is not one int (ranks simulated by ``LocalTensor`` with uneven shards: some
+    ranks' empty) counts as one."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    n = x.numel()
+    return n > 0 if type(n) is int else True
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
