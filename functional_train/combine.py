@@ -313,11 +313,10 @@ def masked(
 
 
 def _restrictable(fus: E.Fusable) -> bool:
-    """Whether the parts of ``fus`` can run restricted to some leaves in a pass over all: no
-    part reads the run context (``apply_if_finite`` inside) and its updates are not zeros
-    (``multi_steps`` inside). A reducing part (a clip) reduces over its own leaves (see
-    ``Elementwise.restrict``)."""
-    return not fus.zero_updates and all(not p.context for p in fus.parts)
+    """Whether the parts of ``fus`` can run restricted to some leaves in a pass over all: its
+    updates are not zeros (``multi_steps`` inside). A reducing part (a clip, ``apply_if_finite``'s
+    check) reduces over its own leaves (see ``Elementwise.restrict``)."""
+    return not fus.zero_updates
 
 
 def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str) -> E.Elementwise:
@@ -360,6 +359,9 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         needs_params=part.needs_params,
         static=static,
         reduces=part.reduces,
+        # (no guard: outside its leaves a part passes the updates through whatever its flag,
+        # so what the guard promises for every leaf holds for its own only)
+        context=part.context,
         leaf_scalars=part.leaf_scalars,
         reads_sum_squares=part.reads_sum_squares,
         restrict=restrict,

@@ -408,6 +408,20 @@ COMBINED = {
     "apply_if_finite_partition_clips": lambda: ft.apply_if_finite(
         ft.partition(_clipped_pair(), _LABELS), 3
     ),
+    # apply_if_finite inside: its check over its own leaves, its zeros on them only
+    "masked_apply_if_finite": lambda: ft.chain(
+        ft.masked(ft.apply_if_finite(_clip_adamw(), 3), _MASK), ft.sgd(1e-2)
+    ),
+    "partition_apply_if_finite": lambda: ft.partition(
+        {"adam": ft.apply_if_finite(_adamw(), 3), "sgd": ft.apply_if_finite(ft.sgd(1e-1), 3)},
+        _LABELS,
+    ),
+}
+# (non-finite gradients at some steps: BAD)
+NON_FINITE = {
+    "apply_if_finite_partition_clips",
+    "masked_apply_if_finite",
+    "partition_apply_if_finite",
 }
 # leaves visited per step where not each of the 4 once: a reduction after a pass that acted
 # on its leaves (the block RMS after Adam, the partition's clips after apply_if_finite's
@@ -442,7 +456,7 @@ def test_masked_and_partition_fuse(name, mode, dtype, monkeypatch, device):
     visits only those (lamb's first). ``ft.step`` visits each leaf once per pass: one
     kernel call per group of leaves (in, out, per inner key); non-finite gradients for
     ``apply_if_finite``."""
-    params, grads = _problem(dtype, bad=name.startswith("apply_if_finite"), device=device)
+    params, grads = _problem(dtype, bad=name in NON_FINITE, device=device)
     with monkeypatch.context() as m:
         m.setattr(combine.E, "register", lambda fn, spec: fn)
         general = COMBINED[name]()
