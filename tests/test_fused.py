@@ -617,7 +617,7 @@ def test_compiled_pure_multi_steps_hands_back_lazy_clones(monkeypatch):
     semantics hold: the results equal the inputs; writing a returned tensor (an eager donated
     step, or in place) leaves the tree the caller passed in as it was and the other way
     round; the final micro-step's fresh results do not take a pooled buffer a live clone
-    still reads (``pool.lazy_clone``). Parameters and state bit for bit the eager step's."""
+    still reads (``pool.lazy_clones``). Parameters and state bit for bit the eager step's."""
     params, grads = _problem()
 
     def tx():

@@ -483,38 +483,30 @@ def run(
             w = where[hi]
             if w is None or not w.of.issubset(run_on):
                 run_on = None
+        u_in, p_in, keys_in = u, p_loc, leaf_keys
         if run_on is not None:
-            outs = _execute(
-                stage,
-                tuple(counts),
-                _pick(u, run_on),
-                None if p_loc is None else _pick(p_loc, run_on),
-                [_pick(x, run_on) for x in ins],
-                scalars,
-                _pick(leaf_keys, run_on),
-                apply,
-                None if take is None else _kinds(take, lo),
-                sums,
-            )
+            u_in, keys_in = _pick(u, run_on), _pick(leaf_keys, run_on)
+            p_in = None if p_loc is None else _pick(p_loc, run_on)
+            ins = [_pick(x, run_on) for x in ins]
+        outs = _execute(
+            stage,
+            tuple(counts),
+            u_in,
+            p_in,
+            ins,
+            scalars,
+            keys_in,
+            apply,
+            None if take is None else _kinds(take, lo),
+            sums,
+        )
+        if run_on is not None:
             outs = [_put(x, run_on, base) for x, base in zip(outs, [u, *fields])]
             if sums:
                 taken = sums[0]
                 index = torch.tensor(run_on, device=taken.device)
                 sums[0] = taken.new_zeros(len(act)).index_copy_(0, index, taken)
         given_on = None if run_on is None else frozenset(run_on)
-        if run_on is None:
-            outs = _execute(
-                stage,
-                tuple(counts),
-                u,
-                p_loc,
-                ins,
-                scalars,
-                leaf_keys,
-                apply,
-                None if take is None else _kinds(take, lo),
-                sums,
-            )
         given = sums[0] if sums else None
         r = 0
         if not stage.drop_u:
@@ -864,7 +856,7 @@ def _stage_op(
     leaf after leaf; an absent state leaf is ``None``, its result a 0-element placeholder),
     eagerly. It reads the wrappers' flags when it runs, as ``fused_stage_donated`` does: a
     stage that leaves every buffer as it was (:func:`_idle`) returns lazy clones of them
-    (copy-on-write, :func:`.pool.lazy_clone`: no pass), and updates no one uses
+    (copy-on-write, :func:`.pool.lazy_clones`: no pass), and updates no one uses
     (:func:`_discarded`) are not computed (their results are buffers of the right shape and
     dtype, as they are). ``layout``: ``(apply, drop_u, has_p, n_fields, *counts)``;
     ``keys``: the leaves' static keys, part by part, leaf after leaf."""

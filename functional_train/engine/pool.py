@@ -29,7 +29,6 @@ __all__ = [
     "Pool",
     "Scratch",
     "of_plan",
-    "lazy_clone",
     "lazy_clones",
     "const_data_ptr",
     "LAZY_CLONES",
@@ -84,12 +83,6 @@ def lazy_clones(xs: Sequence[torch.Tensor]) -> list | None:
         else:
             refs[:] = [*(q for q in refs if q() is not None), r][-_MAX_REFS:]
     return cs
-
-
-def lazy_clone(x: torch.Tensor) -> torch.Tensor | None:
-    """:func:`lazy_clones` of one tensor."""
-    cs = lazy_clones([x])
-    return None if cs is None else cs[0]
 
 
 def _alive(refs: list) -> bool:
