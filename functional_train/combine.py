@@ -365,6 +365,7 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         leaf_scalars=part.leaf_scalars,
         reads_sum_squares=part.reads_sum_squares,
         restrict=restrict,
+        flags=part.flags,
     )
 
 

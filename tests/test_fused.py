@@ -567,8 +567,9 @@ def test_compiled_donated_multi_steps_skips_the_inner_stage(monkeypatch):
     inner stage (guarded by "this is the cycle's last", its flag false) leaves every buffer
     as it was, so the operator skips it (``elementwise._idle``) and calls no kernel for it,
     the accumulation's updates are not written (``_discarded``) and the clip's norm is not
-    computed (``Prepared.needed``); the final micro-step runs them all. Parameters and state
-    bit for bit the eager step's."""
+    computed (``Elementwise.flags``); the final micro-step runs them all, its accumulation's
+    kernel taking the sums of squares the clip reads (no pass of their own, as eagerly).
+    Parameters and state bit for bit the eager step's."""
     params, grads = _problem()
 
     def tx():
@@ -599,8 +600,9 @@ def test_compiled_donated_multi_steps_skips_the_inner_stage(monkeypatch):
         assert all(torch.equal(g[k], g0[k]) for k in g) == (len(calls) % 2 == 1)
     per_step = [b - a for a, b in zip([0, *calls], calls)]
     assert per_step == [1, 2, 1, 2], per_step  # the accumulation; and the inner stage at the end
-    # the clip's sums of squares only where they are used (b.needed)
-    assert clipped == [0, 1, 1, 2], clipped
+    # the clip's sums of squares only where they are used, taken by the accumulation's kernel
+    assert [k.sumsq for k, _ in seen] == [False, True, False, False, True, False]
+    assert clipped == [0, 0, 0, 0], clipped
     want, want_state = _run(tx(), params, grads[:4], "donate")
     for k in params:
         assert torch.equal(pc[k], want[k]), k

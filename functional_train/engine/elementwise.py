@@ -46,6 +46,10 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   (no promise). The compiled donated operator reads the flags at run time: it skips a stage
   that leaves every buffer as it was (see :func:`_idle`) and does not write updates no one
   uses (see :func:`_discarded`).
+* ``flags``: the run-context keys of the flags a guarded part runs under (:func:`guarded`):
+  its reductions' values are used only where they all hold. A compiled stage that sums the
+  updates' squares for such a part (``reads_sum_squares``) reads them when it runs and takes
+  no sums where one is false (a compiled ``multi_steps`` non-final micro-step's clip).
 * ``context``: whether ``prologue`` takes a third argument, ``prologue(state, b, ctx)``:
   the *run context*, a dict shared by the prologues of the parts of one :func:`run` call, in
   the parts' order. A part publishes a value there for the parts after it (under a key object
@@ -139,6 +143,7 @@ class Elementwise:
     leaf_scalars: tuple[int, ...] = ()
     reads_sum_squares: bool = False
     restrict: Callable | None = None
+    flags: tuple[str, ...] = ()
 
     def __post_init__(self):
         # a number of its own, by which a compiled graph names it (functional_train::fused_stage)
@@ -459,6 +464,8 @@ def run(
         stage = _stage_of(parts[lo:hi], apply is not None and last and not drop, drop and last)
         # (the next stage's reduction: its sums of squares taken as this stage writes them)
         sums: list | None = [] if not last and parts[hi].reads_sum_squares else None
+        # (compiled: whether they are used at all, read when the stage runs)
+        needed = _needed(parts[hi], ctx) if sums is not None else None
         p_loc = None
         if stage.apply:
             p_loc = list(params_locals or ())
@@ -499,6 +506,7 @@ def run(
             apply,
             None if take is None else _kinds(take, lo),
             sums,
+            needed,
         )
         if run_on is not None:
             outs = [_put(x, run_on, base) for x, base in zip(outs, [u, *fields])]
@@ -670,18 +678,20 @@ def _scatter(b, active_values):
     return full
 
 
-def _execute(stage, counts, u, p, fields, scalars, keys, apply, take, sums=None):
+def _execute(stage, counts, u, p, fields, scalars, keys, apply, take, sums=None, needed=None):
     """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists; without
     the first for ``stage.drop_u``). ``apply="donate"``: the results over their inputs.
     ``sums``: an empty list, to which the updates' per-leaf sums of squares (a float64
     vector) are appended where one kernel call wrote every leaf's (see
-    ``Elementwise.reads_sum_squares``); nothing is appended otherwise.
+    ``Elementwise.reads_sum_squares``), and always by a compiled stage (the operator sums
+    them itself where its kernel did not; zeros where ``needed``, a 0-dim bool tensor read
+    when it runs, is false); nothing is appended otherwise.
 
     Ranks simulated in one process (``torch.distributed._local_tensor.LocalTensor``: a tensor
     holding one tensor per rank) run rank by rank on their own tensors, through the same
     kernels a real rank runs, so that a simulated run gives a real one's numbers."""
     if torch.compiler.is_compiling() and _opaque(u, p, fields, scalars):
-        return _compiled(stage, counts, u, p, fields, scalars, keys, apply)
+        return _compiled(stage, counts, u, p, fields, scalars, keys, apply, sums, needed)
     ranks = _simulated_ranks(u, p, fields, scalars)
     if ranks is not None:
         return _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply)
@@ -737,7 +747,21 @@ def _encode_key(k) -> int:
     raise TypeError(f"a compiled stage takes static keys None, bool or int, got {k!r}")
 
 
-def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
+def _needed(part: Elementwise, ctx: dict):
+    """Under ``torch.compile``, whether the values of ``part``'s reductions are used at all:
+    the flags it runs under (``Elementwise.flags``), and-ed, a 0-dim bool tensor; ``None``
+    (used) eagerly and for an unguarded part."""
+    if not part.flags or not torch.compiler.is_compiling():
+        return None
+    out = None
+    for k in part.flags:
+        f = ctx.get(k)
+        if f is not None:
+            out = f if out is None else out & f
+    return out
+
+
+def _compiled(stage, counts, u, p, fields, scalars, keys, apply, sums=None, needed=None):
     n = len(u)
     flat = list(u) + (list(p) if p is not None else []) + [x for f in fields for x in f]
     sc = [
@@ -751,7 +775,15 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
         enc = [
             _encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)
         ]
-    layout = [int(stage.apply), int(stage.drop_u), int(p is not None), len(fields), *counts]
+    want = sums is not None  # (the operator also returns the updates' sums of squares)
+    layout = [
+        int(stage.apply),
+        int(stage.drop_u),
+        int(p is not None),
+        len(fields),
+        int(want),
+        *counts,
+    ]
     idents = [part.ident for part in stage.parts]
     ins, dst = _inputs(stage, u, p, fields)
     if apply == "donate" and _all_in_place(
@@ -766,9 +798,14 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply):
         # leaves stand, which the operator puts back as None)
         absent = [i for i, x in enumerate(flat) if x is None]
         present = [x for x in flat if x is not None] if absent else flat
-        _stage_op_donated(idents, layout, enc, present, absent, sc)
+        taken = _stage_op_donated(idents, layout, enc, present, absent, sc, needed)
+        if want:
+            sums.append(taken)
         return [list(ins[d]) for d in dst]
-    res = _stage_op(idents, layout, enc, flat, sc)
+    res = _stage_op(idents, layout, enc, flat, sc, needed)
+    if want:
+        sums.append(res[-1])
+        res = res[:-1]
     outs = [list(res[r * n : (r + 1) * n]) for r in range(len(res) // n)]
     for r, d in enumerate(dst):
         for j, x in enumerate(ins[d]):
@@ -811,7 +848,7 @@ def _all_in_place(parts: tuple, layout: tuple, enc: tuple, in_dtypes: tuple, sc_
 
 def _unflat(parts, layout, enc, flat):
     apply, drop_u, has_p, n_fields = layout[:4]
-    counts = tuple(layout[4:])
+    counts = tuple(layout[5:])
     stage = _stage_of(tuple(_PARTS[i] for i in parts), bool(apply), bool(drop_u))
     n = len(flat) // (1 + has_p + n_fields)
     m = len(parts)
@@ -850,6 +887,7 @@ def _stage_op(
     keys: list[int],
     flat: list[torch.Tensor | None],
     scalars: list[torch.Tensor],
+    needed: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The results (result after result, leaf after leaf) of the stage of the elementwise
     ``parts`` (their ``ident``) on its inputs ``flat`` (updates, parameters if any, fields;
@@ -858,8 +896,10 @@ def _stage_op(
     stage that leaves every buffer as it was (:func:`_idle`) returns lazy clones of them
     (copy-on-write, :func:`.pool.lazy_clones`: no pass), and updates no one uses
     (:func:`_discarded`) are not computed (their results are buffers of the right shape and
-    dtype, as they are). ``layout``: ``(apply, drop_u, has_p, n_fields, *counts)``;
-    ``keys``: the leaves' static keys, part by part, leaf after leaf."""
+    dtype, as they are). ``layout``: ``(apply, drop_u, has_p, n_fields, sums, *counts)``;
+    ``keys``: the leaves' static keys, part by part, leaf after leaf. With ``sums`` the last
+    result is the new updates' per-leaf sums of squares (a float64 vector: :func:`_op_sums`,
+    ``needed`` as there)."""
     enc = keys
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
     # results from a pool of the operator's own, by stage (see .pool: a buffer is reused only
@@ -872,17 +912,22 @@ def _stage_op(
     # (what the flags say, read when the operator runs, as the donated operator reads them:
     # a stage that leaves every buffer as it was gives lazy clones of them, copy-on-write,
     # no pass; a stage whose updates no one uses does not compute them)
+    want = bool(layout[4])
     idle = LAZY_CLONES and _idle(stage, counts, scalars)
     unused = LAZY_CLONES and not idle and _discarded(stage, counts, scalars)
     if (idle or unused) and not _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars):
         idle = unused = False
     if idle:
         ins, dst = _inputs(stage, u, p, fields)
-        return _held([x for d in dst for x in ins[d]])
+        held = _held([x for d in dst for x in ins[d]])
+        return [*held, _op_sums(needed, u, None, len(u))] if want else held
     if unused:
         stage = _stage_of(stage.parts, False, True)
+    taken: list | None = [] if want and not unused else None
     with torch.no_grad():
-        outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, kinds)
+        outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, kinds, taken)
+    if want:
+        sums = _op_sums(needed, None if unused else outs[0], taken, len(u))
     if unused:  # (the updates' buffers, as they are: read by no one)
         outs = [kinds("discarded", u), *outs]
     # (an operator's result may be neither an input nor another result: a leaf function's
@@ -900,7 +945,23 @@ def _stage_op(
             else:
                 seen.add(id(x))
                 results.append(x)
+    if want:
+        results.append(sums)
     return results
+
+
+def _op_sums(needed, updates, taken, n: int) -> torch.Tensor:
+    """The per-leaf sums of squares a compiled stage returns (``layout[4]``): those its kernel
+    took as it wrote the updates (``taken``), else the native sums of ``updates`` (the same
+    bits), or zeros (no pass) where nobody reads them: ``needed`` false (read now), or the
+    updates not computed (``None``)."""
+    if taken:
+        return taken[0]
+    if updates is None or (needed is not None and not bool(needed)):
+        return torch.zeros(n, dtype=torch.float64)
+    from .native import sums_of_squares
+
+    return sums_of_squares(updates)
 
 
 _op_pool = Pool()
@@ -961,41 +1022,67 @@ def _stage_op_donated(
     flat: list[torch.Tensor],
     absent: list[int],
     scalars: list[torch.Tensor],
-) -> None:
+    needed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``functional_train::fused_stage`` for a donated step whose results all have the dtypes
     of the inputs they replace (see :func:`_inputs`): each written over its input, as the
     eager donated step writes it. Under ``torch.compile`` inductor runs it on the step's
     inputs themselves (no copies). ``absent``: the positions of absent state leaves in the
     inputs (``flat`` holds the present ones only: the inputs are ``flat`` with ``None``
-    inserted there)."""
+    inserted there). Returns the new updates' sums of squares as ``fused_stage`` does where
+    ``layout`` asks for them, else an empty float64 vector."""
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, _present(flat, absent))
+    want = bool(layout[4])
     if _idle(stage, counts, scalars):
-        return
-    if _discarded(stage, counts, scalars):  # (its fields only: the updates over nothing)
+        return _op_sums(needed, u, None, len(u)) if want else _NO_SUMS.new_empty(0)
+    unused = _discarded(stage, counts, scalars)
+    if unused:  # (its fields only: the updates over nothing)
         stage = _stage_of(stage.parts, False, True)
+    taken: list | None = [] if want and not unused else None
     with torch.no_grad():
-        outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, "donate", None)
+        outs = _execute_local(
+            stage, counts, u, p, fields, list(scalars), keys, "donate", None, taken
+        )
+    sums = (
+        _op_sums(needed, None if unused else outs[0], taken, len(u))
+        if want
+        else _NO_SUMS.new_empty(0)
+    )
     ins, dst = _inputs(stage, u, p, fields)
     for r, lst in enumerate(outs):
         for j, x in enumerate(lst):
             d = ins[dst[r]][j]
             if x is not None and x is not d:
                 d.copy_(x)  # (the eager step's fallback, leaf by leaf in torch: fresh results)
+    return sums
+
+
+_NO_SUMS = torch.empty(0, dtype=torch.float64)
 
 
 @_stage_op_donated.register_fake
-def _(parts, layout, keys, flat, absent, scalars):
-    return None
+def _(parts, layout, keys, flat, absent, scalars, needed=None):
+    if not layout[4]:
+        return torch.empty(0, dtype=torch.float64)
+    n = (len(flat) + len(absent)) // (1 + layout[2] + layout[3])
+    return torch.empty(n, dtype=torch.float64)
 
 
-def _bump_versions_once(keyset, parts, layout, keys, flat, absent, scalars):
+def _bump_versions_once(keyset, parts, layout, keys, flat, absent, scalars, needed=None):
     """``functional_train::fused_stage_donated``'s ADInplaceOrView kernel: the version counter
     of every tensor it mutates bumped by one call for the list (autograd's record that they
     were written in place, as ``torch.library.custom_op``'s own kernel does with one Python
     call per tensor: ~0.3 ms per call of a 122-leaf stage), then on to the operator."""
     torch._C._increment_version(flat)
     return _stage_op_donated._opoverload.redispatch(
-        keyset & torch._C._after_ADInplaceOrView_keyset, parts, layout, keys, flat, absent, scalars
+        keyset & torch._C._after_ADInplaceOrView_keyset,
+        parts,
+        layout,
+        keys,
+        flat,
+        absent,
+        scalars,
+        needed,
     )
 
 
@@ -1068,9 +1155,12 @@ def _present(flat: list, absent: list) -> list:
 
 
 @_stage_op.register_fake
-def _(parts, layout, keys, flat, scalars):
+def _(parts, layout, keys, flat, scalars, needed=None):
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
-    return _fake_results(stage, counts, keys, u, p, fields, scalars)
+    out = _fake_results(stage, counts, keys, u, p, fields, scalars)
+    if layout[4]:
+        out.append(torch.empty(len(u), dtype=torch.float64))
+    return out
 
 
 def _result_dtypes(stage, counts, keys, u, p, fields, scalars) -> list:
@@ -1705,7 +1795,9 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
         context=True,
         guard=HOLDS,
         leaf_scalars=part.leaf_scalars,
+        reads_sum_squares=part.reads_sum_squares,
         restrict=part.restrict,
+        flags=(key, *part.flags),
     )
 
 

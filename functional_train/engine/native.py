@@ -238,6 +238,13 @@ def sum_squares_op(xs: list[torch.Tensor], needed: torch.Tensor | None = None) -
     are zeros, without a pass over ``xs``."""
     if needed is not None and not bool(needed):
         return torch.zeros(len(xs), dtype=torch.float64)
+    return sums_of_squares(xs)
+
+
+def sums_of_squares(xs: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`sum_squares` of CPU tensors, or where the native kernels do not run (no
+    compiler), torch's sums of squares in float64 (the same numbers to float64 rounding): a
+    float64 vector, one element per tensor. Eager only (the operators' bodies)."""
     out = sum_squares(xs)
     if out is None:
         out = (

@@ -107,7 +107,7 @@ class Prepared:
         """The same view, its reductions' values used only where ``flag`` (a 0-dim bool
         tensor) is true (see :attr:`needed`)."""
         out = Prepared(self.plan, self.updates, self.locals, self.params, self.is_view)
-        out.active, out.needed = self.active, flag
+        out.active, out.needed, out.sum_squares = self.active, flag, self.sum_squares
         return out
 
     def restricted(self, where) -> Prepared:
