@@ -16,7 +16,15 @@ inductor cache between them:
 Targets (the issue's): the second process's first call <= 3 s; the compiled step <= 1.2x the
 eager step of its kind.
 
+``--plain`` adds, per row and kind, two first calls in a second process (two processes
+sharing one inductor cache; the second's is printed): ``torch.compile(ft.step, fullgraph=True)``
+itself, and its *floor*: ``torch.compile`` of a function that passes the same three trees
+(gradients, state, parameters) through one opaque operator doing no work (its results lazy
+clones) -- what dynamo and inductor cost for these inputs whatever the step's code (wrapping
+each input tensor, flattening the trees, guards, loading the cached graph).
+
     python benchmarks/bench_precompile.py [--rows a,b] [--kinds pure,donated] [--rounds 5]
+                                          [--plain]
 """
 
 import argparse
@@ -43,6 +51,46 @@ FIRST_CALL_TARGET = 3.0
 RATIO_TARGET = 1.2
 
 
+@torch.library.custom_op("bench_precompile::held", mutates_args=())
+def held(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """No work: lazy clones of ``xs`` (the floor of ``--plain``)."""
+    return [torch._lazy_clone(x) for x in xs]
+
+
+@held.register_fake
+def _(xs):
+    return [torch.empty_like(x) for x in xs]
+
+
+def first_plain_call(args, tx, params0, grads, donate) -> float:
+    """The first call of ``torch.compile`` of the step (``plain``) or of its floor."""
+    from torch.utils import _pytree
+
+    if args.child == "plain":
+
+        def fn(g, s, p):
+            return ft.step(tx, g, s, p, donate=donate)
+
+    else:
+
+        def fn(g, s, p):
+            gl = _pytree.tree_leaves(g)
+            sl, sdef = _pytree.tree_flatten(s)
+            pl, pdef = _pytree.tree_flatten(p)
+            out = held(pl + sl)
+            return (
+                _pytree.tree_unflatten(out[: len(pl)], pdef),
+                _pytree.tree_unflatten(out[len(pl) :], sdef),
+                gl,
+            )
+
+    f = torch.compile(fn, fullgraph=True)
+    p, s = be.clone_tree(params0), tx.init(params0)
+    t0 = time.perf_counter()
+    f(be.clone_tree(grads[0]), s, p)
+    return time.perf_counter() - t0
+
+
 def child(args):
     torch.set_num_threads(1)
     donate = args.kind == "donated"
@@ -50,6 +98,9 @@ def child(args):
     params0, grads = bc.problem(shapes, args.row, torch.device("cpu"), torch.float32)
     tx = bc.make_tx(args.row)
     k = bc.EVERY_K if args.row == "multi_steps" else 1
+    if args.child in ("plain", "floor"):
+        print(json.dumps({"first": first_plain_call(args, tx, params0, grads, donate)}))
+        return
     f = ft.precompiled_step(tx, args.dir, donate=donate)
     if args.child == "save":
         p, s = be.clone_tree(params0), tx.init(params0)
@@ -109,7 +160,10 @@ def main():
     ap.add_argument("--kinds", default=",".join(KINDS), help="subset of: %(default)s")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (second process)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    ap.add_argument("--child", choices=("save", "load"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--plain", action="store_true", help="also torch.compile's second process and its floor"
+    )
+    ap.add_argument("--child", choices=("save", "load", "plain", "floor"), help=argparse.SUPPRESS)
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--kind", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
@@ -127,14 +181,19 @@ def main():
     print(
         f"{'row':18s} {'kind':8s} {'1st call, compiling':>20s} {'1st call, 2nd process':>22s}"
         f" {'x eager':>8s} {'rel diff':>9s}"
+        + (f" {'torch.compile, 2nd':>19s} {'its floor, 2nd':>15s}" if args.plain else "")
     )
     ok = True
     for row in [r.strip() for r in args.rows.split(",") if r.strip()]:
         for kind in [k.strip() for k in args.kinds.split(",") if k.strip()]:
+            plain: list = []
             with tempfile.TemporaryDirectory(prefix="bench_precompile_") as tmp:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"))
                 saved = run_child("save", row, kind, str(Path(tmp) / "steps"), args, env)
                 loaded = run_child("load", row, kind, str(Path(tmp) / "steps"), args, env)
+                for mode in ("plain", "floor") if args.plain else ():
+                    runs = [run_child(mode, row, kind, tmp, args, env) for _ in range(2)]
+                    plain.append(None if runs[1] is None else runs[1]["first"])
             if saved is None or loaded is None:
                 print(f"{row:18s} {kind:8s} failed")
                 ok = False
@@ -150,6 +209,10 @@ def main():
             print(
                 f"{row:18s} {kind:8s} {saved['first']:18.2f} s {loaded['first']:20.2f} s"
                 f" {loaded['ratio']:8.2f} {loaded['diff']:9.1e}"
+                + "".join(
+                    f" {'failed' if t is None else f'{t:.2f} s':>{w}s}"
+                    for t, w in zip(plain, (19, 15))
+                )
                 + ("" if good else "  ✗")
                 + ("" if loaded["loaded"] == 1 else " (not loaded: compiled again)"),
                 flush=True,

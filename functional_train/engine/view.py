@@ -97,32 +97,32 @@ class Prepared:
     def paths(self) -> list:
         return self.plan.paths
 
+    def _derived(self, locals_, active, needed=None, sum_squares=None) -> Prepared:
+        """A view of the same call and layout (the one constructor of the views below)."""
+        out = Prepared(self.plan, self.updates, locals_, self.params, self.is_view)
+        out.active, out.needed, out.sum_squares = active, needed, sum_squares
+        return out
+
     def with_locals(self, new_locals: Sequence[Any]) -> Prepared:
         """The same view with other local values (one per leaf, ``None`` allowed)."""
-        out = Prepared(self.plan, self.updates, list(new_locals), self.params, self.is_view)
-        out.active = self.active
-        return out
+        return self._derived(list(new_locals), self.active)
 
     def needed_if(self, flag) -> Prepared:
         """The same view, its reductions' values used only where ``flag`` (a 0-dim bool
         tensor) is true (see :attr:`needed`)."""
-        out = Prepared(self.plan, self.updates, self.locals, self.params, self.is_view)
-        out.active, out.needed, out.sum_squares = self.active, flag, self.sum_squares
-        return out
+        return self._derived(self.locals, self.active, flag, self.sum_squares)
 
     def restricted(self, where) -> Prepared:
         """The view of some of its active leaves (``masked`` / ``partition``'s parts, see
         ``Elementwise.restrict``): ``where.positions``, positions in :attr:`active`, become
         the active leaves, and :attr:`sum_squares` theirs; values and layout are shared."""
-        out = Prepared(self.plan, self.updates, self.locals, self.params, self.is_view)
-        out.active = [self.active[j] for j in where.positions]
-        out.needed = self.needed
         sums = self.sum_squares
         if sums is not None:
             if where.index is None or where.index.device != sums.device:
                 where.index = torch.tensor(where.positions, dtype=torch.long, device=sums.device)
-            out.sum_squares = sums.index_select(0, where.index)
-        return out
+            sums = sums.index_select(0, where.index)
+        active = [self.active[j] for j in where.positions]
+        return self._derived(self.locals, active, self.needed, sums)
 
     def tree(self) -> Any:
         """The current values as a tree of the caller's kind (DTensors rewrapped in ``specs``)."""
