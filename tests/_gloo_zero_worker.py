@@ -1,6 +1,9 @@
 """Worker for tests/test_gloo.py: every optimizer alias under ZeRO over dp=2 with tp=2, on real
 gloo collectives (4 ranks). Returns the gathered parameters and the collective counts."""
 
+import contextlib
+
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -64,4 +67,33 @@ def main(rank, world):
                 counts.append(c.counts)
             full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in p.items()}
             results[f"{name} step donate={donate}"] = {"params": full, "counts": counts}
+        # the donated step again, uncounted: eagerly on gloo each all-gather is one broadcast
+        # per rank of its group (engine.collectives.all_gather), counted here by wrapping
+        # torch.distributed.broadcast
+        p = {k: place(v, k) for k, v in params.items()}
+        state = tx.init(p)
+        broadcasts = []
+        for step in grads:
+            g = {k: place(v, k) for k, v in step[dp_rank].items()}
+            with _counting_broadcasts() as n:
+                p, state = ft.step(tx, g, state, p, mesh=fmesh, donate=True)
+            broadcasts.append(n[0])
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in p.items()}
+        results[f"{name} step eager"] = {"params": full, "broadcasts": broadcasts}
     return results
+
+
+@contextlib.contextmanager
+def _counting_broadcasts():
+    real = dist.broadcast
+    n = [0]
+
+    def counted(*args, **kwargs):
+        n[0] += 1
+        return real(*args, **kwargs)
+
+    dist.broadcast = counted
+    try:
+        yield n
+    finally:
+        dist.broadcast = real

@@ -40,13 +40,25 @@ def test_zero_aliases_tp2_dp2_match_one_process(ranks):
     equals the one-process run; one reduce-scatter in and one all-gather out per step. Its
     ``ft.step``, pure and donated (the inner's step on the zero view, the new parameter chunks
     all-gathered), gives ``update`` + ``apply_updates``' parameters with the same
-    collectives."""
+    collectives; uncounted (eagerly, where each all-gather is one broadcast per rank of the
+    dp group), the same parameters bit for bit."""
     import _gloo_zero_worker as zw
 
     res = ranks.run(4, "_gloo_zero_worker:main")[0]
     params0, grads = zw.problem()
     runs = [f"{n} step donate={d}" for n in zw.aliases() for d in (False, True)]
-    assert set(res) == set(zw.aliases()) | set(runs)
+    eager = [f"{n} step eager" for n in zw.aliases()]
+    assert set(res) == set(zw.aliases()) | set(runs) | set(eager)
+    for name in zw.aliases():  # uncounted, eagerly: each all-gather as dp=2 broadcasts
+        run = res[f"{name} step eager"]
+        for k in params0:
+            assert torch.equal(run["params"][k], res[f"{name} step donate=True"]["params"][k])
+        counted = res[f"{name} step donate=True"]["counts"]
+        assert run["broadcasts"] == [2 * c["all_gather_into_tensor"] for c in counted], (
+            name,
+            run["broadcasts"],
+            counted,
+        )
     for run in runs:  # ft.step: tx.update + apply_updates' parameters, the same collectives
         name = run.split(" ")[0]
         for k in params0:
