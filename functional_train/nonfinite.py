@@ -193,7 +193,10 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
         raise AssertionError("clip_by_global_norm has no state fields")
 
     def prologue(state, b, ctx):
-        ws, cs = state
+        # (the counters as a tuple, and the leading clip's state: the new state has this
+        # structure too, so that a wrapper guarding this part, a compiled multi_steps or an
+        # outer apply_if_finite, selects it leaf by leaf)
+        (notfinite_count, _, total_notfinite), cs = state
         if clip is not None:
             sc, fin = E.call_prologue(clip, cs, b, ctx)
             new_cs = fin(())
@@ -201,13 +204,13 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
         else:
             sc, new_cs = (), None
             finite = _all_finite_of(b)
-        finite = finite.to(ws.notfinite_count.device)
-        count = torch.where(finite, torch.zeros_like(ws.notfinite_count), ws.notfinite_count + 1)
+        finite = finite.to(notfinite_count.device)
+        count = torch.where(finite, torch.zeros_like(notfinite_count), notfinite_count + 1)
         ok = finite | (count > max_consecutive_errors)
         ctx[key] = ok
 
         def finish(trees):
-            counters = (count, finite, ws.total_notfinite + (~finite).to(torch.int64))
+            counters = (count, finite, total_notfinite + (~finite).to(torch.int64))
             if clip is None:
                 return counters, None
             return counters, E.select_state(ok, new_cs, cs, ())
@@ -246,7 +249,8 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
         _check_finite_state(state)
         inner_states = list(inner_fus.split(state.inner_state))
         cs = inner_states.pop(0) if clip is not None else None
-        return [(state, cs), *inner_states, None]
+        counters = (state.notfinite_count, state.last_finite, state.total_notfinite)
+        return [(counters, cs), *inner_states, None]
 
     def join(states):
         counters, cs = states[0]

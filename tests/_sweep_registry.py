@@ -218,6 +218,16 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
         ),
         2,
     ),
+    # apply_if_finite's first part (its leading clip) guarded by another wrapper: a compiled
+    # multi_steps' flag "this is the cycle's last", and an outer apply_if_finite's flag (each
+    # selects the part's state leaf by leaf: the same structure in and out)
+    "multi_steps[apply_if_finite]": lambda: ft.multi_steps(
+        ft.apply_if_finite(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 2),
+        every_k=2,
+    ),
+    "apply_if_finite[nested]": lambda: ft.apply_if_finite(
+        ft.apply_if_finite(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 1), 2
+    ),
     # a weight-decay mask: the masked decay, and ft.step's fused kernel in two calls
     "adamw[mask]": lambda: ft.adamw(1e-2, weight_decay=0.1, mask=ft.decay_mask),
     # b1, eps and the (L2) weight decay as tensors the transforms read at every update
@@ -342,6 +352,8 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("partition[lamb]", "mixed_dtypes"): _GLOBAL_NORM,
     ("masked[clip]", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[partition]", "mixed_dtypes"): _GLOBAL_NORM,
+    ("multi_steps[apply_if_finite]", "mixed_dtypes"): _GLOBAL_NORM,
+    ("apply_if_finite[nested]", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): _PASSES_UNREDUCED,
     ("identity", "zero_grads_sharded"): _PASSES_UNREDUCED,
     ("differentially_private_aggregate", "mixed_dtypes"): "each example is clipped to its "
