@@ -24,15 +24,13 @@ from . import _validate as V
 from .autograd import traced
 from .base import GradientTransformation, chain, check_state, declare
 from .engine import elementwise as E
-from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
-from .engine.view import per_leaf_result, per_leaf_view, prepare
+from .engine.pool import MIN_MEAN_BYTES
+from .engine.view import prepare
 from .factored import (
     ScaleByFactoredRmsState,
     clip_denominators,
     factored_ema,
-    factored_rms,
     is_factored,
-    leaf_rms,
     new_state_tree,
     placeholder,
     scale_by_factored_rms,
@@ -80,7 +78,7 @@ class ScaleByCameState(NamedTuple):
     res_col: Any
 
 
-def _momentum_leaf(u, p, s, h, key):
+def momentum_leaf(u, p, s, h, key):
     """CAME's update clipping and momentum on one leaf, :func:`scale_by_came`'s definition:
     ``x = u / den`` (the leaf's ``den = max(1, RMS(u) / clip_threshold)``) and
     ``m <- b1 m + (1 - b1) x``, in the momentum's dtype. The update: ``m`` in ``u``'s dtype, or
@@ -103,13 +101,13 @@ def _run_by_scale_by_came(state, b):
 
 
 # (b1, eps2, den): den per leaf; run through the engine's kernels by scale_by_came's update and
-# by ft.step's per-leaf step (fused_came_step), so that both compute it once, the same way
-_MOMENTUM = E.Elementwise(
-    "scale_by_came", _momentum_leaf, _run_by_scale_by_came, E.no_fields, 1, leaf_scalars=(2,)
+# by ft.step's per-leaf step (per_leaf.fused_came_step), so that both compute it once, the same way
+MOMENTUM = E.Elementwise(
+    "scale_by_came", momentum_leaf, _run_by_scale_by_came, E.no_fields, 1, leaf_scalars=(2,)
 )
 
 
-def _confidence_leaves(b, state: ScaleByCameState) -> tuple:
+def confidence_leaves(b, state: ScaleByCameState) -> tuple:
     """``(factored active leaves, res_row leaves, their locals, res_col leaves, their
     locals)`` of the prepared view ``b``: the confidence statistics, checked against the
     updates' shapes (row ``(..., n)``, column ``(..., m)``, ``(0,)`` for the other leaves)."""
@@ -127,7 +125,7 @@ def _confidence_leaves(b, state: ScaleByCameState) -> tuple:
     return fac, row_leaves, row_loc, col_leaves, col_loc
 
 
-def _confident(f: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def confident(f: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A factored leaf's update ``m`` scaled by its confidence factor ``f`` (a fresh buffer,
     written in place except when traced: autograd may have saved it), in ``dtype``."""
     m = m.to(f.dtype)
@@ -231,7 +229,7 @@ def scale_by_came(
         )
         b = prepare(u_tree, params, None if mesh is None else mesh.reduced(), name=where)
         m_all = b.state_locals(state.exp_avg, "ScaleByCameState.exp_avg")
-        fac, row_leaves, row_loc, col_leaves, col_loc = _confidence_leaves(b, state)
+        fac, row_leaves, row_loc, col_leaves, col_loc = confidence_leaves(b, state)
         fset = set(fac)
         if not b.active:
             return b.rebuild_active([]), ScaleByCameState(
@@ -249,7 +247,7 @@ def scale_by_came(
         # 3. the clip and the momentum (as came_pytorch: m * b1 + (1 - b1) * u), and the
         # factored leaves' residuals, in one pass (the update of a 1-D / 0-D leaf: m)
         first, m_new = E.apply_part(
-            _MOMENTUM, g, (m_old,), (b1, eps2, den), keys=[i in fset for i in act]
+            MOMENTUM, g, (m_old,), (b1, eps2, den), keys=[i in fset for i in act]
         )
         pos = {i: k for k, i in enumerate(act)}
         out: list = [None] * len(b.locals)
@@ -261,7 +259,7 @@ def scale_by_came(
         new_row, new_col = {}, {}
         for i, (r, c, f) in zip(fac, factored_ema(b, items, beta3)):
             new_row[i], new_col[i] = r, c
-            out[i] = _confident(f, m_new[pos[i]], b.locals[i].dtype)
+            out[i] = confident(f, m_new[pos[i]], b.locals[i].dtype)
         new_state = ScaleByCameState(
             s.count,
             s.v_row,
@@ -292,7 +290,8 @@ def came(
     :func:`scale_by_came`; the chain is ``scale_by_came``, ``add_decayed_weights(weight_decay)``
     (when non-zero) and ``scale_by_learning_rate(learning_rate)``. Needs ``params`` at update
     when ``weight_decay``. Communication: that of :func:`scale_by_came`. ``ft.step`` runs it
-    leaf by leaf in one process (:func:`fused_came_step`), with the same numbers.
+    leaf by leaf in one process (:func:`functional_train.per_leaf.fused_came_step`), with the
+    same numbers.
 
     Args:
         learning_rate: > 0 (required, as ``came_pytorch``), or a schedule of the update count.
@@ -351,99 +350,3 @@ class FusedCame:
         """Each leaf costs ~60 small operations on the per-leaf path against a few batched ones
         in the chain: it is taken only where leaves average this much (as the result pool)."""
         return MIN_MEAN_BYTES
-
-
-def fused_came_step(
-    fused: FusedCame, grads: Any, state: Any, params: Any, mesh: Any, donate: bool
-) -> tuple | None:
-    """``ft.step`` of ``came`` when no leaf needs communication (plain tensors, one process):
-    each leaf is finished while it is in cache -- second moment, RMS clip, momentum,
-    confidence statistics, then the chain's tail (decay, learning rate) and ``apply_updates``
-    (in place with ``donate``) -- before the next is read, as ``came_pytorch``'s per-parameter
-    loop does. It runs the chain's definitions: the factored statistics' helpers, the
-    momentum part (:func:`_momentum_leaf`) and the tail's parts through the engine's kernels,
-    one leaf at a time, so the numbers are the chain's ``ft.step``'s bit for bit. Returns
-    ``None`` where the general path must run (see
-    :func:`functional_train.factored.fused_adafactor_step`; also when the leaves average under
-    ``engine.pool.MIN_MEAN_BYTES``, 64 KiB, where the chain's batched operations are faster)."""
-    if not (
-        isinstance(state, tuple)
-        and len(state) == 1 + len(fused.tail)
-        and isinstance(state[0], ScaleByCameState)
-    ):
-        return None
-    s = state[0]
-    view = per_leaf_view(grads, params, mesh, "came", fused.min_mean_bytes)
-    if view is None:
-        return None
-    b, pl, treedef = view
-    tail = E.prologues_of(fused.tail, state[1:], b)
-    if tail is None:  # (a state that is not this chain's: the chain raises)
-        return None
-    tail_scalars, tail_states = tail
-    statics = [None if part.static is None else part.static(params) for part in fused.tail]
-    act = b.active
-    m_all = b.state_locals(s.exp_avg, "ScaleByCameState.exp_avg")
-    fac, row_leaves, row_loc, col_leaves, col_loc = _confidence_leaves(b, s)
-    fset = set(fac)
-    beta3 = torch.full((), fused.b3, dtype=torch.float64, device=s.count.device)
-    new_p = {}
-    if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
-        pool = of_plan(b.plan, "pool", Pool)
-        new_p = dict(zip(act, pool.take("params", [b.params[i] for i in act])))
-    scratch = of_plan(b.plan, "scratch", Scratch)
-    scratch2 = of_plan(b.plan, "scratch2", Scratch)
-    scratch3 = of_plan(b.plan, "scratch3", Scratch)
-    new_m, new_row, new_col = {}, {}, {}
-    if not donate:
-        new_m = dict(zip(act, pool.take("exp_avg", [m_all[i] for i in act])))
-    # (the momentum part, the tail's parts and apply_updates: their kernels, called directly)
-    momentum = E.leaf_runner(_MOMENTUM, (fused.b1, fused.eps2))
-    finish_tail = E.leaf_runner(fused.tail, tail_scalars, apply=True)
-
-    def finish(i, u):
-        g, p, m_old = b.locals[i], b.params[i], m_all[i]
-        x = u if u.dtype == m_old.dtype else u.to(m_old.dtype)
-        den = clip_denominators(b, leaf_rms([x], x.numel()), fused.clip_threshold, rms=True)[0]
-        m = m_old if donate else new_m[i]
-        factored = i in fset
-        first = scratch3.view(0, u.shape, m_old.dtype if factored else u.dtype, u.device)
-        momentum((u, m_old, den), (first, m), factored)
-        new_m[i] = m
-        if factored:
-            ((r, c, f),) = factored_ema(
-                b,
-                [(i, first.to(row_loc[i].dtype), row_loc[i], col_loc[i])],
-                beta3,
-                scratch2,
-                local=True,
-            )
-            new_row[i], new_col[i] = r, c
-            first = _confident(f, m, g.dtype)
-        key = tuple(None if k is None else bool(k[i]) for k in statics)
-        finish_tail((first, p), (p if donate else new_p[i],), key)
-
-    with torch.no_grad():
-        _, new_fac = factored_rms(
-            b,
-            ScaleByFactoredRmsState(s.count, s.v_row, s.v_col, s.v),
-            "scale_by_factored_rms",
-            -0.8,
-            fused.b2,
-            fused.eps1,
-            0,
-            finish,
-            scratch,
-            local=True,
-        )
-    new_s = ScaleByCameState(
-        new_fac.count,
-        new_fac.v_row,
-        new_fac.v_col,
-        new_fac.v,
-        b.state_tree(s.exp_avg, "ScaleByCameState.exp_avg", [new_m[i] for i in act]),
-        new_state_tree(b, row_leaves, new_row),
-        new_state_tree(b, col_leaves, new_col),
-    )
-    new_state = (new_s, *tail_states())
-    return per_leaf_result(params, pl, treedef, new_p, new_state, donate)

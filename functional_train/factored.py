@@ -45,8 +45,8 @@ from .base import (
 from .combine import mask_of
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local
-from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
-from .engine.view import Prepared, per_leaf_result, per_leaf_view, prepare
+from .engine.pool import Scratch
+from .engine.view import Prepared, prepare
 from .hyperparams import injectable, value_of
 from .spec import attach_spec, transform_spec
 from .transforms import (
@@ -770,10 +770,10 @@ def _adafactor_scale(
             raise ValueError(f"{where}: needs params (update(..., params))")
         g = [b.locals[i] for i in act]
         p = [b.params[i] for i in act] if need_params else []
-        factors, steps = _adafactor_factors(
-            b, act, g, p, _rho_at(rho, state), value_of(threshold), min_scale
+        factors, steps = adafactor_factors(
+            b, act, g, p, rho_at(rho, state), value_of(threshold), min_scale
         )
-        return (factors, _decays(steps, value_of(weight_decay))), lambda trees: new_state
+        return (factors, decay_factors(steps, value_of(weight_decay))), lambda trees: new_state
 
     def leaf(u, p, s, h, key):
         """``u * factor`` (the leaf's ``-rho_t s / max(1, RMS(u) / threshold)``, in ``u``'s
@@ -800,12 +800,12 @@ def _adafactor_scale(
     return tx
 
 
-def _rho_at(rho, state) -> torch.Tensor:
+def rho_at(rho, state) -> torch.Tensor:
     """The learning rate ``rho_t`` (float64, 0-dim) for the tail's state."""
     return torch.as_tensor(rho(state.count) if callable(rho) else rho, dtype=torch.float64)
 
 
-def _adafactor_factors(
+def adafactor_factors(
     b: Prepared,
     idx: Sequence[int],
     u: Sequence[torch.Tensor],
@@ -852,7 +852,7 @@ def adafactor_factor(
     return (step / den.to(torch.float64)).to(dtype), step
 
 
-def _decays(steps: Sequence, weight_decay) -> list:
+def decay_factors(steps: Sequence, weight_decay) -> list:
     """Per leaf, the weight decay's factor ``step * weight_decay`` (HF's ``-alpha_t wd``;
     computed even for a zero ``weight_decay``: an injected one makes the tail decay)."""
     return [a * weight_decay for a in steps]
@@ -874,95 +874,6 @@ class FusedAdafactor:
     tail: Any = None  # the tail's Elementwise part (_adafactor_scale): its leaf math
 
     min_mean_bytes = 0  # small leaves are finished together: the path pays on any tree
-
-
-def fused_adafactor_step(
-    fused: FusedAdafactor, grads: Any, state: Any, params: Any, mesh: Any, donate: bool
-) -> tuple | None:
-    """``ft.step`` of ``adafactor`` (without ``beta1``) when no leaf needs communication (plain
-    tensors, one process): each leaf is finished while its buffers are in cache, its update
-    made, scaled by the clip and parameter-scale factor (the RMS of a local leaf is its global
-    RMS) and added to its parameter (in place with ``donate``), before the next leaf is read,
-    as HF's per-parameter loop does. The numbers are the chain's, op for op (the same helpers
-    on one leaf at a time). Returns ``None`` where the general path must run (a mesh of more
-    than one rank, DTensor or complex leaves, gradients of another dtype than their
-    parameters, or a state that is not this chain's: the chain then raises its error)."""
-    if not (
-        isinstance(state, tuple)
-        and len(state) == 2
-        and isinstance(state[0], ScaleByFactoredRmsState)
-        and isinstance(state[1], ScaleByScheduleState if callable(fused.rho) else EmptyState)
-    ):
-        return None
-    fac_state, tail_state = state
-    view = per_leaf_view(grads, params, mesh, "adafactor")
-    if view is None:
-        return None
-    b, pl, treedef = view
-    act = b.active
-    lr = _rho_at(fused.rho, tail_state)
-    new_p: dict = {}
-    if not donate:  # result buffers the caller has dropped are reused (see engine/pool.py)
-        new_p = dict(
-            zip(act, of_plan(b.plan, "pool", Pool).take("params", [b.params[i] for i in act]))
-        )
-    small: list = []  # (i, u) of small leaves, finished together at the end
-    keep = fused.mask(params) if fused.mask is not None else None
-
-    def finish(i, u):
-        if u.numel() * u.element_size() < MIN_MEAN_BYTES:  # few ops for all of them at once
-            small.append((i, u.clone()))  # (u may be a scratch view)
-            return
-        p = b.params[i]
-        # _adafactor_factors for one local leaf, its RMS in fewer (0-dim) operations
-        scaled = fused.min_scale is not None
-        rms = leaf_rms([u, p] if scaled else [u], u.numel())
-        factor, step = adafactor_factor(
-            rms[0], rms[1] if scaled else None, lr, fused.threshold, fused.min_scale, u.dtype
-        )
-        out = p if donate else new_p[i]
-        key = None if keep is None else bool(keep[i])
-        run((u, p, factor, _decays([step], fused.weight_decay)[0]), (out,), key)
-
-    def tail(us, ps, factors, steps, idx):
-        # the tail's own leaf function and apply_updates, in one pass (ft.step's last stage)
-        E.apply_part(
-            fused.tail,
-            us,
-            (),
-            (factors, _decays(steps, fused.weight_decay)),
-            out=[ps if donate else [new_p[i] for i in idx]],
-            params=ps,
-            keys=None if keep is None else [bool(keep[i]) for i in idx],
-            apply=True,
-        )
-
-    # (the tail and apply_updates on one leaf: its leaf function's kernel, called directly)
-    run = E.leaf_runner(fused.tail, (), apply=True)
-    scratch = of_plan(b.plan, "scratch", Scratch)
-    with torch.no_grad():
-        _, new_fac = factored_rms(
-            b,
-            fac_state,
-            "scale_by_factored_rms",
-            fused.decay_rate,
-            None,
-            fused.eps,
-            0,
-            finish,
-            scratch,
-            local=True,
-        )
-        if small:
-            idx = [i for i, _ in small]
-            us = [u for _, u in small]
-            ps = [b.params[i] for i in idx]
-            factors, steps = _adafactor_factors(
-                b, idx, us, ps, lr, fused.threshold, fused.min_scale
-            )
-            tail(us, ps, factors, steps, idx)
-    new_tail = ScaleByScheduleState(tail_state.count + 1) if callable(fused.rho) else tail_state
-    return per_leaf_result(params, pl, treedef, new_p, (new_fac, new_tail), donate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1059,7 +970,8 @@ def adafactor(
     adding ``weight_decay * alpha_t * theta`` (HF decays with ``alpha_t`` after the momentum)
     and ``scale(-1)``; with ``scale_parameter`` the clipping and the parameter scaling are one
     private stateless transform. Both RMS share an all-reduce. Without ``beta1``, ``ft.step``
-    runs it leaf by leaf in one process (:func:`fused_adafactor_step`), with the same numbers.
+    runs it leaf by leaf in one process
+    (:func:`functional_train.per_leaf.fused_adafactor_step`), with the same numbers.
     All RMS are over the global tensors;
     every statistic is exact under sharding.
 

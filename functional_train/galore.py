@@ -39,7 +39,6 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import _validate as V
-from . import foreach
 from .autograd import host_value, not_differentiable
 from .base import (
     GradientTransformation,
@@ -48,11 +47,11 @@ from .base import (
     declare,
     elementwise_transform,
 )
-from .combine import PartitionState, leaf_values, partition
+from .combine import leaf_values, partition
 from .engine import elementwise as E
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
-from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
-from .engine.view import Prepared, per_leaf_result, per_leaf_view, prepare
+from .engine.pool import MIN_MEAN_BYTES, Scratch
+from .engine.view import Prepared, prepare
 from .engine.whole import (
     gather_global as _gather_global,
 )
@@ -826,7 +825,8 @@ def galore_adamw(
     Collectives: those of :func:`galore` (Adam, the learning rate and the decay are local).
 
     ``ft.step`` runs it leaf by leaf between projector refreshes on plain tensors in one process
-    (:func:`fused_galore_step`), with the chain's definitions: the same moments, and float32
+    (:func:`functional_train.per_leaf.fused_galore_step`), with the chain's definitions: the
+    same moments, and float32
     parameters bit for bit (half precision ones to the rounding of ``p + u``, done once).
 
     Raises:
@@ -898,103 +898,6 @@ class FusedGaLore:
     others: dict
 
     min_mean_bytes = MIN_MEAN_BYTES  # per-leaf Python work pays only on large leaves
-
-
-def fused_galore_step(
-    fused: FusedGaLore, grads: Any, state: Any, params: Any, mesh: Any, donate: bool
-) -> tuple | None:
-    """``ft.step`` of ``galore_adamw`` between projector refreshes, when no leaf needs
-    communication (plain tensors, one process, leaves averaging 64 KiB or more), leaf by leaf
-    as galore-torch's per-parameter loop does: each ``"galore"`` leaf's gradient is projected,
-    its Adam moments updated (in place with ``donate``, else into pooled buffers; the
-    operations of ``scale_by_adam`` on one leaf, so the moments are the chain's bit for bit),
-    projected back into a scratch buffer, and the label's tail (learning rate, decay) and
-    ``apply_updates`` run on it in one kernel call (their parts' own, as the chain's
-    ``ft.step`` runs them: the parameters are the chain's bit for bit) before the next leaf is
-    read; the other labels run their chains. Returns ``None`` where the general path must run:
-    a refresh step (the SVDs dominate it), a mesh of more than one rank, DTensor, complex or
-    small leaves, or a state that is not this transform's (the chain then raises)."""
-    if not (isinstance(state, PartitionState) and "galore" in state.inner_states):
-        return None
-    gst = state.inner_states["galore"]
-    if not (
-        isinstance(gst, tuple)
-        and len(gst) == 1 + len(fused.tail)
-        and isinstance(gst[0], GaLoreState)
-        and isinstance(gst[0].count, torch.Tensor)
-        and int(gst[0].count) % fused.update_proj_gap != 0
-    ):
-        return None
-    view = per_leaf_view(grads, params, mesh, "galore_adamw", fused.min_mean_bytes)
-    if view is None:
-        return None
-    b, pl, treedef = view
-    labels = fused.labels_of(params)
-    mine = [i for i in b.active if labels[i] == "galore"]
-    if not mine or set(state.inner_states) != {"galore", *fused.others}:
-        return None
-    tail = E.prologues_of(fused.tail, gst[1:], b)
-    if tail is None:  # (a state that is not this chain's: the chain raises)
-        return None
-    tail_scalars, tail_states = tail
-    new_p: dict = {}
-    if not donate:
-        new_p = dict(
-            zip(
-                b.active,
-                of_plan(b.plan, "pool", Pool).take("params", [b.params[i] for i in b.active]),
-            )
-        )
-    scratch = of_plan(b.plan, "scratch", Scratch)
-    g_leaves = [b.locals[i] if labels[i] == "galore" else None for i in range(len(pl))]
-    p_leaves = [b.params[i] if labels[i] == "galore" else None for i in range(len(pl))]
-    # (the tail's parts and apply_updates: their kernel, called directly)
-    run = E.leaf_runner(fused.tail, tail_scalars, apply=True)
-    no_keys = (None,) * len(fused.tail)
-
-    def finish(i, u):  # the label's tail and apply_updates, in one pass
-        p = b.params[i]
-        if isinstance(u, BackProjection):
-            u = u.into(scratch.view(0, p.shape, u.low.dtype, u.low.device))
-        dst = p if donate else new_p[i]
-        run((u, p), (dst,), no_keys)
-
-    with torch.no_grad():
-        pool = of_plan(b.plan, "pool", Pool)
-        per_leaf = transform_spec(fused.galore).per_leaf
-        assert per_leaf is not None
-        new_galore = per_leaf(
-            tree_unflatten(treedef, g_leaves),
-            gst[0],
-            tree_unflatten(treedef, p_leaves),
-            finish,
-            scratch,
-            (lambda kind, xs: xs) if donate else pool.take,
-        )
-        # the other labels: their chains, then one add per leaf
-        states = {"galore": (new_galore, *tail_states())}
-        upd: dict = {}
-        for name, tx in fused.others.items():
-            keep = [labels[i] == name for i in range(len(pl))]
-            new, states[name] = tx.update(
-                tree_unflatten(treedef, [b.locals[i] if k else None for i, k in enumerate(keep)]),
-                state.inner_states[name],
-                tree_unflatten(treedef, [pl[i] if k else None for i, k in enumerate(keep)]),
-            )
-            for i, (k, x) in enumerate(zip(keep, tree_flatten(new)[0])):
-                if k and x is not None and b.locals[i] is not None:
-                    upd[i] = x
-        if upd:
-            idx = list(upd)
-            if donate:
-                foreach.add_([b.params[i] for i in idx], [upd[i] for i in idx])
-            else:
-                for i, x in zip(
-                    idx, foreach.add([b.params[i] for i in idx], [upd[i] for i in idx])
-                ):
-                    new_p[i] = x
-    new_state = PartitionState({k: states[k] for k in state.inner_states})
-    return per_leaf_result(params, pl, treedef, new_p, new_state, donate)
 
 
 def _skip_when_empty(tx: GradientTransformation) -> GradientTransformation:

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import foreach
-from .autograd import requires_grad_like
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.view import Prepared
 from .tree import (
@@ -184,7 +183,7 @@ def _from_rows(x: torch.Tensor, ndim: int) -> torch.Tensor:
     return x.reshape(()) if ndim == 0 else x
 
 
-def _absmax_shape(shape: Sequence[int], block_size: int) -> tuple:
+def absmax_shape(shape: Sequence[int], block_size: int) -> tuple:
     """Global shape of the absmax of a leaf of ``shape``: ``(*shape[:-1], nblocks)``; ``(1,)``
     for a 0-dim leaf."""
     shape = tuple(int(s) for s in shape)
@@ -349,7 +348,7 @@ def dequantize_blockwise(
         ValueError: ``absmax`` does not have the shape :func:`quantize_blockwise` gives.
     """
     block_size = _check_block_size(block_size, "dequantize_blockwise")
-    want = _absmax_shape(codes.shape, block_size)
+    want = absmax_shape(codes.shape, block_size)
     if tuple(absmax.shape) != want:
         raise ValueError(
             f"dequantize_blockwise: absmax has shape {tuple(absmax.shape)}, expected "
@@ -528,7 +527,7 @@ def _absmax_spec(s: Spec, block_size: int, where: str) -> Spec:
             placements.append(Replicate())
         else:
             placements.append(p)
-    shape = _absmax_shape(s.shape, block_size)
+    shape = absmax_shape(s.shape, block_size)
     return Spec(s.mesh, tuple(placements), torch.Size(shape), contiguous_stride(shape))
 
 
@@ -542,7 +541,7 @@ def _zero_absmax(x: Any, block_size: int, path: str) -> Any:
     """Zero absmax of leaf ``x`` (see :class:`ScaleByAdam8bitState`), built from the local shard
     (no communication)."""
     local = to_local(x)
-    nb = _absmax_shape(x.shape, block_size)[-1]
+    nb = absmax_shape(x.shape, block_size)[-1]
     shape = (*local.shape[:-1], nb) if local.ndim else (1,)
     z = local.new_zeros(shape, dtype=torch.float32)
     if isinstance(x, DTensor):
@@ -608,8 +607,8 @@ class Dequantized:
         self.qpos, self.layouts, self.fields = qpos, layouts, fields
 
 
-_NAME = "ScaleByAdam8bitState"
-_QFIELDS = (("mu_codes", "mu_absmax", True), ("nu_codes", "nu_absmax", False))
+ADAM8BIT_STATE = "ScaleByAdam8bitState"
+QUANTIZED_FIELDS = (("mu_codes", "mu_absmax", True), ("nu_codes", "nu_absmax", False))
 
 
 def dequantize_state(
@@ -622,11 +621,11 @@ def dequantize_state(
         ValueError: a state entry that does not fit its leaf (float / 8-bit kind for the leaf's
             size, shape, dtype), naming the leaf path.
     """
-    mu_all = b.state_locals(state.mu, f"{_NAME}.mu")
-    nu_all = b.state_locals(state.nu, f"{_NAME}.nu")
+    mu_all = b.state_locals(state.mu, f"{ADAM8BIT_STATE}.mu")
+    nu_all = b.state_locals(state.nu, f"{ADAM8BIT_STATE}.nu")
     fields = {
-        f: flatten_as(getattr(state, f), b.treedef, f"{_NAME}.{f}", "the updates")
-        for c, a, _ in _QFIELDS
+        f: flatten_as(getattr(state, f), b.treedef, f"{ADAM8BIT_STATE}.{f}", "the updates")
+        for c, a, _ in QUANTIZED_FIELDS
         for f in (c, a)
     }
     mu, nu, qpos, layouts = [], [], [], []
@@ -637,7 +636,7 @@ def dequantize_state(
         has_f = [mu_all[i] is not None, nu_all[i] is not None]
         if not (all(has_q) and not any(has_f) if quant else all(has_f) and not any(has_q)):
             raise ValueError(
-                f"{_NAME}: leaf '{b.paths[i]}' (shape {tuple(u.shape)}) needs "
+                f"{ADAM8BIT_STATE}: leaf '{b.paths[i]}' (shape {tuple(u.shape)}) needs "
                 f"{'8-bit' if quant else 'float'} moments (min_8bit_size={min_8bit_size}), but "
                 "its state entries do not hold them; was the state built by scale_by_adam.init "
                 "with the same optim_bits and min_8bit_size?"
@@ -646,7 +645,7 @@ def dequantize_state(
             mu.append(mu_all[i])
             nu.append(nu_all[i])
             continue
-        want_abs = _absmax_shape(u.shape, block_size)
+        want_abs = absmax_shape(u.shape, block_size)
         for f in fields:
             x = fields[f][i]
             is_abs = f.endswith("absmax")
@@ -658,7 +657,7 @@ def dequantize_state(
                     else f"a {type(x).__name__}"
                 )
                 raise ValueError(
-                    f"{_NAME}.{f}: leaf '{b.paths[i]}' has {got}, expected shape "
+                    f"{ADAM8BIT_STATE}.{f}: leaf '{b.paths[i]}' has {got}, expected shape "
                     f"{want} and dtype {dt} for a parameter of shape "
                     f"{tuple(u.shape)} and block_size {block_size}"
                 )
@@ -671,7 +670,7 @@ def dequantize_state(
     items = [
         (pos, b.active[pos], lay, f, out)
         for pos, lay in zip(qpos, layouts)
-        for f, out in zip(_QFIELDS, (mu, nu))
+        for f, out in zip(QUANTIZED_FIELDS, (mu, nu))
     ]
     vals = _dequantize_many(
         [_as_rows(to_local(fields[f[0]][i])) for _, i, _, f, _ in items],
@@ -703,16 +702,16 @@ def quantize_state(
     act = b.active
     qset = set(deq.qpos)
     mu_new = b.state_tree(
-        state.mu, f"{_NAME}.mu", [None if p in qset else m for p, m in enumerate(mu)]
+        state.mu, f"{ADAM8BIT_STATE}.mu", [None if p in qset else m for p, m in enumerate(mu)]
     )
     nu_new = b.state_tree(
-        state.nu, f"{_NAME}.nu", [None if p in qset else v for p, v in enumerate(nu)]
+        state.nu, f"{ADAM8BIT_STATE}.nu", [None if p in qset else v for p, v in enumerate(nu)]
     )
     # 1. local block maxima of every quantised moment (mu and nu of each leaf)
     items = [
         (act[pos], lay, fs, v)
         for pos, lay in zip(deq.qpos, deq.layouts)
-        for fs, v in zip(_QFIELDS, (mu[pos], nu[pos]))
+        for fs, v in zip(QUANTIZED_FIELDS, (mu[pos], nu[pos]))
     ]
     vals = [
         _as_rows(v if v.dtype == torch.float32 else v.to(torch.float32)) for _, _, _, v in items
@@ -755,7 +754,8 @@ def quantize_state(
 @dataclasses.dataclass(frozen=True)
 class FusedAdam8bit:
     """What ``adam`` / ``adamw`` with ``optim_bits=8`` compute, for ``ft.step``'s compiled
-    path (the ``fused`` of the alias's chain's spec; see :func:`fused_adam8bit_step`)."""
+    path (the ``fused`` of the alias's chain's spec; see
+    :func:`functional_train.per_leaf.fused_adam8bit_step`)."""
 
     decoupled: bool
     learning_rate: Any
@@ -769,148 +769,3 @@ class FusedAdam8bit:
     mask: Any  # params -> [bool per leaf]: the leaves decayed (None: all)
     block_size: int
     min_8bit_size: int
-
-
-def fused_adam8bit_step(
-    tx: Any,
-    fused: FusedAdam8bit,
-    grads: Any,
-    state: Any,
-    params: Any,
-    mesh: Any,
-    donate: bool,
-    apply: Any,
-) -> tuple | None:
-    """``ft.step`` of 8-bit Adam / AdamW on plain float32 CPU tensors in one process: each
-    quantised leaf whose last dim is a multiple of ``block_size``, or below it (each row one
-    block, as the chain's padded block), goes through ONE compiled loop nest
-    (:func:`functional_train.engine.kernels.adam8bit`: dequantise, Adam, decay, learning rate,
-    block maxima, requantise; in place with ``donate``) instead of the chain's forty-odd
-    passes; the other leaves (float moments, other shapes) run the chain
-    (``apply(params, updates, donate)`` adds their updates). The codes, block maxima and
-    float moments are the chain's bit for bit; the parameters differ by the rounding of one
-    square root per element (see :func:`~functional_train.engine.kernels.adam8bit`).
-    Returns ``None`` where the chain must run: a mesh of more than one rank, DTensor or
-    non-float32 leaves, no such leaf, ``b1 <= 0.5`` (lerp's other formula), the kernels off
-    (``FT_COMPILED_KERNELS=0``) or not compilable, a state that is not this chain's."""
-    from .engine import kernels
-    from .engine.view import per_leaf_view
-
-    if not (
-        isinstance(state, tuple)
-        and not hasattr(state, "_fields")
-        and len(state) > max(fused.adam_index, fused.lr_index)
-        and isinstance(state[fused.adam_index], ScaleByAdam8bitState)
-    ):
-        return None
-    if not (fused.b1 > 0.5 and kernels.enabled()):
-        return None
-    view = per_leaf_view(grads, params, mesh, "adam")
-    if view is None:
-        return None
-    b, pl, treedef = view
-    st = state[fused.adam_index]
-    B = fused.block_size
-    fields = {
-        f: flatten_as(getattr(st, f), treedef, f"{_NAME}.{f}", "params")
-        for c, a, _ in _QFIELDS
-        for f in (c, a)
-    }
-
-    def block(n: int) -> int | None:
-        """The kernel's block for a last dim ``n``: ``B`` when it divides ``n``; ``n`` when
-        ``n < B`` (each row is one block, as the chain's padded last block); else none."""
-        return B if n % B == 0 else (n if 1 < n < B else None)
-
-    def fits(i):
-        u, g, p = b.updates[i], b.locals[i], b.params[i]
-        if not (
-            is_quantized(u, fused.min_8bit_size)
-            and g.dtype == torch.float32
-            and g.ndim >= 1
-            and block(g.shape[-1]) is not None
-            and g.is_contiguous()
-            and p.is_contiguous()
-            and kernels.usable([g, p])
-        ):
-            return False
-        want = {
-            "mu_codes": (tuple(g.shape), torch.uint8),
-            "nu_codes": (tuple(g.shape), torch.uint8),
-            "mu_absmax": (_absmax_shape(g.shape, B), torch.float32),
-            "nu_absmax": (_absmax_shape(g.shape, B), torch.float32),
-        }
-        return all(
-            type(fields[f][i]) is torch.Tensor
-            and fields[f][i].is_contiguous()
-            and (tuple(fields[f][i].shape), fields[f][i].dtype) == w
-            for f, w in want.items()
-        )
-
-    mine = [i for i in b.active if fits(i)]
-    if not mine:
-        return None
-    lr = fused.learning_rate
-    if callable(lr):
-        lr_state = state[fused.lr_index]
-        if not hasattr(lr_state, "count"):
-            return None
-        lr = torch.as_tensor(lr(lr_state.count), dtype=torch.float64)
-    keep = fused.mask(params) if fused.mask is not None else None
-    decays = [bool(fused.weight_decay) and (keep is None or bool(keep[i])) for i in mine]
-    ins = [
-        (
-            b.params[i],
-            b.locals[i],
-            *(fields[f][i] for f in ("mu_codes", "mu_absmax", "nu_codes", "nu_absmax")),
-        )
-        for i in mine
-    ]
-    if donate:
-        outs = [(x[0], x[2], x[3], x[4], x[5]) for x in ins]
-    else:  # result buffers the caller has dropped are reused (see engine/pool.py)
-        from .engine.pool import Pool, of_plan
-
-        pool = of_plan(b.plan, "pool", Pool)
-        outs = list(
-            zip(*(pool.take(f"adam8bit.{k}", [x[k] for x in ins]) for k in (0, 2, 3, 4, 5)))
-        )
-    mset = set(mine)
-    rest = [x if k not in mset else None for k, x in enumerate(tree_flatten(grads)[0])]
-    with torch.no_grad():
-        ok = kernels.adam8bit(
-            ins,
-            outs,
-            lr=lr,
-            weight_decay=fused.weight_decay,
-            b1=fused.b1,
-            b2=fused.b2,
-            eps=fused.eps,
-            count=st.count + 1,
-            decoupled=[d and fused.decoupled for d in decays],
-            l2=[d and not fused.decoupled for d in decays],
-            maximize=fused.maximize,
-            blocks=[block(b.locals[i].shape[-1]) for i in mine],
-            maps=kernel_maps(b.params[mine[0]].device),
-        )
-    if not ok:
-        return None
-    # the other leaves through the chain (its counters advance once, the kernel's leaves'
-    # state entries untouched), then the kernel's results in their places
-    updates, new_state = tx.update(tree_unflatten(treedef, rest), state, params, mesh=mesh)
-    new_params = apply(params, updates, donate)
-    if donate:
-        return new_params, new_state
-    ns = new_state[fused.adam_index]
-    new_fields = {}
-    for j, f in enumerate(("mu_codes", "mu_absmax", "nu_codes", "nu_absmax"), start=1):
-        leaves = flatten_as(getattr(ns, f), treedef, f"{_NAME}.{f}", "params")
-        for i, o in zip(mine, outs):
-            leaves[i] = o[j]
-        new_fields[f] = tree_unflatten(treedef, leaves)
-    states = list(new_state)
-    states[fused.adam_index] = ns._replace(**new_fields)
-    p_leaves = tree_flatten(new_params)[0]
-    for i, o in zip(mine, outs):
-        p_leaves[i] = requires_grad_like(o[0], pl[i])
-    return tree_unflatten(treedef, p_leaves), tuple(states)

@@ -20,11 +20,10 @@ numbers are those of the primitives up to float rounding, and sharded equals uns
 all-reduce. ``adafactor`` without ``beta1`` and ``came`` have a per-leaf path where no leaf
 needs communication (plain tensors, one process): each large leaf is finished -- statistics,
 update, clipping, moments, added to its parameter -- while it is in cache, as the reference
-implementations' per-parameter loops do, with the chain's numbers bit for bit
-(``functional_train.factored.fused_adafactor_step``, ``functional_train.came.fused_came_step``);
-so does ``galore_adamw`` between projector refreshes (``functional_train.galore.
-fused_galore_step``). Under ``torch.compile`` these recognised paths are not taken: the
-chain compiles.
+implementations' per-parameter loops do, with the chain's numbers bit for bit; so does
+``galore_adamw`` between projector refreshes, and 8-bit Adam (these per-leaf steps live in
+:mod:`functional_train.per_leaf`, each calling its algorithm module's definitions). Under
+``torch.compile`` these recognised paths are not taken: the chain compiles.
 """
 
 from __future__ import annotations
@@ -41,17 +40,23 @@ from torch.utils import _pytree
 from . import aliasing
 from .autograd import is_differentiable, requires_grad_like
 from .base import GradientTransformation, accepts_view, run_sequence
-from .came import FusedCame, fused_came_step
+from .came import FusedCame
 from .clipping import ClipByGlobalNormState, clip_factor, global_norm_of, global_norm_start
 from .engine import elementwise as E
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
 from .engine.view import Prepared, per_leaf_view, prepare
-from .factored import FusedAdafactor, fused_adafactor_step
-from .galore import FusedGaLore, fused_galore_step
+from .factored import FusedAdafactor
+from .galore import FusedGaLore
 from .hyperparams import InjectHyperparamsState, is_injected, value_of
 from .mesh import Mesh
-from .quantization import FusedAdam8bit, fused_adam8bit_step
+from .per_leaf import (
+    fused_adafactor_step,
+    fused_adam8bit_step,
+    fused_came_step,
+    fused_galore_step,
+)
+from .quantization import FusedAdam8bit
 from .spec import transform_spec
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
 from .tree import (
