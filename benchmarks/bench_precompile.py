@@ -18,10 +18,11 @@ eager step of its kind.
 
 ``--plain`` adds, per row and kind, two first calls in a second process (two processes
 sharing one inductor cache; the second's is printed): ``torch.compile(ft.step, fullgraph=True)``
-itself, and its *floor*: ``torch.compile`` of a function that passes the same three trees
-(gradients, state, parameters) through one opaque operator doing no work (its results lazy
-clones) -- what dynamo and inductor cost for these inputs whatever the step's code (wrapping
-each input tensor, flattening the trees, guards, loading the cached graph).
+itself, and its *floor*: ``torch.compile`` of a function that walks the same three trees
+(gradients, state, parameters: dicts by sorted key, tuples in order, no pytree library) and
+passes the parameters' and state's tensors through one opaque operator doing no work (its
+results lazy clones, returned as a list) -- what dynamo and inductor cost for these inputs
+whatever the step's code (wrapping each input tensor, guards, loading the cached graph).
 
     python benchmarks/bench_precompile.py [--rows a,b] [--kinds pure,donated] [--rounds 5]
                                           [--plain]
@@ -62,10 +63,21 @@ def _(xs):
     return [torch.empty_like(x) for x in xs]
 
 
+def _walk(tree, out: list) -> None:
+    """The tensors of ``tree`` into ``out`` (dicts by sorted key, tuples and lists in order):
+    the least Python dynamo can trace to take them."""
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, dict):
+        for k in sorted(tree):
+            _walk(tree[k], out)
+    elif isinstance(tree, (tuple, list)):
+        for x in tree:
+            _walk(x, out)
+
+
 def first_plain_call(args, tx, params0, grads, donate) -> float:
     """The first call of ``torch.compile`` of the step (``plain``) or of its floor."""
-    from torch.utils import _pytree
-
     if args.child == "plain":
 
         def fn(g, s, p):
@@ -74,15 +86,12 @@ def first_plain_call(args, tx, params0, grads, donate) -> float:
     else:
 
         def fn(g, s, p):
-            gl = _pytree.tree_leaves(g)
-            sl, sdef = _pytree.tree_flatten(s)
-            pl, pdef = _pytree.tree_flatten(p)
-            out = held(pl + sl)
-            return (
-                _pytree.tree_unflatten(out[: len(pl)], pdef),
-                _pytree.tree_unflatten(out[len(pl) :], sdef),
-                gl,
-            )
+            xs: list = []
+            _walk(p, xs)
+            _walk(s, xs)
+            n = len(xs)
+            _walk(g, xs)
+            return held(xs[:n])
 
     f = torch.compile(fn, fullgraph=True)
     p, s = be.clone_tree(params0), tx.init(params0)
