@@ -41,6 +41,19 @@ def main(rank, world):
         # writes)
         return x.clone() if PLACE[k] is None else distribute_tensor(x.clone(), tp, PLACE[k])
 
+    def stepped(tx, donate, counter):
+        """ft.step over the steps, each inside ``counter()``: (gathered params, counts)."""
+        p = {k: place(v, k) for k, v in params.items()}
+        state = tx.init(p)
+        counts = []
+        for step in grads:
+            g = {k: place(v, k) for k, v in step[dp_rank].items()}
+            with counter() as c:
+                p, state = ft.step(tx, g, state, p, mesh=fmesh, donate=donate)
+            counts.append(c.counts)
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in p.items()}
+        return full, counts
+
     results = {}
     for name, make in aliases().items():
         p = {k: place(v, k) for k, v in params.items()}
@@ -57,39 +70,28 @@ def main(rank, world):
         results[name] = {"params": full, "counts": counts}
         # ft.step: the inner's step on the zero view, the new parameter chunks gathered
         for donate in (False, True):
-            p = {k: place(v, k) for k, v in params.items()}
-            state = tx.init(p)
-            counts = []
-            for step in grads:
-                g = {k: place(v, k) for k, v in step[dp_rank].items()}
-                with count_collectives() as c:
-                    p, state = ft.step(tx, g, state, p, mesh=fmesh, donate=donate)
-                counts.append(c.counts)
-            full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in p.items()}
+            full, counts = stepped(tx, donate, count_collectives)
             results[f"{name} step donate={donate}"] = {"params": full, "counts": counts}
         # the donated step again, uncounted: eagerly on gloo each all-gather is one broadcast
         # per rank of its group (engine.collectives.all_gather), counted here by wrapping
         # torch.distributed.broadcast
-        p = {k: place(v, k) for k, v in params.items()}
-        state = tx.init(p)
-        broadcasts = []
-        for step in grads:
-            g = {k: place(v, k) for k, v in step[dp_rank].items()}
-            with _counting_broadcasts() as n:
-                p, state = ft.step(tx, g, state, p, mesh=fmesh, donate=True)
-            broadcasts.append(n[0])
-        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in p.items()}
+        full, broadcasts = stepped(tx, True, _counting_broadcasts)
         results[f"{name} step eager"] = {"params": full, "broadcasts": broadcasts}
     return results
 
 
+class _Broadcasts:
+    counts = 0
+
+
 @contextlib.contextmanager
 def _counting_broadcasts():
+    """Counts the calls of ``torch.distributed.broadcast`` inside the block (``.counts``)."""
     real = dist.broadcast
-    n = [0]
+    n = _Broadcasts()
 
     def counted(*args, **kwargs):
-        n[0] += 1
+        n.counts += 1
         return real(*args, **kwargs)
 
     dist.broadcast = counted
