@@ -512,7 +512,7 @@ def run(
             outs = [_put(x, run_on, base) for x, base in zip(outs, [u, *fields])]
             if sums:
                 taken = sums[0]
-                index = torch.tensor(run_on, device=taken.device)
+                index = _index_of(run_on, taken.device)
                 sums[0] = taken.new_zeros(len(act)).index_copy_(0, index, taken)
         given_on = None if run_on is None else frozenset(run_on)
         given = sums[0] if sums else None
@@ -642,11 +642,47 @@ def _bounds(parts: tuple, where: list) -> list:
 def _acted_on(where: list, n: int) -> list | None:
     """The positions (in ``act``) of the leaves some part of a stage acts on, where every
     part is restricted (``where``: their :class:`_Where`) and together they leave some of
-    the ``n`` leaves out; ``None`` otherwise."""
+    the ``n`` leaves out; ``None`` otherwise. Eagerly remembered per stage's :class:`_Where`
+    objects (made once per layout), with their index tensors (:func:`_index_of`)."""
     if not where or any(w is None for w in where):
         return None
-    on: frozenset = frozenset().union(*(w.of for w in where))
-    return sorted(on) if len(on) < n else None
+    if torch.compiler.is_compiling():  # (traced once: a plain list)
+        on: frozenset = frozenset().union(*(w.of for w in where))
+        return sorted(on) if len(on) < n else None
+    key = (*where, n)
+    hit = _ACTED.get(key)
+    if hit is None:
+        on = frozenset().union(*(w.of for w in where))
+        hit = _Acted(sorted(on)) if len(on) < n else _NOT_RESTRICTED
+        if len(_ACTED) >= 256:
+            _ACTED.clear()
+        _ACTED[key] = hit
+    return None if hit is _NOT_RESTRICTED else hit
+
+
+class _Acted(list):
+    """:func:`_acted_on`'s positions, with their index tensor per device, made once."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, positions):
+        super().__init__(positions)
+        self.indices: dict = {}  # device -> index tensor
+
+
+_ACTED: dict = {}
+_NOT_RESTRICTED = _Acted(())
+
+
+def _index_of(positions: list, device) -> torch.Tensor:
+    """``positions`` as an index tensor on ``device`` (remembered where they are an
+    :class:`_Acted`, eagerly)."""
+    if not isinstance(positions, _Acted) or torch.compiler.is_compiling():
+        return torch.tensor(positions, device=device)
+    hit = positions.indices.get(device)
+    if hit is None:
+        hit = positions.indices[device] = torch.tensor(list(positions), device=device)
+    return hit
 
 
 def _pick(values: list, positions: list) -> list:
