@@ -180,9 +180,25 @@ def test_step_equals_update(name, mode):
     _assert_same(got, want)
 
 
+# (the nestings whose compiled form differs from the eager one: a compiled multi_steps guards
+# its inner parts by a flag, as apply_if_finite does; two minutes for all 25 on 2 cores)
+COMPILED = [
+    "multi_steps(apply_if_finite(chain))",
+    "apply_if_finite(multi_steps(chain))",
+    "apply_if_finite(apply_if_finite(chain))",
+    "multi_steps(apply_if_finite(adamw))",
+    "multi_steps(partition of clips)",
+    "partition(multi_steps, multi_steps)",
+    "multi_steps(masked(lamb))",
+    "multi_steps(apply_if_finite(partition))",
+    "apply_if_finite(apply_if_finite(partition))",
+    "chain(apply_if_finite(multi_steps), ema_params)",
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pure", "donate"])
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", COMPILED)
 def test_compiled_step_equals_update(name, mode):
     """``torch.compile(ft.step, fullgraph=True)`` (dynamo's tracing; the stages are the
     library's operators whatever the backend) == eager ``update`` + ``apply_updates``."""
