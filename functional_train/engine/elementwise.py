@@ -488,13 +488,14 @@ def run(
         run_on = None if last else _acted_on(where[lo:hi], len(act))
         if run_on is not None and sums is not None:
             w = where[hi]
-            if w is None or not w.of.issubset(run_on):
+            if w is None or not w.of.issubset(run_on.of):
                 run_on = None
         u_in, p_in, keys_in = u, p_loc, leaf_keys
         if run_on is not None:
-            u_in, keys_in = _pick(u, run_on), _pick(leaf_keys, run_on)
-            p_in = None if p_loc is None else _pick(p_loc, run_on)
-            ins = [_pick(x, run_on) for x in ins]
+            on = run_on.positions
+            u_in, keys_in = _pick(u, on), _pick(leaf_keys, on)
+            p_in = None if p_loc is None else _pick(p_loc, on)
+            ins = [_pick(x, on) for x in ins]
         outs = _execute(
             stage,
             tuple(counts),
@@ -509,12 +510,12 @@ def run(
             needed,
         )
         if run_on is not None:
-            outs = [_put(x, run_on, base) for x, base in zip(outs, [u, *fields])]
+            outs = [_put(x, run_on.positions, base) for x, base in zip(outs, [u, *fields])]
             if sums:
                 taken = sums[0]
-                index = _index_of(run_on, taken.device)
+                index = run_on.index_on(taken.device)
                 sums[0] = taken.new_zeros(len(act)).index_copy_(0, index, taken)
-        given_on = None if run_on is None else frozenset(run_on)
+        given_on = None if run_on is None else run_on.of
         given = sums[0] if sums else None
         r = 0
         if not stage.drop_u:
@@ -604,6 +605,13 @@ class _Where:
         self.of = frozenset(positions)
         self.index: torch.Tensor | None = None  # (for sums of squares, made once)
 
+    def index_on(self, device) -> torch.Tensor:
+        """:attr:`positions` as an index tensor on ``device`` (made once per device in a
+        row)."""
+        if self.index is None or self.index.device != torch.device(device):
+            self.index = torch.tensor(self.positions, dtype=torch.long, device=device)
+        return self.index
+
 
 def _positions(b, on: Sequence) -> _Where | None:
     """``on`` (a bool per leaf of the tree, or per active leaf) as a :class:`_Where` over
@@ -639,50 +647,27 @@ def _bounds(parts: tuple, where: list) -> list:
     return [*bounds, len(parts)]
 
 
-def _acted_on(where: list, n: int) -> list | None:
-    """The positions (in ``act``) of the leaves some part of a stage acts on, where every
-    part is restricted (``where``: their :class:`_Where`) and together they leave some of
-    the ``n`` leaves out; ``None`` otherwise. Eagerly remembered per stage's :class:`_Where`
-    objects (made once per layout), with their index tensors (:func:`_index_of`)."""
+def _acted_on(where: list, n: int) -> _Where | None:
+    """The leaves some part of a stage acts on (positions in ``act``, a :class:`_Where`), where
+    every part is restricted (``where``: theirs) and together they leave some of the ``n``
+    leaves out; ``None`` otherwise. Eagerly remembered per stage's :class:`_Where` objects
+    (made once per layout), with the index tensor the sums of squares are put back by."""
     if not where or any(w is None for w in where):
         return None
-    if torch.compiler.is_compiling():  # (traced once: a plain list)
-        on: frozenset = frozenset().union(*(w.of for w in where))
-        return sorted(on) if len(on) < n else None
+    compiling = torch.compiler.is_compiling()
     key = (*where, n)
-    hit = _ACTED.get(key)
-    if hit is None:
-        on = frozenset().union(*(w.of for w in where))
-        hit = _Acted(sorted(on)) if len(on) < n else _NOT_RESTRICTED
-        if len(_ACTED) >= 256:
-            _ACTED.clear()
-        _ACTED[key] = hit
-    return None if hit is _NOT_RESTRICTED else hit
-
-
-class _Acted(list):
-    """:func:`_acted_on`'s positions, with their index tensor per device, made once."""
-
-    __slots__ = ("indices",)
-
-    def __init__(self, positions):
-        super().__init__(positions)
-        self.indices: dict = {}  # device -> index tensor
+    hit = None if compiling else _ACTED.get(key, False)
+    if hit is False:
+        on: frozenset = frozenset().union(*(w.of for w in where))
+        hit = _Where(sorted(on)) if len(on) < n else None
+        if not compiling:
+            if len(_ACTED) >= 256:
+                _ACTED.clear()
+            _ACTED[key] = hit
+    return hit
 
 
 _ACTED: dict = {}
-_NOT_RESTRICTED = _Acted(())
-
-
-def _index_of(positions: list, device) -> torch.Tensor:
-    """``positions`` as an index tensor on ``device`` (remembered where they are an
-    :class:`_Acted`, eagerly)."""
-    if not isinstance(positions, _Acted) or torch.compiler.is_compiling():
-        return torch.tensor(positions, device=device)
-    hit = positions.indices.get(device)
-    if hit is None:
-        hit = positions.indices[device] = torch.tensor(list(positions), device=device)
-    return hit
 
 
 def _pick(values: list, positions: list) -> list:

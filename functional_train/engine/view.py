@@ -118,9 +118,7 @@ class Prepared:
         the active leaves, and :attr:`sum_squares` theirs; values and layout are shared."""
         sums = self.sum_squares
         if sums is not None:
-            if where.index is None or where.index.device != sums.device:
-                where.index = torch.tensor(where.positions, dtype=torch.long, device=sums.device)
-            sums = sums.index_select(0, where.index)
+            sums = sums.index_select(0, where.index_on(sums.device))
         active = [self.active[j] for j in where.positions]
         return self._derived(self.locals, active, self.needed, sums)
 
