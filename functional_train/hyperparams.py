@@ -362,6 +362,10 @@ def inject_hyperparams(
                 torch.zeros((), dtype=torch.int64), hp, first.init(params)
             )
 
+        def set_cells(hp: dict) -> None:
+            for n, cell in cells.items():
+                cell.value = hp[n]
+
         def resolve(state):
             """``(inner transform, hyperparams of this update)``, with the cells set."""
             if not isinstance(state, InjectHyperparamsState):
@@ -388,8 +392,7 @@ def inject_hyperparams(
                     hp[n] = _as_value(v)
             for n, fn in schedules.items():
                 hp[n] = _as_value(fn(state.count))
-            for n, cell in cells.items():
-                cell.value = hp[n]
+            set_cells(hp)
             if (
                 checked_names
                 and not torch.compiler.is_compiling()
@@ -443,7 +446,7 @@ def inject_hyperparams(
             accepts_unreduced=inner_spec.accepts_unreduced,
             accepts_view=inner_spec.accepts_view,
             passes_unreduced=inner_spec.passes_unreduced,
-            elementwise=E.Switch(_fused_form(resolve)),
+            elementwise=E.Switch(_fused_form(resolve, set_cells)),
             inject=Injected(
                 resolve,
                 explain,
@@ -518,11 +521,24 @@ def get_hyperparams(state: Any) -> dict:
     return find_state(state, InjectHyperparamsState, "get_hyperparams").hyperparams
 
 
-def _fused_form(resolve):
+def _fused_form(resolve, set_cells):
     """``inject_hyperparams``' :class:`~functional_train.engine.elementwise.Switch` choice: per
     call (eagerly), the fused form of the inner transform built for this update's values, its
     state the inner state, the count and the values of this update kept around it; ``None``
-    where the inner transform has none (it then runs by its own ``update``)."""
+    where the inner transform has none (it then runs by its own ``update``).
+
+    The inner's parts read the natively injected values from the transform's cells when their
+    prologues run, so the fused form starts with a part that sets the cells to this update's
+    values (``set_cells``; it passes the updates through): where one transform appears twice
+    in a step (``TorchOptimizer``'s param groups: a ``partition`` of one injected alias), each
+    appearance's parts read its own values, not those its last ``choose`` set."""
+
+    def setter_prologue(hp, b):
+        set_cells(hp)
+        return (), _no_state
+
+    # (one object per transform: the engine's caches key on the parts)
+    setter = E.Elementwise("inject_hyperparams", _pass, setter_prologue, E.no_fields, 0)
 
     def choose(updates, state, params, mesh):
         if torch.compiler.is_compiling() or not isinstance(state, InjectHyperparamsState):
@@ -532,10 +548,19 @@ def _fused_form(resolve):
         if fus is None or fus.zero_updates:
             return None
         count = state.count + 1
-        return E.restated(
-            fus,
-            lambda st: st.inner_state,
-            lambda inner_state: InjectHyperparamsState(count, hp, inner_state),
+        return E.Fusable(
+            (setter, *fus.parts),
+            lambda st: [hp, *fus.split(st.inner_state)],
+            lambda states: InjectHyperparamsState(count, hp, fus.join(states[1:])),
         )
 
     return choose
+
+
+def _pass(u, p, s, h, key):
+    """The updates as they are (the part that sets the injected values)."""
+    return u, ()
+
+
+def _no_state(trees):
+    return None
