@@ -227,9 +227,11 @@ def partition(
                     out[i] = x
         return tree_unflatten(treedef, out), PartitionState(new_states)
 
-    fusables = [E.fusable_of(transforms[n]) for n in names]
-    if all(f is not None and _restrictable(f) for f in fusables):
-        E.register(update_fn, _partition_fusable(names, fusables, labels_of))
+    specs = [E.switch_of(transforms[n]) or E.fusable_of(transforms[n]) for n in names]
+    if all(isinstance(f, E.Fusable) and _restrictable(f) for f in specs):
+        E.register(update_fn, _partition_fusable(names, specs, labels_of))
+    elif all(isinstance(f, E.Switch) or (f is not None and _restrictable(f)) for f in specs):
+        E.register(update_fn, _partition_switch(names, specs, labels_of))
 
     # (TorchOptimizer's param groups; labels_of: each leaf's label, for ft.step's per-leaf
     # GaLore path)
@@ -304,6 +306,8 @@ def masked(
     inner_fus = E.fusable_of(inner)
     if inner_fus is not None and _restrictable(inner_fus):
         E.register(update_fn, _masked_fusable(inner_fus, keep_of))
+    elif (switch := E.switch_of(inner)) is not None:
+        E.register(update_fn, _masked_switch(switch, keep_of))
 
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
@@ -392,25 +396,49 @@ def _unpack_key(key: Any, packed: bool) -> tuple:
     return True, inner
 
 
-def _restricted_fusable(fus: E.Fusable, on_of: Callable[[PyTree], list], where: str) -> E.Fusable:
-    """``fus`` with every part restricted to the leaves where ``on_of(params)`` is True."""
-    return E.Fusable(tuple(_restricted(p, on_of, where) for p in fus.parts), fus.split, fus.join)
+_MEMO_SIZE = 64  # (combinations of a Switch's choices remembered per combinator)
 
 
-def _masked_fusable(inner: E.Fusable, keep_of: Callable[[PyTree], list]) -> E.Fusable:
-    """``masked(inner, mask)``'s parts: ``inner``'s, restricted to the masked-in leaves."""
+def _restricter(on_of: Callable[[PyTree], list], where: str) -> Callable[[E.Fusable], E.Fusable]:
+    """``restrict(fus)``: ``fus`` with every part restricted to the leaves where
+    ``on_of(params)`` is True, its split and join its own. The restricted parts are made once
+    per parts tuple (the engine's caches of stages and kernels key on them; a Switch's choice,
+    such as ``inject_hyperparams``', is a new Fusable per call over the same parts)."""
+    memo: dict = {}
+
+    def restrict(fus: E.Fusable) -> E.Fusable:
+        parts = memo.get(fus.parts)
+        if parts is None:
+            if len(memo) >= _MEMO_SIZE:
+                memo.clear()
+            parts = memo[fus.parts] = tuple(_restricted(p, on_of, where) for p in fus.parts)
+        return E.Fusable(parts, fus.split, fus.join)
+
+    return restrict
+
+
+def _masked_former(keep_of: Callable[[PyTree], list]) -> Callable[[E.Fusable], E.Fusable]:
+    """``masked(inner, mask)``'s parts for an inner Fusable: its parts, restricted to the
+    masked-in leaves (see :func:`_restricter`)."""
+    restrict = _restricter(keep_of, "masked")
 
     def get(state):
         if not isinstance(state, MaskedState):
             raise ValueError(f"masked: expected a MaskedState, got {type(state).__name__}")
         return state.inner_state
 
-    return E.restated(_restricted_fusable(inner, keep_of, "masked"), get, MaskedState)
+    return lambda inner: E.restated(restrict(inner), get, MaskedState)
 
 
-def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], list]):
-    """``partition(transforms, labels)``'s parts: each transform's, restricted to the leaves
-    of its label, chained in the order of ``transforms``."""
+def _masked_fusable(inner: E.Fusable, keep_of: Callable[[PyTree], list]) -> E.Fusable:
+    """``masked(inner, mask)``'s parts: ``inner``'s, restricted to the masked-in leaves."""
+    return _masked_former(keep_of)(inner)
+
+
+def _partition_former(names: list, labels_of: Callable[[PyTree], list]) -> Callable:
+    """``partition(transforms, labels)``'s parts for its transforms' Fusables (in the order of
+    ``transforms``): each transform's, restricted to the leaves of its label (see
+    :func:`_restricter`), chained."""
 
     def on(n):
         last: list = [None, None]  # (the labels seen last and their flags: one list object
@@ -426,7 +454,7 @@ def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], 
 
         return of
 
-    chained = E.chained([_restricted_fusable(f, on(n), "partition") for n, f in zip(names, inners)])
+    restricters = [_restricter(on(n), "partition") for n in names]
 
     def get(state):
         if not isinstance(state, PartitionState) or list(state.inner_states) != names:
@@ -436,4 +464,79 @@ def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], 
     def put(states):
         return PartitionState(dict(zip(names, states)))
 
-    return E.restated(chained, get, put)
+    def build(inners: list) -> E.Fusable:
+        chained = E.chained([r(f) for r, f in zip(restricters, inners)])
+        return E.restated(chained, get, put)
+
+    return build
+
+
+def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], list]):
+    """``partition(transforms, labels)``'s parts: each transform's, restricted to the leaves
+    of its label, chained in the order of ``transforms``."""
+    return _partition_former(names, labels_of)(inners)
+
+
+# a Switch inside (``multi_steps``, whose fused form is chosen per call): the combinator's
+# fused form is chosen per call too, from its transforms' choices on their own leaves
+
+
+def _chosen_on(switch: E.Switch, keep: list, updates, state, params, mesh) -> E.Fusable | None:
+    """What ``switch`` chooses for the leaves where ``keep`` is True (the trees its transform
+    sees inside the combinator: ``None`` elsewhere), its zero updates written out
+    (:func:`~.engine.elementwise.zeros_written`), or ``None``."""
+    u_leaves, treedef = tree_flatten(updates)
+    p_leaves = tree_flatten(params)[0]
+    if len(p_leaves) != len(u_leaves):
+        return None  # (the general path raises)
+    f = switch.choose(
+        tree_unflatten(treedef, _select(u_leaves, keep)),
+        state,
+        tree_unflatten(treedef, _select(p_leaves, keep)),
+        mesh,
+    )
+    return None if f is None else E.zeros_written(f)
+
+
+def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], list]) -> E.Switch:
+    """``partition``'s :class:`~.engine.elementwise.Switch` when some of its transforms have
+    one: per call, each of those chooses on its own leaves, and the chosen Fusables are
+    combined as :func:`_partition_fusable` combines fixed ones. Eager only (``None`` under
+    ``torch.compile``: the combinator's general path)."""
+    build = _partition_former(names, labels_of)
+
+    def choose(updates, state, params, mesh):
+        if (
+            torch.compiler.is_compiling()
+            or params is None
+            or not isinstance(state, PartitionState)
+            or list(state.inner_states) != names
+        ):
+            return None
+        labels = labels_of(params)
+        picked = []
+        for n, spec in zip(names, specs):
+            if isinstance(spec, E.Switch):
+                keep = [lab == n for lab in labels]
+                spec = _chosen_on(spec, keep, updates, state.inner_states[n], params, mesh)
+                if spec is None:
+                    return None
+            picked.append(spec)
+        return build(picked)
+
+    return E.Switch(choose)
+
+
+def _masked_switch(switch: E.Switch, keep_of: Callable[[PyTree], list]) -> E.Switch:
+    """``masked``'s :class:`~.engine.elementwise.Switch` around an inner one: per call, the
+    inner's choice on the masked-in leaves, restricted to them (:func:`_masked_fusable`).
+    Eager only (``None`` under ``torch.compile``: the combinator's general path)."""
+    build = _masked_former(keep_of)
+
+    def choose(updates, state, params, mesh):
+        if torch.compiler.is_compiling() or params is None or not isinstance(state, MaskedState):
+            return None
+        f = _chosen_on(switch, keep_of(params), updates, state.inner_state, params, mesh)
+        return None if f is None else build(f)
+
+    return E.Switch(choose)

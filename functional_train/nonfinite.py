@@ -244,17 +244,23 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
 
     end = E.zeroed_unless(key, "apply_if_finite")
     parts = (first, *(E.guarded(p, key, "apply_if_finite") for p in rest), end)
+    return _guarded_over(parts, inner_fus, clip is not None)
+
+
+def _guarded_over(parts: tuple, inner_fus: E.Fusable, clip_first: bool) -> E.Fusable:
+    """:func:`_guarded`'s Fusable: its ``parts`` (made from ``inner_fus``' parts), the state
+    split and joined through ``inner_fus``' own."""
 
     def split(state):
         _check_finite_state(state)
         inner_states = list(inner_fus.split(state.inner_state))
-        cs = inner_states.pop(0) if clip is not None else None
+        cs = inner_states.pop(0) if clip_first else None
         counters = (state.notfinite_count, state.last_finite, state.total_notfinite)
         return [(counters, cs), *inner_states, None]
 
     def join(states):
         counters, cs = states[0]
-        inner_states = ([cs] if clip is not None else []) + list(states[1:-1])
+        inner_states = ([cs] if clip_first else []) + list(states[1:-1])
         return ApplyIfFiniteState(*counters, inner_fus.join(inner_states))
 
     return E.Fusable(parts, split, join)
@@ -355,7 +361,37 @@ def apply_if_finite(
 
     if fus is not None:
         E.register(update_fn, fus)
+    elif (switch := E.switch_of(inner)) is not None:
+        E.register(
+            update_fn, _guarded_switch(switch, clip_norm is not None, max_consecutive_errors)
+        )
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def _guarded_switch(switch: E.Switch, clip_first: bool, max_consecutive_errors: int) -> E.Switch:
+    """``apply_if_finite(inner)``'s :class:`~functional_train.engine.elementwise.Switch` when
+    ``inner`` has one (``multi_steps``): per call, :func:`_guarded` of the inner's choice (its
+    zero updates written out, :func:`~functional_train.engine.elementwise.zeros_written`),
+    its guarded parts made once per parts tuple (the engine's caches key on them; a choice
+    such as ``inject_hyperparams``' is a new Fusable per call over the same parts). Eager only
+    (``None`` under ``torch.compile``: the general path)."""
+    guarded: dict = {}
+
+    def choose(updates, state, params, mesh):
+        if torch.compiler.is_compiling() or not isinstance(state, ApplyIfFiniteState):
+            return None  # (the general path: traced, or raising)
+        f = switch.choose(updates, state.inner_state, params, mesh)
+        if f is None:
+            return None
+        f = E.zeros_written(f)
+        parts = guarded.get(f.parts)
+        if parts is None:
+            if len(guarded) >= 64:
+                guarded.clear()
+            parts = guarded[f.parts] = _guarded(f, clip_first, max_consecutive_errors).parts
+        return _guarded_over(parts, f, clip_first)
+
+    return E.Switch(choose)
 
 
 def zero_nans() -> GradientTransformation:

@@ -584,3 +584,98 @@ def test_chain_with_inject_hyperparams_fuses(mode, dtype, monkeypatch, device):
     _close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
     assert int(got_state[1].count) == STEPS and got_state[1].hyperparams["b1"] == 0.7
+
+
+def _multi_steps_inside(kind):
+    """``multi_steps`` as users put it inside a combinator or before another transform."""
+    inner = ft.multi_steps(
+        ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)), 3
+    )
+    if kind == "masked":
+        return ft.masked(inner, {"w": True, "b": False, "e": True, "s": False})
+    if kind == "partition":
+        labels = {"w": "a", "b": "b", "e": "a", "s": "c"}
+        return ft.partition(
+            {"a": inner, "b": ft.multi_steps(ft.sgd(1e-2, momentum=0.9), 2), "c": ft.adam(1e-2)},
+            labels,
+        )
+    if kind == "apply_if_finite":
+        return ft.chain(ft.apply_if_finite(inner, 3), ft.ema_params(0.9))
+    return ft.chain(inner, ft.ema_params(0.9))
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+@pytest.mark.parametrize("kind", ["masked", "partition", "chain", "apply_if_finite"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_multi_steps_inside_a_combinator_fuses(kind, mode, dtype, device):
+    """``masked(multi_steps)``, ``partition`` of ``multi_steps`` with different cycles beside
+    another transform, ``chain(multi_steps, ema_params)`` and ``apply_if_finite(multi_steps)``
+    in a chain (non-finite gradients on some steps): every micro-step, non-final ones
+    included, is the combinator's fused form (its Switch chooses a Fusable: the inner
+    multi_steps' choice on its own leaves, its zero updates written out), with ``update`` +
+    ``apply_updates``' numbers and state."""
+    params, grads = _problem(dtype, device=device, bad=kind == "apply_if_finite")
+    want, want_state = _run(_multi_steps_inside(kind), params, grads, "update")
+    tx = _multi_steps_inside(kind)
+    switch = E.switch_of(tx)
+    assert switch is not None
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    for g in grads:
+        assert switch.choose(g, state, p, None) is not None  # (not the general path)
+        p, state = step_by_mode(tx, {k: v.clone() for k, v in g.items()}, state, p, mode)
+    _close(p, want, params, dtype)
+    _states_close(state, want_state, dtype)
+
+
+def _one_injected_twice(kind):
+    """One ``inject_hyperparams(adamw)`` transform object in two places of one step (as
+    ``TorchOptimizer``'s param groups put it: a ``partition`` of one injected alias)."""
+    t = ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    if kind == "partition":
+        return ft.partition({"a": t, "b": t}, {"w": "a", "b": "b", "e": "a", "s": "b"})
+    if kind == "apply_if_finite":
+        return ft.partition(
+            {"a": ft.apply_if_finite(t, 2), "b": t}, {"w": "a", "b": "b", "e": "a", "s": "b"}
+        )
+    return ft.chain(t, ft.clip_by_global_norm(1.0), t)
+
+
+def _hyperparams_of(state, kind):
+    if kind == "chain":
+        return [state[0].hyperparams, state[2].hyperparams]
+    a = state.inner_states["a"]
+    if kind == "apply_if_finite":
+        a = a.inner_state
+    return [a.hyperparams, state.inner_states["b"].hyperparams]
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+@pytest.mark.parametrize("kind", ["partition", "apply_if_finite", "chain"])
+def test_one_injected_transform_in_two_places(kind, mode, device):
+    """Each appearance of one injected transform reads its own state's values in the fused
+    step (its fused form sets the transform's injected values when its parts run, not when
+    it is chosen: before, every appearance read the last one chosen, and ``TorchOptimizer``'s
+    param groups stepped with one group's learning rate), with ``update``'s numbers while
+    the learning rates change every step, differently per appearance; no kernel is built
+    after the first steps (the restricted and guarded parts are made once, not per call)."""
+    params, grads = _problem(torch.float64, device=device)
+
+    def run(step):
+        tx = _one_injected_twice(kind)
+        state = tx.init(params)
+        p = {k: v.clone() for k, v in params.items()}
+        for t, g in enumerate(grads):
+            if t == 3:
+                built = len(fuse._kernels)
+            for h, lr in zip(_hyperparams_of(state, kind), (1e-2 / (t + 1), 3e-3 * (t + 1))):
+                h["learning_rate"] = torch.tensor(lr, dtype=torch.float64)
+            p, state = step(tx, {k: v.clone() for k, v in g.items()}, state, p)
+        return p, state, len(fuse._kernels) - built
+
+    want, want_state, _ = run(lambda tx, g, s, p: step_by_mode(tx, g, s, p, "update"))
+    got, got_state, built = run(lambda tx, g, s, p: step_by_mode(tx, g, s, p, mode))
+    assert E.switch_of(_one_injected_twice(kind)) is not None
+    _close(got, want, params, torch.float64)
+    _states_close(got_state, want_state, torch.float64)
+    assert built == 0

@@ -121,6 +121,7 @@ __all__ = [
     "Switch",
     "switch_of",
     "chained_switch",
+    "zeros_written",
     "restated",
     "run",
 ]
@@ -248,8 +249,8 @@ def restated(fus: Fusable, get: Callable, put: Callable) -> Fusable:
 def chained_switch(specs: Sequence) -> Switch:
     """The :class:`Switch` of ``chain`` of transforms whose specs are Fusables and Switches
     (at least one): per call, each Switch chooses from its own state (the chain's state, a
-    tuple), and the chosen Fusables are chained; ``None`` when one chooses ``None`` or
-    zero updates (which cannot be chained)."""
+    tuple), and the chosen Fusables are chained, zero updates written out
+    (:func:`zeros_written`); ``None`` when one chooses ``None``, or zero updates alone."""
     specs = list(specs)
 
     def choose(updates, state, params, mesh):
@@ -258,9 +259,9 @@ def chained_switch(specs: Sequence) -> Switch:
         fus = []
         for spec, st in zip(specs, state):
             f = spec.choose(updates, st, params, mesh) if isinstance(spec, Switch) else spec
-            if f is None or f.zero_updates:
+            if f is None or (f.zero_updates and len(specs) == 1):
                 return None
-            fus.append(f)
+            fus.append(zeros_written(f))
         return chained(fus)
 
     return Switch(choose)
@@ -1840,6 +1841,38 @@ def zeroed_unless(key: str, wrapper: str) -> Elementwise:
 def no_fields(state) -> tuple:
     """``fields`` of a part whose state holds no params-shaped tree."""
     return ()
+
+
+def _zeros_leaf(u, p, s, h, k):
+    """The update: zeros (a chosen Fusable's ``zero_updates``, written out)."""
+    return torch.zeros_like(u), ()
+
+
+def _zeros_prologue(state, b):
+    return (), lambda trees: None
+
+
+_ZEROS = Elementwise("zero updates", _zeros_leaf, _zeros_prologue, no_fields, 0)
+
+
+def zeros_written(fus: Fusable) -> Fusable:
+    """``fus`` where its updates are zeros (``zero_updates``: ``multi_steps``' non-final
+    micro-step) as a Fusable that writes them: its parts, then one whose update is zeros
+    (``torch.zeros_like``), so that it composes with others (in a chain, restricted to some
+    leaves by ``partition`` / ``masked``: the leaves beside it take other updates, and every
+    parameter gets ``p + u``). ``fus`` itself otherwise. One object per ``fus``."""
+    if not fus.zero_updates:
+        return fus
+    hit = fus.__dict__.get("_zeros_written")
+    if hit is None:
+        n = len(fus.parts)
+        hit = Fusable(
+            (*fus.parts, _ZEROS),
+            lambda state: [*fus.split(state), None],
+            lambda states: fus.join(states[:n]),
+        )
+        object.__setattr__(fus, "_zeros_written", hit)  # (frozen: a memo, not a field)
+    return hit
 
 
 def single(spec: Elementwise) -> Fusable:
