@@ -141,10 +141,10 @@ def multi_steps(
             f"multi_steps: inner must be a GradientTransformation, got {type(inner).__name__}"
         )
 
-    inner_fus = E.fusable_of(inner)
+    inner_spec = E.fusable_of(inner) or E.switch_of(inner)
     switch = (
-        _fused_micro_steps(inner_fus, every_k)
-        if inner_fus is not None and should_skip_update_fn is None
+        _fused_micro_steps(inner_spec, every_k)
+        if inner_spec is not None and should_skip_update_fn is None
         else None
     )
 
@@ -290,14 +290,19 @@ def multi_steps(
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
 
 
-def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
+def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Switch:
     """``multi_steps(inner, every_k)``'s :class:`~functional_train.engine.elementwise.Switch`
     for ``ft.step``: per call, the Fusable of a non-final micro-step (``acc += g``, zero
     updates) or of the final one (``(acc + g) / every_k``, then ``inner``'s parts; the
     accumulators cleared), in two variants each: every leaf with a gradient adds to its
     accumulator, or every such leaf starts its cycle now (its accumulator takes ``g``, as the
-    general path copies it). ``None`` (the general ``update``) for what these do not cover."""
+    general path copies it). ``None`` (the general ``update``) for what these do not cover.
+    Where ``inner``'s fused form is itself chosen per call (``inner_spec`` a Switch: a chain
+    holding ``inject_hyperparams``), the final micro-step's is chosen then (eagerly; under
+    ``torch.compile`` the general path)."""
     kf = float(every_k)
+    inner_switch = inner_spec if isinstance(inner_spec, E.Switch) else None
+    inner_fus = inner_spec if isinstance(inner_spec, E.Fusable) else None
 
     def check(state, b):
         if not isinstance(state, MultiStepsState):
@@ -383,11 +388,19 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
     def first(states):
         return states[0]
 
-    def split(state):
-        return [state, *inner_fus.split(state.inner_state)]
+    def final_variants(inner_fus: E.Fusable) -> dict:
+        """The final micro-step's Fusables over ``inner_fus``, by ``fresh``."""
 
-    def join(states):
-        return states[0]._replace(inner_state=inner_fus.join(states[1:]))
+        def split(state):
+            return [state, *inner_fus.split(state.inner_state)]
+
+        def join(states):
+            return states[0]._replace(inner_state=inner_fus.join(states[1:]))
+
+        return {
+            fresh: E.Fusable((first, *inner_fus.parts), split, join)
+            for fresh, first in ((False, mean_add_part), (True, mean_start_part))
+        }
 
     # under torch.compile the counters cannot be read on the host: one Fusable for every
     # micro-step, the flag "this is the cycle's last" a tensor in the run context, the inner
@@ -436,26 +449,45 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         acc = summed(u, s)
         return acc / kf, (torch.where(h[0] != 0, torch.zeros_like(acc), acc),)
 
-    traced_parts = (
-        # (its updates used only where the flag holds: the parts after it are guarded by it)
-        E.Elementwise(
-            "multi_steps", traced_add, traced_prologue, fields, 1, context=True, guard=E.DISCARDS
-        ),
-        *(E.guarded(q, key, "multi_steps") for q in inner_fus.parts),
-        E.zeroed_unless(key, "multi_steps"),
-    )
-    traced_variant = E.Fusable(
-        traced_parts,
-        lambda state: [state, *inner_fus.split(state.inner_state), None],
-        lambda states: states[0]._replace(inner_state=inner_fus.join(states[1:-1])),
-    )
+    def traced_form(inner_fus: E.Fusable) -> E.Fusable:
+        parts = (
+            # (its updates used only where the flag holds: the parts after it are guarded by it)
+            E.Elementwise(
+                "multi_steps",
+                traced_add,
+                traced_prologue,
+                fields,
+                1,
+                context=True,
+                guard=E.DISCARDS,
+            ),
+            *(E.guarded(q, key, "multi_steps") for q in inner_fus.parts),
+            E.zeroed_unless(key, "multi_steps"),
+        )
+        return E.Fusable(
+            parts,
+            lambda state: [state, *inner_fus.split(state.inner_state), None],
+            lambda states: states[0]._replace(inner_state=inner_fus.join(states[1:-1])),
+        )
 
+    traced_variant = None if inner_fus is None else traced_form(inner_fus)
+
+    mean_add_part = part(mean_add, final_prologue)
+    mean_start_part = part(mean_start, final_prologue)
     variants = {
         (False, False): E.Fusable((part(add, non_final_prologue),), one, first, zero_updates=True),
         (False, True): E.Fusable((part(start, non_final_prologue),), one, first, zero_updates=True),
-        (True, False): E.Fusable((part(mean_add, final_prologue), *inner_fus.parts), split, join),
-        (True, True): E.Fusable((part(mean_start, final_prologue), *inner_fus.parts), split, join),
     }
+    if inner_fus is not None:
+        variants.update({(True, f): v for f, v in final_variants(inner_fus).items()})
+
+    def variant(final: bool, fresh: bool, updates, state, params, mesh):
+        if not final or inner_switch is None:
+            return variants[(final, fresh)]
+        f = inner_switch.choose(updates, state.inner_state, params, mesh)
+        if f is None or f.zero_updates:
+            return None
+        return final_variants(f)[fresh]
 
     def choose(updates, state, params, mesh):
         compiling = torch.compiler.is_compiling()
@@ -463,6 +495,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
             params is None
             or not isinstance(state, MultiStepsState)
             or (traced() and not compiling)  # (a torch.func transform: the general path)
+            or (compiling and traced_variant is None)
         ):
             return None
         if compiling and mesh is None:  # (no treedef: dynamo traces optree's flattening)
@@ -488,7 +521,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
         seen = list(map(int, state.seen))
         final = int(state.mini_step) + 1 >= every_k
         if len(set(seen)) == 1 and _alike(g, acc, lambda: _leaves_or_none(params, treedef)):
-            return variants[(final, not seen[0])]
+            return variant(final, not seen[0], updates, state, params, mesh)
         fresh = None
         for i, (x, a) in enumerate(zip(g, acc)):
             if x is None or a is None:
@@ -511,7 +544,7 @@ def _fused_micro_steps(inner_fus: E.Fusable, every_k: int) -> E.Switch:
                 return None  # some leaves start their cycle, others add: the general path
         if fresh is None:
             return None
-        return variants[(final, fresh)]
+        return variant(final, fresh, updates, state, params, mesh)
 
     return E.Switch(choose)
 
