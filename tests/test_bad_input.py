@@ -505,3 +505,38 @@ def test_dtensors_on_different_meshes_without_mesh(two_meshes):
     tx = ft.clip_by_global_norm(1.0)
     with pytest.raises(ValueError, match=r"'b' is a DTensor on .*different meshes need mesh="):
         tx.update(p, tx.init(p), p)
+
+
+def test_dtensors_on_equal_meshes_are_on_one_mesh():
+    """Two ``DeviceMesh`` objects over the same ranks, layout and names are one mesh to torch
+    (``==``; its sharding caches hand back results on the first one made), so they are one to
+    the library too: parameters on one and gradients and state on the other step as on one
+    mesh (this raised "DTensors on different meshes" before; found by the sharded
+    equivalence property, whose ``zeros_like`` state came back on an earlier run's mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from functional_train.testing import simulate
+
+    was_initialized = dist.is_initialized()
+    with simulate(2):
+        first = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        second = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        assert first == second and first is not second
+        w, b = torch.arange(8.0).reshape(4, 2), torch.ones(3)
+        p = {
+            "w": distribute_tensor(w, first, [Shard(0)]),
+            "b": distribute_tensor(b, first, [Replicate()]),
+        }
+        g = {
+            "w": distribute_tensor(w * 0.1, second, [Shard(0)]),
+            "b": distribute_tensor(b, second, [Replicate()]),
+        }
+        tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), ft.sgd(0.1)), 2)
+        state = tx.init({k: v.redistribute(second, v.placements) for k, v in p.items()})
+        for _ in range(2):
+            p, state = ft.step(tx, g, state, p)
+        norm = torch.cat([(w * 0.1).flatten(), b]).norm()
+        torch.testing.assert_close(p["w"].full_tensor(), w - 0.1 * w * 0.1 / max(1.0, float(norm)))
+    if not was_initialized and dist.is_initialized():
+        dist.destroy_process_group()

@@ -55,7 +55,8 @@ class World:
                 r = x.device_mesh._get_root_mesh()
                 if root is None:
                     root, root_path = r, p
-                elif r is not root:
+                elif r is not root and r != root:  # (equal meshes: torch's DTensor
+                    # caches hand back results on an equal mesh of an earlier layout)
                     raise ValueError(
                         f"{p} is a DTensor on {r}, but {root_path} is on {root}; "
                         "DTensors on different meshes need mesh=ft.Mesh(device_mesh) naming the "
@@ -76,7 +77,7 @@ class World:
         m = x.device_mesh
         if self.device_mesh is None:
             raise ValueError(f"leaf '{path}' is a DTensor but mesh has no device_mesh")
-        if m is self.device_mesh:
+        if m is self.device_mesh or m == self.device_mesh:
             return tuple(range(self.device_mesh.ndim))
         names = m.mesh_dim_names
         ok = names is not None and all(n in self.names for n in names)
@@ -84,7 +85,7 @@ class World:
             dims = tuple(self.names.index(n) for n in names)
             ok = all(m.size(i) == self.shape[d] for i, d in enumerate(dims))
             ok = ok and (
-                m._get_root_mesh() is self.device_mesh
+                m._get_root_mesh() == self.device_mesh
                 or m.device_type == self.device_mesh.device_type
             )
         if not ok:
