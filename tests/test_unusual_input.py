@@ -263,9 +263,12 @@ def test_partial_params_raise():
 
 
 def test_other_mesh_error_names_both_trees():
+    # (meshes that differ: two meshes over the same ranks, layout and names are one mesh, as
+    # torch's == says; tests/test_bad_input.py::test_dtensors_on_equal_meshes_are_on_one_mesh)
     with simulate(2):
-        dm1 = init_device_mesh("cpu", (2,))
-        dm2 = init_device_mesh("cpu", (2,))
+        dm1 = init_device_mesh("cpu", (2,), mesh_dim_names=("a",))
+        dm2 = init_device_mesh("cpu", (2,), mesh_dim_names=("b",))
+        assert dm1 != dm2
         p = {"w": distribute_tensor(torch.ones(4, 3), dm1, [Shard(0)])}
         g = {"w": distribute_tensor(torch.ones(4, 3), dm2, [Shard(0)])}
         with pytest.raises(
