@@ -481,14 +481,19 @@ def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], 
 # fused form is chosen per call too, from its transforms' choices on their own leaves
 
 
-def _chosen_on(switch: E.Switch, keep: list, updates, state, params, mesh) -> E.Fusable | None:
-    """What ``switch`` chooses for the leaves where ``keep`` is True (the trees its transform
-    sees inside the combinator: ``None`` elsewhere), its zero updates written out
-    (:func:`~.engine.elementwise.zeros_written`), or ``None``."""
+def _flat_pair(updates, params) -> tuple | None:
+    """``(update leaves, param leaves, treedef)`` of a step, or ``None`` where the trees differ
+    (the general path raises)."""
     u_leaves, treedef = tree_flatten(updates)
     p_leaves = tree_flatten(params)[0]
-    if len(p_leaves) != len(u_leaves):
-        return None  # (the general path raises)
+    return None if len(p_leaves) != len(u_leaves) else (u_leaves, p_leaves, treedef)
+
+
+def _chosen_on(switch: E.Switch, keep: list, flat: tuple, state, mesh) -> E.Fusable | None:
+    """What ``switch`` chooses for the leaves where ``keep`` is True (the trees its transform
+    sees inside the combinator: ``None`` elsewhere; ``flat``: :func:`_flat_pair`), its zero
+    updates written out (:func:`~.engine.elementwise.zeros_written`), or ``None``."""
+    u_leaves, p_leaves, treedef = flat
     f = switch.choose(
         tree_unflatten(treedef, _select(u_leaves, keep)),
         state,
@@ -513,12 +518,15 @@ def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], li
             or list(state.inner_states) != names
         ):
             return None
+        flat = _flat_pair(updates, params)
+        if flat is None:
+            return None
         labels = labels_of(params)
         picked = []
         for n, spec in zip(names, specs):
             if isinstance(spec, E.Switch):
                 keep = [lab == n for lab in labels]
-                spec = _chosen_on(spec, keep, updates, state.inner_states[n], params, mesh)
+                spec = _chosen_on(spec, keep, flat, state.inner_states[n], mesh)
                 if spec is None:
                     return None
             picked.append(spec)
@@ -536,7 +544,10 @@ def _masked_switch(switch: E.Switch, keep_of: Callable[[PyTree], list]) -> E.Swi
     def choose(updates, state, params, mesh):
         if torch.compiler.is_compiling() or params is None or not isinstance(state, MaskedState):
             return None
-        f = _chosen_on(switch, keep_of(params), updates, state.inner_state, params, mesh)
+        flat = _flat_pair(updates, params)
+        if flat is None:
+            return None
+        f = _chosen_on(switch, keep_of(params), flat, state.inner_state, mesh)
         return None if f is None else build(f)
 
     return E.Switch(choose)
