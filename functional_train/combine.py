@@ -396,25 +396,12 @@ def _unpack_key(key: Any, packed: bool) -> tuple:
     return True, inner
 
 
-_MEMO_SIZE = 64  # (combinations of a Switch's choices remembered per combinator)
-
-
 def _restricter(on_of: Callable[[PyTree], list], where: str) -> Callable[[E.Fusable], E.Fusable]:
     """``restrict(fus)``: ``fus`` with every part restricted to the leaves where
-    ``on_of(params)`` is True, its split and join its own. The restricted parts are made once
-    per parts tuple (the engine's caches of stages and kernels key on them; a Switch's choice,
-    such as ``inject_hyperparams``', is a new Fusable per call over the same parts)."""
-    memo: dict = {}
-
-    def restrict(fus: E.Fusable) -> E.Fusable:
-        parts = memo.get(fus.parts)
-        if parts is None:
-            if len(memo) >= _MEMO_SIZE:
-                memo.clear()
-            parts = memo[fus.parts] = tuple(_restricted(p, on_of, where) for p in fus.parts)
-        return E.Fusable(parts, fus.split, fus.join)
-
-    return restrict
+    ``on_of(params)`` is True, its split and join its own; the restricted parts made once per
+    parts tuple (:func:`~.engine.elementwise.derived_parts`)."""
+    restricted = E.derived_parts(lambda parts: tuple(_restricted(p, on_of, where) for p in parts))
+    return lambda fus: E.Fusable(restricted(fus.parts), fus.split, fus.join)
 
 
 def _masked_former(keep_of: Callable[[PyTree], list]) -> Callable[[E.Fusable], E.Fusable]:

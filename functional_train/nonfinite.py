@@ -176,9 +176,16 @@ def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, devi
 
 
 def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int) -> E.Fusable:
-    """The :class:`~functional_train.engine.elementwise.Fusable` of ``apply_if_finite(inner)``:
-    a first part that decides (``ok``, published in the run context), the inner's parts
-    guarded (:func:`~functional_train.engine.elementwise.guarded`), a last part that zeroes
+    """The :class:`~functional_train.engine.elementwise.Fusable` of ``apply_if_finite(inner)``
+    (:func:`_guarded_parts` of its parts, its state through :func:`_guarded_over`)."""
+    parts = _guarded_parts(inner_fus.parts, clip_first, max_consecutive_errors)
+    return _guarded_over(parts, inner_fus, clip_first)
+
+
+def _guarded_parts(inner_parts: tuple, clip_first: bool, max_consecutive_errors: int) -> tuple:
+    """The parts of ``apply_if_finite(inner)``'s Fusable: a first part that decides (``ok``,
+    published in the run context), the inner's parts guarded
+    (:func:`~functional_train.engine.elementwise.guarded`), a last part that zeroes
     the update where not ``ok``.
 
     With ``clip_first`` (``inner`` starts with ``clip_by_global_norm``) the first part IS the
@@ -187,7 +194,6 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
     non-finite flags (:func:`_all_finite_of`) and passes the updates through."""
     # this wrapper's entry in the run context (a string: dynamo compares dict keys by value)
     key = E.context_key("apply_if_finite")
-    inner_parts = inner_fus.parts
     clip = inner_parts[0] if clip_first else None
     if clip is not None and clip.n_fields:
         raise AssertionError("clip_by_global_norm has no state fields")
@@ -243,8 +249,7 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
         rest = inner_parts
 
     end = E.zeroed_unless(key, "apply_if_finite")
-    parts = (first, *(E.guarded(p, key, "apply_if_finite") for p in rest), end)
-    return _guarded_over(parts, inner_fus, clip is not None)
+    return (first, *(E.guarded(p, key, "apply_if_finite") for p in rest), end)
 
 
 def _guarded_over(parts: tuple, inner_fus: E.Fusable, clip_first: bool) -> E.Fusable:
@@ -372,10 +377,11 @@ def _guarded_switch(switch: E.Switch, clip_first: bool, max_consecutive_errors: 
     """``apply_if_finite(inner)``'s :class:`~functional_train.engine.elementwise.Switch` when
     ``inner`` has one (``multi_steps``): per call, :func:`_guarded` of the inner's choice (its
     zero updates written out, :func:`~functional_train.engine.elementwise.zeros_written`),
-    its guarded parts made once per parts tuple (the engine's caches key on them; a choice
-    such as ``inject_hyperparams``' is a new Fusable per call over the same parts). Eager only
-    (``None`` under ``torch.compile``: the general path)."""
-    guarded: dict = {}
+    its guarded parts made once per parts tuple (:func:`~functional_train.engine.elementwise.
+    derived_parts`). Eager only (``None`` under ``torch.compile``: the general path)."""
+    guarded = E.derived_parts(
+        lambda parts: _guarded_parts(parts, clip_first, max_consecutive_errors)
+    )
 
     def choose(updates, state, params, mesh):
         if torch.compiler.is_compiling() or not isinstance(state, ApplyIfFiniteState):
@@ -384,12 +390,7 @@ def _guarded_switch(switch: E.Switch, clip_first: bool, max_consecutive_errors: 
         if f is None:
             return None
         f = E.zeros_written(f)
-        parts = guarded.get(f.parts)
-        if parts is None:
-            if len(guarded) >= 64:
-                guarded.clear()
-            parts = guarded[f.parts] = _guarded(f, clip_first, max_consecutive_errors).parts
-        return _guarded_over(parts, f, clip_first)
+        return _guarded_over(guarded(f.parts), f, clip_first)
 
     return E.Switch(choose)
 

@@ -122,6 +122,7 @@ __all__ = [
     "switch_of",
     "chained_switch",
     "zeros_written",
+    "derived_parts",
     "restated",
     "run",
 ]
@@ -1873,6 +1874,27 @@ def zeros_written(fus: Fusable) -> Fusable:
         )
         object.__setattr__(fus, "_zeros_written", hit)  # (frozen: a memo, not a field)
     return hit
+
+
+_DERIVED_SIZE = 64  # (parts tuples remembered per derivation)
+
+
+def derived_parts(make: Callable[[tuple], tuple]) -> Callable[[tuple], tuple]:
+    """``make(parts)``, remembered per ``parts`` tuple (bounded): the parts a combinator
+    derives from its transform's (restricted to some leaves, guarded by a flag) made once,
+    since the engine's caches of stages and kernels key on the part objects, and a Switch's
+    choice (``inject_hyperparams``') is a new Fusable per call over the same parts."""
+    memo: dict = {}
+
+    def derived(parts: tuple) -> tuple:
+        hit = memo.get(parts)
+        if hit is None:
+            if len(memo) >= _DERIVED_SIZE:
+                memo.clear()
+            hit = memo[parts] = make(parts)
+        return hit
+
+    return derived
 
 
 def single(spec: Elementwise) -> Fusable:
