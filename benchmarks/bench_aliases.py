@@ -21,6 +21,12 @@ Aliases and their references (the configurations of the reference tests in ``tes
   adafactor     ft.adafactor()
                 vs transformers.optimization.Adafactor(lr=None, scale_parameter=True,
                    relative_step=True, warmup_init=False)
+  adafactor_momentum
+                ft.adafactor(beta1=0.9, weight_decay=0.01)
+                vs transformers.optimization.Adafactor(the same, beta1=0.9, weight_decay=0.01)
+                (a chain: the factored statistics, then the clip, the parameter scale, the
+                learning rate, ema(0.9), the decay and scale(-1), one fused pass after the
+                RMS)
   came          ft.came(2e-4, weight_decay=0.01)
                 vs came_pytorch.CAME(lr=2e-4, weight_decay=0.01)
   galore_adamw  ft.galore_adamw(1e-3, weight_decay=0.1, rank=128, update_proj_gap=200,
@@ -38,7 +44,7 @@ Per alias the three systems (reference, ft pure, ft donate) start from the same 
 run interleaved, round by round, each once per round in that order (``bench_engine.run_rounds``:
 gc off, a system that raises is dropped with a note): ``--warmup`` (default 1) untimed rounds,
 then ``--rounds`` (default 5) timed ones; the ft systems run as a training loop (``params, state
-= ft.step(...)``, the results feed the next round). The default run of all seven aliases takes
+= ft.step(...)``, the results feed the next round). The default run of all eight aliases takes
 about 35 s on 2 shared cores (the longest adamw8bit: bitsandbytes 0.50.2's step ~0.27 s, ft's
 ~0.2 s through its compiled kernel, which compiles on ft's first step).
 GaLore's first step computes the SVD of every projected gradient (galore-torch and ft alike; the
@@ -96,6 +102,20 @@ def _adafactor_ref(hp):
 
     return Adafactor(
         list(hp.values()), lr=None, scale_parameter=True, relative_step=True, warmup_init=False
+    )
+
+
+def _adafactor_momentum_ref(hp):
+    from transformers.optimization import Adafactor
+
+    return Adafactor(
+        list(hp.values()),
+        lr=None,
+        scale_parameter=True,
+        relative_step=True,
+        warmup_init=False,
+        beta1=0.9,
+        weight_decay=0.01,
     )
 
 
@@ -158,6 +178,11 @@ ALIASES = {
         "transformers Adafactor(lr=None, relative_step)",
         _adafactor_ref,
         lambda p: ft.adafactor(),
+    ),
+    "adafactor_momentum": (
+        "transformers Adafactor(beta1=0.9, wd=0.01)",
+        _adafactor_momentum_ref,
+        lambda p: ft.adafactor(beta1=0.9, weight_decay=0.01),
     ),
     "came": (
         "came_pytorch.CAME(lr=2e-4, wd=0.01)",

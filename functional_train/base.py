@@ -135,7 +135,19 @@ def identity() -> GradientTransformation:
         return updates, state
 
     attach_spec(update_fn, passes_unreduced=True)
+    # for the engine: no parts (a chain holding it fuses as the chain without it)
+    from .engine import elementwise as E
+
+    E.register(update_fn, E.Fusable((), _no_states, _empty_state))
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def _no_states(state) -> list:
+    return []
+
+
+def _empty_state(states) -> EmptyState:
+    return EmptyState()
 
 
 def _check_txs(txs, where: str) -> None:
@@ -162,8 +174,10 @@ def run_sequence(txs, states, updates, params, mesh, extra):
         j = i
         while j < len(txs) and fusables[j] is not None:
             j += 1
-        if j - i >= 2:  # consecutive elementwise transforms: one fused pass per stage
-            fus = E.chained(fusables[i:j])
+        # consecutive elementwise transforms: one fused pass per stage (identities alone, no
+        # parts, pass their updates through as they are, unreduced ones too)
+        fus = E.chained(fusables[i:j]) if j - i >= 2 else None
+        if fus is not None and fus.parts:
             if not isinstance(updates, Prepared):
                 updates = prepare(
                     updates, params, mesh, need_params=fus.needs_params, name="chain", view=True

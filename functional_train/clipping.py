@@ -14,13 +14,12 @@ import torch
 
 from . import _validate as V
 from . import foreach
-from . import leaves as L
 from .base import GradientTransformation, elementwise_transform
 from .engine import elementwise as E
 from .engine import native
 from .engine.view import prepare
 from .spec import attach_spec
-from .transforms import stateless
+from .transforms import stateless_elementwise
 from .tree import first_device
 
 __all__ = ["clip", "clip_by_global_norm", "ClipByGlobalNormState", "global_norm"]
@@ -40,14 +39,11 @@ def clip(max_delta: float) -> GradientTransformation:
     """
     max_delta = V.number("max_delta", max_delta, where="clip", low=0.0, low_open=True)
 
-    def clamp(b):
-        g = [b.locals[i] for i in b.active]
-        if not any(x.is_complex() for x in g):
-            return foreach.clamp_max(foreach.clamp_min(g, -max_delta), max_delta)
-        r = foreach.clamp_max(foreach.clamp_min(L.as_real(g), -max_delta), max_delta)
-        return L.as_complex(r, g)
+    def leaf(u, p, s, h, key):
+        """``clamp(u, -max_delta, max_delta)``."""
+        return torch.clamp(u, -h[0], h[0]), ()
 
-    return stateless("clip", clamp)
+    return stateless_elementwise("clip", leaf, lambda b: (max_delta,))
 
 
 class ClipByGlobalNormState(NamedTuple):

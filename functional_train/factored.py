@@ -708,28 +708,26 @@ def ema(
     def init_fn(params):
         return EmaState(zero_count(params), state_zeros_like(params, accumulator_dtype))
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def prologue(state, b):
         check_state(state, EmaState, where)
-        b = prepare(updates, params, mesh, name=where)
-        g = [b.locals[i] for i in b.active]
-        m_all = b.state_locals(state.ema, "EmaState.ema")
-        m = [m_all[i] for i in b.active]
-        count = state.count + 1
-        if not g:
-            return b.rebuild_active([]), EmaState(count, state.ema)
-        gm = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(g, m)]
         d = value_of(decay)
-        new = L.lerp(m, gm, 1.0 - d)
-        out = new
-        if debias:
-            bc = 1.0 - torch.pow(d, count.to(torch.float64))
-            per_dtype = {x.dtype: None for x in new}  # each leaf divides in its own dtype
-            per_dtype = {d: bc.to(d) for d in per_dtype}
-            out = foreach.div(new, [per_dtype[x.dtype] for x in new])
-        out = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(out, g)]
-        return b.rebuild_active(out), EmaState(count, b.state_tree(state.ema, "EmaState.ema", new))
+        count = state.count + 1
+        bc = (1.0 - torch.pow(d, count.to(torch.float64))) if debias else 1.0
+        return (1.0 - d, bc), lambda trees: EmaState(count, *trees)
 
-    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
+    def fields(state):
+        return ((state.ema, "EmaState.ema"),)
+
+    def leaf(u, p, s, h, key):
+        """``m = lerp(m, u, 1 - decay)`` (in ``m``'s dtype, torch's formula); the update ``m``,
+        or ``m / (1 - decay^t)`` with ``debias``, in ``u``'s dtype."""
+        m = s[0]
+        w, bc = h
+        new = torch.lerp(m, u.to(m.dtype), w.to(m.dtype) if isinstance(w, torch.Tensor) else w)
+        out = new / bc.to(new.dtype) if debias else new
+        return out.to(u.dtype), (new,)
+
+    return elementwise_transform(E.Elementwise(where, leaf, prologue, fields, 1), init_fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -905,31 +903,42 @@ def _add_step_size_decayed_weights(
             keep_of(params)
         return StepSizeDecayState(zero_count(params))
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def prologue(state, b):
         check_state(state, StepSizeDecayState, where)
-        b = prepare(updates, params, mesh, need_params=True, name=where)
-        g = [b.locals[i] for i in b.active]
-        if not g:
-            return b.rebuild_active([]), StepSizeDecayState(state.count + 1)
-        wd = value_of(weight_decay)
-        if not V.nonzero(wd):  # (injected as 0: as the alias without it)
-            return b.rebuild_active(g), StepSizeDecayState(state.count + 1)
-        p = [b.params[i] for i in b.active]
+        new_state = StepSizeDecayState(state.count + 1)
+        act = b.active
+        if not act:
+            return ([],), lambda trees: new_state
+        if b.params is None:
+            raise ValueError(f"{where}: needs params (update(..., params))")
         lr = torch.as_tensor(rho(state.count), dtype=torch.float64)
-        if scale_parameter:
-            rms = block_rms(b, p, b.active)
+        wd = value_of(weight_decay)
+        if scale_parameter:  # (HF's order: alpha_t = rho_t * scale, then alpha_t * wd)
+            rms = block_rms(b, [b.params[i] for i in act], act)
             foreach.clamp_min_(rms, min_scale)
-            coef = [(s.to(torch.float64) * lr * wd) for s in rms]
+            coef = [x.to(torch.float64) * lr * wd for x in rms]
         else:
-            coef = [lr * wd] * len(g)
-        keep = [True] * len(b.updates) if keep_of is None else keep_of(params)
-        out = [
-            x + y.to(x.dtype) * c.to(x.dtype) if keep[i] else x
-            for i, x, y, c in zip(b.active, g, p, coef)
-        ]
-        return b.rebuild_active(out), StepSizeDecayState(state.count + 1)
+            coef = [lr * wd] * len(act)
+        return (coef,), lambda trees: new_state
 
-    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
+    def leaf(u, p, s, h, key):
+        """``u + p * coef`` (the leaf's ``weight_decay * alpha_t``, float64, in ``u``'s
+        dtype) where it decays."""
+        if key is False:
+            return u, ()
+        return u + p.to(u.dtype) * h[0].to(u.dtype), ()
+
+    spec = E.Elementwise(
+        where,
+        leaf,
+        prologue,
+        E.no_fields,
+        0,
+        needs_params=True,
+        static=keep_of,
+        leaf_scalars=(0,),
+    )
+    return elementwise_transform(spec, init_fn)
 
 
 @injectable(tensors=("clip_threshold", "decay_rate", "beta1", "weight_decay"))

@@ -721,3 +721,58 @@ def test_multi_steps_of_an_injected_chain_fuses(mode, dtype, monkeypatch, device
     want, want_state = run(general, "update")
     _close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
+
+
+def _adafactor_momentum():
+    return ft.adafactor(beta1=0.9, weight_decay=0.1, mask=lambda p: {k: k != "b" for k in p})
+
+
+# name: (transform, kernel calls per step where it fuses: one per stage and group of leaves)
+PRIMITIVES = {
+    "identity": (lambda: ft.chain(ft.identity(), _clip_adamw(), ft.identity()), 1),
+    "clip": (lambda: ft.chain(ft.clip(0.05), _adamw(), ft.clip(1e-3)), 1),
+    "ema": (lambda: _clip_adamw(ft.ema(0.9, debias=True)), 1),
+    "ema_momentum": (
+        lambda: ft.chain(ft.clip(0.05), ft.scale_by_adam(), ft.ema(0.5), ft.scale(-0.1)),
+        1,
+    ),
+    # the factored statistics are no engine part yet: the tail after them is one pass (two
+    # calls: the leaves decayed and the one the mask keeps from decay)
+    "adafactor_momentum": (_adafactor_momentum, 2),
+}
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+@pytest.mark.parametrize("name", sorted(PRIMITIVES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_identity_clip_and_ema_fuse(name, mode, dtype, monkeypatch):
+    """``identity`` (no parts), ``clip`` (the clamp) and ``ema`` (the updates' moving average,
+    Adafactor's ``beta1`` momentum) are elementwise parts: ``ft.step`` runs a chain holding
+    them as ONE fused run ending with ``p + u`` (the engine's runs and kernel calls counted:
+    one pass per stage and group of leaves), with the numbers and states of ``update`` +
+    ``apply_updates`` run leaf by leaf in torch (the kernels off). Before, each took its own
+    path: the chain ran transform by transform (``update``), then ``p + u``."""
+    make, calls = PRIMITIVES[name]
+    params, grads = _problem(dtype)
+    seen = kernel_calls(monkeypatch)
+    runs: list = []
+    real_run = E.run
+
+    def run(*args, **kw):
+        runs.append(kw.get("apply"))
+        return real_run(*args, **kw)
+
+    monkeypatch.setattr(E, "run", run)
+    tx = make()
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    for g in grads:
+        n, r = len(seen), len(runs)
+        g = {k: v.clone() for k, v in g.items()}
+        p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+        assert runs[r:] == [mode], name
+        assert len(seen) - n == calls, name
+    monkeypatch.setattr(fuse, "ENABLED", False)
+    want, want_state = _run(make(), params, grads, "update")
+    _close(p, want, params, dtype)
+    _states_close(state, want_state, dtype)

@@ -418,7 +418,9 @@ def run(
                 where[k] = _positions(b, _call_static(part.restrict, params, statics_memo))
         bounds = _bounds(parts, where)
     else:
+        # (no parts, an identity's: one stage, which is ``p + u`` where it applies)
         bounds = [k for k, part in enumerate(parts) if k == 0 or part.reduces] + [len(parts)]
+        bounds = bounds if parts else [0, 0]
     finishes: list = [None] * len(parts)
     trees_of: list = [None] * len(parts)
     new_fields: list = [None] * len(parts)
