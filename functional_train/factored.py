@@ -39,14 +39,13 @@ from .base import (
     GradientTransformation,
     chain,
     check_state,
-    declare,
     elementwise_transform,
 )
 from .combine import mask_of
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local
 from .engine.pool import Scratch
-from .engine.view import Prepared, prepare
+from .engine.view import Prepared
 from .hyperparams import injectable, value_of
 from .spec import attach_spec, transform_spec
 from .transforms import (
@@ -208,7 +207,8 @@ def factored_ema(
     beta: torch.Tensor,
     scratch: Scratch | None = None,
     local: bool = False,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    split: bool = False,
+) -> Iterator[tuple]:
     """Exact factored moving averages of per-leaf squared quantities, one ``leaf_sums`` call.
 
     Args:
@@ -224,7 +224,8 @@ def factored_ema(
     ``R = beta R_old + (1-beta) mean_{-1}(S)``, ``C = beta C_old + (1-beta) mean_{-2}(S)`` and
     the local shard of the leaf-shaped factor
     ``F = rsqrt(R / mean_{-1}(R))[..., None] * rsqrt(C)[..., None, :]``, every mean over the
-    global tensor.
+    global tensor. With ``split`` the factor's two vectors instead of ``F``: ``(R, C,
+    rsqrt(R / mean_{-1}(R))[..., None], rsqrt(C)[..., None, :])`` (``F`` is their product).
 
     ``mean_{-1}(R)`` needs no second round of communication:
     ``sum_rows R = beta sum_rows R_old + (1-beta) sum_{rows, cols}(S) / n_cols``, and both sums
@@ -263,6 +264,9 @@ def factored_ema(
         r_mean = r_total / n_rows
         rf = torch.rsqrt(r / r_mean.unsqueeze(-1)).unsqueeze(-1)
         cf = torch.rsqrt(c).unsqueeze(-2)
+        if split:
+            yield r, c, rf, cf
+            continue
         if scratch is None:
             f = rf * cf
         else:  # F in the scratch slot 1 (valid until the next item is asked for)
@@ -310,8 +314,14 @@ def factored_rms(
     on_update: Callable[[int, torch.Tensor], None] | None = None,
     scratch: Scratch | None = None,
     local: bool = False,
+    operands: bool = False,
 ) -> tuple[list, ScaleByFactoredRmsState]:
     """:func:`scale_by_factored_rms`'s update on a prepared view: ``(new locals, new state)``.
+
+    With ``operands`` (the transform's prologue) the update is not made: the first result
+    holds, per active leaf, the two factors its leaf function multiplies the update by
+    (:func:`factored_update`): ``(rsqrt(V), 1)`` for a leaf with the full second moment,
+    ``(rsqrt(R / mean(R))[..., None], rsqrt(C)[..., None, :])`` for a factored one.
 
     ``on_update(i, u)``, when given, is called with each active leaf's update as soon as it is
     made (``u`` is a fresh tensor the callback may modify in place), the dense leaves first,
@@ -352,13 +362,19 @@ def factored_rms(
         # (a 0-dim float64 b2 would promote 0-dim leaves to float64: keep the state dtype)
         v_new = L.cast_like(foreach.mul(v_old, b2), v_old)
         foreach.add_(v_new, gsq)
-        u = foreach.mul(foreach.rsqrt(v_new), gs)  # (out of place: rsqrt's result is saved
-        # for autograd under torch.func.grad)
-        for i, x, vn, gi in zip(dense, u, v_new, g):
-            new_v[i] = vn
-            out[i] = x.to(gi.dtype)
-            if on_update is not None:
-                on_update(i, out[i])
+        rs = foreach.rsqrt(v_new)
+        if operands:
+            for i, x, vn in zip(dense, rs, v_new):
+                new_v[i] = vn
+                out[i] = (x, torch.ones((), dtype=x.dtype, device=x.device))
+        else:
+            u = foreach.mul(rs, gs)  # (out of place: rsqrt's result is saved for autograd
+            # under torch.func.grad)
+            for i, x, vn, gi in zip(dense, u, v_new, g):
+                new_v[i] = vn
+                out[i] = x.to(gi.dtype)
+                if on_update is not None:
+                    on_update(i, out[i])
 
     # factored leaves: one batched leaf_sums for all of them
     def square(x):
@@ -369,9 +385,13 @@ def factored_rms(
     items = (
         (i, square(b.locals[i].to(row_loc[i].dtype)).add_(eps), row_loc[i], col_loc[i]) for i in fac
     )
-    for i, (r, c, f) in zip(fac, factored_ema(b, items, b2, scratch, local)):
-        g = b.locals[i]
+    for i, (r, c, *f) in zip(fac, factored_ema(b, items, b2, scratch, local, operands)):
         new_row[i], new_col[i] = r, c
+        if operands:
+            out[i] = tuple(f)
+            continue
+        (f,) = f
+        g = b.locals[i]
         # f is a fresh buffer (out of place when traced: autograd may have saved it)
         out[i] = (f * g.to(f.dtype) if traced() else f.mul_(g.to(f.dtype))).to(g.dtype)
         if on_update is not None:
@@ -469,13 +489,33 @@ def scale_by_factored_rms(
             optree.tree_unflatten(treedef, vs),
         )
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def prologue(state, b):
         check_state(state, ScaleByFactoredRmsState, where)
-        b = prepare(updates, params, mesh, name=where)
-        out, new_state = factored_rms(b, state, where, value_of(decay_rate), beta2, eps, min_dim)
-        return b.rebuild(out), new_state
+        ops, new_state = factored_rms(
+            b, state, where, value_of(decay_rate), beta2, eps, min_dim, operands=True
+        )
+        mine = [ops[i] for i in b.active]
+        return ([a for a, _ in mine], [c for _, c in mine]), lambda trees: new_state
 
-    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
+    spec = E.Elementwise(
+        where,
+        factored_update,
+        prologue,
+        E.no_fields,
+        0,
+        reduces=True,
+        leaf_scalars=(0, 1),
+    )
+    return elementwise_transform(spec, init_fn)
+
+
+def factored_update(u, p, s, h, key):
+    """:func:`scale_by_factored_rms` on one leaf, given its statistics: ``u * (a * c)`` in the
+    statistics' dtype, the result in ``u``'s; ``(a, c)`` is ``(rsqrt(V), 1)`` for a leaf with
+    the full second moment, ``(rsqrt(R / mean(R))[..., None], rsqrt(C)[..., None, :])``, a
+    value per row and one per column, for a factored one (``factored_rms(operands=True)``)."""
+    a, c = h
+    return ((a * c) * u.to(a.dtype)).to(u.dtype), ()
 
 
 # ---------------------------------------------------------------------------------------------

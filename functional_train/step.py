@@ -494,6 +494,10 @@ def _clipped_per_leaf(run, clip, fused, grads, state, params, mesh, donate):
 SPEC_FIRST = True
 
 
+# the per-leaf steps (functional_train/per_leaf.py) of chains the engine also runs
+_PER_LEAF = (FusedAdafactor, FusedCame)
+
+
 def _spec_first(params) -> bool:
     """Whether a chain torch's fused kernels also run takes the generated stages instead: on
     CPU (eagerly and under ``torch.compile``, where a stage is the opaque operator
@@ -867,6 +871,14 @@ def _step(tx, grads, state, params, mesh, donate, extra):
             return _run_spec(fus, grads, state, params, mesh, donate)
     prog = _program(tx)
     fus = E.fusable_of(tx)
+    if fus is not None and prog is not None and isinstance(prog[1], _PER_LEAF):
+        # (a per-leaf step, each leaf finished in cache, where it applies: faster than the
+        # stages, whose reductions need every leaf's statistics first)
+        if not is_differentiable():
+            out = _run_fused(tx, *prog, grads, state, params, mesh, donate)
+            if out is not None:
+                return out
+        prog = None
     if fus is not None and (prog is None or _spec_first(params)) and not is_differentiable():
         return _run_spec(fus, grads, state, params, mesh, donate)
     if prog is not None and not is_differentiable():

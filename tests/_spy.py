@@ -7,8 +7,8 @@ from functional_train.engine import fuse, fuse_triton
 
 def kernel_calls(monkeypatch) -> list:
     """A list that receives ``(kernel, number of leaves)`` for every call of a generated
-    kernel (``functional_train.engine.fuse.Kernel``, C; ``fuse_triton.TritonKernel``, CUDA)
-    for the rest of the test."""
+    kernel (``functional_train.engine.fuse.Kernel``, C, called or run by rows;
+    ``fuse_triton.TritonKernel``, CUDA) for the rest of the test."""
     seen: list = []
     for cls in (fuse.Kernel, fuse_triton.TritonKernel):
 
@@ -17,6 +17,12 @@ def kernel_calls(monkeypatch) -> list:
             return _real(self, inputs, outputs, scalars, **kw)
 
         monkeypatch.setattr(cls, "__call__", spy)
+
+    def by_rows(self, inputs, outputs, scalars, kinds, *, _real=fuse.Kernel.by_rows, **kw):
+        seen.append((self, len(inputs[0])))
+        return _real(self, inputs, outputs, scalars, kinds, **kw)
+
+    monkeypatch.setattr(fuse.Kernel, "by_rows", by_rows)
     return seen
 
 

@@ -174,15 +174,16 @@ def test_triton_writer_writes_every_generated_stage(dtype, monkeypatch):
     the Triton writer (``fuse_triton``: the CUDA kernels) writes too, as Python that parses,
     with scalars read by address and by value: what a CUDA step runs, checked where no GPU
     (and no Triton) is. Its numbers are checked on CUDA by the tests above (``--device
-    cuda``)."""
+    cuda``). (Not the stages run by rows, a value per column read per element: CPU only,
+    CUDA runs them leaf by leaf in torch.)"""
     from functional_train.engine import fuse_triton
 
     stages: dict = {}
     real = fuse.kernel_for
 
-    def spy(fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu", sumsq=False):
-        k = real(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq)
-        if k is not None:
+    def spy(fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu", sumsq=False, **kw):
+        k = real(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq, **kw)
+        if k is not None and not any(kw.get("vectors", ())):
             stages[(fn, in_dtypes, scalar_dtypes, n_per_leaf)] = k
         return k
 
@@ -838,11 +839,13 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
     calls.clear()
     real_kernel_for = fuse.kernel_for
 
-    def without_sums(fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu", sumsq=False):
+    def without_sums(
+        fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu", sumsq=False, **kw
+    ):
         return (
             None
             if sumsq
-            else real_kernel_for(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type)
+            else real_kernel_for(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, **kw)
         )
 
     monkeypatch.setattr(fuse, "kernel_for", without_sums)

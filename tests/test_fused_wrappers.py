@@ -736,9 +736,10 @@ PRIMITIVES = {
         lambda: ft.chain(ft.clip(0.05), ft.scale_by_adam(), ft.ema(0.5), ft.scale(-0.1)),
         1,
     ),
-    # the factored statistics are no engine part yet: the tail after them is one pass (two
-    # calls: the leaves decayed and the one the mask keeps from decay)
-    "adafactor_momentum": (_adafactor_momentum, 2),
+    # two stages: the update from the factored statistics (three calls: the 0-dim leaf, the
+    # matrices by rows, the vector by rows), then after the RMS the tail (two: the leaves
+    # decayed and the one the mask keeps from decay)
+    "adafactor_momentum": (_adafactor_momentum, 5),
 }
 
 

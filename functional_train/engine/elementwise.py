@@ -30,7 +30,12 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   list of 0-dim tensors, one per leaf of ``b.active``, in that order: ``scale_by_trust_ratio``'s
   ratios, from its per-leaf norms); the leaf function finds its own leaf's value there. They
   reach the pass as inputs after the fields (0-dim, read once per leaf by a generated
-  kernel), not as shared scalars.
+  kernel), not as shared scalars. A per-leaf value may also be a vector broadcast against
+  its leaf (``scale_by_factored_rms``' factors: ``(..., n, 1)``, one per row, and ``(..., 1,
+  m)``, one per column; or leaf-shaped): such leaves run their kernel by rows
+  (:meth:`.fuse.Kernel.by_rows`: each row a "leaf" of the call, its row's value read once,
+  the column values per element), on CPU; elsewhere leaf by leaf in torch, where the leaf
+  function's operations broadcast them.
 * ``restrict``: ``None``, or ``restrict(params) -> list`` of a bool per leaf: the only leaves
   the part acts on (``masked`` / ``partition`` build such parts: elsewhere the update passes
   through). Its prologue's view then covers those leaves only (``b.active``,
@@ -688,8 +693,11 @@ def _put(new: list, positions: list, base: list) -> list:
 
 def _spread(values: list, positions: list, u: list) -> list:
     """A restricted part's per-leaf scalars (one per leaf of its view) as one per active
-    leaf: the others get a placeholder (the first value, or a 0-dim zero), not read."""
+    leaf: the others get a placeholder (the first value, or a 0-dim zero: one value, as a
+    kernel reads it), not read."""
     fill = values[0] if values else (u[0].new_zeros(()) if u else None)
+    if isinstance(fill, torch.Tensor) and fill.numel() != 1:  # (a vector: one of its leaf's)
+        fill = fill.new_zeros(())
     out = [fill] * len(u)
     for j, x in zip(positions, values):
         out[j] = x
@@ -1315,8 +1323,12 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
         and not _recording()
         and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in scalars)
     )
-    uniform = _uniform(ins, keys) if plain else None
-    if uniform is not None:  # (the common case, checked by whole lists: one group)
+    # (per-leaf values that are vectors broadcast against their leaves: _broadcast_groups)
+    spread = plain and stage.n_per_leaf and not _single_values(ins[len(ins) - stage.n_per_leaf :])
+    uniform = _uniform(ins, keys) if plain and not spread else None
+    if spread:
+        _broadcast_groups(ins, keys, stage.n_per_leaf, plain, groups)
+    elif uniform is not None:  # (the common case, checked by whole lists: one group)
         groups[(True, uniform, keys[0], ())] = list(range(n))
     elif plain and not torch.compiler.is_compiling():
         # (a masked / partitioned chain: groups by key and absent leaves first, then each
@@ -1349,14 +1361,27 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                     g_outs = [outs[r] for r in out_keep]
                     g_dst = [in_keep.index(dst[r]) for r in out_keep]
                 kernel = None
+                rows = fast if isinstance(fast, tuple) else None  # (kinds by input: by rows)
                 if sums is not None:
                     kernel = fuse.kernel_for(
                         g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type, sumsq=True
                     )
                 if kernel is None:
-                    kernel = fuse.kernel_for(g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type)
+                    vectors = () if rows is None else _vectors(rows, stage.n_per_leaf)
+                    kernel = fuse.kernel_for(
+                        g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type, vectors=vectors
+                    )
                 if kernel is not None and _run_kernel(
-                    kernel, g_ins, idx, g_outs, sc[0], apply, _group_kinds(take, g), g_dst, sums
+                    kernel,
+                    g_ins,
+                    idx,
+                    g_outs,
+                    sc[0],
+                    apply,
+                    _group_kinds(take, g),
+                    g_dst,
+                    sums,
+                    rows,
                 ):
                     continue
         with torch.enable_grad() if _recording() else torch.no_grad():
@@ -1403,6 +1428,75 @@ def _leaf_groups(ins: list, keys: list, idx, plain: bool, groups: dict) -> None:
         )
         sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j], absent)
         groups.setdefault(sig, []).append(j)
+
+
+def _single_values(lists: list) -> bool:
+    """Whether every per-leaf value of these lists is one value (0-dim or one element; a
+    C loop per list), as a kernel called on whole leaves reads them."""
+    try:
+        return all(set(map(_NUMEL, lst)) == {1} for lst in lists)
+    except TypeError:  # (not a tensor: leaf by leaf, where the leaf function reads it)
+        return False
+
+
+_NUMEL = torch.Tensor.numel
+
+
+def _operand_kind(x, shape) -> str | None:
+    """How a per-leaf value ``x`` broadcasts against its leaf of ``shape``: ``"s"`` one value
+    (0-dim or one element), ``"v"`` leaf-shaped, ``"r"`` one per row (``(..., n, 1)``),
+    ``"c"`` one per column (``(..., 1, m)``); ``None`` otherwise (absent, or another shape)."""
+    if x is None:
+        return None
+    if x.numel() == 1:
+        return "s"
+    got, want = tuple(x.shape), tuple(shape)
+    if got == want:
+        return "v"
+    if len(want) >= 2 and got == want[:-1] + (1,):
+        return "r"
+    if len(want) >= 2 and got == want[:-2] + (1, want[-1]):
+        return "c"
+    return None
+
+
+def _vectors(kinds: tuple, n_per_leaf: int) -> tuple:
+    """For a kernel run :meth:`~.fuse.Kernel.by_rows`: which per-leaf inputs it reads per
+    element (per column, or leaf-shaped)."""
+    return tuple(k in ("c", "v") for k in kinds[len(kinds) - n_per_leaf :])
+
+
+def _broadcast_groups(ins: list, keys: list, n_per_leaf: int, plain: bool, groups: dict) -> None:
+    """The leaves into ``groups`` for a stage whose per-leaf values include vectors (the
+    factored second moment's row and column factors, :func:`_single_values` false): a leaf
+    whose values are all single values as :func:`_leaf_groups` groups it; one with a vector
+    value, in a plain contiguous CPU tensor, by its inputs' kinds (``_operand_kind``), run by
+    rows (:meth:`.fuse.Kernel.by_rows`: a value per row is a per-leaf value of each row, a
+    value per column a leaf-shaped input of each row); anything else leaf by leaf in torch."""
+    first = len(ins) - n_per_leaf
+    single = []
+    for j, leaf in enumerate(ins[0]):
+        kinds = tuple(_operand_kind(lst[j], leaf.shape) for lst in ins[first:])
+        if all(k == "s" for k in kinds):
+            single.append(j)
+            continue
+        leaf_ins = [lst[j] for lst in ins]
+        fast = (
+            plain
+            and None not in kinds
+            and all(
+                type(x) is torch.Tensor and x.is_cpu and x.is_contiguous() and not x.requires_grad
+                for x in leaf_ins
+            )
+        )
+        sig: tuple = (
+            (("v",) * first + kinds, tuple(x.dtype for x in leaf_ins), keys[j], ())
+            if fast
+            else (False, None, keys[j], ())
+        )
+        groups.setdefault(sig, []).append(j)
+    if single:
+        _leaf_groups(ins, keys, single, plain, groups)
 
 
 def _by_key(ins: list, keys: list) -> dict:
@@ -1542,10 +1636,11 @@ def _function(stage, counts, key):
     return hit[1]
 
 
-def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst, sums=None) -> bool:
+def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst, sums=None, rows=None) -> bool:
     """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
     as asked (a donated buffer of another dtype). A kernel that sums its updates' squares
-    (``kernel.sumsq``) appends their sums to ``sums``."""
+    (``kernel.sumsq``) appends their sums to ``sums``. ``rows``: the inputs' kinds, for a call
+    by rows (:meth:`.fuse.Kernel.by_rows`)."""
     whole = len(idx) == len(ins[0])  # (every leaf: the common case, lists as they are)
     cols = [list(lst) for lst in ins] if whole else [[lst[j] for j in idx] for lst in ins]
     n_out = len(outs)
@@ -1573,7 +1668,9 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst, sums=None) -> bool
     # are not: streaming is right there too, the block is read before it is written, but slower)
     fresh = apply != "donate" and not any(x[0] is y[0] for x in res for y in cols)
     squares = torch.empty(len(idx), dtype=torch.float64) if kernel.sumsq else None
-    if squares is None:
+    if rows is not None:
+        kernel.by_rows(cols, res, sc, rows, fresh=fresh)
+    elif squares is None:
         if kernel(cols, res, sc, fresh=fresh) is False:  # (a Triton kernel that did not compile)
             return False
     else:

@@ -7,7 +7,9 @@ definitions, composed in the order the user chained them; see :mod:`.elementwise
 
 ``inputs`` are leaves of one shape (the update, the parameter, state leaves), then any
 per-leaf values (0-dim tensors, one per leaf: a trust ratio; ``n_per_leaf`` of
-:func:`kernel_for`), ``scalars`` are 0-dim tensors or numbers shared by every leaf
+:func:`kernel_for`; values broadcast over a leaf's rows or columns are read by a kernel run
+row by row, :meth:`Kernel.by_rows`, with ``vectors``), ``scalars`` are 0-dim tensors or
+numbers shared by every leaf
 (hyper-parameters, a clip factor, bias corrections), the results are leaves of the inputs'
 shape. A value computed from scalars only is computed once per call, from a per-leaf value
 once per leaf, the rest once per element. :func:`kernel_for` gives its :class:`Kernel` for a dtype
@@ -259,10 +261,14 @@ class Lowering:
     #: the dtypes a value may have in the writer's language, with their names there
     TYPES: dict = {}
 
-    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, n_per_leaf: int):
+    def __init__(
+        self, gm: torch.fx.GraphModule, n_inputs: int, n_per_leaf: int, vectors: tuple = ()
+    ):
         self.gm = gm
         self.n_inputs = n_inputs
         self.n_per_leaf = n_per_leaf  # the last inputs: one value per leaf (0-dim)
+        # (of those, the ones read per element after all: see kernel_for's ``vectors``)
+        self.vectors = tuple(vectors) or (False,) * n_per_leaf
         self.names: dict = {}  # node -> its value's name
         self.dtypes: dict = {}  # node -> the dtype its value is computed in
         self.vec: set = set()  # the nodes of per-element values
@@ -467,8 +473,15 @@ class _Writer(Lowering):
 
     TYPES = _CTYPE
 
-    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, n_scalars: int, n_per_leaf: int):
-        super().__init__(gm, n_inputs, n_per_leaf)
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        n_inputs: int,
+        n_scalars: int,
+        n_per_leaf: int,
+        vectors: tuple = (),
+    ):
+        super().__init__(gm, n_inputs, n_per_leaf, vectors)
         self.n_scalars = n_scalars
         self.pre: list = []  # scalar-only lines, once per call
         self.mid: list = []  # lines of per-leaf values, once per leaf
@@ -516,11 +529,15 @@ class _Writer(Lowering):
             raise Unsupported("unexpected placeholders")
         in_dtypes = []
         first_per_leaf = self.n_inputs - self.n_per_leaf
+        # the inputs read per element: the leaf-shaped ones, and per-leaf ones given as vectors
+        per_element = [
+            k < first_per_leaf or self.vectors[k - first_per_leaf] for k in range(self.n_inputs)
+        ]
         for k, node in enumerate(placeholders):
             val = node.meta["val"]
             if k < self.n_inputs:
                 self.names[node] = f"x{k}"
-                (self.vec if k < first_per_leaf else self.leafy).add(node)
+                (self.vec if per_element[k] else self.leafy).add(node)
                 in_dtypes.append(val.dtype)
             else:
                 self.names[node] = f"s{k - self.n_inputs}"
@@ -562,6 +579,8 @@ class _Writer(Lowering):
             lines.append("    ft_sq_init(&sq);")
             lines.append("    if (n == 0) *r = 0.0;")
         for k in range(first_per_leaf, nin):  # the leaf's own values, then what they give
+            if per_element[k]:
+                continue
             d = in_dtypes[k]
             x = _LOAD[d].format(x=f"*p{k}") if d in _HALF else f"*p{k}"
             lines.append(f"    const {_CTYPE[compute_dtype(d)]} x{k} = {x};")
@@ -570,7 +589,9 @@ class _Writer(Lowering):
         def loop(count: str, index: str, dst: str, indent: str) -> list:
             out = [indent + "#pragma omp simd"]
             out.append(f"{indent}for (int64_t i = 0; i < {count}; i++) {{")
-            for k, d in enumerate(in_dtypes[:first_per_leaf]):
+            for k, d in enumerate(in_dtypes):
+                if not per_element[k]:
+                    continue
                 x = f"p{k}[{index}]"
                 x = _LOAD[d].format(x=x) if d in _HALF else x
                 out.append(f"{indent}  const {_CTYPE[compute_dtype(d)]} x{k} = {x};")
@@ -660,12 +681,15 @@ def common_dtype(args) -> torch.dtype:
 TRACE_NUMEL = 3  # the leaves a stage is traced on: 1-D, of this many elements
 
 
-def trace(fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int):
+def trace(fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int, vectors: tuple = ()):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     first_per_leaf = len(in_dtypes) - n_per_leaf
+    vectors = tuple(vectors) or (False,) * n_per_leaf
     ins = tuple(
-        torch.zeros(TRACE_NUMEL if k < first_per_leaf else (), dtype=d)
+        torch.zeros(
+            TRACE_NUMEL if k < first_per_leaf or vectors[k - first_per_leaf] else (), dtype=d
+        )
         for k, d in enumerate(in_dtypes)
     )
     scs = tuple(torch.ones((), dtype=d) for d in scalar_dtypes)
@@ -689,10 +713,16 @@ class Kernel:
     __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "sumsq", "_lib")
 
     def __init__(
-        self, fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int = 0, sumsq: bool = False
+        self,
+        fn: Callable,
+        in_dtypes,
+        scalar_dtypes,
+        n_per_leaf: int = 0,
+        sumsq: bool = False,
+        vectors: tuple = (),
     ):
-        gm = trace(fn, in_dtypes, scalar_dtypes, n_per_leaf)
-        w = _Writer(gm, len(in_dtypes), len(scalar_dtypes), n_per_leaf)
+        gm = trace(fn, in_dtypes, scalar_dtypes, n_per_leaf, vectors)
+        w = _Writer(gm, len(in_dtypes), len(scalar_dtypes), n_per_leaf, vectors)
         self.source, (_, out_dtypes) = w.source("ft_stage", sumsq)
         self.sumsq = sumsq
         self.n_inputs = len(in_dtypes)
@@ -754,6 +784,49 @@ class Kernel:
         stream = fresh and sum(numel) * sum(d.itemsize for d in self.out_dtypes) >= STREAM_MIN_BYTES
         self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0], stream)
 
+    def by_rows(self, inputs, outputs, scalars, kinds: Sequence[str], fresh: bool = False) -> None:
+        """Run on the leaves of ``inputs`` row by row: each row of each leaf (its last dim;
+        a leaf of fewer than 2 dims is one row) is one "leaf" of the call, so that values
+        broadcast over a leaf's rows or columns are read as the kernel reads per-leaf and
+        leaf-shaped inputs. ``kinds``, per input: ``"v"`` leaf-shaped (a row's elements),
+        ``"s"`` one value for the leaf (0-dim or one element), ``"r"`` one value per row
+        (shape ``(..., n, 1)``: a per-leaf input here), ``"c"`` one value per column (shape
+        ``(..., 1, m)``: read per element, the row's batch's). The kernel is built with
+        ``vectors`` marking the per-leaf inputs of kind ``"c"`` or ``"v"``. The pointer table
+        is made by tensor arithmetic, a row per row of the leaves."""
+        leaves = inputs[0]
+        shapes = [x.shape for x in leaves]
+        width = [s[-1] if len(s) >= 1 else 1 for s in shapes]
+        height = [s[-2] if len(s) >= 2 else 1 for s in shapes]
+        rows = [x.numel() // m if m else 0 for x, m in zip(leaves, width)]
+        total = sum(rows)
+        if total == 0:
+            return
+        counts = torch.tensor(rows, dtype=torch.int64)
+        of_row = torch.repeat_interleave(torch.arange(len(leaves)), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        r = torch.arange(total) - starts[of_row]  # each row's index in its leaf
+        m = torch.tensor(width, dtype=torch.int64)[of_row]
+        n = torch.tensor(height, dtype=torch.int64)[of_row]
+        roles = [(lst, kind, const_data_ptr) for lst, kind in zip(inputs, kinds)]
+        roles += [(lst, "v", _PTR) for lst in outputs]
+        table = torch.empty((total, len(roles)), dtype=torch.int64)
+        for k, (lst, kind, addr) in enumerate(roles):
+            base = torch.tensor([addr(x) for x in lst], dtype=torch.int64)[of_row]
+            size = lst[0].element_size()
+            if kind == "v":
+                table[:, k] = base + r * m * size
+            elif kind == "r":
+                table[:, k] = base + r * size
+            elif kind == "c":
+                table[:, k] = base + torch.div(r, n, rounding_mode="floor") * m * size
+            else:
+                table[:, k] = base
+        numel = m.contiguous()
+        elements = sum(x.numel() for x in leaves)
+        stream = fresh and elements * sum(d.itemsize for d in self.out_dtypes) >= STREAM_MIN_BYTES
+        self.fn(total, numel.data_ptr(), table.data_ptr(), scalars.buffer_info()[0], stream)
+
 
 _PTR: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr
 
@@ -803,6 +876,7 @@ def kernel_for(
     n_per_leaf: int = 0,
     device_type: str = "cpu",
     sumsq: bool = False,
+    vectors: tuple = (),
 ) -> Kernel | TritonKernel | None:
     """The compiled kernel of ``fn`` for these dtypes, or ``None`` where it cannot be generated
     (an unsupported operation or dtype, no compiler). ``n_per_leaf``: the last inputs hold one
@@ -810,10 +884,11 @@ def kernel_for(
     ``"cuda"``: a :class:`.fuse_triton.TritonKernel` (``scalar_dtypes``: the kinds of
     :func:`.fuse_triton.scalar_slots`). ``sumsq``: a CPU kernel that also sums each leaf's
     squares of its first result (``None`` where it cannot: a result not float32 or float64,
-    CUDA)."""
-    if sumsq and device_type != "cpu":
+    CUDA). ``vectors``: per per-leaf input, whether it is read per element after all (a
+    value per column, for :meth:`Kernel.by_rows`; CPU only)."""
+    if (sumsq or any(vectors)) and device_type != "cpu":
         return None
-    key = (fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq)
+    key = (fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq, tuple(vectors))
     k = _kernels.get(key, _MISSING)
     if k is not _MISSING:
         return k
@@ -823,7 +898,7 @@ def kernel_for(
             return k
         try:
             if device_type == "cpu":
-                k = Kernel(fn, in_dtypes, scalar_dtypes, n_per_leaf, sumsq)
+                k = Kernel(fn, in_dtypes, scalar_dtypes, n_per_leaf, sumsq, vectors)
             else:
                 from .fuse_triton import TritonKernel
 
