@@ -435,6 +435,12 @@ def scale_by_factored_rms(
     the number of leaves and their placements. ``mean_{-1}(R)`` is completed in the same call
     (see :func:`factored_ema`). Non-factored leaves need no communication.
 
+    An elementwise part for the engine (:mod:`functional_train.engine.elementwise`): its
+    prologue computes the statistics (the reduction), its leaf function
+    (:func:`factored_update`) makes the update from them, and ``ft.step`` / ``chain`` run it in
+    one pass with the elementwise transforms after it (a value per row and one per column,
+    read by a kernel run by rows on CPU).
+
     Args:
         decay_rate: exponent of the relative-step decay ``b2t = 1 - t^decay_rate``; HF's sign
             convention (``<= 0``; the default ``-0.8`` is HF's and the paper's).
@@ -731,7 +737,8 @@ def ema(
     is ``m``, or ``m / (1 - decay^t)`` with ``debias`` (t counted from 1).
 
     optax ``ema`` semantics, but ``debias`` defaults to ``False`` (Adafactor's ``beta1``
-    momentum, HF ``exp_avg``, is not debiased). Elementwise: no communication.
+    momentum, HF ``exp_avg``, is not debiased). Elementwise: no communication; an elementwise
+    part, fused with the transforms beside it.
 
     Args:
         decay: in [0, 1).
