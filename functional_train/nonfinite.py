@@ -17,6 +17,7 @@ last part zeroes the update where not ``ok``; ``ft.step`` runs it all as one pas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -182,18 +183,45 @@ def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int
     return _guarded_over(parts, inner_fus, clip_first)
 
 
-def _guarded_parts(inner_parts: tuple, clip_first: bool, max_consecutive_errors: int) -> tuple:
+def _tolerant(max_consecutive_errors: int) -> Callable:
+    """``apply_if_finite``'s decision: ``decide(counters, finite) -> (ok, new counters)``, the
+    counters ``(notfinite_count, last_finite, total_notfinite)``; after more than
+    ``max_consecutive_errors`` non-finite updates in a row the update is applied anyway."""
+
+    def decide(counters, finite):
+        notfinite_count, _, total_notfinite = counters
+        count = torch.where(finite, torch.zeros_like(notfinite_count), notfinite_count + 1)
+        ok = finite | (count > max_consecutive_errors)
+        return ok, (count, finite, total_notfinite + (~finite).to(torch.int64))
+
+    return decide
+
+
+def _guarded_parts(
+    inner_parts: tuple,
+    clip_first: bool,
+    max_consecutive_errors: int | Callable,
+    name: str = "apply_if_finite",
+) -> tuple:
     """The parts of ``apply_if_finite(inner)``'s Fusable: a first part that decides (``ok``,
     published in the run context), the inner's parts guarded
     (:func:`~functional_train.engine.elementwise.guarded`), a last part that zeroes
-    the update where not ``ok``.
+    the update where not ``ok``. ``max_consecutive_errors`` may be the decision itself,
+    ``decide(counters, finite) -> (ok, new counters)`` (:func:`_tolerant`'s;
+    ``dynamic_loss_scale``'s skips every non-finite update and updates its scale), ``name``
+    the wrapper's.
 
     With ``clip_first`` (``inner`` starts with ``clip_by_global_norm``) the first part IS the
     clip's: its norm, finite exactly when every element is, decides, and the gradients are
     read once (for the norm) before the pass. Otherwise the first part reduces the per-leaf
     non-finite flags (:func:`_all_finite_of`) and passes the updates through."""
     # this wrapper's entry in the run context (a string: dynamo compares dict keys by value)
-    key = E.context_key("apply_if_finite")
+    key = E.context_key(name)
+    decide = (
+        max_consecutive_errors
+        if callable(max_consecutive_errors)
+        else _tolerant(max_consecutive_errors)
+    )
     clip = inner_parts[0] if clip_first else None
     if clip is not None and clip.n_fields:
         raise AssertionError("clip_by_global_norm has no state fields")
@@ -202,7 +230,7 @@ def _guarded_parts(inner_parts: tuple, clip_first: bool, max_consecutive_errors:
         # (the counters as a tuple, and the leading clip's state: the new state has this
         # structure too, so that a wrapper guarding this part, a compiled multi_steps or an
         # outer apply_if_finite, selects it leaf by leaf)
-        (notfinite_count, _, total_notfinite), cs = state
+        counters, cs = state
         if clip is not None:
             sc, fin = E.call_prologue(clip, cs, b, ctx)
             new_cs = fin(())
@@ -210,13 +238,12 @@ def _guarded_parts(inner_parts: tuple, clip_first: bool, max_consecutive_errors:
         else:
             sc, new_cs = (), None
             finite = _all_finite_of(b)
-        finite = finite.to(notfinite_count.device)
-        count = torch.where(finite, torch.zeros_like(notfinite_count), notfinite_count + 1)
-        ok = finite | (count > max_consecutive_errors)
+        finite = finite.to(counters[0].device)
+        ok, new_counters = decide(counters, finite)
         ctx[key] = ok
 
         def finish(trees):
-            counters = (count, finite, total_notfinite + (~finite).to(torch.int64))
+            counters = new_counters
             if clip is None:
                 return counters, None
             return counters, E.select_state(ok, new_cs, cs, ())
@@ -225,7 +252,7 @@ def _guarded_parts(inner_parts: tuple, clip_first: bool, max_consecutive_errors:
 
     if clip is not None:
         first = E.Elementwise(
-            f"apply_if_finite({clip.name})",
+            f"{name}({clip.name})",
             clip.leaf,
             prologue,
             clip.fields,
@@ -234,11 +261,13 @@ def _guarded_parts(inner_parts: tuple, clip_first: bool, max_consecutive_errors:
             static=clip.static,
             reduces=True,
             context=True,
+            # (after an earlier pass, dynamic_loss_scale's unscaling: its sums of squares)
+            reads_sum_squares=clip.reads_sum_squares,
         )
         rest = inner_parts[1:]
     else:
         first = E.Elementwise(
-            "apply_if_finite",
+            name,
             lambda u, p, s, h, k: (u, ()),
             prologue,
             E.no_fields,
@@ -248,8 +277,8 @@ def _guarded_parts(inner_parts: tuple, clip_first: bool, max_consecutive_errors:
         )
         rest = inner_parts
 
-    end = E.zeroed_unless(key, "apply_if_finite")
-    return (first, *(E.guarded(p, key, "apply_if_finite") for p in rest), end)
+    end = E.zeroed_unless(key, name)
+    return (first, *(E.guarded(p, key, name) for p in rest), end)
 
 
 def _guarded_over(parts: tuple, inner_fus: E.Fusable, clip_first: bool) -> E.Fusable:
@@ -511,6 +540,7 @@ def dynamic_loss_scale(
     )
     growth_interval = V.integer("growth_interval", growth_interval, where=where, low=1)
     clip_norm = _leading_clip_norm(inner)
+    inner_fus = E.fusable_of(inner)
 
     def init_fn(params):
         dev = first_device(params)
@@ -529,6 +559,12 @@ def dynamic_loss_scale(
                 f"dynamic_loss_scale.init, got {type(state).__name__}"
             )
         given_view = isinstance(updates, Prepared)
+        if fus is not None:  # (the fused form: the same parts ft.step runs)
+            b = prepare(updates, params, mesh, need_params=fus.needs_params, name=where, view=True)
+            new_updates, new_state = E.run(fus, b, state, params)
+            if isinstance(new_updates, Prepared) and not given_view:
+                new_updates = new_updates.tree()
+            return new_updates, new_state
         b = prepare(updates, params, mesh, name=where, view=True)
         inv = state.scale.double().reciprocal().float()
         g = [b.locals[i] for i in b.active]
@@ -543,30 +579,70 @@ def dynamic_loss_scale(
         new_updates = _zeros_where_not(finite, new_updates)
         if isinstance(new_updates, Prepared) and not given_view:
             new_updates = new_updates.tree()
+        _, counters = decide(state[:4], finite)
+        return new_updates, DynamicLossScaleState(
+            *counters, _where_tree(finite, new_inner, state.inner_state)
+        )
+
+    def decide(counters, finite):
         # torch's _amp_update_scale_, as tensor ops: its kernels (CPU and CUDA) multiply the
         # float32 scale by the factor as a double and round the product to float32 once (a
         # float32 product would round a factor such as 1.1 or 0.3 first: an ulp off per change)
-        tracker = torch.where(
-            finite, state.growth_tracker + 1, torch.zeros_like(state.growth_tracker)
-        )
-        scale64 = state.scale.double()
-        grown = (scale64 * growth_factor).to(state.scale.dtype)
+        old_scale, old_tracker, _, total_notfinite = counters
+        tracker = torch.where(finite, old_tracker + 1, torch.zeros_like(old_tracker))
+        scale64 = old_scale.double()
+        grown = (scale64 * growth_factor).to(old_scale.dtype)
         grow = finite & (tracker == growth_interval)
         scale = torch.where(
             ~finite,
-            (scale64 * backoff_factor).to(state.scale.dtype),
-            torch.where(grow & torch.isfinite(grown), grown, state.scale),
+            (scale64 * backoff_factor).to(old_scale.dtype),
+            torch.where(grow & torch.isfinite(grown), grown, old_scale),
         )
         tracker = torch.where(grow, torch.zeros_like(tracker), tracker)
-        return new_updates, DynamicLossScaleState(
-            scale,
-            tracker,
-            finite,
-            state.total_notfinite + (~finite).to(torch.int64),
-            _where_tree(finite, new_inner, state.inner_state),
-        )
+        return finite, (scale, tracker, finite, total_notfinite + (~finite).to(torch.int64))
 
+    fus = None if inner_fus is None else _scaled(inner_fus, clip_norm is not None, decide)
+    if fus is not None:
+        E.register(update_fn, fus)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
+
+
+def _unscale_prologue(scale, b):
+    return (scale.double().reciprocal().float(),), lambda trees: None
+
+
+def _unscale_leaf(u, p, s, h, key):
+    """``u * (1 / scale)``, the reciprocal taken in float64 and rounded to float32 (a
+    scalar), the result in ``u``'s dtype (``GradScaler.unscale_``)."""
+    return (u * h[0]).to(u.dtype), ()
+
+
+_UNSCALE = E.Elementwise("dynamic_loss_scale", _unscale_leaf, _unscale_prologue, E.no_fields, 0)
+
+
+def _scaled(inner_fus: E.Fusable, clip_first: bool, decide: Callable) -> E.Fusable:
+    """``dynamic_loss_scale(inner)``'s Fusable, for ``update`` and ``ft.step`` when ``inner``
+    is fusable: the unscaling, then ``apply_if_finite``'s parts (:func:`_guarded_parts`) deciding
+    with ``decide`` (every non-finite update skipped, the scale updated): a pass that unscales
+    (taking the squares a leading clip sums), the decision, one pass of the guarded inner."""
+    parts = (_UNSCALE, *_guarded_parts(inner_fus.parts, clip_first, decide, "dynamic_loss_scale"))
+
+    def split(state):
+        if not isinstance(state, DynamicLossScaleState):
+            raise ValueError(
+                "dynamic_loss_scale: expected the DynamicLossScaleState from "
+                f"dynamic_loss_scale.init, got {type(state).__name__}"
+            )
+        inner_states = list(inner_fus.split(state.inner_state))
+        cs = inner_states.pop(0) if clip_first else None
+        return [state.scale, (tuple(state[:4]), cs), *inner_states, None]
+
+    def join(states):
+        counters, cs = states[1]
+        inner_states = ([cs] if clip_first else []) + list(states[2:-1])
+        return DynamicLossScaleState(*counters, inner_fus.join(inner_states))
+
+    return E.Fusable(parts, split, join)
 
 
 def skip_not_finite(updates, gradient_step, params=None, *, mesh=None):

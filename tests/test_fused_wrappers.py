@@ -777,3 +777,56 @@ def test_identity_clip_and_ema_fuse(name, mode, dtype, monkeypatch):
     want, want_state = _run(make(), params, grads, "update")
     _close(p, want, params, dtype)
     _states_close(state, want_state, dtype)
+
+
+def _loss_scaled(general=False):
+    more = (_foreign_identity(),) if general else ()
+    return {
+        "clip": ft.dynamic_loss_scale(_clip_adamw(*more), init_scale=2.0**6, growth_interval=2),
+        "plain": ft.dynamic_loss_scale(
+            ft.chain(_adamw(), *more), 2.0**6, growth_factor=1.1, backoff_factor=0.3
+        ),
+    }
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+@pytest.mark.parametrize("name", ["clip", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dynamic_loss_scale_fuses(name, mode, dtype, monkeypatch):
+    """``dynamic_loss_scale`` of a fusable transform is the unscaling (a pass, which takes the
+    squares a leading clip sums), the decision, and ``apply_if_finite``'s guarded parts (one
+    pass, ``p + u`` included): ONE engine run per step, two kernel calls, over steps with
+    non-finite gradients (skipped, the scale backed off) and finite ones (the scale grown);
+    the numbers of its general path (the inner made unfusable by a foreign identity) to the
+    kernels' rounding, the scale and counters exactly."""
+    params, grads = _problem(dtype, bad=True)
+    grads = [{k: v * 64 for k, v in g.items()} for g in grads]
+    seen = kernel_calls(monkeypatch)
+    runs: list = []
+    real_run = E.run
+
+    def run(*args, **kw):
+        runs.append(kw.get("apply"))
+        return real_run(*args, **kw)
+
+    monkeypatch.setattr(E, "run", run)
+    tx = _loss_scaled()[name]
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    for g in grads:
+        n, r = len(seen), len(runs)
+        g = {k: v.clone() for k, v in g.items()}
+        if mode == "update":
+            u, state = tx.update(g, state, p)
+            p = ft.apply_updates(p, u)
+            assert runs[r:] == [None]
+        else:
+            p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+            assert runs[r:] == [mode]
+            assert len(seen) - n == 2
+    want, want_state = _run(_loss_scaled(general=True)[name], params, grads, "update")
+    assert int(state.total_notfinite) == len(BAD) and bool(state.last_finite)
+    assert torch.equal(state.scale, want_state.scale)
+    assert torch.equal(state.growth_tracker, want_state.growth_tracker)
+    _close(p, want, params, dtype)
+    _states_close(state.inner_state, want_state.inner_state[:-1], dtype)
