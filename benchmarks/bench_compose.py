@@ -62,6 +62,11 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
                    torch code: clip + AdamW(foreach, lr=1e-3) + LambdaLR whose lambda computes the
                    same schedule divided by the peak (in Python floats), sched.step() after each
                    opt.step() (optax counts: the first update uses the schedule at 0, as LambdaLR)
+  loss_scale       dynamic_loss_scale(chain(clip, adamw)): the gradients as given are the scaled
+                   ones (scale 2**16, GradScaler's default; every step finite)
+                   torch code: torch.amp.GradScaler(init_scale=2**16): scaler.unscale_(opt),
+                   clip, scaler.step(opt) (AdamW(foreach); a host read of its inf flag),
+                   scaler.update()
   lamb             chain(clip, lamb(1e-3, 0.9, 0.999, 1e-6, weight_decay=0.1)): a per-leaf trust
                    ratio from per-leaf norms, between two elementwise passes
                    torch code: clip + LAMB in torch._foreach operations (TorchCode.lamb_step:
@@ -75,7 +80,8 @@ Systems per row:
                  column ``x base`` is on one scale across rows); only the multi_steps row's
                  baseline accumulates and averages the 4 gradients first like (b) (otherwise it
                  would time a quarter of the gradients). Its parameters are compared with (b)'s
-                 only where its math is the row's (not in masked, schedule and lamb: "other")
+                 only where its math is the row's (not in masked, schedule, loss_scale and lamb:
+                 "other")
   (b) torch      the torch code for the row's math (above); the reference of the check
   (c) donate     params, state = ft.step(tx, grads, state, params, donate=True)
   (d) pure       params, state = ft.step(tx, grads, state, params) (donate=False; nothing is
@@ -102,8 +108,9 @@ minor page faults during one unit (see bench_engine), ``MiB`` the peak extra mem
 leaf's largest |value| (max over leaves of max|p - p_torch| / max|p_torch|, the EMA included in
 the ema_params row; after the memory unit every system has taken the same steps with the same
 gradients); ``other`` where the system's math is not the row's (the baseline in masked,
-schedule and lamb). A row is flagged FAILED (and the script exits 1) when any system's relative
-difference exceeds 1e-5 or its results (or the torch code's) are not finite. ``--dtype
+schedule, loss_scale and lamb). A row is flagged FAILED (and the script exits 1) when any
+system's relative difference exceeds 1e-5 or its results (or the torch code's) are not
+finite. ``--dtype
 bfloat16`` casts the parameters and gradients (made in float32) to bfloat16 for every system,
 torch's included; the bound is then 4 units in bfloat16's last place (the generated kernels
 round each result once, torch's foreach code every operation). Not float16: torch.optim's
@@ -174,6 +181,7 @@ EVERY_K = 4
 EMA_DECAY = 0.999
 LAMB_EPS = 1e-6  # lamb's default (optax's, Colossal-AI's)
 MAX_ERRORS = 5
+LOSS_SCALE = 2.0**16  # GradScaler's default
 WARMUP_STEPS, DECAY_STEPS = 3, 12
 ROWS = [
     "adamw",
@@ -186,11 +194,13 @@ ROWS = [
     "partition",
     "partition_clips",
     "schedule",
+    "loss_scale",
     "lamb",
 ]
 # the math of two param groups
 MASKED_ROWS = ("masked", "masked_primitives", "partition", "partition_clips")
-OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "lamb")  # the baseline (a) is not the row's math
+# the baseline (a) is not the row's math
+OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "loss_scale", "lamb")
 RTOL = 1e-5
 
 
@@ -247,12 +257,18 @@ def make_tx(row):
     if row == "schedule":
         sched = ft.schedules.warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS)
         return ft.chain(clip(), ft.adamw(sched, weight_decay=WD))
+    if row == "loss_scale":
+        return ft.dynamic_loss_scale(
+            ft.chain(clip(), ft.adamw(LR, weight_decay=WD)), init_scale=LOSS_SCALE
+        )
     if row == "lamb":
         return ft.chain(clip(), ft.lamb(LR, *BETAS, LAMB_EPS, weight_decay=WD))
     raise ValueError(f"unknown row {row!r}; rows: {', '.join(ROWS)}")
 
 
 def ref_name(row):
+    if row == "loss_scale":
+        return "(b) torch code, GradScaler + AdamW(foreach)"
     return "(b) torch code, " + ("LAMB (foreach)" if row == "lamb" else "AdamW(foreach)")
 
 
@@ -287,6 +303,9 @@ class TorchCode:
                 },
             ]
         self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kind)
+        self.scaler = None
+        if self.row == "loss_scale":
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
         self.sched = None
         if self.row == "schedule":
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule_lambda)
@@ -330,6 +349,8 @@ class TorchCode:
                 for more in self.gsrc[1:]:
                     torch._foreach_add_(gs, more)
                 torch._foreach_div_(gs, float(self.k))
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
         if self.row == "partition_clips":  # (each group by its own norm)
             for group in self.opt.param_groups:
                 torch.nn.utils.clip_grad_norm_(group["params"], MAX_NORM, foreach=True)
@@ -341,6 +362,9 @@ class TorchCode:
         elif self.row == "apply_if_finite":
             if torch.isfinite(total):
                 self.opt.step()
+        elif self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
         else:
             self.opt.step()
         if self.sched is not None:

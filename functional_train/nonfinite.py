@@ -506,6 +506,10 @@ def dynamic_loss_scale(
     Collectives: ``inner``'s, plus ONE scalar all-reduce over the mesh unless ``inner`` starts
     with ``clip_by_global_norm`` (torch's FSDP ``ShardedGradScaler`` all-reduces its flag too).
 
+    When ``inner`` is fusable (a chain of elementwise transforms), so is the wrapper: the
+    unscaling is a pass (which sums the squares a leading clip reads), then the decision, then
+    ``apply_if_finite``'s guarded parts in one pass (``p + u`` included in ``ft.step``).
+
     Args:
         inner: the optimizer, e.g. ``chain(clip_by_global_norm(1.0), adamw(1e-3))``.
         init_scale: > 0 (torch's default ``2**16``).
