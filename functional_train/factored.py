@@ -825,9 +825,7 @@ def _adafactor_scale(
         dtype), plus ``decay * p`` (the leaf's ``-alpha_t * weight_decay``, float64, cast to
         ``u``'s dtype) where it decays."""
         out = u * h[0].to(u.dtype)
-        if not decays or key is False:
-            return out, ()
-        return out + p.to(out.dtype) * h[1].to(out.dtype), ()
+        return (decayed(out, p, h[1], key) if decays else out), ()
 
     spec = E.Elementwise(
         where,
@@ -843,6 +841,15 @@ def _adafactor_scale(
     tx = elementwise_transform(spec, init_fn)
     attach_spec(tx.update, keep_of=keep_of)
     return tx
+
+
+def decayed(u: torch.Tensor, p: torch.Tensor, coef: torch.Tensor, key) -> torch.Tensor:
+    """Adafactor's decay on one leaf: ``u + p * coef`` (``coef`` the leaf's float64 decay
+    factor, cast to ``u``'s dtype), ``u`` itself where the mask keeps it from decay (``key``
+    False)."""
+    if key is False:
+        return u
+    return u + p.to(u.dtype) * coef.to(u.dtype)
 
 
 def rho_at(rho, state) -> torch.Tensor:
@@ -969,11 +976,8 @@ def _add_step_size_decayed_weights(
         return (coef,), lambda trees: new_state
 
     def leaf(u, p, s, h, key):
-        """``u + p * coef`` (the leaf's ``weight_decay * alpha_t``, float64, in ``u``'s
-        dtype) where it decays."""
-        if key is False:
-            return u, ()
-        return u + p.to(u.dtype) * h[0].to(u.dtype), ()
+        """``u + p * coef`` (the leaf's ``weight_decay * alpha_t``) where it decays."""
+        return decayed(u, p, h[0], key), ()
 
     spec = E.Elementwise(
         where,

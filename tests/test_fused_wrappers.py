@@ -727,6 +727,20 @@ def _adafactor_momentum():
     return ft.adafactor(beta1=0.9, weight_decay=0.1, mask=lambda p: {k: k != "b" for k in p})
 
 
+def _engine_runs(monkeypatch) -> list:
+    """A list that receives the ``apply`` argument of every engine run (``E.run``: ``None``
+    for ``update``, ``"pure"`` / ``"donate"`` for ``ft.step``) for the rest of the test."""
+    runs: list = []
+    real_run = E.run
+
+    def run(*args, **kw):
+        runs.append(kw.get("apply"))
+        return real_run(*args, **kw)
+
+    monkeypatch.setattr(E, "run", run)
+    return runs
+
+
 # name: (transform, kernel calls per step where it fuses: one per stage and group of leaves)
 PRIMITIVES = {
     "identity": (lambda: ft.chain(ft.identity(), _clip_adamw(), ft.identity()), 1),
@@ -756,14 +770,7 @@ def test_identity_clip_and_ema_fuse(name, mode, dtype, monkeypatch):
     make, calls = PRIMITIVES[name]
     params, grads = _problem(dtype)
     seen = kernel_calls(monkeypatch)
-    runs: list = []
-    real_run = E.run
-
-    def run(*args, **kw):
-        runs.append(kw.get("apply"))
-        return real_run(*args, **kw)
-
-    monkeypatch.setattr(E, "run", run)
+    runs = _engine_runs(monkeypatch)
     tx = make()
     state = tx.init(params)
     p = {k: v.clone() for k, v in params.items()}
@@ -802,14 +809,7 @@ def test_dynamic_loss_scale_fuses(name, mode, dtype, monkeypatch):
     params, grads = _problem(dtype, bad=True)
     grads = [{k: v * 64 for k, v in g.items()} for g in grads]
     seen = kernel_calls(monkeypatch)
-    runs: list = []
-    real_run = E.run
-
-    def run(*args, **kw):
-        runs.append(kw.get("apply"))
-        return real_run(*args, **kw)
-
-    monkeypatch.setattr(E, "run", run)
+    runs = _engine_runs(monkeypatch)
     tx = _loss_scaled()[name]
     state = tx.init(params)
     p = {k: v.clone() for k, v in params.items()}
