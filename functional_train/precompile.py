@@ -220,7 +220,15 @@ def _aot_compile(fn: Callable, args: tuple):
 
 
 def _function_with_globals(fn: Callable, globals_: dict) -> Callable:
-    return types.FunctionType(fn.__code__, globals_, "precompiled_step", fn.__defaults__)
+    """``fn`` with ``globals_``, its code a copy of its own, named for this step object:
+    dynamo keeps what it learnt of a code's inputs across compiles (its automatic dynamic
+    state, by file, line and name), and one step's (adafactor's) made a later transform's
+    compile of the same code fail in inductor (``ToFloat(False)``)."""
+    code = fn.__code__.replace(co_name=f"precompiled_step_{next(_STEP_CODES)}")
+    return types.FunctionType(code, globals_, "precompiled_step", fn.__defaults__)
+
+
+_STEP_CODES = itertools.count()
 
 
 def precompiled_step(

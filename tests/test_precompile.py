@@ -154,3 +154,21 @@ def test_transforms_precompile_and_match_eager(name, tmp_path):
     assert f.compiled == len(list(tmp_path.glob("*.pt2"))) >= 1
     for k in params:
         torch.testing.assert_close(p[k] - params[k], pe[k] - params[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_steps_of_two_transforms_in_one_process(tmp_path):
+    """Each precompiled step's code is its own: dynamo keeps what it learnt of a code's
+    inputs across compiles (automatic dynamic), and sgd's step compiled after adafactor's,
+    both from one template code, failed in inductor (``ToFloat(False)``; found by running
+    ``test_transforms_precompile_and_match_eager`` in one process). Both match eager."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"w": (16, 8), "b": (8,), "ln.weight": (8,), "tall": (32, 16)}
+    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(3)]
+    for name in ("adafactor", "sgd"):
+        tx = transforms()[name]
+        p, _ = run(ft.precompiled_step(tx, tmp_path / name), tx, params, grads)
+        pe, _ = run(eager(tx), tx, params, grads)
+        for k in params:
+            torch.testing.assert_close(p[k] - params[k], pe[k] - params[k], rtol=1e-4, atol=1e-6)
