@@ -306,6 +306,7 @@ class TorchCode:
         self.scaler = None
         if self.row == "loss_scale":
             self.scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
+            self.scaler.scale(torch.ones((), device=device))  # (its scale made, as a loop's)
         self.sched = None
         if self.row == "schedule":
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule_lambda)
@@ -756,6 +757,7 @@ def describe(row):
         "adamw(0))})",
         "schedule": f"chain(clip, adamw(warmup_cosine_decay_schedule(0, {LR}, {WARMUP_STEPS}, "
         f"{DECAY_STEPS})))",
+        "loss_scale": "dynamic_loss_scale(chain(clip, adamw), init_scale=2**16)",
         "lamb": f"chain(clip, lamb({LR}, weight_decay={WD}))",
     }[row]
 
