@@ -655,6 +655,12 @@ def _factored_chains():
             {"a": adafactor(beta1=0.9), "b": ft.adamw(1e-2)},
             lambda p: {k: "a" if k in ("w", "t", "big") else "b" for k in p},
         ),
+        # adamw's parts first: the factored part in their stage, their moments absent (None)
+        # at its leaves, left out of its kernel's inputs
+        "partition_after": lambda: ft.partition(
+            {"a": ft.adamw(1e-2), "b": adafactor(beta1=0.9)},
+            lambda p: {k: "b" if k in ("w", "t", "big") else "a" for k in p},
+        ),
     }
 
 

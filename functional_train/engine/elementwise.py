@@ -1480,7 +1480,10 @@ def _broadcast_groups(ins: list, keys: list, n_per_leaf: int, plain: bool, group
         if all(k == "s" for k in kinds):
             single.append(j)
             continue
-        leaf_ins = [lst[j] for lst in ins]
+        # (an absent state leaf, None: a restricted part's outside its leaves, left out of
+        # the kernel's inputs as the other groups leave it)
+        absent = tuple(k for k in range(first) if ins[k][j] is None)
+        leaf_ins = [lst[j] for k, lst in enumerate(ins) if k not in absent]
         fast = (
             plain
             and None not in kinds
@@ -1490,11 +1493,11 @@ def _broadcast_groups(ins: list, keys: list, n_per_leaf: int, plain: bool, group
             )
         )
         sig: tuple = (
-            (("v",) * first + kinds, tuple(x.dtype for x in leaf_ins), keys[j], ())
+            (("v",) * (first - len(absent)) + kinds, tuple(x.dtype for x in leaf_ins), keys[j])
             if fast
-            else (False, None, keys[j], ())
+            else (False, None, keys[j])
         )
-        groups.setdefault(sig, []).append(j)
+        groups.setdefault((*sig, absent), []).append(j)
     if single:
         _leaf_groups(ins, keys, single, plain, groups)
 
