@@ -176,10 +176,10 @@ def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, devi
     return finite.to(device), updates, new_inner
 
 
-def _guarded(inner_fus: E.Fusable, clip_first: bool, max_consecutive_errors: int) -> E.Fusable:
+def _guarded(inner_fus: E.Fusable, clip_first: bool, decide: Callable) -> E.Fusable:
     """The :class:`~functional_train.engine.elementwise.Fusable` of ``apply_if_finite(inner)``
     (:func:`_guarded_parts` of its parts, its state through :func:`_guarded_over`)."""
-    parts = _guarded_parts(inner_fus.parts, clip_first, max_consecutive_errors)
+    parts = _guarded_parts(inner_fus.parts, clip_first, decide)
     return _guarded_over(parts, inner_fus, clip_first)
 
 
@@ -198,18 +198,14 @@ def _tolerant(max_consecutive_errors: int) -> Callable:
 
 
 def _guarded_parts(
-    inner_parts: tuple,
-    clip_first: bool,
-    max_consecutive_errors: int | Callable,
-    name: str = "apply_if_finite",
+    inner_parts: tuple, clip_first: bool, decide: Callable, name: str = "apply_if_finite"
 ) -> tuple:
     """The parts of ``apply_if_finite(inner)``'s Fusable: a first part that decides (``ok``,
     published in the run context), the inner's parts guarded
     (:func:`~functional_train.engine.elementwise.guarded`), a last part that zeroes
-    the update where not ``ok``. ``max_consecutive_errors`` may be the decision itself,
-    ``decide(counters, finite) -> (ok, new counters)`` (:func:`_tolerant`'s;
-    ``dynamic_loss_scale``'s skips every non-finite update and updates its scale), ``name``
-    the wrapper's.
+    the update where not ``ok``. ``decide(counters, finite) -> (ok, new counters)``: the
+    wrapper's decision (:func:`_tolerant`'s; ``dynamic_loss_scale``'s skips every non-finite
+    update and updates its scale), ``name`` the wrapper's.
 
     With ``clip_first`` (``inner`` starts with ``clip_by_global_norm``) the first part IS the
     clip's: its norm, finite exactly when every element is, decides, and the gradients are
@@ -217,11 +213,6 @@ def _guarded_parts(
     non-finite flags (:func:`_all_finite_of`) and passes the updates through."""
     # this wrapper's entry in the run context (a string: dynamo compares dict keys by value)
     key = E.context_key(name)
-    decide = (
-        max_consecutive_errors
-        if callable(max_consecutive_errors)
-        else _tolerant(max_consecutive_errors)
-    )
     clip = inner_parts[0] if clip_first else None
     if clip is not None and clip.n_fields:
         raise AssertionError("clip_by_global_norm has no state fields")
@@ -345,12 +336,9 @@ def apply_if_finite(
         "max_consecutive_errors", max_consecutive_errors, where="apply_if_finite", low=0
     )
     clip_norm = _leading_clip_norm(inner)
+    decide = _tolerant(max_consecutive_errors)
     inner_fus = E.fusable_of(inner)
-    fus = (
-        None
-        if inner_fus is None
-        else _guarded(inner_fus, clip_norm is not None, max_consecutive_errors)
-    )
+    fus = None if inner_fus is None else _guarded(inner_fus, clip_norm is not None, decide)
 
     def init_fn(params):
         dev = first_device(params)
@@ -379,38 +367,28 @@ def apply_if_finite(
         finite, new_updates, new_inner = _run_checked(
             inner, clip_norm, b, state.inner_state, params, extra, state.notfinite_count.device
         )
-        count = torch.where(
-            finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1
-        )
-        ok = finite | (count > max_consecutive_errors)
+        ok, counters = decide(state[:3], finite)
         new_updates = _zeros_where_not(ok, new_updates)
         if isinstance(new_updates, Prepared) and not given_view:
             new_updates = new_updates.tree()
         return new_updates, ApplyIfFiniteState(
-            count,
-            finite,
-            state.total_notfinite + (~finite).to(torch.int64),
-            _where_tree(ok, new_inner, state.inner_state),
+            *counters, _where_tree(ok, new_inner, state.inner_state)
         )
 
     if fus is not None:
         E.register(update_fn, fus)
     elif (switch := E.switch_of(inner)) is not None:
-        E.register(
-            update_fn, _guarded_switch(switch, clip_norm is not None, max_consecutive_errors)
-        )
+        E.register(update_fn, _guarded_switch(switch, clip_norm is not None, decide))
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def _guarded_switch(switch: E.Switch, clip_first: bool, max_consecutive_errors: int) -> E.Switch:
+def _guarded_switch(switch: E.Switch, clip_first: bool, decide: Callable) -> E.Switch:
     """``apply_if_finite(inner)``'s :class:`~functional_train.engine.elementwise.Switch` when
     ``inner`` has one (``multi_steps``): per call, :func:`_guarded` of the inner's choice (its
     zero updates written out, :func:`~functional_train.engine.elementwise.zeros_written`),
     its guarded parts made once per parts tuple (:func:`~functional_train.engine.elementwise.
     derived_parts`). Eager only (``None`` under ``torch.compile``: the general path)."""
-    guarded = E.derived_parts(
-        lambda parts: _guarded_parts(parts, clip_first, max_consecutive_errors)
-    )
+    guarded = E.derived_parts(lambda parts: _guarded_parts(parts, clip_first, decide))
 
     def choose(updates, state, params, mesh):
         if torch.compiler.is_compiling() or not isinstance(state, ApplyIfFiniteState):
