@@ -46,13 +46,19 @@ def _close(got, want, params, dtype):
     """Parameters within ``rtol`` of their largest change: float32 2e-6 on CPU (the C kernels
     round as torch's CPU kernels do), 1e-5 on CUDA (tests/test_fused.py's bound: ATen's CUDA
     kernels contract multiply-adds the generated Triton code may round twice); float64
-    1e-12."""
+    1e-12. On CUDA an element may also differ by one unit in the last place of the parameter:
+    ``p + u`` rounds once, and an update that differs in its own last bits (the contractions)
+    can round that sum to the neighbouring float (a change of 5e-4 on a parameter of 2 is far
+    below the parameter's 2.4e-7 spacing)."""
     cuda = next(iter(params.values())).is_cuda
     rtol = (1e-5 if cuda else 2e-6) if dtype == torch.float32 else 1e-12
     for k in params:
         change = (want[k] - params[k]).abs().max()
-        err = (got[k] - want[k]).abs().max()
-        assert err <= rtol * change + 1e-30, (k, float(err), float(change))
+        err = (got[k] - want[k]).abs()
+        bound = rtol * change + 1e-30
+        if cuda:
+            bound = bound + torch.finfo(dtype).eps * want[k].abs()
+        assert bool((err <= bound).all()), (k, float(err.max()), float(change))
 
 
 def _states_close(got, want, dtype, structure=True):
@@ -760,15 +766,17 @@ PRIMITIVES = {
 @pytest.mark.parametrize("mode", ["pure", "donate"])
 @pytest.mark.parametrize("name", sorted(PRIMITIVES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_identity_clip_and_ema_fuse(name, mode, dtype, monkeypatch):
+def test_identity_clip_and_ema_fuse(name, mode, dtype, monkeypatch, device):
     """``identity`` (no parts), ``clip`` (the clamp) and ``ema`` (the updates' moving average,
     Adafactor's ``beta1`` momentum) are elementwise parts: ``ft.step`` runs a chain holding
     them as ONE fused run ending with ``p + u`` (the engine's runs and kernel calls counted:
     one pass per stage and group of leaves), with the numbers and states of ``update`` +
     ``apply_updates`` run leaf by leaf in torch (the kernels off). Before, each took its own
-    path: the chain ran transform by transform (``update``), then ``p + u``."""
+    path: the chain ran transform by transform (``update``), then ``p + u``. On CUDA the
+    kernel calls are not counted (a factored leaf runs in torch there: the Triton writer takes
+    no per-leaf vectors)."""
     make, calls = PRIMITIVES[name]
-    params, grads = _problem(dtype)
+    params, grads = _problem(dtype, device=device)
     seen = kernel_calls(monkeypatch)
     runs = _engine_runs(monkeypatch)
     tx = make()
@@ -779,7 +787,7 @@ def test_identity_clip_and_ema_fuse(name, mode, dtype, monkeypatch):
         g = {k: v.clone() for k, v in g.items()}
         p, state = ft.step(tx, g, state, p, donate=mode == "donate")
         assert runs[r:] == [mode], name
-        assert len(seen) - n == calls, name
+        assert device.type != "cpu" or len(seen) - n == calls, name
     monkeypatch.setattr(fuse, "ENABLED", False)
     want, want_state = _run(make(), params, grads, "update")
     _close(p, want, params, dtype)
@@ -799,14 +807,14 @@ def _loss_scaled(general=False):
 @pytest.mark.parametrize("mode", ["update", "pure", "donate"])
 @pytest.mark.parametrize("name", ["clip", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_dynamic_loss_scale_fuses(name, mode, dtype, monkeypatch):
+def test_dynamic_loss_scale_fuses(name, mode, dtype, monkeypatch, device):
     """``dynamic_loss_scale`` of a fusable transform is the unscaling (a pass, which takes the
     squares a leading clip sums), the decision, and ``apply_if_finite``'s guarded parts (one
     pass, ``p + u`` included): ONE engine run per step, two kernel calls, over steps with
     non-finite gradients (skipped, the scale backed off) and finite ones (the scale grown);
     the numbers of its general path (the inner made unfusable by a foreign identity) to the
-    kernels' rounding, the scale and counters exactly."""
-    params, grads = _problem(dtype, bad=True)
+    kernels' rounding, the scale and counters exactly (kernel calls counted on CPU)."""
+    params, grads = _problem(dtype, bad=True, device=device)
     grads = [{k: v * 64 for k, v in g.items()} for g in grads]
     seen = kernel_calls(monkeypatch)
     runs = _engine_runs(monkeypatch)
@@ -823,7 +831,7 @@ def test_dynamic_loss_scale_fuses(name, mode, dtype, monkeypatch):
         else:
             p, state = ft.step(tx, g, state, p, donate=mode == "donate")
             assert runs[r:] == [mode]
-            assert len(seen) - n == 2
+            assert device.type != "cpu" or len(seen) - n == 2
     want, want_state = _run(_loss_scaled(general=True)[name], params, grads, "update")
     assert int(state.total_notfinite) == len(BAD) and bool(state.last_finite)
     assert torch.equal(state.scale, want_state.scale)

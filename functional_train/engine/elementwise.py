@@ -1127,14 +1127,19 @@ def _register_kernels() -> None:
     every input and result, 0.1 to 0.2 ms per call of a 122-leaf stage: :func:`_stage_op`
     makes its results fresh itself, see there; the donated one returns nothing)."""
     lib = torch.library.Library("functional_train", "FRAGMENT")
+
+    def impl(name, fn, key, **kw):
+        # torch before 2.12 refuses a second Python kernel for a key (it has no
+        # ``allow_override``); the dispatcher itself takes it, with a warning
+        getattr(torch.library, "_impls", set()).discard(f"functional_train/{name}/{key}")
+        lib.impl(name, fn, key, **kw)
+
     with warnings.catch_warnings():  # (it replaces custom_op's kernels for those keys: intended)
         warnings.simplefilter("ignore")
         if hasattr(torch._C, "_after_ADInplaceOrView_keyset"):  # (else custom_op's stays)
-            lib.impl(
-                "fused_stage_donated", _bump_versions_once, "ADInplaceOrView", with_keyset=True
-            )
-        lib.impl("fused_stage", _stage_op._init_fn, "CompositeExplicitAutograd")
-        lib.impl("fused_stage_donated", _stage_op_donated._init_fn, "CompositeExplicitAutograd")
+            impl("fused_stage_donated", _bump_versions_once, "ADInplaceOrView", with_keyset=True)
+        impl("fused_stage", _stage_op._init_fn, "CompositeExplicitAutograd")
+        impl("fused_stage_donated", _stage_op_donated._init_fn, "CompositeExplicitAutograd")
     _LIBS.append(lib)  # (a Library unregisters its kernels when it is collected)
 
 

@@ -47,8 +47,11 @@ _use_count = torch._C._storage_Use_Count
 _contiguous = torch.Tensor.is_contiguous
 _is_cow: Callable[[torch.Tensor], bool] | None = getattr(torch._C, "_is_cow_tensor", None)
 # a tensor's address for reading (a copy-on-write tensor is read where it lies, not copied:
-# the kernels take their inputs' by it; missing from torch's type stubs)
-const_data_ptr: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
+# the kernels take their inputs' by it; missing from torch's type stubs, and from some builds'
+# Tensor (torch 2.11's CUDA wheel): there the address for writing, which a lazy clone copies for)
+const_data_ptr: Callable[[torch.Tensor], int] = getattr(
+    torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr
+)
 _LAZY_CLONE: Callable[[torch.Tensor], torch.Tensor] | None = getattr(torch, "_lazy_clone", None)
 LAZY_CLONES = _LAZY_CLONE is not None  # (torch's copy-on-write clones: torch 2.2 and later)
 
