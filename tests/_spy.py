@@ -18,11 +18,13 @@ def kernel_calls(monkeypatch) -> list:
 
         monkeypatch.setattr(cls, "__call__", spy)
 
-    def by_rows(self, inputs, outputs, scalars, kinds, *, _real=fuse.Kernel.by_rows, **kw):
-        seen.append((self, len(inputs[0])))
-        return _real(self, inputs, outputs, scalars, kinds, **kw)
+    for cls in (fuse.Kernel, fuse_triton.TritonKernel):
 
-    monkeypatch.setattr(fuse.Kernel, "by_rows", by_rows)
+        def by_rows(self, inputs, outputs, scalars, kinds, *, _real=cls.by_rows, **kw):
+            seen.append((self, len(inputs[0])))
+            return _real(self, inputs, outputs, scalars, kinds, **kw)
+
+        monkeypatch.setattr(cls, "by_rows", by_rows)
     return seen
 
 

@@ -88,6 +88,8 @@ CHAINS = {
         ft.scale_by_learning_rate(1e-2),
     ),
     "adafactor_tail": lambda: ft.adafactor(weight_decay=0.1, mask=ft.decay_mask),
+    # (the update from the factored statistics: a value per row and one per column, by rows)
+    "factored_momentum": lambda: ft.adafactor(beta1=0.9, weight_decay=0.1, mask=ft.decay_mask),
     # (half-precision gradients into float32 accumulators: fused too)
     "multi_steps": lambda: ft.multi_steps(
         ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1)), every_k=2
@@ -174,8 +176,9 @@ def test_triton_writer_writes_every_generated_stage(dtype, monkeypatch):
     the Triton writer (``fuse_triton``: the CUDA kernels) writes too, as Python that parses,
     with scalars read by address and by value: what a CUDA step runs, checked where no GPU
     (and no Triton) is. Its numbers are checked on CUDA by the tests above (``--device
-    cuda``). (Not the stages run by rows, a value per column read per element: CPU only,
-    CUDA runs them leaf by leaf in torch.)"""
+    cuda``, and under Triton's interpreter by tests/test_fused_wrappers.py -k interpreter).
+    A stage run by rows (values per row and per column) is written ``indexed``: every per-leaf
+    input read per element through its leaf's index triple."""
     from functional_train.engine import fuse_triton
 
     stages: dict = {}
@@ -183,8 +186,8 @@ def test_triton_writer_writes_every_generated_stage(dtype, monkeypatch):
 
     def spy(fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu", sumsq=False, **kw):
         k = real(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq, **kw)
-        if k is not None and not any(kw.get("vectors", ())):
-            stages[(fn, in_dtypes, scalar_dtypes, n_per_leaf)] = k
+        if k is not None:
+            stages[(fn, in_dtypes, scalar_dtypes, n_per_leaf, any(kw.get("vectors", ())))] = k
         return k
 
     monkeypatch.setattr(fuse, "kernel_for", spy)
@@ -195,10 +198,10 @@ def test_triton_writer_writes_every_generated_stage(dtype, monkeypatch):
         for mode in ("update", "pure", "donate"):
             _run(CHAINS[name](), params, grads, mode)
     assert len(stages) >= 10
-    for (fn, in_dtypes, scalar_dtypes, n_per_leaf), k in stages.items():
+    for (fn, in_dtypes, scalar_dtypes, n_per_leaf, indexed), k in stages.items():
         for by_address in (True, False):
             kinds = tuple((d, by_address) for d in scalar_dtypes)
-            source, out_dtypes = fuse_triton.source_of(fn, in_dtypes, kinds, n_per_leaf)
+            source, out_dtypes = fuse_triton.source_of(fn, in_dtypes, kinds, n_per_leaf, indexed)
             compile(source, "<triton stage>", "exec")
             assert "def ft_stage(" in source and list(out_dtypes) == list(k.out_dtypes)
             assert source.count("tl.store(") == len(out_dtypes)

@@ -42,15 +42,16 @@ def _run(tx, params, grads, mode):
     return p, state
 
 
-def _close(got, want, params, dtype):
+def _close(got, want, params, dtype, twice=False):
     """Parameters within ``rtol`` of their largest change: float32 2e-6 on CPU (the C kernels
     round as torch's CPU kernels do), 1e-5 on CUDA (tests/test_fused.py's bound: ATen's CUDA
     kernels contract multiply-adds the generated Triton code may round twice); float64
     1e-12. On CUDA an element may also differ by one unit in the last place of the parameter:
     ``p + u`` rounds once, and an update that differs in its own last bits (the contractions)
     can round that sum to the neighbouring float (a change of 5e-4 on a parameter of 2 is far
-    below the parameter's 2.4e-7 spacing)."""
-    cuda = next(iter(params.values())).is_cuda
+    below the parameter's 2.4e-7 spacing). ``twice``: so on any device (kernels that round
+    a multiply-add twice: Triton's interpreter)."""
+    cuda = twice or next(iter(params.values())).is_cuda
     rtol = (1e-5 if cuda else 2e-6) if dtype == torch.float32 else 1e-12
     for k in params:
         change = (want[k] - params[k]).abs().max()
@@ -61,7 +62,7 @@ def _close(got, want, params, dtype):
         assert bool((err <= bound).all()), (k, float(err.max()), float(change))
 
 
-def _states_close(got, want, dtype, structure=True):
+def _states_close(got, want, dtype, structure=True, twice=False):
     a, b = ft.tree.tree_flatten(got)[0], ft.tree.tree_flatten(want)[0]
     assert len(a) == len(b)
     if structure:
@@ -75,7 +76,7 @@ def _states_close(got, want, dtype, structure=True):
             # its absolute bound is relative to the state's largest element, as in test_fused)
             rtol = 1e-5 if dtype == torch.float32 else 1e-12
             atol = 1e-12
-            if x.is_cuda and x.numel():
+            if (twice or x.is_cuda) and x.numel():
                 atol = max(atol, rtol * float(y.abs().nan_to_num(0.0, 0.0, 0.0).max()))
             torch.testing.assert_close(x, y, rtol=rtol, atol=atol, equal_nan=True)
         elif isinstance(x, torch.Tensor):
@@ -838,3 +839,97 @@ def test_dynamic_loss_scale_fuses(name, mode, dtype, monkeypatch, device):
     assert torch.equal(state.growth_tracker, want_state.growth_tracker)
     _close(p, want, params, dtype)
     _states_close(state.inner_state, want_state.inner_state[:-1], dtype)
+
+
+def _triton_interpreted(monkeypatch) -> None:
+    """For the rest of the test, the engine's stages on CPU leaves are the CUDA kernels
+    (``fuse_triton``: the Triton writer's source, the address and block tables, the scalars as
+    a CUDA stage reads them, :meth:`~functional_train.engine.fuse_triton.TritonKernel.by_rows`'
+    index triples) run by Triton's interpreter (``TRITON_INTERPRET=1``: numpy on the host,
+    reading the leaves' memory through the addresses in the table)."""
+    pytest.importorskip("triton")
+    from functional_train.engine import fuse_triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fuse, "_kernels", {})
+    real = fuse.kernel_for
+
+    def kernel_for(
+        fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu", sumsq=False, vectors=()
+    ):
+        if sumsq:  # (a CUDA stage sums no squares: the engine asks again without)
+            return None
+        return real(fn, in_dtypes, scalar_dtypes, n_per_leaf, "cuda", vectors=vectors)
+
+    monkeypatch.setattr(fuse, "kernel_for", kernel_for)
+    monkeypatch.setattr(
+        fuse, "scalar_pointers", lambda sc, device=None: fuse_triton.scalar_slots(sc, device)
+    )
+    import triton.language as tl
+
+    class libdevice:  # (CUDA's libdevice, which the interpreter does not run: its pow)
+        @staticmethod
+        def pow(a, b):
+            return tl.exp2(tl.log2(a) * b)
+
+    real_load = fuse_triton._load_source
+
+    def load(source, fn_name):
+        fn = real_load(source, fn_name)
+        if "libdevice" in fn.fn.__globals__:
+            fn.fn.__globals__["libdevice"] = libdevice
+        return fn
+
+    monkeypatch.setattr(fuse_triton, "_load_source", load)
+
+
+INTERPRETED = {
+    "clip_adamw": (_clip_adamw, False),
+    "adafactor_momentum": (_adafactor_momentum, False),
+    "factored_primitives": (
+        lambda: ft.chain(ft.scale_by_factored_rms(), ft.clip_by_block_rms(1.0), ft.scale(-1e-2)),
+        False,
+    ),
+    "partition_factored": (
+        lambda: ft.partition(
+            {"a": _adamw(), "f": ft.adafactor(beta1=0.9)},
+            lambda p: {k: "a" if k in ("b", "s") else "f" for k in p},
+        ),
+        False,
+    ),
+    "apply_if_finite_ema": CASES["apply_if_finite_ema"][::2],
+    "multi_steps_clip": CASES["multi_steps_clip"][::2],
+}
+
+
+@pytest.mark.filterwarnings("error:functional_train:RuntimeWarning")
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+@pytest.mark.parametrize("name", sorted(INTERPRETED))
+def test_triton_stages_under_the_interpreter(name, mode, monkeypatch):
+    """The CUDA stages' kernels, checked where no GPU is: the engine's stages run as the
+    generated Triton kernels under Triton's interpreter on CPU leaves (one launch per stage and
+    group of leaves; the factored update's leaves by :meth:`TritonKernel.by_rows`, a value per
+    row and one per column read per element through each leaf's index triple), over 7 steps
+    (non-finite gradients skipped, multi_steps' whole and partial cycles): the numbers and
+    states of the same definitions run leaf by leaf in torch (the kernels off), to float32
+    rounding as on CUDA (the interpreter rounds a multiply-add twice where torch's CPU
+    kernels may not; CUDA's ``libdevice.pow``, which the interpreter does not run, as
+    ``exp2(b * log2(a))``). No stage falls back to torch (warnings are errors)."""
+    from functional_train.engine import fuse_triton
+
+    make, bad = INTERPRETED[name]
+    params, grads = _problem(torch.float32, bad=bad)
+    monkeypatch.setattr(fuse, "ENABLED", False)
+    want, want_state = _run(make(), params, grads, mode)
+    monkeypatch.setattr(fuse, "ENABLED", True)
+    _triton_interpreted(monkeypatch)
+    seen = kernel_calls(monkeypatch)
+    got, got_state = _run(make(), params, grads, mode)
+    triton = [k for k, _ in seen if isinstance(k, fuse_triton.TritonKernel)]
+    assert triton and len(triton) == len(seen), name
+    if name in ("adafactor_momentum", "factored_primitives", "partition_factored"):
+        assert any(k.n_per_leaf for k in triton), name  # (the factored update: by rows)
+    if name == "apply_if_finite_ema":  # (its inf was skipped: every parameter finite)
+        assert all(bool(torch.isfinite(v).all()) for v in got.values())
+    _close(got, want, params, torch.float32, twice=True)
+    _states_close(got_state, want_state, torch.float32, twice=True)

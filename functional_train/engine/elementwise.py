@@ -34,8 +34,10 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   its leaf (``scale_by_factored_rms``' factors: ``(..., n, 1)``, one per row, and ``(..., 1,
   m)``, one per column; or leaf-shaped): such leaves run their kernel by rows
   (:meth:`.fuse.Kernel.by_rows`: each row a "leaf" of the call, its row's value read once,
-  the column values per element), on CPU; elsewhere leaf by leaf in torch, where the leaf
-  function's operations broadcast them.
+  the column values per element); on CUDA one Triton launch over the leaves reads every
+  per-leaf value per element through an index per leaf
+  (:meth:`.fuse_triton.TritonKernel.by_rows`); elsewhere leaf by leaf in torch, where the
+  leaf function's operations broadcast them.
 * ``restrict``: ``None``, or ``restrict(params) -> list`` of a bool per leaf: the only leaves
   the part acts on (``masked`` / ``partition`` build such parts: elsewhere the update passes
   through). Its prologue's view then covers those leaves only (``b.active``,
@@ -1475,9 +1477,11 @@ def _broadcast_groups(ins: list, keys: list, n_per_leaf: int, plain: bool, group
     """The leaves into ``groups`` for a stage whose per-leaf values include vectors (the
     factored second moment's row and column factors, :func:`_single_values` false): a leaf
     whose values are all single values as :func:`_leaf_groups` groups it; one with a vector
-    value, in a plain contiguous CPU tensor, by its inputs' kinds (``_operand_kind``), run by
-    rows (:meth:`.fuse.Kernel.by_rows`: a value per row is a per-leaf value of each row, a
-    value per column a leaf-shaped input of each row); anything else leaf by leaf in torch."""
+    value, in plain contiguous tensors on one device where kernels run, by its inputs' kinds
+    (``_operand_kind``), run by rows (:meth:`.fuse.Kernel.by_rows`: a value per row is a
+    per-leaf value of each row, a value per column a leaf-shaped input of each row; on CUDA
+    :meth:`.fuse_triton.TritonKernel.by_rows`, each per-leaf input read per element through an
+    index per leaf); anything else leaf by leaf in torch."""
     first = len(ins) - n_per_leaf
     single = []
     for j, leaf in enumerate(ins[0]):
@@ -1489,11 +1493,16 @@ def _broadcast_groups(ins: list, keys: list, n_per_leaf: int, plain: bool, group
         # the kernel's inputs as the other groups leave it)
         absent = tuple(k for k in range(first) if ins[k][j] is None)
         leaf_ins = [lst[j] for k, lst in enumerate(ins) if k not in absent]
+        dev = leaf.device
         fast = (
             plain
             and None not in kinds
+            and _kernel_device(leaf)
             and all(
-                type(x) is torch.Tensor and x.is_cpu and x.is_contiguous() and not x.requires_grad
+                type(x) is torch.Tensor
+                and x.device == dev
+                and x.is_contiguous()
+                and not x.requires_grad
                 for x in leaf_ins
             )
         )
@@ -1677,7 +1686,8 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst, sums=None, rows=No
     fresh = apply != "donate" and not any(x[0] is y[0] for x in res for y in cols)
     squares = torch.empty(len(idx), dtype=torch.float64) if kernel.sumsq else None
     if rows is not None:
-        kernel.by_rows(cols, res, sc, rows, fresh=fresh)
+        if kernel.by_rows(cols, res, sc, rows, fresh=fresh) is False:  # (as below)
+            return False
     elif squares is None:
         if kernel(cols, res, sc, fresh=fresh) is False:  # (a Triton kernel that did not compile)
             return False

@@ -885,8 +885,9 @@ def kernel_for(
     :func:`.fuse_triton.scalar_slots`). ``sumsq``: a CPU kernel that also sums each leaf's
     squares of its first result (``None`` where it cannot: a result not float32 or float64,
     CUDA). ``vectors``: per per-leaf input, whether it is read per element after all (a
-    value per column, for :meth:`Kernel.by_rows`; CPU only)."""
-    if (sumsq or any(vectors)) and device_type != "cpu":
+    value per column, for :meth:`Kernel.by_rows`; on CUDA any makes a kernel that reads every
+    per-leaf input per element, :meth:`.fuse_triton.TritonKernel.by_rows`)."""
+    if sumsq and device_type != "cpu":
         return None
     key = (fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq, tuple(vectors))
     k = _kernels.get(key, _MISSING)
@@ -902,7 +903,7 @@ def kernel_for(
             else:
                 from .fuse_triton import TritonKernel
 
-                k = TritonKernel(fn, in_dtypes, scalar_dtypes, n_per_leaf)
+                k = TritonKernel(fn, in_dtypes, scalar_dtypes, n_per_leaf, any(vectors))
         except Unsupported as e:
             if DEBUG:
                 warnings.warn(f"functional_train: a stage runs leaf by leaf: {e}", stacklevel=3)

@@ -19,6 +19,13 @@ of leaf sizes. A 0-dim tensor on the leaves' device (a clip factor, a bias corre
 scheduled learning rate) is read by the kernel through its address, so a stage's scalars never
 synchronise the host. No collectives (a stage is local; the engine issues a step's).
 
+A stage whose per-leaf values are vectors broadcast against their leaves (the factored second
+moment's value per row, ``(..., n, 1)``, and per column, ``(..., 1, m)``) is written
+``indexed``: each leaf's row of the table also holds, per per-leaf input, a triple ``(a, b,
+c)``, and element ``offs`` of the leaf reads that input at ``(offs // a) * b + offs % c`` (a
+value per row ``(m, 1, 1)``, per column ``(n * m, m, m)``, leaf-shaped ``(1, 1, 1)``, one
+value ``(numel + 1, 0, 1)``): still one launch for every leaf (:meth:`TritonKernel.by_rows`).
+
 Arithmetic follows ATen's CUDA kernels: half-precision leaves are computed in float32 and
 rounded once where stored (ATen's ``opmath``); float32 division and square root are IEEE's
 correctly rounded ones (``div_rn``, ``sqrt_rn``; Triton's defaults are approximations);
@@ -108,8 +115,17 @@ class _Writer(Lowering):
 
     TYPES = _TL
 
-    def __init__(self, gm: torch.fx.GraphModule, n_inputs: int, scalar_kinds, n_per_leaf: int):
-        super().__init__(gm, n_inputs, n_per_leaf)
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        n_inputs: int,
+        scalar_kinds,
+        n_per_leaf: int,
+        indexed: bool = False,
+    ):
+        super().__init__(gm, n_inputs, n_per_leaf, (indexed,) * n_per_leaf if indexed else ())
+        # (every per-leaf input read per element through its leaf's index triple: by_rows)
+        self.indexed = indexed
         self.scalar_kinds = scalar_kinds  # per scalar: (dtype, read through an address)
         self.lines: list = []  # (every value a line: Triton computes them per program)
         self.consts: list = []  # the literals, as module-level constexprs
@@ -199,7 +215,7 @@ class _Writer(Lowering):
                     raise Unsupported(f"a leaf of dtype {d}")
                 in_dtypes.append(d)
                 self.names[node] = f"x{k}"
-                if k < first_per_leaf:
+                if k < first_per_leaf or self.indexed:
                     self.vec.add(node)
             else:
                 self.names[node] = f"s{k - self.n_inputs}"
@@ -212,7 +228,9 @@ class _Writer(Lowering):
             if d not in _LEAF_DTYPES:
                 raise Unsupported(f"a result of dtype {d}")
         nin, nout = self.n_inputs, len(outputs)
-        nr = nin + nout + 1  # a leaf's row of the table: its addresses, then its numel
+        # a leaf's row of the table: its addresses, its numel, then (indexed) an index triple
+        # (a, b, c) per per-leaf input, which reads element (offs // a) * b + offs % c
+        nr = nin + nout + 1 + (3 * self.n_per_leaf if self.indexed else 0)
         src = [
             "import triton",
             "import triton.language as tl",
@@ -226,7 +244,7 @@ class _Writer(Lowering):
             "    leaf = tl.load(blocks + 2 * pid)",
             "    offs = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)",
             f"    row = tab + leaf * {nr}",
-            f"    mask = offs < tl.load(row + {nr - 1})",
+            f"    mask = offs < tl.load(row + {nin + nout})",
         ]
         for k, (d, by_address) in enumerate(self.scalar_kinds):
             slot = f"tl.load(tab + sc_off + {k})"
@@ -245,15 +263,24 @@ class _Writer(Lowering):
             src.append(f"    s{k} = {x}")
         for k, d in enumerate(in_dtypes):
             ptr = f"tl.load(row + {k}).to(tl.pointer_type({_TL[d]}))"
-            x = f"tl.load({ptr} + offs, mask=mask)" if k < first_per_leaf else f"tl.load({ptr})"
+            if k < first_per_leaf:
+                x = f"tl.load({ptr} + offs, mask=mask)"
+            elif self.indexed:
+                t = nin + nout + 1 + 3 * (k - first_per_leaf)
+                at = f"(offs // tl.load(row + {t})) * tl.load(row + {t + 1})"
+                x = f"tl.load({ptr} + {at} + offs % tl.load(row + {t + 2}), mask=mask)"
+            else:
+                x = f"tl.load({ptr})"
             if compute_dtype(d) != d:
                 x = f"{x}.to({_TL[compute_dtype(d)]})"
             src.append(f"    x{k} = {x}")
         src += ["    " + x for x in self.lines]
         for j, (o, d) in enumerate(zip(outputs, out_dtypes)):
             x = self.val(o, d)
-            if not self.is_vec(o):  # (computed from scalars only: written to every element)
-                x = f"({x} + tl.zeros([BLOCK], {_TL[compute_dtype(d)]}))"
+            if not self.is_vec(o):  # (computed from scalars only: written to every element;
+                # tl.full, not tl.zeros: a jit function Triton's interpreter runs only when it
+                # was on before triton was imported)
+                x = f"({x} + tl.full([BLOCK], 0, {_TL[compute_dtype(d)]}))"
             if compute_dtype(d) != d:
                 x = f"{x}.to({_TL[d]})"
             ptr = f"tl.load(row + {nin + j}).to(tl.pointer_type({_TL[d]}))"
@@ -313,16 +340,22 @@ def _blocks(numels: tuple, device: torch.device) -> tuple[torch.Tensor, int]:
     return hit
 
 
-def source_of(fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0) -> tuple[str, list]:
+def source_of(
+    fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0, indexed: bool = False
+) -> tuple[str, list]:
     """The Triton source of the stage ``fn`` (its kernel ``ft_stage``) for leaves of
     ``in_dtypes`` and scalars of ``scalar_kinds`` (:func:`scalar_slots`' kinds), and the
-    dtypes of its results. Needs no Triton (the source is text).
+    dtypes of its results. ``indexed``: every per-leaf input is read per element, through an
+    index triple per leaf in the table (:meth:`TritonKernel.by_rows`). Needs no Triton (the
+    source is text).
 
     Raises:
         Unsupported: an operation or dtype the writer does not write.
     """
-    gm = trace(fn, in_dtypes, tuple(d for d, _ in scalar_kinds), n_per_leaf)
-    source, out_dtypes = _Writer(gm, len(in_dtypes), scalar_kinds, n_per_leaf).source("ft_stage")
+    vectors = (True,) * n_per_leaf if indexed else ()
+    gm = trace(fn, in_dtypes, tuple(d for d, _ in scalar_kinds), n_per_leaf, vectors)
+    writer = _Writer(gm, len(in_dtypes), scalar_kinds, n_per_leaf, indexed)
+    source, out_dtypes = writer.source("ft_stage")
     if "libdevice." in source:
         source = source.replace(
             "import triton.language as tl\n",
@@ -362,11 +395,12 @@ class TritonKernel:
     leaves; ``scalars``: :func:`scalar_slots`' values. It does not sum its updates' squares
     (``sumsq`` is false: the clip's sums run as their own launches, :func:`sum_squares`)."""
 
-    __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "_checked")
+    __slots__ = ("fn", "n_inputs", "n_outputs", "n_per_leaf", "out_dtypes", "source", "_checked")
     sumsq = False
 
-    def __init__(self, fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0):
-        self.source, out_dtypes = source_of(fn, in_dtypes, scalar_kinds, n_per_leaf)
+    def __init__(self, fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0, indexed: bool = False):
+        self.source, out_dtypes = source_of(fn, in_dtypes, scalar_kinds, n_per_leaf, indexed)
+        self.n_per_leaf = n_per_leaf if indexed else 0  # (the index triples a leaf's row has)
         self.n_inputs = len(in_dtypes)
         self.n_outputs = len(out_dtypes)
         self.out_dtypes = out_dtypes
@@ -380,17 +414,42 @@ class TritonKernel:
         place). ``fresh`` is :class:`.fuse.Kernel`'s, unused here. ``False`` (nothing written)
         where Triton could not compile the kernel: the caller runs the stage in torch (a
         warning names the error once)."""
+        return self._launch(inputs, outputs, scalars, None)
+
+    def by_rows(self, inputs, outputs, scalars, kinds: Sequence[str], fresh: bool = False) -> bool:
+        """:meth:`.fuse.Kernel.by_rows`' call (``kinds``: per input, ``"v"``, ``"s"``, ``"r"``
+        or ``"c"``) for a kernel built ``indexed``: one launch over the leaves as
+        :meth:`__call__`'s, each per-leaf input read per element at ``(offs // a) * b + offs %
+        c`` of its leaf's triple: ``"v"`` ``(1, 1, 1)``, ``"s"`` ``(numel + 1, 0, 1)``, a
+        value per row ``(m, 1, 1)``, a value per column ``(n * m, m, m)``, for a leaf of shape
+        ``(..., n, m)``. ``False`` as :meth:`__call__`."""
+        first_per_leaf = len(inputs) - self.n_per_leaf
+        triples = array.array("q")
+        for x in inputs[0]:
+            s = x.shape
+            m = max(s[-1], 1) if len(s) >= 1 else 1
+            n = max(s[-2], 1) if len(s) >= 2 else 1
+            by_kind = {"v": (1, 1, 1), "s": (x.numel() + 1, 0, 1), "r": (m, 1, 1)}
+            by_kind["c"] = (n * m, m, m)
+            for kind in kinds[first_per_leaf:]:
+                triples.extend(by_kind[kind])
+        return self._launch(inputs, outputs, scalars, triples)
+
+    def _launch(self, inputs, outputs, scalars, triples) -> bool:
         if self._checked is None:
             return False
         first = inputs[0]
         n = len(first)
         roles = list(inputs) + list(outputs)
-        nr = len(roles) + 1
+        base = len(roles) + 1
+        nr = base + 3 * self.n_per_leaf
         numels = tuple(map(torch.Tensor.numel, first))
         tab = array.array("q", [0]) * (n * nr)
         for r, lst in enumerate(roles):
             tab[r::nr] = array.array("q", map(torch.Tensor.data_ptr, lst))
-        tab[nr - 1 :: nr] = array.array("q", numels)
+        tab[base - 1 :: nr] = array.array("q", numels)
+        for t in range(3 * self.n_per_leaf):  # (indexed: each leaf's index triples)
+            tab[base + t :: nr] = triples[t :: 3 * self.n_per_leaf]
         tab.extend(scalars)
         device = first[0].device
         index = first[0].get_device()
@@ -445,7 +504,7 @@ def ft_sumsq_leaves(tab, n, partial, out, BLOCK: tl.constexpr):
     leaf = tl.program_id(0)
     lo = tl.load(tab + 2 * n + leaf)
     hi = tl.load(tab + 2 * n + leaf + 1)
-    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    acc = tl.full([BLOCK], 0, tl.float64)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         acc += tl.load(partial + offs, mask=offs < hi, other=0.0)
