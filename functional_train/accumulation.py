@@ -17,6 +17,7 @@ and the updates zeroed there.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -314,31 +315,36 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
     def fields(state):
         return ((state.acc_grads, "MultiStepsState.acc_grads"),)
 
-    def non_final_prologue(state, b):
-        check(state, b)
-        active = set(b.active)
+    def non_final_prologue_of(fresh: bool):
+        """A non-final micro-step's prologue where every leaf with a gradient starts its
+        cycle (``fresh``: its flag 0, set to 1) or every one adds (its flag 1 already): the
+        choice ``choose`` made from the flags, so the new flags need no second read of them
+        (the leaves without a gradient keep theirs)."""
 
-        def finish(trees):
-            flags = host_values(state.seen, _SEEN)
-            seen = (
-                state.seen  # (every leaf seen already: the same flags)
-                if all(flags)
-                else tuple(
-                    next(ones) if not v and i in active else f
-                    for ones in [_flags(1, len(flags))]
-                    for i, (f, v) in enumerate(zip(state.seen, flags))
-                )
-            )
-            return MultiStepsState(
-                state.mini_step + 1,
-                state.gradient_step,
-                state.inner_state,
-                trees[0],
-                seen,
-                state.skip_state,
-            )
+        def non_final_prologue(state, b):
+            check(state, b)
+            return (), functools.partial(non_final_finish, state, set(b.active) if fresh else None)
 
-        return (), finish
+        return non_final_prologue
+
+    def non_final_finish(state, active, trees):
+        seen = (
+            state.seen  # (every leaf with a gradient seen already: the same flags)
+            if active is None
+            else tuple(
+                next(ones) if i in active else f
+                for ones in [_flags(1, len(state.seen))]
+                for i, f in enumerate(state.seen)
+            )
+        )
+        return MultiStepsState(
+            state.mini_step + 1,
+            state.gradient_step,
+            state.inner_state,
+            trees[0],
+            seen,
+            state.skip_state,
+        )
 
     def final_prologue(state, b):
         check(state, b)
@@ -475,8 +481,10 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
     mean_add_part = part(mean_add, final_prologue)
     mean_start_part = part(mean_start, final_prologue)
     variants = {
-        (False, False): E.Fusable((part(add, non_final_prologue),), one, first, zero_updates=True),
-        (False, True): E.Fusable((part(start, non_final_prologue),), one, first, zero_updates=True),
+        (False, fresh): E.Fusable(
+            (part(leaf, non_final_prologue_of(fresh)),), one, first, zero_updates=True
+        )
+        for fresh, leaf in ((False, add), (True, start))
     }
     if inner_fus is not None:
         variants.update({(True, f): v for f, v in final_variants(inner_fus).items()})

@@ -5,13 +5,23 @@ be a 0-dim tensor hyper-parameter, dtype casts, and complex leaves viewed as rea
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 
 import torch
 
 from . import foreach
 
-__all__ = ["leafwise", "scalar_for", "lerp", "div", "cast_like", "as_real", "as_complex"]
+__all__ = [
+    "leafwise",
+    "scalar_for",
+    "lerp",
+    "div",
+    "cast_like",
+    "as_real",
+    "as_complex",
+    "on_device",
+]
 
 
 def leafwise(fn: Callable) -> Callable:
@@ -68,3 +78,20 @@ def as_complex(ts: list, like: list) -> list:
         torch.view_as_complex(x) if y.is_complex() and not x.is_complex() else x
         for x, y in zip(ts, like)
     ]
+
+
+_IS_CPU, _IS_CUDA = (operator.attrgetter(a) for a in ("is_cpu", "is_cuda"))
+_GET_DEVICE = torch.Tensor.get_device
+
+
+def on_device(xs, device: torch.device) -> bool:
+    """Whether every tensor of ``xs`` (plain tensors) lies on ``device``: by C loops over the
+    list that make no ``torch.device`` objects (``is_cpu``; ``is_cuda`` and ``get_device``'s
+    index), as the steps check their lists every step (a Python comparison of device objects
+    per leaf cost about 0.4 us on a CUDA machine's host); other devices by their objects."""
+    if device.type == "cpu":
+        return all(map(_IS_CPU, xs))
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return all(map(_IS_CUDA, xs)) and set(map(_GET_DEVICE, xs)) <= {index}
+    return all(x.device == device for x in xs)

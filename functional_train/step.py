@@ -49,6 +49,7 @@ from .engine.view import Prepared, per_leaf_view, prepare
 from .factored import FusedAdafactor
 from .galore import FusedGaLore
 from .hyperparams import InjectHyperparamsState, is_injected, value_of
+from .leaves import on_device
 from .mesh import Mesh
 from .per_leaf import (
     fused_adafactor_step,
@@ -179,7 +180,6 @@ def _fusable(ts_lists) -> bool:
     if dtype not in _KERNEL_DTYPES:
         return False
     shapes = list(map(_SHAPE, first))
-    cpu = device.type == "cpu"
     for lst in ts_lists:  # whole-list checks in C loops: this runs for every step
         try:
             if list(map(_SHAPE, lst)) != shapes:
@@ -188,12 +188,12 @@ def _fusable(ts_lists) -> bool:
             return False
         if set(map(_DTYPE, lst)) != {dtype} or not all(map(_CONTIGUOUS, lst)):
             return False
-        if not (all(map(_IS_CPU, lst)) if cpu else all(x.device == device for x in lst)):
+        if not on_device(lst, device):
             return False
     return True
 
 
-_SHAPE, _DTYPE, _IS_CPU = (operator.attrgetter(a) for a in ("shape", "dtype", "is_cpu"))
+_SHAPE = operator.attrgetter("shape")
 _CONTIGUOUS = torch.Tensor.is_contiguous
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 

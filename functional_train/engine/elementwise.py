@@ -113,6 +113,7 @@ import optree
 import torch
 
 from ..autograd import traced
+from ..leaves import on_device
 from ..spec import attach_spec, transform_spec
 from . import fuse
 from .dtensor import to_local, wrap_like
@@ -1581,7 +1582,7 @@ def _dtypes_of(ins: list):
         if (
             len(ds) != 1
             or not all(map(_CONTIGUOUS, lst))
-            or not (all(map(_IS_CPU, lst)) if cpu else set(map(_DEVICE, lst)) == {dev})
+            or not on_device(lst, dev)
             or any(map(_REQUIRES_GRAD, lst))
         ):
             return None
@@ -1589,9 +1590,7 @@ def _dtypes_of(ins: list):
     return tuple(dtypes)
 
 
-_DTYPE, _IS_CPU, _REQUIRES_GRAD, _DEVICE = (
-    operator.attrgetter(a) for a in ("dtype", "is_cpu", "requires_grad", "device")
-)
+_DTYPE, _REQUIRES_GRAD = (operator.attrgetter(a) for a in ("dtype", "requires_grad"))
 _CONTIGUOUS = torch.Tensor.is_contiguous
 _IS_COMPLEX = torch.Tensor.is_complex
 
