@@ -30,6 +30,7 @@ from .factored import (
     ScaleByFactoredRmsState,
     clip_denominators,
     factored_ema,
+    factored_scale,
     is_factored,
     new_state_tree,
     placeholder,
@@ -107,7 +108,26 @@ MOMENTUM = E.Elementwise(
 )
 
 
-def confidence_leaves(b, state: ScaleByCameState) -> tuple:
+class _Confidence(NamedTuple):
+    """The fields of :class:`ScaleByCameState` the confidence part keeps (its share of the
+    state in the engine's split)."""
+
+    exp_avg: Any
+    res_row: Any
+    res_col: Any
+
+
+def confidence_update(u, p, s, h, key):
+    """CAME's update on one leaf given its statistics: the new momentum ``m`` (made by the
+    part's prologue, :data:`MOMENTUM`) scaled by the confidence factors ``(a, c)``
+    (:func:`~functional_train.factored.factored_scale`): ``(rsqrt(R' / mean(R'))[..., None],
+    rsqrt(C')[..., None, :])`` for a factored leaf, ``(1, 1)`` for the others (the update is
+    then ``m``), in ``u``'s dtype."""
+    m, a, c = h
+    return factored_scale(m, a, c, u.dtype), ()
+
+
+def confidence_leaves(b, state: ScaleByCameState | _Confidence) -> tuple:
     """``(factored active leaves, res_row leaves, their locals, res_col leaves, their
     locals)`` of the prepared view ``b``: the confidence statistics, checked against the
     updates' shapes (row ``(..., n)``, column ``(..., m)``, ``(0,)`` for the other leaves)."""
@@ -164,6 +184,13 @@ def scale_by_came(
     together), and one for the confidence statistics: 3 when some leaf is sharded, whatever the
     number of leaves and their placements.
 
+    Two parts for the engine (:mod:`functional_train.engine.elementwise`): the second moment's
+    (:func:`~functional_train.scale_by_factored_rms`), then the confidence part, whose prologue
+    is the reduction (the clip, then the momentum and the residuals in one pass, then the
+    confidence statistics) and whose leaf function is the update given them
+    (:func:`confidence_update`), so ``chain`` and ``ft.step`` run it in one pass with the
+    elementwise transforms after it (the decay, the learning rate, ``p + u``).
+
     Args:
         betas: ``(b1, b2, b3)``, each in [0, 1).
         eps: ``(eps1, eps2)``, each >= 0.
@@ -218,60 +245,85 @@ def scale_by_came(
             optree.tree_unflatten(treedef, cols),
         )
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        check_state(state, ScaleByCameState, where)
-        # 1. u: the factored second moment (materialises unreduced gradients)
-        u_tree, s = second.update(
-            updates,
-            ScaleByFactoredRmsState(state.count, state.v_row, state.v_col, state.v),
-            params,
-            mesh=mesh,
-        )
-        b = prepare(u_tree, params, None if mesh is None else mesh.reduced(), name=where)
+    def confidence_prologue(state, b):
+        # (b: the view of the second moment's updates u, materialised: a reduction follows)
         m_all = b.state_locals(state.exp_avg, "ScaleByCameState.exp_avg")
         fac, row_leaves, row_loc, col_leaves, col_loc = confidence_leaves(b, state)
-        fset = set(fac)
-        if not b.active:
-            return b.rebuild_active([]), ScaleByCameState(
-                s.count, s.v_row, s.v_col, s.v, state.exp_avg, state.res_row, state.res_col
-            )
         act = b.active
+        if not act:
+            return ([], [], []), lambda trees: state
+        fset = set(fac)
         m_old = [m_all[i] for i in act]
         g = [b.locals[i] for i in act]
-        # 2. RMS clipping: one all-reduce of per-leaf sums for all leaves (u in m's dtype)
+        # 1. RMS clipping: one all-reduce of per-leaf sums for all leaves (u in m's dtype)
         den = clip_denominators(
             b,
             [x if x.dtype == m.dtype else x.to(m.dtype) for x, m in zip(g, m_old)],
             clip_threshold,
         )
-        # 3. the clip and the momentum (as came_pytorch: m * b1 + (1 - b1) * u), and the
-        # factored leaves' residuals, in one pass (the update of a 1-D / 0-D leaf: m)
+        # 2. the clip and the momentum (as came_pytorch: m * b1 + (1 - b1) * u), and the
+        # factored leaves' residuals, in one pass
         first, m_new = E.apply_part(
             MOMENTUM, g, (m_old,), (b1, eps2, den), keys=[i in fset for i in act]
         )
         pos = {i: k for k, i in enumerate(act)}
-        out: list = [None] * len(b.locals)
-        for i, x in zip(act, first):
-            out[i] = x
-        # 4. confidence statistics of the factored leaves: one batched leaf_sums
+        # 3. confidence statistics of the factored leaves: one batched leaf_sums; their
+        # factors a value per row and one per column, (1, 1) for the other leaves
         items = ((i, first[pos[i]].to(row_loc[i].dtype), row_loc[i], col_loc[i]) for i in fac)
-        beta3 = torch.full((), b3, dtype=torch.float64, device=state.count.device)
+        beta3 = torch.full((), b3, dtype=torch.float64, device=m_old[0].device)
+        rows: list = [None] * len(act)
+        cols: list = [None] * len(act)
         new_row, new_col = {}, {}
-        for i, (r, c, f) in zip(fac, factored_ema(b, items, beta3)):
+        for i, (r, c, rf, cf) in zip(fac, factored_ema(b, items, beta3, split=True)):
             new_row[i], new_col[i] = r, c
-            out[i] = confident(f, m_new[pos[i]], b.locals[i].dtype)
-        new_state = ScaleByCameState(
-            s.count,
-            s.v_row,
-            s.v_col,
-            s.v,
-            b.state_tree(state.exp_avg, "ScaleByCameState.exp_avg", m_new),
-            new_state_tree(b, row_leaves, new_row),
-            new_state_tree(b, col_leaves, new_col),
-        )
-        return b.rebuild(out), new_state
+            rows[pos[i]], cols[pos[i]] = rf, cf
+        for k, m in enumerate(m_new):
+            if rows[k] is None:
+                rows[k] = cols[k] = torch.ones((), dtype=m.dtype, device=m.device)
 
-    return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
+        def finish(trees):
+            return _Confidence(
+                b.state_tree(state.exp_avg, "ScaleByCameState.exp_avg", m_new),
+                new_state_tree(b, row_leaves, new_row),
+                new_state_tree(b, col_leaves, new_col),
+            )
+
+        return (m_new, rows, cols), finish
+
+    # the second moment's part, then the confidence part (its prologue the clip, the momentum
+    # and the statistics; its leaf function the update given them): the engine's stages
+    confidence = E.Elementwise(
+        where,
+        confidence_update,
+        confidence_prologue,
+        E.no_fields,
+        0,
+        reduces=True,
+        leaf_scalars=(0, 1, 2),
+    )
+    second_part = E.spec_of_transform(second)
+    assert isinstance(second_part, E.Elementwise)
+
+    def split(state):
+        check_state(state, ScaleByCameState, where)
+        return [
+            ScaleByFactoredRmsState(state.count, state.v_row, state.v_col, state.v),
+            _Confidence(state.exp_avg, state.res_row, state.res_col),
+        ]
+
+    def join(states):
+        s, c = states
+        return ScaleByCameState(s.count, s.v_row, s.v_col, s.v, *c)
+
+    fusable = E.Fusable((second_part, confidence), split, join)
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        del extra
+        b = prepare(updates, params, mesh, name=where)
+        return E.run(fusable, b, state, params)
+
+    E.register(update_fn, fusable)
+    return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
 @injectable(tensors=("clip_threshold", "weight_decay"))
@@ -290,8 +342,9 @@ def came(
     :func:`scale_by_came`; the chain is ``scale_by_came``, ``add_decayed_weights(weight_decay)``
     (when non-zero) and ``scale_by_learning_rate(learning_rate)``. Needs ``params`` at update
     when ``weight_decay``. Communication: that of :func:`scale_by_came`. ``ft.step`` runs it
-    leaf by leaf in one process (:func:`functional_train.per_leaf.fused_came_step`), with the
-    same numbers.
+    leaf by leaf in one process where the leaves are large
+    (:func:`functional_train.per_leaf.fused_came_step`), elsewhere as the engine's stages (see
+    :func:`scale_by_came`), with the same numbers.
 
     Args:
         learning_rate: > 0 (required, as ``came_pytorch``), or a schedule of the update count.

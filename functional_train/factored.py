@@ -515,13 +515,21 @@ def scale_by_factored_rms(
     return elementwise_transform(spec, init_fn)
 
 
+def factored_scale(x, a, c, dtype):
+    """``x`` scaled by a leaf's factors: ``(a * c) * x`` in ``a``'s dtype (the statistics'),
+    rounded to ``dtype``; ``a`` a value per row (``(..., n, 1)``) or one value, ``c`` a value per
+    column (``(..., 1, m)``) or one value. Adafactor's update (:func:`factored_update`) and
+    CAME's (its momentum by the confidence factors)."""
+    return ((a * c) * x.to(a.dtype)).to(dtype)
+
+
 def factored_update(u, p, s, h, key):
     """:func:`scale_by_factored_rms` on one leaf, given its statistics: ``u * (a * c)`` in the
     statistics' dtype, the result in ``u``'s; ``(a, c)`` is ``(rsqrt(V), 1)`` for a leaf with
     the full second moment, ``(rsqrt(R / mean(R))[..., None], rsqrt(C)[..., None, :])``, a
     value per row and one per column, for a factored one (``factored_rms(operands=True)``)."""
     a, c = h
-    return ((a * c) * u.to(a.dtype)).to(u.dtype), ()
+    return factored_scale(u, a, c, u.dtype), ()
 
 
 # ---------------------------------------------------------------------------------------------

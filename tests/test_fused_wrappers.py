@@ -761,6 +761,11 @@ PRIMITIVES = {
     # matrices by rows, the vector by rows), then after the RMS the tail (two: the leaves
     # decayed and the one the mask keeps from decay)
     "adafactor_momentum": (_adafactor_momentum, 5),
+    # CAME: the second moment's update (by rows: three calls), the clip and momentum in the
+    # confidence part's prologue (two: the factored leaves, which give their residuals, and
+    # the others), then the confidence update with the decay, the learning rate and p + u
+    # (by rows: three calls)
+    "came": (lambda: ft.came(1e-2, weight_decay=0.1), 8),
 }
 
 
@@ -769,13 +774,14 @@ PRIMITIVES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_identity_clip_and_ema_fuse(name, mode, dtype, monkeypatch, device):
     """``identity`` (no parts), ``clip`` (the clamp) and ``ema`` (the updates' moving average,
-    Adafactor's ``beta1`` momentum) are elementwise parts: ``ft.step`` runs a chain holding
-    them as ONE fused run ending with ``p + u`` (the engine's runs and kernel calls counted:
-    one pass per stage and group of leaves), with the numbers and states of ``update`` +
-    ``apply_updates`` run leaf by leaf in torch (the kernels off). Before, each took its own
-    path: the chain ran transform by transform (``update``), then ``p + u``. On CUDA the
-    kernel calls are not counted (a factored leaf runs in torch there: the Triton writer takes
-    no per-leaf vectors)."""
+    Adafactor's ``beta1`` momentum) are elementwise parts, and so are the Adafactor and CAME
+    updates given their statistics (a value per row and one per column): ``ft.step`` runs a
+    chain holding them as ONE fused run ending with ``p + u`` (the engine's runs and kernel
+    calls counted: one pass per stage and group of leaves), with the numbers and states of
+    ``update`` + ``apply_updates`` run leaf by leaf in torch (the kernels off). Before, each
+    took its own path: the chain ran transform by transform (``update``), then ``p + u``. On
+    CUDA the kernel calls are not counted (the chains ending with adamw may run torch's fused
+    kernel there)."""
     make, calls = PRIMITIVES[name]
     params, grads = _problem(dtype, device=device)
     seen = kernel_calls(monkeypatch)
@@ -899,6 +905,7 @@ INTERPRETED = {
         ),
         False,
     ),
+    "came": (lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.came(1e-2, weight_decay=0.1)), False),
     "apply_if_finite_ema": CASES["apply_if_finite_ema"][::2],
     "multi_steps_clip": CASES["multi_steps_clip"][::2],
 }
@@ -929,7 +936,7 @@ def test_triton_stages_under_the_interpreter(name, mode, monkeypatch):
     got, got_state = _run(make(), params, grads, mode)
     triton = [k for k, _ in seen if isinstance(k, fuse_triton.TritonKernel)]
     assert triton and len(triton) == len(seen), name
-    if name in ("adafactor_momentum", "factored_primitives", "partition_factored"):
+    if name in ("adafactor_momentum", "factored_primitives", "partition_factored", "came"):
         assert any(k.n_per_leaf for k in triton), name  # (the factored update: by rows)
     if name == "apply_if_finite_ema":  # (its inf was skipped: every parameter finite)
         assert all(bool(torch.isfinite(v).all()) for v in got.values())
