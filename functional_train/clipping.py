@@ -85,6 +85,18 @@ def _local_norm_terms(b, norm_type: float):
     return [n.to(_wide(n.dtype)).pow(norm_type) for n in norms], "sum", None
 
 
+def leaf_squares(b) -> torch.Tensor:
+    """Per active leaf of the prepared view ``b``, the sum of its local shard's squares: a
+    vector (float64 where the native sums run, else at least float32), by the clip's own
+    local terms (one native call or ``torch._foreach_norm``; no leaf-sized temporary). A sum
+    is NaN exactly where its leaf holds a NaN (the squares are >= 0: infinities sum to
+    infinity, never to NaN). No collective."""
+    terms, _, _ = _local_norm_terms(b, 2.0)
+    if isinstance(terms, torch.Tensor):
+        return terms
+    return torch.stack(terms) if terms else torch.zeros(0, dtype=torch.float64)
+
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for float64 leaves: norms are accumulated at least in float32."""
     return torch.promote_types(dtype, torch.float32)

@@ -31,7 +31,7 @@ from .engine import elementwise as E
 from .engine.dtensor import to_local, wrap_like
 from .engine.view import Prepared, prepare
 from .spec import transform_spec
-from .tree import find_state, first_device
+from .tree import find_state, first_device, leaves_of
 
 __all__ = [
     "apply_if_finite",
@@ -402,12 +402,29 @@ def _guarded_switch(switch: E.Switch, clip_first: bool, decide: Callable) -> E.S
     return E.Switch(choose)
 
 
+def _zero_nan_leaf(u, p, s, h, key):
+    """:func:`zero_nans` on one leaf: its NaN elements zero, the others (infinities too) as
+    they are (a complex element with a NaN part zero as a whole, where torch runs it)."""
+    return torch.where(torch.isnan(u), torch.zeros_like(u), u), ()
+
+
+_IS_COMPLEX = torch.Tensor.is_complex
+
+
 def zero_nans() -> GradientTransformation:
     """Replace NaNs in the updates by zeros (optax ``zero_nans``); infinities pass.
 
     State: :class:`ZeroNansState`, per leaf whether it had a NaN on any rank (one all-reduce of
     one flag per leaf over the mesh dims that shard it; none in one process).
+
+    An elementwise part for the engine (its prologue the flags, from the leaves' sums of
+    squares, NaN exactly where a leaf holds a NaN: the clip's local terms, or the sums the
+    stage before wrote; its leaf function the replacement), so ``chain`` and ``ft.step`` run it
+    in one pass with its neighbours, where no update leaf is complex (a kernel sees a complex
+    leaf as pairs of reals, and a complex element with one NaN part is zeroed whole: such a
+    call takes its own update, flags by ``isnan``).
     """
+    where = "zero_nans"
 
     def init_fn(params):
         return ZeroNansState(
@@ -418,41 +435,66 @@ def zero_nans() -> GradientTransformation:
             )
         )
 
-    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+    def new_state(state, b):
+        """The new flags of the leaves of ``b`` (one ``leaf_sums`` of their NaN flags)."""
         if not isinstance(state, ZeroNansState):
             raise ValueError(
-                "zero_nans: expected the ZeroNansState from zero_nans.init, "
+                f"{where}: expected the ZeroNansState from zero_nans.init, "
                 f"got {type(state).__name__}"
             )
-        b = prepare(updates, params, mesh, name="zero_nans")
-        g = [b.locals[i] for i in b.active]
-        found = [torch.isnan(x).any() for x in g]
+        from .clipping import leaf_squares
+
+        # (a leaf's sum of squares is NaN exactly where it holds a NaN: one pass, no
+        # leaf-sized temporary; a complex leaf, on zero_nans' own update, by isnan)
+        if any(_IS_COMPLEX(b.locals[i]) for i in b.active):
+            found = [torch.isnan(b.locals[i]).any() for i in b.active]
+        else:
+            found = list(torch.isnan(leaf_squares(b)).unbind()) if b.active else []
         dims = [tuple(range(b.updates[i].ndim)) for i in b.active]
         found = b.leaf_sums(
             [(i, f.to(torch.float32), d) for i, f, d in zip(b.active, found, dims)], op="max"
         )
-        out = [
-            torch.nan_to_num(x, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-            if not x.is_complex()
-            else torch.where(torch.isnan(x), torch.zeros_like(x), x)
-            for x in g
-        ]
         flags: list = [None] * len(b.locals)
         for i, f in zip(b.active, found):
             flags[i] = f > 0
         old = optree.tree_leaves(state.found_nan, none_is_leaf=True)
         if len(old) != len(flags):
             raise ValueError(
-                f"zero_nans: the state has {len(old)} flags for {len(flags)} "
+                f"{where}: the state has {len(old)} flags for {len(flags)} "
                 f"leaves; it comes from another tree"
             )
         new_flags = [n if n is not None else o for n, o in zip(flags, old)]
-        return b.rebuild_active(out), ZeroNansState(
+        return ZeroNansState(
             optree.tree_unflatten(
                 optree.tree_structure(state.found_nan, none_is_leaf=True), new_flags
             )
         )
 
+    def prologue(state, b):
+        ns = new_state(state, b)
+        return (), lambda trees: ns
+
+    fused = E.single(
+        E.Elementwise(
+            where, _zero_nan_leaf, prologue, E.no_fields, 0, reduces=True, reads_sum_squares=True
+        )
+    )
+
+    def choose(updates, state, params, mesh):
+        leaves = leaves_of(updates)
+        if any(x is not None and _IS_COMPLEX(x) for x in leaves):
+            return None  # (its own update: see above)
+        return fused
+
+    def update_fn(updates, state, params=None, *, mesh=None, **extra):
+        b = prepare(updates, params, mesh, name=where)
+        if not any(_IS_COMPLEX(b.locals[i]) for i in b.active):
+            return E.run(fused, b, state, params)
+        ns = new_state(state, b)
+        out = [_zero_nan_leaf(b.locals[i], None, (), (), None)[0] for i in b.active]
+        return b.rebuild_active(out), ns
+
+    E.register(update_fn, E.Switch(choose))
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 

@@ -942,3 +942,48 @@ def test_triton_stages_under_the_interpreter(name, mode, monkeypatch):
         assert all(bool(torch.isfinite(v).all()) for v in got.values())
     _close(got, want, params, torch.float32, twice=True)
     _states_close(got_state, want_state, torch.float32, twice=True)
+
+
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("after_scale", [False, True])
+def test_zero_nans_fuses(mode, dtype, after_scale, monkeypatch, device):
+    """``zero_nans`` is an elementwise part (its prologue the per-leaf flags, its leaf function
+    the replacement): ``chain(zero_nans, clip, adamw)`` is ONE engine run per step, with
+    gradients holding NaNs every other step, the numbers and flags of ``update`` +
+    ``apply_updates`` with the kernels off; after a ``scale`` too (its flags then from the
+    sums of squares the scale's pass wrote). A complex leaf takes its own update: a complex
+    element with a NaN part is zeroed whole there (a kernel sees the parts apart)."""
+    params, grads = _problem(dtype, device=device)
+    for t, g in enumerate(grads):
+        if t % 2:
+            g["w"][t, :3] = float("nan")
+            g["e"][0, t % 4, 1] = float("nan")
+    runs = _engine_runs(monkeypatch)
+    names = []  # the parts of each engine run
+    real_run = E.run
+    monkeypatch.setattr(
+        E,
+        "run",
+        lambda fus, *a, **k: names.append([p.name for p in fus.parts]) or real_run(fus, *a, **k),
+    )
+
+    def make():
+        first = (ft.scale(0.5),) if after_scale else ()
+        return ft.chain(*first, ft.zero_nans(), _clip_adamw())
+
+    got, got_state = _run(make(), params, grads, mode)
+    assert runs == [mode] * len(grads) and all("zero_nans" in n for n in names)
+    _, after_nan = _run(make(), params, grads[:2], mode)  # (step 1 had NaNs in w and e)
+    zn = after_nan[1] if after_scale else after_nan[0]
+    assert {k: bool(v) for k, v in zn.found_nan.items()} == {k: k in ("w", "e") for k in params}
+    monkeypatch.setattr(fuse, "ENABLED", False)
+    want, want_state = _run(make(), params, grads, "update")
+    _close(got, want, params, dtype)
+    _states_close(got_state, want_state, dtype)
+    # a complex leaf: zero_nans' own update (no engine run of it), the element zeroed whole
+    z = {"z": torch.tensor([1 + 1j, complex(float("nan"), 2.0)], device=device)}
+    tx = ft.zero_nans()
+    runs.clear()
+    u, s = tx.update(z, tx.init(z), z)
+    assert runs == [] and u["z"].tolist() == [1 + 1j, 0j] and bool(s.found_nan["z"])
