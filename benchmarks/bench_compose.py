@@ -67,6 +67,10 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
                    torch code: torch.amp.GradScaler(init_scale=2**16): scaler.unscale_(opt),
                    clip, scaler.step(opt) (AdamW(foreach); a host read of its inf flag),
                    scaler.update()
+  zero_nans        chain(zero_nans(), clip, adamw): NaNs in the gradients zeroed first (none
+                   here: the math is then the plain step's), the per-leaf flags kept
+                   torch code: torch.nan_to_num_(g, nan=0.0, posinf=inf, neginf=-inf) per
+                   gradient (no flags), clip, AdamW(foreach) step
   lamb             chain(clip, lamb(1e-3, 0.9, 0.999, 1e-6, weight_decay=0.1)): a per-leaf trust
                    ratio from per-leaf norms, between two elementwise passes
                    torch code: clip + LAMB in torch._foreach operations (TorchCode.lamb_step:
@@ -195,6 +199,7 @@ ROWS = [
     "partition_clips",
     "schedule",
     "loss_scale",
+    "zero_nans",
     "lamb",
 ]
 # the math of two param groups
@@ -261,6 +266,8 @@ def make_tx(row):
         return ft.dynamic_loss_scale(
             ft.chain(clip(), ft.adamw(LR, weight_decay=WD)), init_scale=LOSS_SCALE
         )
+    if row == "zero_nans":
+        return ft.chain(ft.zero_nans(), clip(), ft.adamw(LR, weight_decay=WD))
     if row == "lamb":
         return ft.chain(clip(), ft.lamb(LR, *BETAS, LAMB_EPS, weight_decay=WD))
     raise ValueError(f"unknown row {row!r}; rows: {', '.join(ROWS)}")
@@ -352,6 +359,10 @@ class TorchCode:
                 torch._foreach_div_(gs, float(self.k))
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
+        if self.row == "zero_nans":
+            with torch.no_grad():
+                for p in ps:
+                    torch.nan_to_num_(p.grad, nan=0.0, posinf=math.inf, neginf=-math.inf)
         if self.row == "partition_clips":  # (each group by its own norm)
             for group in self.opt.param_groups:
                 torch.nn.utils.clip_grad_norm_(group["params"], MAX_NORM, foreach=True)
@@ -758,6 +769,7 @@ def describe(row):
         "schedule": f"chain(clip, adamw(warmup_cosine_decay_schedule(0, {LR}, {WARMUP_STEPS}, "
         f"{DECAY_STEPS})))",
         "loss_scale": "dynamic_loss_scale(chain(clip, adamw), init_scale=2**16)",
+        "zero_nans": "chain(zero_nans(), clip, adamw)",
         "lamb": f"chain(clip, lamb({LR}, weight_decay={WD}))",
     }[row]
 
