@@ -1,5 +1,6 @@
 """Test helpers that watch the engine: the generated kernels' calls."""
 
+import pytest
 import torch
 
 from functional_train.engine import fuse, fuse_triton
@@ -61,3 +62,33 @@ def took_torch_fused(device, torch_fused: list, seen: list) -> bool:
         assert not seen, "a recognised chain runs torch's fused kernel, not a generated one"
         return True
     return False
+
+
+def triton_interpreted(monkeypatch) -> None:
+    """For the rest of the test, the generated Triton kernels (``fuse_triton``'s stages and
+    sums of squares) are loaded anew and run by Triton's interpreter (``TRITON_INTERPRET=1``:
+    numpy on the host, so CPU tensors stand for the GPU's; each kernel a module of its own,
+    since on a CUDA machine the same source may be jitted for the GPU already, which takes no
+    CPU addresses; CUDA's ``libdevice.pow``, which the interpreter does not run, as
+    ``exp2(b * log2(a))``). Skips where Triton is not installed (the test extras install it on
+    Linux x86_64)."""
+    pytest.importorskip("triton")
+    import triton.language as tl
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fuse_triton, "_sumsq_kernels", {})
+
+    class libdevice:
+        @staticmethod
+        def pow(a, b):
+            return tl.exp2(tl.log2(a) * b)
+
+    real_load = fuse_triton._load_source
+
+    def load(source, fn_name):
+        fn = real_load(source + "# run by Triton's interpreter\n", fn_name)
+        if "libdevice" in fn.fn.__globals__:
+            fn.fn.__globals__["libdevice"] = libdevice
+        return fn
+
+    monkeypatch.setattr(fuse_triton, "_load_source", load)

@@ -1,14 +1,17 @@
 """The host side of the CUDA stages (``functional_train.engine.fuse_triton``), where no GPU and
 no Triton is: how scalars travel (by address on the leaves' device, by value from the host),
-the block table every launch walks, and the address table's cache. The kernels themselves
-run under ``--device cuda`` (tests/test_fused.py, tests/test_fused_wrappers.py), and
-``tests/test_fused.py -k triton_writer`` checks their source for every stage the C writer
-generates."""
+the block table every launch walks, and the address table's cache; and the sums of squares'
+kernels under Triton's interpreter, on CPU tensors. The stages' kernels run under ``--device
+cuda`` (tests/test_fused.py, tests/test_fused_wrappers.py) and, without a GPU, under the
+interpreter (``tests/test_fused_wrappers.py -k interpreter``); ``tests/test_fused.py -k
+triton_writer`` checks their source for every stage the C writer generates."""
 
 import struct
 
+import pytest
 import torch
 
+from _spy import triton_interpreted
 from functional_train.engine import fuse, fuse_triton
 
 CUDA = torch.device("cuda")  # (a device object only: nothing is allocated on it here)
@@ -78,3 +81,24 @@ def test_address_table_is_kept_per_content():
 def test_triton_stages_need_a_cuda_device():
     """The Triton kernels are for CUDA leaves; CPU leaves take the C kernels."""
     assert not fuse_triton.available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sums_of_squares_under_the_interpreter(dtype, monkeypatch):
+    """The CUDA sums of squares (the clip's and the trust ratio's terms: two launches, per
+    block then per leaf over its blocks in order), run by Triton's interpreter on CPU leaves:
+    every leaf's sum in float64, empty leaves 0, a NaN leaf NaN, an infinite one inf (what
+    ``zero_nans``' flags read), to float64 rounding of the same sums in torch."""
+    triton_interpreted(monkeypatch)
+    b = fuse_triton.BLOCK
+    g = torch.Generator().manual_seed(0)
+    sizes = [(0,), (1,), (b - 1,), (b + 1,), (3, b), (7, 5)]
+    xs = [torch.randn(s, generator=g).to(dtype) for s in sizes]
+    xs[1][0] = float("nan")
+    xs[2][3] = float("inf")
+    got = fuse_triton._sum_squares(xs, torch.device("cpu"))
+    want = torch.stack([x.double().square().sum() for x in xs])
+    assert got is not None and got.dtype == torch.float64
+    assert torch.isnan(got[1]) and torch.isinf(got[2]) and got[0] == 0
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-12, atol=0)

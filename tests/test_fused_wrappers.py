@@ -10,7 +10,13 @@ import torch
 
 import functional_train as ft
 from _layouts import step_by_mode
-from _spy import kernel_calls, kernels_run_on, took_torch_fused, torch_fused_calls
+from _spy import (
+    kernel_calls,
+    kernels_run_on,
+    took_torch_fused,
+    torch_fused_calls,
+    triton_interpreted,
+)
 from functional_train import accumulation, combine
 from functional_train.engine import elementwise as E
 from functional_train.engine import fuse
@@ -851,12 +857,11 @@ def _triton_interpreted(monkeypatch) -> None:
     """For the rest of the test, the engine's stages on CPU leaves are the CUDA kernels
     (``fuse_triton``: the Triton writer's source, the address and block tables, the scalars as
     a CUDA stage reads them, :meth:`~functional_train.engine.fuse_triton.TritonKernel.by_rows`'
-    index triples) run by Triton's interpreter (``TRITON_INTERPRET=1``: numpy on the host,
-    reading the leaves' memory through the addresses in the table)."""
-    pytest.importorskip("triton")
+    index triples) run by Triton's interpreter (:func:`_spy.triton_interpreted`: numpy on the
+    host, reading the leaves' memory through the addresses in the table)."""
     from functional_train.engine import fuse_triton
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton_interpreted(monkeypatch)
     monkeypatch.setattr(fuse, "_kernels", {})
     real = fuse.kernel_for
 
@@ -871,24 +876,6 @@ def _triton_interpreted(monkeypatch) -> None:
     monkeypatch.setattr(
         fuse, "scalar_pointers", lambda sc, device=None: fuse_triton.scalar_slots(sc, device)
     )
-    import triton.language as tl
-
-    class libdevice:  # (CUDA's libdevice, which the interpreter does not run: its pow)
-        @staticmethod
-        def pow(a, b):
-            return tl.exp2(tl.log2(a) * b)
-
-    real_load = fuse_triton._load_source
-
-    def load(source, fn_name):
-        # (a module of its own: on a CUDA machine the same source may be loaded already,
-        # jitted for the GPU, which takes no CPU addresses)
-        fn = real_load(source + "# run by Triton's interpreter\n", fn_name)
-        if "libdevice" in fn.fn.__globals__:
-            fn.fn.__globals__["libdevice"] = libdevice
-        return fn
-
-    monkeypatch.setattr(fuse_triton, "_load_source", load)
 
 
 INTERPRETED = {

@@ -490,13 +490,18 @@ import triton.language as tl
 
 
 @triton.jit
+def ft_add(a, b):
+    return a + b
+
+
+@triton.jit
 def ft_sumsq_blocks(tab, blocks, n, partial, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     leaf = tl.load(blocks + 2 * pid)
     offs = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)
     ptr = tl.load(tab + leaf).to(tl.pointer_type({dtype}))
     x = tl.load(ptr + offs, mask=offs < tl.load(tab + n + leaf), other=0.0).to(tl.float64)
-    tl.store(partial + pid, tl.sum(x * x, axis=0))
+    tl.store(partial + pid, tl.reduce(x * x, 0, ft_add))
 
 
 @triton.jit
@@ -508,8 +513,10 @@ def ft_sumsq_leaves(tab, n, partial, out, BLOCK: tl.constexpr):
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         acc += tl.load(partial + offs, mask=offs < hi, other=0.0)
-    tl.store(out + leaf, tl.sum(acc, axis=0))
+    tl.store(out + leaf, tl.reduce(acc, 0, ft_add))
 """
+# (tl.reduce with a combine of its own is tl.sum of float64 values, which is a jit function
+# of triton.language: Triton's interpreter runs those only when it was on at triton's import)
 _sumsq_kernels: dict = {}  # dtype -> (blocks kernel, leaves kernel), or None: did not compile
 _REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
 
