@@ -57,6 +57,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..leaves import on_device
 from . import native
 from .fuse import BINARY, Lowering, Unsupported, compute_dtype, trace
 
@@ -316,7 +317,6 @@ def _load_source(source: str, fn_name: str):
 
 
 _blocks_cache: dict = {}
-_GET_DEVICE = torch.Tensor.get_device
 
 
 def _blocks(numels: tuple, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -456,7 +456,7 @@ class TritonKernel:
         for lst in outputs:  # (an engine bug otherwise: the kernel would write another device)
             if any(lst is x for x in inputs):
                 continue  # (in place: the inputs are on it, the caller checked)
-            if set(map(_GET_DEVICE, lst)) != {index}:
+            if not on_device(lst, device):
                 raise RuntimeError(f"a fused stage's results are not all on {device}")
         blocks, nblocks = _blocks(numels, device)
         if nblocks == 0:
@@ -539,7 +539,7 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     device = x0.device
     if (
         not available(device)
-        or set(map(_GET_DEVICE, xs)) != {x0.get_device()}
+        or not on_device(xs, device)
         or set(map(_DTYPE, xs)) != {x0.dtype}
         or x0.dtype not in _LEAF_DTYPES
         or not all(map(torch.Tensor.is_contiguous, xs))
