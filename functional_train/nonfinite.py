@@ -435,8 +435,10 @@ def zero_nans() -> GradientTransformation:
             )
         )
 
-    def new_state(state, b):
-        """The new flags of the leaves of ``b`` (one ``leaf_sums`` of their NaN flags)."""
+    def new_state(state, b, complex_leaves=False):
+        """The new flags of the leaves of ``b`` (one ``leaf_sums`` of their NaN flags);
+        ``complex_leaves``: some update leaf is complex (its own update: flags by ``isnan``;
+        the part is chosen only where none is)."""
         if not isinstance(state, ZeroNansState):
             raise ValueError(
                 f"{where}: expected the ZeroNansState from zero_nans.init, "
@@ -446,7 +448,7 @@ def zero_nans() -> GradientTransformation:
 
         # (a leaf's sum of squares is NaN exactly where it holds a NaN: one pass, no
         # leaf-sized temporary; a complex leaf, on zero_nans' own update, by isnan)
-        if any(_IS_COMPLEX(b.locals[i]) for i in b.active):
+        if complex_leaves:
             found = [torch.isnan(b.locals[i]).any() for i in b.active]
         else:
             found = list(torch.isnan(leaf_squares(b)).unbind()) if b.active else []
@@ -490,7 +492,7 @@ def zero_nans() -> GradientTransformation:
         b = prepare(updates, params, mesh, name=where)
         if not any(_IS_COMPLEX(b.locals[i]) for i in b.active):
             return E.run(fused, b, state, params)
-        ns = new_state(state, b)
+        ns = new_state(state, b, complex_leaves=True)
         out = [_zero_nan_leaf(b.locals[i], None, (), (), None)[0] for i in b.active]
         return b.rebuild_active(out), ns
 
