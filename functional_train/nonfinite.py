@@ -414,15 +414,16 @@ _IS_COMPLEX = torch.Tensor.is_complex
 def zero_nans() -> GradientTransformation:
     """Replace NaNs in the updates by zeros (optax ``zero_nans``); infinities pass.
 
-    State: :class:`ZeroNansState`, per leaf whether it had a NaN on any rank (one all-reduce of
-    one flag per leaf over the mesh dims that shard it; none in one process).
+    State: :class:`ZeroNansState`, per leaf whether it had a NaN on any rank (ONE all-reduce of
+    the vector of the leaves' local sums of squares over the mesh dims but the pipeline and
+    expert ones, as ``leaf_totals``; none in one process).
 
     An elementwise part for the engine (its prologue the flags, from the leaves' sums of
     squares, NaN exactly where a leaf holds a NaN: the clip's local terms, or the sums the
     stage before wrote; its leaf function the replacement), so ``chain`` and ``ft.step`` run it
     in one pass with its neighbours, where no update leaf is complex (a kernel sees a complex
     leaf as pairs of reals, and a complex element with one NaN part is zeroed whole: such a
-    call takes its own update, flags by ``isnan``).
+    call takes its own update, the same flags).
     """
     where = "zero_nans"
 
@@ -435,10 +436,12 @@ def zero_nans() -> GradientTransformation:
             )
         )
 
-    def new_state(state, b, complex_leaves=False):
-        """The new flags of the leaves of ``b`` (one ``leaf_sums`` of their NaN flags);
-        ``complex_leaves``: some update leaf is complex (its own update: flags by ``isnan``;
-        the part is chosen only where none is)."""
+    def new_state(state, b):
+        """The new flags of the leaves of ``b``: a leaf's global sum of squares is NaN
+        exactly where the leaf holds a NaN on some rank (the squares are >= 0, so infinities
+        sum to infinity, never to NaN; a complex element with a NaN part is NaN in its
+        ``abs``). One vector of local sums (the clip's local terms, or the sums the stage
+        before wrote), ONE ``leaf_totals`` all-reduce, one ``isnan``."""
         if not isinstance(state, ZeroNansState):
             raise ValueError(
                 f"{where}: expected the ZeroNansState from zero_nans.init, "
@@ -446,19 +449,10 @@ def zero_nans() -> GradientTransformation:
             )
         from .clipping import leaf_squares
 
-        # (a leaf's sum of squares is NaN exactly where it holds a NaN: one pass, no
-        # leaf-sized temporary; a complex leaf, on zero_nans' own update, by isnan)
-        if complex_leaves:
-            found = [torch.isnan(b.locals[i]).any() for i in b.active]
-        else:
-            found = list(torch.isnan(leaf_squares(b)).unbind()) if b.active else []
-        dims = [tuple(range(b.updates[i].ndim)) for i in b.active]
-        found = b.leaf_sums(
-            [(i, f.to(torch.float32), d) for i, f, d in zip(b.active, found, dims)], op="max"
-        )
+        found = torch.isnan(b.leaf_totals_vector(b.active, leaf_squares(b))).unbind()
         flags: list = [None] * len(b.locals)
         for i, f in zip(b.active, found):
-            flags[i] = f > 0
+            flags[i] = f
         old = optree.tree_leaves(state.found_nan, none_is_leaf=True)
         if len(old) != len(flags):
             raise ValueError(
@@ -492,7 +486,7 @@ def zero_nans() -> GradientTransformation:
         b = prepare(updates, params, mesh, name=where)
         if not any(_IS_COMPLEX(b.locals[i]) for i in b.active):
             return E.run(fused, b, state, params)
-        ns = new_state(state, b, complex_leaves=True)
+        ns = new_state(state, b)
         out = [_zero_nan_leaf(b.locals[i], None, (), (), None)[0] for i in b.active]
         return b.rebuild_active(out), ns
 

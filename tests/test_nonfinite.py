@@ -243,6 +243,50 @@ def test_apply_if_finite_collectives(clip):
     assert finite == [False] * 4 and all(zeros)
 
 
+@pytest.mark.parametrize("step", [None, "pure", "donate"])
+def test_zero_nans_sharded_equals_unsharded(step):
+    """``chain(zero_nans, adamw)`` on a simulated 2 x 2 mesh, a NaN on one rank's shard: the
+    flags (state) and the numbers equal the unsharded run's at every step."""
+    params, grads = _sharded_problem()
+    tx = ft.chain(ft.zero_nans(), ft.clip_by_global_norm(1.0), ft.adamw(1e-2))
+    assert_sharded_equivalent(
+        tx, params, grads, placements=_PLACEMENTS, mesh_shape=(2, 2), step=step
+    )
+
+
+@pytest.mark.parametrize("with_step", [False, True])
+def test_zero_nans_flags_collectives(with_step):
+    """The per-leaf NaN flags: ONE all-reduce for every leaf (a NaN on one rank's shard of a
+    leaf flags that leaf on every rank, and no other); none more in ``ft.step`` with a clip
+    (its norm's all-reduce is the second)."""
+    with simulate(4):
+        m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        gen = torch.Generator().manual_seed(0)
+        vals = [torch.randn(6, 4, generator=gen) for _ in range(12)]
+        lay = lambda i: [Shard(0), Shard(1)] if i % 2 else [Replicate(), Shard(0)]  # noqa: E731
+        params = {
+            f"l{i}": distribute_tensor(per_rank(4, lambda r, v=v: v), m, lay(i), src_data_rank=None)
+            for i, v in enumerate(vals)
+        }
+        gvals = [v * 0.1 for v in vals]
+        gvals[3][5, 3] = NAN  # (leaf 3 is Shard(0), Shard(1): element [5, 3] on rank 3 alone)
+        gvals[4][0, 0] = INF
+        grads = {
+            f"l{i}": distribute_tensor(per_rank(4, lambda r, v=v: v), m, lay(i), src_data_rank=None)
+            for i, v in enumerate(gvals)
+        }
+        tx = ft.chain(ft.zero_nans(), ft.clip_by_global_norm(1.0), ft.adamw(1e-2))
+        state = tx.init(params)
+        with count_collectives() as c:
+            if with_step:
+                _, state = ft.step(tx, grads, state, params, mesh=ft.Mesh(m), donate=True)
+            else:
+                _, state = tx.update(grads, state, params, mesh=ft.Mesh(m))
+        flags = {k: [bool(on_rank(f, r)) for r in range(4)] for k, f in state[0].found_nan.items()}
+    assert c.counts == {"all_reduce": 2}, c
+    assert flags == {f"l{i}": [i == 3] * 4 for i in range(12)}
+
+
 # ---------------------------------------------------------------------------------------------
 # dynamic loss scaling against torch.amp.GradScaler
 # ---------------------------------------------------------------------------------------------
