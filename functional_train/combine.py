@@ -370,6 +370,7 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         reads_sum_squares=part.reads_sum_squares,
         restrict=restrict,
         flags=part.flags,
+        sums_through=part.sums_through,
     )
 
 

@@ -411,6 +411,24 @@ def _zero_nan_leaf(u, p, s, h, key):
 _IS_COMPLEX = torch.Tensor.is_complex
 
 
+def _zeroed_squares(b, sq: torch.Tensor) -> torch.Tensor:
+    """The local sums of squares of :func:`zero_nans`' results on the view ``b``, given
+    ``sq``, those of its inputs (``clipping.leaf_squares(b)``): ``sq`` itself where no leaf
+    holds a NaN (the results are the inputs, bit for bit); else those of the results taken
+    the same way (the leaves with a NaN zeroed there first). Reads ``sq`` on the host: the
+    engine asks only where that is free (eagerly, CPU leaves)."""
+    from .clipping import leaf_squares
+
+    nan = torch.isnan(sq)
+    if not bool(nan.any()):
+        return sq
+    locs = list(b.locals)
+    for j in nan.nonzero().flatten().tolist():
+        i = b.active[j]
+        locs[i] = _zero_nan_leaf(locs[i], None, (), (), None)[0]
+    return leaf_squares(b.with_locals(locs))
+
+
 def zero_nans() -> GradientTransformation:
     """Replace NaNs in the updates by zeros (optax ``zero_nans``); infinities pass.
 
@@ -423,7 +441,11 @@ def zero_nans() -> GradientTransformation:
     stage before wrote; its leaf function the replacement), so ``chain`` and ``ft.step`` run it
     in one pass with its neighbours, where no update leaf is complex (a kernel sees a complex
     leaf as pairs of reals, and a complex element with one NaN part is zeroed whole: such a
-    call takes its own update, the same flags).
+    call takes its own update, the same flags). On CPU leaves, eagerly, a
+    ``clip_by_global_norm`` right after it reads the sums of squares its prologue gives (its
+    inputs', those of the leaves with a NaN taken again zeroed), so the replacement joins the
+    clip's pass: ``chain(zero_nans(), clip_by_global_norm(1.0), adamw(...))`` makes the
+    passes ``chain(clip_by_global_norm(1.0), adamw(...))`` makes.
     """
     where = "zero_nans"
 
@@ -436,12 +458,13 @@ def zero_nans() -> GradientTransformation:
             )
         )
 
-    def new_state(state, b):
+    def new_state(state, b, ctx=None):
         """The new flags of the leaves of ``b``: a leaf's global sum of squares is NaN
         exactly where the leaf holds a NaN on some rank (the squares are >= 0, so infinities
         sum to infinity, never to NaN; a complex element with a NaN part is NaN in its
         ``abs``). One vector of local sums (the clip's local terms, or the sums the stage
-        before wrote), ONE ``leaf_totals`` all-reduce, one ``isnan``."""
+        before wrote), ONE ``leaf_totals`` all-reduce, one ``isnan``. Where the run asks
+        (``ctx``, see ``Elementwise.sums_through``), the local sums of the results go there."""
         if not isinstance(state, ZeroNansState):
             raise ValueError(
                 f"{where}: expected the ZeroNansState from zero_nans.init, "
@@ -449,7 +472,10 @@ def zero_nans() -> GradientTransformation:
             )
         from .clipping import leaf_squares
 
-        found = torch.isnan(b.leaf_totals_vector(b.active, leaf_squares(b))).unbind()
+        sq = leaf_squares(b)
+        if ctx is not None and E.SUM_SQUARES in ctx:  # (asked, eagerly on CPU leaves: free reads)
+            ctx[E.SUM_SQUARES] = _zeroed_squares(b, sq)
+        found = torch.isnan(b.leaf_totals_vector(b.active, sq)).unbind()
         flags: list = [None] * len(b.locals)
         for i, f in zip(b.active, found):
             flags[i] = f
@@ -466,13 +492,21 @@ def zero_nans() -> GradientTransformation:
             )
         )
 
-    def prologue(state, b):
-        ns = new_state(state, b)
+    def prologue(state, b, ctx):
+        ns = new_state(state, b, ctx)
         return (), lambda trees: ns
 
     fused = E.single(
         E.Elementwise(
-            where, _zero_nan_leaf, prologue, E.no_fields, 0, reduces=True, reads_sum_squares=True
+            where,
+            _zero_nan_leaf,
+            prologue,
+            E.no_fields,
+            0,
+            reduces=True,
+            context=True,
+            reads_sum_squares=True,
+            sums_through=True,
         )
     )
 

@@ -57,6 +57,16 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   its reductions' values are used only where they all hold. A compiled stage that sums the
   updates' squares for such a part (``reads_sum_squares``) reads them when it runs and takes
   no sums where one is false (a compiled ``multi_steps`` non-final micro-step's clip).
+* ``sums_through``: a context part (``context=True``) whose prologue can give the per-leaf
+  sums of squares of its results without a pass over them (``zero_nans``: those of its
+  inputs, which it reads anyway, but for the leaves that hold a NaN). Where the run asks
+  for them (the run context holds :data:`SUM_SQUARES`, ``None``), its prologue puts them
+  there (a vector over its view's ``active`` leaves, as ``b.sum_squares``), and a
+  ``reads_sum_squares`` part right after it reads them and starts no new pass: ``chain(
+  zero_nans(), clip_by_global_norm(1.0), adamw(...))`` is one pass after the sums. The run
+  asks only eagerly, for plain CPU leaves (:func:`host_reads`: the prologue may read its
+  values on the host, which costs no synchronisation there); elsewhere a pass writes the
+  part's results first, as for any reducing part.
 * ``context``: whether ``prologue`` takes a third argument, ``prologue(state, b, ctx)``:
   the *run context*, a dict shared by the prologues of the parts of one :func:`run` call, in
   the parts' order. A part publishes a value there for the parts after it (under a key object
@@ -154,6 +164,7 @@ class Elementwise:
     reads_sum_squares: bool = False
     restrict: Callable | None = None
     flags: tuple[str, ...] = ()
+    sums_through: bool = False
 
     def __post_init__(self):
         # a number of its own, by which a compiled graph names it (functional_train::fused_stage)
@@ -424,10 +435,15 @@ def run(
         for k, part in enumerate(parts):
             if part.restrict is not None:
                 where[k] = _positions(b, _call_static(part.restrict, params, statics_memo))
-        bounds = _bounds(parts, where)
+    # (the parts that read the sums of squares the part before them gives: no pass between)
+    through = _through(parts, where, u) if any(part.sums_through for part in parts) else frozenset()
+    if any(w is not None for w in where):
+        bounds = _bounds(parts, where, through)
     else:
         # (no parts, an identity's: one stage, which is ``p + u`` where it applies)
-        bounds = [k for k, part in enumerate(parts) if k == 0 or part.reduces] + [len(parts)]
+        bounds = [
+            k for k, part in enumerate(parts) if k == 0 or (part.reduces and k not in through)
+        ] + [len(parts)]
         bounds = bounds if parts else [0, 0]
     finishes: list = [None] * len(parts)
     trees_of: list = [None] * len(parts)
@@ -443,7 +459,13 @@ def run(
         for k in range(lo, hi):
             part = parts[k]
             view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
-            if k > 0 and part.reduces and part.reads_sum_squares:
+            if k in through:  # (the sums of the updates as the part before gives them)
+                view.sum_squares = ctx.pop(SUM_SQUARES, None)
+                if view.sum_squares is None:
+                    raise RuntimeError(
+                        f"{parts[k - 1].name}: a sums_through part gave no sums of squares"
+                    )
+            elif k > 0 and part.reduces and part.reads_sum_squares:
                 # (None: the prologue sums them itself; so where the stage that wrote the
                 # updates summed only some leaves and the part reads others)
                 if given_on is None or (where[k] is not None and where[k].of <= given_on):
@@ -451,6 +473,8 @@ def run(
             if where[k] is not None:
                 view = view.restricted(where[k])
             if part.context:
+                if k + 1 in through:  # (asked for: see Elementwise.sums_through)
+                    ctx[SUM_SQUARES] = None
                 sc, finishes[k] = part.prologue(states[k], view, ctx)
             else:
                 sc, finishes[k] = part.prologue(states[k], view)
@@ -644,19 +668,59 @@ def _positions(b, on: Sequence) -> _Where | None:
     return out
 
 
-def _bounds(parts: tuple, where: list) -> list:
+def _bounds(parts: tuple, where: list, through: frozenset = frozenset()) -> list:
     """Where the stages of ``parts`` start (and ``len(parts)``): at every reducing part, but
     for one restricted to leaves no earlier part of the current stage acts on (its
-    prologue reads the stage's inputs there, which are its own inputs)."""
+    prologue reads the stage's inputs there, which are its own inputs), and for one in
+    ``through`` (:func:`_through`: it reads the sums of squares the part before it gives)."""
     bounds = [0]
     touched: frozenset | None = frozenset()  # (None: every leaf)
     for k, part in enumerate(parts):
         w = where[k]
-        if k and part.reduces and (touched is None or w is None or not touched.isdisjoint(w.of)):
+        if (
+            k
+            and part.reduces
+            and k not in through
+            and (touched is None or w is None or not touched.isdisjoint(w.of))
+        ):
             bounds.append(k)
             touched = frozenset()
         touched = None if touched is None or w is None else touched | w.of
     return [*bounds, len(parts)]
+
+
+SUM_SQUARES = object()  # (the run context's key for Elementwise.sums_through)
+
+
+def host_reads(u: list) -> bool:
+    """Whether a prologue may read values of the updates ``u`` (the active locals) on the
+    host for free: eagerly (not compiling, no ``torch.func`` transform, no autograd
+    recording), every leaf a plain CPU tensor (no device synchronisation; not ranks
+    simulated by ``LocalTensor``). C loops."""
+    return (
+        not _recording()
+        and bool(u)
+        and set(map(type, u)) == {torch.Tensor}
+        and all(map(_IS_CPU, u))
+    )
+
+
+_IS_CPU = operator.attrgetter("is_cpu")
+
+
+def _through(parts: tuple, where: list, u: list) -> frozenset:
+    """The positions of the ``reads_sum_squares`` parts that follow a ``sums_through`` part
+    (neither restricted) and read the sums it gives (see ``Elementwise.sums_through``):
+    none unless :func:`host_reads`."""
+    ks = [
+        k
+        for k in range(1, len(parts))
+        if parts[k].reads_sum_squares
+        and parts[k - 1].sums_through
+        and where[k] is None
+        and where[k - 1] is None
+    ]
+    return frozenset(ks) if ks and host_reads(u) else frozenset()
 
 
 def _acted_on(where: list, n: int) -> _Where | None:
@@ -1937,6 +2001,7 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
         reads_sum_squares=part.reads_sum_squares,
         restrict=part.restrict,
         flags=(key, *part.flags),
+        sums_through=part.sums_through,
     )
 
 
