@@ -139,10 +139,12 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def detached(leaves: list) -> list:
-    """``leaves`` with every tensor that autograd tracks detached, unless differentiable (or grad
-    mode is off, where nothing is recorded anyway). Returns the same list when nothing
-    needs it."""
-    if _MODE[0] or not torch.is_grad_enabled() or traced():
+    """``leaves`` with every tensor that autograd tracks detached, unless differentiable.
+    Under ``torch.no_grad()`` too: nothing would be recorded there, but a leaf that requires
+    grad (an ``nn.Parameter``) is not a plain value, and the fused kernels take plain values
+    only (a step under ``no_grad``, as ``torch.optim`` runs its own, would leave the fused
+    path). Returns the same list when nothing needs it."""
+    if _MODE[0] or traced():
         return leaves
     try:  # (one C loop: this runs for every leaf of every update)
         if not torch.compiler.is_compiling() and not any(map(_REQUIRES_GRAD, leaves)):

@@ -12,6 +12,7 @@ torch's own fused and foreach AdamW, on this problem, differ by up to 3e-6 of th
 change after 4 steps.
 """
 
+import contextlib
 import sys
 
 import pytest
@@ -474,11 +475,13 @@ def test_compiled_mask_keeps_its_keys():
         torch.testing.assert_close(again[k], want[k], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("no_grad", [False, True])
 @pytest.mark.parametrize("mode", ["pure", "donate"])
-def test_parameters_take_the_generated_kernel(mode, monkeypatch):
+def test_parameters_take_the_generated_kernel(mode, no_grad, monkeypatch):
     """``nn.Parameter`` leaves (``dict(model.named_parameters())``) run the generated stage as
     plain tensors do (it writes their memory when donated), with the same numbers; the pure
-    step's results require grad as the parameters did."""
+    step's results require grad as the parameters did. So under ``torch.no_grad()`` (where a
+    loop often steps, as ``torch.optim`` does), which once left the fused path."""
     params, grads = _problem()
     want, _ = _run(CHAINS["adamw"](), params, grads, mode)
     seen = kernel_calls(monkeypatch)
@@ -486,7 +489,8 @@ def test_parameters_take_the_generated_kernel(mode, monkeypatch):
     p = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
     state = tx.init(p)
     for g in grads:
-        p, state = step_by_mode(tx, {k: v.clone() for k, v in g.items()}, state, p, mode)
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            p, state = step_by_mode(tx, {k: v.clone() for k, v in g.items()}, state, p, mode)
     assert len(seen) == STEPS and all(n == len(params) for _, n in seen)
     for k in params:
         assert p[k].requires_grad
