@@ -131,6 +131,28 @@ def run_with_reference(opt, ref_params, tx, params, grads):
     return state, p
 
 
+def params_close(got, want, params, dtype, twice=False, rtol32=2e-6):
+    """The new parameters ``got`` against ``want`` (from ``params``), each within ``rtol`` of
+    its largest change: float64 1e-12; float32 ``rtol32`` on CPU (2e-6: the C kernels round as
+    torch's CPU kernels do; tests/test_fused.py states 1e-5 for its longer chains, whose
+    float32 ``sqrt`` torch does not always round correctly), at least 1e-5 on CUDA (ATen's
+    CUDA kernels contract multiply-adds the generated Triton code may round twice). On CUDA
+    an element may also differ by one unit in the last place of the parameter: ``p + u``
+    rounds once, and an update that differs in its own last bits (the contractions) can round
+    that sum to the neighbouring float (a change of 5e-4 on a parameter of 2 is far below the
+    parameter's 2.4e-7 spacing). ``twice``: as on CUDA, on any device (kernels that round a
+    multiply-add twice: Triton's interpreter)."""
+    cuda = twice or next(iter(params.values())).is_cuda
+    rtol = (max(rtol32, 1e-5) if cuda else rtol32) if dtype == torch.float32 else 1e-12
+    for k in params:
+        change = (want[k] - params[k]).abs().max()
+        err = (got[k] - want[k]).abs()
+        bound = rtol * change + 1e-30
+        if cuda:
+            bound = bound + torch.finfo(dtype).eps * want[k].abs()
+        assert bool((err <= bound).all()), (k, float(err.max()), float(change))
+
+
 def close(got, want, rtol, atol, what):
     """``max |got - want| <= atol + rtol * max |want|``, naming ``what`` on failure."""
     got, want = got.detach().to(torch.float64), want.detach().to(torch.float64)

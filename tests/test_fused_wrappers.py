@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import functional_train as ft
-from _layouts import step_by_mode
+from _layouts import params_close, step_by_mode
 from _spy import (
     kernel_calls,
     kernels_run_on,
@@ -46,26 +46,6 @@ def _run(tx, params, grads, mode):
             tx, {k: None if v is None else v.clone() for k, v in g.items()}, state, p, mode
         )
     return p, state
-
-
-def _close(got, want, params, dtype, twice=False):
-    """Parameters within ``rtol`` of their largest change: float32 2e-6 on CPU (the C kernels
-    round as torch's CPU kernels do), 1e-5 on CUDA (tests/test_fused.py's bound: ATen's CUDA
-    kernels contract multiply-adds the generated Triton code may round twice); float64
-    1e-12. On CUDA an element may also differ by one unit in the last place of the parameter:
-    ``p + u`` rounds once, and an update that differs in its own last bits (the contractions)
-    can round that sum to the neighbouring float (a change of 5e-4 on a parameter of 2 is far
-    below the parameter's 2.4e-7 spacing). ``twice``: so on any device (kernels that round
-    a multiply-add twice: Triton's interpreter)."""
-    cuda = twice or next(iter(params.values())).is_cuda
-    rtol = (1e-5 if cuda else 2e-6) if dtype == torch.float32 else 1e-12
-    for k in params:
-        change = (want[k] - params[k]).abs().max()
-        err = (got[k] - want[k]).abs()
-        bound = rtol * change + 1e-30
-        if cuda:
-            bound = bound + torch.finfo(dtype).eps * want[k].abs()
-        assert bool((err <= bound).all()), (k, float(err.max()), float(change))
 
 
 def _states_close(got, want, dtype, structure=True, twice=False):
@@ -158,7 +138,7 @@ def test_fused_equals_unfused(name, mode, dtype, monkeypatch, device):
         assert not torch.isfinite(want["w"]).all()
         got, want = _finite_parts(got, want)
         params = {k: torch.nan_to_num(v) for k, v in params.items()}
-    _close(got, want, params, dtype)
+    params_close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
 
 
@@ -180,7 +160,7 @@ def test_apply_if_finite_equals_its_general_path(name, mode, device):
     params, grads = _problem(torch.float64, bad=bad, device=device)
     got, got_state = _run(make(), params, grads, mode)
     want, want_state = _run(general(), params, grads, mode)
-    _close(got, want, params, torch.float64)
+    params_close(got, want, params, torch.float64)
     # (the general path's state has the foreign transform's EmptyState more: no leaves)
     _states_close(got_state, want_state, torch.float64, structure=False)
     inner = got_state[0] if name == "apply_if_finite_ema" else got_state
@@ -202,7 +182,7 @@ def test_multi_steps_fused_equals_its_general_path(name, mode, dtype, monkeypatc
         general = make()
     assert E.switch_of(general) is None and E.switch_of(make()) is not None
     want, want_state = _run(general, params, grads, "update")
-    _close(got, want, params, dtype)
+    params_close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
 
 
@@ -273,7 +253,7 @@ def test_ema_equals_by_hand():
             if ema is None
             else {k: torch.lerp(ema[k], p[k], 0.1) for k in p}
         )
-    _close(got, p, params, torch.float64)
+    params_close(got, p, params, torch.float64)
     for k in p:
         torch.testing.assert_close(ft.averaged_params(state)[k], ema[k], rtol=1e-12, atol=1e-15)
 
@@ -288,7 +268,7 @@ def test_ema_leaf_without_gradient():
     got, got_state = _run(tx, params, grads, "donate")
     tx2 = ft.chain(ft.scale_by_adam(), ft.scale(-1e-2), _foreign_identity(), ft.ema_params(0.5))
     want, want_state = _run(tx2, params, grads, "update")
-    _close(got, want, params, torch.float64)
+    params_close(got, want, params, torch.float64)
     torch.testing.assert_close(
         ft.averaged_params(got_state)["b"],
         ft.averaged_params(want_state)["b"],
@@ -371,7 +351,7 @@ def test_multi_steps_partial_cycles_fall_back():
     grads[2]["e"] = None
     got, got_state = _run(ft.multi_steps(_clip_adamw(), 3), params, grads, "donate")
     want, want_state = _run(ft.multi_steps(_clip_adamw(), 3), params, grads, "update")
-    _close(got, want, params, torch.float64)
+    params_close(got, want, params, torch.float64)
     _states_close(got_state, want_state, torch.float64)
 
 
@@ -482,7 +462,7 @@ def test_masked_and_partition_fuse(name, mode, dtype, monkeypatch, device):
     recognised = took_torch_fused(device, torch_fused, seen)
     if not recognised and mode != "update" and kernels_run_on(device):  # one call per step
         assert sum(k for _, k in seen) == VISITS.get(name, len(params)) * STEPS, seen
-    _close(got, want, params, dtype)
+    params_close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
 
 
@@ -531,10 +511,8 @@ def test_partition_groups_mixed_leaves(mode, monkeypatch, device):
     )
     if kernels_run_on(device):  # adam's w (float32) and v (float64), sgd's b; e in torch
         assert sorted(k for _, k in seen) == [1, 1, 1] * 4, seen
-    for k in params:
-        change = (want[k] - params[k]).abs().max()
-        rtol = 1e-12 if dtypes[k] == torch.float64 else (1e-5 if device.type == "cuda" else 2e-6)
-        assert (got[k] - want[k]).abs().max() <= rtol * change + 1e-30, k
+    for k in params:  # (mixed dtypes: each leaf at its own dtype's tolerance)
+        params_close({k: got[k]}, {k: want[k]}, {k: params[k]}, dtypes[k])
     for a, b in zip(ft.tree.tree_flatten(got_state)[0], ft.tree.tree_flatten(want_state)[0]):
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -553,7 +531,7 @@ def test_partition_with_an_empty_label_is_one_group(mode, monkeypatch, device):
     )
     if kernels_run_on(device):
         assert [k for _, k in seen] == [len(params)] * STEPS, seen
-    _close(got, want, params, torch.float32)
+    params_close(got, want, params, torch.float32)
     _states_close(got_state, want_state, torch.float32)
 
 
@@ -594,7 +572,7 @@ def test_chain_with_inject_hyperparams_fuses(mode, dtype, monkeypatch, device):
     got, got_state = _run_injected(tx, params, grads, mode)
     if not took_torch_fused(device, torch_fused, seen) and kernels_run_on(device):
         assert sum(k for _, k in seen) == STEPS * len(params), seen
-    _close(got, want, params, dtype)
+    params_close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
     assert int(got_state[1].count) == STEPS and got_state[1].hyperparams["b1"] == 0.7
 
@@ -637,7 +615,7 @@ def test_multi_steps_inside_a_combinator_fuses(kind, mode, dtype, device):
     for g in grads:
         assert switch.choose(g, state, p, None) is not None  # (not the general path)
         p, state = step_by_mode(tx, {k: v.clone() for k, v in g.items()}, state, p, mode)
-    _close(p, want, params, dtype)
+    params_close(p, want, params, dtype)
     _states_close(state, want_state, dtype)
 
 
@@ -689,7 +667,7 @@ def test_one_injected_transform_in_two_places(kind, mode, device):
     want, want_state, _ = run(lambda tx, g, s, p: step_by_mode(tx, g, s, p, "update"))
     got, got_state, built = run(lambda tx, g, s, p: step_by_mode(tx, g, s, p, mode))
     assert E.switch_of(_one_injected_twice(kind)) is not None
-    _close(got, want, params, torch.float64)
+    params_close(got, want, params, torch.float64)
     _states_close(got_state, want_state, torch.float64)
     assert built == 0
 
@@ -732,7 +710,7 @@ def test_multi_steps_of_an_injected_chain_fuses(mode, dtype, monkeypatch, device
         general = _multi_steps_of_injected()
     assert E.switch_of(general) is None
     want, want_state = run(general, "update")
-    _close(got, want, params, dtype)
+    params_close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
 
 
@@ -803,7 +781,7 @@ def test_identity_clip_and_ema_fuse(name, mode, dtype, monkeypatch, device):
         assert device.type != "cpu" or len(seen) - n == calls, name
     monkeypatch.setattr(fuse, "ENABLED", False)
     want, want_state = _run(make(), params, grads, "update")
-    _close(p, want, params, dtype)
+    params_close(p, want, params, dtype)
     _states_close(state, want_state, dtype)
 
 
@@ -849,7 +827,7 @@ def test_dynamic_loss_scale_fuses(name, mode, dtype, monkeypatch, device):
     assert int(state.total_notfinite) == len(BAD) and bool(state.last_finite)
     assert torch.equal(state.scale, want_state.scale)
     assert torch.equal(state.growth_tracker, want_state.growth_tracker)
-    _close(p, want, params, dtype)
+    params_close(p, want, params, dtype)
     _states_close(state.inner_state, want_state.inner_state[:-1], dtype)
 
 
@@ -927,7 +905,7 @@ def test_triton_stages_under_the_interpreter(name, mode, monkeypatch):
         assert any(k.n_per_leaf for k in triton), name  # (the factored update: by rows)
     if name == "apply_if_finite_ema":  # (its inf was skipped: every parameter finite)
         assert all(bool(torch.isfinite(v).all()) for v in got.values())
-    _close(got, want, params, torch.float32, twice=True)
+    params_close(got, want, params, torch.float32, twice=True)
     _states_close(got_state, want_state, torch.float32, twice=True)
 
 
@@ -975,7 +953,7 @@ def test_zero_nans_fuses(mode, dtype, after_scale, monkeypatch, device):
     assert {k: bool(v) for k, v in zn.found_nan.items()} == {k: k in ("w", "e") for k in params}
     monkeypatch.setattr(fuse, "ENABLED", False)
     want, want_state = _run(make(), params, grads, "update")
-    _close(got, want, params, dtype)
+    params_close(got, want, params, dtype)
     _states_close(got_state, want_state, dtype)
     # a complex leaf: zero_nans' own update (no engine run of it), the element zeroed whole
     z = {"z": torch.tensor([1 + 1j, complex(float("nan"), 2.0)], device=device)}
