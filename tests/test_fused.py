@@ -467,6 +467,77 @@ def test_compiled_mask_keeps_its_keys():
         torch.testing.assert_close(again[k], want[k], rtol=0, atol=0)
 
 
+def _ordered_problem(contiguous: bool = False):
+    """Leaves in another memory order than contiguous, their gradients in the same one:
+    ``channels_last`` convolution weights, a transposed weight (:data:`ORDERED`); a bias; a
+    weight whose gradient is in another order and one whose gradient is a slice (gaps in its
+    memory: the first stage of a step runs them in torch). ``contiguous``: the same values,
+    the :data:`ORDERED` leaves contiguous."""
+    gen = torch.Generator().manual_seed(1)
+    cl = torch.channels_last
+
+    def made(scale):
+        out = {
+            "conv": (torch.randn(8, 3, 3, 3, generator=gen) * scale).to(memory_format=cl),
+            "conv3d": (torch.randn(4, 2, 2, 3, 3, generator=gen) * scale).to(
+                memory_format=torch.channels_last_3d
+            ),
+            "t": (torch.randn(6, 5, generator=gen) * scale).t(),
+            "b": torch.randn(8, generator=gen) * scale,
+        }
+        other = torch.randn(4, 3, 2, 2, generator=gen) * scale
+        gaps = torch.randn(5, 7, generator=gen) * scale
+        out["other"] = other.to(memory_format=cl) if scale == 1.0 else other
+        out["gaps"] = gaps[:, :4] if scale != 1.0 else gaps[:, :4].contiguous()
+        if contiguous:
+            out.update({k: out[k].contiguous() for k in ORDERED})
+        return out
+
+    return made(1.0), [made(0.1) for _ in range(STEPS)]
+
+
+ORDERED = ("conv", "conv3d", "t")
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+@pytest.mark.parametrize("name", ["adamw", "primitives", "sgd_nesterov", "user", "multi_steps"])
+def test_leaves_in_one_memory_order_take_the_kernels(name, mode, monkeypatch):
+    """Leaves that are not contiguous but lie in one memory order with their gradients and
+    states (``channels_last`` convolution weights; a transposed weight) run in the generated
+    kernels, which read each leaf's memory in order (as many leaves through kernels as the
+    same leaves contiguous), with the numbers of the per-leaf definitions, and keep their
+    memory order (new parameters, updates, states); a leaf whose gradient lies in another
+    order, or has gaps, runs in torch. (They once all ran in torch.)"""
+    params, grads = _ordered_problem()
+    assert not any(params[k].is_contiguous() or grads[0][k].is_contiguous() for k in ORDERED)
+    seen = kernel_calls(monkeypatch)
+    tx = CHAINS[name]()
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    for g in grads:
+        g = {k: v.clone() for k, v in g.items()}
+        if mode == "update":
+            u, state = tx.update(g, state, p)
+            for k in ORDERED:  # (multi_steps' zero updates: one zero, expanded)
+                assert u[k].stride() in (g[k].stride(), (0,) * g[k].ndim), (k, u[k].stride())
+            p = ft.apply_updates(p, u)
+        else:
+            p, state = ft.step(tx, g, state, p, donate=mode == "donate")
+    leaves_through_kernels = sum(n for _, n in seen)
+    for k in ORDERED:
+        assert p[k].stride() == params[k].stride(), (k, p[k].stride())
+    for x in ft.tree.tree_flatten(state)[0]:  # (the states made like their parameters)
+        for k in ORDERED:
+            if isinstance(x, torch.Tensor) and x.shape == params[k].shape:
+                assert x.stride() == params[k].stride(), (k, x.stride())
+    seen.clear()
+    _run(CHAINS[name](), *_ordered_problem(contiguous=True), mode)
+    assert leaves_through_kernels == sum(n for _, n in seen) > 0
+    _unfused(monkeypatch)
+    want, _ = _run(CHAINS[name](), params, grads, mode)
+    params_close(p, want, params, torch.float32, rtol32=1e-5)  # (see the module's docstring)
+
+
 @pytest.mark.parametrize("no_grad", [False, True])
 @pytest.mark.parametrize("mode", ["pure", "donate"])
 def test_parameters_take_the_generated_kernel(mode, no_grad, monkeypatch):

@@ -1434,6 +1434,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                     g_dst = [in_keep.index(dst[r]) for r in out_keep]
                 kernel = None
                 rows = fast if isinstance(fast, tuple) else None  # (kinds by input: by rows)
+                strided = fast is STRIDED
                 if sums is not None:
                     kernel = fuse.kernel_for(
                         g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type, sumsq=True
@@ -1454,6 +1455,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                     g_dst,
                     sums,
                     rows,
+                    strided,
                 ):
                     continue
         with torch.enable_grad() if _recording() else torch.no_grad():
@@ -1483,23 +1485,44 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
 
 def _leaf_groups(ins: list, keys: list, idx, plain: bool, groups: dict) -> None:
     """The leaves ``idx`` into ``groups``, leaf by leaf: by whether a kernel runs them (plain
-    contiguous tensors without autograd on a device where kernels run), their dtypes, key and
-    absent inputs."""
+    tensors without autograd on a device where kernels run, contiguous, or all in the
+    update's memory order: :data:`STRIDED`), their dtypes, key and absent inputs."""
     for j in idx:
         leaf_ins = [lst[j] for lst in ins]
         absent = tuple(k for k, x in enumerate(leaf_ins) if x is None)
         if absent:
             leaf_ins = [x for x in leaf_ins if x is not None]
         dev = leaf_ins[0].device if plain and _kernel_device(leaf_ins[0]) else None
-        fast = dev is not None and all(
-            type(x) is torch.Tensor
-            and x.device == dev
-            and x.is_contiguous()
-            and not x.requires_grad
-            for x in leaf_ins
+        fast: bool | str = dev is not None and all(
+            type(x) is torch.Tensor and x.device == dev and not x.requires_grad for x in leaf_ins
         )
+        if fast and not all(x.is_contiguous() for x in leaf_ins):
+            fast = STRIDED if _in_one_order(leaf_ins) else False
         sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j], absent)
         groups.setdefault(sig, []).append(j)
+
+
+# a group of leaves whose tensors are not contiguous but each leaf's share one memory order
+# (``channels_last`` convolution weights, their gradients and states): a kernel reads and writes
+# every leaf's memory in order, which is the same element of each of them; results made in
+# that order (``torch.empty_like``)
+STRIDED = "strided"
+
+
+def _in_one_order(xs: list) -> bool:
+    """Whether the leaf's tensors ``xs`` (the update first) all lie in the update's memory
+    order, without gaps or overlaps (a permutation of a contiguous layout: ``channels_last``),
+    so that element ``k`` of each one's memory is the same element of the leaf; a single value
+    (the per-leaf scalars) counts as in order."""
+    u = xs[0]
+    shape, stride = u.shape, u.stride()
+    dims = sorted((st, n) for n, st in zip(shape, stride) if n != 1)
+    step = 1
+    for st, n in dims:
+        if st != step:
+            return False
+        step *= n
+    return all(x.numel() <= 1 or (x.shape == shape and x.stride() == stride) for x in xs[1:])
 
 
 def _single_values(lists: list) -> bool:
@@ -1716,11 +1739,14 @@ def _function(stage, counts, key):
     return hit[1]
 
 
-def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst, sums=None, rows=None) -> bool:
+def _run_kernel(
+    kernel, ins, idx, outs, sc, apply, take, dst, sums=None, rows=None, strided=False
+) -> bool:
     """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
     as asked (a donated buffer of another dtype). A kernel that sums its updates' squares
     (``kernel.sumsq``) appends their sums to ``sums``. ``rows``: the inputs' kinds, for a call
-    by rows (:meth:`.fuse.Kernel.by_rows`)."""
+    by rows (:meth:`.fuse.Kernel.by_rows`). ``strided``: leaves in one memory order that is
+    not contiguous (:data:`STRIDED`): fresh results are made in it."""
     whole = len(idx) == len(ins[0])  # (every leaf: the common case, lists as they are)
     cols = [list(lst) for lst in ins] if whole else [[lst[j] for j in idx] for lst in ins]
     n_out = len(outs)
@@ -1734,6 +1760,8 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst, sums=None, rows=No
         for t, d in zip(res, kernel.out_dtypes):
             if set(map(_DTYPE, t)) != {d}:
                 return False
+    elif strided:  # (in the leaves' memory order: not the pool's contiguous buffers)
+        res = [[_fresh(x, d) for x in cols[0]] for d in kernel.out_dtypes]
     else:
         res = []
         for r, d in enumerate(kernel.out_dtypes):
@@ -1768,7 +1796,9 @@ def _run_kernel(kernel, ins, idx, outs, sc, apply, take, dst, sums=None, rows=No
 
 
 def _fresh(like, dtype=None):
-    return torch.empty(like.shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+    """A new tensor of ``like``'s shape and memory order (contiguous unless ``like`` is a
+    permutation of a contiguous layout), of ``dtype`` (default ``like``'s)."""
+    return torch.empty_like(like, dtype=like.dtype if dtype is None else dtype)
 
 
 def apply_part(
