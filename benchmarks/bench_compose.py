@@ -8,7 +8,10 @@ the fused path recognises (clip + adamw); this script measures what is composed 
 The problem is bench_engine's (its helpers are imported, not copied): the GPT-like tree of
 13,650,176 float32 parameters in 122 leaves (``gpt_shapes``, ``make_problem``: matrices ~0.02
 randn, norms 1, biases 0; gradients ~1e-2 randn), ``torch.set_num_threads(--threads)`` (default
-1). Hyper-parameters everywhere: clip max_norm 1.0, lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+1). ``--tree conv``: ResNet-18's parameters instead (``conv_shapes``: 11,689,512 in 62 leaves),
+its 4-d convolution weights and their gradients ``channels_last``, as convolutional training
+keeps them (the torch code's parameters and gradients too); ``--tree small``: the small-leaf
+tree. Hyper-parameters everywhere: clip max_norm 1.0, lr 1e-3, betas (0.9, 0.999), eps 1e-8,
 weight decay 0.1. Before each timed unit every system gets freshly written gradients, untimed
 (``p.grad.copy_(g)`` for torch.optim, a fresh clone of the tree for functional_train, which
 ``donate=True`` may write into). Systems are interleaved round by round in one process
@@ -148,7 +151,7 @@ A unit's time is the slowest rank's; rank 0 prints. No compiled system in Part B
 
     python benchmarks/bench_compose.py [--rounds 7] [--warmup 2] [--threads 1] [--rows a,b]
                                        [--device cpu|cuda] [--compile [--cold-cache]]
-                                       [--dtype float32|bfloat16]
+                                       [--dtype float32|bfloat16] [--tree gpt|small|conv]
     python benchmarks/bench_compose.py --dtensor [--rounds 7] [--warmup 2] [--rows a,b]
                                        [--tree gpt|small]
     python benchmarks/bench_compose.py --host [--rounds 9] [--rows a,b]
@@ -639,15 +642,17 @@ def row_table(title, times, faults, mem, diffs, base, torch_name, warm, compiles
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def problem(shapes, row, device, dtype=torch.float32):
+def problem(shapes, row, device, dtype=torch.float32, conv=False):
     """The row's parameters and gradient trees (``EVERY_K`` of them for multi_steps), made in
-    float32 and cast to ``dtype``."""
+    float32 and cast to ``dtype``; ``conv``: their 4-d leaves ``channels_last``."""
     params0, g0 = be.make_problem(shapes, seed=0)
     grads = [g0]
     if row == "multi_steps":
         grads += [be.make_problem(shapes, seed=i)[1] for i in range(1, EVERY_K)]
     params0 = {k: v.to(device, dtype) for k, v in params0.items()}
     grads = [{k: v.to(device, dtype) for k, v in g.items()} for g in grads]
+    if conv:
+        params0, grads = be.channels_last(params0), [be.channels_last(g) for g in grads]
     return params0, grads
 
 
@@ -710,16 +715,20 @@ def part_a(args, rows):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     torch.set_num_threads(args.threads)
-    shapes = be.gpt_shapes()
+    shapes, name = {
+        "gpt": (be.gpt_shapes(), "GPT-like tree"),
+        "small": (be.small_shapes(), "small-leaf tree"),
+        "conv": (be.conv_shapes(), "ResNet-18 tree (channels_last convolutions)"),
+    }[args.tree]
     print(
         f"Part A: plain tensors on {device}, one process, {torch.get_num_threads()} thread(s); "
-        f"GPT-like tree {be.n_params(shapes):,} {args.dtype} params in {len(shapes)} leaves; "
+        f"{name} {be.n_params(shapes):,} {args.dtype} params in {len(shapes)} leaves; "
         f"every system within {tolerance(dtype):.1e} of the torch code (relative to the "
         f"largest parameter)"
     )
     ok = True
     for row in rows:
-        params0, grads = problem(shapes, row, device, dtype)
+        params0, grads = problem(shapes, row, device, dtype, conv=args.tree == "conv")
         tx = make_tx(row)
         base = TorchCode(
             "(a) AdamW(fused) + clip [base]", row, params0, grads, device, fused=True, plain=True
@@ -877,9 +886,10 @@ def main():
     ap.add_argument(
         "--tree",
         default="gpt",
-        choices=["gpt", "small"],
-        help="Part B: the GPT-like tree (default) or the small-leaf tree (242 leaves of "
-        "64 x 68 and 64: bench_engine.small_shapes)",
+        choices=["gpt", "small", "conv"],
+        help="the GPT-like tree (default), the small-leaf tree (242 leaves of 64 x 68 and 64: "
+        "bench_engine.small_shapes) or, Part A only, ResNet-18's parameters with channels_last "
+        "convolutions (bench_engine.conv_shapes)",
     )
     args = ap.parse_args()
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -895,6 +905,8 @@ def main():
             f"{Path(ft.__file__).parent}"
         )
     if args.dtensor:
+        if args.tree == "conv":
+            ap.error("--tree conv: Part A only")
         part_b(args, rows)
         return
     if args.host:

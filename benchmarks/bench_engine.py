@@ -137,6 +137,42 @@ def small_shapes(n=121, rows=64, cols=68):
     return shapes
 
 
+def conv_shapes():
+    """ResNet-18's parameters (11,689,512 in 62 leaves): its 3 x 3 and 1 x 1 convolution
+    weights (out, in, kh, kw), the batch norms' weights and biases, the classifier. Meant to be
+    made ``channels_last`` (:func:`channels_last`), as convolutional training runs them."""
+    shapes = {"conv1.weight": (64, 3, 7, 7), "bn1.norm.weight": (64,), "bn1.norm.bias": (64,)}
+    c_in = 64
+    for stage, c in enumerate((64, 128, 256, 512), start=1):
+        for block in range(2):
+            p = f"layer{stage}.{block}."
+            first_in = c_in if block == 0 else c
+            shapes.update(
+                {
+                    p + "conv1.weight": (c, first_in, 3, 3),
+                    p + "bn1.norm.weight": (c,),
+                    p + "bn1.norm.bias": (c,),
+                    p + "conv2.weight": (c, c, 3, 3),
+                    p + "bn2.norm.weight": (c,),
+                    p + "bn2.norm.bias": (c,),
+                }
+            )
+            if block == 0 and c != c_in:
+                shapes[p + "downsample.weight"] = (c, c_in, 1, 1)
+                shapes[p + "downsample.norm.weight"] = (c,)
+                shapes[p + "downsample.norm.bias"] = (c,)
+        c_in = c
+    shapes.update({"fc.weight": (1000, 512), "fc.bias": (1000,)})
+    return shapes
+
+
+def channels_last(tree: dict) -> dict:
+    """``tree`` with its 4-d leaves in ``torch.channels_last`` memory order."""
+    return {
+        k: v.to(memory_format=torch.channels_last) if v.ndim == 4 else v for k, v in tree.items()
+    }
+
+
 def make_problem(shapes, seed=0):
     """Initial parameters (matrices ~0.02 randn, norms 1, biases 0) and gradients (~1e-2 randn)."""
     g = torch.Generator().manual_seed(seed)

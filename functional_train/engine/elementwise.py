@@ -128,7 +128,7 @@ from ..spec import attach_spec, transform_spec
 from . import fuse
 from .dtensor import to_local, wrap_like
 from .owners import assume_constant_result
-from .pool import LAZY_CLONES, Pool, lazy_clones, of_plan
+from .pool import LAZY_CLONES, Pool, in_one_order, lazy_clones, of_plan
 
 __all__ = [
     "Elementwise",
@@ -1511,17 +1511,13 @@ STRIDED = "strided"
 
 def _in_one_order(xs: list) -> bool:
     """Whether the leaf's tensors ``xs`` (the update first) all lie in the update's memory
-    order, without gaps or overlaps (a permutation of a contiguous layout: ``channels_last``),
-    so that element ``k`` of each one's memory is the same element of the leaf; a single value
-    (the per-leaf scalars) counts as in order."""
+    order, without gaps or overlaps (:func:`.pool.in_one_order`), so that element ``k`` of each
+    one's memory is the same element of the leaf; a single value (the per-leaf scalars) counts
+    as in order."""
     u = xs[0]
+    if not in_one_order(u):
+        return False
     shape, stride = u.shape, u.stride()
-    dims = sorted((st, n) for n, st in zip(shape, stride) if n != 1)
-    step = 1
-    for st, n in dims:
-        if st != step:
-            return False
-        step *= n
     return all(x.numel() <= 1 or (x.shape == shape and x.stride() == stride) for x in xs[1:])
 
 
@@ -1760,8 +1756,13 @@ def _run_kernel(
         for t, d in zip(res, kernel.out_dtypes):
             if set(map(_DTYPE, t)) != {d}:
                 return False
-    elif strided:  # (in the leaves' memory order: not the pool's contiguous buffers)
-        res = [[_fresh(x, d) for x in cols[0]] for d in kernel.out_dtypes]
+    elif strided:  # (in the leaves' memory order: the pool's, where the dtype is theirs)
+        res = [
+            take(f"stage{r}", cols[0])
+            if take is not None and set(map(_DTYPE, cols[0])) == {d}
+            else [_fresh(x, d) for x in cols[0]]
+            for r, d in enumerate(kernel.out_dtypes)
+        ]
     else:
         res = []
         for r, d in enumerate(kernel.out_dtypes):
