@@ -82,6 +82,13 @@ def test_native_sum_squares(native_on, dtype):
         assert torch.equal(a, native.sum_squares([base[start : start + 4099].clone()]))
     strided = base[:4000].view(40, 100).t()[3:, 1:]  # a non-contiguous view: copied first
     assert torch.equal(native.sum_squares([strided]), native.sum_squares([strided.contiguous()]))
+    # (channels_last among contiguous leaves: each copied in its turn, the same sums)
+    cl = torch.randn(6, 5, 3, 3, generator=g, dtype=dtype).to(memory_format=torch.channels_last)
+    mixed_order = [xs[5], cl, xs[7], strided]
+    assert torch.equal(
+        native.sum_squares(mixed_order),
+        native.sum_squares([x.contiguous() for x in mixed_order]),
+    )
     other = torch.float64 if dtype == torch.float32 else torch.float32
     mixed = native.sum_squares([xs[5], xs[6].to(other), xs[7]])  # one call per dtype
     assert torch.equal(

@@ -193,10 +193,10 @@ _IS_CPU = operator.attrgetter("is_cpu")
 
 def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The sum of squares of each of ``xs`` (plain CPU tensors, float32 or float64; a
-    non-contiguous one is copied first), accumulated in float64: a float64 vector with an
-    element per tensor, or ``None`` (nothing computed) where the native kernels are unavailable
-    or a tensor does not qualify. A sum depends only on its tensor's values in their logical
-    order, not on its strides or where it lies in memory (see ``ft_sumsq`` in
+    non-contiguous one is copied first, one at a time), accumulated in float64: a float64
+    vector with an element per tensor, or ``None`` (nothing computed) where the native kernels
+    are unavailable or a tensor does not qualify. A sum depends only on its tensor's values in
+    their logical order, not on its strides or where it lies in memory (see ``ft_sumsq`` in
     ``_kernels.c``), nor on a dispatch mode (the tensors themselves must be plain). One call
     per dtype, on the calling thread."""
     if not xs or set(map(type, xs)) != {torch.Tensor} or not all(map(_IS_CPU, xs)):
@@ -204,8 +204,22 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     dtypes = set(map(_DTYPE_OF, xs))
     if not dtypes <= _DTYPES.keys() or not all(map(available, dtypes)):
         return None
-    if not all(map(torch.Tensor.is_contiguous, xs)):
-        xs = [x.contiguous() for x in xs]  # (kept alive to the end of the call)
+    if all(map(torch.Tensor.is_contiguous, xs)):
+        return _sums(xs, dtypes)
+    # a non-contiguous one copied first, one at a time (summed while the copy is in the caches,
+    # and the step holds one such copy at a time, not one of every leaf)
+    out = torch.empty(len(xs), dtype=torch.float64)
+    whole = [k for k, x in enumerate(xs) if x.is_contiguous()]
+    if whole:
+        out[whole] = _sums([xs[k] for k in whole], dtypes)
+    for k, x in enumerate(xs):
+        if not x.is_contiguous():
+            out[k] = _sums([x.contiguous()], {x.dtype})[0]
+    return out
+
+
+def _sums(xs: Sequence[torch.Tensor], dtypes: set) -> torch.Tensor:
+    """:func:`sum_squares` of contiguous tensors that qualify, of the ``dtypes``."""
     out = torch.empty(len(xs), dtype=torch.float64)
     for dtype in dtypes:
         idx = (
@@ -213,6 +227,8 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
             if len(dtypes) == 1
             else [k for k, x in enumerate(xs) if x.dtype == dtype]
         )
+        if not idx:
+            continue
         part = out if len(dtypes) == 1 else torch.empty(len(idx), dtype=torch.float64)
         sub = xs if len(dtypes) == 1 else [xs[k] for k in idx]
         ptrs = array.array("q", map(const_data_ptr, sub))  # (read only: a lazy clone is not copied)
