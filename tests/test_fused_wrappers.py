@@ -909,6 +909,48 @@ def test_triton_stages_under_the_interpreter(name, mode, monkeypatch):
     _states_close(got_state, want_state, torch.float32, twice=True)
 
 
+_ZERO_NANS_AROUND = {
+    "apply_if_finite": lambda inner: ft.apply_if_finite(inner, 5),
+    "multi_steps": lambda inner: ft.multi_steps(inner, 2),
+    "after_scale": lambda inner: ft.chain(ft.scale(2.0), inner),
+}
+
+
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+@pytest.mark.parametrize("around", [*sorted(_ZERO_NANS_AROUND), "masked"])
+def test_zero_nans_then_clip_inside_wrappers(around, mode):
+    """``chain(zero_nans, clip, adamw)`` inside ``apply_if_finite`` (guarded parts: the clip
+    still reads the sums ``zero_nans`` gives), ``multi_steps``, after a ``scale``, and with
+    ``zero_nans`` masked (a restricted part: a pass of its own), NaNs in one or two leaves on
+    alternate steps: the float64 parameters of the chain run with the kernels off, to 1e-12."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": (7, 5), "b": (5,), "e": (3, 4, 2)}
+    params = {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+    grads = []
+    for t in range(6):
+        gt = {k: torch.randn(s, generator=g, dtype=torch.float64) * 0.1 for k, s in shapes.items()}
+        if t % 2:
+            gt["w"][1, 2] = float("nan")
+        if t == 4:
+            gt["e"][0, 0, 0] = gt["w"][0, 0] = float("nan")
+        grads.append(gt)
+
+    def make():
+        if around == "masked":
+            zn = ft.masked(ft.zero_nans(), lambda p: {k: k != "b" for k in p})
+            return ft.chain(zn, ft.clip_by_global_norm(0.5), ft.adamw(1e-2))
+        inner = ft.chain(ft.zero_nans(), ft.clip_by_global_norm(0.5), ft.adamw(1e-2))
+        return _ZERO_NANS_AROUND[around](inner)
+
+    got, _ = _run(make(), params, grads, mode)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fuse, "ENABLED", False)
+        want, _ = _run(make(), params, grads, "update")
+    for k in params:
+        assert bool(torch.isfinite(got[k]).all()), k
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("mode", ["pure", "donate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("after_scale", [False, True])
