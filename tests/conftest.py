@@ -4,8 +4,8 @@ in float64).
 Tiers: ``python -m pytest -q`` runs every test not marked ``slow`` (single-process properties,
 reference tests, simulated-rank sharded tests: a few minutes on 2 cores); ``--full`` adds the
 ``slow`` ones (tests that start processes, compile a step with ``torch.compile``, or run the
-main job or the notebook), as ``.ci/run`` does. An explicit ``-m`` expression selects by itself
-(``-m slow``: only those).
+main job or the notebook; and two dtypes of the Triton writer's check), as ``.ci/run`` does.
+An explicit ``-m`` expression selects by itself (``-m slow``: only those).
 
 Profiles (select with the ``HYPOTHESIS_PROFILE`` environment variable):
 
