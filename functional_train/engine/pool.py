@@ -129,6 +129,14 @@ def _empty_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+def _same_order(buf: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``buf`` lies as :func:`_empty_like` would make it for ``x`` (without making
+    one)."""
+    if x.is_contiguous() or not in_one_order(x):
+        return buf.is_contiguous()
+    return buf.stride() == x.stride()
+
+
 class Pool:
     """Sets of result buffers of one plan, by kind (``"params"``, ``"mu"``, ...)."""
 
@@ -164,9 +172,7 @@ class Pool:
                 and all(_free(b) for b in bufs)
                 and all(b.shape == x.shape and b.dtype == x.dtype for b, x in zip(bufs, like))
                 and (
-                    all(map(_contiguous, bufs))
-                    if contiguous
-                    else all(b.stride() == _empty_like(x).stride() for b, x in zip(bufs, like))
+                    all(map(_contiguous, bufs)) if contiguous else all(map(_same_order, bufs, like))
                 )
             ):
                 return [b.detach() for b in bufs]
