@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _validate as V
 from . import foreach
-from .aliasing import known_zeros
+from .aliasing import forget_shared, known_zeros
 from .autograd import detached, host_value, host_values, is_differentiable, traced
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
@@ -160,7 +161,7 @@ def multi_steps(
             gradient_step=gradient_step,
             inner_state=inner.init(params),
             acc_grads=state_zeros_like(params, acc_dtype),
-            seen=tuple(_flag(0) for _ in tree_flatten(params)[0]),
+            seen=_BLOCKS.make(0, len(tree_flatten(params)[0])),
             skip_state=skip_state,
         )
 
@@ -202,7 +203,7 @@ def multi_steps(
                 )
         k = int(host_value(state.mini_step, _MINI))  # CPU counter: a host read without device
         # synchronisation
-        seen = [int(v) for v in host_values(state.seen, _SEEN)]  # CPU flags: no sync either
+        seen = [int(v) for v in _seen_values(state.seen)]  # CPU flags: no sync either
         if len(seen) != len(g):
             raise ValueError(
                 f"multi_steps: MultiStepsState.seen has {len(seen)} flags for "
@@ -328,15 +329,17 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         return non_final_prologue
 
     def non_final_finish(state, active, trees):
-        seen = (
-            state.seen  # (every leaf with a gradient seen already: the same flags)
-            if active is None
-            else tuple(
+        n = len(state.seen)
+        if active is None:  # (every leaf with a gradient seen already: the same flags)
+            seen = state.seen
+        elif len(active) == n:
+            seen = _BLOCKS.make(1, n)
+        else:
+            seen = tuple(
                 next(ones) if i in active else f
-                for ones in [_flags(1, len(state.seen))]
+                for ones in [_flags(1, n)]
                 for i, f in enumerate(state.seen)
             )
-        )
         return MultiStepsState(
             state.mini_step + 1,
             state.gradient_step,
@@ -350,15 +353,18 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         check(state, b)
 
         def finish(trees):
+            values = _seen_values(state.seen)
             return MultiStepsState(
                 torch.zeros_like(state.mini_step),
                 state.gradient_step + 1,
                 state.inner_state,  # (replaced by the inner's new state in join)
                 trees[0],
-                tuple(
+                _BLOCKS.make(0, len(values))
+                if all(values)
+                else tuple(
                     next(zeros) if v else f
-                    for zeros in [_flags(0, len(state.seen))]
-                    for f, v in zip(state.seen, host_values(state.seen, _SEEN))
+                    for zeros in [_flags(0, len(values))]
+                    for f, v in zip(state.seen, values)
                 ),
                 state.skip_state,
             )
@@ -526,7 +532,7 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             return traced_variant if _alike(g, acc, pl) else None
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
-        seen = host_values(state.seen, _SEEN)  # (.item(): 0.2 us a flag, int() 0.35)
+        seen = _seen_values(state.seen)  # (a block's: one tolist; else .item() per flag)
         final = int(state.mini_step) + 1 >= every_k
         if len(set(seen)) == 1 and _alike(g, acc, lambda: _leaves_or_none(params, treedef)):
             return variant(final, not seen[0], updates, state, params, mesh)
@@ -666,6 +672,85 @@ def _flags(v: int, n: int):
     of one buffer (one allocation per step where a flag each cost about 1.2 us; distinct
     memory, so loading a checkpoint into them in place keeps them apart)."""
     return iter(torch.full((n,), v, dtype=torch.int64).unbind())
+
+
+class _FlagBlocks:
+    """``MultiStepsState.seen`` as the library writes it where every leaf's flag is new: a
+    block, one int64 CPU buffer of ``n`` elements whose flags are its 0-dim views (distinct
+    memory, as :func:`_flags` makes them), remembered by the tuple that holds them, so that
+
+    - reading a remembered tuple's flags is one ``tolist`` of its buffer, which holds what
+      the views hold (a checkpoint loaded into the state in place included), where reading
+      them one ``.item()`` at a time took 0.2 to 0.9 us a flag, every micro-step (a
+      ``multi_steps`` cycle of 4 calls read 5 x 122 flags on the benchmark tree);
+    - a new block reuses a remembered one that nothing outside this registry holds any more:
+      no reference to its tuple, to a flag or to the buffer, and no other tensor on its
+      memory (CPython's reference counts and the storage's use count, compared with those
+      of a block just made: :meth:`_counts`): one ``fill_`` where ``unbind`` made ``n`` views
+      (170 to 270 us for 122 flags), twice a cycle.
+
+    Eagerly only (under ``torch.compile`` or a ``torch.func`` transform: plain flags); at
+    most :attr:`LIMIT` blocks are remembered (beyond, new blocks are not)."""
+
+    LIMIT = 64
+
+    def __init__(self):
+        self._blocks: dict[int, tuple] = {}  # id(tuple of flags) -> (that tuple, its buffer)
+        self._free = self._counts(self._new(0, 2))  # (a block nothing else holds)
+
+    @staticmethod
+    def _new(v: int, n: int) -> tuple:
+        base = torch.full((n,), v, dtype=torch.int64)
+        return base.unbind(), base
+
+    @staticmethod
+    def _counts(entry: tuple) -> tuple:
+        """The references to a block's tuple, buffer and flags (the flags' distinct counts)
+        and its memory's users beyond its ``n + 1`` tensors."""
+        flags, base = entry
+        return (
+            sys.getrefcount(flags),
+            sys.getrefcount(base),
+            torch._C._storage_Use_Count(base.untyped_storage()._cdata) - len(flags),
+            frozenset(map(sys.getrefcount, flags)),
+        )
+
+    def make(self, v: int, n: int) -> tuple:
+        """``n`` flags holding ``v`` (a tuple; a remembered block's where one is free)."""
+        if torch.compiler.is_compiling() or traced() or n == 0:
+            return tuple(_flags(v, n))
+        for entry in list(self._blocks.values()):
+            if len(entry[0]) == n and self._counts(entry) == self._free:
+                entry[1].fill_(v)
+                forget_shared(entry[0])  # (records of its last life: see .aliasing)
+                return entry[0]
+        entry = self._new(v, n)
+        if len(self._blocks) >= self.LIMIT:  # (the free ones forgotten)
+            for key, held in list(self._blocks.items()):
+                if self._counts(held) == self._free:
+                    del self._blocks[key]
+        if len(self._blocks) < self.LIMIT:
+            self._blocks[id(entry[0])] = entry
+        return entry[0]
+
+    def values(self, flags: tuple) -> list | None:
+        """The values of ``flags`` where they are a remembered block's (else ``None``)."""
+        entry = self._blocks.get(id(flags))
+        if entry is None or entry[0] is not flags:
+            return None
+        return entry[1].tolist()
+
+
+_BLOCKS = _FlagBlocks()
+
+
+def _seen_values(seen: tuple) -> list:
+    """The host values of ``MultiStepsState.seen`` (ints; one ``tolist`` for a block)."""
+    if not traced():
+        values = _BLOCKS.values(seen)
+        if values is not None:
+            return values
+    return host_values(seen, _SEEN)
 
 
 def has_updated(state: Any) -> torch.Tensor:

@@ -34,6 +34,7 @@ from .tree import tree_flatten, tree_unflatten
 __all__ = [
     "mark_shared",
     "mark_shared_locals",
+    "forget_shared",
     "claimed",
     "known_zeros",
     "is_known_zero",
@@ -82,6 +83,15 @@ def mark_shared_locals(locals_: list) -> None:
     for local, ref in zip(locals_, refs):
         if ref is None or ref() is not local:
             _record(local)
+
+
+def forget_shared(locals_: tuple | list) -> None:
+    """Drop the records of ``locals_`` (plain tensors or local shards) that nothing outside
+    the library holds any more, before the library writes them again (reused buffers: a
+    record would have a donated step copy them for nothing)."""
+    if _SHARED:
+        for key in map(id, locals_):
+            _SHARED.pop(key, None)
 
 
 def is_shared(x: torch.Tensor) -> bool:

@@ -342,6 +342,54 @@ def test_multi_steps_non_final_does_not_touch_params(monkeypatch):
     assert all(torch.equal(p2[k], params[k]) for k in p)  # (p, p2, p3, p4: untouched)
 
 
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_multi_steps_flags_read_as_one_block(mode, monkeypatch):
+    """``MultiStepsState.seen`` as the fused micro-steps write it: one buffer per state, read
+    with one ``tolist`` (no flag read one at a time after ``init``), reused once nothing
+    holds it; a state the caller keeps, a flag or a view of one the caller keeps, keep their
+    values; flags written in place (a checkpoint loaded into the state) are what the next
+    micro-step reads, as the general path reads them."""
+    import copy
+
+    reads = []
+    monkeypatch.setattr(
+        accumulation,
+        "host_values",
+        lambda xs, what: reads.append(len(xs)) or [int(x) for x in xs],
+    )
+    params, grads = _problem(torch.float64)
+    tx = ft.multi_steps(_clip_adamw(), 3)
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    kept, one, view = [], None, None
+    for t in range(2 * STEPS):
+        p, state = step_by_mode(tx, grads[t % STEPS], state, p, mode)
+        expect = [0 if (t + 1) % 3 == 0 else 1] * len(params)
+        assert [int(f) for f in state.seen] == expect, t
+        if t % 4 == 0:
+            kept.append((state, expect))
+        if t == 1:
+            one = state.seen[0]
+        if t == 4:
+            view = state.seen[1].view(1)
+    assert reads == []  # (every flag read as its block)
+    for s, expect in kept:  # (no block a state holds was written again)
+        assert [int(f) for f in s.seen] == expect
+    assert int(one) == 1 and int(view[0]) == 1  # (t == 1, 4: mid-cycle, ones)
+
+    # flags written in place: the next micro-step starts every leaf's cycle again
+    p, state = step_by_mode(tx, grads[0], tx.init(params), params, mode)
+    other = copy.deepcopy(state)  # (plain flags: read one at a time)
+    for f, g in zip(state.seen, other.seen):
+        f.zero_(), g.zero_()
+    assert not any(accumulation._BLOCKS.values(state.seen))
+    _, got = ft.step(tx, grads[1], state, p, donate=mode == "donate")
+    _, want = tx.update(grads[1], other, p)
+    for a, b in zip(optree.tree_leaves(got.acc_grads), optree.tree_leaves(want.acc_grads)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert not torch.equal(a, 2 * b)  # (not acc + g)
+
+
 def test_multi_steps_partial_cycles_fall_back():
     """A leaf whose gradient is None on part of a cycle (some leaves start their cycle, others
     add; a leaf of the cycle without a gradient on the final micro-step): the general path,
