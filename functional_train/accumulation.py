@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from . import _validate as V
 from . import foreach
@@ -689,8 +690,8 @@ class _FlagBlocks:
       of a block just made: :meth:`_counts`): one ``fill_`` where ``unbind`` made ``n`` views
       (170 to 270 us for 122 flags), twice a cycle.
 
-    Eagerly only (under ``torch.compile`` or a ``torch.func`` transform: plain flags); at
-    most :attr:`LIMIT` blocks are remembered (beyond, new blocks are not)."""
+    Eagerly on plain CPU tensors only (:func:`_plain_mode`; elsewhere plain flags); at most
+    :attr:`LIMIT` blocks are remembered (beyond, new blocks are not)."""
 
     LIMIT = 64
 
@@ -717,7 +718,7 @@ class _FlagBlocks:
 
     def make(self, v: int, n: int) -> tuple:
         """``n`` flags holding ``v`` (a tuple; a remembered block's where one is free)."""
-        if torch.compiler.is_compiling() or traced() or n == 0:
+        if not _plain_mode() or n == 0:
             return tuple(_flags(v, n))
         for entry in list(self._blocks.values()):
             if len(entry[0]) == n and self._counts(entry) == self._free:
@@ -725,6 +726,9 @@ class _FlagBlocks:
                 forget_shared(entry[0])  # (records of its last life: see .aliasing)
                 return entry[0]
         entry = self._new(v, n)
+        base = entry[1]  # (not under `with torch.device(...)` or `torch.inference_mode()`)
+        if type(base) is not torch.Tensor or not base.is_cpu or base.is_inference():
+            return entry[0]
         if len(self._blocks) >= self.LIMIT:  # (the free ones forgotten)
             for key, held in list(self._blocks.items()):
                 if self._counts(held) == self._free:
@@ -744,9 +748,15 @@ class _FlagBlocks:
 _BLOCKS = _FlagBlocks()
 
 
+def _plain_mode() -> bool:
+    """Eager, outside ``torch.func`` transforms and ``TorchDispatchMode``s (fake tensors,
+    ``LocalTensorMode``): where :class:`_FlagBlocks` may make, reuse and read its blocks."""
+    return not (torch.compiler.is_compiling() or traced() or is_in_torch_dispatch_mode())
+
+
 def _seen_values(seen: tuple) -> list:
     """The host values of ``MultiStepsState.seen`` (ints; one ``tolist`` for a block)."""
-    if not traced():
+    if _plain_mode():
         values = _BLOCKS.values(seen)
         if values is not None:
             return values

@@ -61,10 +61,12 @@ def pytest_configure(config):
         raise pytest.UsageError("--device cuda: no CUDA device is present")
 
 
+@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist's, which reads the xdist_group marks)
 def pytest_collection_modifyitems(config, items):
     """Deselect the ``slow`` tests unless ``--full`` or an explicit ``-m`` is given; under
     pytest-xdist (``--dist loadgroup``), run the tests that use the session's ranks on one
-    worker, so that one set of rank processes serves them all."""
+    worker, so that one set of rank processes serves them all (and a session fixture over
+    them, such as tests/test_sweep.py's compiling job, runs once)."""
     for item in items:
         if "ranks" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("ranks"))
