@@ -885,6 +885,11 @@ def _step(tx, grads, state, params, mesh, donate, extra):
         out = _run_fused(tx, *prog, grads, state, params, mesh, donate)
         if out is not None:
             return out
+        if fus is not None:
+            # (leaves torch's fused kernels do not take, `channels_last` convolution weights:
+            # the generated stages, as on the CPU, where `update` would make every result
+            # fresh, the updates and the states, and add the updates after)
+            return _run_spec(fus, grads, state, params, mesh, donate)
     suffix = None if is_differentiable() else _fusable_suffix(tx, state, donate)
     if suffix is not None:
         return _run_suffix(*suffix, grads, params, mesh, donate, extra)

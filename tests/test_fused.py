@@ -548,6 +548,47 @@ def test_leaves_in_one_memory_order_take_the_kernels(name, mode, monkeypatch):
     params_close(p, want, params, torch.float32, rtol32=1e-5)  # (see the module's docstring)
 
 
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+@pytest.mark.parametrize(
+    "name", ["adamw", "sgd_nesterov", "bare_adamw"]
+)  # (chains torch's fused kernels run)
+def test_leaves_torch_fused_kernels_refuse_take_the_stages(name, mode, monkeypatch):
+    """Where ``ft.step`` keeps torch's fused kernels for a recognised chain (on CUDA;
+    ``SPEC_FIRST`` off stands for it here) and the leaves are some torch's kernels do not
+    take (``channels_last`` and other non-contiguous leaves), the step runs the chain's
+    generated stages, as on the CPU: donated in place, no ``update`` (which made every
+    result fresh, the updates and the states: three gradient-sized buffers per leaf on a
+    ResNet-18 on CUDA), the numbers of the per-leaf definitions."""
+    from functional_train.engine import elementwise as E
+
+    monkeypatch.setattr(sys.modules["functional_train.step"], "SPEC_FIRST", False)
+    applies = []
+    real_run = E.run
+
+    def run(*a, **k):
+        applies.append(k.get("apply"))
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(E, "run", run)
+    build = (lambda: ft.adamw(1e-2, weight_decay=0.1)) if name == "bare_adamw" else CHAINS[name]
+    params, grads = _ordered_problem()
+    tx = build()
+    state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    for g in grads:
+        before = dict(p)
+        p, state = ft.step(
+            tx, {k: v.clone() for k, v in g.items()}, state, p, donate=mode == "donate"
+        )
+        if mode == "donate":
+            assert all(p[k] is before[k] for k in p)
+    assert applies == [mode] * len(grads), applies
+    monkeypatch.setattr(E, "run", real_run)
+    _unfused(monkeypatch)
+    want, _ = _run(build(), params, grads, "update")
+    params_close(p, want, params, torch.float32, rtol32=1e-5)  # (see the module's docstring)
+
+
 @pytest.mark.parametrize("no_grad", [False, True])
 @pytest.mark.parametrize("mode", ["pure", "donate"])
 def test_parameters_take_the_generated_kernel(mode, no_grad, monkeypatch):
