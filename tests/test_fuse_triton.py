@@ -96,6 +96,12 @@ def test_sums_of_squares_under_the_interpreter(dtype, monkeypatch):
     xs = [torch.randn(s, generator=g).to(dtype) for s in sizes]
     xs[1][0] = float("nan")
     xs[2][3] = float("inf")
+    # leaves dense in another memory order, read in it: channels_last, transposed
+    xs.append(
+        torch.randn(5, 3, 7, b // 9, generator=g).to(dtype, memory_format=torch.channels_last)
+    )
+    xs.append(torch.randn(b + 3, 5, generator=g).to(dtype).t())
+    assert fuse_triton.dense(xs) and not fuse_triton.dense([*xs, torch.randn(6, 8)[:, :5]])
     got = fuse_triton._sum_squares(xs, torch.device("cpu"))
     want = torch.stack([x.double().square().sum() for x in xs])
     assert got is not None and got.dtype == torch.float64
