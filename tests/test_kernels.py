@@ -65,8 +65,10 @@ def _step_warns_and_equals_the_chain(match):
 def test_native_sum_squares(native_on, dtype):
     """``native.sum_squares``: each tensor's sum of squares in float64, within float64
     roundings of the exact sum (computed in float64 from the exactly squared elements); a
-    tensor's sum is the same bits wherever it starts in memory and whatever its strides;
-    half-precision, subclass and non-float tensors are declined (``None``)."""
+    tensor's sum is the same bits wherever it starts in memory, read in its memory order
+    (a tensor dense in another order, ``channels_last``, transposed: where it lies; one with
+    gaps: copied contiguous first); half-precision, subclass and non-float tensors are
+    declined (``None``)."""
     g = torch.Generator().manual_seed(3)
     sizes = [(0,), (1,), (15,), (16,), (17,), (33, 7), (64, 68), (4099,)]
     xs = [torch.randn(s, generator=g, dtype=dtype) * 3 for s in sizes]
@@ -82,12 +84,17 @@ def test_native_sum_squares(native_on, dtype):
         assert torch.equal(a, native.sum_squares([base[start : start + 4099].clone()]))
     strided = base[:4000].view(40, 100).t()[3:, 1:]  # a non-contiguous view: copied first
     assert torch.equal(native.sum_squares([strided]), native.sum_squares([strided.contiguous()]))
-    # (channels_last among contiguous leaves: each copied in its turn, the same sums)
+    # (channels_last and transposed leaves among contiguous ones and one with gaps: each read
+    # in its memory order, where it lies, the one with gaps copied; to float64 rounding the
+    # logical order's sums)
     cl = torch.randn(6, 5, 3, 3, generator=g, dtype=dtype).to(memory_format=torch.channels_last)
-    mixed_order = [xs[5], cl, xs[7], strided]
-    assert torch.equal(
-        native.sum_squares(mixed_order),
-        native.sum_squares([x.contiguous() for x in mixed_order]),
+    t = xs[6].t()
+    mixed_order = [xs[5], cl, xs[7], strided, t]
+    in_memory = [xs[5], cl.permute(0, 2, 3, 1), xs[7], strided.contiguous(), xs[6]]
+    got = native.sum_squares(mixed_order)
+    assert torch.equal(got, native.sum_squares(in_memory))
+    torch.testing.assert_close(
+        got, native.sum_squares([x.contiguous() for x in mixed_order]), rtol=1e-14, atol=0
     )
     other = torch.float64 if dtype == torch.float32 else torch.float32
     mixed = native.sum_squares([xs[5], xs[6].to(other), xs[7]])  # one call per dtype
