@@ -695,6 +695,12 @@ class _FlagBlocks:
 
     LIMIT = 64
 
+    def __reduce__(self):
+        # (pickled by name, the module's one registry: the transforms' functions that read it
+        # are pickled by value, by cloudpickle, for TorchOptimizer and precompiled_step's
+        # fingerprint, which must not carry this process's blocks)
+        return "_BLOCKS"
+
     def __init__(self):
         self._blocks: dict[int, tuple] = {}  # id(tuple of flags) -> (that tuple, its buffer)
         self._free = self._counts(self._new(0, 2))  # (a block nothing else holds)
