@@ -515,9 +515,10 @@ def test_leaves_in_one_memory_order_take_the_kernels(name, mode, monkeypatch):
     """Leaves that are not contiguous but lie in one memory order with their gradients and
     states (``channels_last`` convolution weights; a transposed weight) run in the generated
     kernels, which read each leaf's memory in order (as many leaves through kernels as the
-    same leaves contiguous), with the numbers of the per-leaf definitions, and keep their
-    memory order (new parameters, updates, states); a leaf whose gradient lies in another
-    order, or has gaps, runs in torch. (They once all ran in torch.)"""
+    same leaves contiguous, in as many calls: one group with the contiguous leaves), with the
+    numbers of the per-leaf definitions, and keep their memory order (new parameters,
+    updates, states); a leaf whose gradient lies in another order, or has gaps, runs in torch.
+    (They once all ran in torch.)"""
     params, grads = _ordered_problem()
     assert not any(params[k].is_contiguous() or grads[0][k].is_contiguous() for k in ORDERED)
     seen = kernel_calls(monkeypatch)
@@ -533,7 +534,7 @@ def test_leaves_in_one_memory_order_take_the_kernels(name, mode, monkeypatch):
             p = ft.apply_updates(p, u)
         else:
             p, state = ft.step(tx, g, state, p, donate=mode == "donate")
-    leaves_through_kernels = sum(n for _, n in seen)
+    leaves_through_kernels, calls = sum(n for _, n in seen), len(seen)
     for k in ORDERED:
         assert p[k].stride() == params[k].stride(), (k, p[k].stride())
     for x in ft.tree.tree_flatten(state)[0]:  # (the states made like their parameters)
@@ -543,6 +544,7 @@ def test_leaves_in_one_memory_order_take_the_kernels(name, mode, monkeypatch):
     seen.clear()
     _run(CHAINS[name](), *_ordered_problem(contiguous=True), mode)
     assert leaves_through_kernels == sum(n for _, n in seen) > 0
+    assert calls == len(seen)  # (with the contiguous leaves in one call, as when contiguous)
     _unfused(monkeypatch)
     want, _ = _run(CHAINS[name](), params, grads, mode)
     params_close(p, want, params, torch.float32, rtol32=1e-5)  # (see the module's docstring)

@@ -1500,6 +1500,13 @@ def _leaf_groups(ins: list, keys: list, idx, plain: bool, groups: dict) -> None:
             fast = STRIDED if _in_one_order(leaf_ins) else False
         sig = (fast, tuple(x.dtype for x in leaf_ins) if fast else None, keys[j], absent)
         groups.setdefault(sig, []).append(j)
+    # (the leaves in another memory order join the contiguous ones of their signature: a kernel
+    # reads every leaf's memory in order either way, and the strided group's results are made
+    # leaf by leaf in each one's order: one call, on CUDA one launch, where there were two)
+    for sig in [sig for sig in groups if sig[0] is STRIDED]:
+        contiguous = (True, *sig[1:])
+        if contiguous in groups:
+            groups[sig] = sorted(groups.pop(contiguous) + groups[sig])
 
 
 # a group of leaves whose tensors are not contiguous but each leaf's share one memory order
