@@ -672,7 +672,7 @@ def _flags(v: int, n: int):
     """An iterator of ``n`` flags holding ``v``: 0-dim int64 CPU tensors, each its own element
     of one buffer (one allocation per step where a flag each cost about 1.2 us; distinct
     memory, so loading a checkpoint into them in place keeps them apart)."""
-    return iter(torch.full((n,), v, dtype=torch.int64).unbind())
+    return iter(_FlagBlocks.new(v, n)[0])
 
 
 class _FlagBlocks:
@@ -703,10 +703,11 @@ class _FlagBlocks:
 
     def __init__(self):
         self._blocks: dict[int, tuple] = {}  # id(tuple of flags) -> (that tuple, its buffer)
-        self._free = self._counts(self._new(0, 2))  # (a block nothing else holds)
+        self._free = self._counts(self.new(0, 2))  # (a block nothing else holds)
 
     @staticmethod
-    def _new(v: int, n: int) -> tuple:
+    def new(v: int, n: int) -> tuple:
+        """``(n flags holding v, their buffer)``: the views of one int64 CPU buffer."""
         base = torch.full((n,), v, dtype=torch.int64)
         return base.unbind(), base
 
@@ -731,7 +732,7 @@ class _FlagBlocks:
                 entry[1].fill_(v)
                 forget_shared(entry[0])  # (records of its last life: see .aliasing)
                 return entry[0]
-        entry = self._new(v, n)
+        entry = self.new(v, n)
         base = entry[1]  # (not under `with torch.device(...)` or `torch.inference_mode()`)
         if type(base) is not torch.Tensor or not base.is_cpu or base.is_inference():
             return entry[0]

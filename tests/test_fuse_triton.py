@@ -13,6 +13,7 @@ import torch
 
 from _spy import triton_interpreted
 from functional_train.engine import fuse, fuse_triton
+from functional_train.engine.pool import all_in_one_order
 
 CUDA = torch.device("cuda")  # (a device object only: nothing is allocated on it here)
 
@@ -101,7 +102,7 @@ def test_sums_of_squares_under_the_interpreter(dtype, monkeypatch):
         torch.randn(5, 3, 7, b // 9, generator=g).to(dtype, memory_format=torch.channels_last)
     )
     xs.append(torch.randn(b + 3, 5, generator=g).to(dtype).t())
-    assert fuse_triton.dense(xs) and not fuse_triton.dense([*xs, torch.randn(6, 8)[:, :5]])
+    assert all_in_one_order(xs) and not all_in_one_order([*xs, torch.randn(6, 8)[:, :5]])
     got = fuse_triton._sum_squares(xs, torch.device("cpu"))
     want = torch.stack([x.double().square().sum() for x in xs])
     assert got is not None and got.dtype == torch.float64

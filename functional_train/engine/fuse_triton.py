@@ -60,7 +60,7 @@ import torch
 from ..leaves import on_device
 from . import native
 from .fuse import BINARY, Lowering, Unsupported, compute_dtype, trace
-from .pool import in_one_order
+from .pool import all_in_one_order
 
 __all__ = ["available", "TritonKernel", "scalar_slots", "source_of", "sum_squares", "BLOCK"]
 
@@ -524,12 +524,12 @@ _REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
 
 def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The sum of squares of each of ``xs`` (plain CUDA tensors of one floating dtype on one
-    device, without autograd, each dense in memory: :func:`dense`), accumulated in float64 as
-    :func:`.native.sum_squares` does on the CPU: a float64 vector on their device, an element
-    per tensor. Two launches whatever the number of tensors (the squares per block of
+    device, without autograd, each dense in memory: :func:`.pool.all_in_one_order`), accumulated
+    in float64 as :func:`.native.sum_squares` does on the CPU: a float64 vector on their device,
+    an element per tensor. Two launches whatever the number of tensors (the squares per block of
     ``BLOCK`` elements, then per tensor over its blocks in order: deterministic), where
-    ``torch._foreach_norm`` and a ``stack`` of its norms take one operation per tensor on
-    the host. ``None`` (nothing computed) where the tensors do not qualify, Triton is not
+    ``torch._foreach_norm`` and a ``stack`` of its norms take one operation per tensor on the
+    host. ``None`` (nothing computed) where the tensors do not qualify, Triton is not
     importable, the kernels are off (``FT_FUSED_KERNELS=0``) or did not compile (a warning,
     once). No collectives, no synchronisation."""
     from . import fuse
@@ -543,19 +543,11 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
         or not on_device(xs, device)
         or set(map(_DTYPE, xs)) != {x0.dtype}
         or x0.dtype not in _LEAF_DTYPES
-        or not dense(xs)
+        or not all_in_one_order(xs)
         or any(map(_REQUIRES_GRAD, xs))
     ):
         return None
     return _sum_squares(xs, device)
-
-
-def dense(xs: Sequence[torch.Tensor]) -> bool:
-    """Whether every tensor of ``xs`` lies in memory without gaps or overlaps: contiguous,
-    or another order (``channels_last`` convolution weights, a transposed matrix;
-    :func:`.pool.in_one_order`), which the sums of squares read in memory order (a leaf's sum
-    in another order than its contiguous copy's: the same to float64 rounding)."""
-    return all(map(torch.Tensor.is_contiguous, xs)) or all(map(in_one_order, xs))
 
 
 def _sum_squares(xs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor | None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..autograd import traced
-from .pool import const_data_ptr, in_one_order
+from .pool import all_in_one_order, const_data_ptr, in_one_order
 
 __all__ = [
     "ENABLED",
@@ -207,19 +207,20 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     dtypes = set(map(_DTYPE_OF, xs))
     if not dtypes <= _DTYPES.keys() or not all(map(available, dtypes)):
         return None
-    if all(map(torch.Tensor.is_contiguous, xs)) or all(map(in_one_order, xs)):
+    if all_in_one_order(xs):
         return _sums(xs, dtypes)
     # one with gaps copied first, one at a time (summed while the copy is in the caches, and
     # the step holds one such copy at a time, not one of every leaf); a copy of a dense one in
     # another order took longer than its sum (a ResNet-18's channels_last weights: 64 ms of
     # an 80 ms step)
     out = torch.empty(len(xs), dtype=torch.float64)
-    whole = [k for k, x in enumerate(xs) if in_one_order(x)]
+    ordered = list(map(in_one_order, xs))
+    whole = [k for k, o in enumerate(ordered) if o]
     if whole:
         out[whole] = _sums([xs[k] for k in whole], dtypes)
-    for k, x in enumerate(xs):
-        if not in_one_order(x):
-            out[k] = _sums([x.contiguous()], {x.dtype})[0]
+    for k, o in enumerate(ordered):
+        if not o:
+            out[k] = _sums([xs[k].contiguous()], {xs[k].dtype})[0]
     return out
 
 

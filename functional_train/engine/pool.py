@@ -34,6 +34,7 @@ __all__ = [
     "LAZY_CLONES",
     "GENERATIONS",
     "in_one_order",
+    "all_in_one_order",
     "MIN_MEAN_BYTES",
 ]
 
@@ -119,6 +120,14 @@ def in_one_order(x: torch.Tensor) -> bool:
             return False
         step *= n
     return True
+
+
+def all_in_one_order(xs: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor of ``xs`` lies in memory without gaps or overlaps (contiguous, or
+    another order: :func:`in_one_order`), as the sums of squares read them (in memory order;
+    a leaf's sum in another order than its contiguous copy's: the same to float64 rounding).
+    Whole-list C loops for the common case, every tensor contiguous."""
+    return all(map(torch.Tensor.is_contiguous, xs)) or all(map(in_one_order, xs))
 
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
