@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "differentiable",
@@ -136,6 +137,11 @@ def host_values(xs, what: str) -> list:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# (the leaf types whose __torch_function__ is torch's disabled one: DTensor dispatches below it)
+_OWN_FUNCTIONS = frozenset(
+    {torch.Tensor}
+    | ({DTensor} if DTensor.__torch_function__ is torch._C._disabled_torch_function_impl else set())
+)
 
 
 def detached(leaves: list) -> list:
@@ -146,11 +152,20 @@ def detached(leaves: list) -> list:
     path). Returns the same list when nothing needs it."""
     if _MODE[0] or traced():
         return leaves
-    try:  # (one C loop: this runs for every leaf of every update)
-        if not torch.compiler.is_compiling() and not any(map(_REQUIRES_GRAD, leaves)):
-            return leaves
-    except AttributeError:  # None leaves
-        pass
+    if not torch.compiler.is_compiling():
+        try:  # (one C loop: this runs for every leaf of every update)
+            if set(map(type, leaves)) <= _OWN_FUNCTIONS:
+                # (tensors whose torch functions are torch's own, DTensor's included, read
+                # without asking each one's class for a __torch_function__: a DTensor's
+                # requires_grad took 0.15 to 0.2 us, a plain tensor's 0.05)
+                with torch._C.DisableTorchFunctionSubclass():
+                    rg = any(map(_REQUIRES_GRAD, leaves))
+            else:
+                rg = any(map(_REQUIRES_GRAD, leaves))
+            if not rg:
+                return leaves
+        except AttributeError:  # None leaves
+            pass
     if not any([isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]):
         return leaves  # (a list, not a generator: dynamo resumes a generator per item)
     return [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in leaves]

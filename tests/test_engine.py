@@ -52,6 +52,36 @@ def test_eager_wrap_equals_from_local():
         assert half.dtype == torch.float64 and half._spec.tensor_meta.dtype == torch.float64
 
 
+def test_detached_reads_dtensors_flags():
+    """``autograd.detached`` reads a list of DTensors' ``requires_grad`` with the subclass torch
+    function check off (a DTensor's own is torch's disabled one): a DTensor that requires grad
+    (an ``nn.Parameter`` of one, a leaf or not) is still found and detached, among plain
+    tensors too, and a list of none comes back as it is."""
+    from functional_train.autograd import detached
+
+    with simulate(2):
+        mesh = make_mesh((2,), ("tp",))
+        xs = [shard(torch.randn(4, 3), mesh, [Shard(0)]) for _ in range(3)]
+        assert detached(xs) is xs
+        for i, make in enumerate(
+            (
+                lambda x: torch.nn.Parameter(x),
+                lambda x: x.detach().requires_grad_(),
+                lambda x: x.detach().requires_grad_() * 2,
+            )
+        ):
+            ys = list(xs)
+            ys[i] = make(xs[i])
+            assert ys[i].requires_grad
+            for lst in (ys, [*ys, torch.randn(2)]):
+                out = detached(lst)
+                assert out is not lst and not any(y.requires_grad for y in out)
+                assert all(o is y for j, (o, y) in enumerate(zip(out, lst)) if j != i)
+                assert type(out[i]) is DTensor and torch.equal(
+                    out[i].full_tensor(), ys[i].detach().full_tensor()
+                )
+
+
 def test_one_plan_per_layout():
     """The second update of one layout reuses its plan; another layout gets another one."""
     with simulate(2):

@@ -1374,9 +1374,25 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
     if n == 0:
         return [[] for _ in range(n_out)]
     ins, dst = _inputs(stage, u, p, fields)
+    plain = (
+        fuse.ENABLED
+        and not _recording()
+        and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in scalars)
+    )
+
+    def checked(ins):
+        # (per-leaf values that are vectors broadcast against their leaves: _broadcast_groups)
+        spread = (
+            plain and stage.n_per_leaf and not _single_values(ins[len(ins) - stage.n_per_leaf :])
+        )
+        return spread, (_uniform(ins, keys) if plain and not spread else None)
+
+    spread, uniform = checked(ins)
     # (whole-list C loops eagerly; a list under torch.compile, whose dynamo does not trace
-    # a map of a method)
-    if torch.compiler.is_compiling():
+    # a map of a method; the whole-list checks' one dtype of the updates where they passed)
+    if uniform is not None and not uniform[0].is_complex:
+        cx = False
+    elif torch.compiler.is_compiling():
         cx = any([x.is_complex() for x in u])
     else:
         cx = any(map(_IS_COMPLEX, u))
@@ -1385,19 +1401,12 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
             [torch.view_as_real(x) if x is not None and x.is_complex() else x for x in lst]
             for lst in ins
         ]
+        spread, uniform = checked(ins)
     outs: list = [[None] * n for _ in range(n_out)]
     # groups of leaves with one dtype signature, key and set of absent state leaves (a
     # ``None`` field: a leaf outside a ``masked`` / ``partition`` transform's leaves, which
     # its part passes through), for one kernel call each
     groups: dict = {}
-    plain = (
-        fuse.ENABLED
-        and not _recording()
-        and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in scalars)
-    )
-    # (per-leaf values that are vectors broadcast against their leaves: _broadcast_groups)
-    spread = plain and stage.n_per_leaf and not _single_values(ins[len(ins) - stage.n_per_leaf :])
-    uniform = _uniform(ins, keys) if plain and not spread else None
     if spread:
         _broadcast_groups(ins, keys, stage.n_per_leaf, plain, groups)
     elif uniform is not None:  # (the common case, checked by whole lists: one group)
