@@ -21,7 +21,6 @@ import optree
 import torch
 
 from . import _validate as V
-from .autograd import traced
 from .base import GradientTransformation, chain, check_state, declare
 from .engine import elementwise as E
 from .engine.pool import MIN_MEAN_BYTES
@@ -143,13 +142,6 @@ def confidence_leaves(b, state: ScaleByCameState | _Confidence) -> tuple:
     row_leaves, row_loc = state_leaves(b, state.res_row, f"{where}: res_row", e_row, fac)
     col_leaves, col_loc = state_leaves(b, state.res_col, f"{where}: res_col", e_col, fac)
     return fac, row_leaves, row_loc, col_leaves, col_loc
-
-
-def confident(f: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A factored leaf's update ``m`` scaled by its confidence factor ``f`` (a fresh buffer,
-    written in place except when traced: autograd may have saved it), in ``dtype``."""
-    m = m.to(f.dtype)
-    return (f * m if traced() else f.mul_(m)).to(dtype)
 
 
 def _pair_or_triple(name: str, value: Any, n: int, where: str) -> tuple:

@@ -515,12 +515,17 @@ def scale_by_factored_rms(
     return elementwise_transform(spec, init_fn)
 
 
-def factored_scale(x, a, c, dtype):
+def factored_scale(x, a, c, dtype, into=None):
     """``x`` scaled by a leaf's factors: ``(a * c) * x`` in ``a``'s dtype (the statistics'),
     rounded to ``dtype``; ``a`` a value per row (``(..., n, 1)``) or one value, ``c`` a value per
     column (``(..., 1, m)``) or one value. Adafactor's update (:func:`factored_update`) and
-    CAME's (its momentum by the confidence factors)."""
-    return ((a * c) * x.to(a.dtype)).to(dtype)
+    CAME's (its momentum by the confidence factors). ``into``: a buffer of the leaf's shape
+    and ``a``'s dtype that the product ``a * c`` is written into and then scaled in place (the
+    same operations, without the two leaf-sized temporaries: ``ft.step``'s per-leaf steps,
+    never recorded by autograd)."""
+    if into is None:
+        return ((a * c) * x.to(a.dtype)).to(dtype)
+    return torch.mul(a, c, out=into).mul_(x.to(a.dtype)).to(dtype)
 
 
 def factored_update(u, p, s, h, key):

@@ -30,7 +30,7 @@ import torch
 from . import foreach
 from .autograd import requires_grad_like
 from .base import EmptyState
-from .came import MOMENTUM, FusedCame, ScaleByCameState, confidence_leaves, confident
+from .came import MOMENTUM, FusedCame, ScaleByCameState, confidence_leaves
 from .combine import PartitionState
 from .engine import elementwise as E
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
@@ -44,6 +44,7 @@ from .factored import (
     decay_factors,
     factored_ema,
     factored_rms,
+    factored_scale,
     leaf_rms,
     new_state_tree,
     rho_at,
@@ -210,15 +211,17 @@ def fused_came_step(
         momentum((u, m_old, den), (first, m), factored)
         new_m[i] = m
         if factored:
-            ((r, c, f),) = factored_ema(
+            ((r, c, rf, cf),) = factored_ema(
                 b,
                 [(i, first.to(row_loc[i].dtype), row_loc[i], col_loc[i])],
                 beta3,
-                scratch2,
                 local=True,
+                split=True,
             )
             new_row[i], new_col[i] = r, c
-            first = confident(f, m, g.dtype)
+            # (confidence_update's definition; the factors' product in the scratch slot)
+            into = scratch2.view(1, u.shape, rf.dtype, u.device)
+            first = factored_scale(m, rf, cf, g.dtype, into=into)
         key = tuple(None if k is None else bool(k[i]) for k in statics)
         finish_tail((first, p), (p if donate else new_p[i],), key)
 
