@@ -128,6 +128,48 @@ def test_a_pure_step_records_the_input_tensors_it_returns(name):
         params, state = ft.step(tx, g, state, params)
 
 
+def test_records_of_tensors_gone_are_dropped():
+    """The shared records hold no reference that keeps a tensor alive and grow with the
+    tensors alive, not with the steps: in a loop of pure ``multi_steps`` steps (a cycle's last
+    micro-step makes new parameters and moments, the next one records them) the records stay
+    under twice a step's tensors plus the sweep's 4,096 and one step's (31 steps would have
+    made ~18,000); a donated step drops every record of a tensor gone before it reads them
+    (none of the loop's left once its results are dropped); a new tensor that takes a gone
+    tensor's address is not shared."""
+    from functional_train import aliasing
+    from functional_train.aliasing import is_shared
+
+    shapes = {f"k{i}": (2, 3) for i in range(400)}
+    gen = torch.Generator().manual_seed(0)
+    tx = ft.multi_steps(ft.adamw(1e-2), every_k=2)
+    p = {k: torch.randn(v, generator=gen) for k, v in shapes.items()}
+    s = tx.init(p)
+    for _ in range(31):  # ~1,200 new tensors recorded every second step
+        g = {k: torch.randn(v, generator=gen) for k, v in shapes.items()}
+        p, s = ft.step(tx, g, s, p)
+        # (a step's tensors: p, mu, nu, acc per leaf; records alive at a sweep, twice, plus
+        # 4,096, plus one step's)
+        assert len(aliasing._SHARED) <= 3 * 4 * len(shapes) + 4096
+    assert any(is_shared(x) for x in _tensors(p))  # (the last step was a non-final micro-step)
+    g = {k: torch.randn(v, generator=gen) for k, v in shapes.items()}
+    p2, s2 = ft.step(tx, g, _clone(s), _clone(p), donate=True)  # (the records read, swept)
+    assert all(r() is not None for r in aliasing._SHARED.values())
+    del p, s, p2, s2
+    q = _tree(0)
+    ft.step(tx, _tree(1), tx.init(q), q, donate=True)
+    # (no record of this test's trees left; other tests' results in this process may be alive)
+    assert all(r() is not None for r in aliasing._SHARED.values())
+    x = torch.randn(3)
+    aliasing.mark_shared(x)
+    gone = id(x)
+    del x
+    for _ in range(100):
+        y = torch.randn(3)
+        assert not is_shared(y), "a new tensor at a gone shared tensor's address"
+        if id(y) == gone:
+            break
+
+
 def test_a_shared_tensor_is_copied_once():
     """A donated step copies a shared tensor (the unchanged ``m`` of a pure step with its
     gradient ``None``) before writing, and writes the copy in place from then on: the next
