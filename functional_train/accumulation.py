@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import operator
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import optree
@@ -703,7 +703,7 @@ class _FlagBlocks:
 
     def __init__(self):
         self._blocks: dict[int, tuple] = {}  # id(tuple of flags) -> (that tuple, its buffer)
-        self._free = self._counts(self.new(0, 2))  # (a block nothing else holds)
+        self._free = tuple(self._counts(self.new(0, 2)))  # (a block nothing else holds)
 
     @staticmethod
     def new(v: int, n: int) -> tuple:
@@ -712,23 +712,25 @@ class _FlagBlocks:
         return base.unbind(), base
 
     @staticmethod
-    def _counts(entry: tuple) -> tuple:
+    def _counts(entry: tuple) -> Iterator:
         """The references to a block's tuple, buffer and flags (the flags' distinct counts)
-        and its memory's users beyond its ``n + 1`` tensors."""
+        and its memory's users beyond its ``n + 1`` tensors, one after the other (a comparison
+        with a free block's ends at the first that differs: a held block's tuple, as a rule)."""
         flags, base = entry
-        return (
-            sys.getrefcount(flags),
-            sys.getrefcount(base),
-            torch._C._storage_Use_Count(base.untyped_storage()._cdata) - len(flags),
-            frozenset(map(sys.getrefcount, flags)),
-        )
+        yield sys.getrefcount(flags)
+        yield sys.getrefcount(base)
+        yield torch._C._storage_Use_Count(base.untyped_storage()._cdata) - len(flags)
+        yield frozenset(map(sys.getrefcount, flags))
+
+    def _is_free(self, entry: tuple) -> bool:
+        return all(map(operator.eq, self._counts(entry), self._free))
 
     def make(self, v: int, n: int) -> tuple:
         """``n`` flags holding ``v`` (a tuple; a remembered block's where one is free)."""
         if not _plain_mode() or n == 0:
             return tuple(_flags(v, n))
         for entry in list(self._blocks.values()):
-            if len(entry[0]) == n and self._counts(entry) == self._free:
+            if len(entry[0]) == n and self._is_free(entry):
                 entry[1].fill_(v)
                 forget_shared(entry[0])  # (records of its last life: see .aliasing)
                 return entry[0]
@@ -738,7 +740,7 @@ class _FlagBlocks:
             return entry[0]
         if len(self._blocks) >= self.LIMIT:  # (the free ones forgotten)
             for key, held in list(self._blocks.items()):
-                if self._counts(held) == self._free:
+                if self._is_free(held):
                     del self._blocks[key]
         if len(self._blocks) < self.LIMIT:
             self._blocks[id(entry[0])] = entry
