@@ -123,7 +123,9 @@ def is_shared(x: torch.Tensor) -> bool:
 def claimed(trees: tuple, copy) -> tuple:
     """``trees`` (a donated step's grads, state and params) with every shared tensor replaced by
     ``copy(tensor)`` (a copy in its layout, which the step may then write)."""
-    if not _SHARED or not recording():
+    # (the mode first: under torch.compile dynamo would guard on the records' keys, and a
+    # record made or dropped by an eager step would recompile the compiled one)
+    if not recording() or not _SHARED:
         return trees
     if _GONE[0]:  # (records of tensors gone: after pure steps whose results were dropped)
         _sweep()

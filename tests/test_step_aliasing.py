@@ -236,3 +236,26 @@ def test_compiled_pure_step_returns_none_of_its_input_tensors():
         _assert_bitwise((p0, s0), want, "(p0, s0)")
         p0, s0 = p2, s2
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_eager_records_do_not_recompile_a_compiled_donated_step():
+    """Records made and dropped by eager pure steps between the calls of a compiled donated
+    step do not recompile it: it reads the mode (compiling: no records) before the records,
+    where dynamo guarded on their keys and every record made or dropped recompiled it."""
+    from torch._dynamo.testing import CompileCounter
+
+    tx = ft.adamw(1e-2)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda g, s, p: ft.step(tx, g, s, p, donate=True), backend=counter, fullgraph=True
+    )
+    p = _tree(0)
+    s = tx.init(p)
+    for i in range(4):
+        q = _tree(20 + i)  # (an eager pure step with a None gradient: records its new q's "m")
+        kept = ft.step(tx, {**_tree(30 + i), "m": None}, tx.init(q), q)
+        p, s = step(_tree(10 + i), s, p)
+        del kept
+    assert counter.frame_count == 1
