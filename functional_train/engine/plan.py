@@ -318,6 +318,8 @@ def same_layout(a: Spec, b: Spec) -> bool:
 # ``DTensor.from_local`` each step bring new spec objects.
 _BY_SPECS: dict = {}
 _MAX_BY_SPECS = 256
+# what -> the entry of :data:`_BY_SPECS` its last call used (specs held: their ids not reused)
+_LAST_BY_SPECS: dict = {}
 
 
 def only_dtensors(*lists: Sequence[Any]) -> bool:
@@ -334,6 +336,16 @@ def by_specs(what: Any, lists: Sequence[Sequence[DTensor]], compute: Callable[[]
     DTensors keep their spec objects from step to step, and so do FSDP's gradients and the
     results of one DTensor operation: computed once, then a lookup made in C loops (this runs
     every step)."""
+    last = _LAST_BY_SPECS.get(what)  # (the spec objects of the last call: one C loop a list)
+    if (
+        last is not None
+        and len(last[0]) == len(lists)
+        and all(
+            len(s) == len(xs) and all(map(operator.is_, map(_SPEC, xs), s))
+            for s, xs in zip(last[0], lists)
+        )
+    ):
+        return last[1]
     specs = [list(map(_SPEC, xs)) for xs in lists]
     key = (what, *[tuple(map(id, s)) for s in specs])
     hit = _BY_SPECS.get(key)
@@ -342,6 +354,9 @@ def by_specs(what: Any, lists: Sequence[Sequence[DTensor]], compute: Callable[[]
         if len(_BY_SPECS) >= _MAX_BY_SPECS:
             _BY_SPECS.clear()
         _BY_SPECS[key] = hit
+    if len(_LAST_BY_SPECS) >= _MAX_BY_SPECS:
+        _LAST_BY_SPECS.clear()
+    _LAST_BY_SPECS[what] = hit
     return hit[1]
 
 
