@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,7 +54,14 @@ _SHARED: dict = {}
 _SWEEP_AT = [4096]
 _GONE = [0]
 _CALL = weakref.ref.__call__  # (a reference's object, or None: C calls in a map)
-_DEAD: weakref.ref = weakref.ref(set())  # (a reference whose object is gone: it gives None)
+
+
+class _Absent:
+    """What an unrecorded tensor's lookup gives back: never a leaf."""
+
+
+_ABSENT = _Absent()
+_NO_ENTRY = weakref.ref(_ABSENT)
 
 
 def _gone(ref: weakref.ref) -> None:
@@ -75,9 +83,11 @@ def _sweep() -> None:
     _SWEEP_AT[0] = 2 * len(_SHARED) + 4096
 
 
-def _shared(local: Any) -> bool:
-    ref = _SHARED.get(id(local))
-    return ref is not None and ref() is local
+def _recorded(locals_: Sequence[Any]) -> list:
+    """Per element of ``locals_`` (local shards, plain tensors, ``None``), whether it is a
+    recorded tensor: its entry's reference gives it back (whole-list C loops)."""
+    refs = map(_SHARED.get, map(id, locals_), itertools.repeat(_NO_ENTRY))
+    return list(map(operator.is_, map(_CALL, refs), locals_))
 
 
 _ZEROS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -97,9 +107,7 @@ def mark_shared_locals(locals_: list) -> None:
     """:func:`mark_shared` of tensors that are local shards already (or plain tensors), in
     one pass: a lookup each, an entry for those not recorded yet (a ``multi_steps`` cycle
     marks the same ones again). Whole-list C loops."""
-    ids = list(map(id, locals_))
-    recorded = map(_CALL, map(_SHARED.get, ids, itertools.repeat(_DEAD)))
-    new = list(itertools.compress(locals_, map(operator.is_not, recorded, locals_)))
+    new = list(itertools.compress(locals_, map(operator.not_, _recorded(locals_))))
     if new:
         _SHARED.update(zip(map(id, new), map(weakref.ref, new, itertools.repeat(_gone))))
         if len(_SHARED) > _SWEEP_AT[0]:
@@ -116,8 +124,7 @@ def forget_shared(locals_: tuple | list) -> None:
 
 
 def is_shared(x: torch.Tensor) -> bool:
-    local = to_local(x)
-    return _shared(local)
+    return _recorded([to_local(x)])[0]
 
 
 def claimed(trees: tuple, copy) -> tuple:
@@ -132,15 +139,9 @@ def claimed(trees: tuple, copy) -> tuple:
         if not _SHARED:
             return trees
     out = []
-    get = _SHARED.get
     for tree in trees:
         leaves, treedef = tree_flatten(tree)
-        locs = to_locals(leaves)  # (a recorded leaf's entry gives its own local shard back)
-        hits = [
-            k
-            for k, (x, ref) in enumerate(zip(locs, map(get, map(id, locs))))
-            if ref is not None and ref() is x
-        ]
+        hits = list(itertools.compress(range(len(leaves)), _recorded(to_locals(leaves))))
         for k in hits:
             leaves[k] = copy(leaves[k])
         out.append(tree_unflatten(treedef, leaves) if hits else tree)
