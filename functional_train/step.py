@@ -34,6 +34,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 from torch.utils import _pytree
 
@@ -733,8 +734,8 @@ def step(
 
 
 def _unaliased(result: tuple, inputs: tuple) -> tuple:
-    """The pure step's ``(params, state)``, with every tensor leaf that is the tensor of
-    ``inputs`` (its ``params``, ``state``) at the same place -- the same object, or (eagerly)
+    """The pure step's ``(params, state)``, with every tensor leaf that is a tensor of
+    ``inputs`` (its ``params``, ``state``, anywhere in them) -- the same object, or (eagerly)
     a DTensor over the same local shard -- recorded as *shared*: the leaves the step leaves as
     they were (a ``None`` gradient's parameter and its state, the parameters and inner state of
     a ``multi_steps`` micro-step, injected hyperparameters, GaLore's projectors between
@@ -742,33 +743,108 @@ def _unaliased(result: tuple, inputs: tuple) -> tuple:
     donated step copies a shared tensor before it writes (:mod:`functional_train.aliasing`),
     so that it cannot write into the trees the caller still holds. Under ``torch.compile``
     and ``torch.func`` transforms, where no later eager step can see the record, such a leaf
-    is copied instead (as ``jax.jit`` copies an output that is an input it was not donated).
-    A state whose structure differs from its input's (no transform of this library's) is
-    compared by identity over all its leaves. Host cost: flattening the four trees (about 0.25 us a
-    leaf, 0.2 ms for the ~860 leaves in and out of a 122-leaf AdamW step; compiled, at trace
-    time only)."""
+    is copied instead (as ``jax.jit`` copies an output that is an input it was not donated),
+    where it is at its own place (:func:`_unaliased_traced`). Host cost: the trees are walked
+    together (:func:`_walk`): a subtree handed back as it is is taken whole, and a dict's
+    tensors by whole-list C loops, rather than both trees flattened (about 0.25 us a leaf on
+    each side, a third of a pure ``multi_steps`` micro-step's host time on tiny leaves);
+    compiled, at trace time only."""
     if not aliasing.recording():
         return tuple(_unaliased_traced(new, old) for new, old in zip(result, inputs))
+    pairs: list = [[], []]  # (leaves of the results and of the inputs, at places walked together)
+    whole: list = []  # (the tensors of subtrees handed back as they are)
     for new, old in zip(result, inputs):
-        leaves, treedef = tree_flatten(new)
-        olds, old_def = tree_flatten(old)
-        if old_def != treedef:
-            by_id = {id(y): y for y in olds}
-            olds = [by_id.get(id(x)) for x in leaves]
-        # (whole-list C loops: a pure step hands back ~1,000 leaves of a 242-leaf multi_steps
-        # micro-step, most of them as they were) a leaf at the same place over the same local
-        # shard: the same tensor, or a DTensor rewrapping it
-        locs = to_locals(leaves)
-        same = list(map(operator.is_, locs, to_locals(olds)))
-        if not any(same):
-            continue
-        kept = list(itertools.compress(locs, same))
-        if set(map(type, kept)) == {torch.Tensor}:  # (C loops: tensors with elements)
-            kept = list(itertools.compress(kept, map(_NUMEL, kept)))
-        else:
-            kept = [x for x in kept if _writable(x)]  # (not None, not empty)
-        aliasing.mark_shared_locals(kept)
+        if not _walk(new, old, pairs, whole):
+            # (another structure, or nodes the walk leaves to optree: every leaf; what the
+            # walk collected before it stopped is right as well)
+            pairs[0].extend(tree_flatten(new)[0])
+            pairs[1].extend(tree_flatten(old)[0])
+    # (a tensor of the inputs anywhere in them: the same object, or a DTensor over the same
+    # local shard; by identity, so a state that moves or swaps its tensors is covered too)
+    ids = set(map(id, to_locals(pairs[1])))
+    locs = to_locals(pairs[0])
+    kept = list(itertools.compress(locs, map(ids.__contains__, map(id, locs))))
+    kept.extend(to_locals(whole))
+    kinds = set(map(type, kept))
+    if type(None) in kinds:
+        kinds.discard(type(None))
+        kept = list(itertools.compress(kept, map(operator.is_not, kept, _NONES)))
+    if not kept:
+        return result
+    if kinds == {torch.Tensor}:  # (C loops: tensors with elements)
+        kept = list(itertools.compress(kept, map(_NUMEL, kept)))
+    else:
+        kept = [x for x in kept if _writable(x)]  # (not empty, not a constant)
+    aliasing.mark_shared_locals(kept)
     return result
+
+
+_LEAF_KINDS = (torch.Tensor, type(None))
+_NONES = itertools.repeat(None)
+_CONSTANTS = frozenset({int, float, bool, complex, str, bytes})
+
+
+def _walked(kind: type) -> bool:
+    """Whether :func:`_walk` takes a node of this type apart itself: a dict, list or tuple,
+    or a NamedTuple (the states), each of which optree flattens as a node."""
+    return kind is dict or kind is list or kind is tuple or optree.is_namedtuple_class(kind)
+
+
+def _walk(new: PyTree, old: PyTree, pairs: list, whole: list) -> bool:
+    """For :func:`_unaliased`: into ``pairs`` the leaves of ``new`` and ``old`` that the walk
+    reaches (``pairs[0]``, ``pairs[1]``), into ``whole`` the tensors of each subtree of ``new``
+    that *is* the subtree of ``old`` at its place (no comparison: all of them are handed back
+    as they were). Containers of the same kind are walked together (a dict's tensors with
+    whole-list C loops: no flatten, which for a ``multi_steps`` state of ~1,000 leaves takes
+    ~0.25 us a leaf on each side); ``False`` where the structures differ or a node is one the
+    walk leaves to optree (the caller then adds every leaf of both trees)."""
+    if new is old:
+        return _tensors_into(new, whole)
+    kind = type(new)
+    if kind is dict:
+        if type(old) is not dict or new.keys() != old.keys():
+            return False
+        ns, os_ = list(new.values()), list(map(old.__getitem__, new))
+    elif _walked(kind):
+        if type(old) is not kind or len(new) != len(old):
+            return False
+        ns, os_ = new, old
+    elif isinstance(new, _LEAF_KINDS) and isinstance(old, _LEAF_KINDS):
+        pairs[0].append(new)
+        pairs[1].append(old)
+        return True
+    else:  # (constants in both: nothing to record; anything else: optree's)
+        return kind in _CONSTANTS and type(old) in _CONSTANTS
+    if _leaves_only(ns) and _leaves_only(os_):
+        pairs[0].extend(ns)
+        pairs[1].extend(os_)
+        return True
+    return all(map(_walk, ns, os_, itertools.repeat(pairs), itertools.repeat(whole)))
+
+
+def _leaves_only(xs) -> bool:
+    """Every element a tensor (any subclass) or ``None`` (a C loop over their types)."""
+    return all(issubclass(t, _LEAF_KINDS) for t in set(map(type, xs)))
+
+
+def _tensors_into(tree: PyTree, out: list) -> bool:
+    """Append ``tree``'s tensor leaves to ``out`` (in no particular order: they are recorded,
+    not paired); ``True``."""
+    kind = type(tree)
+    if issubclass(kind, torch.Tensor):
+        out.append(tree)
+    elif tree is None or kind in _CONSTANTS:
+        pass
+    elif _walked(kind):
+        xs = tree.values() if kind is dict else tree
+        if _leaves_only(xs):  # (tensors or None: one C extend; the caller drops the None)
+            out.extend(xs)
+        else:
+            for x in xs:
+                _tensors_into(x, out)
+    else:  # (a node of another kind: optree's leaves)
+        out.extend(x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor))
+    return True
 
 
 def _unaliased_traced(new: PyTree, old: PyTree) -> PyTree:

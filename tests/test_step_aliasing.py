@@ -6,6 +6,9 @@ shared tensor before writing into it (under ``torch.compile`` the pure step copi
 
 from __future__ import annotations
 
+import collections
+from typing import NamedTuple
+
 import optree
 import pytest
 import torch
@@ -168,6 +171,77 @@ def test_records_of_tensors_gone_are_dropped():
         assert not is_shared(y), "a new tensor at a gone shared tensor's address"
         if id(y) == gone:
             break
+
+
+class _Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+STATE_MOVES = {
+    # name: (init(params) -> state, the new state from the old one, which of the new state's
+    # tensors are the old state's: as paths into it)
+    "kept_whole": (
+        lambda p: (p["w"].clone(), {"x": p["m"].clone(), "y": [p["v"].clone()]}),
+        lambda s: (s[0] + 1, s[1]),
+        [(1, "x"), (1, "y", 0)],
+    ),
+    "dict_rebuilt": (
+        lambda p: {"x": p["m"].clone(), "y": p["v"].clone()},
+        lambda s: {"x": s["x"], "y": s["y"] + 1},
+        [("x",)],
+    ),
+    "swapped": (
+        lambda p: _Pair(p["v"].clone(), p["v"].clone() + 1),
+        lambda s: _Pair(s.b, s.a),
+        [(0,), (1,)],
+    ),
+    "moved_to_another_structure": (
+        lambda p: (p["m"].clone(), p["v"].clone()),
+        # (a tuple to a dict, and back: the step checked is the second, dict to tuple)
+        lambda s: {"kept": s[1], "new": s[0] * 2}
+        if isinstance(s, tuple)
+        else (s["new"] * 2, s["kept"]),
+        [(1,)],
+    ),
+    "ordered_dict": (
+        lambda p: collections.OrderedDict(x=p["m"].clone(), y=p["v"].clone()),
+        lambda s: collections.OrderedDict(x=s["x"] - 1, y=s["y"]),
+        [("y",)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATE_MOVES))
+def test_a_users_state_is_recorded_wherever_its_tensors_go(name):
+    """A user's optax-style transform (no engine) whose state keeps some of its tensors: as a
+    whole subtree, in a rebuilt dict, swapped between fields, moved into another structure,
+    in a node kind the step's walk leaves to optree. After a pure step every tensor of the new
+    state that is a tensor of the old one is recorded as shared, wherever it went, and no new
+    tensor is; in a chain with adamw, donating the result leaves the inputs bitwise as they
+    were."""
+    from functional_train.aliasing import is_shared
+
+    init, move, kept = STATE_MOVES[name]
+
+    def update(updates, state, params=None, **extra):
+        return optree.tree_map(lambda g: 0.5 * g, updates), move(state)
+
+    tx = ft.chain(ft.GradientTransformation(init, update), ft.adamw(1e-2))
+    p0 = _tree(0)
+    p0, s0 = ft.step(tx, _tree(1), tx.init(p0), p0)
+    want = _clone((p0, s0))
+    p1, s1 = ft.step(tx, _tree(2), s0, p0)
+    olds = set(map(id, _tensors(s0[0])))
+    for path in kept:
+        x = s1[0]
+        for k in path:
+            x = x[k]
+        assert id(x) in olds and is_shared(x), path
+    fresh = [x for x in _tensors(s1[0]) if id(x) not in olds]
+    assert not any(map(is_shared, fresh))
+    ft.step(tx, _tree(3), s1, p1, donate=True)
+    _assert_bitwise((p0, s0), want, "(p0, s0)")
 
 
 def test_a_shared_tensor_is_copied_once():
