@@ -40,6 +40,8 @@ __all__ = [
     "claimed",
     "known_zeros",
     "is_known_zero",
+    "known_zero_flags",
+    "known_zeros_of",
     "recording",
 ]
 
@@ -88,9 +90,6 @@ def _recorded(locals_: Sequence[Any]) -> list:
     recorded tensor: its entry's reference gives it back (whole-list C loops)."""
     refs = map(_SHARED.get, map(id, locals_), itertools.repeat(_NO_ENTRY))
     return list(map(operator.is_, map(_CALL, refs), locals_))
-
-
-_ZEROS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def recording() -> bool:
@@ -162,18 +161,38 @@ def known_zeros(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
         zero = _ZERO.get(key[1:])
         if zero is None:
             zero = _ZERO[key[1:]] = torch.zeros((), dtype=dtype, device=like.device)
-        if len(_EXPANDED) >= _MAX_EXPANDED:
+        if len(_EXPANDED) >= _MAX_EXPANDED:  # (a zero made before is then a plain zero tensor)
             _EXPANDED.clear()
+            _ZEROS.clear()
         z = _EXPANDED[key] = zero.expand(like.shape)
         _ZEROS[id(z)] = z
     return z
 
 
+def known_zeros_of(likes: Sequence[Any]) -> list:
+    """:func:`known_zeros` of each of ``likes`` (their own dtypes): one lookup by whole-list
+    C loops where they are plain tensors whose zeros were made before (a ``multi_steps``
+    micro-step asks for the same ones every time)."""
+    if recording() and set(map(type, likes)) == {torch.Tensor}:
+        keys = zip(map(_SHAPE, likes), map(_DTYPE, likes), map(_DEVICE, likes))
+        hits = list(map(_EXPANDED.get, keys))
+        if not any(map(operator.is_, hits, itertools.repeat(None))):
+            return hits
+    return [known_zeros(x) for x in likes]
+
+
+_SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
 _ZERO: dict = {}  # (dtype, device) -> the 0-dim zero the known zeros expand
 _EXPANDED: dict = {}  # (shape, dtype, device) -> a known zero (no memory of its own)
+_ZEROS: dict = {}  # id -> the known zero of that id (those of _EXPANDED, cleared with it)
 _MAX_EXPANDED = 4096
 
 
 def is_known_zero(x: Any) -> bool:
     """Whether ``x`` is a tensor :func:`known_zeros` made."""
     return _ZEROS.get(id(x)) is x
+
+
+def known_zero_flags(xs: Sequence[Any]) -> list:
+    """:func:`is_known_zero` of each element of ``xs`` (whole-list C loops)."""
+    return list(map(operator.is_, map(_ZEROS.get, map(id, xs)), xs))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -152,20 +152,36 @@ def detached(leaves: list) -> list:
     path). Returns the same list when nothing needs it."""
     if _MODE[0] or traced():
         return leaves
-    if not torch.compiler.is_compiling():
-        # (tensors whose torch functions are torch's own, DTensor's included, are read without
-        # asking each one's class for a __torch_function__: a DTensor's requires_grad took 0.15
-        # to 0.2 us so, a plain tensor's 0.05)
-        own = set(map(type, leaves)) <= _OWN_FUNCTIONS
-        try:  # (one C loop: this runs for every leaf of every update)
-            with torch._C.DisableTorchFunctionSubclass() if own else contextlib.nullcontext():
-                if not any(map(_REQUIRES_GRAD, leaves)):
-                    return leaves
-        except AttributeError:  # None leaves
-            pass
+    if _none_requires_grad(leaves):
+        return leaves
     if not any([isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]):
         return leaves  # (a list, not a generator: dynamo resumes a generator per item)
     return [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in leaves]
+
+
+def _none_requires_grad(leaves: Sequence[Any]) -> bool:
+    """Eagerly, whether ``leaves`` are tensors none of which requires grad, by one C loop
+    (this runs for every leaf of every step); ``False`` where that is not so or not known
+    (a leaf that is not a tensor; under ``torch.compile``)."""
+    if torch.compiler.is_compiling():
+        return False
+    # (tensors whose torch functions are torch's own, DTensor's included, are read without
+    # asking each one's class for a __torch_function__: a DTensor's requires_grad took 0.15
+    # to 0.2 us so, a plain tensor's 0.05)
+    own = set(map(type, leaves)) <= _OWN_FUNCTIONS
+    try:
+        with torch._C.DisableTorchFunctionSubclass() if own else contextlib.nullcontext():
+            return not any(map(_REQUIRES_GRAD, leaves))
+    except AttributeError:  # (None leaves)
+        return False
+
+
+def requires_grads_like(news: Sequence[Any], olds: Sequence[Any]) -> list:
+    """:func:`requires_grad_like` of every pair, as a list: ``news`` as they are where no
+    element of ``olds`` requires grad (one C loop)."""
+    if _none_requires_grad(olds):
+        return list(news)
+    return [requires_grad_like(n, o) for n, o in zip(news, olds)]
 
 
 def requires_grad_like(new: Any, old: Any) -> Any:

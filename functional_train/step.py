@@ -69,7 +69,7 @@ from .tree import (
     tree_unflatten,
     unflatten_like,
 )
-from .update import apply_updates, paired_locals
+from .update import apply_updates, paired_locals, params_like
 
 __all__ = ["step"]
 
@@ -314,10 +314,7 @@ def _run_fused(tx, clip, fused, grads, state, params, mesh, donate):
     if donate:
         out_params = params
     else:
-        leaves = list(pl_tree)
-        for i, x in zip(act, wraps_like(new_p, [pl_tree[i] for i in act])):
-            leaves[i] = requires_grad_like(x, pl_tree[i])
-        out_params = tree_unflatten(treedef, leaves)
+        out_params = tree_unflatten(treedef, params_like(list(pl_tree), act, new_p))
     new_fields = {}
     for f in fields:
         if donate:
@@ -627,11 +624,8 @@ def _run_spec_on(fus, b, state, params, donate):
         return params, new_state
     if fus.zero_updates:  # the parameters as they are (recorded as shared by step)
         return params, new_state
-    pl = leaves_of(params)
-    out = list(pl)
-    for i, n in zip(b.active, new):
-        out[i] = requires_grad_like(wrap_like(n, pl[i]), pl[i])
-    return unflatten_like(params, b.treedef, out), new_state
+    new_params = params_like(leaves_of(params), b.active, new)
+    return unflatten_like(params, b.treedef, new_params), new_state
 
 
 def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
@@ -655,10 +649,7 @@ def _apply(params: PyTree, updates: Any, donate: bool) -> PyTree:
             torch._foreach_add_(p_loc, u_loc)
             return params
         new = torch._foreach_add(p_loc, u_loc)
-    out = list(pl)
-    for i, n in zip(idx, new):
-        out[i] = requires_grad_like(wrap_like(n, pl[i]), pl[i])
-    return tree_unflatten(treedef, out)
+    return tree_unflatten(treedef, params_like(pl, idx, new))
 
 
 def step(

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import optree
 import torch
 
 from . import aliasing, foreach
-from .autograd import is_differentiable, requires_grad_like
+from .autograd import is_differentiable, requires_grads_like
 from .engine import elementwise as E
-from .engine.dtensor import spec_of, to_local, wrap_like
+from .engine.dtensor import spec_of, to_local, wraps_like
 from .engine.plan import describe
 from .tree import flatten_as, format_path, tree_flatten, tree_unflatten
 
-__all__ = ["apply_updates"]
+__all__ = ["apply_updates", "params_like"]
 
 
 def paired_locals(params: Any, updates: Any):
@@ -28,6 +31,8 @@ def paired_locals(params: Any, updates: Any):
     """
     p, treedef = tree_flatten(params)
     u = flatten_as(updates, treedef, "updates", "params")
+    if _plain_pairs(p, u):
+        return treedef, p, list(range(len(p))), p, u
     idx = [i for i, (x, d) in enumerate(zip(p, u)) if x is not None and d is not None]
     ul = []
 
@@ -65,6 +70,26 @@ def paired_locals(params: Any, updates: Any):
     return treedef, p, idx, [to_local(p[i]) for i in idx], ul
 
 
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_INEXACT = operator.attrgetter("is_floating_point", "is_complex")
+
+
+def _plain_pairs(p: list, u: list) -> bool:
+    """Whether :func:`paired_locals`' checks pass for every pair at once, by whole-list C
+    loops: plain tensors on both sides (no ``None``, no DTensor), of equal shapes, and no
+    integer parameter (for which the checks read each update's dtype). ``False`` leaves the
+    leaf-by-leaf checks (and their errors) to the caller."""
+    return (
+        set(map(type, p)) == _TENSOR
+        and set(map(type, u)) == _TENSOR
+        and list(map(_SHAPE, p)) == list(map(_SHAPE, u))
+        and all(map(any, map(_INEXACT, set(map(_DTYPE, p)))))
+    )
+
+
+_TENSOR = {torch.Tensor}
+
+
 def apply_updates(params: Any, updates: Any) -> Any:
     """Return ``params + updates`` (new tensors; neither argument is modified).
 
@@ -90,26 +115,43 @@ def apply_updates(params: Any, updates: Any) -> Any:
     if aliasing.recording():
         # a None update's parameter, or a known zero update's (multi_steps' non-final
         # micro-step), is returned as it is and recorded as shared (see .aliasing)
-        kept = [k for k, x in enumerate(ul) if aliasing.is_known_zero(x)]
-        if kept or len(idx) < len(p):
-            on = set(idx)
-            for i, x in enumerate(p):
-                if x is not None and i not in on and isinstance(x, torch.Tensor):
-                    aliasing.mark_shared(x)
-            for k in kept:
-                aliasing.mark_shared(pl[k])
-            if kept:
-                drop = set(kept)
-                idx, pl, ul = (
-                    [v for k, v in enumerate(lst) if k not in drop] for lst in (idx, pl, ul)
-                )
-    ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
+        # (whole-list C loops: a multi_steps cycle keeps every parameter three times in four)
+        zero = aliasing.known_zero_flags(ul)
+        if any(zero) or len(idx) < len(p):
+            kept = list(itertools.compress(pl, zero))
+            if len(idx) < len(p):
+                on = set(idx)
+                kept += [
+                    to_local(x)
+                    for i, x in enumerate(p)
+                    if x is not None and i not in on and isinstance(x, torch.Tensor)
+                ]
+            aliasing.mark_shared_locals(kept)
+            if any(zero):
+                live = list(map(operator.not_, zero))
+                idx, pl, ul = (list(itertools.compress(lst, live)) for lst in (idx, pl, ul))
+    if list(map(_DTYPE, ul)) != list(map(_DTYPE, pl)):
+        ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
     record = is_differentiable()
     new = None if record or not idx else E.apply_locals(pl, ul)
     if new is None:
         with contextlib.nullcontext() if record else torch.no_grad():
             new = foreach.add(pl, ul) if idx else []
+    return tree_unflatten(treedef, params_like(p, idx, new))
+
+
+def params_like(p: list, idx: Sequence[int], new: Sequence[Any]) -> list:
+    """The new parameter leaves: ``p`` (the parameters' leaves) with the leaf at each
+    position of ``idx`` replaced by the local result of ``new`` there, in that leaf's layout
+    (:func:`~functional_train.engine.dtensor.wraps_like`) and requiring grad where it did
+    (a no-op inside :func:`~functional_train.differentiable`). Whole-list C loops for plain
+    tensors that do not require grad."""
+    whole = len(idx) == len(p)
+    olds = p if whole else [p[i] for i in idx]
+    new = requires_grads_like(wraps_like(new, olds), olds)
+    if whole:
+        return new
     out = list(p)
     for i, n in zip(idx, new):
-        out[i] = requires_grad_like(wrap_like(n, p[i]), p[i])  # a no-op when recorded
-    return tree_unflatten(treedef, out)
+        out[i] = n
+    return out

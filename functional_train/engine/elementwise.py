@@ -573,9 +573,9 @@ def run(
     if apply is not None:
         return u, new_state
     if drop:
-        from ..aliasing import known_zeros
+        from ..aliasing import known_zeros_of
 
-        u = [known_zeros(x) for x in u]
+        u = known_zeros_of(u)
     return b.rebuild_active(u), new_state
 
 
