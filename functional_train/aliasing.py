@@ -105,8 +105,11 @@ def mark_shared(x: torch.Tensor) -> None:
 def mark_shared_locals(locals_: list) -> None:
     """:func:`mark_shared` of tensors that are local shards already (or plain tensors), in
     one pass: a lookup each, an entry for those not recorded yet (a ``multi_steps`` cycle
-    marks the same ones again). Whole-list C loops."""
+    marks the same ones again) that have elements (an empty tensor is never written).
+    Whole-list C loops."""
     new = list(itertools.compress(locals_, map(operator.not_, _recorded(locals_))))
+    if new and set(map(type, new)) == {torch.Tensor}:
+        new = list(itertools.compress(new, map(torch.Tensor.numel, new)))
     if new:
         _SHARED.update(zip(map(id, new), map(weakref.ref, new, itertools.repeat(_gone))))
         if len(_SHARED) > _SWEEP_AT[0]:

@@ -760,13 +760,10 @@ def _unaliased(result: tuple, inputs: tuple) -> tuple:
     if type(None) in kinds:
         kinds.discard(type(None))
         kept = list(itertools.compress(kept, map(operator.is_not, kept, _NONES)))
-    if not kept:
-        return result
-    if kinds == {torch.Tensor}:  # (C loops: tensors with elements)
-        kept = list(itertools.compress(kept, map(_NUMEL, kept)))
-    else:
-        kept = [x for x in kept if _writable(x)]  # (not empty, not a constant)
-    aliasing.mark_shared_locals(kept)
+    if kinds != {torch.Tensor}:  # (a constant of a foreign state; an empty tensor)
+        kept = [x for x in kept if _writable(x)]
+    if kept:  # (empty plain tensors are left out there, once for each: never written)
+        aliasing.mark_shared_locals(kept)
     return result
 
 
@@ -885,9 +882,6 @@ def _unaliased_pytree(new: PyTree, old: PyTree) -> PyTree:
         return new
     same = iter([x is y for x, y in zip(leaves, olds)])
     return _pytree.tree_map(lambda x: _copy(x) if next(same) and _writable(x) else x, new)
-
-
-_NUMEL = torch.Tensor.numel
 
 
 def _writable(x: Any) -> bool:
