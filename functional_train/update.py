@@ -78,9 +78,11 @@ def _plain_pairs(p: list, u: list) -> bool:
     """Whether :func:`paired_locals`' checks pass for every pair at once, by whole-list C
     loops: plain tensors on both sides (no ``None``, no DTensor), of equal shapes, and no
     integer parameter (for which the checks read each update's dtype). ``False`` leaves the
-    leaf-by-leaf checks (and their errors) to the caller."""
+    leaf-by-leaf checks (and their errors) to the caller, and under ``torch.compile``
+    (dynamo does not trace ``attrgetter``)."""
     return (
-        set(map(type, p)) == _TENSOR
+        not torch.compiler.is_compiling()
+        and set(map(type, p)) == _TENSOR
         and set(map(type, u)) == _TENSOR
         and list(map(_SHAPE, p)) == list(map(_SHAPE, u))
         and all(map(any, map(_INEXACT, set(map(_DTYPE, p)))))
@@ -130,7 +132,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
             if any(zero):
                 live = list(map(operator.not_, zero))
                 idx, pl, ul = (list(itertools.compress(lst, live)) for lst in (idx, pl, ul))
-    if list(map(_DTYPE, ul)) != list(map(_DTYPE, pl)):
+    if torch.compiler.is_compiling() or list(map(_DTYPE, ul)) != list(map(_DTYPE, pl)):
         ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
     record = is_differentiable()
     new = None if record or not idx else E.apply_locals(pl, ul)

@@ -199,9 +199,9 @@ STATE_MOVES = {
     "moved_to_another_structure": (
         lambda p: (p["m"].clone(), p["v"].clone()),
         # (a tuple to a dict, and back: the step checked is the second, dict to tuple)
-        lambda s: {"kept": s[1], "new": s[0] * 2}
-        if isinstance(s, tuple)
-        else (s["new"] * 2, s["kept"]),
+        lambda s: (
+            {"kept": s[1], "new": s[0] * 2} if isinstance(s, tuple) else (s["new"] * 2, s["kept"])
+        ),
         [(1,)],
     ),
     "ordered_dict": (

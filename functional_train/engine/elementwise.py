@@ -890,7 +890,7 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply, sums=None, need
         tuple(idents),
         tuple(layout),
         tuple(enc),
-        tuple(tuple(None if x is None else x.dtype for x in lst) for lst in ins),
+        tuple(map(_dtypes_or_none, ins)),
         tuple(x.dtype for x in sc),
     ):
         # every result over the input it replaces, by the operator itself: no copies
@@ -1034,17 +1034,25 @@ def _stage_op(
     # update that is its new state, as trace's, run in torch, is copied; and it is
     # contiguous, as the fake results are: a result made like a transposed update, as Muon's
     # for a tall matrix, is copied)
-    seen = {id(x) for x in flat if x is not None}
-    results = []
-    for lst in outs:
-        for x in lst:
-            if x is None:  # (an absent state leaf's: a 0-element placeholder)
-                results.append(torch.empty(0))
-            elif id(x) in seen or not x.is_contiguous():
-                results.append(x.clone(memory_format=torch.contiguous_format))
-            else:
-                seen.add(id(x))
-                results.append(x)
+    results = list(itertools.chain.from_iterable(outs))
+    ids = set(map(id, results))
+    if (  # (the common case, by whole-list C loops: contiguous new tensors, each once)
+        len(ids) != len(results)
+        or not ids.isdisjoint(map(id, flat))
+        or any(map(operator.is_, results, itertools.repeat(None)))
+        or not all(map(_contiguous, results))
+    ):
+        seen = {id(x) for x in flat if x is not None}
+        results = []
+        for lst in outs:
+            for x in lst:
+                if x is None:  # (an absent state leaf's: a 0-element placeholder)
+                    results.append(torch.empty(0))
+                elif id(x) in seen or not x.is_contiguous():
+                    results.append(x.clone(memory_format=torch.contiguous_format))
+                else:
+                    seen.add(id(x))
+                    results.append(x)
     if want:
         results.append(sums)
     return results
@@ -1094,6 +1102,14 @@ _contiguous = torch.Tensor.is_contiguous
 _SAME_DTYPES: dict = {}
 
 
+def _dtypes_or_none(xs: list) -> tuple:
+    """The dtypes of ``xs``, ``None`` for an absent leaf (eagerly a C loop where none is
+    absent; dynamo does not trace ``attrgetter``)."""
+    if torch.compiler.is_compiling() or any(map(operator.is_, xs, itertools.repeat(None))):
+        return tuple(None if x is None else x.dtype for x in xs)
+    return tuple(map(_DTYPE, xs))
+
+
 def _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars) -> bool:
     """Whether every result of the stage has the dtype of the input it replaces (then a
     result left as it was may be its input's lazy clone, and unused updates a buffer of the
@@ -1103,7 +1119,7 @@ def _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars) -> bool:
         tuple(parts),
         tuple(layout),
         tuple(enc),
-        tuple(tuple(None if x is None else x.dtype for x in lst) for lst in ins),
+        tuple(map(_dtypes_or_none, ins)),
         tuple(x.dtype for x in scalars),
     )
     hit = _SAME_DTYPES.get(key)
