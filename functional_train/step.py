@@ -812,7 +812,11 @@ def _walk(new: PyTree, old: PyTree, pairs: list, whole: list) -> bool:
 
 def _leaves_only(xs) -> bool:
     """Every element a tensor (any subclass) or ``None`` (a C loop over their types)."""
-    return all(issubclass(t, _LEAF_KINDS) for t in set(map(type, xs)))
+    kinds = set(map(type, xs))
+    return kinds <= _LEAF_TYPES or all(issubclass(t, _LEAF_KINDS) for t in kinds)
+
+
+_LEAF_TYPES = {torch.Tensor, type(None)}
 
 
 def _tensors_into(tree: PyTree, out: list) -> bool:

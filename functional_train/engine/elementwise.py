@@ -1478,6 +1478,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                     apply,
                     _group_kinds(take, g),
                     g_dst,
+                    dtypes,
                     sums,
                     rows,
                     strided,
@@ -1768,10 +1769,11 @@ def _function(stage, counts, key):
 
 
 def _run_kernel(
-    kernel, ins, idx, outs, sc, apply, take, dst, sums=None, rows=None, strided=False
+    kernel, ins, idx, outs, sc, apply, take, dst, dtypes, sums=None, rows=None, strided=False
 ) -> bool:
     """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
-    as asked (a donated buffer of another dtype). A kernel that sums its updates' squares
+    as asked. ``dtypes``: the group's, one per input list (every leaf of the group has it).
+    A kernel that sums its updates' squares
     (``kernel.sumsq``) appends their sums to ``sums``. ``rows``: the inputs' kinds, for a call
     by rows (:meth:`.fuse.Kernel.by_rows`). ``strided``: leaves in one memory order that is
     not contiguous (:data:`STRIDED`): fresh results are made in it."""
@@ -1782,16 +1784,13 @@ def _run_kernel(
         # each result over its input; one of another dtype (a stage whose updates widen:
         # bfloat16 gradients into float32 sums) into fresh buffers
         res = [
-            cols[dst[r]] if cols[dst[r]][0].dtype == d else [_fresh(x, d) for x in cols[0]]
+            cols[dst[r]] if dtypes[dst[r]] == d else [_fresh(x, d) for x in cols[0]]
             for r, d in enumerate(kernel.out_dtypes)
         ]
-        for t, d in zip(res, kernel.out_dtypes):
-            if set(map(_DTYPE, t)) != {d}:
-                return False
     elif strided:  # (in the leaves' memory order: the pool's, where the dtype is theirs)
         res = [
             take(f"stage{r}", cols[0])
-            if take is not None and set(map(_DTYPE, cols[0])) == {d}
+            if take is not None and dtypes[0] == d
             else [_fresh(x, d) for x in cols[0]]
             for r, d in enumerate(kernel.out_dtypes)
         ]
@@ -1801,7 +1800,7 @@ def _run_kernel(
             # (the updates stand for the results' shapes where their dtype is the result's)
             like = (
                 cols[0]
-                if set(map(_DTYPE, cols[0])) == {d}
+                if dtypes[0] == d
                 else [torch.empty((), dtype=d, device=x.device).expand(x.shape) for x in cols[0]]
             )
             res.append(take(f"stage{r}", like) if take is not None else list(map(_fresh, like)))
