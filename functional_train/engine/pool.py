@@ -20,6 +20,7 @@ dropped (as a caching allocator would), and nothing when the plan is evicted
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -47,6 +48,8 @@ MIN_MEAN_BYTES = 64 * 1024
 
 _use_count = torch._C._storage_Use_Count
 _contiguous = torch.Tensor.is_contiguous
+_DETACH = torch.Tensor.detach
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _is_cow: Callable[[torch.Tensor], bool] | None = getattr(torch._C, "_is_cow_tensor", None)
 # a tensor's address for reading (a copy-on-write tensor is read where it lies, not copied:
 # the kernels take their inputs' by it; missing from torch's type stubs, and from some builds'
@@ -174,22 +177,25 @@ class Pool:
             if contiguous:
                 return list(map(torch.empty_like, like))
             return list(map(_empty_like, like))
+        # (a set: its buffers, with their shapes, dtypes and whether all are contiguous, read
+        # when it was made: they never change, the buffers are handed out as detached aliases;
+        # whole-list C loops, the use counts last)
         sets = self.sets.setdefault(kind, [])
-        for bufs in sets:
+        shapes = list(map(_SHAPE, like))
+        dtypes = list(map(_DTYPE, like))
+        for bufs, b_shapes, b_dtypes, b_contiguous in sets:
             if (
-                len(bufs) == len(like)
-                and all(_free(b) for b in bufs)
-                and all(b.shape == x.shape and b.dtype == x.dtype for b, x in zip(bufs, like))
-                and (
-                    all(map(_contiguous, bufs)) if contiguous else all(map(_same_order, bufs, like))
-                )
+                b_shapes == shapes
+                and b_dtypes == dtypes
+                and (b_contiguous if contiguous else all(map(_same_order, bufs, like)))
+                and all(map(_free, bufs))
             ):
-                return [b.detach() for b in bufs]
+                return list(map(_DETACH, bufs))
         bufs = list(map(_empty_like, like))
-        sets.append(bufs)
+        sets.append((bufs, shapes, dtypes, all(map(_contiguous, bufs))))
         if len(sets) > GENERATIONS:
             del sets[0]
-        return [b.detach() for b in bufs]
+        return list(map(_DETACH, bufs))
 
     def scratch(self, kind: str, like: Sequence[torch.Tensor]) -> list:
         """Buffers with the shapes, dtypes and devices of ``like`` for work that never leaves
