@@ -422,6 +422,8 @@ def run(
         def take(kind, like):
             return pool_take("update:" + kind, like)
 
+    # (an intermediate stage's updates, read by the next stage only, into the plan's scratch)
+    scratch = None if take is None else of_plan(b.plan, "pool", Pool).scratch
     u = [b.locals[i] for i in act]
     given = None  # the updates' sums of squares from the stage that wrote them
     given_on: frozenset | None = None  # (the positions where they were summed; None: all)
@@ -541,7 +543,7 @@ def run(
             scalars,
             keys_in,
             apply,
-            None if take is None else _kinds(take, lo),
+            _stage_take(take, scratch, lo, last or stage.drop_u),
             sums,
             needed,
         )
@@ -620,6 +622,28 @@ def apply_locals(p: list, u: list) -> list | None:
     stage = _stage_of((), True)
     n = len(p)
     return _execute_local(stage, (), list(u), list(p), [], [], [None] * n, "pure", None)[0]
+
+
+def _stage_take(take, scratch, lo: int, final: bool):
+    """The ``take`` of the stage from part ``lo``: :func:`_kinds`; for a stage whose updates
+    are read by the next stage only (not ``final``: not the last, and it writes its updates),
+    those (kind ``stage0``: the first result) from ``scratch`` where they are contiguous, a
+    set reused step after step without use-count checks (nothing outside the step sees
+    them; the next stage's reduction and kernel read them before the step returns): a pure
+    ``multi_steps`` micro-step that ends the cycle allocates no summed gradients."""
+    if take is None:
+        return None
+    take = _kinds(take, lo)
+    if final or scratch is None:
+        return take
+    scratch = _kinds(scratch, lo)
+
+    def stage_take(kind, like):
+        if (kind == "stage0" or kind.startswith("stage0/")) and all(map(_CONTIGUOUS, like)):
+            return scratch(kind, like)
+        return take(kind, like)
+
+    return stage_take
 
 
 def _kinds(take, lo):

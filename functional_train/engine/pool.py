@@ -49,7 +49,7 @@ MIN_MEAN_BYTES = 64 * 1024
 _use_count = torch._C._storage_Use_Count
 _contiguous = torch.Tensor.is_contiguous
 _DETACH = torch.Tensor.detach
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
 _is_cow: Callable[[torch.Tensor], bool] | None = getattr(torch._C, "_is_cow_tensor", None)
 # a tensor's address for reading (a copy-on-write tensor is read where it lies, not copied:
 # the kernels take their inputs' by it; missing from torch's type stubs, and from some builds'
@@ -202,19 +202,14 @@ class Pool:
         the step (their contents are garbage afterwards: the gradients the fused kernels
         unscale in place): one set per kind, made once and reused without use-count checks,
         since nothing outside the step ever sees them."""
-        bufs = self.scratches.get(kind)
-        if (
-            bufs is None
-            or len(bufs) != len(like)
-            or any(
-                b.shape != x.shape or b.dtype != x.dtype or b.device != x.device
-                for b, x in zip(bufs, like)
-            )
-        ):
-            bufs = self.scratches[kind] = [
-                torch.empty_like(x, memory_format=torch.contiguous_format) for x in like
-            ]
-        return bufs
+        # (the set, with the shapes, dtypes and devices it was made for: whole-list C loops)
+        meta = [list(map(_SHAPE, like)), list(map(_DTYPE, like)), list(map(_DEVICE, like))]
+        hit = self.scratches.get(kind)
+        if hit is not None and hit[1] == meta:
+            return list(hit[0])
+        bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
+        self.scratches[kind] = (bufs, meta)
+        return list(bufs)
 
 
 def of_plan(plan, key: str, cls):
