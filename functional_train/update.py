@@ -76,13 +76,13 @@ _INEXACT = operator.attrgetter("is_floating_point", "is_complex")
 
 def _plain_pairs(p: list, u: list) -> bool:
     """Whether :func:`paired_locals`' checks pass for every pair at once, by whole-list C
-    loops: plain tensors on both sides (no ``None``, no DTensor), of equal shapes, and no
-    integer parameter (for which the checks read each update's dtype). ``False`` leaves the
-    leaf-by-leaf checks (and their errors) to the caller, and under ``torch.compile``
-    (dynamo does not trace ``attrgetter``)."""
+    loops: plain tensors on both sides (parameters may be ``nn.Parameter``; no ``None``, no
+    DTensor), of equal shapes, and no integer parameter (for which the checks read each
+    update's dtype). ``False`` leaves the leaf-by-leaf checks (and their errors) to the
+    caller, and under ``torch.compile`` (dynamo does not trace ``attrgetter``)."""
     return (
         not torch.compiler.is_compiling()
-        and set(map(type, p)) == _TENSOR
+        and set(map(type, p)) <= _PARAMETER_TYPES
         and set(map(type, u)) == _TENSOR
         and list(map(_SHAPE, p)) == list(map(_SHAPE, u))
         and all(map(any, map(_INEXACT, set(map(_DTYPE, p)))))
@@ -90,6 +90,7 @@ def _plain_pairs(p: list, u: list) -> bool:
 
 
 _TENSOR = {torch.Tensor}
+_PARAMETER_TYPES = {torch.Tensor, torch.nn.Parameter}
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
