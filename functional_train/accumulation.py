@@ -45,6 +45,7 @@ from .engine.plan import (
     same_layouts,
 )
 from .engine.view import prepare
+from .leaves import DTYPE, SHAPE
 from .mesh import Mesh
 from .spec import attach_spec
 from .tree import (
@@ -629,10 +630,10 @@ def _alike_checks(g: list, acc: list) -> tuple[bool, bool]:
         )
         differ = same and [x.dtype for x in g] != [a.dtype for a in acc]
     else:  # (C loops: this runs for every micro-step)
-        g_dtypes, acc_dtypes = list(map(_DTYPE, g)), list(map(_DTYPE, acc))
+        g_dtypes, acc_dtypes = list(map(DTYPE, g)), list(map(DTYPE, acc))
         same = all(d.is_floating_point for d in {*g_dtypes, *acc_dtypes}) and list(
-            map(_SHAPE, g)
-        ) == list(map(_SHAPE, acc))
+            map(SHAPE, g)
+        ) == list(map(SHAPE, acc))
         differ = same and g_dtypes != acc_dtypes
     same = same and (kinds == {torch.Tensor} or same_layouts(g, acc))
     return same, same and differ
@@ -658,9 +659,6 @@ def _zeros_for(updates, params):
         return wrap(known_zeros(to_local(r), to_local(u).dtype), spec_of(r))
 
     return optree.tree_map(zero, updates, updates if params is None else params, none_is_leaf=True)
-
-
-_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 def _flag(v: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 
 from .autograd import traced
 from .engine.dtensor import to_local, to_locals
+from .leaves import DEVICE, DTYPE, SHAPE
 from .tree import tree_flatten, tree_unflatten
 
 __all__ = [
@@ -177,14 +178,13 @@ def known_zeros_of(likes: Sequence[Any]) -> list:
     C loops where they are plain tensors whose zeros were made before (a ``multi_steps``
     micro-step asks for the same ones every time)."""
     if recording() and set(map(type, likes)) == {torch.Tensor}:
-        keys = zip(map(_SHAPE, likes), map(_DTYPE, likes), map(_DEVICE, likes))
+        keys = zip(map(SHAPE, likes), map(DTYPE, likes), map(DEVICE, likes))
         hits = list(map(_EXPANDED.get, keys))
         if not any(map(operator.is_, hits, itertools.repeat(None))):
             return hits
     return [known_zeros(x) for x in likes]
 
 
-_SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
 _ZERO: dict = {}  # (dtype, device) -> the 0-dim zero the known zeros expand
 _EXPANDED: dict = {}  # (shape, dtype, device) -> a known zero (no memory of its own)
 _ZEROS: dict = {}  # id -> the known zero of that id (those of _EXPANDED, cleared with it)

@@ -15,6 +15,7 @@ import torch
 from .base import GradientTransformation, declare
 from .engine import elementwise as E
 from .engine.view import prepare
+from .leaves import SHAPE
 from .spec import Partitioned, attach_spec
 from .tree import PyTree, format_path, leaves_of, tree_flatten, tree_paths, tree_unflatten
 
@@ -123,7 +124,7 @@ class PerLeaf:
                 return seen[1]
         leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
         try:  # (every leaf a tensor, the common case: a C loop; a torch.Size is a tuple)
-            sig = tuple(map(_SHAPE, leaves))
+            sig = tuple(map(SHAPE, leaves))
         except AttributeError:
             sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
         key = (treedef, sig)
@@ -135,9 +136,6 @@ class PerLeaf:
         if memo is not None:
             memo[self] = (params, values)
         return values
-
-
-_SHAPE = operator.attrgetter("shape")
 
 
 def _select(leaves: list, keep: list) -> list:

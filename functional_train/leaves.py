@@ -21,7 +21,16 @@ __all__ = [
     "as_real",
     "as_complex",
     "on_device",
+    "SHAPE",
+    "DTYPE",
+    "DEVICE",
 ]
+
+#: Attribute getters for whole-list C loops over leaves (``list(map(SHAPE, xs))``): the
+#: steps read their lists' metadata this way every step (about 50 ns a tensor per attribute,
+#: where a Python loop costs several times that). Eagerly only: dynamo does not trace
+#: ``attrgetter``.
+SHAPE, DTYPE, DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
 
 
 def leafwise(fn: Callable) -> Callable:

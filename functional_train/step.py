@@ -50,7 +50,7 @@ from .engine.view import Prepared, per_leaf_view, prepare
 from .factored import FusedAdafactor
 from .galore import FusedGaLore
 from .hyperparams import InjectHyperparamsState, is_injected, value_of
-from .leaves import on_device
+from .leaves import DTYPE, SHAPE, on_device
 from .mesh import Mesh
 from .per_leaf import (
     fused_adafactor_step,
@@ -180,21 +180,20 @@ def _fusable(ts_lists) -> bool:
     dtype, device = first[0].dtype, first[0].device
     if dtype not in _KERNEL_DTYPES:
         return False
-    shapes = list(map(_SHAPE, first))
+    shapes = list(map(SHAPE, first))
     for lst in ts_lists:  # whole-list checks in C loops: this runs for every step
         try:
-            if list(map(_SHAPE, lst)) != shapes:
+            if list(map(SHAPE, lst)) != shapes:
                 return False
         except AttributeError:  # a None leaf
             return False
-        if set(map(_DTYPE, lst)) != {dtype} or not all(map(_CONTIGUOUS, lst)):
+        if set(map(DTYPE, lst)) != {dtype} or not all(map(_CONTIGUOUS, lst)):
             return False
         if not on_device(lst, device):
             return False
     return True
 
 
-_SHAPE = operator.attrgetter("shape")
 _CONTIGUOUS = torch.Tensor.is_contiguous
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -511,7 +510,7 @@ def _spec_first(params) -> bool:
     if not torch.compiler.is_compiling():  # (C loops: this runs for every step)
         present = [x for x in leaves if x is not None]
         try:
-            return all(map(_IS_CPU, present)) and set(map(_DTYPE, present)) <= _SPEC_DTYPE_SET
+            return all(map(_IS_CPU, present)) and set(map(DTYPE, present)) <= _SPEC_DTYPE_SET
         except AttributeError:  # (not a tensor: the step's validation names it)
             pass
     return all(x is None or (x.device.type == "cpu" and x.dtype in _SPEC_DTYPES) for x in leaves)
@@ -519,7 +518,7 @@ def _spec_first(params) -> bool:
 
 _SPEC_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _SPEC_DTYPE_SET = frozenset(_SPEC_DTYPES)
-_IS_CPU, _DTYPE = operator.attrgetter("is_cpu"), operator.attrgetter("dtype")
+_IS_CPU = operator.attrgetter("is_cpu")
 
 
 def _run_spec(fus, grads, state, params, mesh, donate):

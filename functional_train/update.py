@@ -16,6 +16,7 @@ from .autograd import is_differentiable, requires_grads_like
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wraps_like
 from .engine.plan import describe
+from .leaves import DTYPE, SHAPE
 from .tree import flatten_as, format_path, tree_flatten, tree_unflatten
 
 __all__ = ["apply_updates", "params_like"]
@@ -70,7 +71,6 @@ def paired_locals(params: Any, updates: Any):
     return treedef, p, idx, [to_local(p[i]) for i in idx], ul
 
 
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _INEXACT = operator.attrgetter("is_floating_point", "is_complex")
 
 
@@ -84,8 +84,8 @@ def _plain_pairs(p: list, u: list) -> bool:
         not torch.compiler.is_compiling()
         and set(map(type, p)) <= _PARAMETER_TYPES
         and set(map(type, u)) == _TENSOR
-        and list(map(_SHAPE, p)) == list(map(_SHAPE, u))
-        and all(map(any, map(_INEXACT, set(map(_DTYPE, p)))))
+        and list(map(SHAPE, p)) == list(map(SHAPE, u))
+        and all(map(any, map(_INEXACT, set(map(DTYPE, p)))))
     )
 
 
@@ -133,7 +133,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
             if any(zero):
                 live = list(map(operator.not_, zero))
                 idx, pl, ul = (list(itertools.compress(lst, live)) for lst in (idx, pl, ul))
-    if torch.compiler.is_compiling() or list(map(_DTYPE, ul)) != list(map(_DTYPE, pl)):
+    if torch.compiler.is_compiling() or list(map(DTYPE, ul)) != list(map(DTYPE, pl)):
         ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
     record = is_differentiable()
     new = None if record or not idx else E.apply_locals(pl, ul)

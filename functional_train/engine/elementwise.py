@@ -123,7 +123,7 @@ import optree
 import torch
 
 from ..autograd import traced
-from ..leaves import on_device
+from ..leaves import DTYPE, on_device
 from ..spec import attach_spec, transform_spec
 from . import fuse
 from .dtensor import to_local, wrap_like
@@ -1131,7 +1131,7 @@ def _dtypes_or_none(xs: list) -> tuple:
     absent; dynamo does not trace ``attrgetter``)."""
     if torch.compiler.is_compiling() or any(map(operator.is_, xs, itertools.repeat(None))):
         return tuple(None if x is None else x.dtype for x in xs)
-    return tuple(map(_DTYPE, xs))
+    return tuple(map(DTYPE, xs))
 
 
 def _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars) -> bool:
@@ -1718,7 +1718,7 @@ def _dtypes_of(ins: list):
     for lst in ins:
         if set(map(type, lst)) != {torch.Tensor}:
             return None
-        ds = set(map(_DTYPE, lst))
+        ds = set(map(DTYPE, lst))
         if (
             len(ds) != 1
             or not all(map(_CONTIGUOUS, lst))
@@ -1730,7 +1730,7 @@ def _dtypes_of(ins: list):
     return tuple(dtypes)
 
 
-_DTYPE, _REQUIRES_GRAD = (operator.attrgetter(a) for a in ("dtype", "requires_grad"))
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _CONTIGUOUS = torch.Tensor.is_contiguous
 _IS_COMPLEX = torch.Tensor.is_complex
 

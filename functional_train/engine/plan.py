@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from ..leaves import DEVICE, DTYPE, SHAPE
 from ..mesh import Mesh
 from ..tree import format_path
 from .collectives import all_reduce_buckets, groups_over
@@ -51,9 +52,6 @@ def _leaf_key(x: Any) -> Any:
     return type(x)
 
 
-_SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
-
-
 _SPEC, _MESH = operator.attrgetter("_spec"), operator.attrgetter("mesh")
 _SPEC_MESH = operator.attrgetter("_spec.mesh")
 
@@ -63,7 +61,7 @@ def _leaves_key(leaves: Sequence[Any]) -> tuple:
     DTensors, by whole-list C loops (this runs for every step)."""
     kinds = set(map(type, leaves))
     if kinds == {torch.Tensor}:
-        return tuple(zip(map(_SHAPE, leaves), map(_DTYPE, leaves), map(_DEVICE, leaves)))
+        return tuple(zip(map(SHAPE, leaves), map(DTYPE, leaves), map(DEVICE, leaves)))
     if kinds == {DTensor}:
         specs = list(map(_SPEC, leaves))
         return tuple(zip(specs, map(id, map(_MESH, specs))))

@@ -20,11 +20,12 @@ dropped (as a caching allocator would), and nothing when the plan is evicted
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+
+from ..leaves import DEVICE, DTYPE, SHAPE
 
 __all__ = [
     "Pool",
@@ -49,7 +50,6 @@ MIN_MEAN_BYTES = 64 * 1024
 _use_count = torch._C._storage_Use_Count
 _contiguous = torch.Tensor.is_contiguous
 _DETACH = torch.Tensor.detach
-_SHAPE, _DTYPE, _DEVICE = (operator.attrgetter(a) for a in ("shape", "dtype", "device"))
 _is_cow: Callable[[torch.Tensor], bool] | None = getattr(torch._C, "_is_cow_tensor", None)
 # a tensor's address for reading (a copy-on-write tensor is read where it lies, not copied:
 # the kernels take their inputs' by it; missing from torch's type stubs, and from some builds'
@@ -181,8 +181,8 @@ class Pool:
         # when it was made: they never change, the buffers are handed out as detached aliases;
         # whole-list C loops, the use counts last)
         sets = self.sets.setdefault(kind, [])
-        shapes = list(map(_SHAPE, like))
-        dtypes = list(map(_DTYPE, like))
+        shapes = list(map(SHAPE, like))
+        dtypes = list(map(DTYPE, like))
         for bufs, b_shapes, b_dtypes, b_contiguous in sets:
             if (
                 b_shapes == shapes
@@ -203,7 +203,7 @@ class Pool:
         unscale in place): one set per kind, made once and reused without use-count checks,
         since nothing outside the step ever sees them."""
         # (the set, with the shapes, dtypes and devices it was made for: whole-list C loops)
-        meta = [list(map(_SHAPE, like)), list(map(_DTYPE, like)), list(map(_DEVICE, like))]
+        meta = [list(map(SHAPE, like)), list(map(DTYPE, like)), list(map(DEVICE, like))]
         hit = self.scratches.get(kind)
         if hit is not None and hit[1] == meta:
             return list(hit[0])

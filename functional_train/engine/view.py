@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from ..autograd import detached, requires_grad_like, traced
+from ..leaves import SHAPE
 from ..mesh import Mesh
 from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten, unflatten_like
 from .collectives import all_reduce, all_reduce_buckets, all_reduce_start, per_rank
@@ -31,7 +32,6 @@ from .plan import Plan, agree_presence, describe, plan_for, same_layout
 __all__ = ["Prepared", "prepare", "leaf_paths"]
 
 
-_SHAPE = operator.attrgetter("shape")
 _SPEC = operator.attrgetter("_spec")
 
 
@@ -196,7 +196,7 @@ class Prepared:
             if (
                 kinds == {torch.Tensor}
                 and self._plain
-                and list(map(_SHAPE, leaves)) == self.plan.shapes  # (the updates' shapes)
+                and list(map(SHAPE, leaves)) == self.plan.shapes  # (the updates' shapes)
             ):
                 return list(leaves)
         # the DTensorSpec objects already checked, per leaf (states keep their spec objects from
