@@ -65,6 +65,7 @@ from .tree import (
     PyTree,
     flatten_as,
     leaves_of,
+    tensors_or_none,
     tree_flatten,
     tree_unflatten,
     unflatten_like,
@@ -802,20 +803,11 @@ def _walk(new: PyTree, old: PyTree, pairs: list, whole: list) -> bool:
         return True
     else:  # (constants in both: nothing to record; anything else: optree's)
         return kind in _CONSTANTS and type(old) in _CONSTANTS
-    if _leaves_only(ns) and _leaves_only(os_):
+    if tensors_or_none(ns) and tensors_or_none(os_):
         pairs[0].extend(ns)
         pairs[1].extend(os_)
         return True
     return all(map(_walk, ns, os_, itertools.repeat(pairs), itertools.repeat(whole)))
-
-
-def _leaves_only(xs) -> bool:
-    """Every element a tensor (any subclass) or ``None`` (a C loop over their types)."""
-    kinds = set(map(type, xs))
-    return kinds <= _LEAF_TYPES or all(issubclass(t, _LEAF_KINDS) for t in kinds)
-
-
-_LEAF_TYPES = {torch.Tensor, type(None)}
 
 
 def _tensors_into(tree: PyTree, out: list) -> bool:
@@ -828,7 +820,7 @@ def _tensors_into(tree: PyTree, out: list) -> bool:
         pass
     elif _walked(kind):
         xs = tree.values() if kind is dict else tree
-        if _leaves_only(xs):  # (tensors or None: one C extend; the caller drops the None)
+        if tensors_or_none(xs):  # (tensors or None: one C extend; the caller drops the None)
             out.extend(xs)
         else:
             for x in xs:

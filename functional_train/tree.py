@@ -7,7 +7,7 @@ leaves. Paths are rendered as dotted strings (``layers.0.attn.wq``) in error mes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optree
@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "tree_flatten",
+    "tensors_or_none",
     "tree_unflatten",
     "tree_paths",
     "tree_zeros_like",
@@ -49,7 +50,7 @@ def tree_flatten(tree: PyTree):
         if fast is not None:
             return fast, hit
     leaves, td = optree.tree_flatten(tree, none_is_leaf=True)
-    if key is not None and td.num_nodes == len(key) + 1 and _tensors_or_none(leaves):
+    if key is not None and td.num_nodes == len(key) + 1 and tensors_or_none(leaves):
         if len(_DICT_DEFS) >= 64:  # (a flat dict: its treedef for the next one of its keys)
             _DICT_DEFS.clear()
         _DICT_DEFS[key] = td
@@ -58,14 +59,16 @@ def tree_flatten(tree: PyTree):
 
 _DICT_DEFS: dict = {}  # a flat dict's keys in insertion order -> its treedef
 _NONE_TYPE = type(None)
+_PLAIN_LEAF_TYPES = {torch.Tensor, _NONE_TYPE}
 
 
-def _tensors_or_none(leaves: list) -> bool:
-    """Every leaf a tensor (of any subclass) or ``None``: no structure below them."""
-    for t in set(map(type, leaves)):
-        if t is not _NONE_TYPE and not issubclass(t, torch.Tensor):
-            return False
-    return True
+def tensors_or_none(leaves: Iterable[Any]) -> bool:
+    """Every element a tensor (of any subclass) or ``None``: no structure below them (a C
+    loop over their types; plain tensors and ``None`` by one set comparison)."""
+    kinds = set(map(type, leaves))
+    if kinds <= _PLAIN_LEAF_TYPES:
+        return True
+    return all(t is _NONE_TYPE or issubclass(t, torch.Tensor) for t in kinds)
 
 
 def _up_to(treedef, tree: PyTree) -> list | None:
@@ -83,7 +86,7 @@ def _up_to(treedef, tree: PyTree) -> list | None:
         leaves = treedef.flatten_up_to(tree)
     except (ValueError, TypeError):
         return None
-    return leaves if _tensors_or_none(leaves) else None
+    return leaves if tensors_or_none(leaves) else None
 
 
 def tree_unflatten(treedef, leaves: Sequence[Any]) -> PyTree:
