@@ -35,6 +35,7 @@ from .autograd import detached, host_value, host_values, is_differentiable, trac
 from .base import GradientTransformation, call_reduced, declare, passes_unreduced
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
+from .engine.metadata import Memo
 from .engine.plan import (
     all_on_data_axis,
     by_specs,
@@ -601,7 +602,11 @@ def _alike(g: list, acc: list, pl: list | Callable | None = None) -> bool:
     if only_dtensors(g, acc):  # (decided by their spec objects: remembered per them)
         same, differ = by_specs("multi_steps alike", (g, acc), lambda: _alike_checks(g, acc))
     else:
-        same, differ = _alike_checks(g, acc)
+        hit = _ALIKE_BY_METADATA.get(None, (g, acc))
+        if hit is None:
+            hit = _alike_checks(g, acc)
+            _ALIKE_BY_METADATA.put(None, (g, acc), hit)
+        same, differ = hit
     if same and differ:
         if callable(pl):
             pl = pl()
@@ -609,6 +614,11 @@ def _alike(g: list, acc: list, pl: list | Callable | None = None) -> bool:
             return False
         same = all(x.dtype == a.dtype or x.dtype == p.dtype for x, a, p in zip(g, acc, pl))
     return same
+
+
+# (_alike_checks' answers for plain tensors with these exact metadata: one C++ check per list
+# where it reads three attributes of every tensor; see .engine.metadata)
+_ALIKE_BY_METADATA = Memo()
 
 
 def _alike_checks(g: list, acc: list) -> tuple[bool, bool]:

@@ -15,6 +15,7 @@ from . import aliasing, foreach
 from .autograd import is_differentiable, requires_grads_like
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wraps_like
+from .engine.metadata import Memo
 from .engine.plan import describe
 from .leaves import DTYPE, SHAPE
 from .tree import flatten_as, format_path, tree_flatten, tree_unflatten
@@ -80,15 +81,24 @@ def _plain_pairs(p: list, u: list) -> bool:
     DTensor), of equal shapes, and no integer parameter (for which the checks read each
     update's dtype). ``False`` leaves the leaf-by-leaf checks (and their errors) to the
     caller, and under ``torch.compile`` (dynamo does not trace ``attrgetter``)."""
-    return (
-        not torch.compiler.is_compiling()
-        and set(map(type, p)) <= _PARAMETER_TYPES
+    if torch.compiler.is_compiling():
+        return False
+    if _PAIRS_BY_METADATA.get(None, (p, u)):
+        return True
+    ok = (
+        set(map(type, p)) <= _PARAMETER_TYPES
         and set(map(type, u)) == _TENSOR
         and list(map(SHAPE, p)) == list(map(SHAPE, u))
         and all(map(any, map(_INEXACT, set(map(DTYPE, p)))))
     )
+    if ok:
+        _PAIRS_BY_METADATA.put(None, (p, u), True)
+    return ok
 
 
+# (pairs that passed, by their exact metadata: one C++ check per list where the checks read
+# three attributes of every tensor; see .engine.metadata)
+_PAIRS_BY_METADATA = Memo()
 _TENSOR = {torch.Tensor}
 _PARAMETER_TYPES = {torch.Tensor, torch.nn.Parameter}
 

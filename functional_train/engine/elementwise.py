@@ -127,6 +127,7 @@ from ..leaves import DTYPE, on_device
 from ..spec import attach_spec, transform_spec
 from . import fuse
 from .dtensor import to_local, wrap_like
+from .metadata import Memo
 from .owners import assume_constant_result
 from .pool import LAZY_CLONES, Pool, in_one_order, lazy_clones, of_plan
 
@@ -1699,12 +1700,17 @@ def _uniform(ins: list, keys: list):
 def _dtypes_of(ins: list):
     """The dtypes of the inputs' lists when every leaf can run in one kernel call whatever
     its key (:func:`_uniform`'s checks but the key's), else ``None``."""
+    many = len(ins[0]) > 1
+    if many:
+        hit = _DTYPES_BY_METADATA.get(len(ins), ins)
+        if hit is not None:
+            return hit
     x0 = ins[0][0]
     if type(x0) is not torch.Tensor or not _kernel_device(x0):
         return None
     cpu = x0.is_cpu
     dev = x0.device
-    if len(ins[0]) == 1:  # (one leaf: per-leaf steps call this once per leaf)
+    if not many:  # (one leaf: per-leaf steps call this once per leaf)
         dtypes = []
         for lst in ins:
             x = lst[0]
@@ -1727,7 +1733,14 @@ def _dtypes_of(ins: list):
         ):
             return None
         dtypes.append(ds.pop())
-    return tuple(dtypes)
+    out = tuple(dtypes)
+    _DTYPES_BY_METADATA.put(len(ins), ins, out)
+    return out
+
+
+# (the answers of _dtypes_of for lists with these exact metadata: one C++ check per list
+# where the checks above read five attributes of every tensor; see .metadata)
+_DTYPES_BY_METADATA = Memo(per_key=8)
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

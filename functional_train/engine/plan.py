@@ -28,16 +28,22 @@ from ..tree import format_path
 from .collectives import all_reduce_buckets, groups_over
 from .dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .layout import World
+from .metadata import Memo
 
 __all__ = ["Plan", "plan_for", "cache_clear", "agree_presence"]
 
 _PLANS: OrderedDict[Any, Plan] = OrderedDict()
 _MAX_PLANS = 64
+# the cached plans of lists of plain tensors, by their exact metadata (one C++ check of each
+# list where the key below reads three attributes of every leaf and hashes them; see
+# .metadata), holding only plans _PLANS holds
+_BY_METADATA = Memo()
 
 
 def cache_clear() -> None:
     """Forget every cached plan (``functional_train.testing.simulate`` calls this)."""
     _PLANS.clear()
+    _BY_METADATA.clear()
     _BY_SPECS.clear()
 
 
@@ -394,6 +400,11 @@ def plan_for(
 def _cached_plan(
     treedef, leaves: Sequence[Any], pleaves: Sequence[Any] | None, mesh: Mesh | None
 ) -> Plan:
+    lists = (leaves,) if pleaves is None else (leaves, pleaves)
+    fast = (treedef, mesh, pleaves is None)
+    hit = _BY_METADATA.get(fast, lists)
+    if hit is not None:
+        return hit
     key = (
         treedef,
         _leaves_key(leaves),
@@ -408,7 +419,9 @@ def _cached_plan(
         hit = Plan(treedef, leaves, pleaves, mesh)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.popitem(last=False)
+            _BY_METADATA.clear()  # (it may hold the plan that went)
         _PLANS[key] = hit
+    _BY_METADATA.put(fast, lists, hit)
     return hit
 
 

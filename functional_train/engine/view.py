@@ -27,6 +27,7 @@ from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten, unflat
 from .collectives import all_reduce, all_reduce_buckets, all_reduce_start, per_rank
 from .dtensor import spec_of, to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
+from .metadata import Memo
 from .plan import Plan, agree_presence, describe, plan_for, same_layout
 
 __all__ = ["Prepared", "prepare", "leaf_paths"]
@@ -188,6 +189,13 @@ class Prepared:
         if (  # (plain tensors of the updates' shapes, every leaf active: whole-list checks)
             not torch.compiler.is_compiling() and len(self.active) == n and self._plain_specs()
         ):
+            # (plain tensors of this plan's shapes checked before: one C++ check of their
+            # exact metadata, see .metadata)
+            shaped = self.plan.memo.get("state shapes")
+            if shaped is None:
+                shaped = self.plan.memo["state shapes"] = Memo(per_key=8)
+            if shaped.get(None, (leaves,)):
+                return list(leaves)
             kinds = set(map(type, leaves))
             if kinds == {type(None)}:  # (a part's state outside its leaves: partition)
                 return list(leaves)
@@ -198,6 +206,7 @@ class Prepared:
                 and self._plain
                 and list(map(SHAPE, leaves)) == self.plan.shapes  # (the updates' shapes)
             ):
+                shaped.put(None, (leaves,), True)
                 return list(leaves)
         # the DTensorSpec objects already checked, per leaf (states keep their spec objects from
         # step to step, so the layout is checked once per layout, not per step)

@@ -1,0 +1,142 @@
+"""Facts about lists of plain tensors, remembered by the tensors' exact metadata.
+
+Every eager step asks the same questions of the same kind of lists: are the gradients plain
+tensors of the plan's shapes, dtypes and devices; are a stage's inputs contiguous, of one dtype
+per list, on one device, without autograd; are the accumulators the gradients' shapes. Asked
+by reading each tensor's attributes from Python, that costs about 50 to 100 ns a tensor and
+attribute, several attributes a list, several lists a stage: a large share of a small step's
+host time (the time a CUDA step waits on Python, and a CPU step on tiny leaves).
+
+torch answers the same question for its compiled graphs: dynamo guards a graph's tensor inputs
+with ``torch._C._dynamo.guards.TensorGuards``, which checks, in one C++ call, that each tensor
+of a list has the Python type, dispatch keys (autograd, conjugate and negative bits, the
+thread's include and exclude sets), dtype, device, ``requires_grad``, sizes and strides of the
+tensor it was made from (about 60 ns a tensor). :class:`Memo` keeps, per question, the guards
+of the lists it was answered for and the answer: a later list that passes them has exactly the
+metadata of one that was asked, so the answer -- a function of that metadata -- is the same.
+A miss (another layout, a tensor that is not plain, a ``None``, ``torch.inference_mode``, a
+``torch.func`` wrapper) costs a failed check, which stops at the first tensor that differs,
+and the caller answers as before.
+
+Eager only: under ``torch.compile`` the callers do not ask (dynamo does not trace the C++
+call, and guards its inputs itself). Where this torch has no ``TensorGuards`` of the form used
+here (checked once at import), :data:`ENABLED` is false and nothing is remembered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ..autograd import traced
+
+__all__ = ["Memo", "ENABLED", "guards_of"]
+
+
+def _find_guards() -> Any:
+    """``TensorGuards`` if it takes a list with its static sizes and strides and checks it as
+    documented above (a private torch class: its form has changed between releases)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:
+        return None
+    try:
+        a, b = torch.zeros(2, 3), torch.zeros(3, 2).t()
+        g = _make(TensorGuards, [a, a])
+        ok = (
+            g.check(a, torch.ones(2, 3))
+            and not g.check(a, b)  # (other strides)
+            and not g.check(a, torch.zeros(2, 3, dtype=torch.float64))
+            and not g.check(a, torch.zeros(2, 3, requires_grad=True))
+            and not g.check(a, torch.nn.Parameter(torch.zeros(2, 3)))
+            and not g.check(a, None)
+        )
+    except Exception:  # (another signature, or other semantics: not used)
+        return None
+    return TensorGuards if ok else None
+
+
+def _make(cls: Any, xs: Sequence[torch.Tensor]) -> Any:
+    return cls(
+        *xs,
+        dynamic_dims_sizes=[list(x.shape) for x in xs],
+        dynamic_dims_strides=[list(x.stride()) for x in xs],
+    )
+
+
+_GUARDS = _find_guards()
+ENABLED = _GUARDS is not None
+
+
+# the tensor types whose metadata is all the guards' (a DTensor's placements are not, nor is
+# another subclass's own state)
+_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def _guardable(xs: Sequence[Any]) -> bool:
+    # (a tensor twice: the guards never pass then, dynamo's inputs being distinct)
+    return bool(xs) and set(map(type, xs)) <= _TYPES and len(set(map(id, xs))) == len(xs)
+
+
+def guards_of(xs: Sequence[Any]) -> Any:
+    """The guards of the list ``xs`` (every element a ``torch.Tensor`` or an
+    ``nn.Parameter``), or ``None``: anything else, a list holding one tensor twice (which
+    the guards reject), or :data:`ENABLED` false."""
+    if _GUARDS is None or not _guardable(xs):
+        return None
+    return _make(_GUARDS, xs)
+
+
+class Memo:
+    """Answers remembered by the exact metadata of the lists of plain tensors they were given
+    for (see the module's docstring), under a key of the caller's (which only narrows the
+    candidates: an answer is given for lists that pass its guards, whatever the key).
+
+    ``get(key, lists)`` gives the answer remembered for lists with exactly the metadata of
+    ``lists`` (a sequence of lists of tensors), else ``None``; ``put(key, lists, answer)``
+    remembers ``answer`` (not ``None``) where every list is of plain tensors (or
+    ``nn.Parameter`` ones). At most
+    ``per_key`` answers a key (the latest first) and ``keys`` keys (the oldest go)."""
+
+    __slots__ = ("entries", "per_key", "keys")
+
+    def __init__(self, per_key: int = 4, keys: int = 256):
+        self.entries: dict = {}
+        self.per_key = per_key
+        self.keys = keys
+
+    def get(self, key: Hashable, lists: Sequence[Sequence[Any]]) -> Any:
+        # (the mode first: under torch.compile dynamo would guard on the entries)
+        if torch.compiler.is_compiling() or _GUARDS is None:
+            return None
+        found = self.entries.get(key)
+        if not found:
+            return None
+        lens = tuple(map(len, lists))
+        for entry in found:
+            n, guards, answer = entry
+            if n == lens and all(g.check(*xs) for g, xs in zip(guards, lists)):
+                if entry is not found[0]:  # (the latest first)
+                    found.remove(entry)
+                    found.insert(0, entry)
+                return answer
+        return None
+
+    def put(self, key: Hashable, lists: Sequence[Sequence[Any]], answer: Any) -> None:
+        if torch.compiler.is_compiling() or answer is None or _GUARDS is None or traced():
+            return
+        if not all(map(_guardable, lists)):
+            return
+        guards = [_make(_GUARDS, xs) for xs in lists]
+        found = self.entries.get(key)
+        if found is None:
+            if len(self.entries) >= self.keys:
+                del self.entries[next(iter(self.entries))]
+            found = self.entries[key] = []
+        found.insert(0, (tuple(map(len, lists)), tuple(guards), answer))
+        del found[self.per_key :]
+
+    def clear(self) -> None:
+        self.entries.clear()
