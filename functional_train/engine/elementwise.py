@@ -129,7 +129,7 @@ from . import fuse
 from .dtensor import to_local, wrap_like
 from .metadata import Memo
 from .owners import assume_constant_result
-from .pool import LAZY_CLONES, Pool, in_one_order, lazy_clones, of_plan
+from .pool import LAZY_CLONES, Pool, empties_like, in_one_order, lazy_clones, of_plan
 
 __all__ = [
     "Elementwise",
@@ -606,6 +606,10 @@ def _call_static(static: Callable, params: Any, memo: dict):
         _STATICS_MEMO.reset(token)
 
 
+_TENSOR = {torch.Tensor}
+_CPU = torch.device("cpu")
+
+
 def apply_locals(p: list, u: list) -> list | None:
     """``p + u`` leaf by leaf (``apply_updates``' arithmetic: the last stage's ``p + u`` of
     :class:`_Stage`) for plain CPU tensors of equal shapes, through the generated kernels: fresh
@@ -616,8 +620,10 @@ def apply_locals(p: list, u: list) -> list | None:
         not p
         or not fuse.ENABLED
         or _recording()  # (autograd, torch.compile, torch.func)
-        or not all(type(x) is torch.Tensor and x.is_cpu for x in p)
-        or not all(type(x) is torch.Tensor and x.is_cpu for x in u)
+        or set(map(type, p)) != _TENSOR
+        or set(map(type, u)) != _TENSOR
+        or not on_device(p, _CPU)
+        or not on_device(u, _CPU)
     ):
         return None
     stage = _stage_of((), True)
@@ -1840,7 +1846,7 @@ def _run_kernel(
                 if dtypes[0] == d
                 else [torch.empty((), dtype=d, device=x.device).expand(x.shape) for x in cols[0]]
             )
-            res.append(take(f"stage{r}", like) if take is not None else list(map(_fresh, like)))
+            res.append(take(f"stage{r}", like) if take is not None else empties_like(like))
     # (fresh results: streamed where large; a caller's buffers that are the inputs (apply_part)
     # are not: streaming is right there too, the block is read before it is written, but slower)
     fresh = apply != "donate" and not any(x[0] is y[0] for x in res for y in cols)
