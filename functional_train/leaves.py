@@ -21,6 +21,7 @@ __all__ = [
     "as_real",
     "as_complex",
     "on_device",
+    "CPU",
     "SHAPE",
     "DTYPE",
     "DEVICE",
@@ -90,6 +91,7 @@ def as_complex(ts: list, like: list) -> list:
 
 
 _IS_CPU, _IS_CUDA = (operator.attrgetter(a) for a in ("is_cpu", "is_cuda"))
+CPU = torch.device("cpu")  # (for on_device: one object, not one per call)
 _GET_DEVICE = torch.Tensor.get_device
 
 

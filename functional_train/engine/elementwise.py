@@ -123,7 +123,7 @@ import optree
 import torch
 
 from ..autograd import traced
-from ..leaves import DTYPE, on_device
+from ..leaves import CPU, DTYPE, on_device
 from ..spec import attach_spec, transform_spec
 from . import fuse
 from .dtensor import to_local, wrap_like
@@ -607,7 +607,6 @@ def _call_static(static: Callable, params: Any, memo: dict):
 
 
 _TENSOR = {torch.Tensor}
-_CPU = torch.device("cpu")
 
 
 def apply_locals(p: list, u: list) -> list | None:
@@ -622,8 +621,8 @@ def apply_locals(p: list, u: list) -> list | None:
         or _recording()  # (autograd, torch.compile, torch.func)
         or set(map(type, p)) != _TENSOR
         or set(map(type, u)) != _TENSOR
-        or not on_device(p, _CPU)
-        or not on_device(u, _CPU)
+        or not on_device(p, CPU)
+        or not on_device(u, CPU)
     ):
         return None
     stage = _stage_of((), True)

@@ -20,13 +20,12 @@ dropped (as a caching allocator would), and nothing when the plan is evicted
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
-from ..leaves import DEVICE, DTYPE, SHAPE
+from ..leaves import CPU, DEVICE, DTYPE, SHAPE, on_device
 from .metadata import Memo
 
 __all__ = [
@@ -174,7 +173,7 @@ def empties_like(like: Sequence[torch.Tensor]) -> list:
         _EMPTY_STRIDED_CPU is None
         or not like
         or set(map(type, like)) != {torch.Tensor}
-        or not all(map(_IS_CPU, like))
+        or not on_device(like, CPU)
     ):
         return list(map(torch.empty_like, like))
     recipe = (
@@ -184,9 +183,6 @@ def empties_like(like: Sequence[torch.Tensor]) -> list:
     )
     _EMPTY_BY_METADATA.put(len(like), (like,), recipe)
     return list(map(_EMPTY_STRIDED_CPU, *recipe))
-
-
-_IS_CPU = operator.attrgetter("is_cpu")
 
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
@@ -220,7 +216,7 @@ class Pool:
         memory order of a ``like`` that lies in another one without gaps (:func:`in_one_order`:
         ``channels_last``), from a pooled set nothing else holds, or newly allocated (and
         pooled) on CPU. On other devices, and for sets of small leaves (``MIN_MEAN_BYTES``),
-        plain ``torch.empty_like``: their allocators cache already."""
+        new tensors (:func:`empties_like`): their allocators cache already."""
         pooled = self.pooled.get(kind)
         if pooled is None:  # the layout is the plan's: decided once per kind
             pooled = self.pooled[kind] = (
