@@ -99,6 +99,9 @@ def test_only_plain_tensors_and_parameters_are_remembered():
     memo = Memo()
     memo.put("k", [[x, x]], "answer")
     memo.put("k", [_leaves()], None)  # (None is "not known")
+    with torch.inference_mode():  # (guards made there would fail outside it)
+        memo.put("k", [_leaves()], "answer")
+    torch.func.vmap(lambda y: memo.put("k", [[y]], "answer") or y)(torch.randn(2, 3))
     assert memo.entries == {}
 
 

@@ -125,7 +125,14 @@ class Memo:
         return None
 
     def put(self, key: Hashable, lists: Sequence[Sequence[Any]], answer: Any) -> None:
-        if torch.compiler.is_compiling() or answer is None or _GUARDS is None or traced():
+        # (not under inference_mode: guards made with its dispatch keys fail outside it)
+        if (
+            torch.compiler.is_compiling()
+            or answer is None
+            or _GUARDS is None
+            or traced()
+            or torch.is_inference_mode_enabled()
+        ):
             return
         if not all(map(_guardable, lists)):
             return
