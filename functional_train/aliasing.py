@@ -31,6 +31,7 @@ import torch
 
 from .autograd import traced
 from .engine.dtensor import to_local, to_locals
+from .engine.metadata import Memo
 from .leaves import DEVICE, DTYPE, SHAPE
 from .tree import tree_flatten, tree_unflatten
 
@@ -168,6 +169,7 @@ def known_zeros(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
         if len(_EXPANDED) >= _MAX_EXPANDED:  # (a zero made before is then a plain zero tensor)
             _EXPANDED.clear()
             _ZEROS.clear()
+            _ZEROS_BY_METADATA.clear()
         z = _EXPANDED[key] = zero.expand(like.shape)
         _ZEROS[id(z)] = z
     return z
@@ -177,12 +179,22 @@ def known_zeros_of(likes: Sequence[Any]) -> list:
     """:func:`known_zeros` of each of ``likes`` (their own dtypes): one lookup by whole-list
     C loops where they are plain tensors whose zeros were made before (a ``multi_steps``
     micro-step asks for the same ones every time)."""
-    if recording() and set(map(type, likes)) == {torch.Tensor}:
-        keys = zip(map(SHAPE, likes), map(DTYPE, likes), map(DEVICE, likes))
-        hits = list(map(_EXPANDED.get, keys))
-        if not any(map(operator.is_, hits, itertools.repeat(None))):
-            return hits
+    if recording():
+        hits = _ZEROS_BY_METADATA.get(None, (likes,))
+        if hits is not None:
+            return list(hits)
+        if set(map(type, likes)) == {torch.Tensor}:
+            keys = zip(map(SHAPE, likes), map(DTYPE, likes), map(DEVICE, likes))
+            hits = list(map(_EXPANDED.get, keys))
+            if not any(map(operator.is_, hits, itertools.repeat(None))):
+                _ZEROS_BY_METADATA.put(None, (likes,), hits)
+                return list(hits)
     return [known_zeros(x) for x in likes]
+
+
+# (the known zeros of lists with these exact metadata, see .engine.metadata; cleared with
+# _EXPANDED, so that every zero it gives is a known one)
+_ZEROS_BY_METADATA = Memo()
 
 
 _ZERO: dict = {}  # (dtype, device) -> the 0-dim zero the known zeros expand

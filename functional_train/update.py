@@ -85,20 +85,27 @@ def _plain_pairs(p: list, u: list) -> bool:
         return False
     if _PAIRS_BY_METADATA.get(None, (p, u)):
         return True
-    ok = (
-        set(map(type, p)) <= _PARAMETER_TYPES
-        and set(map(type, u)) == _TENSOR
-        and list(map(SHAPE, p)) == list(map(SHAPE, u))
-        and all(map(any, map(_INEXACT, set(map(DTYPE, p)))))
-    )
+    # (the parameters' side: their shapes where they pass, remembered on their own, as
+    # multi_steps' zero updates, one tensor per shape, cannot be: see .engine.metadata)
+    shapes = _PARAMS_BY_METADATA.get(None, (p,))
+    if shapes is None:
+        if not set(map(type, p)) <= _PARAMETER_TYPES or not all(
+            map(any, map(_INEXACT, set(map(DTYPE, p))))
+        ):
+            return False
+        shapes = list(map(SHAPE, p))
+        _PARAMS_BY_METADATA.put(None, (p,), shapes)
+    ok = set(map(type, u)) == _TENSOR and list(map(SHAPE, u)) == shapes
     if ok:
         _PAIRS_BY_METADATA.put(None, (p, u), True)
     return ok
 
 
-# (pairs that passed, by their exact metadata: one C++ check per list where the checks read
-# three attributes of every tensor; see .engine.metadata)
+# (pairs that passed, and parameters that passed with their shapes, by their exact
+# metadata: one C++ check per list where the checks read three attributes of every tensor;
+# see .engine.metadata)
 _PAIRS_BY_METADATA = Memo()
+_PARAMS_BY_METADATA = Memo()
 _TENSOR = {torch.Tensor}
 _PARAMETER_TYPES = {torch.Tensor, torch.nn.Parameter}
 
