@@ -29,11 +29,16 @@ from .dtensor import spec_of, to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
 from .metadata import Memo
 from .plan import Plan, agree_presence, describe, plan_for, same_layout
+from .pool import of_plan
 
 __all__ = ["Prepared", "prepare", "leaf_paths"]
 
 
 _SPEC = operator.attrgetter("_spec")
+
+
+def _state_shapes_memo() -> Memo:  # (a plan's state trees whose leaves have its shapes)
+    return Memo(per_key=8)
 
 
 class Prepared:
@@ -191,9 +196,7 @@ class Prepared:
         ):
             # (plain tensors of this plan's shapes checked before: one C++ check of their
             # exact metadata, see .metadata)
-            shaped = self.plan.memo.get("state shapes")
-            if shaped is None:
-                shaped = self.plan.memo["state shapes"] = Memo(per_key=8)
+            shaped = of_plan(self.plan, "state shapes", _state_shapes_memo)
             if shaped.get(None, (leaves,)):
                 return list(leaves)
             kinds = set(map(type, leaves))
