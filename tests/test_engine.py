@@ -265,10 +265,11 @@ def test_pure_step_reuses_only_dropped_results(monkeypatch):
 
 
 def test_pooled_buffer_with_a_live_lazy_clone_is_not_taken(monkeypatch):
-    """``pool.lazy_clones`` records its clones by data address: a pooled buffer a live lazy
-    clone reads is not handed out again (writing it would copy it), it is once the clones
-    are gone; many clones of one address keep the record bounded (``_MAX_REFS``), the live
-    ones kept."""
+    """``pool.lazy_clones`` records the latest clone of each data address: a pooled buffer
+    that clone reads is not handed out again while it lives (writing the buffer would copy
+    it), it is once it is gone; a clone of a clone is recorded in its place (one record per
+    address); an older clone the record no longer holds keeps its values when the buffer is
+    taken and written (the write copies: a miss costs a copy, never a wrong value)."""
     from functional_train.engine import pool
 
     if not pool.LAZY_CLONES:
@@ -277,6 +278,7 @@ def test_pooled_buffer_with_a_live_lazy_clone_is_not_taken(monkeypatch):
     p = pool.Pool()
     like = [torch.empty(64), torch.empty(3, 5)]
     first = p.take("x", like)
+    first[0].copy_(torch.arange(64, dtype=torch.float32))
     ptrs = [x.data_ptr() for x in first]
     clones = pool.lazy_clones(first)
     assert all(torch._C._is_cow_tensor(c) for c in clones)
@@ -284,12 +286,23 @@ def test_pooled_buffer_with_a_live_lazy_clone_is_not_taken(monkeypatch):
     second = p.take("x", like)  # (first's buffers are read by the clones: a new set)
     assert [x.data_ptr() for x in second] != ptrs
     del second
-    kept = clones[0]
-    for _ in range(3 * pool._MAX_REFS):  # (clones made and dropped: the record stays small)
-        pool.lazy_clones([kept])
-    assert len(pool._COW_CLONES[kept.const_data_ptr()]) <= pool._MAX_REFS
-    del clones, kept
-    third = p.take("x", like)  # (no clone lives: the first set again, written in place)
+    latest = clones
+    for _ in range(3):  # (clones of clones, each replacing the one before: one record each)
+        latest = pool.lazy_clones(latest)
+    recorded = pool._COW_CLONES[ptrs[0]]() is latest[0]  # (no reference kept by an assert)
+    assert recorded
+    bufs = p.sets["x"][0][0]  # (the first set's buffers, as the pool holds them)
+    assert [b.const_data_ptr() for b in bufs] == ptrs  # (reading the address copies nothing)
+    assert not any(map(pool._free, bufs))  # (the latest lives: not taken)
+    del bufs
+    older = clones[0]
+    del clones, latest
+    third = p.take("x", like)  # (the record's clone is gone: the first set again)
     assert [x.const_data_ptr() for x in third] == ptrs
-    third[0].fill_(1.0)
-    assert third[0].data_ptr() == ptrs[0]
+    third[0].fill_(1.0)  # (an older clone lives: the write copies, the clone keeps its values)
+    assert third[0].data_ptr() != ptrs[0]
+    torch.testing.assert_close(older, torch.arange(64, dtype=torch.float32), rtol=0, atol=0)
+    del older, third
+    fourth = p.take("x", like)  # (no clone at all now: written where it lies)
+    fourth[1].fill_(2.0)
+    assert fourth[1].data_ptr() == ptrs[1]

@@ -61,12 +61,13 @@ const_data_ptr: Callable[[torch.Tensor], int] = getattr(
 _LAZY_CLONE: Callable[[torch.Tensor], torch.Tensor] | None = getattr(torch, "_lazy_clone", None)
 LAZY_CLONES = _LAZY_CLONE is not None  # (torch's copy-on-write clones: torch 2.2 and later)
 
-# the data address of a copy-on-write tensor -> weak references to the lazy clones made by
-# :func:`lazy_clones` that may still read it (their memory is that of a buffer they were cloned
-# from until one of them is written); at most _MAX_REFS each, the dead ones dropped first
+# the data address of a copy-on-write tensor -> a weak reference to the latest lazy clone made
+# of it by :func:`lazy_clones` (their memory is that of a buffer they were cloned from until
+# one of them is written). The latest only: a step's clones are made from the clones of the
+# step before, which are dropped as the state they were is replaced; a record that misses an
+# older clone still alive costs the copy its buffer's write then makes, never a wrong value
 _COW_CLONES: dict = {}
 _MAX_COW_ADDRESSES = 4096  # (then the entries of addresses no clone reads any more go)
-_MAX_REFS = 8
 _ref = weakref.ref
 
 
@@ -80,22 +81,11 @@ def lazy_clones(xs: Sequence[torch.Tensor]) -> list | None:
         return None
     cs = list(map(_LAZY_CLONE, xs))
     if len(_COW_CLONES) >= _MAX_COW_ADDRESSES:  # (addresses whose clones are all gone)
-        for gone in [k for k, v in _COW_CLONES.items() if not _alive(v)]:
+        for gone in [k for k, r in _COW_CLONES.items() if r() is None]:
             del _COW_CLONES[gone]
-    get = _COW_CLONES.get
-    for ptr, r in zip(map(const_data_ptr, cs), map(_ref, cs)):
-        refs = get(ptr)
-        if refs is None:
-            _COW_CLONES[ptr] = [r]
-        elif len(refs) < _MAX_REFS:
-            refs.append(r)
-        else:
-            refs[:] = [*(q for q in refs if q() is not None), r][-_MAX_REFS:]
+    # (whole-list C loops: a Python loop over the clones was 2 us a tensor)
+    _COW_CLONES.update(zip(map(const_data_ptr, cs), map(_ref, cs)))
     return cs
-
-
-def _alive(refs: list) -> bool:
-    return any(r() is not None for r in refs)
 
 
 def _free(buf: torch.Tensor) -> bool:
@@ -106,8 +96,8 @@ def _free(buf: torch.Tensor) -> bool:
     if _is_cow is None or not _is_cow(buf):
         return True
     ptr = const_data_ptr(buf)
-    refs = _COW_CLONES.get(ptr)
-    if refs is not None and _alive(refs):
+    latest = _COW_CLONES.get(ptr)
+    if latest is not None and latest() is not None:
         return False
     _COW_CLONES.pop(ptr, None)
     return True
