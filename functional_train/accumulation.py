@@ -426,6 +426,7 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
     def traced_prologue(state, b, ctx):
         check(state, b)
         final = state.mini_step + 1 >= every_k
+        first = state.mini_step == 0  # (every accumulator holds zeros: see traced_add)
         ctx[key] = final
         active = set(b.active)
 
@@ -455,14 +456,16 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
                 state.skip_state,
             )
 
-        return (final,), finish
+        # (the flag the part is guarded by last: see Elementwise.guard)
+        return (first, final), finish
 
     def traced_add(u, p, s, h, k):
-        """``acc + g``, its mean the update (kept where the micro-step is the cycle's last);
-        the accumulator cleared there. (From zeros, ``acc + g`` is ``g``: the copy the
-        eager first micro-step makes, but for the sign of a zero.)"""
-        acc = summed(u, s)
-        return acc / kf, (torch.where(h[0] != 0, torch.zeros_like(acc), acc),)
+        """``acc + g``, or on the cycle's first micro-step ``g`` (the copy the eager first
+        micro-step makes; the accumulators are zeros then, and the fused kernel, specialised
+        per value of the flag, does not read them), its mean the update (kept where the
+        micro-step is the cycle's last); the accumulator cleared there."""
+        acc = torch.where(h[0] != 0, u.to(s[0].dtype), summed(u, s))
+        return acc / kf, (torch.where(h[1] != 0, torch.zeros_like(acc), acc),)
 
     def traced_form(inner_fus: E.Fusable) -> E.Fusable:
         parts = (

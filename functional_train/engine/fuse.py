@@ -468,6 +468,32 @@ class Lowering:
         raise Unsupported(node.format_node())
 
 
+MAX_SWITCHES = 2  # (the flags a leaf's loops are specialised for: 2 ** this copies of them)
+
+
+def unswitched(section: list, switches: list) -> list:
+    """The lines ``section`` (a leaf's loops) once per value of each flag of ``switches``
+    (``(name, C type)``): ``if (f) { const _Bool f = 1; ... } else { const _Bool f = 0; ... }``,
+    the flag shadowed by its constant value, so that the C compiler keeps each copy's side of
+    the flag's selects only, and drops the loads only the other side reads (a compiled
+    ``multi_steps`` first micro-step's select of ``g`` over ``acc + g`` reads no
+    accumulator). The values are the same bits: a select (``FT_SEL``) of a constant
+    picks what it picked."""
+    if not switches:
+        return section
+    (name, ctype), rest = switches[0], switches[1:]
+    inner = ["  " + line for line in unswitched(section, rest)]
+    return [
+        f"    if ({name}) {{",
+        f"      const {ctype} {name} = 1;",
+        *inner,
+        "    } else {",
+        f"      const {ctype} {name} = 0;",
+        *inner,
+        "    }",
+    ]
+
+
 class _Writer(Lowering):
     """C source of one stage from its traced graph."""
 
@@ -488,6 +514,9 @@ class _Writer(Lowering):
         self.body: list = []  # per element
         self.leafy: set = set()  # names of per-leaf values (not per element)
         self.leafy_now = False  # the node being lowered reads a per-leaf value
+        # the names (and C types) of the values that are the same for a whole leaf or call
+        # and that a ``where`` selects per-element values by (flags: see source)
+        self.switches: dict = {}
 
     def write(self, name: str, expr: str, dtype, vec: bool) -> None:
         # where a value's line goes: per element, per leaf or once per call
@@ -613,6 +642,9 @@ class _Writer(Lowering):
                 " m & 15);",
             ]
 
+        # the leaf's loops (ordinary stores, then streamed), once per combination of the
+        # flags the body selects by (at most MAX_SWITCHES of them; see unswitched)
+        head, lines = lines, []
         lines.append("    if (!stream) {")
         if sq is None:
             lines += loop("n", "i", "q{j}", "      ")
@@ -634,6 +666,8 @@ class _Writer(Lowering):
         for j in range(nout):
             lines.append(f"      ft_stream(q{j} + i0, b{j}, m * (int64_t)sizeof(*q{j}));")
         lines.append("    }")
+        switches = list(self.switches.items())
+        lines = head + unswitched(lines, switches if len(switches) <= MAX_SWITCHES else [])
         lines += ["  }", "  if (stream) FT_FENCE();", "}"]
         return "\n".join(lines) + "\n", [in_dtypes, out_dtypes]
 
@@ -667,6 +701,9 @@ class _Writer(Lowering):
         return f"{'pow' if dtype == torch.float64 else 'powf'}({a}, {b})"
 
     def where(self, cond_arg, c: str, a: str, b: str, dtype, vec: bool) -> str:
+        if vec and not self.is_vec(cond_arg) and isinstance(cond_arg, torch.fx.Node):
+            if c == self.names.get(cond_arg):  # (a flag's value, by name: see source)
+                self.switches.setdefault(c, _CTYPE[self.dtypes[cond_arg]])
         return self.select(cond_arg, c, a, b, dtype, vec)
 
     def lerp_pick(self, small: str, w: str, dtype) -> str:
