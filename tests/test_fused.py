@@ -13,6 +13,7 @@ change after 4 steps.
 """
 
 import contextlib
+import re
 import sys
 
 import pytest
@@ -280,6 +281,62 @@ def test_streamed_results_equal_stored_ones(dtype, monkeypatch):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_flag_selects_specialise_the_loops(dtype, monkeypatch):
+    """A stage that selects per-element values by flags (a ``where`` whose condition is the
+    same for the whole call: ``multi_steps``' "first micro-step" and "last micro-step") has
+    its loops written once per combination of the flags' values, the flag a constant in each
+    (``fuse.unswitched``), so that the C compiler drops the loads only the other side reads:
+    a first micro-step reads no accumulator. The same bits as torch for every combination,
+    stored and streamed, signed zeros and NaNs included; with more flags than
+    ``fuse.MAX_SWITCHES`` the loops are written once."""
+
+    def fn(ins, sc):
+        acc, g = ins
+        a = torch.where(sc[0] != 0, g.to(acc.dtype), acc + g.to(acc.dtype))
+        return a / 4.0, torch.where(sc[1] != 0, torch.zeros_like(a), a)
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = [0, 1, 7, 129, 1000]
+    acc = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    g = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    g[2][:3] = torch.tensor([-0.0, float("nan"), float("-inf")])
+    acc[2][:3] = torch.tensor([0.0, 1.0, float("inf")])
+    for first in (False, True):
+        for final in (False, True):
+            flags = [torch.tensor(first), torch.tensor(final)]
+            sc = fuse.scalar_pointers(flags)
+            k = fuse.kernel_for(fn, (dtype, dtype), sc[1])
+            assert k is not None
+            # (two flags, each shadowed by its value: 4 copies of the loops)
+            assert len(re.findall(r"const _Bool v[0-9]+ = [01];", k.source)) == 6
+            for stream in (None, 0):
+                if stream is not None:
+                    monkeypatch.setattr(fuse, "STREAM_MIN_BYTES", stream)
+                outs = [[torch.empty(n, dtype=dtype) for n in sizes] for _ in range(2)]
+                k([acc, g], outs, sc[0], fresh=stream is not None)
+                for j in range(len(sizes)):
+                    ref = fn((acc[j], g[j]), flags)
+                    for got, exp in zip((outs[0][j], outs[1][j]), ref):
+                        assert torch.equal(got.isnan(), exp.isnan())
+                        bits = {torch.float32: torch.int32, torch.float64: torch.int64}
+                        view = bits.get(dtype, torch.int16)
+                        ok = ~exp.isnan()  # (the bits of every value but a NaN's payload)
+                        assert torch.equal(got[ok].view(view), exp[ok].view(view)), (first, final)
+
+    def three(ins, sc):
+        x = ins[0]
+        return (
+            torch.where(
+                sc[0] != 0, x, torch.where(sc[1] != 0, -x, torch.where(sc[2] != 0, 2 * x, x + 1))
+            ),
+        )
+
+    sc = fuse.scalar_pointers([torch.tensor(True)] * 3)
+    k = fuse.kernel_for(three, (dtype,), sc[1])
+    assert k is not None and not re.findall(r"const _Bool v[0-9]+ = [01];", k.source)
+
+
 def test_a_user_primitive_fuses_and_is_exact(monkeypatch):
     """``ft.elementwise`` in a chain with the library's primitives: ``ft.step`` runs the clip's
     reduction, then ONE kernel call for every leaf (clip scale, the user's math, the scale and
@@ -413,6 +470,64 @@ def _compiled_equals_eager(tx, donate):
     assert any(o.split(".")[:2] == ["functional_train", op] for o in ops), ops
     assert not any("copy_" in o for o in ops), ops
     return sc, se
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+def test_stage_operators_go_straight_to_their_function(donate, monkeypatch):
+    """The stage operators' Autograd kernel (``elementwise._straight_through``) calls the
+    operator's function itself where nothing asks for autograd and plain CPU tensors are all
+    there is below it: a compiled step's calls (one trip down the dispatcher, not three).
+    Where an input requires grad under grad mode, or under a fake-tensor mode, the call goes
+    down the dispatcher as ``torch.library.custom_op`` sends it: the results then require
+    grad (custom_op's ``autograd.Function``, whose backward has no formula), or are fake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from functional_train.engine import elementwise as E
+
+    op = E._stage_op_donated if donate else E._stage_op
+    real = op._init_fn
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(op, "_init_fn", counted)
+    params, grads = _problem()
+    tx = CHAINS["primitives"]()
+    torch._dynamo.reset()
+    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=donate), fullgraph=True)
+    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    for i, g in enumerate(grads):
+        n = len(calls)
+        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        # (the compiled step's one stage, straight to the function; inductor's first run
+        # of a new graph goes under a Python mode: down the dispatcher)
+        assert len(calls) == n + (i > 0), i
+    want, _ = _run(CHAINS["primitives"](), params, grads, "donate" if donate else "pure")
+    for k in params:
+        assert torch.equal(pc[k], want[k]), k
+    args = list(calls[-1])
+    calls.clear()
+    flat = args[3]
+    args[3] = [flat[0].detach().requires_grad_(True), *flat[1:]]
+    opov = getattr(torch.ops.functional_train, "fused_stage_donated" if donate else "fused_stage")
+    if not donate:
+        with torch.enable_grad():
+            res = opov.default(*args)
+        assert not calls and res[0].requires_grad  # (custom_op's autograd.Function)
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            res[0].sum().backward()
+    with FakeTensorMode() as mode:
+
+        def fake(x):
+            if isinstance(x, list):
+                return [fake(y) for y in x]
+            return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+
+        opov.default(*[fake(a) for a in [*args[:3], flat, *args[4:]]])
+    assert not calls  # (down the dispatcher to the fake kernel)
 
 
 @pytest.mark.slow
@@ -625,6 +740,35 @@ def test_compiled_multi_steps_runs_the_stage_operator(donate):
     sc, se = _compiled_equals_eager(tx, donate)
     for x, y in zip(ft.tree.tree_flatten(sc)[0], ft.tree.tree_flatten(se)[0]):
         assert not isinstance(x, torch.Tensor) or torch.equal(x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+def test_compiled_multi_steps_first_micro_step_copies_the_gradients(donate):
+    """Under inductor, a compiled ``multi_steps`` first micro-step takes ``g`` into the
+    accumulators (its kernel, specialised per value of the flag, does not read them:
+    ``fuse.unswitched``), as the eager first micro-step copies it: the parameters and the
+    accumulators bit for bit the eager step's over two cycles, a gradient's negative zeros
+    included (``0 + -0`` is ``+0``, which the compiled step gave before)."""
+    params, grads = _problem()
+    grads = [
+        {k: torch.where(v.abs() < 0.3, torch.full_like(v, -0.0), v) for k, v in g.items()}
+        for g in grads
+    ]
+    tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 2)
+    torch._dynamo.reset()
+    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=donate), fullgraph=True)
+    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    pe, se = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    for i, g in enumerate(grads):
+        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        pe, se = ft.step(tx, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
+        got = ft.tree.tree_flatten((pc, sc.acc_grads))[0]
+        want = ft.tree.tree_flatten((pe, se.acc_grads))[0]
+        for x, y in zip(got, want):
+            assert torch.equal(x, y) and torch.equal(x.signbit(), y.signbit()), i
+        if i % 2 == 0:  # (a first micro-step: the accumulators hold the gradients' zeros)
+            assert any(bool((x == 0).logical_and(x.signbit()).any()) for x in got)
 
 
 @pytest.mark.slow
