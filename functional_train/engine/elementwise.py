@@ -1058,9 +1058,8 @@ def _stage_op(
         outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, kinds, taken)
     if want:
         sums = _op_sums(needed, None if unused else outs[0], taken, len(u))
-    if unused:  # (buffers of the updates' shapes, as they are: read by no one, so one set
-        # made once and handed out call after call, as the pool's scratch sets are)
-        outs = [_op_pool.scratch(f"op{id(stage)}:discarded", u), *outs]
+    if unused:  # (the updates' buffers, as they are: read by no one)
+        outs = [kinds("discarded", u), *outs]
     # (an operator's result may be neither an input nor another result: a leaf function's
     # update that is its new state, as trace's, run in torch, is copied; and it is
     # contiguous, as the fake results are: a result made like a transposed update, as Muon's
