@@ -28,6 +28,7 @@ from . import foreach
 from . import leaves as L
 from .base import GradientTransformation, call_reduced, declare
 from .engine import elementwise as E
+from .engine import native
 from .engine.dtensor import to_local, wrap_like
 from .engine.view import Prepared, prepare
 from .spec import transform_spec
@@ -411,6 +412,23 @@ def _zero_nan_leaf(u, p, s, h, key):
 _IS_COMPLEX = torch.Tensor.is_complex
 
 
+def _squares_and_zeroed(b) -> tuple:
+    """The local sums of squares of the view ``b``'s active leaves (``clipping.leaf_squares``'
+    numbers) and those of :func:`zero_nans`' results on them: from one read of each leaf by
+    the native kernels where they run (``native.local_sum_squares(..., zeroed=True)``: each
+    NaN taken as zero, the results' sums bit for bit; eagerly and under ``torch.compile``),
+    else by :func:`_zeroed_squares` (eagerly on CPU leaves: host reads)."""
+    from .clipping import leaf_squares
+
+    if b.sum_squares is None:
+        g = [b.locals[i] for i in b.active]
+        both = native.local_sum_squares(g, b.needed, zeroed=True)
+        if both is not None:
+            return both[: len(g)], both[len(g) :]
+    sq = leaf_squares(b)
+    return sq, _zeroed_squares(b, sq)
+
+
 def _zeroed_squares(b, sq: torch.Tensor) -> torch.Tensor:
     """The local sums of squares of :func:`zero_nans`' results on the view ``b``, given
     ``sq``, those of its inputs (``clipping.leaf_squares(b)``): ``sq`` itself where no leaf
@@ -441,11 +459,12 @@ def zero_nans() -> GradientTransformation:
     stage before wrote; its leaf function the replacement), so ``chain`` and ``ft.step`` run it
     in one pass with its neighbours, where no update leaf is complex (a kernel sees a complex
     leaf as pairs of reals, and a complex element with one NaN part is zeroed whole: such a
-    call takes its own update, the same flags). On CPU leaves, eagerly, a
-    ``clip_by_global_norm`` right after it reads the sums of squares its prologue gives (its
-    inputs', those of the leaves with a NaN taken again zeroed), so the replacement joins the
-    clip's pass: ``chain(zero_nans(), clip_by_global_norm(1.0), adamw(...))`` makes the
-    passes ``chain(clip_by_global_norm(1.0), adamw(...))`` makes.
+    call takes its own update, the same flags). On CPU float32 / float64 leaves, eagerly and
+    under ``torch.compile``, a ``clip_by_global_norm`` right after it reads the sums of
+    squares its prologue gives (one native read of each gradient gives its sum, whose NaN is
+    the flag, and its sum with the NaNs taken as zeros: the results' sums), so the
+    replacement joins the clip's pass: ``chain(zero_nans(), clip_by_global_norm(1.0),
+    adamw(...))`` makes the passes ``chain(clip_by_global_norm(1.0), adamw(...))`` makes.
     """
     where = "zero_nans"
 
@@ -472,9 +491,10 @@ def zero_nans() -> GradientTransformation:
             )
         from .clipping import leaf_squares
 
-        sq = leaf_squares(b)
-        if ctx is not None and E.SUM_SQUARES in ctx:  # (asked, eagerly on CPU leaves: free reads)
-            ctx[E.SUM_SQUARES] = _zeroed_squares(b, sq)
+        if ctx is not None and E.SUM_SQUARES in ctx:  # (asked: see elementwise._through)
+            sq, ctx[E.SUM_SQUARES] = _squares_and_zeroed(b)
+        else:
+            sq = leaf_squares(b)
         found = torch.isnan(b.leaf_totals_vector(b.active, sq)).unbind()
         flags: list = [None] * len(b.locals)
         for i, f in zip(b.active, found):

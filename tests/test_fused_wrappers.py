@@ -999,6 +999,46 @@ def test_zero_nans_then_clip_inside_wrappers(around, mode):
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+def test_compiled_zero_nans_joins_the_clips_pass(donate):
+    """Under inductor, ``chain(zero_nans, clip, adamw)`` takes its flags and the clip's sums of
+    squares from one native read of the gradients (``sum_squares`` with ``zeroed``: each NaN
+    taken as zero, the results' sums bit for bit) and runs one stage, as the eager step does
+    (before, a stage of its own wrote the cleaned gradients first): the graph holds one stage
+    operator; parameters and state bit for bit the eager step's, NaNs in two leaves every
+    other step."""
+    from torch._inductor.utils import run_and_get_code
+
+    params, grads = _problem()
+    for t, g in enumerate(grads):
+        if t % 2:
+            g["w"][t, :3] = float("nan")
+            g["e"][0, t % 4, 1] = float("nan")
+
+    def make():
+        return ft.chain(ft.zero_nans(), _clip_adamw())
+
+    tx, ref = make(), make()
+    torch._dynamo.reset()
+    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=donate), fullgraph=True)
+    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    pe, se = {k: v.clone() for k, v in params.items()}, ref.init(params)
+    for i, g in enumerate(grads):
+        if i == 0:
+            (pc, sc), codes = run_and_get_code(step, {k: v.clone() for k, v in g.items()}, sc, pc)
+        else:
+            pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        pe, se = ft.step(ref, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
+        for x, y in zip(optree.tree_leaves((pc, sc)), optree.tree_leaves((pe, se))):
+            assert torch.equal(x, y), i
+    code = "\n".join(codes)
+    op = "fused_stage_donated" if donate else "fused_stage"
+    assert code.count(f"functional_train.{op}.default(") == 1, code
+    calls = [line for line in code.splitlines() if "functional_train.sum_squares.default(" in line]
+    assert len(calls) == 1 and calls[0].rstrip().endswith("None, True)"), calls  # (zeroed)
+
+
 @pytest.mark.parametrize("mode", ["pure", "donate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("after_scale", [False, True])

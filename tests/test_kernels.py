@@ -113,6 +113,45 @@ def test_native_sum_squares(native_on, dtype):
     assert native.sum_squares([torch.ones(3, dtype=torch.int32)]) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_sums_with_nans_zeroed(native_on, dtype, monkeypatch):
+    """``native.sum_squares(xs, zeroed=True)``: each tensor's sum of squares (NaN where it
+    holds a NaN, as ``sum_squares``'), then, from the same read, the sum with its NaNs taken as
+    zeros: bit for bit ``sum_squares`` of ``zero_nans``' result, for NaNs in the vector chunks
+    and in the remainder, at every length around a chunk, contiguous, transposed, with gaps,
+    of mixed dtypes; the operator's eager body and torch's fallback (no native kernels) give
+    the same numbers (the fallback to float64 rounding)."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [(0,), (1,), (15,), (16,), (17,), (33, 7), (64, 68), (4099,)]
+    xs = [torch.randn(s, generator=g, dtype=dtype) for s in sizes]
+    xs[1].fill_(float("nan"))
+    xs[3].view(-1)[[0, 9]] = float("nan")  # (in a chunk of 16)
+    xs[4].view(-1)[16] = float("nan")  # (in the remainder)
+    xs[6].view(-1)[::97] = float("nan")
+    xs[7].view(-1)[4096:] = float("nan")
+    ys = [
+        *xs,
+        xs[6].t(),
+        xs[6][:, ::3],
+        xs[5].to(torch.float64 if dtype == torch.float32 else torch.float32),
+    ]
+    clean = [torch.where(y.isnan(), 0, y) for y in ys]
+    n = len(ys)
+    both = native.sum_squares(ys, zeroed=True)
+    plain = native.sum_squares(ys)
+    assert both.shape == (2 * n,) and both.dtype == torch.float64
+    assert torch.equal(both[:n].isnan(), plain.isnan())
+    assert [bool(v) for v in plain.isnan()] == [bool(y.isnan().any()) for y in ys]
+    assert torch.equal(both[:n].nan_to_num(-1.0), plain.nan_to_num(-1.0))
+    assert torch.equal(both[n:], native.sum_squares(clean))
+    assert torch.equal(
+        native.sums_of_squares(ys, zeroed=True).nan_to_num(-1.0), both.nan_to_num(-1.0)
+    )
+    monkeypatch.setattr(native, "ENABLED", False)
+    fallback = native.sums_of_squares(ys, zeroed=True)
+    torch.testing.assert_close(fallback.nan_to_num(-1.0), both.nan_to_num(-1.0), rtol=1e-13, atol=0)
+
+
 def test_clip_norm_native_and_foreach_agree(monkeypatch):
     """``clip_by_global_norm``'s norm from the native float64 sums against the
     ``_foreach_norm`` path (native kernels off): the same norm to float32 rounding, a float32

@@ -94,3 +94,73 @@ FT_SQ_ALWAYS double ft_sq_end_##SUF(const ft_sq *s, const T *rest, int64_t r) { 
 }
 FT_SQ_END(float, f32)
 FT_SQ_END(double, f64)
+
+/* The same sums with every NaN taken as zero, beside the plain ones, in one read of the
+ * tensor: the sums of squares of ``zero_nans``' results, bit for bit (a NaN's lane adds the
+ * square of +0, which leaves a sum of squares as it was, in the same order), and the plain
+ * sums that say which tensors hold a NaN. Use: ft_sq_init both; ft_sq2_chunks_f32(&s, &z, x,
+ * m) as ft_sq_chunks_f32; then ft_sq_end_f32(&s, ...) and ft_sq_end_nz_f32(&z, ...). */
+#if FT_SQ_VECTOR
+#define FT_SQ_NZ(v) _mm256_and_pd((v), _mm256_cmp_pd((v), (v), _CMP_ORD_Q))
+
+FT_SQ_ALWAYS void ft_sq2_chunks_f32(ft_sq *s, ft_sq *z, const float *x, int64_t n) {
+    __m256d a0 = s->a0, a1 = s->a1, a2 = s->a2, a3 = s->a3;
+    __m256d b0 = z->a0, b1 = z->a1, b2 = z->a2, b3 = z->a3;
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        const __m256 u = _mm256_loadu_ps(x + i), w = _mm256_loadu_ps(x + i + 8);
+        const __m256d u0 = _mm256_cvtps_pd(_mm256_castps256_ps128(u)),
+                      u1 = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)),
+                      w0 = _mm256_cvtps_pd(_mm256_castps256_ps128(w)),
+                      w1 = _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1));
+        const __m256d y0 = FT_SQ_NZ(u0), y1 = FT_SQ_NZ(u1), v0 = FT_SQ_NZ(w0), v1 = FT_SQ_NZ(w1);
+        a0 = _mm256_fmadd_pd(u0, u0, a0); a1 = _mm256_fmadd_pd(u1, u1, a1);
+        a2 = _mm256_fmadd_pd(w0, w0, a2); a3 = _mm256_fmadd_pd(w1, w1, a3);
+        b0 = _mm256_fmadd_pd(y0, y0, b0); b1 = _mm256_fmadd_pd(y1, y1, b1);
+        b2 = _mm256_fmadd_pd(v0, v0, b2); b3 = _mm256_fmadd_pd(v1, v1, b3);
+    }
+    s->a0 = a0; s->a1 = a1; s->a2 = a2; s->a3 = a3;
+    z->a0 = b0; z->a1 = b1; z->a2 = b2; z->a3 = b3;
+}
+
+FT_SQ_ALWAYS void ft_sq2_chunks_f64(ft_sq *s, ft_sq *z, const double *x, int64_t n) {
+    __m256d a0 = s->a0, a1 = s->a1, a2 = s->a2, a3 = s->a3;
+    __m256d b0 = z->a0, b1 = z->a1, b2 = z->a2, b3 = z->a3;
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        const __m256d u0 = _mm256_loadu_pd(x + i), u1 = _mm256_loadu_pd(x + i + 4),
+                      w0 = _mm256_loadu_pd(x + i + 8), w1 = _mm256_loadu_pd(x + i + 12);
+        const __m256d y0 = FT_SQ_NZ(u0), y1 = FT_SQ_NZ(u1), v0 = FT_SQ_NZ(w0), v1 = FT_SQ_NZ(w1);
+        a0 = _mm256_fmadd_pd(u0, u0, a0); a1 = _mm256_fmadd_pd(u1, u1, a1);
+        a2 = _mm256_fmadd_pd(w0, w0, a2); a3 = _mm256_fmadd_pd(w1, w1, a3);
+        b0 = _mm256_fmadd_pd(y0, y0, b0); b1 = _mm256_fmadd_pd(y1, y1, b1);
+        b2 = _mm256_fmadd_pd(v0, v0, b2); b3 = _mm256_fmadd_pd(v1, v1, b3);
+    }
+    s->a0 = a0; s->a1 = a1; s->a2 = a2; s->a3 = a3;
+    z->a0 = b0; z->a1 = b1; z->a2 = b2; z->a3 = b3;
+}
+#else
+#define FT_SQ2_CHUNKS(T, SUF)                                                                   \
+FT_SQ_ALWAYS void ft_sq2_chunks_##SUF(ft_sq *s, ft_sq *z, const T *x, int64_t n) {              \
+    double total = s->total, zeroed = z->total;                                                 \
+    for (int64_t i = 0; i < (n & ~(int64_t)15); i++) {                                          \
+        const double v = (double)x[i], y = v == v ? v : 0.0;                                    \
+        total = FT_SQ_FMA(v, v, total);                                                         \
+        zeroed = FT_SQ_FMA(y, y, zeroed);                                                       \
+    }                                                                                           \
+    s->total = total;                                                                           \
+    z->total = zeroed;                                                                          \
+}
+FT_SQ2_CHUNKS(float, f32)
+FT_SQ2_CHUNKS(double, f64)
+#endif
+
+#define FT_SQ_END_NZ(T, SUF)                                                                    \
+FT_SQ_ALWAYS double ft_sq_end_nz_##SUF(const ft_sq *s, const T *rest, int64_t r) {              \
+    double total = ft_sq_total(s);                                                              \
+    for (int64_t i = 0; i < r; i++) {                                                           \
+        const double v = (double)rest[i], y = v == v ? v : 0.0;                                 \
+        total = FT_SQ_FMA(y, y, total);                                                         \
+    }                                                                                           \
+    return total;                                                                               \
+}
+FT_SQ_END_NZ(float, f32)
+FT_SQ_END_NZ(double, f64)

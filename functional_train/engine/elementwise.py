@@ -58,15 +58,16 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   updates' squares for such a part (``reads_sum_squares``) reads them when it runs and takes
   no sums where one is false (a compiled ``multi_steps`` non-final micro-step's clip).
 * ``sums_through``: a context part (``context=True``) whose prologue can give the per-leaf
-  sums of squares of its results without a pass over them (``zero_nans``: those of its
-  inputs, which it reads anyway, but for the leaves that hold a NaN). Where the run asks
-  for them (the run context holds :data:`SUM_SQUARES`, ``None``), its prologue puts them
-  there (a vector over its view's ``active`` leaves, as ``b.sum_squares``), and a
-  ``reads_sum_squares`` part right after it reads them and starts no new pass: ``chain(
-  zero_nans(), clip_by_global_norm(1.0), adamw(...))`` is one pass after the sums. The run
-  asks only eagerly, for plain CPU leaves (:func:`host_reads`: the prologue may read its
-  values on the host, which costs no synchronisation there); elsewhere a pass writes the
-  part's results first, as for any reducing part.
+  sums of squares of its results without a pass over them (``zero_nans``: from the read of
+  its inputs it makes anyway, each NaN taken as zero). Where the run asks for them (the run
+  context holds :data:`SUM_SQUARES`, ``None``), its prologue puts them there (a vector over
+  its view's ``active`` leaves, as ``b.sum_squares``), and a ``reads_sum_squares`` part
+  right after it reads them and starts no new pass: ``chain(zero_nans(),
+  clip_by_global_norm(1.0), adamw(...))`` is one pass after the sums. The run asks eagerly
+  for plain CPU leaves (:func:`host_reads`: the prologue may read values on the host, which
+  costs no synchronisation there) and under ``torch.compile`` where the native sums run for
+  the leaves (``native.compiled_sums``); elsewhere a pass writes the part's results first,
+  as for any reducing part.
 * ``context``: whether ``prologue`` takes a third argument, ``prologue(state, b, ctx)``:
   the *run context*, a dict shared by the prologues of the parts of one :func:`run` call, in
   the parts' order. A part publishes a value there for the parts after it (under a key object
@@ -125,7 +126,7 @@ import torch
 from ..autograd import traced
 from ..leaves import CPU, DTYPE, on_device
 from ..spec import attach_spec, transform_spec
-from . import fuse
+from . import fuse, native
 from .dtensor import to_local, wrap_like
 from .metadata import Memo
 from .owners import assume_constant_result
@@ -719,7 +720,9 @@ def _bounds(parts: tuple, where: list, through: frozenset = frozenset()) -> list
     return [*bounds, len(parts)]
 
 
-SUM_SQUARES = object()  # (the run context's key for Elementwise.sums_through)
+# the run context's key for Elementwise.sums_through (a string, as context_key's, which it
+# cannot equal: theirs end in ":<n>"; dynamo compares dict keys by value)
+SUM_SQUARES = "sum_squares"
 
 
 def host_reads(u: list) -> bool:
@@ -741,7 +744,8 @@ _IS_CPU = operator.attrgetter("is_cpu")
 def _through(parts: tuple, where: list, u: list) -> frozenset:
     """The positions of the ``reads_sum_squares`` parts that follow a ``sums_through`` part
     (neither restricted) and read the sums it gives (see ``Elementwise.sums_through``):
-    none unless :func:`host_reads`."""
+    none unless :func:`host_reads`, or, under ``torch.compile``, the native sums run for the
+    leaves (``native.compiled_sums``: a prologue gives them from its one native read)."""
     ks = [
         k
         for k in range(1, len(parts))
@@ -750,7 +754,11 @@ def _through(parts: tuple, where: list, u: list) -> frozenset:
         and where[k] is None
         and where[k - 1] is None
     ]
-    return frozenset(ks) if ks and host_reads(u) else frozenset()
+    if not ks:
+        return frozenset()
+    if torch.compiler.is_compiling():
+        return frozenset(ks) if native.compiled_sums(u) else frozenset()
+    return frozenset(ks) if host_reads(u) else frozenset()
 
 
 def _acted_on(where: list, n: int) -> _Where | None:

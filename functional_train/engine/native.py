@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 ENABLED = os.environ.get("FT_NATIVE_KERNELS", "1") != "0"
-_VERSION = 6
+_VERSION = 7
 
 _SOURCE = Path(__file__).with_name("_kernels.c")
 _SUMSQ_HEADER = Path(__file__).with_name("_sumsq.h")
@@ -161,6 +161,9 @@ def _build() -> ctypes.CDLL:
         fn = getattr(lib, f"ft_sumsq_{suf}")
         fn.restype = None
         fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn = getattr(lib, f"ft_sumsq2_{suf}")
+        fn.restype = None
+        fn.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4]
     return lib
 
 
@@ -191,10 +194,12 @@ def available(dtype: torch.dtype) -> bool:
 _IS_CPU = operator.attrgetter("is_cpu")
 
 
-def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def sum_squares(xs: Sequence[torch.Tensor], zeroed: bool = False) -> torch.Tensor | None:
     """The sum of squares of each of ``xs`` (plain CPU tensors, float32 or float64),
     accumulated in float64: a float64 vector with an element per tensor, or ``None`` (nothing
-    computed) where the native kernels are unavailable or a tensor does not qualify. Each
+    computed) where the native kernels are unavailable or a tensor does not qualify. With
+    ``zeroed``, twice as long: then, from the same read, each tensor's sum with its NaNs taken
+    as zeros (``ft_sumsq2``: bit for bit the sum of squares of ``zero_nans``' result). Each
     tensor is read in its memory order: a contiguous one, and one dense in memory in another
     order (``channels_last`` convolution weights, a transposed matrix:
     :func:`.pool.in_one_order`) where it lies; one with gaps or overlaps (a slice) is copied
@@ -208,98 +213,112 @@ def sum_squares(xs: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if not dtypes <= _DTYPES.keys() or not all(map(available, dtypes)):
         return None
     if all_in_one_order(xs):
-        return _sums(xs, dtypes)
+        return _sums(xs, dtypes, zeroed)
     # one with gaps copied first, one at a time (summed while the copy is in the caches, and
     # the step holds one such copy at a time, not one of every leaf); a copy of a dense one in
     # another order took longer than its sum (a ResNet-18's channels_last weights: 64 ms of
     # an 80 ms step)
-    out = torch.empty(len(xs), dtype=torch.float64)
+    n = len(xs)
+    out = torch.empty((2 if zeroed else 1, n), dtype=torch.float64)
     ordered = list(map(in_one_order, xs))
     whole = [k for k, o in enumerate(ordered) if o]
     if whole:
-        out[whole] = _sums([xs[k] for k in whole], dtypes)
+        out[:, whole] = _sums([xs[k] for k in whole], dtypes, zeroed).view(-1, len(whole))
     for k, o in enumerate(ordered):
         if not o:
-            out[k] = _sums([xs[k].contiguous()], {xs[k].dtype})[0]
-    return out
+            out[:, k] = _sums([xs[k].contiguous()], {xs[k].dtype}, zeroed)
+    return out.view(-1)
 
 
-def _sums(xs: Sequence[torch.Tensor], dtypes: set) -> torch.Tensor:
+def _sums(xs: Sequence[torch.Tensor], dtypes: set, zeroed: bool = False) -> torch.Tensor:
     """:func:`sum_squares` of contiguous tensors that qualify, of the ``dtypes``."""
-    out = torch.empty(len(xs), dtype=torch.float64)
+    n = len(xs)
+    out = torch.empty((2 if zeroed else 1, n), dtype=torch.float64)
     for dtype in dtypes:
-        idx = (
-            range(len(xs))
-            if len(dtypes) == 1
-            else [k for k, x in enumerate(xs) if x.dtype == dtype]
-        )
+        idx = range(n) if len(dtypes) == 1 else [k for k, x in enumerate(xs) if x.dtype == dtype]
         if not idx:
             continue
-        part = out if len(dtypes) == 1 else torch.empty(len(idx), dtype=torch.float64)
+        part = out if len(dtypes) == 1 else torch.empty((out.shape[0], len(idx)), dtype=out.dtype)
         sub = xs if len(dtypes) == 1 else [xs[k] for k in idx]
         ptrs = array.array("q", map(const_data_ptr, sub))  # (read only: a lazy clone is not copied)
         numel = array.array("q", map(torch.Tensor.numel, sub))
-        getattr(_lib, f"ft_sumsq_{_DTYPES[dtype][0]}")(
-            len(idx), ptrs.buffer_info()[0], numel.buffer_info()[0], part.data_ptr()
-        )
+        suf = _DTYPES[dtype][0]
+        args = [len(idx), ptrs.buffer_info()[0], numel.buffer_info()[0], part[0].data_ptr()]
+        if zeroed:
+            getattr(_lib, f"ft_sumsq2_{suf}")(*args, part[1].data_ptr())
+        else:
+            getattr(_lib, f"ft_sumsq_{suf}")(*args)
         if len(dtypes) > 1:
-            out[list(idx)] = part
-    return out
+            out[:, list(idx)] = part
+    return out.view(-1)
 
 
 _DTYPE_OF = operator.attrgetter("dtype")
 
 
 @torch.library.custom_op("functional_train::sum_squares", mutates_args=())
-def sum_squares_op(xs: list[torch.Tensor], needed: torch.Tensor | None = None) -> torch.Tensor:
+def sum_squares_op(
+    xs: list[torch.Tensor], needed: torch.Tensor | None = None, zeroed: bool = False
+) -> torch.Tensor:
     """:func:`sum_squares` as an operator that ``torch.compile`` keeps opaque, so that a
     compiled gradient norm equals the eager one bit for bit. Where the native kernels do not
     run (no compiler), torch sums the squares in float64 instead (the same numbers to float64
     rounding). ``needed``: a 0-dim bool tensor; where false (read when the operator runs)
     nobody uses the sums (a compiled ``multi_steps`` non-final micro-step's clip) and they
-    are zeros, without a pass over ``xs``."""
+    are zeros, without a pass over ``xs``. ``zeroed``: as :func:`sum_squares`'s."""
     if needed is not None and not bool(needed):
-        return torch.zeros(len(xs), dtype=torch.float64)
-    return sums_of_squares(xs)
+        return torch.zeros(len(xs) * (2 if zeroed else 1), dtype=torch.float64)
+    return sums_of_squares(xs, zeroed)
 
 
-def sums_of_squares(xs: list[torch.Tensor]) -> torch.Tensor:
+def sums_of_squares(xs: list[torch.Tensor], zeroed: bool = False) -> torch.Tensor:
     """:func:`sum_squares` of CPU tensors, or where the native kernels do not run (no
     compiler), torch's sums of squares in float64 (the same numbers to float64 rounding): a
-    float64 vector, one element per tensor. Eager only (the operators' bodies)."""
-    out = sum_squares(xs)
+    float64 vector, one element per tensor (two with ``zeroed``, as there). Eager only (the
+    operators' bodies)."""
+    out = sum_squares(xs, zeroed)
     if out is None:
+        ys = [*xs, *(torch.where(x.isnan(), 0, x) for x in xs)] if zeroed else xs
         out = (
-            torch.stack([x.double().square().sum() for x in xs])
-            if xs
+            torch.stack([x.double().square().sum() for x in ys])
+            if ys
             else torch.zeros(0, dtype=torch.float64)
         )
     return out
 
 
 @sum_squares_op.register_fake
-def _(xs, needed=None):
-    return torch.empty(len(xs), dtype=torch.float64)
+def _(xs, needed=None, zeroed=False):
+    return torch.empty(len(xs) * (2 if zeroed else 1), dtype=torch.float64)
 
 
-def local_sum_squares(xs: list, needed: torch.Tensor | None = None) -> torch.Tensor | None:
+def local_sum_squares(
+    xs: list, needed: torch.Tensor | None = None, zeroed: bool = False
+) -> torch.Tensor | None:
     """The sums of squares of ``xs`` (local leaves; a float64 vector, one per tensor) by the
     native kernels wherever they run: eagerly :func:`sum_squares`, under ``torch.compile``
     :func:`sum_squares_op` (opaque: the eager numbers; ``needed`` as there). ``None`` where
     they do not: under a ``torch.func`` transform or autograd recording (wrappers without
     storage), or for leaves that are not CPU float32 / float64 (the caller then takes
     ``torch._foreach_norm``). Eagerly on CUDA: :func:`.fuse_triton.sum_squares` (plain
-    contiguous leaves of one floating dtype; else ``None`` as well). The gradient clip's
-    2-norm and the trust ratio's norms."""
+    contiguous leaves of one floating dtype; else ``None`` as well; and ``None`` there with
+    ``zeroed``). The gradient clip's 2-norm and the trust ratio's norms; with ``zeroed``
+    (:func:`sum_squares`'), ``zero_nans``' flags and its results' sums in one read."""
     if traced():
         return None
     if not torch.compiler.is_compiling():
-        out = sum_squares(xs)
-        if out is None and xs and type(xs[0]) is torch.Tensor and xs[0].is_cuda:
+        out = sum_squares(xs, zeroed)
+        if out is None and not zeroed and xs and type(xs[0]) is torch.Tensor and xs[0].is_cuda:
             from . import fuse_triton  # (CUDA: the generated Triton kernels)
 
             out = fuse_triton.sum_squares(xs)
         return out
-    if ENABLED and xs and all([x.is_cpu and x.dtype in _DTYPES for x in xs]):  # (list: traced)
-        return sum_squares_op(xs, needed)
+    if compiled_sums(xs):
+        return sum_squares_op(xs, needed, zeroed)
     return None
+
+
+def compiled_sums(xs: list) -> bool:
+    """Under ``torch.compile``, whether :func:`local_sum_squares` of ``xs`` takes the native
+    sums (:func:`sum_squares_op`): CPU float32 / float64 leaves, the kernels on."""
+    return ENABLED and bool(xs) and all([x.is_cpu and x.dtype in _DTYPES for x in xs])
