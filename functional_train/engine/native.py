@@ -276,7 +276,7 @@ def sums_of_squares(xs: list[torch.Tensor], zeroed: bool = False) -> torch.Tenso
     compiler), torch's sums of squares in float64 (the same numbers to float64 rounding): a
     float64 vector, one element per tensor (two with ``zeroed``, as there). Eager only (the
     operators' bodies)."""
-    out = sum_squares(xs, zeroed)
+    out = sum_squares(xs, zeroed=True) if zeroed else sum_squares(xs)
     if out is None:
         ys = [*xs, *(torch.where(x.isnan(), 0, x) for x in xs)] if zeroed else xs
         out = (
@@ -307,7 +307,7 @@ def local_sum_squares(
     if traced():
         return None
     if not torch.compiler.is_compiling():
-        out = sum_squares(xs, zeroed)
+        out = sum_squares(xs, zeroed=True) if zeroed else sum_squares(xs)
         if out is None and not zeroed and xs and type(xs[0]) is torch.Tensor and xs[0].is_cuda:
             from . import fuse_triton  # (CUDA: the generated Triton kernels)
 
