@@ -417,10 +417,13 @@ def _squares_and_zeroed(b) -> tuple:
     numbers) and those of :func:`zero_nans`' results on them: from one read of each leaf by
     the native kernels where they run (``native.local_sum_squares(..., zeroed=True)``: each
     NaN taken as zero, the results' sums bit for bit; eagerly and under ``torch.compile``),
-    else by :func:`_zeroed_squares` (eagerly on CPU leaves: host reads)."""
+    else by :func:`_zeroed_squares` (eagerly on CPU leaves: host reads). Eagerly, sums the
+    stage before wrote (``b.sum_squares``: the same bits as those of the leaves in memory)
+    are taken instead of a read where no leaf holds a NaN; under ``torch.compile``, which
+    cannot look, the read is made."""
     from .clipping import leaf_squares
 
-    if b.sum_squares is None:
+    if b.sum_squares is None or torch.compiler.is_compiling():
         g = [b.locals[i] for i in b.active]
         both = native.local_sum_squares(g, b.needed, zeroed=True)
         if both is not None:

@@ -1000,14 +1000,16 @@ def test_zero_nans_then_clip_inside_wrappers(around, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("after_scale", [False, True])
 @pytest.mark.parametrize("donate", [False, True])
-def test_compiled_zero_nans_joins_the_clips_pass(donate):
+def test_compiled_zero_nans_joins_the_clips_pass(donate, after_scale):
     """Under inductor, ``chain(zero_nans, clip, adamw)`` takes its flags and the clip's sums of
     squares from one native read of the gradients (``sum_squares`` with ``zeroed``: each NaN
     taken as zero, the results' sums bit for bit) and runs one stage, as the eager step does
     (before, a stage of its own wrote the cleaned gradients first): the graph holds one stage
-    operator; parameters and state bit for bit the eager step's, NaNs in two leaves every
-    other step."""
+    operator; after a ``scale`` (whose pass sums the squares it writes, which the eager step
+    takes where no leaf holds a NaN and the compiled one, which cannot look, does not) two.
+    Parameters and state bit for bit the eager step's, NaNs in two leaves every other step."""
     from torch._inductor.utils import run_and_get_code
 
     params, grads = _problem()
@@ -1017,7 +1019,7 @@ def test_compiled_zero_nans_joins_the_clips_pass(donate):
             g["e"][0, t % 4, 1] = float("nan")
 
     def make():
-        return ft.chain(ft.zero_nans(), _clip_adamw())
+        return ft.chain(*[ft.scale(0.5)] * after_scale, ft.zero_nans(), _clip_adamw())
 
     tx, ref = make(), make()
     torch._dynamo.reset()
@@ -1034,7 +1036,7 @@ def test_compiled_zero_nans_joins_the_clips_pass(donate):
             assert torch.equal(x, y), i
     code = "\n".join(codes)
     op = "fused_stage_donated" if donate else "fused_stage"
-    assert code.count(f"functional_train.{op}.default(") == 1, code
+    assert code.count(f"functional_train.{op}.default(") == 1 + after_scale, code
     calls = [line for line in code.splitlines() if "functional_train.sum_squares.default(" in line]
     assert len(calls) == 1 and calls[0].rstrip().endswith("None, True)"), calls  # (zeroed)
 
