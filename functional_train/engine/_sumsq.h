@@ -103,39 +103,33 @@ FT_SQ_END(double, f64)
 #if FT_SQ_VECTOR
 #define FT_SQ_NZ(v) _mm256_and_pd((v), _mm256_cmp_pd((v), (v), _CMP_ORD_Q))
 
+/* One chunk's four vectors of squares added to s's lanes and their NaN-zeroed ones to z's. */
+FT_SQ_ALWAYS void ft_sq2_add(ft_sq *s, ft_sq *z, __m256d u0, __m256d u1, __m256d w0, __m256d w1) {
+    s->a0 = _mm256_fmadd_pd(u0, u0, s->a0); s->a1 = _mm256_fmadd_pd(u1, u1, s->a1);
+    s->a2 = _mm256_fmadd_pd(w0, w0, s->a2); s->a3 = _mm256_fmadd_pd(w1, w1, s->a3);
+    u0 = FT_SQ_NZ(u0); u1 = FT_SQ_NZ(u1); w0 = FT_SQ_NZ(w0); w1 = FT_SQ_NZ(w1);
+    z->a0 = _mm256_fmadd_pd(u0, u0, z->a0); z->a1 = _mm256_fmadd_pd(u1, u1, z->a1);
+    z->a2 = _mm256_fmadd_pd(w0, w0, z->a2); z->a3 = _mm256_fmadd_pd(w1, w1, z->a3);
+}
+
 FT_SQ_ALWAYS void ft_sq2_chunks_f32(ft_sq *s, ft_sq *z, const float *x, int64_t n) {
-    __m256d a0 = s->a0, a1 = s->a1, a2 = s->a2, a3 = s->a3;
-    __m256d b0 = z->a0, b1 = z->a1, b2 = z->a2, b3 = z->a3;
+    ft_sq a = *s, b = *z; /* (locals: the accumulators stay in registers) */
     for (int64_t i = 0; i + 16 <= n; i += 16) {
         const __m256 u = _mm256_loadu_ps(x + i), w = _mm256_loadu_ps(x + i + 8);
-        const __m256d u0 = _mm256_cvtps_pd(_mm256_castps256_ps128(u)),
-                      u1 = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)),
-                      w0 = _mm256_cvtps_pd(_mm256_castps256_ps128(w)),
-                      w1 = _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1));
-        const __m256d y0 = FT_SQ_NZ(u0), y1 = FT_SQ_NZ(u1), v0 = FT_SQ_NZ(w0), v1 = FT_SQ_NZ(w1);
-        a0 = _mm256_fmadd_pd(u0, u0, a0); a1 = _mm256_fmadd_pd(u1, u1, a1);
-        a2 = _mm256_fmadd_pd(w0, w0, a2); a3 = _mm256_fmadd_pd(w1, w1, a3);
-        b0 = _mm256_fmadd_pd(y0, y0, b0); b1 = _mm256_fmadd_pd(y1, y1, b1);
-        b2 = _mm256_fmadd_pd(v0, v0, b2); b3 = _mm256_fmadd_pd(v1, v1, b3);
+        ft_sq2_add(&a, &b, _mm256_cvtps_pd(_mm256_castps256_ps128(u)),
+                   _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)),
+                   _mm256_cvtps_pd(_mm256_castps256_ps128(w)),
+                   _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
     }
-    s->a0 = a0; s->a1 = a1; s->a2 = a2; s->a3 = a3;
-    z->a0 = b0; z->a1 = b1; z->a2 = b2; z->a3 = b3;
+    *s = a; *z = b;
 }
 
 FT_SQ_ALWAYS void ft_sq2_chunks_f64(ft_sq *s, ft_sq *z, const double *x, int64_t n) {
-    __m256d a0 = s->a0, a1 = s->a1, a2 = s->a2, a3 = s->a3;
-    __m256d b0 = z->a0, b1 = z->a1, b2 = z->a2, b3 = z->a3;
-    for (int64_t i = 0; i + 16 <= n; i += 16) {
-        const __m256d u0 = _mm256_loadu_pd(x + i), u1 = _mm256_loadu_pd(x + i + 4),
-                      w0 = _mm256_loadu_pd(x + i + 8), w1 = _mm256_loadu_pd(x + i + 12);
-        const __m256d y0 = FT_SQ_NZ(u0), y1 = FT_SQ_NZ(u1), v0 = FT_SQ_NZ(w0), v1 = FT_SQ_NZ(w1);
-        a0 = _mm256_fmadd_pd(u0, u0, a0); a1 = _mm256_fmadd_pd(u1, u1, a1);
-        a2 = _mm256_fmadd_pd(w0, w0, a2); a3 = _mm256_fmadd_pd(w1, w1, a3);
-        b0 = _mm256_fmadd_pd(y0, y0, b0); b1 = _mm256_fmadd_pd(y1, y1, b1);
-        b2 = _mm256_fmadd_pd(v0, v0, b2); b3 = _mm256_fmadd_pd(v1, v1, b3);
-    }
-    s->a0 = a0; s->a1 = a1; s->a2 = a2; s->a3 = a3;
-    z->a0 = b0; z->a1 = b1; z->a2 = b2; z->a3 = b3;
+    ft_sq a = *s, b = *z;
+    for (int64_t i = 0; i + 16 <= n; i += 16)
+        ft_sq2_add(&a, &b, _mm256_loadu_pd(x + i), _mm256_loadu_pd(x + i + 4),
+                   _mm256_loadu_pd(x + i + 8), _mm256_loadu_pd(x + i + 12));
+    *s = a; *z = b;
 }
 #else
 #define FT_SQ2_CHUNKS(T, SUF)                                                                   \
