@@ -366,6 +366,7 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         context=part.context,
         leaf_scalars=part.leaf_scalars,
         reads_sum_squares=part.reads_sum_squares,
+        reads_params_sum_squares=part.reads_params_sum_squares,
         restrict=restrict,
         flags=part.flags,
         sums_through=part.sums_through,

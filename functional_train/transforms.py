@@ -97,6 +97,7 @@ def stateless_elementwise(
     reduces: bool = False,
     leaf_scalars: tuple = (),
     reads_sum_squares: bool = False,
+    reads_params_sum_squares: bool = False,
 ) -> GradientTransformation:
     """An elementwise transform with an :class:`EmptyState`: ``leaf`` its per-leaf math,
     ``scalars(b)`` its scalars at this update from the prepared view ``b`` (the updates as
@@ -121,6 +122,7 @@ def stateless_elementwise(
         reduces=reduces,
         leaf_scalars=leaf_scalars,
         reads_sum_squares=reads_sum_squares,
+        reads_params_sum_squares=reads_params_sum_squares,
     )
     return elementwise_transform(spec, _empty_init)
 
@@ -672,11 +674,14 @@ def scale_by_trust_ratio(
 
         # float64 sums of squares: the native kernels (compiled: zeros where not needed at
         # all, see Prepared.needed), else torch's norms accumulated in float64; the updates'
-        # as the stage that wrote them summed them, where it did (the same bits)
+        # as the stage that wrote them summed them, where it did (the same bits), and the
+        # parameters' as that stage read them, where it did
         xs = p + g
         sums = None
         if b.sum_squares is not None:
-            ps = native.local_sum_squares(p, b.needed)
+            ps = b.params_sum_squares
+            if ps is None:
+                ps = native.local_sum_squares(p, b.needed)
             if ps is not None:
                 sums = torch.cat([ps, b.sum_squares])
         if sums is None:
@@ -702,4 +707,5 @@ def scale_by_trust_ratio(
         reduces=True,
         leaf_scalars=(0,),
         reads_sum_squares=True,
+        reads_params_sum_squares=True,
     )

@@ -1065,7 +1065,8 @@ def test_sums_of_squares_by_generated_kernels(dtype, device):
     [
         "multi_steps",  # (the last micro-step's mean, then the clip)
         "adam_then_clip",  # (scale_by_adam's stage, then the clip)
-        "lamb",  # (the trust ratio: the updates' sums from the stage, the params' its own)
+        "lamb",  # (the trust ratio: the updates' and the params' sums from the stage)
+        "lamb_no_decay",  # (the updates' from the stage; the params' its own: not read there)
     ],
 )
 def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
@@ -1075,7 +1076,9 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
     own over them (``native.sum_squares`` not called for them), and the same bits as the
     native sums of the updates in memory: parameters and states equal to the step whose
     reduction sums them itself, over whole cycles, with leaves of 0, 1, 16, 17 and 700
-    elements."""
+    elements. The trust ratio's parameter norms likewise, where the stage reads the
+    parameters (its weight decay: ``Elementwise.reads_params_sum_squares``); without weight
+    decay it sums them itself."""
     from functional_train.engine import native
 
     g = torch.Generator().manual_seed(3)
@@ -1091,6 +1094,8 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
             return ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 3)
         if chain == "lamb":
             return ft.lamb(1e-2, weight_decay=0.1)
+        if chain == "lamb_no_decay":
+            return ft.lamb(1e-2, weight_decay=0.0)
         return ft.chain(ft.scale_by_adam(), ft.clip_by_global_norm(0.5), ft.scale(-1e-2))
 
     calls = []
@@ -1119,7 +1124,9 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
     want, want_state = _run(make(), params, grads, mode)
     n = len(shapes)
     steps = 2 if chain == "multi_steps" else 6  # (the steps whose reduction reads the sums)
-    if chain == "lamb":  # (the parameters' sums, then both)
+    if chain == "lamb":  # (no pass: both from the stage; without its sums, both)
+        assert fused_calls == [] and calls == [2 * n] * steps
+    elif chain == "lamb_no_decay":  # (the parameters' sums, then both)
         assert fused_calls == [n] * steps and calls == [2 * n] * steps
     else:
         assert fused_calls == [] and calls == [n] * steps
@@ -1127,6 +1134,42 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
         assert torch.equal(got[k], want[k]), k
     a, b = ft.tree.tree_flatten(got_state)[0], ft.tree.tree_flatten(want_state)[0]
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-    if chain != "lamb":  # (the clip's norm, kept in its state)
+    if not chain.startswith("lamb"):  # (the clip's norm, kept in its state)
         norm = ft.tree.tree_flatten(got_state)[0]
         assert any(x.ndim == 0 and x.dtype.is_floating_point and x > 0 for x in norm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+def test_compiled_lamb_takes_its_norms_from_the_stages(donate):
+    """Under inductor, ``chain(clip, lamb(weight_decay))``'s trust ratio reads the updates' and
+    the parameters' sums of squares that its first stage's operator took as it wrote the one
+    and read the other (``Elementwise.reads_params_sum_squares``): the graph's only native
+    sums are the clip's of the gradients, and it holds two stage operators. Parameters and
+    state bit for bit the eager step's over six steps."""
+    from torch._inductor.utils import run_and_get_code
+
+    params, grads = _problem()
+
+    def make():
+        return ft.chain(ft.clip_by_global_norm(0.5), ft.lamb(1e-2, weight_decay=0.1))
+
+    tx, ref = make(), make()
+    torch._dynamo.reset()
+    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=donate), fullgraph=True)
+    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    pe, se = {k: v.clone() for k, v in params.items()}, ref.init(params)
+    for i, g in enumerate(grads):
+        if i == 0:
+            (pc, sc), codes = run_and_get_code(step, {k: v.clone() for k, v in g.items()}, sc, pc)
+        else:
+            pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        pe, se = ft.step(ref, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
+        got, want = ft.tree.tree_flatten((pc, sc))[0], ft.tree.tree_flatten((pe, se))[0]
+        assert len(got) == len(want)
+        for x, y in zip(got, want):
+            assert not isinstance(x, torch.Tensor) or torch.equal(x, y), i
+    code = "\n".join(codes)
+    op = "fused_stage_donated" if donate else "fused_stage"
+    assert code.count(f"functional_train.{op}.default(") == 2, code
+    assert code.count("functional_train.sum_squares.default(") == 1, code

@@ -26,6 +26,12 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   the native sums of squares: the same bits), and the prologue finds them in the view
   (``b.sum_squares``), one pass over the updates fewer (where they are not given there, the
   prologue sums them itself).
+* ``reads_params_sum_squares``: a ``reads_sum_squares`` part whose prologue reads the
+  parameters too only as their per-leaf sums of squares (``scale_by_trust_ratio``'s
+  ``||param||``): where the stage before it reads the parameters (a part of it needs them), it
+  sums their squares from the blocks it reads (the same bits as the native sums), and the
+  prologue finds them in the view (``b.params_sum_squares``): the trust ratio's norms take no
+  pass over the parameters of their own (where they are not given, the prologue sums them).
 * ``leaf_scalars``: the positions in the prologue's scalars that hold one value PER LEAF (a
   list of 0-dim tensors, one per leaf of ``b.active``, in that order: ``scale_by_trust_ratio``'s
   ratios, from its per-leaf norms); the leaf function finds its own leaf's value there. They
@@ -164,6 +170,7 @@ class Elementwise:
     guard: int = 0
     leaf_scalars: tuple[int, ...] = ()
     reads_sum_squares: bool = False
+    reads_params_sum_squares: bool = False
     restrict: Callable | None = None
     flags: tuple[str, ...] = ()
     sums_through: bool = False
@@ -428,6 +435,7 @@ def run(
     scratch = None if take is None else of_plan(b.plan, "pool", Pool).scratch
     u = [b.locals[i] for i in act]
     given = None  # the updates' sums of squares from the stage that wrote them
+    given_p = None  # (and the parameters', where it read them and the next part asked)
     given_on: frozenset | None = None  # (the positions where they were summed; None: all)
     statics_memo: dict = {}  # (see statics_memo)
     # (per part: the positions in act of the leaves it is restricted to, None for every leaf)
@@ -474,6 +482,8 @@ def run(
                 # updates summed only some leaves and the part reads others)
                 if given_on is None or (where[k] is not None and where[k].of <= given_on):
                     view.sum_squares = given
+                    if part.reads_params_sum_squares:
+                        view.params_sum_squares = given_p
             if where[k] is not None:
                 view = view.restricted(where[k])
             if part.context:
@@ -514,6 +524,8 @@ def run(
                 name = next(p.name for p in parts[lo:hi] if p.needs_params)
                 raise ValueError(f"{name}: needs params (update(..., params))")
             p_loc = [b.params[i] for i in act]
+        # (the next part's parameters' sums too, where this stage reads them)
+        psums = sums is not None and p_loc is not None and parts[hi].reads_params_sum_squares
         if all(k is None for k in keys):  # (checked once: dynamo traces every loop)
             leaf_keys: list = [None] * len(act)
         elif torch.compiler.is_compiling():
@@ -548,15 +560,16 @@ def run(
             _stage_take(take, scratch, lo, last or stage.drop_u),
             sums,
             needed,
+            psums,
         )
         if run_on is not None:
             outs = [_put(x, run_on.positions, base) for x, base in zip(outs, [u, *fields])]
             if sums:
-                taken = sums[0]
-                index = run_on.index_on(taken.device)
-                sums[0] = taken.new_zeros(len(act)).index_copy_(0, index, taken)
+                index = run_on.index_on(sums[0].device)
+                sums[:] = [x.new_zeros(len(act)).index_copy_(0, index, x) for x in sums]
         given_on = None if run_on is None else run_on.of
         given = sums[0] if sums else None
+        given_p = sums[1] if sums and len(sums) > 1 else None
         r = 0
         if not stage.drop_u:
             u = outs[0]
@@ -816,24 +829,28 @@ def _scatter(b, active_values):
     return full
 
 
-def _execute(stage, counts, u, p, fields, scalars, keys, apply, take, sums=None, needed=None):
+def _execute(
+    stage, counts, u, p, fields, scalars, keys, apply, take, sums=None, needed=None, psums=False
+):
     """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists; without
     the first for ``stage.drop_u``). ``apply="donate"``: the results over their inputs.
     ``sums``: an empty list, to which the updates' per-leaf sums of squares (a float64
     vector) are appended where one kernel call wrote every leaf's (see
     ``Elementwise.reads_sum_squares``), and always by a compiled stage (the operator sums
     them itself where its kernel did not; zeros where ``needed``, a 0-dim bool tensor read
-    when it runs, is false); nothing is appended otherwise.
+    when it runs, is false); nothing is appended otherwise. ``psums``: then the parameters'
+    ``p`` sums of squares too, a second vector, where the kernel took them as it read them
+    (see ``Elementwise.reads_params_sum_squares``), and always by a compiled stage.
 
     Ranks simulated in one process (``torch.distributed._local_tensor.LocalTensor``: a tensor
     holding one tensor per rank) run rank by rank on their own tensors, through the same
     kernels a real rank runs, so that a simulated run gives a real one's numbers."""
     if torch.compiler.is_compiling() and _opaque(u, p, fields, scalars):
-        return _compiled(stage, counts, u, p, fields, scalars, keys, apply, sums, needed)
+        return _compiled(stage, counts, u, p, fields, scalars, keys, apply, sums, needed, psums)
     ranks = _simulated_ranks(u, p, fields, scalars)
     if ranks is not None:
         return _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply)
-    return _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums)
+    return _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums, psums)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -899,7 +916,9 @@ def _needed(part: Elementwise, ctx: dict):
     return out
 
 
-def _compiled(stage, counts, u, p, fields, scalars, keys, apply, sums=None, needed=None):
+def _compiled(
+    stage, counts, u, p, fields, scalars, keys, apply, sums=None, needed=None, psums=False
+):
     n = len(u)
     flat = list(u) + (list(p) if p is not None else []) + [x for f in fields for x in f]
     sc = [
@@ -913,13 +932,15 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply, sums=None, need
         enc = [
             _encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)
         ]
-    want = sums is not None  # (the operator also returns the updates' sums of squares)
+    # (the operator also returns the updates' sums of squares, and with psums the
+    # parameters' after them: layout[4] vectors)
+    want = 0 if sums is None else 1 + bool(psums and p is not None)
     layout = [
         int(stage.apply),
         int(stage.drop_u),
         int(p is not None),
         len(fields),
-        int(want),
+        want,
         *counts,
     ]
     idents = [part.ident for part in stage.parts]
@@ -938,11 +959,11 @@ def _compiled(stage, counts, u, p, fields, scalars, keys, apply, sums=None, need
         present = [x for x in flat if x is not None] if absent else flat
         taken = _stage_op_donated(idents, layout, enc, present, absent, sc, needed)
         if want:
-            sums.append(taken)
+            sums.extend([taken] if want == 1 else [taken[:n], taken[n:]])
         return [list(ins[d]) for d in dst]
     res = _stage_op(idents, layout, enc, flat, sc, needed)
     if want:
-        sums.append(res[-1])
+        sums.extend([res[-1]] if want == 1 else [res[-1][:n], res[-1][n:]])
         res = res[:-1]
     outs = [list(res[r * n : (r + 1) * n]) for r in range(len(res) // n)]
     for r, d in enumerate(dst):
@@ -1037,7 +1058,7 @@ def _stage_op(
     dtype, as they are). ``layout``: ``(apply, drop_u, has_p, n_fields, sums, *counts)``;
     ``keys``: the leaves' static keys, part by part, leaf after leaf. With ``sums`` the last
     result is the new updates' per-leaf sums of squares (a float64 vector: :func:`_op_sums`,
-    ``needed`` as there)."""
+    ``needed`` as there); ``sums`` 2: the parameters' after them (twice as long)."""
     enc = keys
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
     # results from a pool of the operator's own, by stage (see .pool: a buffer is reused only
@@ -1051,6 +1072,7 @@ def _stage_op(
     # a stage that leaves every buffer as it was gives lazy clones of them, copy-on-write,
     # no pass; a stage whose updates no one uses does not compute them)
     want = bool(layout[4])
+    ps = p if layout[4] == 2 else None  # (the parameters' sums too)
     idle = LAZY_CLONES and _idle(stage, counts, scalars)
     unused = LAZY_CLONES and not idle and _discarded(stage, counts, scalars)
     if (idle or unused) and not _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars):
@@ -1058,14 +1080,16 @@ def _stage_op(
     if idle:
         ins, dst = _inputs(stage, u, p, fields)
         held = _held([x for d in dst for x in ins[d]])
-        return [*held, _op_sums(needed, u, None, len(u))] if want else held
+        return [*held, _op_sums(needed, u, None, len(u), ps)] if want else held
     if unused:
         stage = _stage_of(stage.parts, False, True)
     taken: list | None = [] if want and not unused else None
     with torch.no_grad():
-        outs = _execute_local(stage, counts, u, p, fields, list(scalars), keys, None, kinds, taken)
+        outs = _execute_local(
+            stage, counts, u, p, fields, list(scalars), keys, None, kinds, taken, ps is not None
+        )
     if want:
-        sums = _op_sums(needed, None if unused else outs[0], taken, len(u))
+        sums = _op_sums(needed, None if unused else outs[0], taken, len(u), ps)
     if unused:  # (the updates' buffers, as they are: read by no one)
         outs = [kinds("discarded", u), *outs]
     # (an operator's result may be neither an input nor another result: a leaf function's
@@ -1096,18 +1120,23 @@ def _stage_op(
     return results
 
 
-def _op_sums(needed, updates, taken, n: int) -> torch.Tensor:
+def _op_sums(needed, updates, taken, n: int, params=None) -> torch.Tensor:
     """The per-leaf sums of squares a compiled stage returns (``layout[4]``): those its kernel
     took as it wrote the updates (``taken``), else the native sums of ``updates`` (the same
     bits), or zeros (no pass) where nobody reads them: ``needed`` false (read now), or the
-    updates not computed (``None``)."""
-    if taken:
-        return taken[0]
+    updates not computed (``None``). With ``params`` (``layout[4]`` 2), the parameters' after
+    them, as its kernel took them as it read them, else the native sums."""
+    want = 1 if params is None else 2
+    if taken and len(taken) == want:
+        return taken[0] if want == 1 else torch.cat(taken)
     if updates is None or (needed is not None and not bool(needed)):
-        return torch.zeros(n, dtype=torch.float64)
+        return torch.zeros(n * want, dtype=torch.float64)
     from .native import sums_of_squares
 
-    return sums_of_squares(updates)
+    got = list(taken or ()) or [sums_of_squares(updates)]
+    if params is not None:
+        got.append(sums_of_squares(params))
+    return got[0] if want == 1 else torch.cat(got)
 
 
 _op_pool = Pool()
@@ -1184,21 +1213,22 @@ def _stage_op_donated(
     inputs themselves (no copies). ``absent``: the positions of absent state leaves in the
     inputs (``flat`` holds the present ones only: the inputs are ``flat`` with ``None``
     inserted there). Returns the new updates' sums of squares as ``fused_stage`` does where
-    ``layout`` asks for them, else an empty float64 vector."""
+    ``layout`` asks for them (and the parameters' after them), else an empty float64 vector."""
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, _present(flat, absent))
     want = bool(layout[4])
+    ps = p if layout[4] == 2 else None
     if _idle(stage, counts, scalars):
-        return _op_sums(needed, u, None, len(u)) if want else _NO_SUMS.new_empty(0)
+        return _op_sums(needed, u, None, len(u), ps) if want else _NO_SUMS.new_empty(0)
     unused = _discarded(stage, counts, scalars)
     if unused:  # (its fields only: the updates over nothing)
         stage = _stage_of(stage.parts, False, True)
     taken: list | None = [] if want and not unused else None
     with torch.no_grad():
         outs = _execute_local(
-            stage, counts, u, p, fields, list(scalars), keys, "donate", None, taken
+            stage, counts, u, p, fields, list(scalars), keys, "donate", None, taken, ps is not None
         )
     sums = (
-        _op_sums(needed, None if unused else outs[0], taken, len(u))
+        _op_sums(needed, None if unused else outs[0], taken, len(u), ps)
         if want
         else _NO_SUMS.new_empty(0)
     )
@@ -1219,7 +1249,7 @@ def _(parts, layout, keys, flat, absent, scalars, needed=None):
     if not layout[4]:
         return torch.empty(0, dtype=torch.float64)
     n = (len(flat) + len(absent)) // (1 + layout[2] + layout[3])
-    return torch.empty(n, dtype=torch.float64)
+    return torch.empty(n * layout[4], dtype=torch.float64)
 
 
 def _bump_versions_once(keyset, parts, layout, keys, flat, absent, scalars, needed=None):
@@ -1377,7 +1407,7 @@ def _(parts, layout, keys, flat, scalars, needed=None):
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
     out = _fake_results(stage, counts, keys, u, p, fields, scalars)
     if layout[4]:
-        out.append(torch.empty(len(u), dtype=torch.float64))
+        out.append(torch.empty(len(u) * layout[4], dtype=torch.float64))
     return out
 
 
@@ -1481,7 +1511,7 @@ def _inputs(stage, u, p, fields) -> tuple[list, list]:
     return ins, dst
 
 
-def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums=None):
+def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums=None, psums=False):
     n = len(u)
     n_out = len(fields) - stage.n_per_leaf + (0 if stage.drop_u else 1)
     if n == 0:
@@ -1557,7 +1587,12 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                 kernel = None
                 rows = fast if isinstance(fast, tuple) else None  # (kinds by input: by rows)
                 strided = fast is STRIDED
-                if sums is not None:
+                if sums is not None and psums and stage.params:
+                    # (the parameters', ins[1], as it reads them: see _inputs)
+                    kernel = fuse.kernel_for(
+                        g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type, sumsq=True, sum_in=1
+                    )
+                if sums is not None and kernel is None:
                     kernel = fuse.kernel_for(
                         g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type, sumsq=True
                     )
@@ -1883,7 +1918,8 @@ def _run_kernel(
     """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
     as asked. ``dtypes``: the group's, one per input list (every leaf of the group has it).
     A kernel that sums its updates' squares
-    (``kernel.sumsq``) appends their sums to ``sums``. ``rows``: the inputs' kinds, for a call
+    (``kernel.sumsq``) appends their sums to ``sums``, then those of the input it sums too
+    (``kernel.sum_in``). ``rows``: the inputs' kinds, for a call
     by rows (:meth:`.fuse.Kernel.by_rows`). ``strided``: leaves in one memory order that is
     not contiguous (:data:`STRIDED`): fresh results are made in it."""
     whole = len(idx) == len(ins[0])  # (every leaf: the common case, lists as they are)
@@ -1916,7 +1952,7 @@ def _run_kernel(
     # (fresh results: streamed where large; a caller's buffers that are the inputs (apply_part)
     # are not: streaming is right there too, the block is read before it is written, but slower)
     fresh = apply != "donate" and not any(x[0] is y[0] for x in res for y in cols)
-    squares = torch.empty(len(idx), dtype=torch.float64) if kernel.sumsq else None
+    squares = torch.empty(len(idx) * kernel.n_sums, dtype=torch.float64) if kernel.sumsq else None
     if rows is not None:
         if kernel.by_rows(cols, res, sc, rows, fresh=fresh) is False:  # (as below)
             return False
@@ -1926,7 +1962,7 @@ def _run_kernel(
     else:
         kernel(cols, res, sc, fresh=fresh, sums=squares)
         if sums is not None:
-            sums.append(squares)
+            sums.extend(squares.split(len(idx)) if kernel.n_sums > 1 else [squares])
     for r in range(n_out):
         if whole:
             outs[r][:] = res[r]
@@ -2170,6 +2206,7 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
         guard=HOLDS,
         leaf_scalars=part.leaf_scalars,
         reads_sum_squares=part.reads_sum_squares,
+        reads_params_sum_squares=part.reads_params_sum_squares,
         restrict=part.restrict,
         flags=(key, *part.flags),
         sums_through=part.sums_through,

@@ -546,12 +546,17 @@ class _Writer(Lowering):
             return f"FT_SEL({c}, {a}, {b})"
         return f"({c} ? {a} : {b})"
 
-    def source(self, fn_name: str, sumsq: bool = False) -> tuple[str, list]:
+    def source(
+        self, fn_name: str, sumsq: bool = False, sum_in: int | None = None
+    ) -> tuple[str, list]:
         """The C source of the stage, and ``[input dtypes, output dtypes]``. ``sumsq``: the
         stage also writes each leaf's sum of squares of its first result (the updates) into
         one more per-leaf pointer, a float64, summed block by block as the results are
         written, in ``_sumsq.h``'s order (the bits :func:`.native.sum_squares` gives for the
-        result in memory)."""
+        result in memory). ``sum_in`` (with ``sumsq``): the position of a leaf-shaped input
+        (float32 / float64, one no result overwrites: the parameters of a stage that does not
+        apply) whose sums of squares it writes too, into a pointer after that one, summed
+        from each block as it was read (the same bits as well)."""
         outputs = []
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != self.n_inputs + self.n_scalars:
@@ -580,7 +585,12 @@ class _Writer(Lowering):
         nin, nout = self.n_inputs, len(outputs)
         if sumsq and (not outputs or out_dtypes[0] not in _SUMSQ):
             raise Unsupported("sums of squares of a result that is not float32 or float64")
-        stride = nin + nout + (1 if sumsq else 0)  # (pointers per leaf)
+        if sum_in is not None and (
+            not sumsq or not per_element[sum_in] or in_dtypes[sum_in] not in _SUMSQ
+        ):
+            raise Unsupported("sums of squares of an input that is not float32 or float64")
+        n_sums = (1 if sumsq else 0) + (sum_in is not None)
+        stride = nin + nout + n_sums  # (pointers per leaf)
         lines = [
             _HEADER,
             *([native.sumsq_header()] if sumsq else []),
@@ -607,6 +617,11 @@ class _Writer(Lowering):
             lines.append("    ft_sq sq;")
             lines.append("    ft_sq_init(&sq);")
             lines.append("    if (n == 0) *r = 0.0;")
+        if sum_in is not None:  # (the input's, in a second accumulator)
+            lines.append(f"    double *r1 = (double *)ptr[l * {stride} + {nin + nout + 1}];")
+            lines.append("    ft_sq sq1;")
+            lines.append("    ft_sq_init(&sq1);")
+            lines.append("    if (n == 0) *r1 = 0.0;")
         for k in range(first_per_leaf, nin):  # the leaf's own values, then what they give
             if per_element[k]:
                 continue
@@ -636,11 +651,19 @@ class _Writer(Lowering):
 
         def summed(block: str) -> list:
             # (the block's whole chunks of 16, and where it is the leaf's last, the rest)
-            return [
+            out = [
                 f"      ft_sq_chunks_{sq}(&sq, {block}, m);",
                 f"      if (i0 + m == n) *r = ft_sq_end_{sq}(&sq, {block} + (m & ~(int64_t)15),"
                 " m & 15);",
             ]
+            if sum_in is not None:
+                t, x = _SUMSQ[in_dtypes[sum_in]], f"p{sum_in} + i0"
+                out += [
+                    f"      ft_sq_chunks_{t}(&sq1, {x}, m);",
+                    f"      if (i0 + m == n) *r1 = ft_sq_end_{t}(&sq1, {x} + (m & ~(int64_t)15),"
+                    " m & 15);",
+                ]
+            return out
 
         # the leaf's loops (ordinary stores, then streamed), once per combination of the
         # flags the body selects by (at most MAX_SWITCHES of them; see unswitched)
@@ -745,9 +768,20 @@ def _build(source: str) -> ctypes.CDLL:
 
 class Kernel:
     """A stage compiled for one signature: call it with per-leaf pointers. ``sumsq``: it also
-    gives each leaf's sum of squares of its first result (see :meth:`_Writer.source`)."""
+    gives each leaf's sum of squares of its first result, and with ``sum_in`` those of that
+    input after them (see :meth:`_Writer.source`); ``n_sums``: how many per leaf."""
 
-    __slots__ = ("fn", "n_inputs", "n_outputs", "out_dtypes", "source", "sumsq", "_lib")
+    __slots__ = (
+        "fn",
+        "n_inputs",
+        "n_outputs",
+        "out_dtypes",
+        "source",
+        "sumsq",
+        "sum_in",
+        "n_sums",
+        "_lib",
+    )
 
     def __init__(
         self,
@@ -757,11 +791,14 @@ class Kernel:
         n_per_leaf: int = 0,
         sumsq: bool = False,
         vectors: tuple = (),
+        sum_in: int | None = None,
     ):
         gm = trace(fn, in_dtypes, scalar_dtypes, n_per_leaf, vectors)
         w = _Writer(gm, len(in_dtypes), len(scalar_dtypes), n_per_leaf, vectors)
-        self.source, (_, out_dtypes) = w.source("ft_stage", sumsq)
+        self.source, (_, out_dtypes) = w.source("ft_stage", sumsq, sum_in)
         self.sumsq = sumsq
+        self.sum_in = sum_in
+        self.n_sums = int(sumsq) + (sum_in is not None)
         self.n_inputs = len(in_dtypes)
         self.n_outputs = len(out_dtypes)
         self.out_dtypes = out_dtypes
@@ -793,8 +830,9 @@ class Kernel:
         written with non-temporal stores (a block at a time from a buffer in L1: the
         destination's lines are not read first, which an ordinary store into memory the
         caches do not hold does; a step this small stays in the caches, where they are).
-        ``sums``: for a ``sumsq`` kernel, a contiguous float64 CPU tensor of one element per
-        leaf, written (required there, refused elsewhere)."""
+        ``sums``: for a ``sumsq`` kernel, a contiguous float64 CPU tensor of :attr:`n_sums`
+        elements per leaf (the results' sums, leaf after leaf, then the ``sum_in`` input's),
+        written (required there, refused elsewhere)."""
         n = len(inputs[0])
         roles = list(inputs) + list(outputs)
         if (sums is not None) != self.sumsq:
@@ -808,15 +846,18 @@ class Kernel:
             ptrs = array.array("q", [const_data_ptr(lst[0]) for lst in inputs] + outs)
             numel = array.array("q", [inputs[0][0].numel()])
         else:
-            width = len(roles) + (sums is not None)
+            k = self.n_sums
+            width = len(roles) + k
             ptrs = array.array("q", [0]) * (n * width)
             for r in range(len(roles) - 1, -1, -1):
                 addr = const_data_ptr if r < n_in else _PTR
                 ptrs[r::width] = array.array("q", map(addr, roles[r]))
             if sums is not None:
-                assert sums.dtype == torch.float64 and sums.numel() == n and sums.is_contiguous()
-                base = sums.data_ptr()
-                ptrs[len(roles) :: width] = array.array("q", range(base, base + 8 * n, 8))
+                assert sums.dtype == torch.float64 and sums.numel() == n * k
+                assert sums.is_contiguous()
+                for j in range(k):
+                    base = sums.data_ptr() + 8 * n * j
+                    ptrs[len(roles) + j :: width] = array.array("q", range(base, base + 8 * n, 8))
             numel = array.array("q", map(torch.Tensor.numel, inputs[0]))
         stream = fresh and sum(numel) * sum(d.itemsize for d in self.out_dtypes) >= STREAM_MIN_BYTES
         self.fn(n, numel.buffer_info()[0], ptrs.buffer_info()[0], scalars.buffer_info()[0], stream)
@@ -914,6 +955,7 @@ def kernel_for(
     device_type: str = "cpu",
     sumsq: bool = False,
     vectors: tuple = (),
+    sum_in: int | None = None,
 ) -> Kernel | TritonKernel | None:
     """The compiled kernel of ``fn`` for these dtypes, or ``None`` where it cannot be generated
     (an unsupported operation or dtype, no compiler). ``n_per_leaf``: the last inputs hold one
@@ -921,12 +963,14 @@ def kernel_for(
     ``"cuda"``: a :class:`.fuse_triton.TritonKernel` (``scalar_dtypes``: the kinds of
     :func:`.fuse_triton.scalar_slots`). ``sumsq``: a CPU kernel that also sums each leaf's
     squares of its first result (``None`` where it cannot: a result not float32 or float64,
-    CUDA). ``vectors``: per per-leaf input, whether it is read per element after all (a
-    value per column, for :meth:`Kernel.by_rows`; on CUDA any makes a kernel that reads every
-    per-leaf input per element, :meth:`.fuse_triton.TritonKernel.by_rows`)."""
+    CUDA); ``sum_in``: with ``sumsq``, the sums of that input's squares too (see
+    :meth:`_Writer.source`; ``None`` where it cannot). ``vectors``: per per-leaf input,
+    whether it is read per element after all (a value per column, for
+    :meth:`Kernel.by_rows`; on CUDA any makes a kernel that reads every per-leaf input per
+    element, :meth:`.fuse_triton.TritonKernel.by_rows`)."""
     if sumsq and device_type != "cpu":
         return None
-    key = (fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq, tuple(vectors))
+    key = (fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq, tuple(vectors), sum_in)
     k = _kernels.get(key, _MISSING)
     if k is not _MISSING:
         return k
@@ -936,7 +980,7 @@ def kernel_for(
             return k
         try:
             if device_type == "cpu":
-                k = Kernel(fn, in_dtypes, scalar_dtypes, n_per_leaf, sumsq, vectors)
+                k = Kernel(fn, in_dtypes, scalar_dtypes, n_per_leaf, sumsq, vectors, sum_in)
             else:
                 from .fuse_triton import TritonKernel
 

@@ -398,6 +398,8 @@ class TritonKernel:
 
     __slots__ = ("fn", "n_inputs", "n_outputs", "n_per_leaf", "out_dtypes", "source", "_checked")
     sumsq = False
+    sum_in = None
+    n_sums = 0
 
     def __init__(self, fn, in_dtypes, scalar_kinds, n_per_leaf: int = 0, indexed: bool = False):
         self.source, out_dtypes = source_of(fn, in_dtypes, scalar_kinds, n_per_leaf, indexed)

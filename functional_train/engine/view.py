@@ -65,6 +65,8 @@ class Prepared:
         sum_squares: ``None``, or the per-leaf sums of squares of ``locals`` over ``active``
             (a float64 vector, in that order), computed by the stage that wrote them (see
             ``Elementwise.reads_sum_squares``).
+        params_sum_squares: ``None``, or those of ``params`` over ``active``, computed by
+            that stage as it read them (see ``Elementwise.reads_params_sum_squares``).
     """
 
     __slots__ = (
@@ -80,6 +82,7 @@ class Prepared:
         "is_view",
         "needed",
         "sum_squares",
+        "params_sum_squares",
         "_flat",
         "_plain",
     )
@@ -96,6 +99,7 @@ class Prepared:
         self.is_view = is_view
         self.needed = None
         self.sum_squares: torch.Tensor | None = None
+        self.params_sum_squares: torch.Tensor | None = None
         self._flat: dict = {}  # id(state tree) -> (tree, leaves): a state field is read twice
         self._plain: bool | None = None  # every update leaf a plain tensor (once per view)
 
@@ -103,10 +107,12 @@ class Prepared:
     def paths(self) -> list:
         return self.plan.paths
 
-    def _derived(self, locals_, active, needed=None, sum_squares=None) -> Prepared:
-        """A view of the same call and layout (the one constructor of the views below)."""
+    def _derived(self, locals_, active, needed=None, sums=(None, None)) -> Prepared:
+        """A view of the same call and layout (the one constructor of the views below);
+        ``sums``: its ``(sum_squares, params_sum_squares)``."""
         out = Prepared(self.plan, self.updates, locals_, self.params, self.is_view)
-        out.active, out.needed, out.sum_squares = active, needed, sum_squares
+        out.active, out.needed = active, needed
+        out.sum_squares, out.params_sum_squares = sums
         return out
 
     def with_locals(self, new_locals: Sequence[Any]) -> Prepared:
@@ -116,15 +122,19 @@ class Prepared:
     def needed_if(self, flag) -> Prepared:
         """The same view, its reductions' values used only where ``flag`` (a 0-dim bool
         tensor) is true (see :attr:`needed`)."""
-        return self._derived(self.locals, self.active, flag, self.sum_squares)
+        return self._derived(
+            self.locals, self.active, flag, (self.sum_squares, self.params_sum_squares)
+        )
 
     def restricted(self, where) -> Prepared:
         """The view of some of its active leaves (``masked`` / ``partition``'s parts, see
         ``Elementwise.restrict``): ``where.positions``, positions in :attr:`active`, become
-        the active leaves, and :attr:`sum_squares` theirs; values and layout are shared."""
-        sums = self.sum_squares
-        if sums is not None:
-            sums = sums.index_select(0, where.index_on(sums.device))
+        the active leaves, and :attr:`sum_squares` and :attr:`params_sum_squares` theirs;
+        values and layout are shared."""
+        sums = tuple(
+            None if x is None else x.index_select(0, where.index_on(x.device))
+            for x in (self.sum_squares, self.params_sum_squares)
+        )
         active = [self.active[j] for j in where.positions]
         return self._derived(self.locals, active, self.needed, sums)
 
