@@ -92,3 +92,31 @@ def triton_interpreted(monkeypatch) -> None:
         return fn
 
     monkeypatch.setattr(fuse_triton, "_load_source", load)
+
+
+def compiled_code_of_steps(make, params, grads, donate: bool) -> str:
+    """``torch.compile(ft.step)`` of the transform ``make()`` over ``grads`` (a fresh copy of
+    each), checked step by step to equal the eager step of another ``make()`` bit for bit
+    (parameters and every tensor of the state); returns the code inductor generated for the
+    first call (the graph's operators, to count)."""
+    from torch._inductor.utils import run_and_get_code
+
+    import functional_train as ft
+
+    tx, ref = make(), make()
+    torch._dynamo.reset()
+    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=donate), fullgraph=True)
+    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    pe, se = {k: v.clone() for k, v in params.items()}, ref.init(params)
+    codes: list = []
+    for i, g in enumerate(grads):
+        if i == 0:
+            (pc, sc), codes = run_and_get_code(step, {k: v.clone() for k, v in g.items()}, sc, pc)
+        else:
+            pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        pe, se = ft.step(ref, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
+        got, want = ft.tree.tree_flatten((pc, sc))[0], ft.tree.tree_flatten((pe, se))[0]
+        assert len(got) == len(want), i
+        for x, y in zip(got, want):
+            assert not isinstance(x, torch.Tensor) or torch.equal(x, y), i
+    return "\n".join(codes)

@@ -21,7 +21,13 @@ import torch
 
 import functional_train as ft
 from _layouts import params_close, step_by_mode
-from _spy import kernel_calls, kernels_run_on, took_torch_fused, torch_fused_calls
+from _spy import (
+    compiled_code_of_steps,
+    kernel_calls,
+    kernels_run_on,
+    took_torch_fused,
+    torch_fused_calls,
+)
 from functional_train.engine import fuse
 
 STEPS = 4
@@ -1147,29 +1153,12 @@ def test_compiled_lamb_takes_its_norms_from_the_stages(donate):
     and read the other (``Elementwise.reads_params_sum_squares``): the graph's only native
     sums are the clip's of the gradients, and it holds two stage operators. Parameters and
     state bit for bit the eager step's over six steps."""
-    from torch._inductor.utils import run_and_get_code
-
     params, grads = _problem()
 
     def make():
         return ft.chain(ft.clip_by_global_norm(0.5), ft.lamb(1e-2, weight_decay=0.1))
 
-    tx, ref = make(), make()
-    torch._dynamo.reset()
-    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=donate), fullgraph=True)
-    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
-    pe, se = {k: v.clone() for k, v in params.items()}, ref.init(params)
-    for i, g in enumerate(grads):
-        if i == 0:
-            (pc, sc), codes = run_and_get_code(step, {k: v.clone() for k, v in g.items()}, sc, pc)
-        else:
-            pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
-        pe, se = ft.step(ref, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
-        got, want = ft.tree.tree_flatten((pc, sc))[0], ft.tree.tree_flatten((pe, se))[0]
-        assert len(got) == len(want)
-        for x, y in zip(got, want):
-            assert not isinstance(x, torch.Tensor) or torch.equal(x, y), i
-    code = "\n".join(codes)
+    code = compiled_code_of_steps(make, params, grads, donate)
     op = "fused_stage_donated" if donate else "fused_stage"
     assert code.count(f"functional_train.{op}.default(") == 2, code
     assert code.count("functional_train.sum_squares.default(") == 1, code

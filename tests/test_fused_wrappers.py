@@ -11,6 +11,7 @@ import torch
 import functional_train as ft
 from _layouts import params_close, step_by_mode
 from _spy import (
+    compiled_code_of_steps,
     kernel_calls,
     kernels_run_on,
     took_torch_fused,
@@ -1010,8 +1011,6 @@ def test_compiled_zero_nans_joins_the_clips_pass(donate, after_scale):
     operator; after a ``scale`` (whose pass sums the squares it writes, which the eager step
     takes where no leaf holds a NaN and the compiled one, which cannot look, does not) two.
     Parameters and state bit for bit the eager step's, NaNs in two leaves every other step."""
-    from torch._inductor.utils import run_and_get_code
-
     params, grads = _problem()
     for t, g in enumerate(grads):
         if t % 2:
@@ -1021,20 +1020,7 @@ def test_compiled_zero_nans_joins_the_clips_pass(donate, after_scale):
     def make():
         return ft.chain(*[ft.scale(0.5)] * after_scale, ft.zero_nans(), _clip_adamw())
 
-    tx, ref = make(), make()
-    torch._dynamo.reset()
-    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p, donate=donate), fullgraph=True)
-    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
-    pe, se = {k: v.clone() for k, v in params.items()}, ref.init(params)
-    for i, g in enumerate(grads):
-        if i == 0:
-            (pc, sc), codes = run_and_get_code(step, {k: v.clone() for k, v in g.items()}, sc, pc)
-        else:
-            pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
-        pe, se = ft.step(ref, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
-        for x, y in zip(optree.tree_leaves((pc, sc)), optree.tree_leaves((pe, se))):
-            assert torch.equal(x, y), i
-    code = "\n".join(codes)
+    code = compiled_code_of_steps(make, params, grads, donate)
     op = "fused_stage_donated" if donate else "fused_stage"
     assert code.count(f"functional_train.{op}.default(") == 1 + after_scale, code
     calls = [line for line in code.splitlines() if "functional_train.sum_squares.default(" in line]
