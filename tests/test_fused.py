@@ -1073,6 +1073,8 @@ def test_sums_of_squares_by_generated_kernels(dtype, device):
         "adam_then_clip",  # (scale_by_adam's stage, then the clip)
         "lamb",  # (the trust ratio: the updates' and the params' sums from the stage)
         "lamb_no_decay",  # (the updates' from the stage; the params' its own: not read there)
+        "lamb_masked",  # (its decay mask: two kernel calls, by key, their sums gathered)
+        "masked_adam_then_clip",  # (two calls: with and without the moments, as absent)
     ],
 )
 def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
@@ -1084,7 +1086,8 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
     reduction sums them itself, over whole cycles, with leaves of 0, 1, 16, 17 and 700
     elements. The trust ratio's parameter norms likewise, where the stage reads the
     parameters (its weight decay: ``Elementwise.reads_params_sum_squares``); without weight
-    decay it sums them itself."""
+    decay it sums them itself. A stage run by more than one kernel call (lamb's decay mask: a
+    call per key) gives the sums its calls took, gathered in leaf order."""
     from functional_train.engine import native
 
     g = torch.Generator().manual_seed(3)
@@ -1102,6 +1105,16 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
             return ft.lamb(1e-2, weight_decay=0.1)
         if chain == "lamb_no_decay":
             return ft.lamb(1e-2, weight_decay=0.0)
+        if chain == "masked_adam_then_clip":
+            mask = {"w": True, "b": False, "c": True, "s": False, "e": True}
+            return ft.chain(
+                ft.masked(ft.scale_by_adam(), mask),
+                ft.clip_by_global_norm(0.5),
+                ft.scale(-1e-2),
+            )
+        if chain == "lamb_masked":
+            mask = {"w": True, "b": False, "c": True, "s": False, "e": True}
+            return ft.lamb(1e-2, weight_decay=0.1, mask=mask)
         return ft.chain(ft.scale_by_adam(), ft.clip_by_global_norm(0.5), ft.scale(-1e-2))
 
     calls = []
@@ -1130,7 +1143,7 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
     want, want_state = _run(make(), params, grads, mode)
     n = len(shapes)
     steps = 2 if chain == "multi_steps" else 6  # (the steps whose reduction reads the sums)
-    if chain == "lamb":  # (no pass: both from the stage; without its sums, both)
+    if chain in ("lamb", "lamb_masked"):  # (no pass: both from the stage; without, both)
         assert fused_calls == [] and calls == [2 * n] * steps
     elif chain == "lamb_no_decay":  # (the parameters' sums, then both)
         assert fused_calls == [n] * steps and calls == [2 * n] * steps
@@ -1139,9 +1152,11 @@ def test_a_stage_sums_the_squares_a_clip_reads(chain, mode, dtype, monkeypatch):
     for k in params:
         assert torch.equal(got[k], want[k]), k
     a, b = ft.tree.tree_flatten(got_state)[0], ft.tree.tree_flatten(want_state)[0]
-    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len(a) == len(b)
+    assert all(x is y if x is None else torch.equal(x, y) for x, y in zip(a, b))
     if not chain.startswith("lamb"):  # (the clip's norm, kept in its state)
         norm = ft.tree.tree_flatten(got_state)[0]
+        norm = [x for x in norm if x is not None]
         assert any(x.ndim == 0 and x.dtype.is_floating_point and x > 0 for x in norm)
 
 

@@ -835,8 +835,9 @@ def _execute(
     """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists; without
     the first for ``stage.drop_u``). ``apply="donate"``: the results over their inputs.
     ``sums``: an empty list, to which the updates' per-leaf sums of squares (a float64
-    vector) are appended where one kernel call wrote every leaf's (see
-    ``Elementwise.reads_sum_squares``), and always by a compiled stage (the operator sums
+    vector) are appended where the kernel calls that wrote them took every leaf's (a call
+    per group of leaves: by dtypes, static key, absent state leaves; gathered in leaf order;
+    see ``Elementwise.reads_sum_squares``), and always by a compiled stage (the operator sums
     them itself where its kernel did not; zeros where ``needed``, a 0-dim bool tensor read
     when it runs, is false); nothing is appended otherwise. ``psums``: then the parameters'
     ``p`` sums of squares too, a second vector, where the kernel took them as it read them
@@ -1567,8 +1568,11 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                 _leaf_groups(ins, keys, idx, plain, groups)
     else:
         _leaf_groups(ins, keys, range(n), plain, groups)
-    if uniform is None or cx or stage.drop_u or torch.compiler.is_compiling():
-        sums = None  # (sums of squares of the updates: of one whole call only)
+    if cx or stage.drop_u or torch.compiler.is_compiling():
+        sums = None
+    # (sums of squares of the updates: where every group's kernel took them, as it wrote its
+    # leaves: per group, its leaves and its sums; None once a group has taken none)
+    taken: list | None = None if sums is None else []
     scs: dict = {}  # the scalars as each device's kernels read them
     for g, ((fast, dtypes, key, absent), idx) in enumerate(groups.items()):
         fn = _function(stage, counts, key)
@@ -1587,15 +1591,17 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                 kernel = None
                 rows = fast if isinstance(fast, tuple) else None  # (kinds by input: by rows)
                 strided = fast is STRIDED
-                if sums is not None and psums and stage.params:
+                summing = taken is not None and rows is None and not strided
+                if summing and psums and stage.params:
                     # (the parameters', ins[1], as it reads them: see _inputs)
                     kernel = fuse.kernel_for(
                         g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type, sumsq=True, sum_in=1
                     )
-                if sums is not None and kernel is None:
+                if summing and kernel is None:
                     kernel = fuse.kernel_for(
                         g_fn, dtypes, sc[1], stage.n_per_leaf, dev.type, sumsq=True
                     )
+                got: list = []
                 if kernel is None:
                     vectors = () if rows is None else _vectors(rows, stage.n_per_leaf)
                     kernel = fuse.kernel_for(
@@ -1611,11 +1617,14 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                     _group_kinds(take, g),
                     g_dst,
                     dtypes,
-                    sums,
+                    got,
                     rows,
                     strided,
                 ):
+                    if taken is not None:
+                        taken = taken + [(idx, got)] if got else None
                     continue
+        taken = None  # (leaf by leaf in torch: no sums)
         with torch.enable_grad() if _recording() else torch.no_grad():
             for j in idx:
                 res = fn(tuple(lst[j] for lst in ins), tuple(scalars))
@@ -1628,6 +1637,8 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                     if d is not None and outs[r][j] is not d and outs[r][j].dtype == d.dtype:
                         d.copy_(outs[r][j])
                         outs[r][j] = d
+    if taken and sums is not None:
+        sums.extend(_gathered(taken, n))
     if cx:
         outs = [
             [
@@ -1639,6 +1650,22 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
             for lst in outs
         ]
     return outs
+
+
+def _gathered(taken: list, n: int) -> list:
+    """The per-leaf sums of squares that the kernel calls of a stage's groups took (``taken``:
+    per group, its leaves' positions and its vectors: the updates', then the parameters'
+    where it summed them), as vectors over all ``n`` leaves in order; the parameters' only
+    where every group took them."""
+    k = min(len(got) for _, got in taken)
+    if len(taken) == 1:  # (one group: every leaf, in order)
+        return taken[0][1][:k]
+    full = [torch.empty(n, dtype=torch.float64) for _ in range(k)]
+    for idx, got in taken:
+        at = torch.tensor(idx, dtype=torch.int64)
+        for x, v in zip(full, got):
+            x.index_copy_(0, at, v)
+    return full
 
 
 def _leaf_groups(ins: list, keys: list, idx, plain: bool, groups: dict) -> None:
