@@ -643,10 +643,14 @@ def scale_by_trust_ratio(
     The norms are accumulated and the ratios computed in float64 (CPU float32 / float64
     leaves: the native kernels of the gradient clip's norm; others: ``torch._foreach_norm``
     with ``dtype=torch.float64``), so that a tiny update's norm does not underflow to 0 (1e-30
-    gradients have the float32 norm 0, ratio 1). The elementwise part, ``u * ratio``, fuses
-    with what follows it (the learning rate, ``apply_updates``): each leaf's ratio is a
-    per-leaf scalar of that pass (``Elementwise.leaf_scalars``), read once per leaf, so
-    ``lamb`` is two passes over the leaves with the norms between them.
+    gradients have the float32 norm 0, ratio 1). In a fused run on CPU the pass before it
+    sums the updates' squares as it writes them and, where it reads the parameters (lamb's
+    weight decay), the parameters' as it reads them, in the native kernels' order (the same
+    bits; ``Elementwise.reads_params_sum_squares``): then the norms read no leaf again. The
+    elementwise part, ``u * ratio``, fuses with what follows it (the learning rate,
+    ``apply_updates``): each leaf's ratio is a per-leaf scalar of that pass
+    (``Elementwise.leaf_scalars``), read once per leaf, so ``lamb`` is two passes over the
+    leaves with the norms between them.
 
     Raises:
         ValueError: negative ``min_norm`` / ``eps``, ``trust_coefficient <= 0``; at update,
