@@ -438,15 +438,19 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             # output, the flags would come back as one tensor, and dynamo, guarding against
             # duplicate inputs, would compile the next call again)
             cleared = torch.where(final, zero, one)
-            fresh = iter(cleared.repeat(len(active)).unbind())
-            seen = tuple(
-                [
-                    next(fresh).to(f.dtype)
-                    if i in active
-                    else torch.where(final, torch.zeros_like(f), f)
-                    for i, f in enumerate(state.seen)
-                ]
-            )
+            dtypes = {f.dtype for f in state.seen}
+            if len(active) == len(state.seen) and len(dtypes) == 1:  # (one op, not one a leaf)
+                seen = tuple(cleared.to(dtypes.pop()).repeat(len(active)).unbind())
+            else:
+                fresh = iter(cleared.repeat(len(active)).unbind())
+                seen = tuple(
+                    [
+                        next(fresh).to(f.dtype)
+                        if i in active
+                        else torch.where(final, torch.zeros_like(f), f)
+                        for i, f in enumerate(state.seen)
+                    ]
+                )
             return MultiStepsState(
                 torch.where(final, zero, state.mini_step + one),
                 state.gradient_step + final.to(state.gradient_step.dtype),
