@@ -9,8 +9,12 @@ An explicit ``-m`` expression selects by itself (``-m slow``: only those).
 
 Profiles (select with the ``HYPOTHESIS_PROFILE`` environment variable):
 
-* ``ci`` (the default): few examples (10), deterministic (``derandomize``), no deadline, so the
-  whole suite stays fast and reproducible on a small CPU machine;
+* ``ci`` (``--full``'s, as ``.ci/run`` runs it): few examples (10), deterministic
+  (``derandomize``), no deadline, so the whole suite stays fast and reproducible on a small CPU
+  machine;
+* ``quick`` (the default tier's, without ``--full``): ``ci`` with half its examples (5), so
+  that the developer's run stays within its few minutes on 2 cores (the sweep's sharded
+  properties then draw one example per transform, and their explicit one);
 * ``dev``: many more examples, random seeds, for local bug hunting
   (``HYPOTHESIS_PROFILE=dev python -m pytest tests/test_sharded_equivalence.py``).
 """
@@ -59,6 +63,8 @@ def device(request) -> torch.device:
 def pytest_configure(config):
     if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: no CUDA device is present")
+    if not os.environ.get("HYPOTHESIS_PROFILE"):  # (the tier's profile; see the docstring)
+        settings.load_profile("ci" if config.getoption("--full") else "quick")
 
 
 @pytest.hookimpl(tryfirst=True)  # (before pytest-xdist's, which reads the xdist_group marks)
@@ -86,6 +92,7 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+settings.register_profile("quick", settings.get_profile("ci"), max_examples=5)
 settings.register_profile(
     "dev",
     max_examples=200,
