@@ -162,9 +162,9 @@ def flatten_as(
         # dynamo cannot flatten a dict whose values are all constants (an all-None state
         # field) with optree.tree_flatten, nor compare its treedef with a real one; the
         # structure was checked by the eager calls (init builds the state), count the leaves
-        leaves = _flat_dict_as(tree, treedef)
+        leaves = flat_dict_leaves(tree, treedef)
         if leaves is None:
-            leaves = leaves_of(tree)
+            leaves = optree.tree_leaves(tree, none_is_leaf=True)
         if len(leaves) != treedef.num_leaves:
             raise ValueError(f"{what} has {len(leaves)} leaves, {reference} {treedef.num_leaves}")
         return leaves
@@ -184,13 +184,15 @@ def flatten_as(
     return leaves
 
 
-def flat_dict_leaves(tree: PyTree) -> list | None:
+def flat_dict_leaves(tree: PyTree, treedef=None) -> list | None:
     """The leaves of ``tree`` in optree's order when it is a dict of tensors (or ``None``)
     under string keys (``dict(model.named_parameters())`` and the states shaped like it), by
     plain indexing in sorted key order, as optree orders a dict; else ``None``. For code that
     ``torch.compile`` traces: dynamo runs optree's flattening as Python, several inlined calls
     per node (0.3 to 0.6 s of tracing per flattened 122-leaf tree), and a dict's values in
-    a loop cost a fraction of that."""
+    a loop cost a fraction of that. Where ``treedef``, the structure the caller holds ``tree``
+    to, is a flat dict's of as many leaves (one node and a leaf per key), the values are not
+    looked at (dynamo traces that loop too: about 40 ms per 122-leaf tree)."""
     if type(tree) is not dict:
         return None
     # (loops, not all() over a generator: dynamo resumes a generator at a cost of its own,
@@ -199,6 +201,8 @@ def flat_dict_leaves(tree: PyTree) -> list | None:
         if type(k) is not str:
             return None
     leaves = [tree[k] for k in sorted(tree)]
+    if treedef is not None and len(leaves) == treedef.num_leaves == treedef.num_nodes - 1:
+        return leaves
     for x in leaves:
         if x is not None and not isinstance(x, torch.Tensor):
             return None
@@ -219,28 +223,10 @@ def unflatten_like(tree: PyTree, treedef, leaves: Sequence[Any]) -> PyTree:
     """:func:`tree_unflatten` of ``leaves`` into ``treedef``, where ``tree`` has that
     structure: for a dict :func:`flat_dict_leaves` takes, a dict in ``tree``'s key order
     built by indexing (see there; under ``torch.compile`` only)."""
-    if torch.compiler.is_compiling() and (
-        _flat_dict_as(tree, treedef) is not None or flat_dict_leaves(tree) is not None
-    ):
+    if torch.compiler.is_compiling() and flat_dict_leaves(tree, treedef) is not None:
         by_key = dict(zip(sorted(tree), leaves))
         return {k: by_key[k] for k in tree}
     return tree_unflatten(treedef, leaves)
-
-
-def _flat_dict_as(tree: PyTree, treedef) -> list | None:
-    """Under ``torch.compile``, the values of ``tree`` in sorted key order where ``treedef``
-    is a flat dict's (one node and a leaf per key: ``num_nodes == num_leaves + 1``) and
-    ``tree`` a dict of as many string keys, which its callers hold to that structure (the
-    eager calls checked it); else ``None``. :func:`flat_dict_leaves` without its look at each
-    value: dynamo traces that loop, about 40 ms per 122-leaf tree."""
-    if type(tree) is not dict or len(tree) != treedef.num_leaves:
-        return None
-    if treedef.num_nodes != treedef.num_leaves + 1:
-        return None
-    for k in tree:
-        if type(k) is not str:
-            return None
-    return [tree[k] for k in sorted(tree)]
 
 
 def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
