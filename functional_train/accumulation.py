@@ -438,9 +438,9 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             # output, the flags would come back as one tensor, and dynamo, guarding against
             # duplicate inputs, would compile the next call again)
             cleared = torch.where(final, zero, one)
-            dtypes = {f.dtype for f in state.seen}
-            if len(active) == len(state.seen) and len(dtypes) == 1:  # (one op, not one a leaf)
-                seen = tuple(cleared.to(dtypes.pop()).repeat(len(active)).unbind())
+            dtypes = {f.dtype for f in state.seen} if len(active) == len(state.seen) else ()
+            if len(dtypes) == 1:  # (every leaf active, one dtype: one op, not one a leaf)
+                seen = tuple(cleared.to(next(iter(dtypes))).repeat(len(active)).unbind())
             else:
                 fresh = iter(cleared.repeat(len(active)).unbind())
                 seen = tuple(

@@ -960,11 +960,11 @@ def _compiled(
         present = [x for x in flat if x is not None] if absent else flat
         taken = _stage_op_donated(idents, layout, enc, present, absent, sc, needed)
         if want:
-            sums.extend([taken] if want == 1 else [taken[:n], taken[n:]])
+            sums.extend(_split_sums(taken, n))
         return [list(ins[d]) for d in dst]
     res = _stage_op(idents, layout, enc, flat, sc, needed)
     if want:
-        sums.extend([res[-1]] if want == 1 else [res[-1][:n], res[-1][n:]])
+        sums.extend(_split_sums(res[-1], n))
         res = res[:-1]
     outs = [list(res[r * n : (r + 1) * n]) for r in range(len(res) // n)]
     for r, d in enumerate(dst):
@@ -1652,6 +1652,13 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
     return outs
 
 
+def _split_sums(v: torch.Tensor, n: int) -> list:
+    """The per-leaf sums of squares of ``n`` leaves that a kernel or a stage operator returns
+    as one float64 vector: the updates', then the parameters' where it summed them too
+    (``len(v) // n`` vectors of ``n``)."""
+    return [v] if len(v) == n else list(v.split(n))
+
+
 def _gathered(taken: list, n: int) -> list:
     """The per-leaf sums of squares that the kernel calls of a stage's groups took (``taken``:
     per group, its leaves' positions and its vectors: the updates', then the parameters'
@@ -1989,7 +1996,7 @@ def _run_kernel(
     else:
         kernel(cols, res, sc, fresh=fresh, sums=squares)
         if sums is not None:
-            sums.extend(squares.split(len(idx)) if kernel.n_sums > 1 else [squares])
+            sums.extend(_split_sums(squares, len(idx)))
     for r in range(n_out):
         if whole:
             outs[r][:] = res[r]
