@@ -481,7 +481,7 @@ def _compiled_equals_eager(tx, donate):
 @pytest.mark.slow
 @pytest.mark.parametrize("donate", [False, True])
 def test_stage_operators_go_straight_to_their_function(donate, monkeypatch):
-    """The stage operators' Autograd kernel (``elementwise._straight_through``) calls the
+    """The stage operators' Autograd kernel (``engine.operators``) calls the
     operator's function itself where nothing asks for autograd and plain CPU tensors are all
     there is below it: a compiled step's calls (one trip down the dispatcher, not three).
     Where an input requires grad under grad mode, or under a fake-tensor mode, the call goes
@@ -811,7 +811,7 @@ def test_compiled_donated_step_writes_its_inputs():
     buffer of a leaf's size is allocated and nothing is copied back (a copy of every leaf
     after the operator made it 2.4x the eager donated step on the benchmark tree); bit for
     bit the eager donated step, the parameters' version counters bumped (autograd's record
-    of an in-place write: ``elementwise._bump_versions_once``)."""
+    of an in-place write: ``engine.operators``)."""
     from torch._inductor.utils import run_and_get_code
 
     params, grads = _problem()

@@ -121,7 +121,6 @@ import contextvars
 import dataclasses
 import itertools
 import operator
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -135,6 +134,7 @@ from ..spec import attach_spec, transform_spec
 from . import fuse, native
 from .dtensor import to_local, wrap_like
 from .metadata import Memo
+from .operators import register_kernels
 from .owners import assume_constant_result
 from .pool import LAZY_CLONES, Pool, empties_like, in_one_order, lazy_clones, of_plan
 
@@ -1253,109 +1253,9 @@ def _(parts, layout, keys, flat, absent, scalars, needed=None):
     return torch.empty(n * layout[4], dtype=torch.float64)
 
 
-def _bump_versions_once(keyset, parts, layout, keys, flat, absent, scalars, needed=None):
-    """``functional_train::fused_stage_donated``'s ADInplaceOrView kernel: the version counter
-    of every tensor it mutates bumped by one call for the list (autograd's record that they
-    were written in place, as ``torch.library.custom_op``'s own kernel does with one Python
-    call per tensor: ~0.3 ms per call of a 122-leaf stage), then on to the operator."""
-    torch._C._increment_version(flat)
-    return _stage_op_donated._opoverload.redispatch(
-        keyset & torch._C._after_ADInplaceOrView_keyset,
-        parts,
-        layout,
-        keys,
-        flat,
-        absent,
-        scalars,
-        needed,
-    )
-
-
-# (the keysets, by their raw bits, of calls whose kernel below autograd is the backend's:
-# plain CPU or CUDA tensors, nothing between; see _straight_through)
-_BACKEND_ONLY: dict = {}
-_BACKENDS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
-
-
-def _backend_only(keyset) -> bool:
-    """Whether the only kernel below autograd a call with ``keyset`` meets is the backend's
-    (CPU or CUDA): no fake, functional or Python-mode tensors, no conjugate or negative bits
-    (those keys lie between: the call goes down the dispatcher there)."""
-    raw = keyset.raw_repr()
-    hit = _BACKEND_ONLY.get(raw)
-    if hit is None:
-        below = keyset & torch._C._after_ADInplaceOrView_keyset
-        hit = _BACKEND_ONLY[raw] = below.highestPriorityTypeId() in _BACKENDS
-    return hit
-
-
-def _straight_through(op, mutated: int | None) -> Callable | None:
-    """An Autograd kernel for the operator ``op`` (a ``torch.library.custom_op``) whose
-    backend kernel is its Python function: where nothing asks for autograd (grad mode off, or no
-    input requiring grad) and the backend's is the only kernel below (:func:`_backend_only`),
-    it calls that function itself, after bumping the version counters of the ``mutated``-th
-    argument's tensors as ADInplaceOrView would. Elsewhere it hands the call to the kernel
-    ``torch.library.custom_op`` registered for the key (its ``autograd.Function``). Each trip
-    down the dispatcher converts every tensor of the call to and from the dispatcher's boxed
-    values, which for a compiled 122-leaf stage of ~600 tensors was two such trips more than
-    this takes. ``None`` where this torch does not expose custom_op's kernel."""
-    try:  # (custom_op's own kernel for the key, made as custom_op makes it: private)
-        from torch._library.autograd import make_autograd_impl
-
-        original = make_autograd_impl(op._opoverload, op)
-    except Exception:
-        return None
-    if not hasattr(torch._C, "_after_ADInplaceOrView_keyset"):
-        return None
-    any_requires_grad = torch._C._any_requires_grad
-    increment_version = torch._C._increment_version
-
-    def kernel(keyset, *args):
-        if (torch.is_grad_enabled() and any_requires_grad(*args)) or not _backend_only(keyset):
-            return original(keyset, *args)
-        if mutated is not None:
-            increment_version(args[mutated])
-        with torch._C._AutoDispatchBelowAutograd():
-            return op._init_fn(*args)
-
-    return kernel
-
-
-def _register_kernels() -> None:
-    """Kernels of the operators registered over ``torch.library.custom_op``'s own:
-    ``fused_stage_donated``'s ADInplaceOrView kernel (:func:`_bump_versions_once`), both
-    operators' CompositeExplicitAutograd kernels, the operators themselves without the check
-    custom_op wraps them in, that no result aliases an input or another result (a pass over
-    every input and result, 0.1 to 0.2 ms per call of a 122-leaf stage: :func:`_stage_op`
-    makes its results fresh itself, see there; the donated one returns nothing), and both
-    operators' Autograd kernels, which call those directly where nothing lies between
-    (:func:`_straight_through`)."""
-    lib = torch.library.Library("functional_train", "FRAGMENT")
-
-    def impl(name, fn, key, **kw):
-        # torch before 2.12 refuses a second Python kernel for a key (it has no
-        # ``allow_override``); the dispatcher itself takes it, with a warning
-        getattr(torch.library, "_impls", set()).discard(f"functional_train/{name}/{key}")
-        lib.impl(name, fn, key, **kw)
-
-    with warnings.catch_warnings():  # (it replaces custom_op's kernels for those keys: intended)
-        warnings.simplefilter("ignore")
-        if hasattr(torch._C, "_after_ADInplaceOrView_keyset"):  # (else custom_op's stays)
-            impl("fused_stage_donated", _bump_versions_once, "ADInplaceOrView", with_keyset=True)
-        impl("fused_stage", _stage_op._init_fn, "CompositeExplicitAutograd")
-        impl("fused_stage_donated", _stage_op_donated._init_fn, "CompositeExplicitAutograd")
-        for name, op, mutated in (
-            ("fused_stage", _stage_op, None),
-            ("fused_stage_donated", _stage_op_donated, 3),
-        ):
-            kernel = _straight_through(op, mutated)
-            if kernel is not None:
-                impl(name, kernel, "Autograd", with_keyset=True)
-    _LIBS.append(lib)  # (a Library unregisters its kernels when it is collected)
-
-
-_LIBS: list = []
-_register_kernels()
+# (the operators' own kernels, registered over custom_op's: see .operators)
+register_kernels(_stage_op)
+register_kernels(_stage_op_donated, mutated=(3,))
 
 
 def _idle(stage, counts, scalars) -> bool:
