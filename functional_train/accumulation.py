@@ -45,6 +45,7 @@ from .engine.plan import (
     same_layout,
     same_layouts,
 )
+from .engine.scalars import scalar_program
 from .engine.view import prepare
 from .leaves import DTYPE, SHAPE
 from .mesh import Mesh
@@ -425,24 +426,24 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
 
     def traced_prologue(state, b, ctx):
         check(state, b)
-        final = state.mini_step + 1 >= every_k
-        first = state.mini_step == 0  # (every accumulator holds zeros: see traced_add)
-        ctx[key] = final
         active = set(b.active)
+        # (an active leaf's flag: 0 after the cycle's last micro-step, else 1, computed once;
+        # a flag of its own per leaf: three graph operations per leaf took inductor ~3 s.
+        # Each flag a view of one buffer: inductor merges copies of one value into one
+        # output, the flags would come back as one tensor, and dynamo, guarding against
+        # duplicate inputs, would compile the next call again)
+        dtypes = {f.dtype for f in state.seen} if len(active) == len(state.seen) else ()
+        one_dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+        final, first, mini_step, gradient_step, flags = _cycle(
+            state.mini_step, state.gradient_step, every_k, len(active), one_dtype
+        )
+        ctx[key] = final
 
         def finish(trees):
-            zero, one = torch.zeros_like(state.mini_step), torch.ones_like(state.mini_step)
-            # (an active leaf's flag: 0 after the cycle's last micro-step, else 1, computed once;
-            # a flag of its own per leaf: three graph operations per leaf took inductor ~3 s.
-            # Each flag a view of one buffer: inductor merges copies of one value into one
-            # output, the flags would come back as one tensor, and dynamo, guarding against
-            # duplicate inputs, would compile the next call again)
-            cleared = torch.where(final, zero, one)
-            dtypes = {f.dtype for f in state.seen} if len(active) == len(state.seen) else ()
-            if len(dtypes) == 1:  # (every leaf active, one dtype: one op, not one a leaf)
-                seen = tuple(cleared.to(next(iter(dtypes))).repeat(len(active)).unbind())
+            if one_dtype is not None:  # (every leaf active, one dtype: one op, not one a leaf)
+                seen = tuple(flags.unbind())
             else:
-                fresh = iter(cleared.repeat(len(active)).unbind())
+                fresh = iter(flags.unbind())
                 seen = tuple(
                     [
                         next(fresh).to(f.dtype)
@@ -452,8 +453,8 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
                     ]
                 )
             return MultiStepsState(
-                torch.where(final, zero, state.mini_step + one),
-                state.gradient_step + final.to(state.gradient_step.dtype),
+                mini_step,
+                gradient_step,
                 state.inner_state,  # (replaced by the inner's new state in join)
                 trees[0],
                 seen,
@@ -813,3 +814,25 @@ def _find(node: Any) -> MultiStepsState | None:
         if r is not None:
             return r
     return None
+
+
+@scalar_program
+def _cycle(
+    mini_step: torch.Tensor, gradient_step: torch.Tensor, every_k: int, n: int, dtype
+) -> tuple:
+    """A traced micro-step's flags ``final`` (it ends the cycle) and ``first`` (it starts it),
+    0-dim bool tensors; the new ``mini_step`` and ``gradient_step``; and the ``n`` new flags
+    of the active leaves as one vector (0 after the cycle's last micro-step, else 1; in
+    ``dtype``, or ``mini_step``'s where ``None``)."""
+    final = mini_step + 1 >= every_k
+    zero, one = torch.zeros_like(mini_step), torch.ones_like(mini_step)
+    cleared = torch.where(final, zero, one)
+    # (expand + clone: one copy; repeat of a 0-dim tensor takes ~0.1 ms)
+    flags = (cleared if dtype is None else cleared.to(dtype)).expand(n).clone()
+    return (
+        final,
+        mini_step == 0,  # (every accumulator holds zeros: see traced_add)
+        torch.where(final, zero, mini_step + one),
+        gradient_step + final.to(gradient_step.dtype),
+        flags,
+    )

@@ -11,6 +11,7 @@ from . import _validate as V
 from .base import GradientTransformation, elementwise_transform
 from .engine import elementwise as E
 from .engine.dtensor import to_locals, wraps_like
+from .engine.scalars import scalar_program
 from .transforms import zero_count
 from .tree import find_state, flatten_as, state_dtype, tree_unflatten
 
@@ -81,13 +82,7 @@ def ema_params(
                 "ema_params: expected the EmaParamsState from ema_params.init, "
                 f"got {type(state).__name__}"
             )
-        if warmup:
-            n = state.count.to(torch.float64)
-            d = torch.clamp((1.0 + n) / (10.0 + n), max=decay)
-        else:
-            d = torch.as_tensor(decay, dtype=torch.float64, device=state.count.device)
-        w = torch.where(state.count == 0, torch.ones_like(d), 1.0 - d)
-        count = state.count + 1
+        w, count = _ema_weight(state.count, decay, warmup)
 
         def finish(trees):
             ema = trees[0]
@@ -144,3 +139,16 @@ def averaged_params(state: Any) -> Any:
         ValueError: no, or several, EmaParamsState in ``state``.
     """
     return find_state(state, EmaParamsState, "averaged_params").ema
+
+
+@scalar_program
+def _ema_weight(count: torch.Tensor, decay: float, warmup: bool) -> tuple:
+    """:func:`ema_params`' weight of the new values at the update after ``count`` updates
+    (1 at the first, which copies them; else ``1 - decay``, the decay
+    ``min(decay, (1 + n) / (10 + n))`` with ``warmup``), and the new count (0-dim tensors)."""
+    if warmup:
+        n = count.to(torch.float64)
+        d = torch.clamp((1.0 + n) / (10.0 + n), max=decay)
+    else:
+        d = torch.as_tensor(decay, dtype=torch.float64, device=count.device)
+    return torch.where(count == 0, torch.ones_like(d), 1.0 - d), count + 1

@@ -17,6 +17,7 @@ from . import foreach
 from .base import GradientTransformation, elementwise_transform
 from .engine import elementwise as E
 from .engine import native
+from .engine.scalars import scalar_program
 from .engine.view import prepare
 from .spec import attach_spec
 from .transforms import stateless_elementwise
@@ -116,11 +117,14 @@ def global_norm_start(b, norm_type: float = 2.0) -> Callable[[], torch.Tensor]:
     finish = b.global_reduce_start(terms, b.active, kind)
     if kind == "max":
         return finish
-    if norm_type == 2.0:
-        if dtype is not None:
-            return lambda: finish().sqrt().to(dtype)
-        return lambda: finish().sqrt()
-    return lambda: finish().pow(1.0 / norm_type)
+    return lambda: _root(finish(), norm_type, dtype)[0]
+
+
+@scalar_program
+def _root(total: torch.Tensor, norm_type: float, dtype: torch.dtype | None) -> tuple:
+    """``(total^(1/p),)`` for the sum ``total`` of the p-th powers (in ``dtype`` where given)."""
+    x = total.sqrt() if norm_type == 2.0 else total.pow(1.0 / norm_type)
+    return (x if dtype is None else x.to(dtype),)
 
 
 def global_norm(updates, *, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
@@ -140,7 +144,12 @@ def clip_factor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """:func:`clip_by_global_norm`'s factor ``min(1, max_norm / (total + 1e-6))`` for the
     global norm ``total`` (a 0-dim tensor; the result has its dtype and device), as
     ``torch.nn.utils.clip_grad_norm_`` computes it."""
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return _clip_factor(total, max_norm)[0]
+
+
+@scalar_program
+def _clip_factor(total: torch.Tensor, max_norm: float) -> tuple:
+    return (torch.clamp(max_norm / (total + 1e-6), max=1.0),)
 
 
 def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTransformation:

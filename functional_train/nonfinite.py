@@ -30,6 +30,7 @@ from .base import GradientTransformation, call_reduced, declare
 from .engine import elementwise as E
 from .engine import native
 from .engine.dtensor import to_local, wrap_like
+from .engine.scalars import scalar_program
 from .engine.view import Prepared, prepare
 from .spec import transform_spec
 from .tree import find_state, first_device, leaves_of
@@ -191,11 +192,36 @@ def _tolerant(max_consecutive_errors: int) -> Callable:
 
     def decide(counters, finite):
         notfinite_count, _, total_notfinite = counters
-        count = torch.where(finite, torch.zeros_like(notfinite_count), notfinite_count + 1)
-        ok = finite | (count > max_consecutive_errors)
-        return ok, (count, finite, total_notfinite + (~finite).to(torch.int64))
+        ok, count, total = _tolerant_decision(
+            notfinite_count, total_notfinite, finite, max_consecutive_errors
+        )
+        return ok, (count, finite, total)
 
     return decide
+
+
+@scalar_program
+def _tolerant_decision(
+    notfinite_count: torch.Tensor,
+    total_notfinite: torch.Tensor,
+    finite: torch.Tensor,
+    max_consecutive_errors: int,
+) -> tuple:
+    """:func:`_tolerant`'s ``(ok, notfinite_count, total_notfinite)`` after an update whose
+    finiteness is ``finite``."""
+    count = torch.where(finite, torch.zeros_like(notfinite_count), notfinite_count + 1)
+    ok = finite | (count > max_consecutive_errors)
+    return ok, count, total_notfinite + (~finite).to(torch.int64)
+
+
+@scalar_program
+def _is_finite(x: torch.Tensor) -> tuple:
+    return (torch.isfinite(x),)
+
+
+@scalar_program
+def _is_nan(x: torch.Tensor) -> tuple:
+    return (torch.isnan(x),)
 
 
 def _guarded_parts(
@@ -226,7 +252,7 @@ def _guarded_parts(
         if clip is not None:
             sc, fin = E.call_prologue(clip, cs, b, ctx)
             new_cs = fin(())
-            finite = torch.isfinite(new_cs.global_norm)
+            (finite,) = _is_finite(new_cs.global_norm)
         else:
             sc, new_cs = (), None
             finite = _all_finite_of(b)
@@ -498,7 +524,7 @@ def zero_nans() -> GradientTransformation:
             sq, ctx[E.SUM_SQUARES] = _squares_and_zeroed(b)
         else:
             sq = leaf_squares(b)
-        found = torch.isnan(b.leaf_totals_vector(b.active, sq)).unbind()
+        found = _is_nan(b.leaf_totals_vector(b.active, sq))[0].unbind()
         flags: list = [None] * len(b.locals)
         for i, f in zip(b.active, found):
             flags[i] = f
@@ -643,7 +669,7 @@ def dynamic_loss_scale(
                 new_updates = new_updates.tree()
             return new_updates, new_state
         b = prepare(updates, params, mesh, name=where, view=True)
-        inv = state.scale.double().reciprocal().float()
+        (inv,) = _unscale_factor(state.scale)
         g = [b.locals[i] for i in b.active]
         unscaled: list = [None] * len(b.locals)
         # (the float32 factor would promote 0-dim low-precision leaves: keep their dtype)
@@ -662,21 +688,17 @@ def dynamic_loss_scale(
         )
 
     def decide(counters, finite):
-        # torch's _amp_update_scale_, as tensor ops: its kernels (CPU and CUDA) multiply the
-        # float32 scale by the factor as a double and round the product to float32 once (a
-        # float32 product would round a factor such as 1.1 or 0.3 first: an ulp off per change)
         old_scale, old_tracker, _, total_notfinite = counters
-        tracker = torch.where(finite, old_tracker + 1, torch.zeros_like(old_tracker))
-        scale64 = old_scale.double()
-        grown = (scale64 * growth_factor).to(old_scale.dtype)
-        grow = finite & (tracker == growth_interval)
-        scale = torch.where(
-            ~finite,
-            (scale64 * backoff_factor).to(old_scale.dtype),
-            torch.where(grow & torch.isfinite(grown), grown, old_scale),
+        scale, tracker, total = _scale_decision(
+            old_scale,
+            old_tracker,
+            total_notfinite,
+            finite,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
         )
-        tracker = torch.where(grow, torch.zeros_like(tracker), tracker)
-        return finite, (scale, tracker, finite, total_notfinite + (~finite).to(torch.int64))
+        return finite, (scale, tracker, finite, total)
 
     fus = None if inner_fus is None else _scaled(inner_fus, clip_norm is not None, decide)
     if fus is not None:
@@ -684,8 +706,43 @@ def dynamic_loss_scale(
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
+@scalar_program
+def _scale_decision(
+    old_scale: torch.Tensor,
+    old_tracker: torch.Tensor,
+    total_notfinite: torch.Tensor,
+    finite: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> tuple:
+    """:func:`dynamic_loss_scale`'s new ``(scale, growth_tracker, total_notfinite)`` after an
+    update whose finiteness is ``finite``: torch's ``_amp_update_scale_``, as tensor ops. Its
+    kernels (CPU and CUDA) multiply the float32 scale by the factor as a double and round the
+    product to float32 once (a float32 product would round a factor such as 1.1 or 0.3 first:
+    an ulp off per change)."""
+    tracker = torch.where(finite, old_tracker + 1, torch.zeros_like(old_tracker))
+    scale64 = old_scale.double()
+    grown = (scale64 * growth_factor).to(old_scale.dtype)
+    grow = finite & (tracker == growth_interval)
+    scale = torch.where(
+        ~finite,
+        (scale64 * backoff_factor).to(old_scale.dtype),
+        torch.where(grow & torch.isfinite(grown), grown, old_scale),
+    )
+    tracker = torch.where(grow, torch.zeros_like(tracker), tracker)
+    return scale, tracker, total_notfinite + (~finite).to(torch.int64)
+
+
+@scalar_program
+def _unscale_factor(scale: torch.Tensor) -> tuple:
+    """``(1 / scale,)``, the reciprocal taken in float64 and rounded to float32
+    (``GradScaler.unscale_``)."""
+    return (scale.double().reciprocal().float(),)
+
+
 def _unscale_prologue(scale, b):
-    return (scale.double().reciprocal().float(),), lambda trees: None
+    return _unscale_factor(scale), lambda trees: None
 
 
 def _unscale_leaf(u, p, s, h, key):

@@ -21,6 +21,7 @@ from .base import EmptyState, GradientTransformation, check_state, declare, elem
 from .combine import mask_of
 from .engine import elementwise as E
 from .engine import native
+from .engine.scalars import scalar_program
 from .engine.view import prepare
 from .hyperparams import is_injected, value_of
 from .quantization import ScaleByAdam8bitState
@@ -186,8 +187,8 @@ def scale_by_learning_rate(
 
     def prologue(state, b):
         check_state(state, ScaleByScheduleState, "scale_by_learning_rate")
-        value = torch.as_tensor(lr(state.count), dtype=torch.float64) * sign
-        return (value,), lambda trees: ScaleByScheduleState(state.count + 1)
+        value, count = _scheduled(lr, state.count, sign)
+        return (value,), lambda trees: ScaleByScheduleState(count)
 
     spec = E.Elementwise("scale_by_learning_rate", leaf, prologue, E.no_fields, 0)
     return elementwise_transform(spec, init_fn)
@@ -328,14 +329,7 @@ def trace(
     def prologue(state, b):
         check_state(state, TraceState, "trace")
         decay, dampening = value_of(decay_arg), value_of(damp_arg)
-        first = (state.count == 0).to(torch.float64)
-        if isinstance(decay, torch.Tensor):
-            on = (decay != 0).to(torch.float64)
-            count = state.count + on.to(state.count.dtype)
-        else:
-            flag = decay != 0 or not injected
-            on = torch.tensor(float(flag), dtype=torch.float64, device=first.device)
-            count = state.count + int(flag)
+        first, on, count = _trace_counts(state.count, decay, injected)
         return (decay, 1.0 - dampening, first, on), lambda trees: TraceState(count, *trees)
 
     def fields(state):
@@ -497,25 +491,71 @@ def scale_by_adam(
             not_differentiable(
                 "scale_by_adam with optim_bits=8", "8-bit quantisation of the moments"
             )
-        count = state.count + 1
-        scalars = _adam_scalars(b1_arg, b2_arg, eps_arg, bias_correction, count)
+        b1, b2, eps = value_of(b1_arg), value_of(b2_arg), value_of(eps_arg)
+        count, bc1, bc2_sqrt = _adam_next(state.count, b1, b2, bias_correction)
+        scalars = (b1, b2, eps, bc1, bc2_sqrt)
         out, mu, nu = E.apply_part(spec, [b.locals[i] for i in act], (mu, nu), scalars)
         return b.rebuild_active(out), Q.quantize_state(b, state, count, mu, nu, deq)
 
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def _adam_scalars(b1_arg, b2_arg, eps_arg, bias_correction: bool, count: torch.Tensor) -> tuple:
-    """:func:`scale_by_adam`'s scalars at the update whose new count is ``count``:
-    ``(b1, b2, eps, 1 - b1^t, sqrt(1 - b2^t))`` (the corrections as float64 0-dim tensors)."""
+@scalar_program
+def _trace_counts(count: torch.Tensor, decay, injected: bool) -> tuple:
+    """:func:`trace`'s flags ``first`` (no update yet) and ``on`` (a momentum: ``decay != 0``,
+    or not injected), float64 0-dim tensors, and the new count (which counts the updates
+    with a momentum)."""
+    first = (count == 0).to(torch.float64)
+    if isinstance(decay, torch.Tensor):
+        on = (decay != 0).to(torch.float64)
+        return first, on, count + on.to(count.dtype)
+    flag = decay != 0 or not injected
+    on = torch.tensor(float(flag), dtype=torch.float64, device=first.device)
+    return first, on, count + int(flag)
+
+
+@scalar_program
+def _joined(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """``(torch.cat([a, b]),)``."""
+    return (torch.cat([a, b]),)
+
+
+@scalar_program
+def _trust_ratios(
+    sums: torch.Tensor, n: int, min_norm: float, trust_coefficient: float, eps: float
+) -> tuple:
+    """:func:`scale_by_trust_ratio`'s per-leaf ratios (one vector) from ``sums``, the
+    parameters' ``n`` global sums of squares then the updates': ``trust_coefficient *
+    ||p|| / (||u|| + eps)``, the norms clamped below at ``min_norm``, 1 where either is 0."""
+    totals = sums.sqrt()
+    pn, un = totals[:n].clamp(min=min_norm), totals[n:].clamp(min=min_norm)
+    ratio = trust_coefficient * pn / (un + eps)
+    return (torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio),)
+
+
+@scalar_program
+def _scheduled(schedule: Callable, count: torch.Tensor, sign: float) -> tuple:
+    """``(schedule(count) * sign, count + 1)``: a scheduled learning rate, signed, as a
+    float64 0-dim tensor, and the new count."""
+    return torch.as_tensor(schedule(count), dtype=torch.float64) * sign, count + 1
+
+
+@scalar_program
+def _adam_next(count: torch.Tensor, b1, b2, bias_correction: bool) -> tuple:
+    """:func:`scale_by_adam`'s new count ``t = count + 1`` and its bias corrections
+    ``(t, 1 - b1^t, sqrt(1 - b2^t))`` (:func:`_corrections`)."""
+    t = count + 1
+    return (t, *_corrections(t, b1, b2, bias_correction))
+
+
+def _corrections(count: torch.Tensor, b1, b2, bias_correction: bool) -> tuple:
+    """``(1 - b1^t, sqrt(1 - b2^t))`` (float64 0-dim tensors; ones without
+    ``bias_correction``) for the count ``t`` of the update."""
     t = count.to(torch.float64)
-    b1, b2, eps = value_of(b1_arg), value_of(b2_arg), value_of(eps_arg)
     if bias_correction:
-        bc1 = 1.0 - torch.pow(b1, t)
-        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
-    else:
-        bc1 = bc2_sqrt = torch.ones((), dtype=torch.float64, device=t.device)
-    return b1, b2, eps, bc1, bc2_sqrt
+        return 1.0 - torch.pow(b1, t), torch.sqrt(1.0 - torch.pow(b2, t))
+    one = torch.ones((), dtype=torch.float64, device=t.device)
+    return one, one
 
 
 def _adam_spec(b1_arg, b2_arg, eps_arg, amsgrad, bias_correction, eps_before, state_cls):
@@ -525,12 +565,13 @@ def _adam_spec(b1_arg, b2_arg, eps_arg, amsgrad, bias_correction, eps_before, st
 
     def prologue(state, b):
         check_state(state, state_cls, "scale_by_adam")
-        count = state.count + 1
+        b1, b2, eps = value_of(b1_arg), value_of(b2_arg), value_of(eps_arg)
+        count, bc1, bc2_sqrt = _adam_next(state.count, b1, b2, bias_correction)
 
         def finish(trees):
             return state_cls(count, *trees)
 
-        return _adam_scalars(b1_arg, b2_arg, eps_arg, bias_correction, count), finish
+        return (b1, b2, eps, bc1, bc2_sqrt), finish
 
     def fields(state):
         out = [(state.mu, f"{cls}.mu"), (state.nu, f"{cls}.nu")]
@@ -587,7 +628,7 @@ class AdamLeaf(NamedTuple):
     def factors(self, count: torch.Tensor) -> tuple:
         """``(1 - b1^t, sqrt(1 - b2^t))`` (float64 0-dim tensors) for ``count`` = the new
         state's count ``t``."""
-        return _adam_scalars(self.b1, self.b2, self.eps, self.bias_correction, count)[3:]
+        return _corrections(count, value_of(self.b1), value_of(self.b2), self.bias_correction)
 
     def step(
         self,
@@ -671,11 +712,6 @@ def scale_by_trust_ratio(
         p = [b.params[i] for i in act]
         n = len(act)
 
-        def ratio_of(pn, un):
-            pn, un = pn.clamp(min=min_norm), un.clamp(min=min_norm)
-            ratio = trust_coefficient * pn / (un + eps)
-            return torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio)
-
         # float64 sums of squares: the native kernels (compiled: zeros where not needed at
         # all, see Prepared.needed), else torch's norms accumulated in float64; the updates'
         # as the stage that wrote them summed them, where it did (the same bits), and the
@@ -687,7 +723,7 @@ def scale_by_trust_ratio(
             if ps is None:
                 ps = native.local_sum_squares(p, b.needed)
             if ps is not None:
-                sums = torch.cat([ps, b.sum_squares])
+                (sums,) = _joined(ps, b.sum_squares)
         if sums is None:
             sums = native.local_sum_squares(xs, b.needed)
         if sums is None:
@@ -696,8 +732,9 @@ def scale_by_trust_ratio(
             else:
                 norms = foreach.norm(xs, 2, dtype=torch.float64)
             sums = torch.stack(norms).square()
-        totals = b.leaf_totals_vector(act + act, sums).sqrt()
-        return (list(ratio_of(totals[:n], totals[n:]).unbind()),)
+        totals = b.leaf_totals_vector(act + act, sums)
+        (ratio,) = _trust_ratios(totals, n, min_norm, trust_coefficient, eps)
+        return (list(ratio.unbind()),)
 
     def leaf(u, p, s, h, key):
         """``u * ratio``, the leaf's own ratio (a 0-dim float64 tensor) in ``u``'s dtype."""

@@ -115,3 +115,41 @@ def test_compiled_muon_with_a_tall_matrix_matches_eager():
         change = pe[k] - params[k]
         assert float(change.abs().max()) > 1e-3
         torch.testing.assert_close(pc[k] - params[k], change, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_scalar_program_is_one_operator_with_fresh_results():
+    """``engine.scalars.scalar_program`` under ``torch.compile``: plain CPU tensors go through
+    one ``functional_train::scalars`` call, whose results are fresh tensors (an input handed
+    back, or one result twice, comes back as a copy: an operator's results alias nothing) of
+    the function's values; a tensor that requires grad keeps the function traced as it is
+    (differentiable); called eagerly it is the function itself."""
+    from functional_train.engine.scalars import scalar_program
+
+    @scalar_program
+    def program(x, k: float):
+        y = x * k
+        return x, y, y
+
+    x = torch.tensor([1.0, 2.0])
+    assert program(x, 3.0)[0] is x  # (eagerly: the function)
+    seen: list = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: program(x, 3.0), backend=backend, fullgraph=True)
+    a, b, c = f(x)
+    assert [s for s in seen if s != "<built-in function getitem>"] == [
+        "functional_train.scalars.default"
+    ], seen
+    assert torch.equal(a, x) and a is not x and a.data_ptr() != x.data_ptr()
+    assert torch.equal(b, x * 3.0) and torch.equal(c, b) and b.data_ptr() != c.data_ptr()
+    seen.clear()
+    w = x.clone().requires_grad_(True)
+    _, y, _ = f(w)
+    assert "functional_train.scalars.default" not in seen, seen
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.full((2,), 3.0))

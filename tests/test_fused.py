@@ -16,6 +16,7 @@ import contextlib
 import re
 import sys
 
+import optree
 import pytest
 import torch
 
@@ -534,6 +535,87 @@ def test_stage_operators_go_straight_to_their_function(donate, monkeypatch):
 
         opov.default(*[fake(a) for a in [*args[:3], flat, *args[4:]]])
     assert not calls  # (down the dispatcher to the fake kernel)
+
+
+def _clip_adamw():
+    return ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1))
+
+
+# chains whose compiled step on plain CPU tensors leaves inductor nothing to generate (the rows
+# of benchmarks/bench_compose.py): the passes are the stage operators, the scalar arithmetic
+# around them functional_train::scalars (engine.scalars)
+OPERATORS_ONLY = {
+    "multi_steps": CHAINS["multi_steps"],
+    "apply_if_finite": lambda: ft.apply_if_finite(_clip_adamw(), max_consecutive_errors=2),
+    "ema_params": lambda: ft.chain(_clip_adamw(), ft.ema_params(0.9)),
+    "ema_params_warmup": lambda: ft.chain(_clip_adamw(), ft.ema_params(0.9, warmup=True)),
+    "schedule": lambda: ft.chain(
+        ft.clip_by_global_norm(1.0),
+        ft.adamw(ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.1),
+    ),
+    "loss_scale": lambda: ft.dynamic_loss_scale(_clip_adamw(), init_scale=2.0**4),
+    "zero_nans": lambda: ft.chain(ft.zero_nans(), _clip_adamw()),
+    "lamb": lambda: ft.chain(ft.clip_by_global_norm(1.0), ft.lamb(1e-2, weight_decay=0.1)),
+    "partition": lambda: ft.partition(
+        {"a": _clip_adamw(), "b": ft.chain(ft.clip_by_global_norm(0.5), ft.sgd(0.1, 0.9))},
+        {"w": "a", "b": "b", "e": "a", "s": "b"},
+    ),
+}
+
+# (the operations inductor makes no kernel for: views of a result, taking a list's items)
+_VIEWS = {
+    "<built-in function getitem>",
+    "aten.unbind.int",
+    "aten.slice.Tensor",
+    "aten.split.Tensor",
+    "aten.view.default",
+    "aten.alias.default",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", sorted(OPERATORS_ONLY))
+def test_compiled_step_leaves_inductor_no_arithmetic(name, donate):
+    """``torch.compile(ft.step)`` of plain CPU tensors: the graph inductor gets (after AOT's
+    decompositions) holds the library's operators and views only. Its scalar arithmetic
+    (counters, bias corrections, the norm's root and the clip factor, the wrappers' flags and
+    selects, a schedule, the trust ratios) is ``functional_train::scalars`` calls, so inductor
+    builds no C++ kernel, and starts no probe of the CPU's vector instruction sets, which
+    took about 8 of the 20 s a cold first call of ``multi_steps`` took. The results are the
+    eager step's bit for bit, its counters included, over several steps, with one graph."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    targets: set = set()
+
+    def forward(gm, example_inputs):
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                # (a mutating operator's functional form: the operator it wraps)
+                functional = str(n.target).startswith("auto_functionalized")
+                targets.add(str(n.args[0] if functional else n.target))
+        return gm
+
+    tx = OPERATORS_ONLY[name]()
+    counter = CompileCounterWithBackend(aot_autograd(fw_compiler=forward))
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda g, s, p: ft.step(tx, g, s, p, donate=donate), backend=counter, fullgraph=True
+    )
+    params, grads = _problem()
+    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    pe, se = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    for g in grads:
+        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        pe, se = ft.step(tx, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
+    assert counter.frame_count == 1
+    got, want = optree.tree_leaves((pc, sc)), optree.tree_leaves((pe, se))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and a.dtype == b.dtype, (a, b)
+    assert "functional_train.scalars.default" in targets, targets
+    assert {t for t in targets if not t.startswith("functional_train.")} <= _VIEWS, targets
 
 
 @pytest.mark.slow

@@ -137,6 +137,7 @@ from .metadata import Memo
 from .operators import register_kernels
 from .owners import assume_constant_result
 from .pool import LAZY_CLONES, Pool, empties_like, in_one_order, lazy_clones, of_plan
+from .scalars import scalar_program
 
 __all__ = [
     "Elementwise",
@@ -922,10 +923,11 @@ def _compiled(
 ):
     n = len(u)
     flat = list(u) + (list(p) if p is not None else []) + [x for f in fields for x in f]
-    sc = [
-        x if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
-        for x in scalars
-    ]
+    numbers = [x for x in scalars if not isinstance(x, torch.Tensor)]
+    sc = list(scalars)
+    if numbers:  # (as 0-dim float64 tensors, made by an operator: see .scalars)
+        made = iter(_as_tensors(u[0], *numbers))
+        sc = [x if isinstance(x, torch.Tensor) else next(made) for x in scalars]
     m = len(stage.parts)
     if all(k is None for k in keys):
         enc = []  # no static keys
@@ -974,6 +976,12 @@ def _compiled(
             elif apply == "donate" and x.dtype == outs[r][j].dtype:
                 x.copy_(outs[r][j])  # the results over their inputs, as the eager donated step
     return outs
+
+
+@scalar_program
+def _as_tensors(like: torch.Tensor, *numbers) -> tuple:
+    """``numbers`` as 0-dim float64 tensors on ``like``'s device."""
+    return tuple(torch.tensor(float(x), dtype=torch.float64, device=like.device) for x in numbers)
 
 
 @assume_constant_result
@@ -2098,13 +2106,30 @@ def select_state(ok: torch.Tensor, new, old, fields):
     def written(x) -> bool:  # (a field tree: taken whole, not descended into)
         return any(x is t for t in fields)
 
+    pairs: list = []  # (the leaves to select, their local tensors: one operator for all)
+
+    def pair(n, o):
+        if isinstance(n, torch.Tensor) and n is not o:
+            pairs.append((to_local(n), to_local(o)))
+        return n
+
+    optree.tree_map(pair, new, old, is_leaf=written, none_is_leaf=True)
+    if not pairs:
+        return new
+    picked = iter(_select(ok.to(pairs[0][0].device), *(x for p in pairs for x in p)))
+
     def pick(n, o):
         if not isinstance(n, torch.Tensor) or n is o:
             return n
-        ln, lo = to_local(n), to_local(o)
-        return wrap_like(torch.where(ok.to(ln.device), ln, lo), n)
+        return wrap_like(next(picked), n)
 
     return optree.tree_map(pick, new, old, is_leaf=written, none_is_leaf=True)
+
+
+@scalar_program
+def _select(ok: torch.Tensor, *pairs: torch.Tensor) -> tuple:
+    """``torch.where(ok, new, old)`` for each ``new, old`` of ``pairs``."""
+    return tuple(torch.where(ok, pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
 
 
 def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:

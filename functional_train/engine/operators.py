@@ -1,8 +1,9 @@
 """Kernels registered over ``torch.library.custom_op``'s own, for the library's operators
-(``functional_train::fused_stage`` and ``fused_stage_donated``): each is called once per
-stage of a compiled step with hundreds of tensors in its list arguments (~600 for a 122-leaf
-stage), and every trip down the dispatcher converts each of them to and from the
-dispatcher's boxed values; ``custom_op``'s own kernels take two such trips more than these.
+(``functional_train::fused_stage`` and ``fused_stage_donated``, and ``scalars``, see
+:mod:`.scalars`): a stage operator is called once per stage of a compiled step with hundreds
+of tensors in its list arguments (~600 for a 122-leaf stage), and every trip down the
+dispatcher converts each of them to and from the dispatcher's boxed values; ``custom_op``'s
+own kernels take two such trips more than these.
 
 :func:`register_kernels` gives an operator
 

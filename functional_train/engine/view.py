@@ -30,6 +30,7 @@ from .layout import region, statistic_shape
 from .metadata import Memo
 from .plan import Plan, agree_presence, describe, plan_for, same_layout
 from .pool import of_plan
+from .scalars import scalar_program
 
 __all__ = ["Prepared", "prepare", "leaf_paths"]
 
@@ -495,6 +496,12 @@ def _done(x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: x
 
 
+@scalar_program
+def _reduce(vals: torch.Tensor, op: str) -> tuple:
+    """``(vals.sum(),)`` or ``(vals.max(),)`` (``op``: ``"sum"`` or ``"max"``)."""
+    return (vals.sum() if op == "sum" else vals.max(),)
+
+
 def _global_reduce_start(b: Prepared, values, indices, op: str) -> Callable[[], torch.Tensor]:
     world = b.world
     if len(values) == 0:
@@ -506,7 +513,7 @@ def _global_reduce_start(b: Prepared, values, indices, op: str) -> Callable[[], 
         dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
         vals = torch.stack([v.to(dtype) for v in values])
     if world.device_mesh is None or world.size == 1:
-        return _done(vals.sum() if op == "sum" else vals.max())
+        return _done(_reduce(vals, op)[0])
     key = ("global", tuple(indices), vals.dtype, vals.device)
     hit = b.plan.memo.get(key)
     if hit is None:  # (every leaf whole on every rank?, replica weights or None), per layout
