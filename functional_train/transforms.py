@@ -8,6 +8,7 @@ Each ``update`` flattens its trees once, reduces unreduced gradients (see
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ from .base import EmptyState, GradientTransformation, check_state, declare, elem
 from .combine import mask_of
 from .engine import elementwise as E
 from .engine import native
-from .engine.scalars import scalar_program
+from .engine.scalars import function_number, function_of, scalar_program
 from .engine.view import prepare
 from .hyperparams import is_injected, value_of
 from .quantization import ScaleByAdam8bitState
@@ -185,9 +186,17 @@ def scale_by_learning_rate(
     def init_fn(params):
         return ScaleByScheduleState(zero_count(params))
 
+    # (a plain function, as the library's schedules are: by its number, a constant of the
+    # compiled step's operator, see engine.scalars; another callable, such as an injected
+    # hyperparameter's cell, traced as it is)
+    number = function_number(lr) if isinstance(lr, types.FunctionType) else None
+
     def prologue(state, b):
         check_state(state, ScaleByScheduleState, "scale_by_learning_rate")
-        value, count = _scheduled(lr, state.count, sign)
+        if number is not None:
+            value, count = _numbered_schedule(number, state.count, sign)
+        else:
+            value, count = _scheduled(lr, state.count, sign)
         return (value,), lambda trees: ScaleByScheduleState(count)
 
     spec = E.Elementwise("scale_by_learning_rate", leaf, prologue, E.no_fields, 0)
@@ -533,11 +542,17 @@ def _trust_ratios(
     return (torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio),)
 
 
-@scalar_program
 def _scheduled(schedule: Callable, count: torch.Tensor, sign: float) -> tuple:
     """``(schedule(count) * sign, count + 1)``: a scheduled learning rate, signed, as a
     float64 0-dim tensor, and the new count."""
     return torch.as_tensor(schedule(count), dtype=torch.float64) * sign, count + 1
+
+
+@scalar_program
+def _numbered_schedule(number: int, count: torch.Tensor, sign: float) -> tuple:
+    """:func:`_scheduled` of the function :func:`~functional_train.engine.scalars.function_number`
+    gave ``number``."""
+    return _scheduled(function_of(number), count, sign)
 
 
 @scalar_program

@@ -153,3 +153,30 @@ def test_scalar_program_is_one_operator_with_fresh_results():
     assert "functional_train.scalars.default" not in seen, seen
     y.sum().backward()
     assert torch.equal(w.grad, torch.full((2,), 3.0))
+
+
+def test_scalar_program_text_reads_back_exactly():
+    """A compiled step names each ``functional_train::scalars`` call by text (a constant of
+    the graph, which a process loading a precompiled step reads): the function's qualified
+    name and each constant argument, read back as the same value (floats to the bit, a ``|``
+    inside a string, dtypes), tensors by position; a schedule comes as the number
+    ``function_number`` gave it, read back as the same function."""
+    from functional_train.engine import scalars as S
+
+    values = [0.1, -1e-300, float("inf"), 2**62, -3, True, False, None, "a|b", torch.bfloat16]
+    template = (S._TENSOR, *(("c", v) for v in values))
+    text = S._program("pkg.fn", template)
+    name, *args = text.split("|")
+    assert name == "pkg.fn" and len(args) == len(template)
+    back = [S._decode(a) for a in args]
+    assert back[0] == S._TENSOR
+    for v, c in zip(values, back[1:]):
+        assert c[1] == v and type(c[1]) is type(v), (v, c)
+
+    def schedule(count):
+        return count * 0.5
+
+    n = S.function_number(schedule)
+    assert S.function_of(n) is schedule
+    with pytest.raises(TypeError, match="has no encoding"):
+        S._program("pkg.fn", (("c", schedule),))

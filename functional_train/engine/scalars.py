@@ -10,11 +10,11 @@ for arithmetic worth microseconds. (The passes themselves are already opaque ope
 ``functional_train::fused_stage``.)
 
 A function decorated with :func:`scalar_program` takes tensors (small ones: 0-dim values or a
-vector of one value per leaf) and constants (numbers, bools, ``None``, dtypes, strings, plain
-functions such as a schedule) and returns a tuple of tensors. Called eagerly, or under
-``torch.compile`` with tensors that are not plain CPU tensors (CUDA: inductor's Triton kernels
-need no probe) or with another argument (an injected hyperparameter's cell), or recorded for
-autograd, it is the function itself. Under ``torch.compile`` with plain CPU tensors it is one
+vector of one value per leaf) and constants (numbers, bools, ``None``, dtypes, strings) and
+returns a tuple of tensors. Called eagerly, or under ``torch.compile`` with tensors that are
+not plain CPU tensors (CUDA: inductor's Triton kernels need no probe) or with another
+argument (an injected hyperparameter's cell), or recorded for autograd, it is the function
+itself. Under ``torch.compile`` with plain CPU tensors it is one
 call of ``functional_train::scalars``, whose kernel runs the function on the real tensors, and
 whose fake kernel on fake ones: the same operations, so the same bits as the eager step, and
 nothing for inductor to build. A compiled step made only of the library's operators (every
@@ -22,9 +22,11 @@ row of ``benchmarks/bench_compose.py``: ``tests/test_fused.py -k leaves_inductor
 without a C++ build. Each call costs a trip down the dispatcher (about 10 us) besides the
 function's own operations, which the eager step runs too.
 
-The function and its constant arguments are a *program*, numbered when dynamo first traces
-the call (the number is a constant of the graph); programs are kept for the process's life
-(one per call site and set of constants, a schedule's function included).
+The function and its constant arguments are a *program*, written as text when dynamo traces
+the call (the function's qualified name and each constant, floats exactly): a constant of the
+graph, which a process loading a precompiled step reads as the one that compiled it. A
+function among the constants (a schedule) is passed as the number :func:`function_number`
+gave it when its transform was built.
 
 Reference: ``torch.library.custom_op`` (torch's "custom operators" guide).
 """
@@ -32,7 +34,7 @@ Reference: ``torch.library.custom_op`` (torch's "custom operators" guide).
 from __future__ import annotations
 
 import functools
-import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -40,32 +42,86 @@ import torch
 from .operators import register_kernels
 from .owners import assume_constant_result
 
-__all__ = ["scalar_program"]
+__all__ = ["function_number", "function_of", "scalar_program"]
 
 ENABLED = True  # (False: traced as they are, for inductor; read when dynamo traces)
 
-_FUNCTIONS: list[Callable] = []  # (the decorated functions, by their number)
-_PROGRAMS: list[tuple] = []  # (function number, its arguments' template), by program number
-_NUMBERS: dict[tuple, int] = {}
+_FUNCTIONS: dict[str, Callable] = {}  # (the decorated functions, by their qualified names)
+_DECODED: dict[str, tuple] = {}  # (a program's text: its function's name, arguments' template)
 _TENSOR = ("tensor",)  # (a template's mark for a tensor argument; a constant's: ("c", value))
+_FUNCTIONS_GIVEN: list = []  # (weak references to the functions given to function_number)
+
+
+def function_number(fn: Callable) -> int:
+    """A number for ``fn`` (a plain function, such as a schedule) that a program may take
+    among its constants and turn back into ``fn`` with :func:`function_of`: given when a
+    transform is built, so that a process building its transforms in the same order gives
+    the same numbers (a precompiled step names them; :func:`~functional_train.precompiled_step`
+    fingerprints the transform, the number in its closure included). Held weakly."""
+    _FUNCTIONS_GIVEN.append(weakref.ref(fn))
+    return len(_FUNCTIONS_GIVEN) - 1
+
+
+def function_of(number: int) -> Callable:
+    """The function :func:`function_number` gave ``number``.
+
+    Raises:
+        RuntimeError: it is gone (its transform was collected)."""
+    fn = _FUNCTIONS_GIVEN[number]()
+    if fn is None:
+        raise RuntimeError(f"scalar program: function number {number} has been collected")
+    return fn
+
+
+def _encode(value) -> str:
+    if value is None:
+        return "N"
+    if isinstance(value, bool):
+        return "B1" if value else "B0"
+    if isinstance(value, int):
+        return f"I{value}"
+    if isinstance(value, float):
+        return "F" + value.hex()
+    if isinstance(value, str):
+        return "S" + value.encode().hex()
+    if isinstance(value, torch.dtype):
+        return "D" + str(value).removeprefix("torch.")
+    raise TypeError(f"scalar program: a constant argument {value!r} has no encoding")
+
+
+def _decode(text: str):
+    kind, rest = text[0], text[1:]
+    if kind == "T":
+        return _TENSOR
+    if kind == "N":
+        return ("c", None)
+    if kind == "B":
+        return ("c", rest == "1")
+    if kind == "I":
+        return ("c", int(rest))
+    if kind == "F":
+        return ("c", float.fromhex(rest))
+    if kind == "S":
+        return ("c", bytes.fromhex(rest).decode())
+    return ("c", getattr(torch, rest))  # (D: a dtype)
 
 
 @assume_constant_result
-def _program(function: int, template: tuple) -> int:
-    """The number of the program: the function ``function`` with the constant arguments of
-    ``template`` (called by dynamo while it traces: a graph constant)."""
-    key = (function, template)
-    n = _NUMBERS.get(key)
-    if n is None:
-        n = _NUMBERS[key] = len(_PROGRAMS)
-        _PROGRAMS.append(key)
-    return n
+def _program(name: str, template: tuple) -> str:
+    """The program's text: the function's qualified name ``name`` and the constant arguments
+    of ``template``, ``|``-separated (called by dynamo while it traces: a constant of the
+    graph; in another process, which loads a precompiled step, the same text)."""
+    return "|".join([name, *("T" if len(c) == 1 else _encode(c[1]) for c in template)])
 
 
-def _run(program: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    function, template = _PROGRAMS[program]
+def _run(program: str, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    hit = _DECODED.get(program)
+    if hit is None:
+        name, *args = program.split("|")
+        hit = _DECODED[program] = (name, tuple(map(_decode, args)))
+    name, template = hit
     it = iter(xs)
-    out = _FUNCTIONS[function](*[next(it) if len(c) == 1 else c[1] for c in template])
+    out = _FUNCTIONS[name](*[next(it) if len(c) == 1 else c[1] for c in template])
     res = []
     seen: set = set()
     for x in out:
@@ -78,9 +134,9 @@ def _run(program: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @torch.library.custom_op("functional_train::scalars", mutates_args=())
-def _scalars_op(program: int, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A :func:`scalar_program`'s function (``program``: its number with its constant
-    arguments) on its tensor arguments ``xs``."""
+def _scalars_op(program: str, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A :func:`scalar_program`'s function on its tensor arguments ``xs`` (``program``: the
+    function's name and its constant arguments, see :func:`_program`)."""
     return _run(program, xs)
 
 
@@ -92,10 +148,9 @@ def _(program, xs):
 register_kernels(_scalars_op)
 
 
-# (the arguments a program takes: tensors, and constants dynamo passes to _program by value;
-# a plain function by identity, such as a schedule, but no other object, such as an
-# injected hyperparameter's cell: the function is then traced as it is)
-_ARGUMENTS = (torch.Tensor, int, float, str, type(None), torch.dtype, types.FunctionType)
+# (the arguments a program takes: tensors, and constants it can write as text; with another
+# argument, such as an injected hyperparameter's cell, the function is traced as it is)
+_ARGUMENTS = (torch.Tensor, int, float, str, type(None), torch.dtype)
 
 
 def _opaque(tensors: list) -> bool:
@@ -113,9 +168,11 @@ def scalar_program(fn: Callable[..., tuple]) -> Callable[..., tuple]:
     arithmetic of a step on small tensors, as the module's docstring says: called under
     ``torch.compile`` with plain CPU tensors, one ``functional_train::scalars`` operator.
     Its results must be new tensors or its inputs (the operator copies those it returns as
-    they were); its constant arguments hashable."""
-    number = len(_FUNCTIONS)
-    _FUNCTIONS.append(fn)
+    they were). A compiled step names it by its qualified name: a module-level function,
+    whose values come as arguments (not a closure's); a later function of the same name
+    (a notebook cell run again) replaces it."""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+    _FUNCTIONS[name] = fn
 
     @functools.wraps(fn)
     def call(*args):
@@ -125,6 +182,6 @@ def scalar_program(fn: Callable[..., tuple]) -> Callable[..., tuple]:
         if not _opaque(tensors) or not all(isinstance(a, _ARGUMENTS) for a in args):
             return fn(*args)
         template = tuple(_TENSOR if isinstance(a, torch.Tensor) else ("c", a) for a in args)
-        return tuple(_scalars_op(_program(number, template), tensors))
+        return tuple(_scalars_op(_program(name, template), tensors))
 
     return call
