@@ -14,9 +14,9 @@ vector of one value per leaf) and constants (numbers, bools, ``None``, dtypes, s
 returns a tuple of tensors. Called eagerly, or under ``torch.compile`` with tensors that are
 not plain CPU tensors (CUDA: inductor's Triton kernels need no probe) or with another
 argument (an injected hyperparameter's cell), or recorded for autograd, it is the function
-itself. Under ``torch.compile`` with plain CPU tensors it is one
-call of ``functional_train::scalars``, whose kernel runs the function on the real tensors, and
-whose fake kernel on fake ones: the same operations, so the same bits as the eager step, and
+itself. Under ``torch.compile`` with plain CPU tensors it is one call of
+``functional_train::scalars``, whose kernel runs the function on the real tensors, and whose
+fake kernel on fake ones: the same operations, so the same bits as the eager step, and
 nothing for inductor to build. A compiled step made only of the library's operators (every
 row of ``benchmarks/bench_compose.py``: ``tests/test_fused.py -k leaves_inductor``) compiles
 without a C++ build. Each call costs a trip down the dispatcher (about 10 us) besides the
