@@ -174,7 +174,7 @@ def _run_checked(inner, clip_norm, b: Prepared, inner_state, params, extra, devi
     finite = None if clip_norm is not None else _all_finite_of(b)
     updates, new_inner, _ = call_reduced(inner, b, inner_state, params, b.mesh, extra)
     if finite is None:
-        finite = torch.isfinite(clip_norm(new_inner))
+        (finite,) = _is_finite(clip_norm(new_inner))
     return finite.to(device), updates, new_inner
 
 
@@ -216,6 +216,8 @@ def _tolerant_decision(
 
 @scalar_program
 def _is_finite(x: torch.Tensor) -> tuple:
+    """``(isfinite(x),)``: whether the leading clip's norm is finite (the decision of both
+    the general and the fused paths)."""
     return (torch.isfinite(x),)
 
 
