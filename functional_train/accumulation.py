@@ -472,28 +472,47 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         acc = torch.where(h[0] != 0, u.to(s[0].dtype), summed(u, s))
         return acc / kf, (torch.where(h[1] != 0, torch.zeros_like(acc), acc),)
 
-    def traced_form(inner_fus: E.Fusable) -> E.Fusable:
-        parts = (
-            # (its updates used only where the flag holds: the parts after it are guarded by it)
-            E.Elementwise(
-                "multi_steps",
-                traced_add,
-                traced_prologue,
-                fields,
-                1,
-                context=True,
-                guard=E.DISCARDS,
-            ),
-            *(E.guarded(q, key, "multi_steps") for q in inner_fus.parts),
-            E.zeroed_unless(key, "multi_steps"),
+    # (its updates used only where the flag holds: the parts after it are guarded by it)
+    traced_first = E.Elementwise(
+        "multi_steps", traced_add, traced_prologue, fields, 1, context=True, guard=E.DISCARDS
+    )
+    traced_last = E.zeroed_unless(key, "multi_steps")
+
+    def traced_parts(inner_parts: tuple) -> tuple:
+        return (
+            traced_first,
+            *(E.guarded(q, key, "multi_steps") for q in inner_parts),
+            traced_last,
         )
+
+    def traced_form(inner_fus: E.Fusable, parts: tuple) -> E.Fusable:
         return E.Fusable(
             parts,
             lambda state: [state, *inner_fus.split(state.inner_state), None],
             lambda states: states[0]._replace(inner_state=inner_fus.join(states[1:-1])),
         )
 
-    traced_variant = None if inner_fus is None else traced_form(inner_fus)
+    traced_variant = (
+        None if inner_fus is None else traced_form(inner_fus, traced_parts(inner_fus.parts))
+    )
+    # (an inner Switch's choice under torch.compile is a new Fusable per call over the parts
+    # it declares, its traced_parts: the parts derived from them are made here, as a traced
+    # step cannot make parts, whose registry holds weak references)
+    switch_parts = None
+    if inner_switch is not None and inner_switch.traced_parts is not None:
+        switch_parts = traced_parts(inner_switch.traced_parts)
+    has_traced = traced_variant is not None or switch_parts is not None
+
+    def traced_choice(updates, state, params, mesh) -> E.Fusable | None:
+        """The traced form: over the inner transform's fused form, or over its Switch's
+        choice where the Switch declares its parts under ``torch.compile``
+        (``inject_hyperparams``' where it reads no value on the host)."""
+        if traced_variant is not None or switch_parts is None:
+            return traced_variant
+        f = inner_switch.choose(updates, state.inner_state, params, mesh)
+        if f is None or f.zero_updates or len(f.parts) + 2 != len(switch_parts):
+            return None
+        return traced_form(f, switch_parts)
 
     mean_add_part = part(mean_add, final_prologue)
     mean_start_part = part(mean_start, final_prologue)
@@ -520,14 +539,14 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             params is None
             or not isinstance(state, MultiStepsState)
             or (traced() and not compiling)  # (a torch.func transform: the general path)
-            or (compiling and traced_variant is None)
+            or (compiling and not has_traced)
         ):
             return None
         if compiling and mesh is None:  # (no treedef: dynamo traces optree's flattening)
             g, acc, pl = leaves_of(updates), leaves_of(state.acc_grads), leaves_of(params)
             if not len(g) == len(acc) == len(pl) == len(state.seen):
                 return None
-            return traced_variant if _alike(g, acc, pl) else None
+            return traced_choice(updates, state, params, mesh) if _alike(g, acc, pl) else None
         g, treedef = tree_flatten(updates)
         try:
             acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
@@ -540,7 +559,7 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         if mesh is not None and not _reduced(treedef, g, pl, mesh):
             return None  # (unreduced gradients: accumulated as they are, reduced once)
         if compiling:  # (no host read: every leaf alike, the cycle's position a tensor)
-            return traced_variant if _alike(g, acc, pl) else None
+            return traced_choice(updates, state, params, mesh) if _alike(g, acc, pl) else None
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
         seen = _seen_values(state.seen)  # (a block's: one tolist; else .item() per flag)

@@ -35,6 +35,7 @@ import torch
 from .base import GradientTransformation
 from .base import elementwise_transform as transform
 from .engine.elementwise import Elementwise
+from .engine.scalars import counted, schedule_numbers
 from .hyperparams import value_of
 from .tree import first_device, state_zeros_like
 
@@ -100,6 +101,13 @@ def elementwise(
         ) from None
     keys = tuple(hp)
     n = len(names)
+    # (the schedules: evaluated with the count in one scalar program, see engine.scalars)
+    sched = tuple(
+        k
+        for k, v in hp.items()
+        if callable(v) and not isinstance(v, torch.Tensor) and not _injected(v)
+    )
+    numbers = schedule_numbers(hp[k] for k in sched)
 
     def init_fn(params):
         count = torch.zeros((), dtype=torch.int64, device=first_device(params))
@@ -111,16 +119,10 @@ def elementwise(
                 f"{name}: expected the ElementwiseState of {n} fields from its init, got "
                 f"{type(state).__name__}"
             )
-        values = []
-        for k in keys:
-            v = hp[k]
-            if callable(v) and not isinstance(v, torch.Tensor) and not _injected(v):
-                v = torch.as_tensor(v(state.count), dtype=torch.float64)
-            else:
-                v = value_of(v)
-            values.append(v)
-        count = state.count + 1
-        return tuple(values), lambda trees: ElementwiseState(count, tuple(trees))
+        count, *scheduled = counted(state.count, [hp[k] for k in sched], numbers)
+        at = dict(zip(sched, scheduled))
+        values = tuple(at[k] if k in at else value_of(hp[k]) for k in keys)
+        return values, lambda trees: ElementwiseState(count, tuple(trees))
 
     def fields_of(state):
         return tuple(

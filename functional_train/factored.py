@@ -45,6 +45,7 @@ from .combine import mask_of
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local
 from .engine.pool import Scratch
+from .engine.scalars import schedule_value
 from .engine.view import Prepared
 from .hyperparams import injectable, value_of
 from .spec import attach_spec, transform_spec
@@ -867,7 +868,9 @@ def decayed(u: torch.Tensor, p: torch.Tensor, coef: torch.Tensor, key) -> torch.
 
 def rho_at(rho, state) -> torch.Tensor:
     """The learning rate ``rho_t`` (float64, 0-dim) for the tail's state."""
-    return torch.as_tensor(rho(state.count) if callable(rho) else rho, dtype=torch.float64)
+    if callable(rho):
+        return schedule_value(rho, state.count)
+    return torch.as_tensor(rho, dtype=torch.float64)
 
 
 def adafactor_factors(
@@ -978,7 +981,7 @@ def _add_step_size_decayed_weights(
             return ([],), lambda trees: new_state
         if b.params is None:
             raise ValueError(f"{where}: needs params (update(..., params))")
-        lr = torch.as_tensor(rho(state.count), dtype=torch.float64)
+        lr = schedule_value(rho, state.count)
         wd = value_of(weight_decay)
         if scale_parameter:  # (HF's order: alpha_t = rho_t * scale, then alpha_t * wd)
             rms = block_rms(b, [b.params[i] for i in act], act)

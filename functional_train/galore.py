@@ -51,6 +51,7 @@ from .combine import leaf_values, partition
 from .engine import elementwise as E
 from .engine.dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .engine.pool import MIN_MEAN_BYTES, Scratch
+from .engine.scalars import schedule_value
 from .engine.view import Prepared, prepare
 from .engine.whole import (
     gather_global as _gather_global,
@@ -713,9 +714,7 @@ def _decay_after_update(
         check_state(state, ScaleByScheduleState, where)
         if b.params is None:
             raise ValueError(f"{where}: needs params (update(..., params))")
-        c = torch.as_tensor(learning_rate(state.count), dtype=torch.float64) * value_of(
-            weight_decay
-        )
+        c = schedule_value(learning_rate, state.count) * value_of(weight_decay)
         return (c,), lambda trees: ScaleByScheduleState(state.count + 1)
 
     spec = E.Elementwise(where, leaf, prologue, E.no_fields, 0, needs_params=True)

@@ -15,6 +15,7 @@ from . import _validate as V
 from .autograd import host_value
 from .base import GradientTransformation
 from .engine import elementwise as E
+from .engine.scalars import counted, schedule_numbers
 from .spec import (
     BuiltWith,
     Injected,
@@ -277,6 +278,7 @@ def inject_hyperparams(
         schedules = {
             n: v for n, v in injected.items() if callable(v) and not isinstance(v, torch.Tensor)
         }
+        numbers = schedule_numbers(schedules.values())  # (see engine.scalars.counted)
 
         def initial(name):
             v = injected[name]
@@ -367,7 +369,8 @@ def inject_hyperparams(
                 cell.value = hp[n]
 
         def resolve(state):
-            """``(inner transform, hyperparams of this update)``, with the cells set."""
+            """``(inner transform, hyperparams of this update, new count)``, with the cells
+            set."""
             if not isinstance(state, InjectHyperparamsState):
                 raise ValueError(
                     "inject_hyperparams: expected the InjectHyperparamsState "
@@ -390,8 +393,8 @@ def inject_hyperparams(
                     if n == "learning_rate" and lr_checked:  # (not set by set_hyperparams)
                         _check_learning_rate(v, where)
                     hp[n] = _as_value(v)
-            for n, fn in schedules.items():
-                hp[n] = _as_value(fn(state.count))
+            count, *values = counted(state.count, schedules.values(), numbers)
+            hp.update(zip(schedules, map(_as_value, values)))
             set_cells(hp)
             if (
                 checked_names
@@ -407,10 +410,10 @@ def inject_hyperparams(
                 if host_names
                 else first
             )
-            return inner, hp
+            return inner, hp, count
 
         def update_fn(updates, state, params=None, *, mesh=None, **extra):
-            inner, hp = resolve(state)
+            inner, hp, count = resolve(state)
             try:
                 updates, inner_state = inner.update(
                     updates, state.inner_state, params, mesh=mesh, **extra
@@ -420,7 +423,7 @@ def inject_hyperparams(
                 if err is e:
                     raise
                 raise err from e
-            return updates, InjectHyperparamsState(state.count + 1, hp, inner_state)
+            return updates, InjectHyperparamsState(count, hp, inner_state)
 
         def explain(inner, hp, error: Exception) -> Exception:
             """``error`` of an update of ``inner``, with the host-read values that changed
@@ -446,7 +449,7 @@ def inject_hyperparams(
             accepts_unreduced=inner_spec.accepts_unreduced,
             accepts_view=inner_spec.accepts_view,
             passes_unreduced=inner_spec.passes_unreduced,
-            elementwise=E.Switch(_fused_form(resolve, set_cells)),
+            elementwise=_fused_form(resolve, set_cells, traceable=not host_names, first=first),
             inject=Injected(
                 resolve,
                 explain,
@@ -521,46 +524,66 @@ def get_hyperparams(state: Any) -> dict:
     return find_state(state, InjectHyperparamsState, "get_hyperparams").hyperparams
 
 
-def _fused_form(resolve, set_cells):
+def _fused_form(resolve, set_cells, traceable: bool, first) -> E.Switch:
     """``inject_hyperparams``' :class:`~functional_train.engine.elementwise.Switch` choice: per
-    call (eagerly), the fused form of the inner transform built for this update's values, its
-    state the inner state, the count and the values of this update kept around it; ``None``
-    where the inner transform has none (it then runs by its own ``update``).
+    call (eagerly; under ``torch.compile`` too where every value is ``traceable``, read as a
+    tensor: no host read, the inner transform the one built at construction), the fused form
+    of the inner transform built for this update's values, its state the inner state, the
+    count and the values of this update kept around it; ``None`` where the inner transform
+    has none (it then runs by its own ``update``).
 
     The inner's parts read the natively injected values from the transform's cells when their
     prologues run, so the fused form starts with a part that sets the cells to this update's
     values (``set_cells``; it passes the updates through): where one transform appears twice
     in a step (``TorchOptimizer``'s param groups: a ``partition`` of one injected alias), each
-    appearance's parts read its own values, not those its last ``choose`` set."""
+    appearance's parts read its own values, not those its last ``choose`` set. That part's
+    state is the count and values (:class:`_Values`), so that a wrapper guarding the parts
+    (``apply_if_finite`` on a non-finite step, a compiled ``multi_steps``' non-final
+    micro-step) keeps them where it keeps the inner state, as the unfused wrappers do."""
 
-    def setter_prologue(hp, b):
-        set_cells(hp)
-        return (), _no_state
+    def setter_prologue(v, b):
+        set_cells(v.next_hyperparams)
+        new = _Values(v.next_count, v.next_hyperparams, v.next_count, v.next_hyperparams)
+        return (), lambda trees: new
 
     # (one object per transform: the engine's caches key on the parts)
     setter = E.Elementwise("inject_hyperparams", _pass, setter_prologue, E.no_fields, 0)
 
     def choose(updates, state, params, mesh):
-        if torch.compiler.is_compiling() or not isinstance(state, InjectHyperparamsState):
+        if not isinstance(state, InjectHyperparamsState) or (
+            torch.compiler.is_compiling() and not traceable
+        ):
             return None
-        inner, hp = resolve(state)
+        inner, hp, count = resolve(state)
         fus = E.fusable_of(inner)
         if fus is None or fus.zero_updates:
             return None
-        count = state.count + 1
         return E.Fusable(
             (setter, *fus.parts),
-            lambda st: [hp, *fus.split(st.inner_state)],
-            lambda states: InjectHyperparamsState(count, hp, fus.join(states[1:])),
+            lambda st: [_Values(st.count, st.hyperparams, count, hp), *fus.split(st.inner_state)],
+            lambda states: InjectHyperparamsState(
+                states[0].count, states[0].hyperparams, fus.join(states[1:])
+            ),
         )
 
-    return choose
+    # (under torch.compile the inner transform is the one built at construction: its parts)
+    fus = E.fusable_of(first)
+    fixed = traceable and fus is not None and not fus.zero_updates
+    return E.Switch(choose, (setter, *fus.parts) if fixed else None)
+
+
+class _Values(NamedTuple):
+    """The state of ``inject_hyperparams``' fused form's first part: the count and values the
+    new state holds (``count``, ``hyperparams``: the old ones until the part runs) and this
+    update's (``next_count``, ``next_hyperparams``), which the part sets and makes the new
+    ones (a guard selecting the old where its flag is false keeps the old)."""
+
+    count: Any
+    hyperparams: dict
+    next_count: Any
+    next_hyperparams: dict
 
 
 def _pass(u, p, s, h, key):
     """The updates as they are (the part that sets the injected values)."""
     return u, ()
-
-
-def _no_state(trees):
-    return None

@@ -34,6 +34,7 @@ from .came import MOMENTUM, FusedCame, ScaleByCameState, confidence_leaves
 from .combine import PartitionState
 from .engine import elementwise as E
 from .engine.pool import MIN_MEAN_BYTES, Pool, Scratch, of_plan
+from .engine.scalars import schedule_value
 from .engine.view import per_leaf_result, per_leaf_view
 from .factored import (
     FusedAdafactor,
@@ -432,7 +433,7 @@ def fused_adam8bit_step(
         lr_state = state[fused.lr_index]
         if not hasattr(lr_state, "count"):
             return None
-        lr = torch.as_tensor(lr(lr_state.count), dtype=torch.float64)
+        lr = schedule_value(lr, lr_state.count)
     keep = fused.mask(params) if fused.mask is not None else None
     decays = [bool(fused.weight_decay) and (keep is None or bool(keep[i])) for i in mine]
     ins = [

@@ -49,15 +49,16 @@ class Injected:
     ``ft.step`` and :class:`~functional_train.TorchOptimizer`).
 
     Attributes:
-        resolve: ``resolve(state) -> (inner transform, hyperparameters of this update)``: the
-            transform built for the state's hyperparameters (``ft.step`` steps it).
+        resolve: ``resolve(state) -> (inner transform, hyperparameters of this update, new
+            count)``: the transform built for the state's hyperparameters (``ft.step`` steps
+            it), and the count the new state holds.
         explain: ``explain(inner, hyperparameters, error) -> error``: an inner update's error
             with the host-read values that changed since init named (``ft.step``'s errors).
         given_as_tensors: the hyperparameters given as tensors (TorchOptimizer keeps them as
             tensors in its ``param_groups``).
     """
 
-    resolve: Callable[[Any], tuple[GradientTransformation, dict]]
+    resolve: Callable[[Any], tuple[GradientTransformation, dict, Any]]
     explain: Callable[[GradientTransformation, dict, Exception], Exception]
     given_as_tensors: frozenset[str] = frozenset()
 

@@ -46,6 +46,7 @@ from .clipping import ClipByGlobalNormState, clip_factor, global_norm_of, global
 from .engine import elementwise as E
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
 from .engine.pool import Pool, of_plan
+from .engine.scalars import scalar_program, schedule_value
 from .engine.view import Prepared, per_leaf_view, prepare
 from .factored import FusedAdafactor
 from .galore import FusedGaLore
@@ -154,7 +155,7 @@ def _injected_after_clip(tx, grads, state, params, mesh, donate):
         and isinstance(state[1], InjectHyperparamsState)
     ):
         return None
-    inner, hp = injected.resolve(state[1])
+    inner, hp, count = injected.resolve(state[1])
     fused = transform_spec(inner).fused
     if fused is None:
         return None
@@ -164,13 +165,13 @@ def _injected_after_clip(tx, grads, state, params, mesh, donate):
     if out is None:
         return None
     new_params, (new_clip, new_inner) = out
-    return new_params, (new_clip, InjectHyperparamsState(state[1].count + 1, hp, new_inner))
+    return new_params, (new_clip, InjectHyperparamsState(count, hp, new_inner))
 
 
 def _learning_rate(lr, state_count, like: torch.Tensor):
     if not callable(lr):
         return lr
-    value = torch.as_tensor(lr(state_count), dtype=torch.float64)
+    value = schedule_value(lr, state_count)
     return value.to(device=like.device, dtype=like.dtype)
 
 
@@ -895,14 +896,22 @@ def _copy(x: torch.Tensor) -> torch.Tensor:
     where ``x`` did."""
     if is_differentiable():
         return x.clone()
+    if torch.compiler.is_compiling() and x.dim() == 0 and not x.requires_grad:
+        return _fresh(x)[0]  # (a 0-dim state leaf, an injected value: no kernel to build)
     return requires_grad_like(wrap_like(to_local(x).detach().clone(), x), x)
+
+
+@scalar_program
+def _fresh(x: torch.Tensor) -> tuple:
+    """``(x.clone(),)``."""
+    return (x.clone(),)
 
 
 def _step(tx, grads, state, params, mesh, donate, extra):
     """:func:`step` without its argument checks and the pure step's copies."""
     injected = transform_spec(tx).inject
     if injected is not None:  # inject_hyperparams: the transform built for this step, stepped
-        inner, hp = injected.resolve(state)
+        inner, hp, count = injected.resolve(state)
         try:
             new_params, inner_state = _step(
                 inner, grads, state.inner_state, params, mesh, donate, extra
@@ -912,7 +921,7 @@ def _step(tx, grads, state, params, mesh, donate, extra):
             if err is e:
                 raise
             raise err from e
-        return new_params, InjectHyperparamsState(state.count + 1, hp, inner_state)
+        return new_params, InjectHyperparamsState(count, hp, inner_state)
     zero = transform_spec(tx).zero
     if zero is not None and not is_differentiable():  # the inner stepped on the zero view
         return zero(grads, state, params, mesh, donate, extra, _step)

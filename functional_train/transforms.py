@@ -22,7 +22,7 @@ from .base import EmptyState, GradientTransformation, check_state, declare, elem
 from .combine import mask_of
 from .engine import elementwise as E
 from .engine import native
-from .engine.scalars import function_number, function_of, scalar_program
+from .engine.scalars import function_number, function_of, scalar_program, schedule_value
 from .engine.view import prepare
 from .hyperparams import is_injected, value_of
 from .quantization import ScaleByAdam8bitState
@@ -195,8 +195,10 @@ def scale_by_learning_rate(
         check_state(state, ScaleByScheduleState, "scale_by_learning_rate")
         if number is not None:
             value, count = _numbered_schedule(number, state.count, sign)
+        elif is_injected(lr):  # (its value, a tensor under torch.compile: a program's input)
+            value, count = _signed(lr(), state.count, sign)
         else:
-            value, count = _scheduled(lr, state.count, sign)
+            value, count = _signed(schedule_value(lr, state.count), state.count, sign)
         return (value,), lambda trees: ScaleByScheduleState(count)
 
     spec = E.Elementwise("scale_by_learning_rate", leaf, prologue, E.no_fields, 0)
@@ -542,17 +544,18 @@ def _trust_ratios(
     return (torch.where((pn == 0) | (un == 0), torch.ones_like(ratio), ratio),)
 
 
-def _scheduled(schedule: Callable, count: torch.Tensor, sign: float) -> tuple:
-    """``(schedule(count) * sign, count + 1)``: a scheduled learning rate, signed, as a
-    float64 0-dim tensor, and the new count."""
-    return torch.as_tensor(schedule(count), dtype=torch.float64) * sign, count + 1
+@scalar_program
+def _signed(value, count: torch.Tensor, sign: float) -> tuple:
+    """``(value * sign, count + 1)``: a learning rate (a number or a tensor) as the signed
+    float64 0-dim step, and the new count."""
+    return torch.as_tensor(value, dtype=torch.float64) * sign, count + 1
 
 
 @scalar_program
 def _numbered_schedule(number: int, count: torch.Tensor, sign: float) -> tuple:
-    """:func:`_scheduled` of the function :func:`~functional_train.engine.scalars.function_number`
-    gave ``number``."""
-    return _scheduled(function_of(number), count, sign)
+    """:func:`_signed` of the value at ``count`` of the schedule
+    :func:`~functional_train.engine.scalars.function_number` gave ``number``."""
+    return _signed(schedule_value(function_of(number), count), count, sign)
 
 
 @scalar_program

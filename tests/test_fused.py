@@ -560,7 +560,38 @@ OPERATORS_ONLY = {
         {"a": _clip_adamw(), "b": ft.chain(ft.clip_by_global_norm(0.5), ft.sgd(0.1, 0.9))},
         {"w": "a", "b": "b", "e": "a", "s": "b"},
     ),
+    # (optax's idiom: the schedule's value in the state, read as a tensor at every update)
+    "inject": lambda: ft.chain(
+        ft.clip_by_global_norm(1.0),
+        ft.inject_hyperparams(ft.adamw)(
+            learning_rate=ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10),
+            weight_decay=0.1,
+        ),
+    ),
+    # (multi_steps' traced form over the parts inject_hyperparams declares under compile)
+    "multi_steps_inject": lambda: ft.multi_steps(OPERATORS_ONLY["inject"](), every_k=2),
+    # (a user's own primitive, a schedule among its hyperparameters)
+    "user_elementwise": lambda: ft.chain(
+        ft.clip_by_global_norm(1.0),
+        ft.elementwise(
+            _rms_leaf,
+            name="rms",
+            fields=("v",),
+            hyperparams={"beta": ft.schedules.linear_schedule(0.5, 0.9, 3), "eps": 1e-8},
+        ),
+        ft.scale_by_learning_rate(1e-2),
+    ),
 }
+# (a 0-dim float64 CPU tensor among the inputs, inject_hyperparams' values: torch's dynamo
+# restarts its first analysis once, as it cannot tell the symbol it made for the value's
+# item() is unused (pytorch/pytorch#140346): two backend calls for the first step, none after)
+_RESTARTS = ("inject", "multi_steps_inject")
+
+
+def _rms_leaf(u, p, v, *, beta, eps):
+    v = beta * v + (1 - beta) * u * u
+    return u / (torch.sqrt(v) + eps), v
+
 
 # (the operations inductor makes no kernel for: views of a result, taking a list's items)
 _VIEWS = {
@@ -570,11 +601,12 @@ _VIEWS = {
     "aten.split.Tensor",
     "aten.view.default",
     "aten.alias.default",
+    "aten.detach.default",
 }
 
 
 # (donated: the chains whose donated graphs differ most, to keep the slow tier's time)
-_DONATED = ("apply_if_finite", "multi_steps", "partition")
+_DONATED = ("apply_if_finite", "multi_steps", "partition", "inject")
 
 
 @pytest.mark.slow
@@ -612,10 +644,11 @@ def test_compiled_step_leaves_inductor_no_arithmetic(name, donate):
     params, grads = _problem()
     pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
     pe, se = {k: v.clone() for k, v in params.items()}, tx.init(params)
-    for g in grads:
-        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+    for t, g in enumerate(grads):
+        with torch._dynamo.config.patch(error_on_recompile=t > 0):
+            pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
         pe, se = ft.step(tx, {k: v.clone() for k, v in g.items()}, se, pe, donate=donate)
-    assert counter.frame_count == 1
+    assert counter.frame_count == 1 or (name in _RESTARTS and counter.frame_count == 2)
     got, want = optree.tree_leaves((pc, sc)), optree.tree_leaves((pe, se))
     assert len(got) == len(want)
     for a, b in zip(got, want):

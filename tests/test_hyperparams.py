@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import sys
 
+import optree
 import pytest
 import torch
 
@@ -197,6 +198,48 @@ def test_compiled_step_does_not_recompile_when_the_learning_rate_changes():
     for k in params:
         torch.testing.assert_close(p[k], want[k], rtol=1e-6, atol=1e-7)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("wrapper", ["apply_if_finite", "multi_steps"])
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_a_wrapper_keeps_the_injected_count_where_it_keeps_the_inner_state(wrapper, mode):
+    """``apply_if_finite`` (a non-finite step) and ``multi_steps`` (its non-final micro-steps)
+    of a chain holding ``inject_hyperparams`` with a schedule: the fused ``ft.step`` keeps the
+    count and the values where it keeps the inner state, as ``update`` does (optax's
+    semantics; the fused step advanced them on a skipped step before session 44, and the
+    schedule ran ahead of the updates). Parameters and every state leaf over 6 steps."""
+    sched = ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    inner = ft.chain(
+        ft.clip_by_global_norm(1.0),
+        ft.inject_hyperparams(ft.adamw)(learning_rate=sched, weight_decay=0.1),
+    )
+    if wrapper == "apply_if_finite":
+        tx = ft.apply_if_finite(inner, max_consecutive_errors=3)
+    else:
+        tx = ft.multi_steps(inner, every_k=3)
+    params, grads = _problem(steps=6)
+    if wrapper == "apply_if_finite":
+        grads[2]["w"][1, 2] = float("nan")  # (the third step skipped)
+    got, got_state = _run(tx, params, grads, mode)
+    want, want_state = _run(tx, params, grads, "update")
+    injected = ft.get_hyperparams(got_state)
+    assert int(_inject_count(got_state)) == (5 if wrapper == "apply_if_finite" else 2)
+    assert injected.keys() == ft.get_hyperparams(want_state).keys()
+    for a, b in zip(optree.tree_leaves((got, got_state)), optree.tree_leaves((want, want_state))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def _inject_count(state):
+    """The count of the one ``InjectHyperparamsState`` in ``state``."""
+    found = [
+        s
+        for s in optree.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, ft.hyperparams.InjectHyperparamsState)
+        )
+        if isinstance(s, ft.hyperparams.InjectHyperparamsState)
+    ]
+    assert len(found) == 1
+    return found[0].count
 
 
 def test_static_and_non_numeric_arguments_are_not_injected():

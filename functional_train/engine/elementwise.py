@@ -208,9 +208,14 @@ class Fusable:
 class Switch:
     """A transform's fused form chosen per call from host-side facts of its state:
     ``choose(updates, state, params, mesh) -> Fusable | None`` (see the module's docstring).
-    ``choose`` must be cheap and must not issue collectives or read device values."""
+    ``choose`` must be cheap and must not issue collectives or read device values.
+    ``traced_parts``: the parts of every Fusable it chooses under ``torch.compile``, where
+    they are the same objects on every call (known when the transform is built; ``None``
+    otherwise): a wrapper that derives parts of its own from them (``multi_steps``' traced
+    form) makes those when it is built, as a traced step cannot."""
 
     choose: Callable
+    traced_parts: tuple | None = None
 
 
 def register(update_fn: Callable, spec: Elementwise | Fusable | Switch) -> Callable:
@@ -294,7 +299,15 @@ def chained_switch(specs: Sequence) -> Switch:
             fus.append(zeros_written(f))
         return chained(fus)
 
-    return Switch(choose)
+    # (the chained parts under torch.compile, where every Switch's are known)
+    traced: tuple | None = ()
+    for spec in specs:
+        if isinstance(spec, Switch):
+            more = spec.traced_parts
+            traced = None if more is None or traced is None else traced + more
+        elif traced is not None:
+            traced += zeros_written(spec).parts
+    return Switch(choose, traced)
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ Reference: ``torch.library.custom_op`` (torch's "custom operators" guide).
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from collections.abc import Callable
 
@@ -42,7 +43,14 @@ import torch
 from .operators import register_kernels
 from .owners import assume_constant_result
 
-__all__ = ["function_number", "function_of", "scalar_program"]
+__all__ = [
+    "counted",
+    "function_number",
+    "function_of",
+    "scalar_program",
+    "schedule_numbers",
+    "schedule_value",
+]
 
 ENABLED = True  # (False: traced as they are, for inductor; read when dynamo traces)
 
@@ -185,3 +193,43 @@ def scalar_program(fn: Callable[..., tuple]) -> Callable[..., tuple]:
         return tuple(_scalars_op(_program(name, template), tensors))
 
     return call
+
+
+def schedule_value(schedule: Callable, count: torch.Tensor) -> torch.Tensor:
+    """A schedule's value at the update count ``count`` (optax semantics: the first update
+    reads ``schedule(0)``): ``schedule(count)`` as a float64 tensor (0-dim for a 0-dim count,
+    on its device)."""
+    return torch.as_tensor(schedule(count), dtype=torch.float64)
+
+
+def schedule_numbers(schedules) -> tuple:
+    """For each of ``schedules`` (callables), its :func:`function_number` where it is a plain
+    function (a program can name it), else ``None``: taken when a transform is built, for
+    :func:`counted`."""
+    return tuple(
+        function_number(f) if isinstance(f, types.FunctionType) else None for f in schedules
+    )
+
+
+def counted(count: torch.Tensor, schedules, numbers: tuple) -> tuple:
+    """``(count + 1, *values)``: the next update count and each of ``schedules``' value at
+    ``count`` (:func:`schedule_value`), ``numbers`` their :func:`schedule_numbers`. The plain
+    functions' values and the count: one scalar program (under ``torch.compile``, one
+    ``functional_train::scalars`` call); another callable (an injected hyperparameter's
+    cell, a ``functools.partial``) is called as it is."""
+    named = [n for n in numbers if n is not None]
+    new, *values = _counted(count, *named)
+    it = iter(values)
+    return (
+        new,
+        *(
+            next(it) if n is not None else schedule_value(f, count)
+            for f, n in zip(schedules, numbers)
+        ),
+    )
+
+
+@scalar_program
+def _counted(count: torch.Tensor, *numbers: int) -> tuple:
+    """``(count + 1, *(schedule_value(function_of(n), count) for n in numbers))``."""
+    return (count + 1, *(schedule_value(function_of(n), count) for n in numbers))
