@@ -65,6 +65,9 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
                    torch code: clip + AdamW(foreach, lr=1e-3) + LambdaLR whose lambda computes the
                    same schedule divided by the peak (in Python floats), sched.step() after each
                    opt.step() (optax counts: the first update uses the schedule at 0, as LambdaLR)
+  inject           chain(clip, inject_hyperparams(adamw)(learning_rate=<schedule's>,
+                   weight_decay=0.1)): optax's idiom, the learning rate in the state
+                   torch code: as schedule
   loss_scale       dynamic_loss_scale(chain(clip, adamw)): the gradients as given are the scaled
                    ones (scale 2**16, GradScaler's default; every step finite)
                    torch code: torch.amp.GradScaler(init_scale=2**16): scaler.unscale_(opt),
@@ -87,8 +90,8 @@ Systems per row:
                  column ``x base`` is on one scale across rows); only the multi_steps row's
                  baseline accumulates and averages the 4 gradients first like (b) (otherwise it
                  would time a quarter of the gradients). Its parameters are compared with (b)'s
-                 only where its math is the row's (not in masked, schedule, loss_scale and lamb:
-                 "other")
+                 only where its math is the row's (not in masked, schedule, inject, loss_scale
+                 and lamb: "other")
   (b) torch      the torch code for the row's math (above); the reference of the check
   (c) donate     params, state = ft.step(tx, grads, state, params, donate=True)
   (d) pure       params, state = ft.step(tx, grads, state, params) (donate=False; nothing is
@@ -115,7 +118,7 @@ minor page faults during one unit (see bench_engine), ``MiB`` the peak extra mem
 leaf's largest |value| (max over leaves of max|p - p_torch| / max|p_torch|, the EMA included in
 the ema_params row; after the memory unit every system has taken the same steps with the same
 gradients); ``other`` where the system's math is not the row's (the baseline in masked,
-schedule, loss_scale and lamb). A row is flagged FAILED (and the script exits 1) when any
+schedule, inject, loss_scale and lamb). A row is flagged FAILED (and the script exits 1) when any
 system's relative difference exceeds 1e-5 or its results (or the torch code's) are not
 finite. ``--dtype
 bfloat16`` casts the parameters and gradients (made in float32) to bfloat16 for every system,
@@ -201,6 +204,7 @@ ROWS = [
     "partition",
     "partition_clips",
     "schedule",
+    "inject",
     "loss_scale",
     "zero_nans",
     "lamb",
@@ -208,7 +212,7 @@ ROWS = [
 # the math of two param groups
 MASKED_ROWS = ("masked", "masked_primitives", "partition", "partition_clips")
 # the baseline (a) is not the row's math
-OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "loss_scale", "lamb")
+OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "inject", "loss_scale", "lamb")
 RTOL = 1e-5
 
 
@@ -265,6 +269,11 @@ def make_tx(row):
     if row == "schedule":
         sched = ft.schedules.warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS)
         return ft.chain(clip(), ft.adamw(sched, weight_decay=WD))
+    if row == "inject":  # (optax's idiom: the schedule's value in the state, at every update)
+        sched = ft.schedules.warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS)
+        return ft.chain(
+            clip(), ft.inject_hyperparams(ft.adamw)(learning_rate=sched, weight_decay=WD)
+        )
     if row == "loss_scale":
         return ft.dynamic_loss_scale(
             ft.chain(clip(), ft.adamw(LR, weight_decay=WD)), init_scale=LOSS_SCALE
@@ -318,7 +327,7 @@ class TorchCode:
             self.scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
             self.scaler.scale(torch.ones((), device=device))  # (its scale made, as a loop's)
         self.sched = None
-        if self.row == "schedule":
+        if self.row in ("schedule", "inject"):
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule_lambda)
         self.ema = None
         if self.row == "ema_params":
@@ -777,6 +786,8 @@ def describe(row):
         "adamw(0))})",
         "schedule": f"chain(clip, adamw(warmup_cosine_decay_schedule(0, {LR}, {WARMUP_STEPS}, "
         f"{DECAY_STEPS})))",
+        "inject": f"chain(clip, inject_hyperparams(adamw)(learning_rate=warmup_cosine_decay_"
+        f"schedule(0, {LR}, {WARMUP_STEPS}, {DECAY_STEPS})))",
         "loss_scale": "dynamic_loss_scale(chain(clip, adamw), init_scale=2**16)",
         "zero_nans": "chain(zero_nans(), clip, adamw)",
         "lamb": f"chain(clip, lamb({LR}, weight_decay={WD}))",
