@@ -74,7 +74,9 @@ def elementwise(
         fields: names of the params-shaped state fields (zeros at ``init``).
         hyperparams: ``name -> value``: a number, or ``fn(count) -> number`` evaluated at
             each update on the 0-dim int64 count of previous updates (a schedule, optax
-            semantics), or a hyperparameter injected by ``inject_hyperparams``.
+            semantics; plain functions, with the count, are one ``functional_train::scalars``
+            call under ``torch.compile``, see :mod:`functional_train.engine.scalars`), or a
+            hyperparameter injected by ``inject_hyperparams``.
         needs_params: ``leaf`` reads the parameter (``update`` then requires ``params``).
         field_dtype: dtype of the fields (default ``None``: float32, or the parameter's dtype
             when wider, as the library's moments).
