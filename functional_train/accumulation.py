@@ -590,7 +590,8 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             return None
         return variant(final, fresh, updates, state, params, mesh)
 
-    return E.Switch(choose)
+    # (what it chooses under torch.compile: the traced form, over these parts)
+    return E.Switch(choose, traced_variant.parts if traced_variant is not None else switch_parts)
 
 
 def _in_dtypes_of(updates: Any, treedef: Any, g: list) -> Any:

@@ -413,22 +413,29 @@ def apply_if_finite(
 
 def _guarded_switch(switch: E.Switch, clip_first: bool, decide: Callable) -> E.Switch:
     """``apply_if_finite(inner)``'s :class:`~functional_train.engine.elementwise.Switch` when
-    ``inner`` has one (``multi_steps``): per call, :func:`_guarded` of the inner's choice (its
-    zero updates written out, :func:`~functional_train.engine.elementwise.zeros_written`),
-    its guarded parts made once per parts tuple (:func:`~functional_train.engine.elementwise.
-    derived_parts`). Eager only (``None`` under ``torch.compile``: the general path)."""
+    ``inner`` has one (``multi_steps``, ``inject_hyperparams``): per call, :func:`_guarded` of
+    the inner's choice (its zero updates written out,
+    :func:`~functional_train.engine.elementwise.zeros_written`), its guarded parts made once
+    per parts tuple (:func:`~functional_train.engine.elementwise.derived_parts`). Under
+    ``torch.compile`` only where the inner Switch declares its parts there
+    (``Switch.traced_parts``: the guarded parts made here, as a traced step cannot make
+    parts); else ``None`` there (the general path)."""
     guarded = E.derived_parts(lambda parts: _guarded_parts(parts, clip_first, decide))
+    traced = None if switch.traced_parts is None else guarded(switch.traced_parts)
 
     def choose(updates, state, params, mesh):
-        if torch.compiler.is_compiling() or not isinstance(state, ApplyIfFiniteState):
+        compiling = torch.compiler.is_compiling()
+        if (compiling and traced is None) or not isinstance(state, ApplyIfFiniteState):
             return None  # (the general path: traced, or raising)
         f = switch.choose(updates, state.inner_state, params, mesh)
         if f is None:
             return None
         f = E.zeros_written(f)
+        if compiling:  # (the parts the inner declared: see Switch.traced_parts)
+            return _guarded_over(traced, f, clip_first)
         return _guarded_over(guarded(f.parts), f, clip_first)
 
-    return E.Switch(choose)
+    return E.Switch(choose, traced)
 
 
 def _zero_nan_leaf(u, p, s, h, key):

@@ -568,8 +568,12 @@ OPERATORS_ONLY = {
             weight_decay=0.1,
         ),
     ),
-    # (multi_steps' traced form over the parts inject_hyperparams declares under compile)
+    # (multi_steps' traced form and apply_if_finite's guarded parts over the parts
+    # inject_hyperparams declares under compile)
     "multi_steps_inject": lambda: ft.multi_steps(OPERATORS_ONLY["inject"](), every_k=2),
+    "apply_if_finite_inject": lambda: ft.apply_if_finite(
+        OPERATORS_ONLY["inject"](), max_consecutive_errors=2
+    ),
     # (a user's own primitive, a schedule among its hyperparameters)
     "user_elementwise": lambda: ft.chain(
         ft.clip_by_global_norm(1.0),
@@ -585,7 +589,7 @@ OPERATORS_ONLY = {
 # (a 0-dim float64 CPU tensor among the inputs, inject_hyperparams' values: torch's dynamo
 # restarts its first analysis once, as it cannot tell the symbol it made for the value's
 # item() is unused (pytorch/pytorch#140346): two backend calls for the first step, none after)
-_RESTARTS = ("inject", "multi_steps_inject")
+_RESTARTS = ("inject", "multi_steps_inject", "apply_if_finite_inject")
 
 
 def _rms_leaf(u, p, v, *, beta, eps):
