@@ -8,7 +8,6 @@ Each ``update`` flattens its trees once, reduces unreduced gradients (see
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,7 +21,7 @@ from .base import EmptyState, GradientTransformation, check_state, declare, elem
 from .combine import mask_of
 from .engine import elementwise as E
 from .engine import native
-from .engine.scalars import function_number, function_of, scalar_program, schedule_value
+from .engine.scalars import function_of, scalar_program, schedule_numbers, schedule_value
 from .engine.view import prepare
 from .hyperparams import is_injected, value_of
 from .quantization import ScaleByAdam8bitState
@@ -189,7 +188,7 @@ def scale_by_learning_rate(
     # (a plain function, as the library's schedules are: by its number, a constant of the
     # compiled step's operator, see engine.scalars; another callable, such as an injected
     # hyperparameter's cell, traced as it is)
-    number = function_number(lr) if isinstance(lr, types.FunctionType) else None
+    (number,) = schedule_numbers((lr,))
 
     def prologue(state, b):
         check_state(state, ScaleByScheduleState, "scale_by_learning_rate")
