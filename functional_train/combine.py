@@ -396,25 +396,44 @@ def _unpack_key(key: Any, packed: bool) -> tuple:
     return True, inner
 
 
-def _restricter(on_of: Callable[[PyTree], list], where: str) -> Callable[[E.Fusable], E.Fusable]:
+class _Restricter:
     """``restrict(fus)``: ``fus`` with every part restricted to the leaves where
-    ``on_of(params)`` is True, its split and join its own; the restricted parts made once per
-    parts tuple (:func:`~.engine.elementwise.derived_parts`)."""
-    restricted = E.derived_parts(lambda parts: tuple(_restricted(p, on_of, where) for p in parts))
-    return lambda fus: E.Fusable(restricted(fus.parts), fus.split, fus.join)
+    ``on_of(params)`` is True, its split and join its own; the restricted parts
+    (``restrict.parts(parts)``) made once per parts tuple
+    (:func:`~.engine.elementwise.derived_parts`). ``restrict.over(parts, fus)``: ``fus``'s
+    split and join over restricted parts made before (a traced step cannot make parts: see
+    ``Switch.traced_parts``)."""
+
+    def __init__(self, on_of: Callable[[PyTree], list], where: str):
+        self.parts = E.derived_parts(
+            lambda parts: tuple(_restricted(p, on_of, where) for p in parts)
+        )
+
+    def __call__(self, fus: E.Fusable) -> E.Fusable:
+        return E.Fusable(self.parts(fus.parts), fus.split, fus.join)
+
+    @staticmethod
+    def over(parts: tuple, fus: E.Fusable) -> E.Fusable:
+        return E.Fusable(parts, fus.split, fus.join)
+
+
+def _restricter(on_of: Callable[[PyTree], list], where: str) -> _Restricter:
+    """A :class:`_Restricter` to the leaves where ``on_of(params)`` is True."""
+    return _Restricter(on_of, where)
+
+
+def _masked_inner(state):
+    """The inner state of ``masked``'s state (raising for another)."""
+    if not isinstance(state, MaskedState):
+        raise ValueError(f"masked: expected a MaskedState, got {type(state).__name__}")
+    return state.inner_state
 
 
 def _masked_former(keep_of: Callable[[PyTree], list]) -> Callable[[E.Fusable], E.Fusable]:
     """``masked(inner, mask)``'s parts for an inner Fusable: its parts, restricted to the
     masked-in leaves (see :func:`_restricter`)."""
     restrict = _restricter(keep_of, "masked")
-
-    def get(state):
-        if not isinstance(state, MaskedState):
-            raise ValueError(f"masked: expected a MaskedState, got {type(state).__name__}")
-        return state.inner_state
-
-    return lambda inner: E.restated(restrict(inner), get, MaskedState)
+    return lambda inner: E.restated(restrict(inner), _masked_inner, MaskedState)
 
 
 def _masked_fusable(inner: E.Fusable, keep_of: Callable[[PyTree], list]) -> E.Fusable:
@@ -422,40 +441,59 @@ def _masked_fusable(inner: E.Fusable, keep_of: Callable[[PyTree], list]) -> E.Fu
     return _masked_former(keep_of)(inner)
 
 
-def _partition_former(names: list, labels_of: Callable[[PyTree], list]) -> Callable:
+class _PartitionFormer:
     """``partition(transforms, labels)``'s parts for its transforms' Fusables (in the order of
     ``transforms``): each transform's, restricted to the leaves of its label (see
-    :func:`_restricter`), chained."""
+    :func:`_restricter`), chained: ``former(inners)``. ``former.parts(parts_per_label)``: the
+    restricted parts, made once per parts tuple; ``former.over(restricted, inners)``: the
+    Fusables' splits and joins over restricted parts made before (under ``torch.compile``,
+    where parts cannot be made)."""
 
-    def on(n):
-        last: list = [None, None]  # (the labels seen last and their flags: one list object
-        # per layout, which the engine's memos key on)
+    def __init__(self, names: list, labels_of: Callable[[PyTree], list]):
+        self.names = names
 
-        def of(params):
-            labels = labels_of(params)
-            if torch.compiler.is_compiling():  # (dynamo: a list, not a map of an operator)
-                return [lab == n for lab in labels]
-            if last[0] is not labels:
-                last[:] = labels, list(map(operator.eq, labels, repeat(n)))
-            return last[1]
+        def on(n):
+            last: list = [None, None]  # (the labels seen last and their flags: one list
+            # object per layout, which the engine's memos key on)
 
-        return of
+            def of(params):
+                labels = labels_of(params)
+                if torch.compiler.is_compiling():  # (dynamo: a list, not a map of an operator)
+                    return [lab == n for lab in labels]
+                if last[0] is not labels:
+                    last[:] = labels, list(map(operator.eq, labels, repeat(n)))
+                return last[1]
 
-    restricters = [_restricter(on(n), "partition") for n in names]
+            return of
 
-    def get(state):
+        self.restricters = [_restricter(on(n), "partition") for n in names]
+
+    def get(self, state):
+        names = self.names
         if not isinstance(state, PartitionState) or list(state.inner_states) != names:
             raise ValueError(f"partition: expected a PartitionState with labels {names}")
         return tuple(state.inner_states[n] for n in names)
 
-    def put(states):
-        return PartitionState(dict(zip(names, states)))
+    def put(self, states):
+        return PartitionState(dict(zip(self.names, states)))
 
-    def build(inners: list) -> E.Fusable:
-        chained = E.chained([r(f) for r, f in zip(restricters, inners)])
-        return E.restated(chained, get, put)
+    def __call__(self, inners: list) -> E.Fusable:
+        chained = E.chained([r(f) for r, f in zip(self.restricters, inners)])
+        return E.restated(chained, self.get, self.put)
 
-    return build
+    def parts(self, parts_per_label: list) -> list:
+        return [r.parts(ps) for r, ps in zip(self.restricters, parts_per_label)]
+
+    def over(self, restricted: list, inners: list) -> E.Fusable:
+        chained = E.chained(
+            [r.over(ps, f) for r, ps, f in zip(self.restricters, restricted, inners)]
+        )
+        return E.restated(chained, self.get, self.put)
+
+
+def _partition_former(names: list, labels_of: Callable[[PyTree], list]) -> _PartitionFormer:
+    """A :class:`_PartitionFormer`."""
+    return _PartitionFormer(names, labels_of)
 
 
 def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], list]):
@@ -493,13 +531,19 @@ def _chosen_on(switch: E.Switch, keep: list, flat: tuple, state, mesh) -> E.Fusa
 def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], list]) -> E.Switch:
     """``partition``'s :class:`~.engine.elementwise.Switch` when some of its transforms have
     one: per call, each of those chooses on its own leaves, and the chosen Fusables are
-    combined as :func:`_partition_fusable` combines fixed ones. Eager only (``None`` under
-    ``torch.compile``: the combinator's general path)."""
+    combined as :func:`_partition_fusable` combines fixed ones. Under ``torch.compile`` only
+    where each Switch declares its parts there (``Switch.traced_parts``: the restricted parts
+    made here, as a traced step cannot make parts); else ``None`` there (the general path)."""
     build = _partition_former(names, labels_of)
+    declared = [
+        s.traced_parts if isinstance(s, E.Switch) else E.zeros_written(s).parts for s in specs
+    ]
+    traced = None if any(d is None for d in declared) else build.parts(declared)
 
     def choose(updates, state, params, mesh):
+        compiling = torch.compiler.is_compiling()
         if (
-            torch.compiler.is_compiling()
+            (compiling and traced is None)
             or params is None
             or not isinstance(state, PartitionState)
             or list(state.inner_states) != names
@@ -510,31 +554,41 @@ def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], li
             return None
         labels = labels_of(params)
         picked = []
-        for n, spec in zip(names, specs):
+        for i, (n, spec) in enumerate(zip(names, specs)):
             if isinstance(spec, E.Switch):
                 keep = [lab == n for lab in labels]
                 spec = _chosen_on(spec, keep, flat, state.inner_states[n], mesh)
-                if spec is None:
+                if spec is None or (compiling and len(spec.parts) != len(traced[i])):
                     return None
             picked.append(spec)
-        return build(picked)
+        return build.over(traced, picked) if compiling else build(picked)
 
-    return E.Switch(choose)
+    return E.Switch(choose, None if traced is None else tuple(q for ps in traced for q in ps))
 
 
 def _masked_switch(switch: E.Switch, keep_of: Callable[[PyTree], list]) -> E.Switch:
     """``masked``'s :class:`~.engine.elementwise.Switch` around an inner one: per call, the
     inner's choice on the masked-in leaves, restricted to them (:func:`_masked_fusable`).
-    Eager only (``None`` under ``torch.compile``: the combinator's general path)."""
-    build = _masked_former(keep_of)
+    Under ``torch.compile`` only where the inner Switch declares its parts there
+    (``Switch.traced_parts``: the restricted parts made here, as a traced step cannot make
+    parts); else ``None`` there (the general path)."""
+    restrict = _restricter(keep_of, "masked")
+    traced = None if switch.traced_parts is None else restrict.parts(switch.traced_parts)
 
     def choose(updates, state, params, mesh):
-        if torch.compiler.is_compiling() or params is None or not isinstance(state, MaskedState):
+        compiling = torch.compiler.is_compiling()
+        if (compiling and traced is None) or params is None or not isinstance(state, MaskedState):
             return None
         flat = _flat_pair(updates, params)
         if flat is None:
             return None
         f = _chosen_on(switch, keep_of(params), flat, state.inner_state, mesh)
-        return None if f is None else build(f)
+        if f is None:
+            return None
+        if compiling:  # (the parts the inner declared: see Switch.traced_parts)
+            if len(f.parts) != len(traced):
+                return None
+            return E.restated(restrict.over(traced, f), _masked_inner, MaskedState)
+        return E.restated(restrict(f), _masked_inner, MaskedState)
 
-    return E.Switch(choose)
+    return E.Switch(choose, traced)

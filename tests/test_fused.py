@@ -574,6 +574,22 @@ OPERATORS_ONLY = {
     "apply_if_finite_inject": lambda: ft.apply_if_finite(
         OPERATORS_ONLY["inject"](), max_consecutive_errors=2
     ),
+    # (masked's and partition's restricted parts over the parts inject_hyperparams declares
+    # under compile; TorchOptimizer's param groups are such a partition)
+    "masked_inject": lambda: ft.masked(
+        OPERATORS_ONLY["inject"](), {"w": True, "b": False, "e": True, "s": False}
+    ),
+    "partition_inject": lambda: ft.partition(
+        {
+            "a": OPERATORS_ONLY["inject"](),
+            "b": ft.chain(ft.clip_by_global_norm(0.5), ft.sgd(0.1, 0.9)),
+        },
+        {"w": "a", "b": "b", "e": "a", "s": "b"},
+    ),
+    # (the restricted clip reads the accumulation's sums of squares for its own leaves)
+    "multi_steps_partition_inject": lambda: ft.multi_steps(
+        OPERATORS_ONLY["partition_inject"](), every_k=2
+    ),
     # (a user's own primitive, a schedule among its hyperparameters)
     "user_elementwise": lambda: ft.chain(
         ft.clip_by_global_norm(1.0),
@@ -589,7 +605,14 @@ OPERATORS_ONLY = {
 # (a 0-dim float64 CPU tensor among the inputs, inject_hyperparams' values: torch's dynamo
 # restarts its first analysis once, as it cannot tell the symbol it made for the value's
 # item() is unused (pytorch/pytorch#140346): two backend calls for the first step, none after)
-_RESTARTS = ("inject", "multi_steps_inject", "apply_if_finite_inject")
+_RESTARTS = (
+    "inject",
+    "multi_steps_inject",
+    "apply_if_finite_inject",
+    "masked_inject",
+    "partition_inject",
+    "multi_steps_partition_inject",
+)
 
 
 def _rms_leaf(u, p, v, *, beta, eps):
@@ -610,7 +633,7 @@ _VIEWS = {
 
 
 # (donated: the chains whose donated graphs differ most, to keep the slow tier's time)
-_DONATED = ("apply_if_finite", "multi_steps", "partition", "inject")
+_DONATED = ("apply_if_finite", "multi_steps", "partition", "inject", "partition_inject")
 
 
 @pytest.mark.slow

@@ -706,6 +706,21 @@ class _Where:
             self.index = torch.tensor(self.positions, dtype=torch.long, device=device)
         return self.index
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The entries of ``x`` (a vector: one value per active leaf, such as their sums of
+        squares) at :attr:`positions`; under ``torch.compile`` one scalar program (no
+        constant index tensor for inductor to copy and select with)."""
+        if torch.compiler.is_compiling():
+            return _rows(x, ",".join(map(str, self.positions)))[0]
+        return x.index_select(0, self.index_on(x.device))
+
+
+@scalar_program
+def _rows(x: torch.Tensor, positions: str) -> tuple:
+    """:meth:`_Where.rows` under ``torch.compile`` (``positions``: comma-separated)."""
+    index = torch.tensor([int(i) for i in positions.split(",")], dtype=torch.long)
+    return (x.index_select(0, index.to(x.device)),)
+
 
 def _positions(b, on: Sequence) -> _Where | None:
     """``on`` (a bool per leaf of the tree, or per active leaf) as a :class:`_Where` over

@@ -133,7 +133,7 @@ class Prepared:
         the active leaves, and :attr:`sum_squares` and :attr:`params_sum_squares` theirs;
         values and layout are shared."""
         sums = tuple(
-            None if x is None else x.index_select(0, where.index_on(x.device))
+            None if x is None else where.rows(x)
             for x in (self.sum_squares, self.params_sum_squares)
         )
         active = [self.active[j] for j in where.positions]
