@@ -104,11 +104,13 @@ def _leading_clip_norm(inner: GradientTransformation):
     return None
 
 
-def _nonfinite_flags(xs) -> torch.Tensor:
-    """One float32 flag per local shard, 1 where it holds a NaN or an infinity. One reduction
-    per leaf: its sum, accumulated at least in float32 (NaN and infinities survive a sum;
-    finite values overflow it only within a factor of the element count of the dtype's
-    largest value)."""
+@scalar_program
+def _nonfinite_flags(*xs: torch.Tensor) -> tuple:
+    """``(flags,)``: one float32 flag per local shard, 1 where it holds a NaN or an infinity.
+    One reduction per leaf: its sum, accumulated at least in float32 (NaN and infinities
+    survive a sum; finite values overflow it only within a factor of the element count of
+    the dtype's largest value). Under ``torch.compile`` one opaque call (a scalar program:
+    no reduction kernels for inductor to build)."""
     sums = []
     for x in xs:
         if x.is_complex():
@@ -117,7 +119,7 @@ def _nonfinite_flags(xs) -> torch.Tensor:
         sums.append(s if s.dtype == torch.float64 else s.float())
     if any(s.dtype == torch.float64 for s in sums):
         sums = [s.double() for s in sums]
-    return (~torch.isfinite(torch.stack(sums))).to(torch.float32)
+    return ((~torch.isfinite(torch.stack(sums))).to(torch.float32),)
 
 
 def _all_finite_of(b: Prepared) -> torch.Tensor:
@@ -125,8 +127,14 @@ def _all_finite_of(b: Prepared) -> torch.Tensor:
     scalar all-reduce over the mesh unless every leaf is whole on every rank)."""
     if not b.active:
         return torch.ones((), dtype=torch.bool, device=first_device(b.locals))
-    flags = _nonfinite_flags([b.locals[i] for i in b.active])
-    return b.global_max(flags, b.active) == 0
+    (flags,) = _nonfinite_flags(*[b.locals[i] for i in b.active])
+    return _none_set(b.global_max(flags, b.active))[0]
+
+
+@scalar_program
+def _none_set(flag: torch.Tensor) -> tuple:
+    """``(flag == 0,)``: no leaf flagged (:func:`_all_finite_of`)."""
+    return (flag == 0,)
 
 
 def all_finite(updates, *, mesh=None) -> torch.Tensor:
@@ -413,27 +421,42 @@ def apply_if_finite(
 
 def _guarded_switch(switch: E.Switch, clip_first: bool, decide: Callable) -> E.Switch:
     """``apply_if_finite(inner)``'s :class:`~functional_train.engine.elementwise.Switch` when
-    ``inner`` has one (``multi_steps``, ``inject_hyperparams``): per call, :func:`_guarded` of
-    the inner's choice (its zero updates written out,
-    :func:`~functional_train.engine.elementwise.zeros_written`), its guarded parts made once
-    per parts tuple (:func:`~functional_train.engine.elementwise.derived_parts`). Under
-    ``torch.compile`` only where the inner Switch declares its parts there
-    (``Switch.traced_parts``: the guarded parts made here, as a traced step cannot make
-    parts); else ``None`` there (the general path)."""
-    guarded = E.derived_parts(lambda parts: _guarded_parts(parts, clip_first, decide))
-    traced = None if switch.traced_parts is None else guarded(switch.traced_parts)
+    ``inner`` has one (``multi_steps``, ``inject_hyperparams``): per call, :func:`_guarded`
+    of the inner's choice (see :func:`_wrapped_switch`)."""
+    return _wrapped_switch(
+        switch,
+        lambda parts: _guarded_parts(parts, clip_first, decide),
+        lambda parts, f: _guarded_over(parts, f, clip_first),
+        ApplyIfFiniteState,
+    )
+
+
+def _wrapped_switch(
+    switch: E.Switch, make: Callable[[tuple], tuple], over: Callable, state_type: type
+) -> E.Switch:
+    """The :class:`~functional_train.engine.elementwise.Switch` of a wrapper whose state
+    (a ``state_type``) holds its inner transform's (``inner_state``), around the inner's
+    Switch: per call, ``over(parts, f)`` of the inner's choice ``f`` (its zero updates
+    written out, :func:`~functional_train.engine.elementwise.zeros_written`), ``parts``
+    being ``make(f.parts)``, made once per parts tuple
+    (:func:`~functional_train.engine.elementwise.derived_parts`). Under ``torch.compile``
+    only where the inner Switch declares its parts there (``Switch.traced_parts``: the
+    wrapper's parts made here, as a traced step cannot make parts); else ``None`` there
+    (the general path)."""
+    derived = E.derived_parts(make)
+    traced = None if switch.traced_parts is None else derived(switch.traced_parts)
 
     def choose(updates, state, params, mesh):
         compiling = torch.compiler.is_compiling()
-        if (compiling and traced is None) or not isinstance(state, ApplyIfFiniteState):
+        if (compiling and traced is None) or not isinstance(state, state_type):
             return None  # (the general path: traced, or raising)
         f = switch.choose(updates, state.inner_state, params, mesh)
         if f is None:
             return None
         f = E.zeros_written(f)
         if compiling:  # (the parts the inner declared: see Switch.traced_parts)
-            return _guarded_over(traced, f, clip_first)
-        return _guarded_over(guarded(f.parts), f, clip_first)
+            return over(traced, f)
+        return over(derived(f.parts), f)
 
     return E.Switch(choose, traced)
 
@@ -712,6 +735,17 @@ def dynamic_loss_scale(
     fus = None if inner_fus is None else _scaled(inner_fus, clip_norm is not None, decide)
     if fus is not None:
         E.register(update_fn, fus)
+    elif (switch := E.switch_of(inner)) is not None:
+        clip_first = clip_norm is not None
+        E.register(
+            update_fn,
+            _wrapped_switch(
+                switch,
+                lambda parts: _scaled_parts(parts, clip_first, decide),
+                lambda parts, f: _scaled_over(parts, f, clip_first),
+                DynamicLossScaleState,
+            ),
+        )
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
@@ -768,7 +802,17 @@ def _scaled(inner_fus: E.Fusable, clip_first: bool, decide: Callable) -> E.Fusab
     is fusable: the unscaling, then ``apply_if_finite``'s parts (:func:`_guarded_parts`) deciding
     with ``decide`` (every non-finite update skipped, the scale updated): a pass that unscales
     (taking the squares a leading clip sums), the decision, one pass of the guarded inner."""
-    parts = (_UNSCALE, *_guarded_parts(inner_fus.parts, clip_first, decide, "dynamic_loss_scale"))
+    return _scaled_over(_scaled_parts(inner_fus.parts, clip_first, decide), inner_fus, clip_first)
+
+
+def _scaled_parts(inner_parts: tuple, clip_first: bool, decide: Callable) -> tuple:
+    """:func:`_scaled`'s parts, made from the inner's."""
+    return (_UNSCALE, *_guarded_parts(inner_parts, clip_first, decide, "dynamic_loss_scale"))
+
+
+def _scaled_over(parts: tuple, inner_fus: E.Fusable, clip_first: bool) -> E.Fusable:
+    """:func:`_scaled`'s Fusable: its ``parts`` (:func:`_scaled_parts` of ``inner_fus``'),
+    the state split and joined through ``inner_fus``' own."""
 
     def split(state):
         if not isinstance(state, DynamicLossScaleState):

@@ -590,6 +590,14 @@ OPERATORS_ONLY = {
     "multi_steps_partition_inject": lambda: ft.multi_steps(
         OPERATORS_ONLY["partition_inject"](), every_k=2
     ),
+    # (dynamic_loss_scale's parts over the parts inject_hyperparams declares)
+    "loss_scale_inject": lambda: ft.dynamic_loss_scale(
+        OPERATORS_ONLY["inject"](), init_scale=2.0**4
+    ),
+    # (no leading clip: the per-leaf non-finite flags decide, a scalar program)
+    "apply_if_finite_without_clip": lambda: ft.apply_if_finite(
+        ft.adamw(1e-2, weight_decay=0.1), max_consecutive_errors=2
+    ),
     # (a user's own primitive, a schedule among its hyperparameters)
     "user_elementwise": lambda: ft.chain(
         ft.clip_by_global_norm(1.0),
@@ -612,6 +620,7 @@ _RESTARTS = (
     "masked_inject",
     "partition_inject",
     "multi_steps_partition_inject",
+    "loss_scale_inject",
 )
 
 

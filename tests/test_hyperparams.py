@@ -200,14 +200,17 @@ def test_compiled_step_does_not_recompile_when_the_learning_rate_changes():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("wrapper", ["apply_if_finite", "multi_steps"])
+@pytest.mark.parametrize("wrapper", ["apply_if_finite", "dynamic_loss_scale", "multi_steps"])
 @pytest.mark.parametrize("mode", ["pure", "donate"])
 def test_a_wrapper_keeps_the_injected_count_where_it_keeps_the_inner_state(wrapper, mode):
-    """``apply_if_finite`` (a non-finite step) and ``multi_steps`` (its non-final micro-steps)
-    of a chain holding ``inject_hyperparams`` with a schedule: the fused ``ft.step`` keeps the
-    count and the values where it keeps the inner state, as ``update`` does (optax's
-    semantics; the fused step advanced them on a skipped step before session 44, and the
-    schedule ran ahead of the updates). Parameters and every state leaf over 6 steps."""
+    """``apply_if_finite`` and ``dynamic_loss_scale`` (a non-finite step) and ``multi_steps``
+    (its non-final micro-steps) of a chain holding ``inject_hyperparams`` with a schedule:
+    the fused ``ft.step`` (the wrapper's Switch chooses a fused form) keeps the count and
+    the values where it keeps the inner state, as ``update`` does (optax's semantics; the
+    fused step advanced them on a skipped step before session 44, and the schedule ran
+    ahead of the updates). Parameters and every state leaf over 6 steps."""
+    from functional_train.engine import elementwise as E
+
     sched = ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
     inner = ft.chain(
         ft.clip_by_global_norm(1.0),
@@ -215,15 +218,20 @@ def test_a_wrapper_keeps_the_injected_count_where_it_keeps_the_inner_state(wrapp
     )
     if wrapper == "apply_if_finite":
         tx = ft.apply_if_finite(inner, max_consecutive_errors=3)
+    elif wrapper == "dynamic_loss_scale":
+        tx = ft.dynamic_loss_scale(inner, init_scale=2.0**3, growth_interval=2)
     else:
         tx = ft.multi_steps(inner, every_k=3)
     params, grads = _problem(steps=6)
-    if wrapper == "apply_if_finite":
+    skips = wrapper != "multi_steps"
+    if skips:
         grads[2]["w"][1, 2] = float("nan")  # (the third step skipped)
+    switch = E.switch_of(tx)
+    assert switch is not None and switch.choose(grads[0], tx.init(params), params, None)
     got, got_state = _run(tx, params, grads, mode)
     want, want_state = _run(tx, params, grads, "update")
     injected = ft.get_hyperparams(got_state)
-    assert int(_inject_count(got_state)) == (5 if wrapper == "apply_if_finite" else 2)
+    assert int(_inject_count(got_state)) == (5 if skips else 2)
     assert injected.keys() == ft.get_hyperparams(want_state).keys()
     for a, b in zip(optree.tree_leaves((got, got_state)), optree.tree_leaves((want, want_state))):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
