@@ -279,6 +279,10 @@ def inject_hyperparams(
             n: v for n, v in injected.items() if callable(v) and not isinstance(v, torch.Tensor)
         }
         numbers = schedule_numbers(schedules.values())  # (see engine.scalars.counted)
+        # (what a step reads, as tuples: a compiled step guards on what it reads, and a
+        # closure's dict is a guard a precompiled step's loader cannot rebuild)
+        injected_names = tuple(injected)
+        schedule_names, schedule_fns = tuple(schedules), tuple(schedules.values())
 
         def initial(name):
             v = injected[name]
@@ -364,8 +368,10 @@ def inject_hyperparams(
                 torch.zeros((), dtype=torch.int64), hp, first.init(params)
             )
 
+        named_cells = tuple(cells.items())
+
         def set_cells(hp: dict) -> None:
-            for n, cell in cells.items():
+            for n, cell in named_cells:
                 cell.value = hp[n]
 
         def resolve(state):
@@ -377,7 +383,7 @@ def inject_hyperparams(
                     f"from init, got {type(state).__name__}"
                 )
             hp = dict(state.hyperparams)
-            missing = [n for n in injected if n not in hp]
+            missing = [n for n in injected_names if n not in hp]
             if missing:
                 raise ValueError(
                     f"inject_hyperparams: the state has no hyperparameter(s) "
@@ -393,8 +399,8 @@ def inject_hyperparams(
                     if n == "learning_rate" and lr_checked:  # (not set by set_hyperparams)
                         _check_learning_rate(v, where)
                     hp[n] = _as_value(v)
-            count, *values = counted(state.count, schedules.values(), numbers)
-            hp.update(zip(schedules, map(_as_value, values)))
+            count, *values = counted(state.count, schedule_fns, numbers)
+            hp.update(zip(schedule_names, map(_as_value, values)))
             set_cells(hp)
             if (
                 checked_names

@@ -1,7 +1,8 @@
 """The problem tests/test_precompile.py steps, built alike by the test and by the process it
-starts (``python tests/_precompile_problem.py CACHE_DIR OUT``: loads the precompiled step from
-CACHE_DIR, runs it, saves the results and its counters to OUT; ``... path CACHE_DIR LR DONATE
-SHAPE``: prints the file it would load for that learning rate, donate and last leaf shape)."""
+starts (``python tests/_precompile_problem.py CACHE_DIR OUT [KIND]``: loads the precompiled
+step from CACHE_DIR, runs it, saves the results and its counters to OUT, KIND as
+:func:`make`'s; ``... path CACHE_DIR LR DONATE SHAPE``: prints the file it would load for
+that learning rate, donate and last leaf shape)."""
 
 import sys
 
@@ -10,13 +11,16 @@ import torch
 import functional_train as ft
 
 
-def make(lr=1e-2, shapes=((16, 8), (8,), (4, 3))):
+def make(lr=1e-2, shapes=((16, 8), (8,), (4, 3)), kind="schedule"):
+    """``kind``: ``"schedule"`` (adamw given a schedule) or ``"inject"`` (optax's idiom:
+    ``inject_hyperparams(adamw)`` given it)."""
     gen = torch.Generator().manual_seed(0)
     params = {f"p{i}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(5)]
     schedule = ft.schedules.warmup_cosine_decay_schedule(0.0, lr, 1, 10)
+    adamw = ft.adamw if kind == "schedule" else ft.inject_hyperparams(ft.adamw)
     tx = ft.multi_steps(
-        ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(schedule, weight_decay=0.1)), every_k=2
+        ft.chain(ft.clip_by_global_norm(1.0), adamw(schedule, weight_decay=0.1)), every_k=2
     )
     return tx, params, grads
 
@@ -61,7 +65,7 @@ if __name__ == "__main__":
         print(f.path_for(grads[0], tx.init(params), params))
     else:
         cache_dir, out = sys.argv[1], sys.argv[2]
-        tx, params, grads = make()
+        tx, params, grads = make(kind=sys.argv[3] if len(sys.argv) > 3 else "schedule")
         f = ft.precompiled_step(tx, cache_dir)
         p, s = run(f, tx, params, grads)
         torch.save({"params": p, "compiled": f.compiled, "loaded": f.loaded}, out)

@@ -93,19 +93,28 @@ def test_tensor_subclasses_are_refused_before_compiling(tmp_path):
 
 
 @pytest.mark.slow
-def test_saved_step_is_loaded_by_another_process_and_matches_eager(tmp_path):
+@pytest.mark.parametrize("kind", ["schedule", "inject"])
+def test_saved_step_is_loaded_by_another_process_and_matches_eager(tmp_path, kind):
     """A fresh process compiles and saves the step; a second one, building the same
     transform, loads it; both give eager ``ft.step``'s numbers. (Processes of their own: the
-    file is named by the parts' numbers, which depend on what a process built before.)"""
+    file is named by the parts' numbers, which depend on what a process built before.)
+    ``inject``: the schedule given to ``inject_hyperparams(adamw)`` (its step failed to load
+    before session 45: the loader could not rebuild a guard on a dict in its closures)."""
     here = pathlib.Path(__file__).parent
     results = []
     for i in range(2):
         out = tmp_path / f"out{i}.pt"
-        cmd = [sys.executable, str(here / "_precompile_problem.py"), str(tmp_path / "c"), str(out)]
+        cmd = [
+            sys.executable,
+            str(here / "_precompile_problem.py"),
+            str(tmp_path / "c"),
+            str(out),
+            kind,
+        ]
         subprocess.run(cmd, check=True, cwd=here)
         results.append(torch.load(out))
     assert [(r["compiled"], r["loaded"]) for r in results] == [(1, 0), (0, 1)]
-    tx, params, grads = make()
+    tx, params, grads = make(kind=kind)
     pe, se = run(eager(tx), tx, params, grads)
     assert int(se.mini_step) == 1
     for k in params:  # (five steps: two multi_steps cycles and a half, a warm-up schedule)
