@@ -68,6 +68,11 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
   inject           chain(clip, inject_hyperparams(adamw)(learning_rate=<schedule's>,
                    weight_decay=0.1)): optax's idiom, the learning rate in the state
                    torch code: as schedule
+  inject_groups    chain(clip, partition({"decay": inject_hyperparams(adamw)(learning_rate=
+                   <schedule's>, weight_decay=0.1), "no_decay": the same with weight_decay=0.0},
+                   labels from ft.decay_mask)): what ft.TorchOptimizer makes of two param groups
+                   of a clipped adamw, with a scheduler
+                   torch code: the two groups of masked, with schedule's LambdaLR
   loss_scale       dynamic_loss_scale(chain(clip, adamw)): the gradients as given are the scaled
                    ones (scale 2**16, GradScaler's default; every step finite)
                    torch code: torch.amp.GradScaler(init_scale=2**16): scaler.unscale_(opt),
@@ -205,12 +210,13 @@ ROWS = [
     "partition_clips",
     "schedule",
     "inject",
+    "inject_groups",
     "loss_scale",
     "zero_nans",
     "lamb",
 ]
 # the math of two param groups
-MASKED_ROWS = ("masked", "masked_primitives", "partition", "partition_clips")
+MASKED_ROWS = ("masked", "masked_primitives", "partition", "partition_clips", "inject_groups")
 # the baseline (a) is not the row's math
 OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "inject", "loss_scale", "lamb")
 RTOL = 1e-5
@@ -274,6 +280,16 @@ def make_tx(row):
         return ft.chain(
             clip(), ft.inject_hyperparams(ft.adamw)(learning_rate=sched, weight_decay=WD)
         )
+    if row == "inject_groups":  # (TorchOptimizer's param groups with a scheduler)
+        sched = ft.schedules.warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS)
+
+        def labels(params):
+            return {k: "decay" if v else "no_decay" for k, v in ft.decay_mask(params).items()}
+
+        def group(wd):
+            return ft.inject_hyperparams(ft.adamw)(learning_rate=sched, weight_decay=wd)
+
+        return ft.chain(clip(), ft.partition({"decay": group(WD), "no_decay": group(0.0)}, labels))
     if row == "loss_scale":
         return ft.dynamic_loss_scale(
             ft.chain(clip(), ft.adamw(LR, weight_decay=WD)), init_scale=LOSS_SCALE
@@ -327,7 +343,7 @@ class TorchCode:
             self.scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
             self.scaler.scale(torch.ones((), device=device))  # (its scale made, as a loop's)
         self.sched = None
-        if self.row in ("schedule", "inject"):
+        if self.row in ("schedule", "inject", "inject_groups"):
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule_lambda)
         self.ema = None
         if self.row == "ema_params":
@@ -788,6 +804,8 @@ def describe(row):
         f"{DECAY_STEPS})))",
         "inject": f"chain(clip, inject_hyperparams(adamw)(learning_rate=warmup_cosine_decay_"
         f"schedule(0, {LR}, {WARMUP_STEPS}, {DECAY_STEPS})))",
+        "inject_groups": "chain(clip, partition({decay: inject_hyperparams(adamw)(schedule, wd), "
+        "no_decay: ...(schedule, 0)}))",
         "loss_scale": "dynamic_loss_scale(chain(clip, adamw), init_scale=2**16)",
         "zero_nans": "chain(zero_nans(), clip, adamw)",
         "lamb": f"chain(clip, lamb({LR}, weight_decay={WD}))",
