@@ -236,6 +236,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise ValueError(
                 f"chain: expected a tuple of {len(transforms)} states from chain.init, got {got}"
             )
+        chosen = _run_chosen(switch, updates, state, params, mesh, extra)
+        if chosen is not None:
+            return chosen
         updates, new_states = run_sequence(transforms, state, updates, params, mesh, extra)
         return updates, tuple(new_states)
 
@@ -244,13 +247,36 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         passes_unreduced=all(passes_unreduced(t) for t in transforms),
         parts=tuple(transforms),
     )
-    _register_chained(update_fn, transforms)
+    switch = _register_chained(update_fn, transforms)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def _register_chained(update_fn, transforms, names=None) -> None:
+def _run_chosen(switch, updates, state, params, mesh, extra) -> tuple | None:
+    """A chain's ``update`` by its Switch's choice (a chain holding ``inject_hyperparams``,
+    ``multi_steps`` or a combinator around one): the chosen fused form run on the updates,
+    as ``ft.step`` runs it, without the apply (the transforms one by one would run a pass
+    each); ``None`` where there is no Switch or it chooses none, for updates given as a view
+    (inside a wrapper), extra arguments, or while the library records for autograd."""
+    if switch is None or extra:
+        return None
+    from .autograd import is_differentiable
+    from .engine import elementwise as E
+    from .engine.view import Prepared, prepare
+
+    if isinstance(updates, Prepared) or is_differentiable():
+        return None
+    fus = switch.choose(updates, state, params, mesh)
+    if fus is None:
+        return None
+    b = prepare(updates, params, mesh, need_params=fus.needs_params, name="chain", view=True)
+    new_updates, new_state = E.run(fus, b, state, params)
+    return new_updates.tree() if isinstance(new_updates, Prepared) else new_updates, new_state
+
+
+def _register_chained(update_fn, transforms, names=None) -> Any:
     """Register ``chain``'s fusable spec when every transform in it is fusable (``names``: a
-    ``named_chain``'s, whose state is a dict of its transforms' states by name)."""
+    ``named_chain``'s, whose state is a dict of its transforms' states by name); its Switch
+    where some of them choose their fused form per call. Returns the Switch, or ``None``."""
     from .engine import elementwise as E
 
     fus = [f for f in map(E.fusable_of, transforms) if f is not None]
@@ -263,12 +289,14 @@ def _register_chained(update_fn, transforms, names=None) -> None:
             if names is not None:
                 sw = _named_switch(sw, names)
             E.register(update_fn, sw)
-        return
+            return sw
+        return None
     inner = E.chained(fus)
     if names is None:
         E.register(update_fn, inner)
-        return
+        return None
     E.register(update_fn, E.restated(inner, *_named_states(names)))
+    return None
 
 
 def _named_states(names) -> tuple:
@@ -345,11 +373,14 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         if not isinstance(state, dict) or list(state) != names:
             got = list(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"named_chain: expected a state dict with keys {names}, got {got}")
+        chosen = _run_chosen(switch, updates, state, params, mesh, extra)
+        if chosen is not None:
+            return chosen
         updates, new_states = run_sequence(
             txs, [state[n] for n in names], updates, params, mesh, extra
         )
         return updates, dict(zip(names, new_states))
 
     attach_spec(update_fn, passes_unreduced=all(passes_unreduced(t) for t in txs))
-    _register_chained(update_fn, txs, names)
+    switch = _register_chained(update_fn, txs, names)
     return GradientTransformation(init_fn, declare(update_fn, view=True))

@@ -237,6 +237,49 @@ def test_a_wrapper_keeps_the_injected_count_where_it_keeps_the_inner_state(wrapp
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
 
 
+@pytest.mark.parametrize("kind", ["chain", "named_chain", "partition", "multi_steps"])
+def test_a_chain_holding_a_switch_updates_by_its_fused_form(kind, monkeypatch):
+    """``update`` of a chain holding ``inject_hyperparams`` (in a ``partition``, as
+    ``TorchOptimizer``'s param groups make it; or a ``multi_steps``) runs the chain's chosen
+    fused form, one ``engine.elementwise.run`` per update (the transforms one by one ran a
+    pass each), and equals the transforms' own updates run one after another to float
+    rounding, over 6 steps (the state too)."""
+    from functional_train.engine import elementwise as E
+
+    sched = ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    inject = ft.inject_hyperparams(ft.adamw)(learning_rate=sched, weight_decay=0.1)
+    if kind == "partition":
+        labels = {"w": "a", "v": "b", "b": "a"}
+        inject = ft.partition({"a": inject, "b": ft.sgd(0.1, momentum=0.9)}, labels)
+    elif kind == "multi_steps":
+        inject = ft.multi_steps(inject, every_k=2)
+    clip = ft.clip_by_global_norm(1.0)
+    if kind == "named_chain":
+        tx = ft.named_chain(("clip", clip), ("opt", inject))
+    else:
+        tx = ft.chain(clip, inject)
+    params, grads = _problem(steps=6)
+    runs: list = []
+    run = E.run
+    monkeypatch.setattr(E, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
+    state, p = tx.init(params), dict(params)
+    cs, js, q = clip.init(params), inject.init(params), dict(params)
+    for g in grads:
+        del runs[:]
+        u, state = tx.update(g, state, p)
+        assert len(runs) == 1
+        p = ft.apply_updates(p, u)
+        v, cs = clip.update(g, cs, q)
+        v, js = inject.update(v, js, q)
+        q = ft.apply_updates(q, v)
+    for k in params:
+        assert not torch.equal(p[k], params[k])
+        torch.testing.assert_close(p[k], q[k], rtol=1e-6, atol=1e-7)
+    want = (cs, js) if kind != "named_chain" else {"clip": cs, "opt": js}
+    for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(want)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def _inject_count(state):
     """The count of the one ``InjectHyperparamsState`` in ``state``."""
     found = [
