@@ -417,11 +417,6 @@ class _Restricter:
         return E.Fusable(parts, fus.split, fus.join)
 
 
-def _restricter(on_of: Callable[[PyTree], list], where: str) -> _Restricter:
-    """A :class:`_Restricter` to the leaves where ``on_of(params)`` is True."""
-    return _Restricter(on_of, where)
-
-
 def _masked_inner(state):
     """The inner state of ``masked``'s state (raising for another)."""
     if not isinstance(state, MaskedState):
@@ -431,8 +426,8 @@ def _masked_inner(state):
 
 def _masked_former(keep_of: Callable[[PyTree], list]) -> Callable[[E.Fusable], E.Fusable]:
     """``masked(inner, mask)``'s parts for an inner Fusable: its parts, restricted to the
-    masked-in leaves (see :func:`_restricter`)."""
-    restrict = _restricter(keep_of, "masked")
+    masked-in leaves (see :class:`_Restricter`)."""
+    restrict = _Restricter(keep_of, "masked")
     return lambda inner: E.restated(restrict(inner), _masked_inner, MaskedState)
 
 
@@ -444,7 +439,7 @@ def _masked_fusable(inner: E.Fusable, keep_of: Callable[[PyTree], list]) -> E.Fu
 class _PartitionFormer:
     """``partition(transforms, labels)``'s parts for its transforms' Fusables (in the order of
     ``transforms``): each transform's, restricted to the leaves of its label (see
-    :func:`_restricter`), chained: ``former(inners)``. ``former.parts(parts_per_label)``: the
+    :class:`_Restricter`), chained: ``former(inners)``. ``former.parts(parts_per_label)``: the
     restricted parts, made once per parts tuple; ``former.over(restricted, inners)``: the
     Fusables' splits and joins over restricted parts made before (under ``torch.compile``,
     where parts cannot be made)."""
@@ -466,7 +461,7 @@ class _PartitionFormer:
 
             return of
 
-        self.restricters = [_restricter(on(n), "partition") for n in names]
+        self.restricters = [_Restricter(on(n), "partition") for n in names]
 
     def get(self, state):
         names = self.names
@@ -491,15 +486,10 @@ class _PartitionFormer:
         return E.restated(chained, self.get, self.put)
 
 
-def _partition_former(names: list, labels_of: Callable[[PyTree], list]) -> _PartitionFormer:
-    """A :class:`_PartitionFormer`."""
-    return _PartitionFormer(names, labels_of)
-
-
 def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], list]):
     """``partition(transforms, labels)``'s parts: each transform's, restricted to the leaves
     of its label, chained in the order of ``transforms``."""
-    return _partition_former(names, labels_of)(inners)
+    return _PartitionFormer(names, labels_of)(inners)
 
 
 # a Switch inside (``multi_steps``, whose fused form is chosen per call): the combinator's
@@ -534,7 +524,7 @@ def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], li
     combined as :func:`_partition_fusable` combines fixed ones. Under ``torch.compile`` only
     where each Switch declares its parts there (``Switch.traced_parts``: the restricted parts
     made here, as a traced step cannot make parts); else ``None`` there (the general path)."""
-    build = _partition_former(names, labels_of)
+    build = _PartitionFormer(names, labels_of)
     declared = [
         s.traced_parts if isinstance(s, E.Switch) else E.zeros_written(s).parts for s in specs
     ]
@@ -572,7 +562,7 @@ def _masked_switch(switch: E.Switch, keep_of: Callable[[PyTree], list]) -> E.Swi
     Under ``torch.compile`` only where the inner Switch declares its parts there
     (``Switch.traced_parts``: the restricted parts made here, as a traced step cannot make
     parts); else ``None`` there (the general path)."""
-    restrict = _restricter(keep_of, "masked")
+    restrict = _Restricter(keep_of, "masked")
     traced = None if switch.traced_parts is None else restrict.parts(switch.traced_parts)
 
     def choose(updates, state, params, mesh):
