@@ -266,8 +266,8 @@ def _run_chosen(switch, updates, state, params, mesh, extra) -> tuple | None:
     if isinstance(updates, Prepared) or is_differentiable():
         return None
     fus = switch.choose(updates, state, params, mesh)
-    if fus is None:
-        return None
+    if fus is None or (params is None and fus.needs_params):
+        return None  # (the transforms one by one: the one that needs params raises)
     b = prepare(updates, params, mesh, need_params=fus.needs_params, name="chain", view=True)
     new_updates, new_state = E.run(fus, b, state, params)
     return new_updates.tree() if isinstance(new_updates, Prepared) else new_updates, new_state

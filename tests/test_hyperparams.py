@@ -259,6 +259,9 @@ def test_a_chain_holding_a_switch_updates_by_its_fused_form(kind, monkeypatch):
     else:
         tx = ft.chain(clip, inject)
     params, grads = _problem(steps=6)
+    if kind in ("chain", "named_chain"):  # (without params: the transform needing them says so)
+        with pytest.raises(ValueError, match="add_decayed_weights needs params"):
+            tx.update(grads[0], tx.init(params))
     runs: list = []
     run = E.run
     monkeypatch.setattr(E, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
