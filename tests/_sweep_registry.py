@@ -237,6 +237,29 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
     # hyperparameters read on the host (a factory that declares none as tensors: trace's decay
     # and dampening): the transform rebuilt when they change
     "inject_hyperparams[host]": lambda: ft.inject_hyperparams(ft.trace)(decay=0.9, dampening=0.1),
+    # TorchOptimizer's param groups with a scheduler: a partition of clipped, injected aliases
+    # (their fused form chosen per call; under torch.compile, restricted parts made when the
+    # partition is built over those the injected chain declares)
+    "partition[inject]": lambda: ft.partition(
+        {
+            "a": ft.chain(
+                ft.clip_by_global_norm(0.5),
+                ft.inject_hyperparams(ft.adamw)(
+                    learning_rate=ft.schedules.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1
+                ),
+            ),
+            "b": ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=0.9),
+        },
+        by_ndim("a", "b"),
+    ),
+    # dynamic_loss_scale around a Switch (the injected chain's)
+    "dynamic_loss_scale[inject]": lambda: ft.dynamic_loss_scale(
+        ft.chain(
+            ft.clip_by_global_norm(1.0),
+            ft.inject_hyperparams(ft.adamw)(learning_rate=1e-2, weight_decay=0.1),
+        ),
+        init_scale=2.0**4,
+    ),
     # finiteness read from the leading clip's norm instead of its own all-reduce
     "apply_if_finite[clip]": lambda: ft.apply_if_finite(
         ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), 2
@@ -352,6 +375,7 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("partition[lamb]", "mixed_dtypes"): _GLOBAL_NORM,
     ("masked[clip]", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[partition]", "mixed_dtypes"): _GLOBAL_NORM,
+    ("partition[inject]", "mixed_dtypes"): _GLOBAL_NORM,
     ("multi_steps[apply_if_finite]", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[nested]", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): _PASSES_UNREDUCED,
@@ -388,6 +412,9 @@ HOST_COUNTER_READS: dict[str, str] = {
     "inject_hyperparams[tensors]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) are "
     "read as floats eagerly (no device synchronisation; a compiled "
     "step takes them as tensors; documented in value_of)",
+    "partition[inject]": "InjectHyperparamsState.hyperparams, as inject_hyperparams[tensors]",
+    "dynamic_loss_scale[inject]": "InjectHyperparamsState.hyperparams, as "
+    "inject_hyperparams[tensors]",
     "inject_hyperparams[host]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) that "
     "the factory does not declare as tensors (trace's) are read "
     "on the host to rebuild it when they change (documented in "
