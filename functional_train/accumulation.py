@@ -443,12 +443,12 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             if one_dtype is not None:  # (every leaf active, one dtype: one op, not one a leaf)
                 seen = tuple(flags.unbind())
             else:
+                # (an inactive leaf is one the transform does not hold, outside a masked /
+                # partition's leaves (see _held): its flag stays 0)
                 fresh = iter(flags.unbind())
                 seen = tuple(
                     [
-                        next(fresh).to(f.dtype)
-                        if i in active
-                        else torch.where(final, torch.zeros_like(f), f)
+                        next(fresh).to(f.dtype) if i in active else f
                         for i, f in enumerate(state.seen)
                     ]
                 )
@@ -546,7 +546,10 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             g, acc, pl = leaves_of(updates), leaves_of(state.acc_grads), leaves_of(params)
             if not len(g) == len(acc) == len(pl) == len(state.seen):
                 return None
-            return traced_choice(updates, state, params, mesh) if _alike(g, acc, pl) else None
+            held = _held(g, acc, pl)
+            if held is None or not _alike(*held):
+                return None
+            return traced_choice(updates, state, params, mesh)
         g, treedef = tree_flatten(updates)
         try:
             acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
@@ -559,7 +562,10 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         if mesh is not None and not _reduced(treedef, g, pl, mesh):
             return None  # (unreduced gradients: accumulated as they are, reduced once)
         if compiling:  # (no host read: every leaf alike, the cycle's position a tensor)
-            return traced_choice(updates, state, params, mesh) if _alike(g, acc, pl) else None
+            held = _held(g, acc, pl)
+            if held is None or not _alike(*held):
+                return None
+            return traced_choice(updates, state, params, mesh)
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
         seen = _seen_values(state.seen)  # (a block's: one tolist; else .item() per flag)
@@ -608,6 +614,22 @@ def _in_dtypes_of(updates: Any, treedef: Any, g: list) -> Any:
             for o, x in zip(out, g)
         ],
     )
+
+
+def _held(g: list, acc: list, pl: list) -> tuple[list, list, list] | None:
+    """The leaves the traced form steps (``torch.compile``, where the counters and flags
+    cannot be read on the host): those with a gradient, an accumulator and a parameter,
+    as three lists; the leaves with none of the three (outside a ``masked`` /
+    ``partition``'s leaves: the combinator gives its transform ``None`` there) left out.
+    ``None`` where a leaf has some but not all three (a leaf without a gradient now may have
+    one earlier in the cycle, which only the general path tells)."""
+    if all(x is not None for x in g):  # (checked once: dynamo traces every loop)
+        return g, acc, pl
+    present = [[x is not None, a is not None, p is not None] for x, a, p in zip(g, acc, pl)]
+    if any(any(h) and not all(h) for h in present):
+        return None
+    on = [h[0] for h in present]
+    return tuple([v for v, o in zip(xs, on) if o] for xs in (g, acc, pl))  # type: ignore[return-value]
 
 
 def _leaves_or_none(params: Any, treedef: Any) -> list | None:

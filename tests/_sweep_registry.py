@@ -225,6 +225,17 @@ VARIANTS: dict[str, Callable[[], ft.GradientTransformation]] = {
         ft.apply_if_finite(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 2),
         every_k=2,
     ),
+    # multi_steps inside a combinator: its fused form (traced under torch.compile) on the
+    # leaves the partition gives it, None elsewhere
+    "partition[multi_steps]": lambda: ft.partition(
+        {
+            "a": ft.multi_steps(
+                ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)), 2
+            ),
+            "b": ft.multi_steps(ft.sgd(0.1, momentum=0.9), 2),
+        },
+        by_ndim("a", "b"),
+    ),
     "apply_if_finite[nested]": lambda: ft.apply_if_finite(
         ft.apply_if_finite(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 1), 2
     ),
@@ -378,6 +389,7 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("partition[inject]", "mixed_dtypes"): _GLOBAL_NORM,
     ("multi_steps[apply_if_finite]", "mixed_dtypes"): _GLOBAL_NORM,
     ("apply_if_finite[nested]", "mixed_dtypes"): _GLOBAL_NORM,
+    ("partition[multi_steps]", "mixed_dtypes"): _GLOBAL_NORM,
     ("identity", "sharded_data_axis"): _PASSES_UNREDUCED,
     ("identity", "zero_grads_sharded"): _PASSES_UNREDUCED,
     ("differentially_private_aggregate", "mixed_dtypes"): "each example is clipped to its "
@@ -413,6 +425,8 @@ HOST_COUNTER_READS: dict[str, str] = {
     "read as floats eagerly (no device synchronisation; a compiled "
     "step takes them as tensors; documented in value_of)",
     "partition[inject]": "InjectHyperparamsState.hyperparams, as inject_hyperparams[tensors]",
+    "partition[multi_steps]": "MultiStepsState.mini_step and .seen of each label's multi_steps, "
+    "as multi_steps",
     "dynamic_loss_scale[inject]": "InjectHyperparamsState.hyperparams, as "
     "inject_hyperparams[tensors]",
     "inject_hyperparams[host]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) that "

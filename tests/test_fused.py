@@ -590,6 +590,17 @@ OPERATORS_ONLY = {
     "multi_steps_partition_inject": lambda: ft.multi_steps(
         OPERATORS_ONLY["partition_inject"](), every_k=2
     ),
+    # (multi_steps' traced form on the leaves its combinator gives it, None elsewhere)
+    "masked_multi_steps": lambda: ft.masked(
+        CHAINS["multi_steps"](), {"w": True, "b": False, "e": True, "s": False}
+    ),
+    "partition_multi_steps_inject": lambda: ft.partition(
+        {
+            "a": ft.multi_steps(OPERATORS_ONLY["inject"](), every_k=2),
+            "b": ft.chain(ft.clip_by_global_norm(0.5), ft.sgd(0.1, 0.9)),
+        },
+        {"w": "a", "b": "b", "e": "a", "s": "b"},
+    ),
     # (dynamic_loss_scale's parts over the parts inject_hyperparams declares)
     "loss_scale_inject": lambda: ft.dynamic_loss_scale(
         OPERATORS_ONLY["inject"](), init_scale=2.0**4
@@ -620,6 +631,7 @@ _RESTARTS = (
     "masked_inject",
     "partition_inject",
     "multi_steps_partition_inject",
+    "partition_multi_steps_inject",
     "loss_scale_inject",
 )
 
@@ -642,7 +654,14 @@ _VIEWS = {
 
 
 # (donated: the chains whose donated graphs differ most, to keep the slow tier's time)
-_DONATED = ("apply_if_finite", "multi_steps", "partition", "inject", "partition_inject")
+_DONATED = (
+    "apply_if_finite",
+    "multi_steps",
+    "partition",
+    "inject",
+    "partition_inject",
+    "partition_multi_steps_inject",
+)
 
 
 @pytest.mark.slow
