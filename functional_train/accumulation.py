@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from . import _validate as V
 from . import foreach
 from .aliasing import forget_shared, known_zeros
-from .autograd import detached, host_value, host_values, is_differentiable, traced
-from .base import GradientTransformation, call_reduced, declare, passes_unreduced
+from .autograd import detached, host_value, host_values, traced
+from .base import GradientTransformation, call_reduced, declare, passes_unreduced, run_chosen
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
 from .engine.metadata import Memo
@@ -46,7 +46,6 @@ from .engine.plan import (
     same_layouts,
 )
 from .engine.scalars import scalar_program
-from .engine.view import prepare
 from .leaves import DTYPE, SHAPE
 from .mesh import Mesh
 from .spec import attach_spec
@@ -180,13 +179,10 @@ def multi_steps(
                 f"multi_steps: mesh must be a functional_train.Mesh or None, "
                 f"got {type(mesh).__name__}"
             )
-        if switch is not None and not is_differentiable():
-            fus = switch.choose(updates, state, params, mesh)
-            if fus is not None:  # the accumulation and the inner transform fused
-                b = prepare(updates, params, mesh, name="multi_steps", view=True)
-                new_updates, new_state = E.run(fus, b, state, params)
-                g, treedef = tree_flatten(updates)
-                return _in_dtypes_of(new_updates.tree(), treedef, g), new_state
+        chosen = run_chosen(switch, updates, state, params, mesh, "multi_steps")
+        if chosen is not None:  # the accumulation and the inner transform fused
+            g, treedef = tree_flatten(updates)
+            return _in_dtypes_of(chosen[0], treedef, g), chosen[1]
         skip_state = state.skip_state
         if should_skip_update_fn is not None:
             skip, skip_state = should_skip_update_fn(

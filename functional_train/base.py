@@ -236,7 +236,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise ValueError(
                 f"chain: expected a tuple of {len(transforms)} states from chain.init, got {got}"
             )
-        chosen = _run_chosen(switch, updates, state, params, mesh, extra)
+        chosen = run_chosen(switch, updates, state, params, mesh, "chain")
         if chosen is not None:
             return chosen
         updates, new_states = run_sequence(transforms, state, updates, params, mesh, extra)
@@ -251,13 +251,16 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def _run_chosen(switch, updates, state, params, mesh, extra) -> tuple | None:
-    """A chain's ``update`` by its Switch's choice (a chain holding ``inject_hyperparams``,
-    ``multi_steps`` or a combinator around one): the chosen fused form run on the updates,
-    as ``ft.step`` runs it, without the apply (the transforms one by one would run a pass
-    each); ``None`` where there is no Switch or it chooses none, for updates given as a view
-    (inside a wrapper), extra arguments, or while the library records for autograd."""
-    if switch is None or extra:
+def run_chosen(switch, updates, state, params, mesh, name: str) -> tuple | None:
+    """An ``update`` by its Switch's choice (a chain holding ``inject_hyperparams``,
+    ``multi_steps`` or a combinator around one; ``multi_steps`` itself): the chosen fused
+    form run on the updates, as ``ft.step`` runs it, without the apply (the transforms one
+    by one would run a pass each), as ``(updates, state)``; ``None`` where there is no
+    Switch or it chooses none, for updates given as a view (inside a wrapper), or while the
+    library records for autograd. Extra arguments are not read: a Switch's parts are the
+    library's definitions and the user's ``elementwise`` ones, which read none (``ft.step``'s
+    fused path does not pass them either)."""
+    if switch is None:
         return None
     from .autograd import is_differentiable
     from .engine import elementwise as E
@@ -268,7 +271,7 @@ def _run_chosen(switch, updates, state, params, mesh, extra) -> tuple | None:
     fus = switch.choose(updates, state, params, mesh)
     if fus is None or (params is None and fus.needs_params):
         return None  # (the transforms one by one: the one that needs params raises)
-    b = prepare(updates, params, mesh, need_params=fus.needs_params, name="chain", view=True)
+    b = prepare(updates, params, mesh, need_params=fus.needs_params, name=name, view=True)
     new_updates, new_state = E.run(fus, b, state, params)
     return new_updates.tree() if isinstance(new_updates, Prepared) else new_updates, new_state
 
@@ -373,7 +376,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         if not isinstance(state, dict) or list(state) != names:
             got = list(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"named_chain: expected a state dict with keys {names}, got {got}")
-        chosen = _run_chosen(switch, updates, state, params, mesh, extra)
+        chosen = run_chosen(switch, updates, state, params, mesh, "named_chain")
         if chosen is not None:
             return chosen
         updates, new_states = run_sequence(

@@ -242,8 +242,9 @@ def test_a_chain_holding_a_switch_updates_by_its_fused_form(kind, monkeypatch):
     """``update`` of a chain holding ``inject_hyperparams`` (in a ``partition``, as
     ``TorchOptimizer``'s param groups make it; or a ``multi_steps``) runs the chain's chosen
     fused form, one ``engine.elementwise.run`` per update (the transforms one by one ran a
-    pass each), and equals the transforms' own updates run one after another to float
-    rounding, over 6 steps (the state too)."""
+    pass each), extra arguments given or not (optax's ``value``, which none of them reads),
+    and equals the transforms' own updates run one after another to float rounding, over 6
+    steps (the state too)."""
     from functional_train.engine import elementwise as E
 
     sched = ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
@@ -269,7 +270,7 @@ def test_a_chain_holding_a_switch_updates_by_its_fused_form(kind, monkeypatch):
     cs, js, q = clip.init(params), inject.init(params), dict(params)
     for g in grads:
         del runs[:]
-        u, state = tx.update(g, state, p)
+        u, state = tx.update(g, state, p, value=torch.tensor(0.5))  # (unread: see run_chosen)
         assert len(runs) == 1
         p = ft.apply_updates(p, u)
         v, cs = clip.update(g, cs, q)
