@@ -32,7 +32,7 @@ from . import _validate as V
 from . import foreach
 from .aliasing import forget_shared, known_zeros
 from .autograd import detached, host_value, host_values, traced
-from .base import GradientTransformation, call_reduced, declare, passes_unreduced, run_chosen
+from .base import GradientTransformation, call_reduced, declare, passes_unreduced, run_fused
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wrap
 from .engine.metadata import Memo
@@ -179,7 +179,7 @@ def multi_steps(
                 f"multi_steps: mesh must be a functional_train.Mesh or None, "
                 f"got {type(mesh).__name__}"
             )
-        chosen = run_chosen(switch, updates, state, params, mesh, "multi_steps")
+        chosen = run_fused(switch, updates, state, params, mesh, "multi_steps")
         if chosen is not None:  # the accumulation and the inner transform fused
             g, treedef = tree_flatten(updates)
             return _in_dtypes_of(chosen[0], treedef, g), chosen[1]

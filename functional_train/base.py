@@ -236,7 +236,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise ValueError(
                 f"chain: expected a tuple of {len(transforms)} states from chain.init, got {got}"
             )
-        chosen = run_chosen(switch, updates, state, params, mesh, "chain")
+        chosen = run_fused(switch, updates, state, params, mesh, "chain")
         if chosen is not None:
             return chosen
         updates, new_states = run_sequence(transforms, state, updates, params, mesh, extra)
@@ -251,29 +251,36 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
-def run_chosen(switch, updates, state, params, mesh, name: str) -> tuple | None:
-    """An ``update`` by its Switch's choice (a chain holding ``inject_hyperparams``,
-    ``multi_steps`` or a combinator around one; ``multi_steps`` itself): the chosen fused
-    form run on the updates, as ``ft.step`` runs it, without the apply (the transforms one
-    by one would run a pass each), as ``(updates, state)``; ``None`` where there is no
-    Switch or it chooses none, for updates given as a view (inside a wrapper), or while the
-    library records for autograd. Extra arguments are not read: a Switch's parts are the
-    library's definitions and the user's ``elementwise`` ones, which read none (``ft.step``'s
-    fused path does not pass them either)."""
-    if switch is None:
+def run_fused(spec, updates, state, params, mesh, name: str) -> tuple | None:
+    """An ``update`` by its fused form, as ``(updates, state)``, as ``ft.step`` runs it
+    without the apply: ``spec`` a Fusable (a wrapper around a fusable transform), run as it
+    is, or a Switch (a chain holding ``inject_hyperparams``, ``multi_steps`` or a combinator
+    or wrapper around one), run by its choice for these inputs; the updates come back as
+    they were given (a tree, or the view a chain hands along). ``None`` where ``spec`` is
+    ``None`` or a Switch chooses none, and for a Switch given updates as a view (inside a
+    wrapper: it chooses on trees) or while the library records for autograd: the caller's
+    general path then runs (the transforms one by one, a pass each). Extra arguments are not
+    read: a fused form's parts are the library's definitions and the user's ``elementwise``
+    ones, which read none (``ft.step``'s fused path does not pass them either)."""
+    if spec is None:
         return None
     from .autograd import is_differentiable
     from .engine import elementwise as E
     from .engine.view import Prepared, prepare
 
-    if isinstance(updates, Prepared) or is_differentiable():
-        return None
-    fus = switch.choose(updates, state, params, mesh)
-    if fus is None or (params is None and fus.needs_params):
-        return None  # (the transforms one by one: the one that needs params raises)
+    given_view = isinstance(updates, Prepared)
+    fus = spec
+    if isinstance(spec, E.Switch):
+        if given_view or is_differentiable():
+            return None
+        fus = spec.choose(updates, state, params, mesh)
+        if fus is None or (params is None and fus.needs_params):
+            return None  # (the general path: the transform that needs params raises)
     b = prepare(updates, params, mesh, need_params=fus.needs_params, name=name, view=True)
     new_updates, new_state = E.run(fus, b, state, params)
-    return new_updates.tree() if isinstance(new_updates, Prepared) else new_updates, new_state
+    if isinstance(new_updates, Prepared) and not given_view:
+        new_updates = new_updates.tree()
+    return new_updates, new_state
 
 
 def _register_chained(update_fn, transforms, names=None) -> Any:
@@ -376,7 +383,7 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         if not isinstance(state, dict) or list(state) != names:
             got = list(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"named_chain: expected a state dict with keys {names}, got {got}")
-        chosen = run_chosen(switch, updates, state, params, mesh, "named_chain")
+        chosen = run_fused(switch, updates, state, params, mesh, "named_chain")
         if chosen is not None:
             return chosen
         updates, new_states = run_sequence(

@@ -26,7 +26,7 @@ import torch
 from . import _validate as V
 from . import foreach
 from . import leaves as L
-from .base import GradientTransformation, call_reduced, declare
+from .base import GradientTransformation, call_reduced, declare, run_fused
 from .engine import elementwise as E
 from .engine import native
 from .engine.dtensor import to_local, wrap_like
@@ -384,22 +384,16 @@ def apply_if_finite(
             zero, torch.ones((), dtype=torch.bool, device=dev), zero.clone(), inner.init(params)
         )
 
+    spec = fus
+    if spec is None and (switch := E.switch_of(inner)) is not None:
+        spec = _guarded_switch(switch, clip_norm is not None, decide)
+
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
         _check_finite_state(state)
+        out = run_fused(spec, updates, state, params, mesh, "apply_if_finite")
+        if out is not None:  # (the fused form: the same parts ft.step runs)
+            return out
         given_view = isinstance(updates, Prepared)
-        if fus is not None:
-            b = prepare(
-                updates,
-                params,
-                mesh,
-                need_params=fus.needs_params,
-                name="apply_if_finite",
-                view=True,
-            )
-            new_updates, new_state = E.run(fus, b, state, params)
-            if isinstance(new_updates, Prepared) and not given_view:
-                new_updates = new_updates.tree()
-            return new_updates, new_state
         b = prepare(updates, params, mesh, name="apply_if_finite", view=True)
         finite, new_updates, new_inner = _run_checked(
             inner, clip_norm, b, state.inner_state, params, extra, state.notfinite_count.device
@@ -412,10 +406,8 @@ def apply_if_finite(
             *counters, _where_tree(ok, new_inner, state.inner_state)
         )
 
-    if fus is not None:
-        E.register(update_fn, fus)
-    elif (switch := E.switch_of(inner)) is not None:
-        E.register(update_fn, _guarded_switch(switch, clip_norm is not None, decide))
+    if spec is not None:
+        E.register(update_fn, spec)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 
@@ -693,13 +685,10 @@ def dynamic_loss_scale(
                 "dynamic_loss_scale: expected the DynamicLossScaleState from "
                 f"dynamic_loss_scale.init, got {type(state).__name__}"
             )
+        out = run_fused(spec, updates, state, params, mesh, where)
+        if out is not None:  # (the fused form: the same parts ft.step runs)
+            return out
         given_view = isinstance(updates, Prepared)
-        if fus is not None:  # (the fused form: the same parts ft.step runs)
-            b = prepare(updates, params, mesh, need_params=fus.needs_params, name=where, view=True)
-            new_updates, new_state = E.run(fus, b, state, params)
-            if isinstance(new_updates, Prepared) and not given_view:
-                new_updates = new_updates.tree()
-            return new_updates, new_state
         b = prepare(updates, params, mesh, name=where, view=True)
         (inv,) = _unscale_factor(state.scale)
         g = [b.locals[i] for i in b.active]
@@ -732,20 +721,17 @@ def dynamic_loss_scale(
         )
         return finite, (scale, tracker, finite, total)
 
-    fus = None if inner_fus is None else _scaled(inner_fus, clip_norm is not None, decide)
-    if fus is not None:
-        E.register(update_fn, fus)
-    elif (switch := E.switch_of(inner)) is not None:
-        clip_first = clip_norm is not None
-        E.register(
-            update_fn,
-            _wrapped_switch(
-                switch,
-                lambda parts: _scaled_parts(parts, clip_first, decide),
-                lambda parts, f: _scaled_over(parts, f, clip_first),
-                DynamicLossScaleState,
-            ),
+    clip_first = clip_norm is not None
+    spec = None if inner_fus is None else _scaled(inner_fus, clip_first, decide)
+    if spec is None and (switch := E.switch_of(inner)) is not None:
+        spec = _wrapped_switch(
+            switch,
+            lambda parts: _scaled_parts(parts, clip_first, decide),
+            lambda parts, f: _scaled_over(parts, f, clip_first),
+            DynamicLossScaleState,
         )
+    if spec is not None:
+        E.register(update_fn, spec)
     return GradientTransformation(init_fn, declare(update_fn, view=True))
 
 

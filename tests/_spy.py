@@ -120,3 +120,14 @@ def compiled_code_of_steps(make, params, grads, donate: bool) -> str:
         for x, y in zip(got, want):
             assert not isinstance(x, torch.Tensor) or torch.equal(x, y), i
     return "\n".join(codes)
+
+
+def general_updates(monkeypatch) -> None:
+    """Every wrapper's and chain's ``update`` by its general path for the rest of the context
+    (the transforms inside by their own updates, one after another): ``base.run_fused``,
+    which runs a fused form chosen per call, turned off where the library calls it. The
+    reference a test compares a fused step with."""
+    from functional_train import accumulation, base, nonfinite
+
+    for module in (base, accumulation, nonfinite):
+        monkeypatch.setattr(module, "run_fused", lambda *a: None)

@@ -14,6 +14,7 @@ import torch
 
 import functional_train as ft
 from _layouts import step_by_mode  # noqa: E402
+from _spy import general_updates
 
 
 def _problem(steps=4, seed=0, big=False):
@@ -206,7 +207,8 @@ def test_a_wrapper_keeps_the_injected_count_where_it_keeps_the_inner_state(wrapp
     """``apply_if_finite`` and ``dynamic_loss_scale`` (a non-finite step) and ``multi_steps``
     (its non-final micro-steps) of a chain holding ``inject_hyperparams`` with a schedule:
     the fused ``ft.step`` (the wrapper's Switch chooses a fused form) keeps the count and
-    the values where it keeps the inner state, as ``update`` does (optax's semantics; the
+    the values where it keeps the inner state, as the general ``update`` does (optax's
+    semantics; the
     fused step advanced them on a skipped step before session 44, and the schedule ran
     ahead of the updates). Parameters and every state leaf over 6 steps."""
     from functional_train.engine import elementwise as E
@@ -229,7 +231,9 @@ def test_a_wrapper_keeps_the_injected_count_where_it_keeps_the_inner_state(wrapp
     switch = E.switch_of(tx)
     assert switch is not None and switch.choose(grads[0], tx.init(params), params, None)
     got, got_state = _run(tx, params, grads, mode)
-    want, want_state = _run(tx, params, grads, "update")
+    with pytest.MonkeyPatch.context() as m:
+        general_updates(m)
+        want, want_state = _run(tx, params, grads, "update")
     injected = ft.get_hyperparams(got_state)
     assert int(_inject_count(got_state)) == (5 if skips else 2)
     assert injected.keys() == ft.get_hyperparams(want_state).keys()
@@ -270,7 +274,7 @@ def test_a_chain_holding_a_switch_updates_by_its_fused_form(kind, monkeypatch):
     cs, js, q = clip.init(params), inject.init(params), dict(params)
     for g in grads:
         del runs[:]
-        u, state = tx.update(g, state, p, value=torch.tensor(0.5))  # (unread: see run_chosen)
+        u, state = tx.update(g, state, p, value=torch.tensor(0.5))  # (unread: see base.run_fused)
         assert len(runs) == 1
         p = ft.apply_updates(p, u)
         v, cs = clip.update(g, cs, q)
@@ -282,6 +286,41 @@ def test_a_chain_holding_a_switch_updates_by_its_fused_form(kind, monkeypatch):
     want = (cs, js) if kind != "named_chain" else {"clip": cs, "opt": js}
     for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(want)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("wrapper", ["apply_if_finite", "dynamic_loss_scale"])
+def test_a_wrapper_of_a_switch_updates_by_its_fused_form(wrapper, monkeypatch):
+    """``update`` of ``apply_if_finite`` / ``dynamic_loss_scale`` around a chain holding
+    ``inject_hyperparams`` runs the wrapper's chosen fused form (one
+    ``engine.elementwise.run`` per update, where the general path runs the chain's and the
+    wrapper's own passes), a non-finite step skipped, and equals the general ``update`` to
+    float rounding over 6 steps, the parameters and every state leaf."""
+    from functional_train.engine import elementwise as E
+
+    sched = ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+
+    def make():
+        inner = ft.chain(
+            ft.clip_by_global_norm(1.0),
+            ft.inject_hyperparams(ft.adamw)(learning_rate=sched, weight_decay=0.1),
+        )
+        if wrapper == "apply_if_finite":
+            return ft.apply_if_finite(inner, max_consecutive_errors=3)
+        return ft.dynamic_loss_scale(inner, init_scale=2.0**3, growth_interval=2)
+
+    params, grads = _problem(steps=6)
+    grads[2]["w"][1, 2] = float("nan")
+    with pytest.MonkeyPatch.context() as m:
+        general_updates(m)
+        want, want_state = _run(make(), params, grads, "update")
+    runs: list = []
+    run = E.run
+    monkeypatch.setattr(E, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
+    got, got_state = _run(make(), params, grads, "update")
+    assert len(runs) == len(grads)
+    assert int(_inject_count(got_state)) == 5
+    for a, b in zip(optree.tree_leaves((got, got_state)), optree.tree_leaves((want, want_state))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, equal_nan=True)
 
 
 def _inject_count(state):
