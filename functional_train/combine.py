@@ -369,8 +369,9 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         needs_params=part.needs_params,
         static=static,
         reduces=part.reduces,
-        # (no guard: outside its leaves a part passes the updates through whatever its flag,
-        # so what the guard promises for every leaf holds for its own only)
+        # (its guard holds on its own leaves only: outside them it passes the updates
+        # through whatever its flag; see elementwise._guards_of)
+        guard=part.guard,
         context=part.context,
         leaf_scalars=part.leaf_scalars,
         reads_sum_squares=part.reads_sum_squares,
@@ -481,17 +482,42 @@ class _PartitionFormer:
         return PartitionState(dict(zip(self.names, states)))
 
     def __call__(self, inners: list) -> E.Fusable:
-        chained = E.chained([r(f) for r, f in zip(self.restricters, inners)])
+        combined = _combined([f.parts for f in inners])
+        chained = combined([r(f) for r, f in zip(self.restricters, inners)])
         return E.restated(chained, self.get, self.put)
 
     def parts(self, parts_per_label: list) -> list:
         return [r.parts(ps) for r, ps in zip(self.restricters, parts_per_label)]
 
+    @staticmethod
+    def declared(parts_per_label: list, restricted: list) -> tuple:
+        """The parts of what :meth:`over` makes of ``restricted`` (:meth:`parts` of
+        ``parts_per_label``), in its order."""
+        if _combined(parts_per_label) is E.chained:
+            return tuple(q for ps in restricted for q in ps)
+        return tuple(restricted[i][k] for i, k in E.stage_major(restricted))
+
     def over(self, restricted: list, inners: list) -> E.Fusable:
-        chained = E.chained(
+        combined = _combined([f.parts for f in inners])
+        chained = combined(
             [r.over(ps, f) for r, ps, f in zip(self.restricters, restricted, inners)]
         )
         return E.restated(chained, self.get, self.put)
+
+
+def _combined(parts_per_label: list) -> Callable[[list], E.Fusable]:
+    """How ``partition`` chains its transforms' restricted Fusables: stage by stage
+    (:func:`~.engine.elementwise.by_stages`: as many passes as the longest, not their sum),
+    but in label order where one part publishing to the run context (a wrapper's flag
+    under its key) is in two labels' (one transform object given for both: interleaved,
+    one label's flag would be read by the other's parts)."""
+    seen: set = set()
+    for ps in parts_per_label:
+        own = {id(q) for q in ps if q.context}
+        if own & seen:
+            return E.chained
+        seen |= own
+    return E.by_stages
 
 
 def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], list]):
@@ -547,6 +573,7 @@ def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], li
         s.traced_parts if isinstance(s, E.Switch) else E.zeros_written(s).parts for s in specs
     ]
     traced = None if any(d is None for d in declared) else build.parts(declared)
+    traced_parts = None if traced is None else build.declared(declared, traced)
 
     def choose(updates, state, params, mesh):
         compiling = torch.compiler.is_compiling()
@@ -571,7 +598,7 @@ def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], li
             picked.append(spec)
         return build.over(traced, picked) if compiling else build(picked)
 
-    return E.Switch(choose, None if traced is None else tuple(q for ps in traced for q in ps))
+    return E.Switch(choose, traced_parts)
 
 
 def _masked_switch(switch: E.Switch, keep_of: Callable[[PyTree], list]) -> E.Switch:

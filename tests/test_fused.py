@@ -29,6 +29,7 @@ from _spy import (
     took_torch_fused,
     torch_fused_calls,
 )
+from functional_train.engine import elementwise as E
 from functional_train.engine import fuse
 
 STEPS = 4
@@ -1058,6 +1059,89 @@ def test_compiled_donated_multi_steps_skips_the_inner_stage(monkeypatch):
         assert torch.equal(pc[k], want[k]), k
     for x, y in zip(ft.tree.tree_flatten(sc)[0], ft.tree.tree_flatten(want_state)[0]):
         assert not isinstance(x, torch.Tensor) or torch.equal(x, y)
+
+
+def _two_multi_steps():
+    """``partition`` of two ``multi_steps`` (each clipped by its own norm)."""
+    return ft.partition(
+        {
+            "a": ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 2),
+            "b": ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.3), ft.sgd(0.1, 0.9)), 2),
+        },
+        {"w": "a", "b": "b", "e": "a", "s": "b"},
+    )
+
+
+def _stage_runs(monkeypatch) -> list:
+    """A list that receives one entry per stage the engine runs (eagerly, or inside the
+    compiled stage operators) for the rest of the test."""
+    runs: list = []
+    real = E._execute_local
+    monkeypatch.setattr(E, "_execute_local", lambda *a, **k: runs.append(1) or real(*a, **k))
+    return runs
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_partition_of_multi_steps_runs_stage_by_stage(compiled, monkeypatch):
+    """``partition`` runs its transforms' parts stage by stage (``engine.elementwise.
+    by_stages``: the parts of one label commute with another's, which act on other leaves):
+    a cycle's last micro-step of two ``multi_steps`` is two stages, both accumulations then
+    both inner transforms (three before: the second label's accumulation waited for the
+    first label's inner transform). Compiled and donated, a non-final micro-step runs the
+    accumulation stage only: the inner stage's restricted parts keep their guards on their
+    own leaves and each leaf's last part zeroes (``elementwise._guards_of``), so the stage
+    operator skips it. Bit for bit the eager step (compiled) and the general ``update``'s
+    numbers (every step)."""
+    params, grads = _problem()
+    tx = _two_multi_steps()
+    step = lambda g, s, p: ft.step(tx, g, s, p, donate=True)  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        step = torch.compile(step, backend="eager", fullgraph=True)
+        step({k: v.clone() for k, v in grads[0].items()}, tx.init(params), dict(params))
+    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    runs = _stage_runs(monkeypatch)
+    per_step = []
+    for g in grads[:4]:
+        del runs[:]
+        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        per_step.append(len(runs))
+    assert per_step == [1, 2, 1, 2], per_step
+    monkeypatch.undo()
+    want, want_state = _run(_two_multi_steps(), params, grads[:4], "donate")
+    ref, _ = _run(_two_multi_steps(), params, grads[:4], "update")
+    for k in params:
+        assert torch.equal(pc[k], want[k]) or not compiled, k
+        torch.testing.assert_close(pc[k], ref[k], rtol=1e-6, atol=1e-7)
+    for x, y in zip(ft.tree.tree_flatten(sc)[0], ft.tree.tree_flatten(want_state)[0]):
+        assert not isinstance(x, torch.Tensor) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_partition_of_one_wrapper_object_keeps_each_label_s_flag(compiled):
+    """``partition`` given one ``apply_if_finite`` object for two labels: its parts publish
+    their flag under one run-context key, so the labels are chained in label order, not
+    stage by stage (each label's guard reads its own label's flag). A non-finite gradient
+    in one label skips that label's step only, over 4 steps, as the general ``update``."""
+    params, grads = _problem()
+    grads[2]["w"][0, 1] = float("nan")  # (label a's leaf)
+    # (two runs per label, the clip's reduction between them: interleaved, label b's flag
+    # would be published before label a's second run reads its own)
+    inner = ft.chain(ft.scale_by_adam(), ft.clip_by_global_norm(0.5), ft.scale(-1e-2))
+    guard = ft.apply_if_finite(inner, 3)
+    tx = ft.partition({"a": guard, "b": guard}, {"w": "a", "b": "b", "e": "a", "s": "b"})
+    step = lambda g, s, p: ft.step(tx, g, s, p)  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        step = torch.compile(step, backend="eager", fullgraph=True)
+    p, s = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    for g in grads:
+        p, s = step({k: v.clone() for k, v in g.items()}, s, p)
+    want, want_state = _run(tx, params, grads, "update")
+    for k in params:
+        torch.testing.assert_close(p[k], want[k], rtol=1e-6, atol=1e-7)
+    assert int(s.inner_states["a"].total_notfinite) == 1
+    assert int(s.inner_states["b"].total_notfinite) == 0
 
 
 @pytest.mark.slow

@@ -148,6 +148,8 @@ __all__ = [
     "Switch",
     "switch_of",
     "chained_switch",
+    "by_stages",
+    "stage_major",
     "zeros_written",
     "derived_parts",
     "restated",
@@ -267,6 +269,61 @@ def chained(fusables: Sequence[Fusable]) -> Fusable:
         return tuple(out)
 
     return Fusable(tuple(p for f in fusables for p in f.parts), split, join)
+
+
+def stage_major(parts_per: Sequence[tuple]) -> list[tuple[int, int]]:
+    """The order :func:`by_stages` runs parts in: ``(i, k)``, part ``k`` of ``parts_per[i]``,
+    each tuple's parts cut into runs at every reducing part after its first, then the first
+    runs of every tuple, the second runs of every tuple, and so on (each tuple's own order
+    kept)."""
+    runs: list = []
+    for ps in parts_per:
+        cut: list = []
+        for k, part in enumerate(ps):
+            if not cut or (k and part.reduces):
+                cut.append([])
+            cut[-1].append(k)
+        runs.append(cut)
+    longest = max([len(cut) for cut in runs]) if runs else 0  # (plain loops: dynamo)
+    return [
+        (i, k)
+        for g in range(longest)
+        for i, cut in enumerate(runs)
+        if g >= longest - len(cut)
+        for k in cut[g - longest + len(cut)]
+    ]
+
+
+def by_stages(fusables: Sequence[Fusable]) -> Fusable:
+    """:func:`chained` of Fusables whose parts act on disjoint leaves (``partition``'s, each
+    restricted to its label's), its parts in :func:`stage_major` order: the parts that
+    commute (they touch other leaves) are moved so that each stage of the chain holds every
+    Fusable's corresponding run (aligned at the end), and the chain takes as many passes as
+    its longest Fusable, not the sum of theirs (``partition`` of ``multi_steps``: the
+    accumulations in one pass, then every inner transform in one; a compiled non-final
+    micro-step then skips the second, see :func:`_guards_of`). The state is
+    :func:`chained`'s. The
+    caller keeps apart Fusables that publish under one run-context key (one transform
+    object given twice)."""
+    fus = chained(fusables)
+    starts = [0]
+    for f in fusables:
+        starts.append(starts[-1] + len(f.parts))
+    order = [starts[i] + k for i, k in stage_major([f.parts for f in fusables])]
+    if order == list(range(len(order))):
+        return fus
+
+    def split(state):
+        states = fus.split(state)
+        return [states[j] for j in order]
+
+    def join(states):
+        out: list = [None] * len(order)
+        for j, x in zip(order, states):
+            out[j] = x
+        return fus.join(out)
+
+    return Fusable(tuple(fus.parts[j] for j in order), split, join)
 
 
 def restated(fus: Fusable, get: Callable, put: Callable) -> Fusable:
@@ -1073,7 +1130,8 @@ def _decoded(enc: list, n: int, m: int) -> list:
             else tuple(_DECODE.get(e, e) for e in enc[j * m : (j + 1) * m])
             for j in range(n)
         ]
-    return list(hit)
+    return hit  # (the remembered list itself: its readers do not change it, and _guards_of
+    # remembers its answers by it)
 
 
 @torch.library.custom_op("functional_train::fused_stage", mutates_args=())
@@ -1110,8 +1168,8 @@ def _stage_op(
     # no pass; a stage whose updates no one uses does not compute them)
     want = bool(layout[4])
     ps = p if layout[4] == 2 else None  # (the parameters' sums too)
-    idle = LAZY_CLONES and _idle(stage, counts, scalars)
-    unused = LAZY_CLONES and not idle and _discarded(stage, counts, scalars)
+    idle = LAZY_CLONES and _idle(stage, counts, scalars, keys)
+    unused = LAZY_CLONES and not idle and _discarded(stage, counts, scalars, keys)
     if (idle or unused) and not _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars):
         idle = unused = False
     if idle:
@@ -1254,9 +1312,9 @@ def _stage_op_donated(
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, _present(flat, absent))
     want = bool(layout[4])
     ps = p if layout[4] == 2 else None
-    if _idle(stage, counts, scalars):
+    if _idle(stage, counts, scalars, keys):
         return _op_sums(needed, u, None, len(u), ps) if want else _NO_SUMS.new_empty(0)
-    unused = _discarded(stage, counts, scalars)
+    unused = _discarded(stage, counts, scalars, keys)
     if unused:  # (its fields only: the updates over nothing)
         stage = _stage_of(stage.parts, False, True)
     taken: list | None = [] if want and not unused else None
@@ -1294,15 +1352,20 @@ register_kernels(_stage_op)
 register_kernels(_stage_op_donated, mutated=(3,))
 
 
-def _idle(stage, counts, scalars) -> bool:
+def _idle(stage, counts, scalars, keys) -> bool:
     """Whether a donated stage leaves every buffer it writes as it was, read from its flags
     (see :attr:`Elementwise.guard`): each part guarded and its flag false, and the stage's
     updates not written (only fields) or zero where they meet the parameters (``p + 0``,
     which leaves ``p`` as the eager step does, whose skipped micro-step makes no pass over
     it). A compiled ``multi_steps`` non-final micro-step's inner stage, a non-finite step's of
-    ``apply_if_finite``. Reads the flags' values: at run time, inside the operator."""
+    ``apply_if_finite``. Reads the flags' values: at run time, inside the operator. With
+    restricted parts (``keys``: the leaves' static keys, see :func:`_guards_of`), the parts
+    acting on some leaf, and each leaf's last such part zeroing."""
     if not (stage.apply or stage.drop_u) or not stage.parts:
         return False
+    if any(part.restrict is not None for part in stage.parts):
+        flags = _guards_of(stage, counts, keys)[0]
+        return flags is not None and not any(bool(scalars[i]) for i in flags)
     k = 0
     for part, n in zip(stage.parts, counts):
         k += n
@@ -1311,13 +1374,20 @@ def _idle(stage, counts, scalars) -> bool:
     return stage.drop_u or stage.parts[-1].guard == ZEROES
 
 
-def _discarded(stage, counts, scalars) -> bool:
+def _discarded(stage, counts, scalars, keys) -> bool:
     """Whether a stage's updates are used by no one (a part of it ``DISCARDS`` them, its flag
     false, and no later part of the stage makes them zeros, which are used: ``zeroed_unless``
     ending a run that returns its updates) while the stage would write them (see
-    :attr:`Elementwise.guard`)."""
+    :attr:`Elementwise.guard`). With restricted parts, so on every leaf (see
+    :func:`_guards_of`)."""
     if stage.apply or stage.drop_u:
         return False
+    if any(part.restrict is not None for part in stage.parts):
+        choices = _guards_of(stage, counts, keys)[1]
+        if choices is None:
+            return False
+        false = {i for c in choices for i in c if not bool(scalars[i])}
+        return all(not false.isdisjoint(c) for c in choices)
     k = 0
     found = False
     for part, n in zip(stage.parts, counts):
@@ -1327,6 +1397,59 @@ def _discarded(stage, counts, scalars) -> bool:
         elif found and part.guard == ZEROES:
             return False
     return found
+
+
+def _guards_of(stage, counts, keys) -> tuple:
+    """What :func:`_idle` and :func:`_discarded` read for a stage holding restricted parts
+    (``masked`` / ``partition``'s: a part acts on the leaves where its key is neither
+    ``False`` nor ``None``, an unrestricted one on every leaf; outside its leaves it passes
+    the updates through, so its guard holds there for nothing): ``(idle, discarded)``.
+    ``idle``: the scalar positions of the flags that must all be false for the stage to be
+    idle (every part acting on some leaf guarded, and each leaf's last such part zeroing
+    unless the stage writes no updates), or ``None`` where it never is (a leaf no part
+    acts on: its updates, passed through, are not known zero). ``discarded``: per kind of
+    leaf, the flag positions of the ``DISCARDS`` parts acting on it after which no part
+    acting on it zeroes (one false flag in each discards the stage's updates), or ``None``.
+    Remembered per stage and keys (the same list for a compiled graph's every call)."""
+    hit = _GUARDS.get((id(stage), id(keys)))
+    if hit is not None and hit[0] is stage and hit[1] is keys:
+        return hit[2]
+    flag_at, k = [], 0
+    for n in counts:
+        k += n
+        flag_at.append(k - 1 if n else None)
+    parts = stage.parts
+    acting: set = set()
+    idle_ok = True
+    choices: set = set()
+    for leaf_keys in keys:
+        on = [
+            i
+            for i, part in enumerate(parts)
+            if part.restrict is None
+            or (leaf_keys is not None and leaf_keys[i] is not None and leaf_keys[i] is not False)
+        ]
+        acting.update(on)
+        if not on or not (stage.drop_u or parts[on[-1]].guard == ZEROES):
+            idle_ok = False
+        cand, zeroed = [], False
+        for i in reversed(on):
+            if parts[i].guard == ZEROES:
+                zeroed = True
+            elif parts[i].guard == DISCARDS and not zeroed and flag_at[i] is not None:
+                cand.append(flag_at[i])
+        choices.add(frozenset(cand))
+    if any(parts[i].guard not in (HOLDS, ZEROES) or flag_at[i] is None for i in acting):
+        idle_ok = False
+    idle = sorted(flag_at[i] for i in acting) if idle_ok and acting else None
+    discarded = None if not choices or frozenset() in choices else list(choices)
+    if len(_GUARDS) >= 64:
+        _GUARDS.clear()
+    _GUARDS[(id(stage), id(keys))] = (stage, keys, (idle, discarded))
+    return idle, discarded
+
+
+_GUARDS: dict = {}
 
 
 def _present(flat: list, absent: list) -> list:
