@@ -34,6 +34,11 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
                    transform the sum divided by every_k), clip, AdamW(foreach); with --dtype
                    bfloat16 / float16 the sum and mean in float32 buffers kept from unit
                    to unit (multi_steps' accumulators are float32), copied into .grad
+  multi_steps_groups partition({"decay": multi_steps(chain(clip, adamw(1e-3, weight_decay=0.1)),
+                   every_k=4), "no_decay": the same with weight_decay=0.0}, labels from
+                   ft.decay_mask): gradient accumulation per parameter group, each group
+                   clipped by its own norm; a unit is a cycle of 4 calls
+                   torch code: multi_steps' accumulation, then partition_clips' step
   apply_if_finite  apply_if_finite(chain(clip, adamw), max_consecutive_errors=5)
                    torch code: total = clip_grad_norm_(foreach); ``if torch.isfinite(total):
                    opt.step()`` (AdamW foreach; a host read of the norm, as users write it).
@@ -92,7 +97,7 @@ Systems per row:
 
   (a) base       torch.optim.AdamW(fused=True) + clip_grad_norm_(foreach=True): the plain step,
                  the fastest thing a torch user picks, the same in every row (so the ratio
-                 column ``x base`` is on one scale across rows); only the multi_steps row's
+                 column ``x base`` is on one scale across rows); only the multi_steps rows'
                  baseline accumulates and averages the 4 gradients first like (b) (otherwise it
                  would time a quarter of the gradients). Its parameters are compared with (b)'s
                  only where its math is the row's (not in masked, schedule, inject, loss_scale
@@ -202,6 +207,7 @@ ROWS = [
     "adamw",
     "primitives",
     "multi_steps",
+    "multi_steps_groups",
     "apply_if_finite",
     "ema_params",
     "masked",
@@ -216,7 +222,18 @@ ROWS = [
     "lamb",
 ]
 # the math of two param groups
-MASKED_ROWS = ("masked", "masked_primitives", "partition", "partition_clips", "inject_groups")
+MASKED_ROWS = (
+    "masked",
+    "masked_primitives",
+    "partition",
+    "partition_clips",
+    "multi_steps_groups",
+    "inject_groups",
+)
+# the rows whose unit is a cycle of EVERY_K calls
+CYCLE_ROWS = ("multi_steps", "multi_steps_groups")
+# the rows whose groups are each clipped by their own norm
+GROUP_CLIP_ROWS = ("partition_clips", "multi_steps_groups")
 # the baseline (a) is not the row's math
 OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "inject", "loss_scale", "lamb")
 RTOL = 1e-5
@@ -261,17 +278,19 @@ def make_tx(row):
             ft.masked(ft.add_decayed_weights(WD), ft.decay_mask),
             ft.scale_by_learning_rate(LR),
         )
-    if row in ("partition", "partition_clips"):
+    if row in ("partition", "partition_clips", "multi_steps_groups"):
 
         def labels(params):
             return {k: "decay" if v else "no_decay" for k, v in ft.decay_mask(params).items()}
 
         def group(wd):
             opt = ft.adamw(LR, *BETAS, EPS, weight_decay=wd)
+            if row == "multi_steps_groups":
+                return ft.multi_steps(ft.chain(clip(), opt), every_k=EVERY_K)
             return ft.chain(clip(), opt) if row == "partition_clips" else opt
 
         groups = ft.partition({"decay": group(WD), "no_decay": group(0.0)}, labels)
-        return groups if row == "partition_clips" else ft.chain(clip(), groups)
+        return ft.chain(clip(), groups) if row == "partition" else groups
     if row == "schedule":
         sched = ft.schedules.warmup_cosine_decay_schedule(0.0, LR, WARMUP_STEPS, DECAY_STEPS)
         return ft.chain(clip(), ft.adamw(sched, weight_decay=WD))
@@ -319,7 +338,7 @@ class TorchCode:
     def __init__(self, name, row, params0, grads, device, *, fused, plain=False):
         self.name, self.device = name, device
         self.row = "plain" if plain else row
-        self.k = EVERY_K if row == "multi_steps" else 1  # the baseline accumulates too there
+        self.k = EVERY_K if row in CYCLE_ROWS else 1  # the baseline accumulates too there
         self.acc = None  # float32 accumulators of half-precision gradients (multi_steps)
         self.keys = list(params0)
         self.ps = [torch.nn.Parameter(v.clone()) for v in params0.values()]
@@ -391,7 +410,7 @@ class TorchCode:
             with torch.no_grad():
                 for p in ps:
                     torch.nan_to_num_(p.grad, nan=0.0, posinf=math.inf, neginf=-math.inf)
-        if self.row == "partition_clips":  # (each group by its own norm)
+        if self.row in GROUP_CLIP_ROWS:  # (each group by its own norm)
             for group in self.opt.param_groups:
                 torch.nn.utils.clip_grad_norm_(group["params"], MAX_NORM, foreach=True)
             total = None
@@ -486,7 +505,7 @@ class FtLoop(be.PureLoop):
 
 
 def ft_systems(row, tx, params0, grads, device, mesh=None, compiled=False):
-    k = EVERY_K if row == "multi_steps" else 1
+    k = EVERY_K if row in CYCLE_ROWS else 1
 
     def eager(g, s, p):
         u, s = tx.update(g, s, p, mesh=mesh)
@@ -672,7 +691,7 @@ def problem(shapes, row, device, dtype=torch.float32, conv=False):
     float32 and cast to ``dtype``; ``conv``: their 4-d leaves ``channels_last``."""
     params0, g0 = be.make_problem(shapes, seed=0)
     grads = [g0]
-    if row == "multi_steps":
+    if row in CYCLE_ROWS:
         grads += [be.make_problem(shapes, seed=i)[1] for i in range(1, EVERY_K)]
     params0 = {k: v.to(device, dtype) for k, v in params0.items()}
     grads = [{k: v.to(device, dtype) for k, v in g.items()} for g in grads]
@@ -768,7 +787,7 @@ def part_a(args, rows):
             mem = memory_unit(alive, device)
         other_math = {base.name} if row in OTHER_MATH_ROWS else set()
         diffs = checks(alive, ref, lambda s: s.name not in other_math)
-        unit = f" (unit: a cycle of {EVERY_K} calls)" if row == "multi_steps" else ""
+        unit = f" (unit: a cycle of {EVERY_K} calls)" if row in CYCLE_ROWS else ""
         text, good = row_table(
             f"\nrow {row}{unit}: {describe(row)}",
             times,
@@ -800,6 +819,8 @@ def describe(row):
         "partition": "chain(clip, partition({decay: adamw(wd), no_decay: adamw(0)}))",
         "partition_clips": "partition({decay: chain(clip, adamw(wd)), no_decay: chain(clip, "
         "adamw(0))})",
+        "multi_steps_groups": f"partition({{decay: multi_steps(chain(clip, adamw(wd)), "
+        f"{EVERY_K}), no_decay: multi_steps(chain(clip, adamw(0)), {EVERY_K})}})",
         "schedule": f"chain(clip, adamw(warmup_cosine_decay_schedule(0, {LR}, {WARMUP_STEPS}, "
         f"{DECAY_STEPS})))",
         "inject": f"chain(clip, inject_hyperparams(adamw)(learning_rate=warmup_cosine_decay_"
@@ -841,7 +862,7 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
     )
     mem = memory_unit(systems, device, reduce_max=reduce_max)
     diffs = checks(systems, ref, lambda s: True, reduce_max=reduce_max)
-    unit = f" (unit: a cycle of {EVERY_K} calls)" if row == "multi_steps" else ""
+    unit = f" (unit: a cycle of {EVERY_K} calls)" if row in CYCLE_ROWS else ""
     text, _ = row_table(
         f"\nrow {row}{unit}: {describe(row)}",
         times,

@@ -106,7 +106,7 @@ def child(args):
     shapes = be.gpt_shapes()
     params0, grads = bc.problem(shapes, args.row, torch.device("cpu"), torch.float32)
     tx = bc.make_tx(args.row)
-    k = bc.EVERY_K if args.row == "multi_steps" else 1
+    k = bc.EVERY_K if args.row in bc.CYCLE_ROWS else 1
     if args.child in ("plain", "floor"):
         print(json.dumps({"first": first_plain_call(args, tx, params0, grads, donate)}))
         return
