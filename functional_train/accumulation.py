@@ -525,9 +525,11 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         if not final or inner_switch is None:
             return variants[(final, fresh)]
         f = inner_switch.choose(updates, state.inner_state, params, mesh)
-        if f is None or f.zero_updates:
+        if f is None:
             return None
-        return final_variants(f)[fresh]
+        # (an inner choice of zero updates, a partition of multi_steps' non-final
+        # micro-steps: written out, as a chain of it writes them)
+        return final_variants(E.zeros_written(f))[fresh]
 
     def choose(updates, state, params, mesh):
         compiling = torch.compiler.is_compiling()

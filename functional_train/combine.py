@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Mapping
 from itertools import repeat
@@ -12,7 +13,7 @@ import numpy as np
 import optree
 import torch
 
-from .base import GradientTransformation, declare
+from .base import GradientTransformation, declare, run_fused
 from .engine import elementwise as E
 from .engine.view import prepare
 from .leaves import SHAPE
@@ -213,6 +214,9 @@ def partition(
             raise ValueError(f"partition: expected a PartitionState with labels {names}")
         if params is None:
             raise ValueError("partition needs params: call update(updates, state, params)")
+        out = run_fused(spec, updates, state, params, mesh, "partition")
+        if out is not None:  # (the fused form: the same parts ft.step runs)
+            return out
         updates, mesh, treedef = _materialized(updates, params, mesh, "partition")
         labels = labels_of(params)
         u_leaves = tree_flatten(updates)[0]
@@ -234,10 +238,13 @@ def partition(
         return tree_unflatten(treedef, out), PartitionState(new_states)
 
     specs = [E.switch_of(transforms[n]) or E.fusable_of(transforms[n]) for n in names]
+    spec: E.Fusable | E.Switch | None = None
     if all(isinstance(f, E.Fusable) and _restrictable(f) for f in specs):
-        E.register(update_fn, _partition_fusable(names, specs, labels_of))
+        spec = _partition_fusable(names, specs, labels_of)
     elif all(isinstance(f, E.Switch) or (f is not None and _restrictable(f)) for f in specs):
-        E.register(update_fn, _partition_switch(names, specs, labels_of))
+        spec = _partition_switch(names, specs, labels_of)
+    if spec is not None:
+        E.register(update_fn, spec)
 
     # (TorchOptimizer's param groups; labels_of: each leaf's label, for ft.step's per-leaf
     # GaLore path)
@@ -508,12 +515,13 @@ class _PartitionFormer:
 def _combined(parts_per_label: list) -> Callable[[list], E.Fusable]:
     """How ``partition`` chains its transforms' restricted Fusables: stage by stage
     (:func:`~.engine.elementwise.by_stages`: as many passes as the longest, not their sum),
-    but in label order where one part publishing to the run context (a wrapper's flag
-    under its key) is in two labels' (one transform object given for both: interleaved,
-    one label's flag would be read by the other's parts)."""
+    but in label order where one part object is in two labels' (one transform object given
+    for two labels, as ``TorchOptimizer``'s param groups give one injected alias: its parts
+    pass values to each other when their prologues run, through the run context or the
+    transform's own cells, and interleaved, one label's parts would read the other's)."""
     seen: set = set()
     for ps in parts_per_label:
-        own = {id(q) for q in ps if q.context}
+        own = {id(q) for q in ps}
         if own & seen:
             return E.chained
         seen |= own
@@ -551,15 +559,18 @@ def _flat_pair(updates, params) -> tuple | None:
     return u_leaves, p_leaves, lambda leaves: tree_unflatten(treedef, leaves)
 
 
-def _chosen_on(switch: E.Switch, keep: list, flat: tuple, state, mesh) -> E.Fusable | None:
+def _chosen_on(
+    switch: E.Switch, keep: list, flat: tuple, state, mesh, written: bool = True
+) -> E.Fusable | None:
     """What ``switch`` chooses for the leaves where ``keep`` is True (the trees its transform
     sees inside the combinator: ``None`` elsewhere; ``flat``: :func:`_flat_pair`), its zero
-    updates written out (:func:`~.engine.elementwise.zeros_written`), or ``None``."""
+    updates written out (:func:`~.engine.elementwise.zeros_written`; as chosen where not
+    ``written``), or ``None``."""
     u_leaves, p_leaves, rebuild = flat
     f = switch.choose(
         rebuild(_select(u_leaves, keep)), state, rebuild(_select(p_leaves, keep)), mesh
     )
-    return None if f is None else E.zeros_written(f)
+    return f if f is None or not written else E.zeros_written(f)
 
 
 def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], list]) -> E.Switch:
@@ -592,11 +603,18 @@ def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], li
         for i, (n, spec) in enumerate(zip(names, specs)):
             if isinstance(spec, E.Switch):
                 keep = [lab == n for lab in labels]
-                spec = _chosen_on(spec, keep, flat, state.inner_states[n], mesh)
+                spec = _chosen_on(spec, keep, flat, state.inner_states[n], mesh, False)
                 if spec is None or (compiling and len(spec.parts) != len(traced[i])):
                     return None
             picked.append(spec)
-        return build.over(traced, picked) if compiling else build(picked)
+        if compiling:
+            return build.over(traced, [E.zeros_written(f) for f in picked])
+        if all(f.zero_updates for f in picked):
+            # (every label's updates zeros, so the partition's: not written, and p + 0 not
+            # made; multi_steps' non-final micro-steps. Each part passes its updates through)
+            fus = build([dataclasses.replace(f, zero_updates=False) for f in picked])
+            return dataclasses.replace(fus, zero_updates=True)
+        return build([E.zeros_written(f) for f in picked])
 
     return E.Switch(choose, traced_parts)
 

@@ -302,9 +302,8 @@ def by_stages(fusables: Sequence[Fusable]) -> Fusable:
     its longest Fusable, not the sum of theirs (``partition`` of ``multi_steps``: the
     accumulations in one pass, then every inner transform in one; a compiled non-final
     micro-step then skips the second, see :func:`_guards_of`). The state is
-    :func:`chained`'s. The
-    caller keeps apart Fusables that publish under one run-context key (one transform
-    object given twice)."""
+    :func:`chained`'s. The caller keeps apart Fusables that share a part object (one
+    transform given twice: its parts pass values on when their prologues run)."""
     fus = chained(fusables)
     starts = [0]
     for f in fusables:
