@@ -428,19 +428,26 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         # Each flag a view of one buffer: inductor merges copies of one value into one
         # output, the flags would come back as one tensor, and dynamo, guarding against
         # duplicate inputs, would compile the next call again)
-        dtypes = {f.dtype for f in state.seen} if len(active) == len(state.seen) else ()
+        # (an inactive leaf is one the transform does not hold, outside a masked /
+        # partition's leaves (see _held): its flag stays 0, made with the others: handed
+        # back as it was, a pure step would copy it, an operator per flag)
+        dtypes = {f.dtype for f in state.seen}
         one_dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+        on = "" if len(active) == len(state.seen) else ",".join(map(str, sorted(active)))
         final, first, mini_step, gradient_step, flags = _cycle(
-            state.mini_step, state.gradient_step, every_k, len(active), one_dtype
+            state.mini_step,
+            state.gradient_step,
+            every_k,
+            len(active) if one_dtype is None else len(state.seen),
+            one_dtype,
+            "" if one_dtype is None else on,
         )
         ctx[key] = final
 
         def finish(trees):
-            if one_dtype is not None:  # (every leaf active, one dtype: one op, not one a leaf)
+            if one_dtype is not None:  # (one dtype: one op, not one a leaf)
                 seen = tuple(flags.unbind())
             else:
-                # (an inactive leaf is one the transform does not hold, outside a masked /
-                # partition's leaves (see _held): its flag stays 0)
                 fresh = iter(flags.unbind())
                 seen = tuple(
                     [
@@ -858,17 +865,22 @@ def _find(node: Any) -> MultiStepsState | None:
 
 @scalar_program
 def _cycle(
-    mini_step: torch.Tensor, gradient_step: torch.Tensor, every_k: int, n: int, dtype
+    mini_step: torch.Tensor, gradient_step: torch.Tensor, every_k: int, n: int, dtype, on: str
 ) -> tuple:
     """A traced micro-step's flags ``final`` (it ends the cycle) and ``first`` (it starts it),
     0-dim bool tensors; the new ``mini_step`` and ``gradient_step``; and the ``n`` new flags
-    of the active leaves as one vector (0 after the cycle's last micro-step, else 1; in
-    ``dtype``, or ``mini_step``'s where ``None``)."""
+    as one vector (0 after the cycle's last micro-step, else 1; in ``dtype``, or
+    ``mini_step``'s where ``None``): every one, or where ``on`` (comma-separated positions)
+    names some, those, the others 0."""
     final = mini_step + 1 >= every_k
     zero, one = torch.zeros_like(mini_step), torch.ones_like(mini_step)
     cleared = torch.where(final, zero, one)
-    # (expand + clone: one copy; repeat of a 0-dim tensor takes ~0.1 ms)
-    flags = (cleared if dtype is None else cleared.to(dtype)).expand(n).clone()
+    cleared = cleared if dtype is None else cleared.to(dtype)
+    if on:
+        flags = cleared.new_zeros(n)
+        flags[[int(i) for i in on.split(",")]] = cleared
+    else:  # (expand + clone: one copy; repeat of a 0-dim tensor takes ~0.1 ms)
+        flags = cleared.expand(n).clone()
     return (
         final,
         mini_step == 0,  # (every accumulator holds zeros: see traced_add)

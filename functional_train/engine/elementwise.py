@@ -1245,15 +1245,15 @@ def _held(xs: list) -> list:
     cs = lazy_clones(xs) if plain else None
     if cs is not None:
         return cs
-    out = []
-    for x in xs:
-        if x is None:
-            out.append(torch.empty(0))
-        elif not x.is_contiguous():
-            out.append(x.contiguous())
-        else:
-            c = lazy_clones([x])
-            out.append(x.clone() if c is None else c[0])
+    # (absent state leaves, a partition's restricted parts' outside their leaves: the
+    # present contiguous tensors still cloned in one batch)
+    at = [i for i, x in enumerate(xs) if x is not None and x.is_contiguous()]
+    cs = lazy_clones([xs[i] for i in at]) or [xs[i].clone() for i in at]
+    out: list = [
+        torch.empty(0) if x is None else None if x.is_contiguous() else x.contiguous() for x in xs
+    ]
+    for i, c in zip(at, cs):
+        out[i] = c
     return out
 
 
