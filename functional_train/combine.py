@@ -530,7 +530,7 @@ def _combined(parts_per_label: list) -> Callable[[list], E.Fusable]:
 
 def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], list]):
     """``partition(transforms, labels)``'s parts: each transform's, restricted to the leaves
-    of its label, chained in the order of ``transforms``."""
+    of its label, chained stage by stage (:func:`_combined`)."""
     return _PartitionFormer(names, labels_of)(inners)
 
 

@@ -273,9 +273,10 @@ def chained(fusables: Sequence[Fusable]) -> Fusable:
 
 def stage_major(parts_per: Sequence[tuple]) -> list[tuple[int, int]]:
     """The order :func:`by_stages` runs parts in: ``(i, k)``, part ``k`` of ``parts_per[i]``,
-    each tuple's parts cut into runs at every reducing part after its first, then the first
-    runs of every tuple, the second runs of every tuple, and so on (each tuple's own order
-    kept)."""
+    each tuple's parts cut into runs at every reducing part after its first, the runs
+    aligned at the end (every tuple's last run in the last stage, which passes over every
+    leaf anyway to apply the updates; a shorter tuple's earlier runs in the stages just
+    before it), then stage by stage, each tuple's own order kept."""
     runs: list = []
     for ps in parts_per:
         cut: list = []
