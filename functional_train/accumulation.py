@@ -429,7 +429,7 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         # output, the flags would come back as one tensor, and dynamo, guarding against
         # duplicate inputs, would compile the next call again)
         # (an inactive leaf is one the transform does not hold, outside a masked /
-        # partition's leaves (see _held): its flag stays 0, made with the others: handed
+        # partition's leaves (see _leaves_held): its flag stays 0, made with the others: handed
         # back as it was, a pure step would copy it, an operator per flag)
         dtypes = {f.dtype for f in state.seen}
         one_dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
@@ -551,7 +551,7 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             g, acc, pl = leaves_of(updates), leaves_of(state.acc_grads), leaves_of(params)
             if not len(g) == len(acc) == len(pl) == len(state.seen):
                 return None
-            held = _held(g, acc, pl)
+            held = _leaves_held(g, acc, pl)
             if held is None or not _alike(*held):
                 return None
             return traced_choice(updates, state, params, mesh)
@@ -567,7 +567,7 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         if mesh is not None and not _reduced(treedef, g, pl, mesh):
             return None  # (unreduced gradients: accumulated as they are, reduced once)
         if compiling:  # (no host read: every leaf alike, the cycle's position a tensor)
-            held = _held(g, acc, pl)
+            held = _leaves_held(g, acc, pl)
             if held is None or not _alike(*held):
                 return None
             return traced_choice(updates, state, params, mesh)
@@ -621,7 +621,7 @@ def _in_dtypes_of(updates: Any, treedef: Any, g: list) -> Any:
     )
 
 
-def _held(g: list, acc: list, pl: list) -> tuple[list, list, list] | None:
+def _leaves_held(g: list, acc: list, pl: list) -> tuple[list, list, list] | None:
     """The leaves the traced form steps (``torch.compile``, where the counters and flags
     cannot be read on the host): those with a gradient, an accumulator and a parameter,
     as three lists; the leaves with none of the three (outside a ``masked`` /
@@ -634,7 +634,8 @@ def _held(g: list, acc: list, pl: list) -> tuple[list, list, list] | None:
     if any(any(h) and not all(h) for h in present):
         return None
     on = [h[0] for h in present]
-    return tuple([v for v, o in zip(xs, on) if o] for xs in (g, acc, pl))  # type: ignore[return-value]
+    g, acc, pl = ([v for v, o in zip(xs, on) if o] for xs in (g, acc, pl))
+    return g, acc, pl
 
 
 def _leaves_or_none(params: Any, treedef: Any) -> list | None:
