@@ -1053,13 +1053,16 @@ def _compiled(
     if want:
         sums.extend(_split_sums(res[-1], n))
         res = res[:-1]
-    outs = [list(res[r * n : (r + 1) * n]) for r in range(len(res) // n)]
-    for r, d in enumerate(dst):
-        for j, x in enumerate(ins[d]):
-            if x is None:  # an absent state leaf stays absent
-                outs[r][j] = None
-            elif apply == "donate" and x.dtype == outs[r][j].dtype:
-                x.copy_(outs[r][j])  # the results over their inputs, as the eager donated step
+    if len(res) == n * len(dst):
+        outs = [list(res[r * n : (r + 1) * n]) for r in range(len(dst))]
+    else:  # (no results for absent state leaves: each stays absent)
+        got = iter(res)
+        outs = [[None if x is None else next(got) for x in ins[d]] for d in dst]
+    if apply == "donate":
+        for r, d in enumerate(dst):
+            for x, y in zip(ins[d], outs[r]):
+                if x is not None and x.dtype == y.dtype:
+                    x.copy_(y)  # the results over their inputs, as the eager donated step
     return outs
 
 
@@ -1145,8 +1148,8 @@ def _stage_op(
 ) -> list[torch.Tensor]:
     """The results (result after result, leaf after leaf) of the stage of the elementwise
     ``parts`` (their ``ident``) on its inputs ``flat`` (updates, parameters if any, fields;
-    leaf after leaf; an absent state leaf is ``None``, its result a 0-element placeholder),
-    eagerly. It reads the wrappers' flags when it runs, as ``fused_stage_donated`` does: a
+    leaf after leaf; an absent state leaf is ``None`` and has no result: the list leaves it
+    out), eagerly. It reads the wrappers' flags when it runs, as ``fused_stage_donated`` does: a
     stage that leaves every buffer as it was (:func:`_idle`) returns lazy clones of them
     (copy-on-write, :func:`.pool.lazy_clones`: no pass), and updates no one uses
     (:func:`_discarded`) are not computed (their results are buffers of the right shape and
@@ -1174,7 +1177,7 @@ def _stage_op(
         idle = unused = False
     if idle:
         ins, dst = _inputs(stage, u, p, fields)
-        held = _held([x for d in dst for x in ins[d]])
+        held = _held([x for d in dst for x in ins[d] if x is not None])
         return [*held, _op_sums(needed, u, None, len(u), ps)] if want else held
     if unused:
         stage = _stage_of(stage.parts, False, True)
@@ -1192,24 +1195,25 @@ def _stage_op(
     # contiguous, as the fake results are: a result made like a transposed update, as Muon's
     # for a tall matrix, is copied)
     results = list(itertools.chain.from_iterable(outs))
+    if any(map(operator.is_, results, itertools.repeat(None))):
+        # (absent state leaves, a partition's restricted parts' outside their leaves: no
+        # result, as an absent leaf's result is None exactly where its input is)
+        results = [x for x in results if x is not None]
     ids = set(map(id, results))
     if (  # (the common case, by whole-list C loops: contiguous new tensors, each once)
         len(ids) != len(results)
         or not ids.isdisjoint(map(id, flat))
-        or any(map(operator.is_, results, itertools.repeat(None)))
         or not all(map(_contiguous, results))
     ):
         seen = {id(x) for x in flat if x is not None}
-        results = []
-        for lst in outs:
-            for x in lst:
-                if x is None:  # (an absent state leaf's: a 0-element placeholder)
-                    results.append(torch.empty(0))
-                elif id(x) in seen or not x.is_contiguous():
-                    results.append(x.clone(memory_format=torch.contiguous_format))
-                else:
-                    seen.add(id(x))
-                    results.append(x)
+        fresh = []
+        for x in results:
+            if id(x) in seen or not x.is_contiguous():
+                fresh.append(x.clone(memory_format=torch.contiguous_format))
+            else:
+                seen.add(id(x))
+                fresh.append(x)
+        results = fresh
     if want:
         results.append(sums)
     return results
@@ -1239,20 +1243,15 @@ _op_pool = Pool()
 
 def _held(xs: list) -> list:
     """The results of an idle stage of ``functional_train::fused_stage`` for the inputs
-    ``xs`` it leaves as they were: their lazy clones (no copy until either side is written),
-    a contiguous copy of a strided one, a 0-element placeholder for an absent state leaf."""
-    # (the common case: one batch; `None in xs` would compare each tensor with None)
-    plain = not any(map(operator.is_, xs, itertools.repeat(None))) and all(map(_contiguous, xs))
-    cs = lazy_clones(xs) if plain else None
+    ``xs`` it leaves as they were (tensors): their lazy clones (no copy until either side is
+    written), a contiguous copy of a strided one."""
+    cs = lazy_clones(xs) if all(map(_contiguous, xs)) else None  # (the common case: one batch)
     if cs is not None:
         return cs
-    # (absent state leaves, a partition's restricted parts' outside their leaves: the
-    # present contiguous tensors still cloned in one batch)
-    at = [i for i, x in enumerate(xs) if x is not None and x.is_contiguous()]
+    # (the contiguous tensors still cloned in one batch)
+    at = [i for i, x in enumerate(xs) if x.is_contiguous()]
     cs = lazy_clones([xs[i] for i in at]) or [xs[i].clone() for i in at]
-    out: list = [
-        torch.empty(0) if x is None else None if x.is_contiguous() else x.contiguous() for x in xs
-    ]
+    out: list = [None if x.is_contiguous() else x.contiguous() for x in xs]
     for i, c in zip(at, cs):
         out[i] = c
     return out
@@ -1491,15 +1490,14 @@ def _result_dtypes(stage, counts, keys, u, p, fields, scalars) -> list:
 
 def _fake_results(stage, counts, keys, u, p, fields, scalars):
     """The stage's results as empty tensors of their shapes and dtypes (result after result,
-    leaf after leaf; an absent state leaf's a 0-element placeholder)."""
+    leaf after leaf; an absent state leaf has none)."""
     per_leaf = _result_dtypes(stage, counts, keys, u, p, fields, scalars)
     out: list = []
     for r in range(len(per_leaf[0]) if per_leaf else 0):
         out.extend(
-            torch.empty(0)
-            if d[r] is None
-            else torch.empty(u[j].shape, dtype=d[r], device=u[j].device)
+            torch.empty(u[j].shape, dtype=d[r], device=u[j].device)
             for j, d in enumerate(per_leaf)
+            if d[r] is not None
         )
     return out
 
