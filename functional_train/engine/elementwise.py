@@ -1358,19 +1358,12 @@ def _idle(stage, counts, scalars, keys) -> bool:
     which leaves ``p`` as the eager step does, whose skipped micro-step makes no pass over
     it). A compiled ``multi_steps`` non-final micro-step's inner stage, a non-finite step's of
     ``apply_if_finite``. Reads the flags' values: at run time, inside the operator. With
-    restricted parts (``keys``: the leaves' static keys, see :func:`_guards_of`), the parts
-    acting on some leaf, and each leaf's last such part zeroing."""
+    restricted parts (``keys``: the leaves' static keys), the parts acting on some leaf, and
+    each leaf's last such part zeroing (:func:`_guards_of`)."""
     if not (stage.apply or stage.drop_u) or not stage.parts:
         return False
-    if any(part.restrict is not None for part in stage.parts):
-        flags = _guards_of(stage, counts, keys)[0]
-        return flags is not None and not any(bool(scalars[i]) for i in flags)
-    k = 0
-    for part, n in zip(stage.parts, counts):
-        k += n
-        if part.guard not in (HOLDS, ZEROES) or n == 0 or bool(scalars[k - 1]):
-            return False
-    return stage.drop_u or stage.parts[-1].guard == ZEROES
+    flags = _guards_of(stage, counts, keys)[0]
+    return flags is not None and not any(bool(scalars[i]) for i in flags)
 
 
 def _discarded(stage, counts, scalars, keys) -> bool:
@@ -1381,35 +1374,32 @@ def _discarded(stage, counts, scalars, keys) -> bool:
     :func:`_guards_of`)."""
     if stage.apply or stage.drop_u:
         return False
-    if any(part.restrict is not None for part in stage.parts):
-        choices = _guards_of(stage, counts, keys)[1]
-        if choices is None:
-            return False
-        false = {i for c in choices for i in c if not bool(scalars[i])}
-        return all(not false.isdisjoint(c) for c in choices)
-    k = 0
-    found = False
-    for part, n in zip(stage.parts, counts):
-        k += n
-        if part.guard == DISCARDS and n and not bool(scalars[k - 1]):
-            found = True
-        elif found and part.guard == ZEROES:
-            return False
-    return found
+    choices = _guards_of(stage, counts, keys)[1]
+    if choices is None:
+        return False
+    false = {i for c in choices for i in c if not bool(scalars[i])}
+    return all(not false.isdisjoint(c) for c in choices)
 
 
 def _guards_of(stage, counts, keys) -> tuple:
-    """What :func:`_idle` and :func:`_discarded` read for a stage holding restricted parts
-    (``masked`` / ``partition``'s: a part acts on the leaves where its key is neither
-    ``False`` nor ``None``, an unrestricted one on every leaf; outside its leaves it passes
-    the updates through, so its guard holds there for nothing): ``(idle, discarded)``.
+    """What :func:`_idle` and :func:`_discarded` read for a stage: ``(idle, discarded)``,
+    per leaf where the stage holds restricted parts (``masked`` / ``partition``'s: a part
+    acts on the leaves where its key is neither ``False`` nor ``None``, an unrestricted one
+    on every leaf; outside its leaves it passes the updates through, so its guard holds
+    there for nothing), else the same for every leaf.
     ``idle``: the scalar positions of the flags that must all be false for the stage to be
     idle (every part acting on some leaf guarded, and each leaf's last such part zeroing
     unless the stage writes no updates), or ``None`` where it never is (a leaf no part
     acts on: its updates, passed through, are not known zero). ``discarded``: per kind of
     leaf, the flag positions of the ``DISCARDS`` parts acting on it after which no part
     acting on it zeroes (one false flag in each discards the stage's updates), or ``None``.
-    Remembered per stage and keys (the same list for a compiled graph's every call)."""
+    Remembered per stage and keys (the same list for a compiled graph's every call), or
+    per stage and ``counts`` where no part is restricted (then the keys do not matter: an
+    eager stage's are often a new list each call)."""
+    if not any(part.restrict is not None for part in stage.parts):
+        keys = _ONE_LEAF.get(counts)
+        if keys is None:
+            keys = _ONE_LEAF[counts] = [None]  # (a list per counts: the memo's key below)
     hit = _GUARDS.get((id(stage), id(keys)))
     if hit is not None and hit[0] is stage and hit[1] is keys:
         return hit[2]
@@ -1449,6 +1439,7 @@ def _guards_of(stage, counts, keys) -> tuple:
 
 
 _GUARDS: dict = {}
+_ONE_LEAF: dict = {}  # (counts -> the keys an unrestricted stage's rule is read with)
 
 
 def _present(flat: list, absent: list) -> list:
