@@ -18,6 +18,7 @@ and the updates zeroed there.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import sys
 from collections.abc import Callable, Iterator
@@ -334,12 +335,8 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             seen = state.seen
         elif len(active) == n:
             seen = _BLOCKS.make(1, n)
-        else:
-            seen = tuple(
-                next(ones) if i in active else f
-                for ones in [_flags(1, n)]
-                for i, f in enumerate(state.seen)
-            )
+        else:  # (a masked / partition's transform: its leaves' flags, the others' kept)
+            seen = _BLOCKS.with_ones(state.seen, active)
         return MultiStepsState(
             state.mini_step + 1,
             state.gradient_step,
@@ -353,19 +350,14 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         check(state, b)
 
         def finish(trees):
-            values = _seen_values(state.seen)
             return MultiStepsState(
                 torch.zeros_like(state.mini_step),
                 state.gradient_step + 1,
                 state.inner_state,  # (replaced by the inner's new state in join)
                 trees[0],
-                _BLOCKS.make(0, len(values))
-                if all(values)
-                else tuple(
-                    next(zeros) if v else f
-                    for zeros in [_flags(0, len(values))]
-                    for f, v in zip(state.seen, values)
-                ),
+                # (every flag 0 after the cycle's last micro-step: those set, and those of
+                # leaves without a gradient all cycle, which hold 0)
+                _BLOCKS.make(0, len(state.seen)),
                 state.skip_state,
             )
 
@@ -577,6 +569,15 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         final = int(state.mini_step) + 1 >= every_k
         if len(set(seen)) == 1 and _alike(g, acc, lambda: _leaves_or_none(params, treedef)):
             return variant(final, not seen[0], updates, state, params, mesh)
+        on = _both_present(g, acc)  # (a masked / partition's transform: None elsewhere)
+        if on is not None:
+            # (each gradient of its accumulator's dtype, as the loop below asks: the
+            # combinator's update returns the fused form's updates as they are)
+            v = set(itertools.compress(seen, on))
+            if len(v) == 1 and _alike(
+                list(itertools.compress(g, on)), list(itertools.compress(acc, on))
+            ):
+                return variant(final, not v.pop(), updates, state, params, mesh)
         fresh = None
         for i, (x, a) in enumerate(zip(g, acc)):
             if x is None or a is None:
@@ -636,6 +637,16 @@ def _leaves_held(g: list, acc: list, pl: list) -> tuple[list, list, list] | None
     on = [h[0] for h in present]
     g, acc, pl = ([v for v, o in zip(xs, on) if o] for xs in (g, acc, pl))
     return g, acc, pl
+
+
+def _both_present(g: list, acc: list) -> list | None:
+    """Per leaf, whether it has a gradient, where every leaf has both a gradient and an
+    accumulator or neither (the leaves outside a ``masked`` / ``partition``'s transform's),
+    and some leaf neither; else ``None``. Whole-list C loops."""
+    on = list(map(operator.is_not, g, itertools.repeat(None)))
+    if all(on) or on != list(map(operator.is_not, acc, itertools.repeat(None))):
+        return None
+    return on
 
 
 def _leaves_or_none(params: Any, treedef: Any) -> list | None:
@@ -770,9 +781,13 @@ class _FlagBlocks:
         self._free = tuple(self._counts(self.new(0, 2)))  # (a block nothing else holds)
 
     @staticmethod
-    def new(v: int, n: int) -> tuple:
-        """``(n flags holding v, their buffer)``: the views of one int64 CPU buffer."""
-        base = torch.full((n,), v, dtype=torch.int64)
+    def new(v: int | list, n: int) -> tuple:
+        """``(n flags holding v, their buffer)``: the views of one int64 CPU buffer (``v``
+        a list: the flags' values, one each)."""
+        if isinstance(v, list):
+            base = torch.tensor(v, dtype=torch.int64)
+        else:
+            base = torch.full((n,), v, dtype=torch.int64)
         return base.unbind(), base
 
     @staticmethod
@@ -789,13 +804,17 @@ class _FlagBlocks:
     def _is_free(self, entry: tuple) -> bool:
         return all(map(operator.eq, self._counts(entry), self._free))
 
-    def make(self, v: int, n: int) -> tuple:
-        """``n`` flags holding ``v`` (a tuple; a remembered block's where one is free)."""
+    def make(self, v: int | list, n: int) -> tuple:
+        """``n`` flags holding ``v`` (a list: their values, one each), a tuple; a remembered
+        block's where one is free."""
         if not _plain_mode() or n == 0:
-            return tuple(_flags(v, n))
+            return self.new(v, n)[0]
         for entry in list(self._blocks.values()):
             if len(entry[0]) == n and self._is_free(entry):
-                entry[1].fill_(v)
+                if isinstance(v, list):
+                    entry[1].copy_(torch.tensor(v, dtype=torch.int64))
+                else:
+                    entry[1].fill_(v)
                 forget_shared(entry[0])  # (records of its last life: see .aliasing)
                 return entry[0]
         entry = self.new(v, n)
@@ -809,6 +828,21 @@ class _FlagBlocks:
         if len(self._blocks) < self.LIMIT:
             self._blocks[id(entry[0])] = entry
         return entry[0]
+
+    def with_ones(self, flags: tuple, at: set) -> tuple:
+        """New flags: ``flags``' values, 1 at the positions ``at``. A block where ``flags``
+        are one (their values read with one ``tolist``); else the flags not at ``at`` kept as
+        they are."""
+        values = self.values(flags) if _plain_mode() else None
+        if values is None:
+            return tuple(
+                next(ones) if i in at else f
+                for ones in [_flags(1, len(flags))]
+                for i, f in enumerate(flags)
+            )
+        for i in at:
+            values[i] = 1
+        return self.make(values, len(values))
 
     def values(self, flags: tuple) -> list | None:
         """The values of ``flags`` where they are a remembered block's (else ``None``)."""

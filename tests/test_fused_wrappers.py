@@ -392,6 +392,50 @@ def test_multi_steps_flags_read_as_one_block(mode, monkeypatch):
         assert not torch.equal(a, 2 * b)  # (not acc + g)
 
 
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_partition_of_multi_steps_flags_stay_one_block(mode, monkeypatch):
+    """``partition`` of two ``multi_steps``: each label's ``MultiStepsState.seen`` holds a
+    flag per leaf, set on its own leaves only. The fused micro-steps keep it one block (no
+    flag read one at a time: they were, 244 ``.item()`` a micro-step on the benchmark tree,
+    once the first micro-step had set half the flags), with the right values, and the
+    fused step chooses its variant from the labels' leaves (the leaves of the other label,
+    ``None`` there, left out: ``accumulation._both_present``), with the general path's
+    numbers over two cycles."""
+    reads = []
+    monkeypatch.setattr(
+        accumulation,
+        "host_values",
+        lambda xs, what: reads.append(len(xs)) or [int(x) for x in xs],
+    )
+    chosen = []
+    real = accumulation._both_present
+    monkeypatch.setattr(
+        accumulation, "_both_present", lambda g, acc: chosen.append(1) or real(g, acc)
+    )
+    params, grads = _problem(torch.float64)
+    labels = {"w": "a", "b": "b", "e": "a", "s": "b"}
+    tx = ft.partition(
+        {"a": ft.multi_steps(_clip_adamw(), 3), "b": ft.multi_steps(ft.sgd(0.1, 0.9), 3)},
+        labels,
+    )
+    state = ref_state = tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    ref = {k: v.clone() for k, v in params.items()}
+    keys = sorted(params)
+    for t in range(6):
+        u, ref_state = tx.update(grads[t], ref_state, ref)  # (first: a donated step
+        ref = ft.apply_updates(ref, u)  # may write over the gradients)
+        p, state = step_by_mode(tx, grads[t], state, p, mode)
+        for label in ("a", "b"):
+            seen = state.inner_states[label].seen
+            assert accumulation._BLOCKS.values(seen) is not None, (t, label)
+            on = 0 if (t + 1) % 3 == 0 else 1
+            assert [int(f) for f in seen] == [on * (labels[k] == label) for k in keys], t
+        params_close(p, ref, params, torch.float64)
+    assert reads == []
+    assert len(chosen) >= 6 * 2  # (every micro-step, each label: not the general path)
+
+
 def test_multi_steps_partial_cycles_fall_back():
     """A leaf whose gradient is None on part of a cycle (some leaves start their cycle, others
     add; a leaf of the cycle without a gradient on the final micro-step): the general path,
