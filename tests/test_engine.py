@@ -121,6 +121,34 @@ def test_layout_checks_remembered_per_spec_objects():
         assert p3 is not p1
 
 
+def test_layout_with_absent_leaves_remembered_per_spec_objects(monkeypatch):
+    """A masked / partition's transform sees ``None`` outside its leaves: its plan is
+    remembered per where they are and the other leaves' spec objects too (``plan.by_specs``,
+    no per-leaf key built and compared again: 122 DTensorSpec comparisons a call on the
+    benchmark tree), and told apart by them."""
+    from functional_train.engine import plan as engine_plan
+
+    with simulate(2):
+        mesh = make_mesh((2,), ("tp",))
+        a, b = _tree(mesh), _tree(mesh, seed=1)
+        names = sorted(a)
+        masked = [None if i % 2 else b[k] for i, k in enumerate(names)]
+        pmasked = [None if i % 2 else a[k] for i, k in enumerate(names)]
+        treedef = ft.tree.tree_flatten(dict(zip(names, masked)))[1]
+        p1 = engine_plan.plan_for(treedef, masked, pmasked, None)
+        keys = []
+        real = engine_plan._leaves_key
+        monkeypatch.setattr(engine_plan, "_leaves_key", lambda xs: keys.append(1) or real(xs))
+        assert engine_plan.plan_for(treedef, list(masked), list(pmasked), None) is p1
+        assert keys == []  # (by the spec objects)
+        assert p1.active == [i for i, x in enumerate(masked) if x is not None]
+        other = [b[k] if i % 2 else None for i, k in enumerate(names)]
+        pother = [a[k] if i % 2 else None for i, k in enumerate(names)]
+        treedef2 = ft.tree.tree_flatten(dict(zip(names, other)))[1]
+        p2 = engine_plan.plan_for(treedef2, other, pother, None)
+        assert p2 is not p1 and p2.active == [i for i, x in enumerate(other) if x is not None]
+
+
 def test_donated_dtensor_step_gives_its_dtensors_back():
     """A donated step on DTensors writes into their local shards and returns the same
     DTensor objects (no new wrapper per leaf); a pure step returns new ones, the inputs

@@ -388,13 +388,32 @@ def plan_for(
     since tracing runs once per layout anyway)."""
     if torch.compiler.is_compiling():
         return Plan(treedef, leaves, pleaves, mesh)
-    if only_dtensors(leaves, () if pleaves is None else pleaves):
+    lists = (leaves, () if pleaves is None else pleaves)
+    if only_dtensors(*lists):
         return by_specs(
             ("plan", treedef, mesh, pleaves is None),
-            (leaves, () if pleaves is None else pleaves),
+            lists,
+            lambda: _cached_plan(treedef, leaves, pleaves, mesh),
+        )
+    if _dtensors_or_none(lists):
+        # (a masked / partition's transform: None outside its leaves; remembered by where
+        # they are and the others' specs, where the plan's key would compare each spec)
+        masks = tuple(tuple(map(operator.is_not, xs, _NONES)) for xs in lists)
+        return by_specs(
+            ("plan", treedef, mesh, pleaves is None, masks),
+            [list(itertools.compress(xs, m)) for xs, m in zip(lists, masks)],
             lambda: _cached_plan(treedef, leaves, pleaves, mesh),
         )
     return _cached_plan(treedef, leaves, pleaves, mesh)
+
+
+def _dtensors_or_none(lists: Sequence[Sequence[Any]]) -> bool:
+    """Every element of every list a DTensor or ``None``, some ``None`` and some a DTensor
+    (eagerly: whole-list C loops)."""
+    if torch.compiler.is_compiling():
+        return False
+    kinds = set().union(*(set(map(type, xs)) for xs in lists))
+    return kinds == {DTensor, type(None)}
 
 
 def _cached_plan(
