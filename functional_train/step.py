@@ -931,9 +931,10 @@ def _step(tx, grads, state, params, mesh, donate, extra):
     switch = E.switch_of(tx)
     if switch is not None and not is_differentiable():
         # multi_steps of a fusable transform; a chain holding inject_hyperparams
-        fus = switch.choose(grads, state, params, mesh)
-        if fus is not None:
-            return _run_spec(fus, grads, state, params, mesh, donate)
+        with E.statics_for_step():
+            fus = switch.choose(grads, state, params, mesh)
+            if fus is not None:
+                return _run_spec(fus, grads, state, params, mesh, donate)
     prog = _program(tx)
     fus = E.fusable_of(tx)
     if fus is not None and prog is not None and isinstance(prog[1], _PER_LEAF):

@@ -117,6 +117,7 @@ simulated by ``LocalTensor`` run the kernels rank by rank.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import itertools
@@ -508,7 +509,8 @@ def run(
     given = None  # the updates' sums of squares from the stage that wrote them
     given_p = None  # (and the parameters', where it read them and the next part asked)
     given_on: frozenset | None = None  # (the positions where they were summed; None: all)
-    statics_memo: dict = {}  # (see statics_memo)
+    # (see statics_memo: the step's, where ft.step set one: statics_for_step)
+    statics_memo: dict = ({} if torch.compiler.is_compiling() else _STATICS_MEMO.get()) or {}
     # (per part: the positions in act of the leaves it is restricted to, None for every leaf)
     where: list = [None] * len(parts)
     if any(part.restrict is not None for part in parts):
@@ -674,11 +676,27 @@ _STATICS_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 
 def statics_memo() -> dict | None:
     """While a part's ``static`` runs (eagerly), a dict shared by the statics of one
-    :func:`run` call, for values every part computes from the same ``params`` (a
-    ``partition``'s labels: one flatten of the params per step, not one per part); keyed by
-    the caller's own object, holding the params it saw, so nothing outlives the step.
-    ``None`` otherwise."""
+    :func:`run` call (of the whole step where ``ft.step`` set one: :func:`statics_for_step`),
+    for values every part computes from the same ``params`` (a ``partition``'s labels: one
+    flatten of the params per step, not one per part); keyed by the caller's own object,
+    holding the params it saw, so nothing outlives the step. ``None`` otherwise."""
     return _STATICS_MEMO.get()
+
+
+@contextlib.contextmanager
+def statics_for_step():
+    """One :func:`statics_memo` dict for a whole eager step (``ft.step``: its Switch's
+    choice and its :func:`run`, which both ask a ``partition``'s labels of the same params:
+    one flatten of them per step), where none is set already; nothing under
+    ``torch.compile``."""
+    if torch.compiler.is_compiling() or _STATICS_MEMO.get() is not None:
+        yield
+        return
+    token = _STATICS_MEMO.set({})
+    try:
+        yield
+    finally:
+        _STATICS_MEMO.reset(token)
 
 
 def _call_static(static: Callable, params: Any, memo: dict):
