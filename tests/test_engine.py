@@ -149,6 +149,38 @@ def test_layout_with_absent_leaves_remembered_per_spec_objects(monkeypatch):
         assert p2 is not p1 and p2.active == [i for i, x in enumerate(other) if x is not None]
 
 
+def test_partition_states_checked_once_per_layout(monkeypatch):
+    """The DTensor state of a ``partition``'s transforms (``None`` outside each label's
+    leaves) is checked against the updates once per layout: the view remembers its spec
+    objects per set of absent leaves (the labels' parts ask in turn; one entry for both
+    labels made each check every leaf again, every step), and later steps check no leaf
+    again."""
+    from functional_train.engine import view
+
+    with simulate(2):
+        mesh = make_mesh((2,), ("tp",))
+        params = _tree(mesh)
+        labels = {k: "a" if k.startswith("w") else "b" for k in params}
+        tx = ft.partition(
+            {"a": ft.multi_steps(ft.adamw(1e-2), 2), "b": ft.multi_steps(ft.sgd(0.1, 0.9), 2)},
+            labels,
+        )
+        state = tx.init(params)
+        for seed in (1, 2):
+            params, state = ft.step(tx, _tree(mesh, seed=seed), state, params, donate=True)
+        plan = view.prepare(_tree(mesh, seed=3), params, None).plan
+        checked = plan.memo[("state specs", "MultiStepsState.acc_grads")]
+        masks = {k[1] for k in checked if isinstance(k, tuple) and k[0] == "all"}
+        names = sorted(params)
+        assert masks == {tuple(labels[k] == label for k in names) for label in "ab"}
+        compared = []
+        real = view.same_layout
+        monkeypatch.setattr(view, "same_layout", lambda a, b: compared.append(1) or real(a, b))
+        for seed in (3, 4):
+            params, state = ft.step(tx, _tree(mesh, seed=seed), state, params, donate=True)
+        assert compared == []
+
+
 def test_donated_dtensor_step_gives_its_dtensors_back():
     """A donated step on DTensors writes into their local shards and returns the same
     DTensor objects (no new wrapper per leaf); a pure step returns new ones, the inputs

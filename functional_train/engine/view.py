@@ -36,6 +36,7 @@ __all__ = ["Prepared", "prepare", "leaf_paths"]
 
 
 _SPEC = operator.attrgetter("_spec")
+_DTENSOR_OR_NONE = {DTensor, type(None)}
 
 
 def _state_shapes_memo() -> Memo:  # (a plan's state trees whose leaves have its shapes)
@@ -228,10 +229,18 @@ class Prepared:
         # object, and the next step's state has another one: a recompile per step)
         memo = not torch.compiler.is_compiling()
         checked = self.plan.memo.setdefault(("state specs", what), {}) if memo else {}
-        every = memo and len(self.active) == n and set(map(type, leaves)) == {DTensor}
-        if every:  # (every leaf an active DTensor: the spec objects checked last, C loops)
-            specs = list(map(_SPEC, leaves))
-            last = checked.get("all")
+        kinds = set(map(type, leaves)) if memo else set()
+        every = memo and len(self.active) == n and DTensor in kinds and kinds <= _DTENSOR_OR_NONE
+        if every:
+            # (every leaf an active DTensor, or None: a restricted part's state outside its
+            # leaves; where they are and the spec objects checked last, C loops)
+            # (per set of absent leaves: the parts of a partition's labels ask in turn)
+            present, at = leaves, "all"
+            if len(kinds) == 2:
+                mask = tuple(map(operator.is_not, leaves, itertools.repeat(None)))
+                present, at = list(itertools.compress(leaves, mask)), ("all", mask)
+            specs = list(map(_SPEC, present))
+            last = checked.get(at)
             if last is not None and all(map(operator.is_, specs, last)):
                 return to_locals(leaves)
         for i in self.active:
@@ -257,7 +266,7 @@ class Prepared:
             if dt and memo:
                 checked[i] = x._spec
         if every:
-            checked["all"] = specs  # (holding them: their ids are not reused)
+            checked[at] = specs  # (holding them: their ids are not reused)
         return to_locals(leaves)
 
     def state_tree(self, tree: Any, what: str, new_active: Sequence[Any]) -> Any:
