@@ -235,10 +235,11 @@ class Prepared:
             # (every leaf an active DTensor, or None: a restricted part's state outside its
             # leaves; where they are and the spec objects checked last, C loops)
             # (per set of absent leaves: the parts of a partition's labels ask in turn)
-            present, at = leaves, "all"
+            present, mask = leaves, None
             if len(kinds) == 2:
                 mask = tuple(map(operator.is_not, leaves, itertools.repeat(None)))
-                present, at = list(itertools.compress(leaves, mask)), ("all", mask)
+                present = list(itertools.compress(leaves, mask))
+            at = ("all", mask)
             specs = list(map(_SPEC, present))
             last = checked.get(at)
             if last is not None and all(map(operator.is_, specs, last)):
