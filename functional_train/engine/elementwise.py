@@ -510,7 +510,8 @@ def run(
     given_p = None  # (and the parameters', where it read them and the next part asked)
     given_on: frozenset | None = None  # (the positions where they were summed; None: all)
     # (see statics_memo: the step's, where ft.step set one: statics_for_step)
-    statics_memo: dict = ({} if torch.compiler.is_compiling() else _STATICS_MEMO.get()) or {}
+    outer = None if torch.compiler.is_compiling() else _STATICS_MEMO.get()
+    statics_memo: dict = {} if outer is None else outer
     # (per part: the positions in act of the leaves it is restricted to, None for every leaf)
     where: list = [None] * len(parts)
     if any(part.restrict is not None for part in parts):
