@@ -398,13 +398,21 @@ def plan_for(
     if _dtensors_or_none(lists):
         # (a masked / partition's transform: None outside its leaves; remembered by where
         # they are and the others' specs, where the plan's key would compare each spec)
-        masks = tuple(tuple(map(operator.is_not, xs, _NONES)) for xs in lists)
+        masks, present = zip(*map(present_of, lists))
         return by_specs(
             ("plan", treedef, mesh, pleaves is None, masks),
-            [list(itertools.compress(xs, m)) for xs, m in zip(lists, masks)],
+            present,
             lambda: _cached_plan(treedef, leaves, pleaves, mesh),
         )
     return _cached_plan(treedef, leaves, pleaves, mesh)
+
+
+def present_of(xs: Sequence[Any]) -> tuple[tuple, list]:
+    """``(mask, present)``: per element of ``xs`` whether it is not ``None``, and those
+    elements (whole-list C loops): a masked / partition's leaves, remembered per where the
+    absent ones are and the present ones' spec objects (:func:`by_specs`)."""
+    mask = tuple(map(operator.is_not, xs, _NONES))
+    return mask, list(itertools.compress(xs, mask))
 
 
 def _dtensors_or_none(lists: Sequence[Sequence[Any]]) -> bool:

@@ -28,7 +28,7 @@ from .collectives import all_reduce, all_reduce_buckets, all_reduce_start, per_r
 from .dtensor import spec_of, to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
 from .metadata import Memo
-from .plan import Plan, agree_presence, describe, plan_for, same_layout
+from .plan import Plan, agree_presence, describe, plan_for, present_of, same_layout
 from .pool import of_plan
 from .scalars import scalar_program
 
@@ -235,10 +235,10 @@ class Prepared:
             # (every leaf an active DTensor, or None: a restricted part's state outside its
             # leaves; where they are and the spec objects checked last, C loops)
             # (per set of absent leaves: the parts of a partition's labels ask in turn)
-            present, mask = leaves, None
+            mask: tuple | None = None
+            present = leaves
             if len(kinds) == 2:
-                mask = tuple(map(operator.is_not, leaves, itertools.repeat(None)))
-                present = list(itertools.compress(leaves, mask))
+                mask, present = present_of(leaves)
             at = ("all", mask)
             specs = list(map(_SPEC, present))
             last = checked.get(at)
