@@ -186,12 +186,17 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
         return ClipByGlobalNormState(torch.zeros((), dtype=dtype, device=first_device(params)))
 
+    def start(b):
+        """The norm's all-reduce, issued (the run issues several parts' together: see
+        ``Elementwise.starts``)."""
+        return global_norm_start(b, norm_type)
+
     def prologue(state, b):
         if not isinstance(state, ClipByGlobalNormState):
             raise ValueError(
                 f"clip_by_global_norm: expected a ClipByGlobalNormState, got {type(state).__name__}"
             )
-        total = global_norm_of(b, norm_type)
+        total = (E.started(start, b) or start(b))()
         coef = clip_factor(total, max_norm)
         return (coef,), lambda trees: ClipByGlobalNormState(total.to(state.global_norm.dtype))
 
@@ -207,6 +212,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         0,
         reduces=True,
         reads_sum_squares=norm_type == 2.0,
+        starts=start,
     )
     tx = elementwise_transform(spec, init_fn)
     attach_spec(tx.update, clip=(max_norm, norm_type))  # (ft.step, apply_if_finite)

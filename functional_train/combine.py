@@ -386,6 +386,7 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         restrict=restrict,
         flags=part.flags,
         sums_through=part.sums_through,
+        starts=part.starts,
     )
 
 

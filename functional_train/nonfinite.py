@@ -291,6 +291,7 @@ def _guarded_parts(
             context=True,
             # (after an earlier pass, dynamic_loss_scale's unscaling: its sums of squares)
             reads_sum_squares=clip.reads_sum_squares,
+            starts=clip.starts,
         )
         rest = inner_parts[1:]
     else:

@@ -247,3 +247,84 @@ def test_multi_steps_count_does_not_grow_with_leaves_with_partial_grads():
     assert per_n[5][1] == per_n[10][1], per_n
     # presence over dp + dp mean + tp Partial sum + norm
     assert per_n[5][1] == {"all_reduce": 4}, per_n
+
+
+def _label_norm(vals, labels, label, norm_type):
+    own = [v.reshape(-1) for v, lab in zip(vals, labels) if lab == label]
+    return torch.linalg.vector_norm(torch.cat(own), norm_type)
+
+
+@pytest.mark.parametrize("how", ["update", "donated", "pure", "multi_steps", "shared_clip"])
+def test_partition_clips_are_one_all_reduce(how):
+    """``partition`` of chains that each start with ``clip_by_global_norm``: the labels' norms
+    are started together (``Elementwise.starts``) and coalesced into ONE scalar all-reduce
+    per step (two before), each label's norm over its own leaves, several steps; the same
+    clip object in both labels too. Norms of different kinds (a 2-norm and an inf-norm:
+    sum and max) stay two all-reduces."""
+    n = 10
+    vals = _values(n, seed=3)
+    pvals = _values(n, seed=4)
+    labels = ["a" if i % 3 else "b" for i in range(n)]
+    clip = ft.clip_by_global_norm(0.5)
+    clip_b = clip if how == "shared_clip" else ft.clip_by_global_norm(2.0)
+    inner = {
+        "a": ft.chain(clip, ft.adamw(1e-2, weight_decay=0.1)),
+        "b": ft.chain(clip_b, ft.adamw(3e-2)),
+    }
+    k = 2 if how == "multi_steps" else 1
+    if k > 1:
+        inner = {lab: ft.multi_steps(t, k) for lab, t in inner.items()}
+    steps = 3 * k
+    # (multi_steps: DTensors on the whole mesh, which its fused micro-steps take; with the
+    # other kinds of leaves the partition runs each label's multi_steps by its own update)
+    kinds = [x for x in _KINDS if x[0] == "full"] if k > 1 else _KINDS
+    with simulate(WORLD):
+        m = _mesh()
+        params = {f"l{i:02d}": _leaf(m, kinds[i % len(kinds)], v) for i, v in enumerate(pvals)}
+        grads = {f"l{i:02d}": _leaf(m, kinds[i % len(kinds)], v) for i, v in enumerate(vals)}
+        tx = ft.partition(inner, {f"l{i:02d}": lab for i, lab in enumerate(labels)})
+        state = tx.init(params)
+        counts = []
+        for step in range(steps):
+            with count_collectives() as c:
+                if how == "update":
+                    u, state = tx.update(grads, state, params, mesh=ft.Mesh(m))
+                    params = ft.apply_updates(params, u)
+                else:
+                    params, state = ft.step(
+                        tx, grads, state, params, mesh=ft.Mesh(m), donate=how != "pure"
+                    )
+            counts.append(c.counts)
+            if (step + 1) % k == 0:
+                for lab in "ab":
+                    inner_state = state.inner_states[lab]
+                    if k > 1:
+                        inner_state = inner_state.inner_state
+                    got = on_rank(inner_state[0].global_norm, step % WORLD)
+                    want = _label_norm([v * k for v in vals] if k > 1 else vals, labels, lab, 2)
+                    if k > 1:
+                        want = want / k  # (the mean of k equal micro-batch gradients)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for step, cnt in enumerate(counts):
+        if (step + 1) % k:
+            assert cnt == {}, f"step {step}: {cnt}"
+        else:
+            assert cnt == {"all_reduce": 1}, f"step {step}: {cnt}"
+    # a 2-norm and an inf-norm: a sum and a max, one all-reduce each
+    with simulate(WORLD):
+        m = _mesh()
+        params = _tree(m, pvals)
+        grads = _tree(m, vals)
+        tx = ft.partition(
+            {
+                "a": ft.chain(ft.clip_by_global_norm(0.5), ft.sgd(1e-2)),
+                "b": ft.chain(ft.clip_by_global_norm(0.5, norm_type=math.inf), ft.sgd(1e-2)),
+            },
+            {f"l{i:02d}": lab for i, lab in enumerate(labels)},
+        )
+        state = tx.init(params)
+        with count_collectives() as c:
+            params, state = ft.step(tx, grads, state, params, mesh=ft.Mesh(m), donate=True)
+        got = on_rank(state.inner_states["b"][0].global_norm, 1)
+    assert c.counts == {"all_reduce": 2}, c
+    torch.testing.assert_close(got, _label_norm(vals, labels, "b", math.inf))

@@ -2,7 +2,8 @@
 (traceable by torch.compile; eager all-reduces through c10d, see :func:`all_reduce`), batched:
 the tensors of one kind for all leaves are flattened into one buffer and reduced by one
 collective per process group, op and dtype. An all-reduce can be issued now and waited for
-later (:func:`all_reduce_start`), so that host work overlaps it.
+later (:func:`all_reduce_start`), so that host work overlaps it; the all-reduces started
+within :func:`coalesced` are issued together, one per process group, op and dtype.
 
 Process groups are named as tuples of groups to reduce over in succession: ``(DeviceMesh, dim)``
 pairs, or the default (world) process group (see :func:`groups_over`).
@@ -10,6 +11,8 @@ pairs, or the default (world) process group (see :func:`groups_over`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
@@ -25,6 +28,7 @@ __all__ = [
     "groups_over",
     "all_reduce",
     "all_reduce_start",
+    "coalesced",
     "all_reduce_buckets",
     "reduce_scatter",
     "all_gather",
@@ -133,7 +137,11 @@ def all_reduce_start(t: torch.Tensor, op: str, groups: tuple) -> Callable[[], to
     work between the two overlaps the collective and the other ranks' lateness. With more than
     one group, all but the last reduce before this returns. The same collectives as
     :func:`all_reduce`: c10d's ``async_op=True`` eagerly, else the functional collective,
-    waited on in ``finish``."""
+    waited on in ``finish``. Within :func:`coalesced`, over one group: registered, and
+    issued with the others started there."""
+    batch = None if torch.compiler.is_compiling() else _BATCH.get()
+    if batch is not None and len(groups) == 1:
+        return batch.add(t, op, groups)
     if _by_c10d(t, op):
         t = t.clone(memory_format=torch.contiguous_format)
         work = None
@@ -158,6 +166,89 @@ def all_reduce_start(t: torch.Tensor, op: str, groups: tuple) -> Callable[[], to
     if groups:
         t = funcol.all_reduce(t, op, groups[-1])
     return lambda: funcol.wait_tensor(t) if groups else t
+
+
+_BATCH: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar(
+    "functional_train_coalesced", default=None
+)
+
+
+@contextlib.contextmanager
+def coalesced():
+    """Within: :func:`all_reduce_start` over one group registers its tensor instead of
+    issuing; they are issued together when the first ``finish`` is called or on leaving,
+    whichever comes first: ONE all-reduce per (process group, op, dtype, device) of the
+    registered tensors' concatenation (:func:`all_reduce_start` of it), each ``finish``
+    giving its own part (a view of the reduced buffer, in its shape). Every rank must start
+    the same all-reduces in the same order, as for the collectives themselves. Several
+    parts' global norms of one step become one scalar all-reduce (``Elementwise.starts``)."""
+    batch = _Batch()
+    token = _BATCH.set(batch)
+    try:
+        yield
+    finally:
+        _BATCH.reset(token)
+        batch.issue()
+
+
+class _Batch:
+    """The all-reduces registered within one :func:`coalesced` (see there)."""
+
+    __slots__ = ("items", "results")
+
+    def __init__(self):
+        self.items: list = []  # (tensor, op, groups)
+        self.results: list | None = None  # per item: its bucket's finish, offset, or None alone
+
+    def add(self, t: torch.Tensor, op: str, groups: tuple) -> Callable[[], torch.Tensor]:
+        if self.results is not None:  # (already issued: the next ones form a batch of their own)
+            return all_reduce_start(t, op, groups)
+        i = len(self.items)
+        self.items.append((t, op, groups))
+        return lambda: self.result(i)
+
+    def issue(self) -> None:
+        if self.results is not None:
+            return
+        token = _BATCH.set(None)  # (the buckets themselves are issued as they come)
+        try:
+            buckets: dict[Any, list[int]] = defaultdict(list)
+            for i, (t, op, groups) in enumerate(self.items):
+                buckets[(_group_key(groups), op, t.dtype, t.device)].append(i)
+            self.results = [None] * len(self.items)
+            for idx in buckets.values():
+                ts = [self.items[i][0] for i in idx]
+                flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0]
+                _, op, groups = self.items[idx[0]]
+                fin = _Once(all_reduce_start(flat, op, groups))
+                offset = 0
+                for i, t in zip(idx, ts):
+                    self.results[i] = (fin, offset if len(ts) > 1 else None)
+                    offset += t.numel()
+        finally:
+            _BATCH.reset(token)
+
+    def result(self, i: int) -> torch.Tensor:
+        self.issue()
+        fin, offset = self.results[i]  # type: ignore[index]
+        t = self.items[i][0]
+        red = fin()
+        return red if offset is None else red.narrow(0, offset, t.numel()).view(t.shape)
+
+
+class _Once:
+    """``finish`` of one bucket's all-reduce, waited for once, read by each of its parts."""
+
+    __slots__ = ("finish", "value")
+
+    def __init__(self, finish: Callable[[], torch.Tensor]):
+        self.finish = finish
+        self.value: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.value is None:
+            self.value = self.finish()
+        return self.value
 
 
 def all_reduce_buckets(items: Sequence[tuple[torch.Tensor, Any, str]]) -> list[torch.Tensor]:

@@ -74,6 +74,15 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   costs no synchronisation there) and under ``torch.compile`` where the native sums run for
   the leaves (``native.compiled_sums``); elsewhere a pass writes the part's results first,
   as for any reducing part.
+* ``starts``: ``starts(b) -> finish``, the collective a reducing part's prologue issues on
+  its view ``b``, issued ahead of the prologue (``clip_by_global_norm``'s global norm:
+  :func:`~functional_train.clipping.global_norm_start`). Where two or more parts of one stage
+  have one (``partition`` of chains that each start with a clip), the run issues them all
+  before their prologues, coalesced (:func:`.collectives.coalesced`: one scalar all-reduce
+  for all their norms, one wait), and each prologue takes its own with :func:`started`
+  (``None`` where the run issued none: the prologue then issues it itself). A wrapper that
+  hands its part's prologue the view it is given (or one derived from it) passes ``starts``
+  on.
 * ``context``: whether ``prologue`` takes a third argument, ``prologue(state, b, ctx)``:
   the *run context*, a dict shared by the prologues of the parts of one :func:`run` call, in
   the parts' order. A part publishes a value there for the parts after it (under a key object
@@ -133,6 +142,7 @@ from ..autograd import traced
 from ..leaves import CPU, DTYPE, on_device
 from ..spec import attach_spec, transform_spec
 from . import fuse, native
+from .collectives import coalesced
 from .dtensor import to_local, wrap_like
 from .metadata import Memo
 from .operators import register_kernels
@@ -155,6 +165,7 @@ __all__ = [
     "derived_parts",
     "restated",
     "run",
+    "started",
 ]
 
 
@@ -178,6 +189,7 @@ class Elementwise:
     restrict: Callable | None = None
     flags: tuple[str, ...] = ()
     sums_through: bool = False
+    starts: Callable | None = None
 
     def __post_init__(self):
         # a number of its own, by which a compiled graph names it (functional_train::fused_stage)
@@ -536,54 +548,71 @@ def run(
     new_fields: list = [None] * len(parts)
     ctx: dict = {}  # the run context (see the module's docstring)
     drop = spec.zero_updates  # (the updates are zeros: the last stage does not write them)
+
+    def view_of(k: int):
+        """Part ``k``'s view of the current updates (but for a ``through`` part's sums)."""
+        part = parts[k]
+        view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
+        if k in through:  # (the sums of the updates as the part before gives them)
+            view.sum_squares = ctx.pop(SUM_SQUARES, None)
+            if view.sum_squares is None:
+                raise RuntimeError(
+                    f"{parts[k - 1].name}: a sums_through part gave no sums of squares"
+                )
+        elif k > 0 and part.reduces and part.reads_sum_squares:
+            # (None: the prologue sums them itself; so where the stage that wrote the
+            # updates summed only some leaves and the part reads others)
+            if given_on is None or (where[k] is not None and where[k].of <= given_on):
+                view.sum_squares = given
+                if part.reads_params_sum_squares:
+                    view.params_sum_squares = given_p
+        if where[k] is not None:
+            view = view.restricted(where[k])
+        return view
+
     for lo, hi in zip(bounds, bounds[1:]):
         scalars: list = []
         counts: list = []
         fields: list = []
         per_leaf: list = []
         keys: list = []
-        for k in range(lo, hi):
-            part = parts[k]
-            view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
-            if k in through:  # (the sums of the updates as the part before gives them)
-                view.sum_squares = ctx.pop(SUM_SQUARES, None)
-                if view.sum_squares is None:
-                    raise RuntimeError(
-                        f"{parts[k - 1].name}: a sums_through part gave no sums of squares"
-                    )
-            elif k > 0 and part.reduces and part.reads_sum_squares:
-                # (None: the prologue sums them itself; so where the stage that wrote the
-                # updates summed only some leaves and the part reads others)
-                if given_on is None or (where[k] is not None and where[k].of <= given_on):
-                    view.sum_squares = given
-                    if part.reads_params_sum_squares:
-                        view.params_sum_squares = given_p
-            if where[k] is not None:
-                view = view.restricted(where[k])
-            if part.context:
-                if k + 1 in through:  # (asked for: see Elementwise.sums_through)
-                    ctx[SUM_SQUARES] = None
-                sc, finishes[k] = part.prologue(states[k], view, ctx)
-            else:
-                sc, finishes[k] = part.prologue(states[k], view)
-            if part.leaf_scalars:  # (inputs of the stage, after its fields)
-                sc, own = _split_scalars(part, sc)
-                if where[k] is not None:
-                    own = [_spread(x, where[k].positions, u) for x in own]
-                per_leaf.extend(own)
-            scalars.extend(sc)
-            counts.append(len(sc))
-            trees_of[k] = part.fields(states[k])
-            for tree, what in trees_of[k]:
-                every = b.state_locals(tree, what)
-                fields.append([every[i] for i in act])
-            if part.static is not None:
-                if params is None:
-                    raise ValueError(f"{part.name}: needs params (update(..., params))")
-                every = _call_static(part.static, params, statics_memo)
-                keys.append(list(every) if len(every) == len(act) else [every[i] for i in act])
-            else:
-                keys.append(None)
+        # (two or more parts' collectives issued together, before their prologues: starts)
+        ahead = _ahead(parts, lo, hi, through, view_of)
+        token = None if ahead is None else _STARTED.set(ahead[1])
+        try:
+            for k in range(lo, hi):
+                part = parts[k]
+                view = ahead[0][k] if ahead is not None and k in ahead[0] else view_of(k)
+                if part.context:
+                    if k + 1 in through:  # (asked for: see Elementwise.sums_through)
+                        ctx[SUM_SQUARES] = None
+                    sc, finishes[k] = part.prologue(states[k], view, ctx)
+                else:
+                    sc, finishes[k] = part.prologue(states[k], view)
+                if part.leaf_scalars:  # (inputs of the stage, after its fields)
+                    sc, own = _split_scalars(part, sc)
+                    if where[k] is not None:
+                        own = [_spread(x, where[k].positions, u) for x in own]
+                    per_leaf.extend(own)
+                scalars.extend(sc)
+                counts.append(len(sc))
+                trees_of[k] = part.fields(states[k])
+                for tree, what in trees_of[k]:
+                    every = b.state_locals(tree, what)
+                    fields.append([every[i] for i in act])
+                if part.static is not None:
+                    if params is None:
+                        raise ValueError(f"{part.name}: needs params (update(..., params))")
+                    every = _call_static(part.static, params, statics_memo)
+                    keys.append(list(every) if len(every) == len(act) else [every[i] for i in act])
+                else:
+                    keys.append(None)
+        finally:
+            if token is not None:
+                _STARTED.reset(token)
+        if ahead is not None:
+            for finish in ahead[1].values():  # (any a prologue did not take)
+                finish()
         last = hi == len(parts)
         stage = _stage_of(parts[lo:hi], apply is not None and last and not drop, drop and last)
         # (the next stage's reduction: its sums of squares taken as this stage writes them)
@@ -668,6 +697,46 @@ def run(
 
         u = known_zeros_of(u)
     return b.rebuild_active(u), new_state
+
+
+def _ahead(parts: tuple, lo: int, hi: int, through: frozenset, view_of: Callable):
+    """For the stage ``parts[lo:hi]``: ``None``, or where two or more of its parts have
+    ``starts`` (none of them ``through``), ``(views, started)``: those parts' views (by
+    position) and their collectives, issued now, coalesced (one all-reduce for all of them,
+    see :func:`.collectives.coalesced`), by ``(starts, id(view.active))`` for
+    :func:`started`. Not under ``torch.compile`` or ``torch.func``."""
+    if hi - lo < 2:
+        return None
+    ks = [k for k in range(lo, hi) if parts[k].starts is not None and k not in through]
+    if len(ks) < 2 or _functional():
+        return None
+    views = {k: view_of(k) for k in ks}
+    pending: dict = {}
+    with coalesced():
+        for k in ks:
+            key = (parts[k].starts, id(views[k].active))
+            if key not in pending:  # (one per part and view)
+                pending[key] = parts[k].starts(views[k])
+    return views, pending
+
+
+_STARTED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "functional_train_started", default=None
+)
+
+
+def started(starts: Callable, b) -> Callable | None:
+    """In a part's prologue: the ``finish`` of the collective the run issued for it ahead
+    (``Elementwise.starts``, the part's own ``starts`` function, on a view with ``b``'s
+    active leaves), taken once; ``None`` where the run issued none (one part with ``starts``
+    in its stage, a prologue called by other code, or under ``torch.compile``): the
+    prologue then calls ``starts(b)`` itself."""
+    if torch.compiler.is_compiling():
+        return None
+    pending = _STARTED.get()
+    if pending is None:
+        return None
+    return pending.pop((starts, id(b.active)), None)
 
 
 _STATICS_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
@@ -2328,6 +2397,7 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
         restrict=part.restrict,
         flags=(key, *part.flags),
         sums_through=part.sums_through,
+        starts=part.starts,
     )
 
 
