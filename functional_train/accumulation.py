@@ -39,6 +39,7 @@ from .engine.dtensor import spec_of, to_local, wrap
 from .engine.metadata import Memo
 from .engine.plan import (
     all_on_data_axis,
+    by_layout,
     by_specs,
     describe,
     only_dtensors,
@@ -719,7 +720,16 @@ def _alike_checks(g: list, acc: list) -> tuple[bool, bool]:
 def _reduced(treedef, g: list, pl: list, mesh: Mesh) -> bool:
     """Whether the gradients need no reduction and no presence agreement (the view of a
     micro-step then issues no collective): DTensors in their parameters' placements, with
-    ``mesh.data_axis`` reduced already (FSDP-style parameters placed over it) or absent."""
+    ``mesh.data_axis`` reduced already (FSDP-style parameters placed over it) or absent.
+    Remembered per layout (:func:`~.engine.plan.by_layout`: it asks nothing else)."""
+    return by_layout(
+        ("multi_steps reduced", treedef, mesh),
+        (g, pl),
+        lambda: _reduced_now(treedef, g, pl, mesh),
+    )
+
+
+def _reduced_now(treedef, g: list, pl: list, mesh: Mesh) -> bool:
     if mesh.pending_data_reduction and not all_on_data_axis(pl, mesh.data_axis):
         return False
     plan = plan_for(treedef, g, pl, mesh)

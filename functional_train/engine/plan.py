@@ -30,7 +30,7 @@ from .dtensor import Spec, spec_of, to_local, wrap, wrap_like
 from .layout import World
 from .metadata import Memo
 
-__all__ = ["Plan", "plan_for", "cache_clear", "agree_presence"]
+__all__ = ["Plan", "plan_for", "by_layout", "cache_clear", "agree_presence"]
 
 _PLANS: OrderedDict[Any, Plan] = OrderedDict()
 _MAX_PLANS = 64
@@ -388,23 +388,25 @@ def plan_for(
     since tracing runs once per layout anyway)."""
     if torch.compiler.is_compiling():
         return Plan(treedef, leaves, pleaves, mesh)
-    lists = (leaves, () if pleaves is None else pleaves)
+    return by_layout(
+        ("plan", treedef, mesh, pleaves is None),
+        (leaves, () if pleaves is None else pleaves),
+        lambda: _cached_plan(treedef, leaves, pleaves, mesh),
+    )
+
+
+def by_layout(what: Any, lists: Sequence[Sequence[Any]], compute: Callable[[], Any]) -> Any:
+    """``compute()``, a value decided by the layouts of ``lists``' DTensors, remembered
+    (eagerly) per ``what`` and their spec objects (:func:`by_specs`) where every element is a
+    DTensor, or a DTensor or ``None`` (a masked / partition's transform: ``None`` outside
+    its leaves; then per where the ``None`` are, and the others' spec objects); computed
+    each call otherwise (plain tensors: the callers' own memos)."""
     if only_dtensors(*lists):
-        return by_specs(
-            ("plan", treedef, mesh, pleaves is None),
-            lists,
-            lambda: _cached_plan(treedef, leaves, pleaves, mesh),
-        )
+        return by_specs(what, lists, compute)
     if _dtensors_or_none(lists):
-        # (a masked / partition's transform: None outside its leaves; remembered by where
-        # they are and the others' specs, where the plan's key would compare each spec)
         masks, present = zip(*map(present_of, lists))
-        return by_specs(
-            ("plan", treedef, mesh, pleaves is None, masks),
-            present,
-            lambda: _cached_plan(treedef, leaves, pleaves, mesh),
-        )
-    return _cached_plan(treedef, leaves, pleaves, mesh)
+        return by_specs((what, masks), present, compute)
+    return compute()
 
 
 def present_of(xs: Sequence[Any]) -> tuple[tuple, list]:
