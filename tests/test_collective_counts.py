@@ -254,7 +254,9 @@ def _label_norm(vals, labels, label, norm_type):
     return torch.linalg.vector_norm(torch.cat(own), norm_type)
 
 
-@pytest.mark.parametrize("how", ["update", "donated", "pure", "multi_steps", "shared_clip"])
+@pytest.mark.parametrize(
+    "how", ["update", "donated", "pure", "multi_steps", "shared_clip", "apply_if_finite"]
+)
 def test_partition_clips_are_one_all_reduce(how):
     """``partition`` of chains that each start with ``clip_by_global_norm``: the labels' norms
     are started together (``Elementwise.starts``) and coalesced into ONE scalar all-reduce
@@ -271,6 +273,8 @@ def test_partition_clips_are_one_all_reduce(how):
         "a": ft.chain(clip, ft.adamw(1e-2, weight_decay=0.1)),
         "b": ft.chain(clip_b, ft.adamw(3e-2)),
     }
+    if how == "apply_if_finite":  # (its first part is the clip's, wrapped: starts passed on)
+        inner["a"] = ft.apply_if_finite(inner["a"], max_consecutive_errors=3)
     k = 2 if how == "multi_steps" else 1
     if k > 1:
         inner = {lab: ft.multi_steps(t, k) for lab, t in inner.items()}
@@ -298,7 +302,7 @@ def test_partition_clips_are_one_all_reduce(how):
             if (step + 1) % k == 0:
                 for lab in "ab":
                     inner_state = state.inner_states[lab]
-                    if k > 1:
+                    if k > 1 or (how == "apply_if_finite" and lab == "a"):
                         inner_state = inner_state.inner_state
                     got = on_rank(inner_state[0].global_norm, step % WORLD)
                     want = _label_norm([v * k for v in vals] if k > 1 else vals, labels, lab, 2)
@@ -328,3 +332,59 @@ def test_partition_clips_are_one_all_reduce(how):
         got = on_rank(state.inner_states["b"][0].global_norm, 1)
     assert c.counts == {"all_reduce": 2}, c
     torch.testing.assert_close(got, _label_norm(vals, labels, "b", math.inf))
+
+
+def test_started_collectives_not_taken_are_waited():
+    """``Elementwise.starts``: the run issues every part's collective of a stage together,
+    also one whose prologue does not take it (a wrapper that hands its part another view
+    would not), and waits for that one itself; the parts' results are as without it.
+    Outside a run :func:`started` gives ``None``."""
+    import dataclasses
+
+    from functional_train.engine import elementwise as E
+    from functional_train.engine.view import prepare
+
+    n = 6
+    vals = _values(n, seed=5)
+    labels = [i % 2 == 0 for i in range(n)]
+    clip = E.spec_of_transform(ft.clip_by_global_norm(0.5))
+
+    def untaken(state, b):  # (the factor 1: the updates pass as they are)
+        return (torch.ones(()),), lambda trees: state
+
+    def on(mask):  # (a restricted part passes the other leaves through: by their key)
+        return dict(
+            restrict=lambda p: mask,
+            static=lambda p: mask,
+            leaf=lambda u, p, s, h, k: (u * h[0] if k else u, ()),
+        )
+
+    others = [not x for x in labels]
+    parts = (
+        dataclasses.replace(clip, prologue=untaken, **on(labels)),
+        dataclasses.replace(clip, **on(others)),
+    )
+    fus = E.Fusable(parts, list, tuple)
+    with simulate(WORLD):
+        m = _mesh()
+        grads = _tree(m, vals)
+        state = (ft.ClipByGlobalNormState(torch.zeros(())),) * 2
+        b = prepare(grads, grads, ft.Mesh(m))
+        assert E.started(clip.starts, b) is None
+        with count_collectives() as c:
+            updates, new_state = E.run(fus, b, state, grads)
+        got = [
+            on_rank(x._local_tensor if isinstance(x, DTensor) else x, 0)
+            for x in optree.tree_leaves(updates)
+        ]
+        norm_b = on_rank(new_state[1].global_norm, 2)
+        want_local = [
+            on_rank(x._local_tensor if isinstance(x, DTensor) else x, 0)
+            for x in optree.tree_leaves(grads)
+        ]
+    assert c.counts == {"all_reduce": 1}, c
+    want_norm = _label_norm(vals, labels, False, 2)
+    torch.testing.assert_close(norm_b, want_norm, rtol=1e-5, atol=1e-6)
+    factor = min(1.0, 0.5 / (float(want_norm) + 1e-6))
+    for i, (x, w) in enumerate(zip(got, want_local)):
+        torch.testing.assert_close(x, w if labels[i] else w * factor, rtol=1e-5, atol=1e-7)
