@@ -577,7 +577,7 @@ def run(
         per_leaf: list = []
         keys: list = []
         # (two or more parts' collectives issued together, before their prologues: starts)
-        ahead = _ahead(parts, lo, hi, through, view_of)
+        ahead = _ahead(parts, lo, hi, through, view_of, b.world)
         token = None if ahead is None else _STARTED.set(ahead[1])
         try:
             for k in range(lo, hi):
@@ -699,13 +699,14 @@ def run(
     return b.rebuild_active(u), new_state
 
 
-def _ahead(parts: tuple, lo: int, hi: int, through: frozenset, view_of: Callable):
+def _ahead(parts: tuple, lo: int, hi: int, through: frozenset, view_of: Callable, world):
     """For the stage ``parts[lo:hi]``: ``None``, or where two or more of its parts have
     ``starts`` (none of them ``through``), ``(views, started)``: those parts' views (by
     position) and their collectives, issued now, coalesced (one all-reduce for all of them,
     see :func:`.collectives.coalesced`), by ``(starts, id(view.active))`` for
-    :func:`started`. Not under ``torch.compile`` or ``torch.func``."""
-    if hi - lo < 2:
+    :func:`started`. Not in one process (``world``: the view's, of one rank or none), nor
+    under ``torch.compile`` or ``torch.func``."""
+    if hi - lo < 2 or world.device_mesh is None or world.size == 1:
         return None
     ks = [k for k in range(lo, hi) if parts[k].starts is not None and k not in through]
     if len(ks) < 2 or _functional():
