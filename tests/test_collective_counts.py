@@ -388,3 +388,37 @@ def test_started_collectives_not_taken_are_waited():
     factor = min(1.0, 0.5 / (float(want_norm) + 1e-6))
     for i, (x, w) in enumerate(zip(got, want_local)):
         torch.testing.assert_close(x, w if labels[i] else w * factor, rtol=1e-5, atol=1e-7)
+
+
+def test_coalesced_all_reduces():
+    """``engine.collectives.coalesced``: the all-reduces started within are issued at the
+    first ``finish``, one per (group, op, dtype): two sums and a max are two all-reduces,
+    each ``finish`` its own value; one started after that is issued at once (a third)."""
+    from functional_train.engine.collectives import all_reduce_start, coalesced, groups_over
+
+    with simulate(WORLD):
+        m = _mesh()
+        world = groups_over(m, [0, 1])
+        a = per_rank(WORLD, lambda r: torch.tensor(float(r)))
+        b = per_rank(WORLD, lambda r: torch.tensor([[1.0, r], [2.0 * r, 3.0]]))
+        c = per_rank(WORLD, lambda r: torch.tensor(float(10 - r)))
+        d = per_rank(WORLD, lambda r: torch.tensor(2.0))
+        with count_collectives() as cnt:
+            with coalesced():
+                fa = all_reduce_start(a, "sum", world)
+                fb = all_reduce_start(b, "sum", world)
+                fc = all_reduce_start(c, "max", world)
+                got_b = fb()  # (issues all three)
+                fd = all_reduce_start(d, "sum", world)  # (after: issued at once)
+                got = [fa(), got_b, fc(), fd()]
+        vals = [[on_rank(x, r) for r in range(WORLD)] for x in got]
+    assert cnt.counts == {"all_reduce": 3}, cnt
+    want = [
+        torch.tensor(6.0),
+        torch.tensor([[4.0, 6.0], [12.0, 12.0]]),
+        torch.tensor(10.0),
+        torch.tensor(8.0),
+    ]
+    for per, w in zip(vals, want):
+        for v in per:
+            torch.testing.assert_close(v, w)

@@ -140,8 +140,13 @@ def all_reduce_start(t: torch.Tensor, op: str, groups: tuple) -> Callable[[], to
     waited on in ``finish``. Within :func:`coalesced`, over one group: registered, and
     issued with the others started there."""
     batch = None if torch.compiler.is_compiling() else _BATCH.get()
-    if batch is not None and len(groups) == 1:
+    if batch is not None and len(groups) == 1 and batch.results is None:
         return batch.add(t, op, groups)
+    return _start_now(t, op, groups)
+
+
+def _start_now(t: torch.Tensor, op: str, groups: tuple) -> Callable[[], torch.Tensor]:
+    """:func:`all_reduce_start`, issued now whatever :func:`coalesced` is open."""
     if _by_c10d(t, op):
         t = t.clone(memory_format=torch.contiguous_format)
         work = None
@@ -179,7 +184,8 @@ def coalesced():
     issuing; they are issued together when the first ``finish`` is called or on leaving,
     whichever comes first: ONE all-reduce per (process group, op, dtype, device) of the
     registered tensors' concatenation (:func:`all_reduce_start` of it), each ``finish``
-    giving its own part (a view of the reduced buffer, in its shape). Every rank must start
+    giving its own part (a view of the reduced buffer, in its shape); those started after
+    that are issued as they come. Every rank must start
     the same all-reduces in the same order, as for the collectives themselves. Several
     parts' global norms of one step become one scalar all-reduce (``Elementwise.starts``)."""
     batch = _Batch()
@@ -201,32 +207,29 @@ class _Batch:
         self.results: list | None = None  # per item: its bucket's finish, offset, or None alone
 
     def add(self, t: torch.Tensor, op: str, groups: tuple) -> Callable[[], torch.Tensor]:
-        if self.results is not None:  # (already issued: the next ones form a batch of their own)
-            return all_reduce_start(t, op, groups)
         i = len(self.items)
         self.items.append((t, op, groups))
         return lambda: self.result(i)
 
     def issue(self) -> None:
+        """Issue the registered all-reduces, one per bucket (once; the all-reduces started
+        after it within the same :func:`coalesced` are issued as they come)."""
         if self.results is not None:
             return
-        token = _BATCH.set(None)  # (the buckets themselves are issued as they come)
-        try:
-            buckets: dict[Any, list[int]] = defaultdict(list)
-            for i, (t, op, groups) in enumerate(self.items):
-                buckets[(_group_key(groups), op, t.dtype, t.device)].append(i)
-            self.results = [None] * len(self.items)
-            for idx in buckets.values():
-                ts = [self.items[i][0] for i in idx]
-                flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0]
-                _, op, groups = self.items[idx[0]]
-                fin = _Once(all_reduce_start(flat, op, groups))
-                offset = 0
-                for i, t in zip(idx, ts):
-                    self.results[i] = (fin, offset if len(ts) > 1 else None)
-                    offset += t.numel()
-        finally:
-            _BATCH.reset(token)
+        buckets: dict[Any, list[int]] = defaultdict(list)
+        for i, (t, op, groups) in enumerate(self.items):
+            buckets[(_group_key(groups), op, t.dtype, t.device)].append(i)
+        results: list = [None] * len(self.items)
+        for idx in buckets.values():
+            ts = [self.items[i][0] for i in idx]
+            flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0]
+            _, op, groups = self.items[idx[0]]
+            fin = _Once(_start_now(flat, op, groups))
+            offset = 0
+            for i, t in zip(idx, ts):
+                results[i] = (fin, offset if len(ts) > 1 else None)
+                offset += t.numel()
+        self.results = results
 
     def result(self, i: int) -> torch.Tensor:
         self.issue()

@@ -706,10 +706,10 @@ def _ahead(parts: tuple, lo: int, hi: int, through: frozenset, view_of: Callable
     see :func:`.collectives.coalesced`), by ``(starts, id(view.active))`` for
     :func:`started`. Not in one process (``world``: the view's, of one rank or none), nor
     under ``torch.compile`` or ``torch.func``."""
-    if hi - lo < 2 or world.device_mesh is None or world.size == 1:
+    if hi - lo < 2 or _functional() or world.device_mesh is None or world.size == 1:
         return None
     ks = [k for k in range(lo, hi) if parts[k].starts is not None and k not in through]
-    if len(ks) < 2 or _functional():
+    if len(ks) < 2:
         return None
     views = {k: view_of(k) for k in ks}
     pending: dict = {}
