@@ -137,10 +137,10 @@ def all_reduce_start(t: torch.Tensor, op: str, groups: tuple) -> Callable[[], to
     work between the two overlaps the collective and the other ranks' lateness. With more than
     one group, all but the last reduce before this returns. The same collectives as
     :func:`all_reduce`: c10d's ``async_op=True`` eagerly, else the functional collective,
-    waited on in ``finish``. Within :func:`coalesced`, over one group: registered, and
-    issued with the others started there."""
+    waited on in ``finish``. Within :func:`coalesced`: registered, and issued with the
+    others started there."""
     batch = None if torch.compiler.is_compiling() else _BATCH.get()
-    if batch is not None and len(groups) == 1 and batch.results is None:
+    if batch is not None and batch.results is None:
         return batch.add(t, op, groups)
     return _start_now(t, op, groups)
 
@@ -180,14 +180,15 @@ _BATCH: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def coalesced():
-    """Within: :func:`all_reduce_start` over one group registers its tensor instead of
-    issuing; they are issued together when the first ``finish`` is called or on leaving,
-    whichever comes first: ONE all-reduce per (process group, op, dtype, device) of the
-    registered tensors' concatenation (:func:`all_reduce_start` of it), each ``finish``
+    """Within: :func:`all_reduce_start` registers its tensor instead of issuing; they are
+    issued together when the first ``finish`` is called or on leaving, whichever comes
+    first: ONE all-reduce per (process groups, op, dtype, device) of the registered
+    tensors' concatenation (as :func:`all_reduce_buckets` issues them), each ``finish``
     giving its own part (a view of the reduced buffer, in its shape); those started after
-    that are issued as they come. Every rank must start
-    the same all-reduces in the same order, as for the collectives themselves. Several
-    parts' global norms of one step become one scalar all-reduce (``Elementwise.starts``)."""
+    that are issued as they come. Every rank must start the same all-reduces in the same
+    order, as for the collectives themselves. Several parts' global norms of one step
+    become one scalar all-reduce (``Elementwise.starts``). Eagerly only: under
+    ``torch.compile`` each is issued as it comes."""
     batch = _Batch()
     token = _BATCH.set(batch)
     try:
@@ -204,7 +205,7 @@ class _Batch:
 
     def __init__(self):
         self.items: list = []  # (tensor, op, groups)
-        self.results: list | None = None  # per item: its bucket's finish, offset, or None alone
+        self.results: list | None = None  # per item, its finish (once issued: _bucketed)
 
     def add(self, t: torch.Tensor, op: str, groups: tuple) -> Callable[[], torch.Tensor]:
         i = len(self.items)
@@ -212,46 +213,51 @@ class _Batch:
         return lambda: self.result(i)
 
     def issue(self) -> None:
-        """Issue the registered all-reduces, one per bucket (once; the all-reduces started
-        after it within the same :func:`coalesced` are issued as they come)."""
-        if self.results is not None:
-            return
-        buckets: dict[Any, list[int]] = defaultdict(list)
-        for i, (t, op, groups) in enumerate(self.items):
-            buckets[(_group_key(groups), op, t.dtype, t.device)].append(i)
-        results: list = [None] * len(self.items)
-        for idx in buckets.values():
-            ts = [self.items[i][0] for i in idx]
-            flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0]
-            _, op, groups = self.items[idx[0]]
-            fin = _Once(_start_now(flat, op, groups))
-            offset = 0
-            for i, t in zip(idx, ts):
-                results[i] = (fin, offset if len(ts) > 1 else None)
-                offset += t.numel()
-        self.results = results
+        """Issue the registered all-reduces (once; the all-reduces started after it within
+        the same :func:`coalesced` are issued as they come)."""
+        if self.results is None:
+            self.results = _bucketed(self.items)
 
     def result(self, i: int) -> torch.Tensor:
         self.issue()
-        fin, offset = self.results[i]  # type: ignore[index]
-        t = self.items[i][0]
-        red = fin()
-        return red if offset is None else red.narrow(0, offset, t.numel()).view(t.shape)
+        return self.results[i]()  # type: ignore[index]
 
 
-class _Once:
-    """``finish`` of one bucket's all-reduce, waited for once, read by each of its parts."""
+def _bucketed(items: Sequence[tuple[torch.Tensor, str, tuple]]) -> list[Callable[[], torch.Tensor]]:
+    """ONE all-reduce per (process groups, op, dtype, device) of ``items`` (``(tensor, op,
+    groups)``), issued now, in the order the buckets first appear (:func:`_start_now` of the
+    bucket's tensors flattened and concatenated): per item, ``finish`` giving its reduced
+    value in its shape (a view of its bucket's result, waited for once)."""
+    buckets: dict[Any, list[int]] = defaultdict(list)
+    for i, (t, op, groups) in enumerate(items):
+        buckets[(_group_key(groups), op, t.dtype, t.device)].append(i)
+    out: list = [None] * len(items)
+    for idx in buckets.values():
+        ts = [items[i][0] for i in idx]
+        _, op, groups = items[idx[0]]
+        flat = ts[0].reshape(-1) if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts])
+        whole = _once(_start_now(flat, op, groups))
+        offset = 0
+        for i, t in zip(idx, ts):
+            out[i] = _part(whole, offset, t.numel(), t.shape)
+            offset += t.numel()
+    return out
 
-    __slots__ = ("finish", "value")
 
-    def __init__(self, finish: Callable[[], torch.Tensor]):
-        self.finish = finish
-        self.value: torch.Tensor | None = None
+def _once(finish: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``finish``, called once; its result given to every caller."""
+    box: list = []
 
-    def __call__(self) -> torch.Tensor:
-        if self.value is None:
-            self.value = self.finish()
-        return self.value
+    def get() -> torch.Tensor:
+        if not box:
+            box.append(finish())
+        return box[0]
+
+    return get
+
+
+def _part(whole: Callable[[], torch.Tensor], offset: int, n: int, shape) -> Callable:
+    return lambda: whole().narrow(0, offset, n).view(shape)
 
 
 def all_reduce_buckets(items: Sequence[tuple[torch.Tensor, Any, str]]) -> list[torch.Tensor]:
@@ -264,27 +270,11 @@ def all_reduce_buckets(items: Sequence[tuple[torch.Tensor, Any, str]]) -> list[t
             must have the same number of elements on every rank of the group.
 
     Returns:
-        the reduced tensors, in the order given (new tensors; inputs are not modified).
+        the reduced tensors, in the order given (new tensors; inputs are not modified); every
+        bucket issued before the first is waited for.
     """
-    buckets: dict[Any, list[int]] = defaultdict(list)
-    for i, (t, group, op) in enumerate(items):
-        buckets[(_group_key(group), op, t.dtype)].append(i)
-    out: list[torch.Tensor | None] = [None] * len(items)
-    for (_, op, _), idx in buckets.items():
-        group = items[idx[0]][1]
-        tensors = [items[i][0] for i in idx]
-        if len(tensors) == 1:
-            flat = tensors[0].reshape(-1)
-        else:
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-        red = all_reduce(flat, op, group)
-        if len(tensors) == 1:
-            out[idx[0]] = red.view(tensors[0].shape)
-            continue
-        parts = torch.split(red, [t.numel() for t in tensors])
-        for i, t, part in zip(idx, tensors, parts):
-            out[i] = part.view(t.shape)
-    return out  # type: ignore[return-value]
+    finishes = _bucketed([(t, op, group) for t, group, op in items])
+    return [finish() for finish in finishes]
 
 
 def reduce_scatter(buf: torch.Tensor, op: str, group) -> torch.Tensor:
