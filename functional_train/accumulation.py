@@ -44,6 +44,7 @@ from .engine.plan import (
     describe,
     only_dtensors,
     plan_for,
+    present_of,
     same_layout,
     same_layouts,
 )
@@ -570,14 +571,13 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
         final = int(state.mini_step) + 1 >= every_k
         if len(set(seen)) == 1 and _alike(g, acc, lambda: _leaves_or_none(params, treedef)):
             return variant(final, not seen[0], updates, state, params, mesh)
-        on = _both_present(g, acc)  # (a masked / partition's transform: None elsewhere)
-        if on is not None:
+        both = _both_present(g, acc)  # (a masked / partition's transform: None elsewhere)
+        if both is not None:
             # (each gradient of its accumulator's dtype, as the loop below asks: the
             # combinator's update returns the fused form's updates as they are)
+            on, g_on, acc_on = both
             v = set(itertools.compress(seen, on))
-            if len(v) == 1 and _alike(
-                list(itertools.compress(g, on)), list(itertools.compress(acc, on))
-            ):
+            if len(v) == 1 and _alike(g_on, acc_on):
                 return variant(final, not v.pop(), updates, state, params, mesh)
         fresh = None
         for i, (x, a) in enumerate(zip(g, acc)):
@@ -640,14 +640,16 @@ def _leaves_held(g: list, acc: list, pl: list) -> tuple[list, list, list] | None
     return g, acc, pl
 
 
-def _both_present(g: list, acc: list) -> list | None:
-    """Per leaf, whether it has a gradient, where every leaf has both a gradient and an
-    accumulator or neither (the leaves outside a ``masked`` / ``partition``'s transform's),
-    and some leaf neither; else ``None``. Whole-list C loops."""
-    on = list(map(operator.is_not, g, itertools.repeat(None)))
-    if all(on) or on != list(map(operator.is_not, acc, itertools.repeat(None))):
+def _both_present(g: list, acc: list) -> tuple[tuple, list, list] | None:
+    """``(on, gradients, accumulators)``: per leaf whether it has a gradient, and the
+    present ones (:func:`~.engine.plan.present_of`), where every leaf has both a gradient
+    and an accumulator or neither (the leaves outside a ``masked`` / ``partition``'s
+    transform's), and some leaf neither; else ``None``. Whole-list C loops."""
+    on, g_on = present_of(g)
+    if all(on):
         return None
-    return on
+    on_acc, acc_on = present_of(acc)
+    return None if on != on_acc else (on, g_on, acc_on)
 
 
 def _leaves_or_none(params: Any, treedef: Any) -> list | None:
