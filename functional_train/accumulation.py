@@ -522,9 +522,10 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
     if inner_fus is not None:
         variants.update({(True, f): v for f, v in final_variants(inner_fus).items()})
 
-    def variant(final: bool, fresh: bool, updates, state, params, mesh):
+    def variant(final: bool, fresh: bool, state, trees: Callable[[], tuple], mesh):
         if not final or inner_switch is None:
             return variants[(final, fresh)]
+        updates, params = trees()
         f = inner_switch.choose(updates, state.inner_state, params, mesh)
         if f is None:
             return None
@@ -550,27 +551,58 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
                 return None
             return traced_choice(updates, state, params, mesh)
         g, treedef = tree_flatten(updates)
+        if not compiling:
+            pl = (
+                (lambda: _leaves_or_none(params, treedef))
+                if mesh is None
+                else _leaves_or_none(params, treedef)
+            )
+            return chosen(treedef, g, state, pl, lambda: (updates, params), mesh)
+        # (no host read: every leaf alike, the cycle's position a tensor)
         try:
             acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
-            if mesh is not None:
-                pl = flatten_as(params, treedef, "params", "the updates")
+            pl = flatten_as(params, treedef, "params", "the updates")
         except ValueError:
             return None  # (the general path raises)
-        if len(state.seen) != len(g):
+        if len(state.seen) != len(g) or not _reduced(treedef, g, pl, mesh):
+            return None
+        held = _leaves_held(g, acc, pl)
+        if held is None or not _alike(*held):
+            return None
+        return traced_choice(updates, state, params, mesh)
+
+    def choose_leaves(treedef, g: list, state, pl: list, mesh):
+        """``choose`` on the leaves (see ``Switch.choose_leaves``; eagerly only)."""
+        if not isinstance(state, MultiStepsState) or traced():
+            return None
+        return chosen(
+            treedef,
+            g,
+            state,
+            pl,
+            lambda: (tree_unflatten(treedef, g), tree_unflatten(treedef, pl)),
+            mesh,
+        )
+
+    def chosen(treedef, g: list, state, pl, trees: Callable[[], tuple], mesh):
+        """The eager choice: ``pl`` the params' leaves (``None`` where they are not flattened
+        by ``treedef``: the general path raises), or where ``mesh`` is ``None`` a function
+        giving them (read only where the dtypes differ); ``trees()``: the updates' and
+        params' trees, for an inner Switch."""
+        try:
+            acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
+        except ValueError:
+            return None  # (the general path raises)
+        if len(state.seen) != len(g) or (mesh is not None and pl is None):
             return None
         if mesh is not None and not _reduced(treedef, g, pl, mesh):
             return None  # (unreduced gradients: accumulated as they are, reduced once)
-        if compiling:  # (no host read: every leaf alike, the cycle's position a tensor)
-            held = _leaves_held(g, acc, pl)
-            if held is None or not _alike(*held):
-                return None
-            return traced_choice(updates, state, params, mesh)
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
         seen = _seen_values(state.seen)  # (a block's: one tolist; else .item() per flag)
         final = int(state.mini_step) + 1 >= every_k
-        if len(set(seen)) == 1 and _alike(g, acc, lambda: _leaves_or_none(params, treedef)):
-            return variant(final, not seen[0], updates, state, params, mesh)
+        if len(set(seen)) == 1 and _alike(g, acc, pl):
+            return variant(final, not seen[0], state, trees, mesh)
         both = _both_present(g, acc)  # (a masked / partition's transform: None elsewhere)
         if both is not None:
             # (each gradient of its accumulator's dtype, as the loop below asks: the
@@ -578,7 +610,7 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             on, g_on, acc_on = both
             v = set(itertools.compress(seen, on))
             if len(v) == 1 and _alike(g_on, acc_on):
-                return variant(final, not v.pop(), updates, state, params, mesh)
+                return variant(final, not v.pop(), state, trees, mesh)
         fresh = None
         for i, (x, a) in enumerate(zip(g, acc)):
             if x is None or a is None:
@@ -601,10 +633,14 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
                 return None  # some leaves start their cycle, others add: the general path
         if fresh is None:
             return None
-        return variant(final, fresh, updates, state, params, mesh)
+        return variant(final, fresh, state, trees, mesh)
 
     # (what it chooses under torch.compile: the traced form, over these parts)
-    return E.Switch(choose, traced_variant.parts if traced_variant is not None else switch_parts)
+    return E.Switch(
+        choose,
+        traced_variant.parts if traced_variant is not None else switch_parts,
+        choose_leaves,
+    )
 
 
 def _in_dtypes_of(updates: Any, treedef: Any, g: list) -> Any:

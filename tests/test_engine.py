@@ -181,6 +181,61 @@ def test_partition_states_checked_once_per_layout(monkeypatch):
         assert compared == []
 
 
+def test_partition_of_dtensors_chooses_from_its_leaves(monkeypatch):
+    """A ``partition`` of ``multi_steps`` over DTensors: its label function runs once per
+    params structure and leaf shapes, the shapes remembered per spec objects (no shape read
+    per leaf and step); each label's choice is made from the partition's leaves
+    (``Switch.choose_leaves``: no tree built for it); and params of other shapes under the
+    same keys are labelled again, and stepped as their new labels say."""
+    from functional_train import combine
+
+    calls = []
+
+    def labels(p):
+        calls.append(1)
+        return {k: "a" if v.shape[0] == 5 else "b" for k, v in p.items()}
+
+    with simulate(2):
+        mesh = make_mesh((2,), ("tp",))
+        params = _tree(mesh)
+        tx = ft.partition(
+            {"a": ft.multi_steps(ft.sgd(0.5), 2), "b": ft.multi_steps(ft.scale(0.0), 2)}, labels
+        )
+        state = tx.init(params)
+        rebuilt = []
+        real = combine.tree_unflatten
+        monkeypatch.setattr(
+            combine, "tree_unflatten", lambda d, xs: rebuilt.append(1) or real(d, xs)
+        )
+        shapes = []
+        monkeypatch.setattr(
+            combine, "_shapes", lambda xs: shapes.append(1) or tuple(x.shape for x in xs)
+        )
+        before = {k: v.full_tensor() for k, v in params.items()}
+        grads = [_tree(mesh, seed=s) for s in (1, 2)]
+        for g in grads:
+            params, state = ft.step(tx, g, state, params, donate=True)
+        assert calls == [1] and rebuilt == [] and shapes == []
+        for k, v in params.items():
+            mean = (grads[0][k].full_tensor() + grads[1][k].full_tensor()) / 2
+            want = before[k] - 0.5 * mean if k.startswith("w") else before[k]
+            torch.testing.assert_close(v.full_tensor(), want, rtol=1e-6, atol=1e-6)
+        # other shapes under the same keys: labelled again (the b leaves now "a")
+        other = {
+            k: shard(torch.randn(5 if k.startswith("b") else 4, 3), mesh, [Shard(0)])
+            for k in params
+        }
+        state = tx.init(other)
+        assert len(calls) == 2
+        start = {k: v.full_tensor() for k, v in other.items()}
+        g = {k: shard(torch.ones(v.shape), mesh, [Shard(0)]) for k, v in other.items()}
+        for _ in range(2):
+            other, state = ft.step(tx, g, state, other, donate=True)
+        for k, v in other.items():
+            want = start[k] - 0.5 if k.startswith("b") else start[k]
+            torch.testing.assert_close(v.full_tensor(), want)
+
+
 def test_donated_dtensor_step_gives_its_dtensors_back():
     """A donated step on DTensors writes into their local shards and returns the same
     DTensor objects (no new wrapper per leaf); a pure step returns new ones, the inputs

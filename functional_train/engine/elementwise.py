@@ -227,10 +227,16 @@ class Switch:
     ``traced_parts``: the parts of every Fusable it chooses under ``torch.compile``, where
     they are the same objects on every call (known when the transform is built; ``None``
     otherwise): a wrapper that derives parts of its own from them (``multi_steps``' traced
-    form) makes those when it is built, as a traced step cannot."""
+    form) makes those when it is built, as a traced step cannot.
+    ``choose_leaves``: optionally, the same choice from the leaves,
+    ``choose_leaves(treedef, updates, state, params, mesh)``, ``updates`` and ``params``
+    lists flattened by ``treedef`` (``None`` where a combinator's transform does not see a
+    leaf): ``masked`` and ``partition``, which hold their leaves flat, call it eagerly rather
+    than build each transform's trees for ``choose`` to flatten again."""
 
     choose: Callable
     traced_parts: tuple | None = None
+    choose_leaves: Callable | None = None
 
 
 def register(update_fn: Callable, spec: Elementwise | Fusable | Switch) -> Callable:
