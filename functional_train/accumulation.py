@@ -48,7 +48,7 @@ from .engine.plan import (
     same_layout,
     same_layouts,
 )
-from .engine.scalars import scalar_program
+from .engine.scalars import positions_index, scalar_program
 from .leaves import DTYPE, SHAPE
 from .mesh import Mesh
 from .spec import attach_spec
@@ -961,7 +961,7 @@ def _cycle(
     cleared = cleared if dtype is None else cleared.to(dtype)
     if on:
         flags = cleared.new_zeros(n)
-        flags[[int(i) for i in on.split(",")]] = cleared
+        flags[positions_index(on, flags.device)] = cleared
     else:  # (expand + clone: one copy; repeat of a 0-dim tensor takes ~0.1 ms)
         flags = cleared.expand(n).clone()
     return (

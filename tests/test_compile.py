@@ -155,6 +155,25 @@ def test_scalar_program_is_one_operator_with_fresh_results():
     assert torch.equal(w.grad, torch.full((2,), 3.0))
 
 
+def test_positions_index_made_once_for_real_calls():
+    """``engine.scalars.positions_index``: a program's leaf positions (text) as an index
+    tensor, one per text and device for the operator's real calls (every step; a parse and a
+    build per call cost about 0.1 ms), a new fake one under a fake tensor mode (the
+    operator's fake kernel), and the values the text names."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from functional_train.engine import scalars as S
+
+    cpu = torch.device("cpu")
+    a = S.positions_index("3,0,7", cpu)
+    assert a.tolist() == [3, 0, 7] and a.dtype == torch.int64
+    assert S.positions_index("3,0,7", cpu) is a
+    assert S.positions_index("3,0", cpu).tolist() == [3, 0]
+    with FakeTensorMode():
+        f = S.positions_index("3,0,7", cpu)
+    assert isinstance(f, FakeTensor) and f is not a
+
+
 def test_scalar_program_text_reads_back_exactly():
     """A compiled step names each ``functional_train::scalars`` call by text (a constant of
     the graph, which a process loading a precompiled step reads): the function's qualified

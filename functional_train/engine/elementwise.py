@@ -148,7 +148,7 @@ from .metadata import Memo
 from .operators import register_kernels
 from .owners import assume_constant_result
 from .pool import LAZY_CLONES, Pool, empties_like, in_one_order, lazy_clones, of_plan
-from .scalars import scalar_program
+from .scalars import positions_index, scalar_program
 
 __all__ = [
     "Elementwise",
@@ -870,8 +870,7 @@ class _Where:
 @scalar_program
 def _rows(x: torch.Tensor, positions: str) -> tuple:
     """:meth:`_Where.rows` under ``torch.compile`` (``positions``: comma-separated)."""
-    index = torch.tensor([int(i) for i in positions.split(",")], dtype=torch.long)
-    return (x.index_select(0, index.to(x.device)),)
+    return (x.index_select(0, positions_index(positions, x.device)),)
 
 
 def _positions(b, on: Sequence) -> _Where | None:

@@ -47,6 +47,7 @@ __all__ = [
     "counted",
     "function_number",
     "function_of",
+    "positions_index",
     "scalar_program",
     "schedule_numbers",
     "schedule_value",
@@ -193,6 +194,34 @@ def scalar_program(fn: Callable[..., tuple]) -> Callable[..., tuple]:
         return tuple(_scalars_op(_program(name, template), tensors))
 
     return call
+
+
+# (positions text, device) -> its index tensor, for the operator's real calls; bounded
+_INDICES: dict = {}
+
+
+def positions_index(positions: str, device: torch.device) -> torch.Tensor:
+    """The comma-separated leaf positions ``positions`` (a program's constant) as an int64
+    index tensor on ``device``, for a scalar program's function to read (an index: never
+    written). Made once per text and device for the operator's real calls, which run every
+    step (parsing and building it took about 0.1 ms a call at 121 positions); a new one
+    under a fake tensor mode (the operator's fake kernel) or while dynamo traces."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    ):
+        return _index(positions, device)
+    key = (positions, device)
+    hit = _INDICES.get(key)
+    if hit is None:
+        if len(_INDICES) >= 256:
+            _INDICES.clear()
+        hit = _INDICES[key] = _index(positions, device)
+    return hit
+
+
+def _index(positions: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([int(i) for i in positions.split(",")], dtype=torch.long, device=device)
 
 
 def schedule_value(schedule: Callable, count: torch.Tensor) -> torch.Tensor:
