@@ -99,6 +99,7 @@ def stateless_elementwise(
     leaf_scalars: tuple = (),
     reads_sum_squares: bool = False,
     reads_params_sum_squares: bool = False,
+    starts: Callable | None = None,
 ) -> GradientTransformation:
     """An elementwise transform with an :class:`EmptyState`: ``leaf`` its per-leaf math,
     ``scalars(b)`` its scalars at this update from the prepared view ``b`` (the updates as
@@ -124,6 +125,7 @@ def stateless_elementwise(
         leaf_scalars=leaf_scalars,
         reads_sum_squares=reads_sum_squares,
         reads_params_sum_squares=reads_params_sum_squares,
+        starts=starts,
     )
     return elementwise_transform(spec, _empty_init)
 
@@ -721,13 +723,15 @@ def scale_by_trust_ratio(
     )
     eps = V.number("eps", eps, where=where, low=0.0)
 
-    def ratios(b):
+    def start(b):
+        """The norms' all-reduce, issued (the run issues several parts' together: see
+        ``Elementwise.starts``): ``finish`` gives the global sums of squares of the active
+        leaves' parameters, then of their updates (float64)."""
         act = b.active
-        if not act:
-            return ([],)
+        if not act or b.params is None:
+            return lambda: None  # (no collective: the prologue returns, or raises, first)
         g = _active_locals(b)
         p = [b.params[i] for i in act]
-        n = len(act)
 
         # float64 sums of squares: the native kernels (compiled: zeros where not needed at
         # all, see Prepared.needed), else torch's norms accumulated in float64; the updates'
@@ -749,8 +753,13 @@ def scale_by_trust_ratio(
             else:
                 norms = foreach.norm(xs, 2, dtype=torch.float64)
             sums = torch.stack(norms).square()
-        totals = b.leaf_totals_vector(act + act, sums)
-        (ratio,) = _trust_ratios(totals, n, min_norm, trust_coefficient, eps)
+        return b.leaf_totals_vector_start(act + act, sums)
+
+    def ratios(b):
+        if not b.active:
+            return ([],)
+        totals = (E.started(start, b) or start(b))()
+        (ratio,) = _trust_ratios(totals, len(b.active), min_norm, trust_coefficient, eps)
         return (list(ratio.unbind()),)
 
     def leaf(u, p, s, h, key):
@@ -766,4 +775,5 @@ def scale_by_trust_ratio(
         leaf_scalars=(0,),
         reads_sum_squares=True,
         reads_params_sum_squares=True,
+        starts=start,
     )

@@ -334,6 +334,55 @@ def test_partition_clips_are_one_all_reduce(how):
     torch.testing.assert_close(got, _label_norm(vals, labels, "b", math.inf))
 
 
+def _full(x, rank=0):
+    return on_rank(x.full_tensor() if isinstance(x, DTensor) else x, rank)
+
+
+def test_partition_of_lambs_trust_ratios_are_coalesced():
+    """``partition`` of two ``lamb`` transforms: each label's trust-ratio norms (per-leaf sums
+    of its parameters' and updates' squares) are started together and coalesced
+    (``Elementwise.starts``): a step issues as many all-reduces as ONE lamb over every leaf
+    (twice as many before), and each label's result is its lamb on its own leaves, unsharded,
+    over three steps, on every kind of leaf of the mesh."""
+    n = 10
+    pvals = _values(n, seed=6)
+    gvals = [_values(n, seed=10 + s) for s in range(3)]
+    labels = ["a" if i % 3 else "b" for i in range(n)]
+    inner = {"a": ft.lamb(1e-2, weight_decay=0.1), "b": ft.lamb(3e-2)}
+    want = {}
+    for lab in "ab":
+        own = [i for i in range(n) if labels[i] == lab]
+        p = {f"l{i:02d}": pvals[i].clone() for i in own}
+        state = inner[lab].init(p)
+        for g in gvals:
+            u, state = inner[lab].update({f"l{i:02d}": g[i] for i in own}, state, p)
+            p = ft.apply_updates(p, u)
+        want.update(p)
+    with simulate(WORLD):
+        m = _mesh()
+        params = _tree(m, pvals)
+        tx = ft.partition(inner, {f"l{i:02d}": lab for i, lab in enumerate(labels)})
+        state = tx.init(params)
+        counts = []
+        for g in gvals:
+            with count_collectives() as c:
+                params, state = ft.step(
+                    tx, _tree(m, g), state, params, mesh=ft.Mesh(m), donate=True
+                )
+            counts.append(c.counts)
+        single = ft.lamb(1e-2)
+        one = _tree(m, pvals)
+        with count_collectives() as c:
+            ft.step(single, _tree(m, gvals[0]), single.init(one), one, mesh=ft.Mesh(m), donate=True)
+        got = {k: [_full(v, r) for r in range(WORLD)] for k, v in params.items()}
+    assert c.counts and all(cnt == c.counts for cnt in counts), (counts, c.counts)
+    for k, v in want.items():
+        change = v - pvals[int(k[1:])]
+        assert float(change.abs().max()) > 1e-4
+        for r in range(WORLD):
+            torch.testing.assert_close(got[k][r] - pvals[int(k[1:])], change, rtol=1e-5, atol=1e-7)
+
+
 def test_started_collectives_not_taken_are_waited():
     """``Elementwise.starts``: the run issues every part's collective of a stage together,
     also one whose prologue does not take it (a wrapper that hands its part another view

@@ -453,28 +453,46 @@ class Prepared:
         """:meth:`leaf_totals` of a vector: ``vals[k]`` is the local sum of leaf
         ``indices[k]``; returns the vector of global sums (ONE all-reduce, none in one
         process), of ``vals``' dtype."""
+        return self.leaf_totals_vector_start(indices, vals)()
+
+    def leaf_totals_vector_start(
+        self, indices: Sequence[int], vals: torch.Tensor
+    ) -> Callable[[], torch.Tensor]:
+        """:meth:`leaf_totals_vector` with its all-reduce issued now: returns ``finish``,
+        which waits and gives the vector (see
+        :func:`~functional_train.engine.collectives.all_reduce_start`: within
+        ``collectives.coalesced`` it joins the others started there)."""
         world = self.world
         if world.device_mesh is None or world.size == 1:
-            return vals
+            return _done(vals)
         parts = self._statistic_dims(indices)
         if parts[0][0] is None:
-            return self._totals(indices, vals, parts[0][1])
-        out = vals.clone()
+            return self._totals_start(indices, vals, parts[0][1])
+        started = []
         for positions, dims in parts:
             pos = torch.tensor(positions, dtype=torch.long, device=vals.device)
-            out[pos] = self._totals([indices[k] for k in positions], vals[pos], dims)
-        return out
+            sub = [indices[k] for k in positions]
+            started.append((pos, self._totals_start(sub, vals[pos], dims)))
 
-    def _totals(self, indices, vals: torch.Tensor, dims: set) -> torch.Tensor:
+        def finish() -> torch.Tensor:
+            out = vals.clone()
+            for pos, fin in started:
+                out[pos] = fin()
+            return out
+
+        return finish
+
+    def _totals_start(self, indices, vals: torch.Tensor, dims: set) -> Callable[[], torch.Tensor]:
         """The sums of ``vals`` (per leaf ``indices``) over the world ``dims``, each replica
-        counted once (one all-reduce; none when no dim has more than one rank)."""
+        counted once (one all-reduce, issued now; none when no dim has more than one rank):
+        ``finish`` gives them."""
         group = self.world.group_of(dims)
         if group is None:
-            return vals
+            return _done(vals)
         weights = [1.0 / self.replicas(i, frozenset(dims)) for i in indices]
         if any(w != 1.0 for w in weights):
             vals = vals * torch.tensor(weights, dtype=vals.dtype, device=vals.device)
-        return all_reduce(vals, "sum", group)
+        return all_reduce_start(vals, "sum", group)
 
     def global_sum(
         self, local_sums: Sequence[torch.Tensor], indices: Sequence[int]
