@@ -76,10 +76,11 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   as for any reducing part.
 * ``starts``: ``starts(b) -> finish``, the collective a reducing part's prologue issues on
   its view ``b``, issued ahead of the prologue (``clip_by_global_norm``'s global norm:
-  :func:`~functional_train.clipping.global_norm_start`). Where two or more parts of one stage
-  have one (``partition`` of chains that each start with a clip), the run issues them all
-  before their prologues, coalesced (:func:`.collectives.coalesced`: one scalar all-reduce
-  for all their norms, one wait), and each prologue takes its own with :func:`started`
+  :func:`~functional_train.clipping.global_norm_start`; ``scale_by_trust_ratio``'s per-leaf
+  norms: ``Prepared.leaf_totals_vector_start``). Where two or more parts of one stage have
+  one (``partition`` of chains that each start with a clip, or of ``lamb``), the run issues
+  them all before their prologues, coalesced (:func:`.collectives.coalesced`: one
+  all-reduce for all their norms, one wait), and each prologue takes its own with :func:`started`
   (``None`` where the run issued none: the prologue then issues it itself). A wrapper that
   hands its part's prologue the view it is given (or one derived from it) passes ``starts``
   on.
