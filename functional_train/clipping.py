@@ -196,7 +196,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
             raise ValueError(
                 f"clip_by_global_norm: expected a ClipByGlobalNormState, got {type(state).__name__}"
             )
-        total = (E.started(start, b) or start(b))()
+        total = E.issued(start, b)()
         coef = clip_factor(total, max_norm)
         return (coef,), lambda trees: ClipByGlobalNormState(total.to(state.global_norm.dtype))
 

@@ -758,7 +758,7 @@ def scale_by_trust_ratio(
     def ratios(b):
         if not b.active:
             return ([],)
-        totals = (E.started(start, b) or start(b))()
+        totals = E.issued(start, b)()
         (ratio,) = _trust_ratios(totals, len(b.active), min_norm, trust_coefficient, eps)
         return (list(ratio.unbind()),)
 

@@ -80,8 +80,8 @@ An elementwise transform is described by a frozen :class:`Elementwise` spec:
   norms: ``Prepared.leaf_totals_vector_start``). Where two or more parts of one stage have
   one (``partition`` of chains that each start with a clip, or of ``lamb``), the run issues
   them all before their prologues, coalesced (:func:`.collectives.coalesced`: one
-  all-reduce for all their norms, one wait), and each prologue takes its own with :func:`started`
-  (``None`` where the run issued none: the prologue then issues it itself). A wrapper that
+  all-reduce for all their norms, one wait), and each prologue takes its own with :func:`issued`
+  (:func:`started`, or where the run issued none, its own issued then). A wrapper that
   hands its part's prologue the view it is given (or one derived from it) passes ``starts``
   on.
 * ``context``: whether ``prologue`` takes a third argument, ``prologue(state, b, ctx)``:
@@ -166,6 +166,7 @@ __all__ = [
     "derived_parts",
     "restated",
     "run",
+    "issued",
     "started",
 ]
 
@@ -745,6 +746,12 @@ def started(starts: Callable, b) -> Callable | None:
     if pending is None:
         return None
     return pending.pop((starts, id(b.active)), None)
+
+
+def issued(starts: Callable, b) -> Callable:
+    """In a part's prologue: the ``finish`` of its collective (``Elementwise.starts``), the
+    one the run issued ahead where it did (:func:`started`), else ``starts(b)`` issued now."""
+    return started(starts, b) or starts(b)
 
 
 _STATICS_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
