@@ -551,25 +551,12 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
                 return None
             return traced_choice(updates, state, params, mesh)
         g, treedef = tree_flatten(updates)
-        if not compiling:
-            pl = (
-                (lambda: _leaves_or_none(params, treedef))
-                if mesh is None
-                else _leaves_or_none(params, treedef)
-            )
-            return chosen(treedef, g, state, pl, lambda: (updates, params), mesh)
-        # (no host read: every leaf alike, the cycle's position a tensor)
-        try:
-            acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
-            pl = flatten_as(params, treedef, "params", "the updates")
-        except ValueError:
-            return None  # (the general path raises)
-        if len(state.seen) != len(g) or not _reduced(treedef, g, pl, mesh):
-            return None
-        held = _leaves_held(g, acc, pl)
-        if held is None or not _alike(*held):
-            return None
-        return traced_choice(updates, state, params, mesh)
+        pl = (
+            (lambda: _leaves_or_none(params, treedef))
+            if mesh is None
+            else _leaves_or_none(params, treedef)
+        )
+        return chosen(treedef, g, state, pl, lambda: (updates, params), mesh, compiling)
 
     def choose_leaves(treedef, g: list, state, pl: list, mesh):
         """``choose`` on the leaves (see ``Switch.choose_leaves``; eagerly only)."""
@@ -582,13 +569,14 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             pl,
             lambda: (tree_unflatten(treedef, g), tree_unflatten(treedef, pl)),
             mesh,
+            False,
         )
 
-    def chosen(treedef, g: list, state, pl, trees: Callable[[], tuple], mesh):
-        """The eager choice: ``pl`` the params' leaves (``None`` where they are not flattened
-        by ``treedef``: the general path raises), or where ``mesh`` is ``None`` a function
-        giving them (read only where the dtypes differ); ``trees()``: the updates' and
-        params' trees, for an inner Switch."""
+    def chosen(treedef, g: list, state, pl, trees: Callable[[], tuple], mesh, compiling: bool):
+        """The choice from the leaves: ``pl`` the params' leaves (``None`` where they are not
+        flattened by ``treedef``: the general path raises), or where ``mesh`` is ``None`` a
+        function giving them (read only where the dtypes differ); ``trees()``: the updates'
+        and params' trees, for an inner Switch or the traced form (``compiling``)."""
         try:
             acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
         except ValueError:
@@ -597,6 +585,12 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             return None
         if mesh is not None and not _reduced(treedef, g, pl, mesh):
             return None  # (unreduced gradients: accumulated as they are, reduced once)
+        if compiling:  # (no host read: every leaf alike, the cycle's position a tensor)
+            held = _leaves_held(g, acc, pl)
+            if held is None or not _alike(*held):
+                return None
+            updates, params = trees()
+            return traced_choice(updates, state, params, mesh)
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
         seen = _seen_values(state.seen)  # (a block's: one tolist; else .item() per flag)
