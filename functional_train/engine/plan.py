@@ -400,13 +400,21 @@ def by_layout(what: Any, lists: Sequence[Sequence[Any]], compute: Callable[[], A
     (eagerly) per ``what`` and their spec objects (:func:`by_specs`) where every element is a
     DTensor, or a DTensor or ``None`` (a masked / partition's transform: ``None`` outside
     its leaves; then per where the ``None`` are, and the others' spec objects); computed
-    each call otherwise (plain tensors: the callers' own memos)."""
-    if only_dtensors(*lists):
+    each call otherwise (plain tensors: the callers' own memos). Each list's element types
+    read once (a C loop a list)."""
+    if torch.compiler.is_compiling():
+        return compute()
+    kinds = [set(map(type, xs)) for xs in lists]
+    if all(k == _ONLY_DTENSOR for k in kinds):
         return by_specs(what, lists, compute)
-    if _dtensors_or_none(lists):
+    if set().union(*kinds) == _DTENSOR_AND_NONE:
         masks, present = zip(*map(present_of, lists))
         return by_specs((what, masks), present, compute)
     return compute()
+
+
+_ONLY_DTENSOR = {DTensor}
+_DTENSOR_AND_NONE = {DTensor, type(None)}
 
 
 def present_of(xs: Sequence[Any]) -> tuple[tuple, list]:
@@ -415,15 +423,6 @@ def present_of(xs: Sequence[Any]) -> tuple[tuple, list]:
     absent ones are and the present ones' spec objects (:func:`by_specs`)."""
     mask = tuple(map(operator.is_not, xs, _NONES))
     return mask, list(itertools.compress(xs, mask))
-
-
-def _dtensors_or_none(lists: Sequence[Sequence[Any]]) -> bool:
-    """Every element of every list a DTensor or ``None``, some ``None`` and some a DTensor
-    (eagerly: whole-list C loops)."""
-    if torch.compiler.is_compiling():
-        return False
-    kinds = set().union(*(set(map(type, xs)) for xs in lists))
-    return kinds == {DTensor, type(None)}
 
 
 def _cached_plan(
