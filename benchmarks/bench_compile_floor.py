@@ -26,7 +26,8 @@ Every system runs once per round, interleaved (``--rounds`` timed rounds after 3
 each call after the previous one's pass over the trees (so each starts with cold caches, as in
 a training loop). ``(c) - (a)`` is torch's cost per compiled call for these inputs beyond the
 pass itself; ``ft compiled - ft eager`` per micro-step is what the compiled step costs beyond the
-eager one. 1 thread (``--threads``), CPU.
+eager one. At the end the compiled step's parameters are compared with the eager step's (the
+largest difference relative to its leaf's largest value). 1 thread (``--threads``), CPU.
 
     python benchmarks/bench_compile_floor.py [--rounds 15] [--threads 1]
 """
@@ -88,9 +89,8 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shapes = be.gpt_shapes()
-    trees = [{k: torch.zeros(s) for k, s in shapes.items()} for _ in range(5)]
-    g, acc, p, mu, nu = trees
     g = {k: torch.randn(s) * 1e-2 for k, s in shapes.items()}
+    acc, p, mu, nu = ({k: torch.zeros(s) for k, s in shapes.items()} for _ in range(4))
     torch_only = {
         "(a) direct": _direct,
         "(b) dispatched": _dispatched,
@@ -105,9 +105,7 @@ def main():
             lambda g_, s_, p_: ft.step(tx, g_, s_, p_, donate=True), fullgraph=True
         ),
     }
-    loops = {n: [be.clone_tree(params0), None] for n in steps}
-    for loop in loops.values():
-        loop[1] = tx.init(loop[0])
+    loops = {n: [p0, tx.init(p0)] for n in steps for p0 in [be.clone_tree(params0)]}
     per_call: dict = {n: [] for n in torch_only}
     per_micro: dict = {n: [[] for _ in range(EVERY_K)] for n in steps}
     gc.collect()
@@ -157,6 +155,12 @@ def main():
         + " ".join(f"{c - e:+.2f}" for c, e in zip(comp, eager))
         + f"; compiled x eager (cycle) {cycles['ft compiled'] / cycles['ft eager']:.2f}"
     )
+    # (both took the same steps with the same gradients: the compiled step is the eager one)
+    diff = max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        for a, b in zip(loops["ft compiled"][0].values(), loops["ft eager"][0].values())
+    )
+    print(f"  compiled parameters against eager's: largest relative difference {diff:.1e}")
     floor = ms(per_call["(c) compiled"]) - direct
     print(
         f"  torch's own cost per compiled call, (c) - (a): +{floor:.2f} ms; the eager cycle "
