@@ -70,16 +70,19 @@ def _(xs):
     return None
 
 
-def _direct(g, acc, p, mu, nu):
-    _accumulate._init_fn(list(acc.values()), list(g.values()))
-    _idle._init_fn([*p.values(), *mu.values(), *nu.values()])
-    return p, (acc, mu, nu)
+def _calling(accumulate, idle):
+    """A step of the five trees calling ``accumulate`` and ``idle`` on their tensors."""
+
+    def step(g, acc, p, mu, nu):
+        accumulate(list(acc.values()), list(g.values()))
+        idle([*p.values(), *mu.values(), *nu.values()])
+        return p, (acc, mu, nu)
+
+    return step
 
 
-def _dispatched(g, acc, p, mu, nu):
-    _accumulate(list(acc.values()), list(g.values()))
-    _idle([*p.values(), *mu.values(), *nu.values()])
-    return p, (acc, mu, nu)
+_direct = _calling(_accumulate._init_fn, _idle._init_fn)
+_dispatched = _calling(_accumulate, _idle)
 
 
 def main():
@@ -105,7 +108,12 @@ def main():
             lambda g_, s_, p_: ft.step(tx, g_, s_, p_, donate=True), fullgraph=True
         ),
     }
-    loops = {n: [p0, tx.init(p0)] for n in steps for p0 in [be.clone_tree(params0)]}
+
+    def fresh():
+        params = be.clone_tree(params0)
+        return [params, tx.init(params)]
+
+    loops = {n: fresh() for n in steps}
     per_call: dict = {n: [] for n in torch_only}
     per_micro: dict = {n: [[] for _ in range(EVERY_K)] for n in steps}
     gc.collect()
