@@ -51,7 +51,7 @@ from .engine.plan import (
 from .engine.scalars import positions_index, scalar_program
 from .leaves import DTYPE, SHAPE
 from .mesh import Mesh
-from .spec import attach_spec
+from .spec import MicroSteps, attach_spec
 from .tree import (
     flatten_as,
     format_path,
@@ -206,7 +206,7 @@ def multi_steps(
                 )
         k = int(host_value(state.mini_step, _MINI))  # CPU counter: a host read without device
         # synchronisation
-        seen = [int(v) for v in _seen_values(state.seen)]  # CPU flags: no sync either
+        seen = [int(v) for v in seen_values(state.seen)]  # CPU flags: no sync either
         if len(seen) != len(g):
             raise ValueError(
                 f"multi_steps: MultiStepsState.seen has {len(seen)} flags for "
@@ -289,7 +289,13 @@ def multi_steps(
         )
 
     # what comes out is what inner returns: still unreduced if inner passes unreduced values on
-    attach_spec(update_fn, passes_unreduced=passes_unreduced(inner))
+    attach_spec(
+        update_fn,
+        passes_unreduced=passes_unreduced(inner),
+        micro_steps=(
+            MicroSteps(inner, every_k, acc_dtype) if should_skip_update_fn is None else None
+        ),
+    )
     if switch is not None:
         E.register(update_fn, switch)
     return GradientTransformation(init_fn, declare(update_fn, unreduced=True))
@@ -583,7 +589,7 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             return None  # (the general path raises)
         if len(state.seen) != len(g) or (mesh is not None and pl is None):
             return None
-        if mesh is not None and not _reduced(treedef, g, pl, mesh):
+        if mesh is not None and not gradients_reduced(treedef, g, pl, mesh):
             return None  # (unreduced gradients: accumulated as they are, reduced once)
         if compiling:  # (no host read: every leaf alike, the cycle's position a tensor)
             held = _leaves_held(g, acc, pl)
@@ -593,7 +599,7 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             return traced_choice(updates, state, params, mesh)
         # the CPU counter and flags: host reads without a device synchronisation (the state
         # keeps them on the CPU whatever the parameters' device, so this holds on CUDA too)
-        seen = _seen_values(state.seen)  # (a block's: one tolist; else .item() per flag)
+        seen = seen_values(state.seen)  # (a block's: one tolist; else .item() per flag)
         final = int(state.mini_step) + 1 >= every_k
         if len(set(seen)) == 1 and _alike(g, acc, pl):
             return variant(final, not seen[0], state, trees, mesh)
@@ -749,7 +755,7 @@ def _alike_checks(g: list, acc: list) -> tuple[bool, bool]:
     return same, same and differ
 
 
-def _reduced(treedef, g: list, pl: list, mesh: Mesh) -> bool:
+def gradients_reduced(treedef, g: list, pl: list, mesh: Mesh) -> bool:
     """Whether the gradients need no reduction and no presence agreement (the view of a
     micro-step then issues no collective): DTensors in their parameters' placements, with
     ``mesh.data_axis`` reduced already (FSDP-style parameters placed over it) or absent.
@@ -807,7 +813,7 @@ class _FlagBlocks:
       of a block just made: :meth:`_counts`): one ``fill_`` where ``unbind`` made ``n`` views
       (170 to 270 us for 122 flags), twice a cycle.
 
-    Eagerly on plain CPU tensors only (:func:`_plain_mode`; elsewhere plain flags); at most
+    Eagerly on plain CPU tensors only (:func:`plain_mode`; elsewhere plain flags); at most
     :attr:`LIMIT` blocks are remembered (beyond, new blocks are not)."""
 
     LIMIT = 64
@@ -849,7 +855,7 @@ class _FlagBlocks:
     def make(self, v: int | list, n: int) -> tuple:
         """``n`` flags holding ``v`` (a list: their values, one each), a tuple; a remembered
         block's where one is free."""
-        if not _plain_mode() or n == 0:
+        if not plain_mode() or n == 0:
             return self.new(v, n)[0]
         for entry in list(self._blocks.values()):
             if len(entry[0]) == n and self._is_free(entry):
@@ -875,7 +881,7 @@ class _FlagBlocks:
         """New flags: ``flags``' values, 1 at the positions ``at``. A block where ``flags``
         are one (their values read with one ``tolist``); else the flags not at ``at`` kept as
         they are."""
-        values = self.values(flags) if _plain_mode() else None
+        values = self.values(flags) if plain_mode() else None
         if values is None:
             return tuple(
                 next(ones) if i in at else f
@@ -897,19 +903,26 @@ class _FlagBlocks:
 _BLOCKS = _FlagBlocks()
 
 
-def _plain_mode() -> bool:
+def plain_mode() -> bool:
     """Eager, outside ``torch.func`` transforms and ``TorchDispatchMode``s (fake tensors,
     ``LocalTensorMode``): where :class:`_FlagBlocks` may make, reuse and read its blocks."""
     return not (torch.compiler.is_compiling() or traced() or is_in_torch_dispatch_mode())
 
 
-def _seen_values(seen: tuple) -> list:
-    """The host values of ``MultiStepsState.seen`` (ints; one ``tolist`` for a block)."""
-    if _plain_mode():
+def seen_values(seen: tuple) -> list:
+    """The host values of ``MultiStepsState.seen`` (ints; one ``tolist`` for a block made by
+    :func:`new_flags` or the fused micro-steps, else ``.item()`` per flag)."""
+    if plain_mode():
         values = _BLOCKS.values(seen)
         if values is not None:
             return values
     return host_values(seen, _SEEN)
+
+
+def new_flags(values: list) -> tuple:
+    """``MultiStepsState.seen`` holding ``values`` (one int per leaf): a block, read by
+    :func:`seen_values` with one ``tolist`` (see :class:`_FlagBlocks`)."""
+    return _BLOCKS.make(values, len(values))
 
 
 def has_updated(state: Any) -> torch.Tensor:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Callable, Mapping
 from itertools import repeat
@@ -13,15 +14,18 @@ import numpy as np
 import optree
 import torch
 
+from . import accumulation as A
+from .autograd import traced
 from .base import GradientTransformation, declare, run_fused
 from .engine import elementwise as E
 from .engine.plan import by_layout
 from .engine.view import prepare
 from .leaves import SHAPE
-from .spec import Partitioned, attach_spec
+from .spec import Partitioned, attach_spec, transform_spec
 from .tree import (
     PyTree,
     flat_dict_leaves,
+    flatten_as,
     format_path,
     leaves_of,
     tree_flatten,
@@ -187,6 +191,15 @@ def partition(
     quantities an inner transform computes (e.g. ``clip_by_global_norm``) are over its own
     leaves only. Each inner transform's state covers its own leaves (``None`` elsewhere).
 
+    Gradient accumulation per parameter group, every transform a :func:`multi_steps` with one
+    ``every_k`` and ``acc_dtype`` (and no ``should_skip_update_fn``), runs as ``multi_steps``
+    of the partition of their inner transforms, the same computation leaf by leaf (each
+    label's ``multi_steps`` steps on every call, so their counters agree): the micro-steps of
+    every label are one choice and one pass per stage, as ``multi_steps`` alone. Eagerly, on
+    gradients that need no reduction; the state is still one ``MultiStepsState`` per label,
+    converted each call (each label's ``gradient_step`` its own; labels whose ``mini_step``
+    differ run as their own transforms).
+
     Raises:
         ValueError: a leaf label with no transform (naming the leaf path), a labels tree that
             is neither the params' structure nor a prefix of it (naming the path).
@@ -195,6 +208,16 @@ def partition(
     for label, tx in transforms.items():
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"partition: transforms[{label!r}] must be a GradientTransformation")
+    return _partition(transforms, param_labels, None)
+
+
+def _partition(
+    transforms: Mapping[str, GradientTransformation],
+    param_labels: PyTree | Callable[[PyTree], PyTree],
+    labels_of: PerLeaf | None,
+) -> GradientTransformation:
+    """:func:`partition`, its labels resolved by ``labels_of`` where given (a partition's
+    own, shared with the one it runs: one resolution per step, see :class:`PerLeaf`)."""
     names = list(transforms)
 
     def resolve_labels(params):
@@ -209,7 +232,8 @@ def partition(
                 )
         return labels
 
-    labels_of = PerLeaf(resolve_labels, "partition")
+    if labels_of is None:
+        labels_of = PerLeaf(resolve_labels, "partition")
 
     def init_fn(params):
         leaves, treedef = tree_flatten(params)
@@ -228,6 +252,11 @@ def partition(
             raise ValueError(f"partition: expected a PartitionState with labels {names}")
         if params is None:
             raise ValueError("partition needs params: call update(updates, state, params)")
+        if commuted is not None:  # (multi_steps of the partition of their inner transforms:
+            # its update, fused or not, its updates in the gradients' dtypes)
+            out = commuted.update(updates, state, params, mesh, extra)
+            if out is not None:
+                return out
         out = run_fused(spec, updates, state, params, mesh, "partition")
         if out is not None:  # (the fused form: the same parts ft.step runs)
             return out
@@ -257,6 +286,9 @@ def partition(
         spec = _partition_fusable(names, specs, labels_of)
     elif all(isinstance(f, E.Switch) or (f is not None and _restrictable(f)) for f in specs):
         spec = _partition_switch(names, specs, labels_of)
+    commuted = _Commuted.of(names, transforms, param_labels, labels_of)
+    if commuted is not None:
+        spec = commuted.switch(spec)
     if spec is not None:
         E.register(update_fn, spec)
 
@@ -547,6 +579,238 @@ def _partition_fusable(names: list, inners: list, labels_of: Callable[[PyTree], 
     """``partition(transforms, labels)``'s parts: each transform's, restricted to the leaves
     of its label, chained stage by stage (:func:`_combined`)."""
     return _PartitionFormer(names, labels_of)(inners)
+
+
+def _getter(positions: list) -> Callable[[list], list]:
+    """``lst -> [lst[i] for i in positions]`` by one ``operator.itemgetter`` (a C loop)."""
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda lst: [lst[i]]
+    get = operator.itemgetter(*positions)
+    return lambda lst: list(get(lst))
+
+
+class _Layout:
+    """Where each label's leaves are, for :class:`_Commuted`'s conversions (C loops): the
+    merged list of every label's list (each label's entries on its own leaves), a label's
+    list of the merged one (``None`` / 0 elsewhere), and whether a label's list holds
+    something outside its leaves."""
+
+    def __init__(self, names: list, labels: list):
+        n = len(labels)
+        self.keeps = [[lab == name for lab in labels] for name in names]
+        at = {name: k for k, name in enumerate(names)}
+        self.merge = _getter([at[lab] * n + i for i, lab in enumerate(labels)]) if n else list
+        # (the lists' elements at the label's leaves; the appended one (None / 0) elsewhere)
+        self.split = [
+            _getter([i if on else n for i, on in enumerate(keep)]) if n else list
+            for keep in self.keeps
+        ]
+        self.outside = [[not on for on in keep] for keep in self.keeps]
+        # (of a list of n elements and another: the first's at the label's leaves)
+        self.pick = [
+            _getter([i if on else n + i for i, on in enumerate(keep)]) if n else list
+            for keep in self.keeps
+        ]
+
+    def merged(self, lists: list) -> list:
+        """One list of the labels' ``lists``: each leaf's entry from its label's."""
+        return self.merge(list(itertools.chain.from_iterable(lists)))
+
+    def holds_outside(self, k: int, acc: list, flags: list) -> bool:
+        """Whether label ``k``'s accumulators or flags are set outside its leaves."""
+        present = map(operator.is_not, acc, repeat(None))
+        return any(itertools.compress(present, self.outside[k])) or any(
+            itertools.compress(flags, self.outside[k])
+        )
+
+
+class _Commuted:
+    """``partition({label: multi_steps(inner_label, every_k)}, labels)`` run as
+    ``multi_steps(partition({label: inner_label}, labels), every_k)``, its state converted
+    per call (:meth:`state_in`, :meth:`state_out`): the two are one computation, leaf by leaf,
+    where every label's counters agree (each label's ``multi_steps`` steps on every call, so
+    they do), so the micro-steps of every label are one transform's (one choice, one pass a
+    stage, one set of counters) where each label's took its own. The partition's state keeps
+    its structure (a ``MultiStepsState`` per label, over its own leaves). Taken eagerly, for
+    gradients that need no reduction (as ``multi_steps``' fused form; unreduced ones are
+    reduced by the partition each micro-step), with states as ``partition.init`` makes them;
+    anything else runs the labels' own transforms."""
+
+    def __init__(self, names: list, merged: GradientTransformation, labels_of: Callable):
+        self.names = names
+        self.merged = merged
+        self.labels_of = labels_of
+        self._layout: list = [None, None]  # (the labels seen last, their _Layout)
+        self._flags: list = [None, None]  # (the merged flags made last, their values)
+
+    @classmethod
+    def of(cls, names, transforms, param_labels, labels_of) -> _Commuted | None:
+        """The commuted form where every transform is a ``multi_steps`` without
+        ``should_skip_update_fn``, all with one ``every_k`` and ``acc_dtype``; else ``None``."""
+        given = [transform_spec(transforms[n]).micro_steps for n in names]
+        micro = [m for m in given if m is not None]
+        if not micro or len(micro) != len(names):
+            return None
+        if len({(m.every_k, m.acc_dtype) for m in micro}) != 1:
+            return None
+        inner = _partition({n: m.inner for n, m in zip(names, micro)}, param_labels, labels_of)
+        merged = A.multi_steps(inner, micro[0].every_k, acc_dtype=micro[0].acc_dtype)
+        return cls(names, merged, labels_of)
+
+    def layout(self, params) -> _Layout:
+        """The labels' :class:`_Layout` (remembered per labels list)."""
+        labels = self.labels_of(params)
+        if self._layout[0] is not labels:
+            self._layout[:] = labels, _Layout(self.names, labels)
+        return self._layout[1]
+
+    def state_in(self, updates, state, params, mesh, check_reduced: bool = True) -> tuple | None:
+        """``(the merged multi_steps' state, the labels' layout, _flat_pair(updates,
+        params), whether the flags are blocks: accumulation.plain_mode())`` for the
+        partition's
+        ``state``, or ``None`` where the commuted form is not taken (see the class docstring;
+        ``check_reduced``: whether the gradients need no reduction is asked here, else by the
+        merged choice)."""
+        if (
+            torch.compiler.is_compiling()
+            or traced()
+            or params is None
+            or not isinstance(state, PartitionState)
+            or list(state.inner_states) != self.names
+        ):
+            return None
+        states = [state.inner_states[n] for n in self.names]
+        if not all(type(s) is A.MultiStepsState and not s.skip_state for s in states):
+            return None
+        first = states[0]
+        k = int(first.mini_step)  # (the documented host read; gradient_step is not read)
+        if any(int(s.mini_step) != k for s in states[1:]):
+            return None
+        flat = _flat_pair(updates, params)
+        if flat is None or flat[3] is None:
+            return None
+        g, pl, _, treedef = flat
+        if check_reduced and mesh is not None and not A.gradients_reduced(treedef, g, pl, mesh):
+            return None
+        try:
+            accs = [flatten_as(s.acc_grads, treedef, "", "") for s in states]
+        except ValueError:
+            return None
+        seens = [A.seen_values(s.seen) for s in states]
+        if any(len(v) != len(g) for v in seens):
+            return None
+        layout = self.layout(params)
+        # (a label's accumulators and flags outside its leaves: None and 0, as its init made
+        # them)
+        if any(map(layout.holds_outside, range(len(states)), accs, seens)):
+            return None
+        plain = A.plain_mode()
+        merged = A.MultiStepsState(
+            first.mini_step,
+            first.gradient_step,
+            PartitionState({n: s.inner_state for n, s in zip(self.names, states)}),
+            tree_unflatten(treedef, layout.merged(accs)),
+            # (a block, read with one tolist; under a TorchDispatchMode, where flags are
+            # read one by one, the labels' own flags, their documented counters)
+            self.flags(layout.merged(seens))
+            if plain
+            else tuple(layout.merged([list(s.seen) for s in states])),
+            {},
+        )
+        return merged, layout, flat, plain
+
+    def flags(self, values: list) -> tuple:
+        """Merged flags holding ``values``: those made last where they still hold them (no
+        transform writes flags in place: ``multi_steps`` makes new ones), else new ones."""
+        last, held = self._flags
+        if held != values or A.seen_values(last) != values:
+            self._flags[:] = A.new_flags(values), values
+        return self._flags[0]
+
+    def state_out(self, new: A.MultiStepsState, merged: A.MultiStepsState, layout, plain, state):
+        """The partition's state for the merged ``multi_steps``' new state ``new`` (from
+        ``merged``, :meth:`state_in` of ``state``): each label's accumulators and flags on
+        its leaves (``None`` and 0 elsewhere), its inner state, its counters moved as the
+        merged ones moved (:func:`_moved`)."""
+        acc, treedef = tree_flatten(new.acc_grads)
+        acc.append(None)
+        seen = None
+        if new.seen is not merged.seen and plain:
+            values = A.seen_values(new.seen)
+            self._flags[:] = new.seen, values  # (the merged flags of the next call, as a rule)
+            seen = values + [0]
+        out = {}
+        for n, split, pick in zip(self.names, layout.split, layout.pick):
+            old = state.inner_states[n]
+            flags = old.seen
+            if seen is not None:
+                values = split(seen)
+                if values != A.seen_values(old.seen):
+                    flags = A.new_flags(values)
+            elif new.seen is not merged.seen:  # (the new flags at its leaves, read nowhere)
+                flags = tuple(pick([*new.seen, *old.seen]))
+            out[n] = A.MultiStepsState(
+                _moved(old.mini_step, merged.mini_step, new.mini_step),
+                _moved(old.gradient_step, merged.gradient_step, new.gradient_step),
+                new.inner_state.inner_states[n],
+                tree_unflatten(treedef, split(acc)),
+                flags,
+                {},
+            )
+        return PartitionState(out)
+
+    def update(self, updates, state, params, mesh, extra) -> tuple | None:
+        """The partition's ``update`` by the merged transform's, or ``None`` where
+        :meth:`state_in` does not take it."""
+        got = self.state_in(updates, state, params, mesh)
+        if got is None:
+            return None
+        merged, layout, _, plain = got
+        new_updates, new = self.merged.update(updates, merged, params, mesh=mesh, **extra)
+        return new_updates, self.state_out(new, merged, layout, plain, state)
+
+    def switch(self, labelled: E.Fusable | E.Switch | None) -> E.Switch | None:
+        """The partition's Switch: the merged ``multi_steps``' choice where :meth:`state_in`
+        takes it, else ``labelled``'s (the labels' own transforms' form; under
+        ``torch.compile``, its parts)."""
+        merged_switch = E.switch_of(self.merged)
+        if merged_switch is None:
+            return labelled if isinstance(labelled, E.Switch) else None
+        other = labelled if isinstance(labelled, E.Switch) else None
+
+        def choose(updates, state, params, mesh):
+            got = self.state_in(updates, state, params, mesh, check_reduced=False)
+            if got is None:
+                return None if other is None else other.choose(updates, state, params, mesh)
+            merged, layout, (g, pl, _, treedef), plain = got
+            if merged_switch.choose_leaves is not None:  # (the leaves flattened once)
+                f = merged_switch.choose_leaves(treedef, g, merged, pl, mesh)
+            else:
+                f = merged_switch.choose(updates, merged, params, mesh)
+            if f is None:
+                return None
+
+            def get(s):
+                if s is not state:
+                    raise ValueError("partition: the state chosen for is not the one stepped")
+                return merged
+
+            return E.restated(f, get, lambda new: self.state_out(new, merged, layout, plain, state))
+
+        return E.Switch(choose, None if other is None else other.traced_parts)
+
+
+def _moved(mine: torch.Tensor, was: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+    """A label's counter (``mine``) after the merged one went from ``was`` (the first
+    label's) to ``now``: as it was where that did not change, else moved by as much (a
+    tensor operation: ``gradient_step`` is not read on the host, and each label keeps its
+    own)."""
+    if now is was:
+        return mine
+    if mine is was:
+        return now
+    return mine + (now - was)
 
 
 # a Switch inside (``multi_steps``, whose fused form is chosen per call): the combinator's

@@ -31,6 +31,7 @@ __all__ = [
     "TransformSpec",
     "Injected",
     "Partitioned",
+    "MicroSteps",
     "BuiltWith",
     "FactorySpec",
     "attach_spec",
@@ -77,6 +78,23 @@ class Partitioned:
     transforms: Mapping[str, GradientTransformation]
     param_labels: Any
     labels_of: Callable[[Any], list]
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroSteps:
+    """What a :func:`~functional_train.multi_steps` without ``should_skip_update_fn`` is (set
+    by it; read by ``partition``, which runs a partition of such transforms with one
+    ``every_k`` and ``acc_dtype`` as ``multi_steps`` of the partition of their inner ones).
+
+    Attributes:
+        inner: the inner transform, as given.
+        every_k: micro-steps per inner update.
+        acc_dtype: the accumulators' dtype, as given (``None``: the default).
+    """
+
+    inner: GradientTransformation
+    every_k: int
+    acc_dtype: Any
 
 
 class BuiltWith(NamedTuple):
@@ -133,6 +151,8 @@ class TransformSpec:
             moments, no amsgrad); read by GaLore's per-leaf step.
         per_leaf: ``scale_by_galore``'s update, finishing each leaf by a callback. Set by it;
             read by ``galore_adamw``'s fused step.
+        micro_steps: what a ``multi_steps`` is (:class:`MicroSteps`). Set by it (without
+            ``should_skip_update_fn``); read by ``partition``.
         zero: ``zero_redundancy``'s step, ``zero(grads, state, params, mesh, donate, extra,
             inner_step) -> (params, state)``: the inner transform stepped by ``inner_step``
             (``ft.step``'s own) on the zero view, the new parameter chunks gathered. Set by
@@ -153,6 +173,7 @@ class TransformSpec:
     adam_leaf: AdamLeaf | None = None
     per_leaf: Callable[..., Any] | None = None
     zero: Callable[..., Any] | None = None
+    micro_steps: MicroSteps | None = None
 
 
 _NOTHING = TransformSpec()

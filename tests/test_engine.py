@@ -154,7 +154,8 @@ def test_partition_states_checked_once_per_layout(monkeypatch):
     leaves) is checked against the updates once per layout: the view remembers its spec
     objects per set of absent leaves (the labels' parts ask in turn; one entry for both
     labels made each check every leaf again, every step), and later steps check no leaf
-    again."""
+    again. (Labels' ``multi_steps`` of different ``every_k``: each label's own; with one
+    ``every_k`` the partition runs as ``multi_steps`` of a partition.)"""
     from functional_train.engine import view
 
     with simulate(2):
@@ -162,7 +163,7 @@ def test_partition_states_checked_once_per_layout(monkeypatch):
         params = _tree(mesh)
         labels = {k: "a" if k.startswith("w") else "b" for k in params}
         tx = ft.partition(
-            {"a": ft.multi_steps(ft.adamw(1e-2), 2), "b": ft.multi_steps(ft.sgd(0.1, 0.9), 2)},
+            {"a": ft.multi_steps(ft.adamw(1e-2), 2), "b": ft.multi_steps(ft.sgd(0.1, 0.9), 1)},
             labels,
         )
         state = tx.init(params)
@@ -186,7 +187,9 @@ def test_partition_of_dtensors_chooses_from_its_leaves(monkeypatch):
     params structure and leaf shapes, the shapes remembered per spec objects (no shape read
     per leaf and step); each label's choice is made from the partition's leaves
     (``Switch.choose_leaves``: no tree built for it); and params of other shapes under the
-    same keys are labelled again, and stepped as their new labels say."""
+    same keys are labelled again, and stepped as their new labels say. (Labels'
+    ``multi_steps`` of different ``every_k``: each label's own; with one ``every_k`` the
+    partition runs as ``multi_steps`` of a partition, its state converted each call.)"""
     from functional_train import combine
 
     calls = []
@@ -199,7 +202,7 @@ def test_partition_of_dtensors_chooses_from_its_leaves(monkeypatch):
         mesh = make_mesh((2,), ("tp",))
         params = _tree(mesh)
         tx = ft.partition(
-            {"a": ft.multi_steps(ft.sgd(0.5), 2), "b": ft.multi_steps(ft.scale(0.0), 2)}, labels
+            {"a": ft.multi_steps(ft.sgd(0.5), 2), "b": ft.multi_steps(ft.scale(0.0), 1)}, labels
         )
         state = tx.init(params)
         rebuilt = []

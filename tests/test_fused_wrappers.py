@@ -392,15 +392,19 @@ def test_multi_steps_flags_read_as_one_block(mode, monkeypatch):
         assert not torch.equal(a, 2 * b)  # (not acc + g)
 
 
+@pytest.mark.parametrize("commuted", [True, False])
 @pytest.mark.parametrize("mode", ["pure", "donate"])
-def test_partition_of_multi_steps_flags_stay_one_block(mode, monkeypatch):
+def test_partition_of_multi_steps_flags_stay_one_block(mode, commuted, monkeypatch):
     """``partition`` of two ``multi_steps``: each label's ``MultiStepsState.seen`` holds a
     flag per leaf, set on its own leaves only. The fused micro-steps keep it one block (no
     flag read one at a time: they were, 244 ``.item()`` a micro-step on the benchmark tree,
-    once the first micro-step had set half the flags), with the right values, and the
-    fused step chooses its variant from the labels' leaves (the leaves of the other label,
-    ``None`` there, left out: ``accumulation._both_present``), with the general path's
-    numbers over two cycles."""
+    once the first micro-step had set half the flags), with the right values, with the
+    general path's numbers over two cycles: run as ``multi_steps`` of the partition
+    (``commuted``), every leaf chosen for at once; else (the labels' own transforms, as for
+    labels whose ``every_k`` differ) each label's variant chosen from its own leaves (the
+    leaves of the other label, ``None`` there, left out: ``accumulation._both_present``)."""
+    if not commuted:
+        monkeypatch.setattr(combine._Commuted, "of", classmethod(lambda cls, *a: None))
     reads = []
     monkeypatch.setattr(
         accumulation,
@@ -433,7 +437,104 @@ def test_partition_of_multi_steps_flags_stay_one_block(mode, monkeypatch):
             assert [int(f) for f in seen] == [on * (labels[k] == label) for k in keys], t
         params_close(p, ref, params, torch.float64)
     assert reads == []
-    assert len(chosen) >= 6 * 2  # (every micro-step, each label: not the general path)
+    if commuted:
+        assert chosen == []  # (one choice over every leaf)
+    else:
+        assert len(chosen) >= 6 * 2  # (every micro-step, each label: not the general path)
+
+
+def _groups_of_multi_steps(every_k=3, every_k_b=3):
+    """``partition`` of two ``multi_steps`` (each label's chain its own clip; weight decay on
+    one label only), the labels and a labelled problem."""
+    labels = {"w": "decay", "b": "none", "e": "decay", "s": "none"}
+
+    def group(wd, k):
+        return ft.multi_steps(
+            ft.chain(ft.clip_by_global_norm(0.05), ft.adamw(1e-2, weight_decay=wd)), k
+        )
+
+    return ft.partition({"decay": group(0.1, every_k), "none": group(0.0, every_k_b)}, labels)
+
+
+def _with_gaps(grads):
+    """``grads`` with some leaves' gradients ``None`` on some micro-steps: a leaf without a
+    gradient on part of a cycle, and one without any in a whole cycle."""
+    out = [dict(g) for g in grads]
+    out[1]["b"] = None  # (part of the first cycle)
+    for t in (3, 4, 5):  # (the whole second cycle)
+        out[t]["e"] = None
+    return out
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+def test_partition_of_multi_steps_is_multi_steps_of_partition(mode, gaps, monkeypatch):
+    """``partition`` of ``multi_steps`` with one ``every_k`` runs as ``multi_steps`` of the
+    partition of their inner transforms (``combine._Commuted``): one kernel call per stage
+    where each label took its own, the same parameters and states, bit for bit, as the labels'
+    own transforms over two cycles and more (``None`` gradients on part of a cycle and over a
+    whole one included), each label's state of ``partition.init``'s structure."""
+    params, grads = _problem(torch.float64)
+    grads = _with_gaps(grads) if gaps else grads
+    with monkeypatch.context() as m:  # (the labels' own transforms)
+        m.setattr(combine._Commuted, "of", classmethod(lambda cls, *a: None))
+        ref_tx = _groups_of_multi_steps()
+    tx = _groups_of_multi_steps()
+    outs = []
+    real = combine._Commuted.state_out
+    monkeypatch.setattr(
+        combine._Commuted, "state_out", lambda self, *a: outs.append(1) or real(self, *a)
+    )
+    calls = kernel_calls(monkeypatch)
+    want_p, want_s = _run(ref_tx, params, grads, mode)
+    ref_calls, outs_ref = len(calls), len(outs)
+    calls.clear()
+    got_p, got_s = _run(tx, params, grads, mode)
+    assert outs_ref == 0 and len(outs) == STEPS  # (every step commuted)
+    for k in params:
+        assert torch.equal(got_p[k], want_p[k]), k
+    assert optree.tree_structure(got_s, none_is_leaf=True) == optree.tree_structure(
+        want_s, none_is_leaf=True
+    )
+    for a, b in zip(ft.tree.tree_flatten(got_s)[0], ft.tree.tree_flatten(want_s)[0]):
+        assert (a is None) == (b is None)
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b))
+    if mode != "update" and not gaps:  # (non-final micro-steps: one call, not one a label)
+        assert len(calls) < ref_calls, (len(calls), ref_calls)
+
+
+def test_partition_of_multi_steps_keeps_each_labels_counters(monkeypatch):
+    """Each label's ``gradient_step`` is its own (moved as the merged one moves, never read on
+    the host); labels whose ``mini_step`` differ (a state put together by hand) or whose
+    ``every_k`` differ run as their own transforms, with their numbers."""
+    params, grads = _problem(torch.float64)
+    tx = _groups_of_multi_steps()
+    with monkeypatch.context() as m:
+        m.setattr(combine._Commuted, "of", classmethod(lambda cls, *a: None))
+        ref_tx = _groups_of_multi_steps()
+    for change in ("gradient_step", "mini_step"):
+        state = tx.init(params)
+        inner = dict(state.inner_states)
+        inner["none"] = inner["none"]._replace(**{change: torch.tensor(2, dtype=torch.int64)})
+        state = ft.PartitionState(inner)
+        ref_state = ft.PartitionState(dict(inner))
+        p, ref = dict(params), dict(params)
+        for g in grads:
+            p, state = ft.step(tx, g, state, p)
+            ref, ref_state = ft.step(ref_tx, g, ref_state, ref)
+        for k in params:
+            assert torch.equal(p[k], ref[k]), (change, k)
+        for n in ("decay", "none"):
+            for f in ("mini_step", "gradient_step"):
+                a = getattr(state.inner_states[n], f)
+                assert torch.equal(a, getattr(ref_state.inner_states[n], f)), (change, n, f)
+    assert int(state.inner_states["decay"].gradient_step) == STEPS // 3
+    # (every_k differ: the labels' own transforms, whose cycles are their own)
+    tx = _groups_of_multi_steps(3, 2)
+    assert combine._Commuted.of  # (not patched here)
+    p, s = _run(tx, params, grads, "pure")
+    assert int(s.inner_states["decay"].gradient_step) == STEPS // 3
+    assert int(s.inner_states["none"].gradient_step) == STEPS // 2
 
 
 def test_multi_steps_partial_cycles_fall_back():
