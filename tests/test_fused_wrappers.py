@@ -7,6 +7,8 @@ tests/test_fused.py) and of the wrappers' general paths.
 import optree
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import functional_train as ft
 from _layouts import params_close, step_by_mode
@@ -501,6 +503,49 @@ def test_partition_of_multi_steps_is_multi_steps_of_partition(mode, gaps, monkey
         assert a is None or (a.dtype == b.dtype and torch.equal(a, b))
     if mode != "update" and not gaps:  # (non-final micro-steps: one call, not one a label)
         assert len(calls) < ref_calls, (len(calls), ref_calls)
+
+
+@given(
+    labels=st.lists(st.sampled_from("abc"), min_size=4, max_size=4),
+    every_k=st.integers(1, 3),
+    gaps=st.lists(st.lists(st.booleans(), min_size=4, max_size=4), min_size=5, max_size=5),
+    mode=st.sampled_from(["update", "pure", "donate"]),
+)
+def test_partition_of_multi_steps_commuted_equals_labelled(labels, every_k, gaps, mode):
+    """(Drawn: the leaves' labels, ``every_k``, which gradients are ``None`` at each of 5
+    micro-steps, the kind of step.) ``partition`` of ``multi_steps`` run as ``multi_steps`` of
+    the partition gives the labels' own transforms' parameters and states bit for bit."""
+    params, grads = _problem(torch.float64)
+    keys = sorted(params)
+    tree = dict(zip(keys, labels))
+    chains = {
+        "a": lambda: ft.chain(ft.clip_by_global_norm(0.05), ft.adamw(1e-2, weight_decay=0.1)),
+        "b": lambda: ft.sgd(0.1, 0.9),
+        "c": lambda: ft.chain(ft.clip_by_global_norm(0.02), ft.adam(1e-2)),
+    }
+    used = sorted(set(labels))
+
+    def build():
+        return ft.partition({n: ft.multi_steps(chains[n](), every_k) for n in used}, tree)
+
+    real = combine._Commuted.of
+    combine._Commuted.of = classmethod(lambda cls, *a: None)
+    try:
+        ref_tx = build()
+    finally:
+        combine._Commuted.of = real
+    tx = build()
+    seq = [{k: None if off else g[k] for k, off in zip(keys, row)} for g, row in zip(grads, gaps)]
+    want_p, want_s = _run(ref_tx, params, seq, mode)
+    got_p, got_s = _run(tx, params, seq, mode)
+    for k in params:
+        assert torch.equal(got_p[k], want_p[k]), k
+    assert optree.tree_structure(got_s, none_is_leaf=True) == optree.tree_structure(
+        want_s, none_is_leaf=True
+    )
+    for a, b in zip(ft.tree.tree_flatten(got_s)[0], ft.tree.tree_flatten(want_s)[0]):
+        assert (a is None) == (b is None)
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b))
 
 
 def test_partition_of_multi_steps_keeps_each_labels_counters(monkeypatch):
