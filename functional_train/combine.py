@@ -668,10 +668,9 @@ class _Commuted:
     def state_in(self, updates, state, params, mesh, check_reduced: bool = True) -> tuple | None:
         """``(the merged multi_steps' state, the labels' layout, _flat_pair(updates,
         params), whether the flags are blocks: accumulation.plain_mode())`` for the
-        partition's
-        ``state``, or ``None`` where the commuted form is not taken (see the class docstring;
-        ``check_reduced``: whether the gradients need no reduction is asked here, else by the
-        merged choice)."""
+        partition's ``state``, or ``None`` where the commuted form is not taken (see the
+        class docstring; ``check_reduced``: whether the gradients need no reduction is asked
+        here, else by the merged choice)."""
         if (
             torch.compiler.is_compiling()
             or traced()
@@ -770,13 +769,14 @@ class _Commuted:
         new_updates, new = self.merged.update(updates, merged, params, mesh=mesh, **extra)
         return new_updates, self.state_out(new, merged, layout, plain, state)
 
-    def switch(self, labelled: E.Fusable | E.Switch | None) -> E.Switch | None:
+    def switch(self, labelled: E.Fusable | E.Switch | None) -> E.Fusable | E.Switch | None:
         """The partition's Switch: the merged ``multi_steps``' choice where :meth:`state_in`
         takes it, else ``labelled``'s (the labels' own transforms' form; under
-        ``torch.compile``, its parts)."""
+        ``torch.compile``, its parts); ``labelled`` where the merged transform has no fused
+        form."""
         merged_switch = E.switch_of(self.merged)
         if merged_switch is None:
-            return labelled if isinstance(labelled, E.Switch) else None
+            return labelled
         other = labelled if isinstance(labelled, E.Switch) else None
 
         def choose(updates, state, params, mesh):
