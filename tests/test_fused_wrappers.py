@@ -445,6 +445,20 @@ def test_partition_of_multi_steps_flags_stay_one_block(mode, commuted, monkeypat
         assert len(chosen) >= 6 * 2  # (every micro-step, each label: not the general path)
 
 
+def _same_run(got, want):
+    """Two runs' ``(params, state)``: the same parameters and states, bit for bit, the states of
+    one structure."""
+    (got_p, got_s), (want_p, want_s) = got, want
+    for k in want_p:
+        assert torch.equal(got_p[k], want_p[k]), k
+    assert optree.tree_structure(got_s, none_is_leaf=True) == optree.tree_structure(
+        want_s, none_is_leaf=True
+    )
+    for a, b in zip(ft.tree.tree_flatten(got_s)[0], ft.tree.tree_flatten(want_s)[0]):
+        assert (a is None) == (b is None)
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b))
+
+
 def _groups_of_multi_steps(every_k=3, every_k_b=3):
     """``partition`` of two ``multi_steps`` (each label's chain its own clip; weight decay on
     one label only), the labels and a labelled problem."""
@@ -493,14 +507,7 @@ def test_partition_of_multi_steps_is_multi_steps_of_partition(mode, gaps, monkey
     calls.clear()
     got_p, got_s = _run(tx, params, grads, mode)
     assert outs_ref == 0 and len(outs) == STEPS  # (every step commuted)
-    for k in params:
-        assert torch.equal(got_p[k], want_p[k]), k
-    assert optree.tree_structure(got_s, none_is_leaf=True) == optree.tree_structure(
-        want_s, none_is_leaf=True
-    )
-    for a, b in zip(ft.tree.tree_flatten(got_s)[0], ft.tree.tree_flatten(want_s)[0]):
-        assert (a is None) == (b is None)
-        assert a is None or (a.dtype == b.dtype and torch.equal(a, b))
+    _same_run((got_p, got_s), (want_p, want_s))
     if mode != "update" and not gaps:  # (non-final micro-steps: one call, not one a label)
         assert len(calls) < ref_calls, (len(calls), ref_calls)
 
@@ -538,14 +545,7 @@ def test_partition_of_multi_steps_commuted_equals_labelled(labels, every_k, gaps
     seq = [{k: None if off else g[k] for k, off in zip(keys, row)} for g, row in zip(grads, gaps)]
     want_p, want_s = _run(ref_tx, params, seq, mode)
     got_p, got_s = _run(tx, params, seq, mode)
-    for k in params:
-        assert torch.equal(got_p[k], want_p[k]), k
-    assert optree.tree_structure(got_s, none_is_leaf=True) == optree.tree_structure(
-        want_s, none_is_leaf=True
-    )
-    for a, b in zip(ft.tree.tree_flatten(got_s)[0], ft.tree.tree_flatten(want_s)[0]):
-        assert (a is None) == (b is None)
-        assert a is None or (a.dtype == b.dtype and torch.equal(a, b))
+    _same_run((got_p, got_s), (want_p, want_s))
 
 
 def test_partition_of_multi_steps_keeps_each_labels_counters(monkeypatch):
