@@ -598,19 +598,18 @@ class _Layout:
 
     def __init__(self, names: list, labels: list):
         n = len(labels)
-        self.keeps = [[lab == name for lab in labels] for name in names]
+        keeps = [[lab == name for lab in labels] for name in names]
         at = {name: k for k, name in enumerate(names)}
         self.merge = _getter([at[lab] * n + i for i, lab in enumerate(labels)]) if n else list
         # (the lists' elements at the label's leaves; the appended one (None / 0) elsewhere)
         self.split = [
-            _getter([i if on else n for i, on in enumerate(keep)]) if n else list
-            for keep in self.keeps
+            _getter([i if on else n for i, on in enumerate(keep)]) if n else list for keep in keeps
         ]
-        self.outside = [[not on for on in keep] for keep in self.keeps]
+        self.outside = [[not on for on in keep] for keep in keeps]
         # (of a list of n elements and another: the first's at the label's leaves)
         self.pick = [
             _getter([i if on else n + i for i, on in enumerate(keep)]) if n else list
-            for keep in self.keeps
+            for keep in keeps
         ]
 
     def merged(self, lists: list) -> list:
