@@ -120,7 +120,9 @@ class PerLeaf:
         self._resolve, self._name, self._seen, self._eager = resolve, name, {}, {}
         self._last: tuple | None = None  # (treedef, shapes, values) of the last eager call
 
-    def __call__(self, params) -> list:
+    def __call__(self, params, flat: tuple | None = None) -> list:
+        """The values for ``params``; ``flat``: ``(leaves, treedef)`` of ``params`` where the
+        caller flattened them already (eagerly: not flattened again)."""
         if torch.compiler.is_compiling():
             leaves = leaves_of(params)  # (a dict of tensors by its values)
             sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
@@ -137,7 +139,7 @@ class PerLeaf:
             seen = memo.get(self)
             if seen is not None and seen[0] is params:
                 return seen[1]
-        leaves, treedef = tree_flatten(params)
+        leaves, treedef = tree_flatten(params) if flat is None else flat
         # (a DTensor's shape read is 0.17 us, a whole-list pass 40 us at 242 leaves: the
         # shapes remembered per spec objects, one tuple object for them)
         sig = by_layout("PerLeaf shapes", (leaves,), lambda: _shapes(leaves))
@@ -636,7 +638,7 @@ class _Commuted:
     reduced by the partition each micro-step), with states as ``partition.init`` makes them;
     anything else runs the labels' own transforms."""
 
-    def __init__(self, names: list, merged: GradientTransformation, labels_of: Callable):
+    def __init__(self, names: list, merged: GradientTransformation, labels_of: PerLeaf):
         self.names = names
         self.merged = merged
         self.labels_of = labels_of
@@ -657,19 +659,21 @@ class _Commuted:
         merged = A.multi_steps(inner, micro[0].every_k, acc_dtype=micro[0].acc_dtype)
         return cls(names, merged, labels_of)
 
-    def layout(self, params) -> _Layout:
-        """The labels' :class:`_Layout` (remembered per labels list)."""
-        labels = self.labels_of(params)
+    def layout(self, params, flat: tuple | None = None) -> _Layout:
+        """The labels' :class:`_Layout` (remembered per labels list; ``flat``: the params'
+        ``(leaves, treedef)``, see :class:`PerLeaf`)."""
+        labels = self.labels_of(params, flat)
         if self._layout[0] is not labels:
             self._layout[:] = labels, _Layout(self.names, labels)
         return self._layout[1]
 
     def state_in(self, updates, state, params, mesh, check_reduced: bool = True) -> tuple | None:
         """``(the merged multi_steps' state, the labels' layout, _flat_pair(updates,
-        params), whether the flags are blocks: accumulation.plain_mode())`` for the
-        partition's ``state``, or ``None`` where the commuted form is not taken (see the
-        class docstring; ``check_reduced``: whether the gradients need no reduction is asked
-        here, else by the merged choice)."""
+        params), the labels' flag values)`` for the partition's ``state`` (the values a list
+        per label where the flags are blocks, :func:`~.accumulation.plain_mode`, else
+        ``None``), or ``None`` where the commuted form is not taken (see the class
+        docstring; ``check_reduced``: whether the gradients need no reduction is asked here,
+        else by the merged choice)."""
         if (
             torch.compiler.is_compiling()
             or traced()
@@ -698,7 +702,7 @@ class _Commuted:
         seens = [A.seen_values(s.seen) for s in states]
         if any(len(v) != len(g) for v in seens):
             return None
-        layout = self.layout(params)
+        layout = self.layout(params, (pl, treedef))
         # (a label's accumulators and flags outside its leaves: None and 0, as its init made
         # them)
         if any(map(layout.holds_outside, range(len(states)), accs, seens)):
@@ -716,7 +720,7 @@ class _Commuted:
             else tuple(layout.merged([list(s.seen) for s in states])),
             {},
         )
-        return merged, layout, flat, plain
+        return merged, layout, flat, seens if plain else None
 
     def flags(self, values: list) -> tuple:
         """Merged flags holding ``values``: those made last where they still hold them (no
@@ -726,25 +730,26 @@ class _Commuted:
             self._flags[:] = A.new_flags(values), values
         return self._flags[0]
 
-    def state_out(self, new: A.MultiStepsState, merged: A.MultiStepsState, layout, plain, state):
+    def state_out(self, new: A.MultiStepsState, merged: A.MultiStepsState, layout, olds, state):
         """The partition's state for the merged ``multi_steps``' new state ``new`` (from
-        ``merged``, :meth:`state_in` of ``state``): each label's accumulators and flags on
-        its leaves (``None`` and 0 elsewhere), its inner state, its counters moved as the
-        merged ones moved (:func:`_moved`)."""
+        ``merged``, :meth:`state_in` of ``state``, which read the labels' flag values
+        ``olds``): each label's accumulators and flags on its leaves (``None`` and 0
+        elsewhere), its inner state, its counters moved as the merged ones moved
+        (:func:`_moved`)."""
         acc, treedef = tree_flatten(new.acc_grads)
         acc.append(None)
         seen = None
-        if new.seen is not merged.seen and plain:
+        if new.seen is not merged.seen and olds is not None:
             values = A.seen_values(new.seen)
             self._flags[:] = new.seen, values  # (the merged flags of the next call, as a rule)
             seen = values + [0]
         out = {}
-        for n, split, pick in zip(self.names, layout.split, layout.pick):
+        for k, (n, split, pick) in enumerate(zip(self.names, layout.split, layout.pick)):
             old = state.inner_states[n]
             flags = old.seen
             if seen is not None:
                 values = split(seen)
-                if values != A.seen_values(old.seen):
+                if values != olds[k]:
                     flags = A.new_flags(values)
             elif new.seen is not merged.seen:  # (the new flags at its leaves, read nowhere)
                 flags = tuple(pick([*new.seen, *old.seen]))
@@ -764,9 +769,9 @@ class _Commuted:
         got = self.state_in(updates, state, params, mesh)
         if got is None:
             return None
-        merged, layout, _, plain = got
+        merged, layout, _, olds = got
         new_updates, new = self.merged.update(updates, merged, params, mesh=mesh, **extra)
-        return new_updates, self.state_out(new, merged, layout, plain, state)
+        return new_updates, self.state_out(new, merged, layout, olds, state)
 
     def switch(self, labelled: E.Fusable | E.Switch | None) -> E.Fusable | E.Switch | None:
         """The partition's Switch: the merged ``multi_steps``' choice where :meth:`state_in`
@@ -782,7 +787,7 @@ class _Commuted:
             got = self.state_in(updates, state, params, mesh, check_reduced=False)
             if got is None:
                 return None if other is None else other.choose(updates, state, params, mesh)
-            merged, layout, (g, pl, _, treedef), plain = got
+            merged, layout, (g, pl, _, treedef), olds = got
             if merged_switch.choose_leaves is not None:  # (the leaves flattened once)
                 f = merged_switch.choose_leaves(treedef, g, merged, pl, mesh)
             else:
@@ -795,7 +800,7 @@ class _Commuted:
                     raise ValueError("partition: the state chosen for is not the one stepped")
                 return merged
 
-            return E.restated(f, get, lambda new: self.state_out(new, merged, layout, plain, state))
+            return E.restated(f, get, lambda new: self.state_out(new, merged, layout, olds, state))
 
         return E.Switch(choose, None if other is None else other.traced_parts)
 
