@@ -837,8 +837,12 @@ def _flat_pair(updates, params) -> tuple | None:
                 return None
             return u_leaves, p_leaves, lambda leaves: dict(zip(keys, leaves)), None
     u_leaves, treedef = tree_flatten(updates)
-    p_leaves = tree_flatten(params)[0]
+    p_leaves, p_def = tree_flatten(params)
     if len(p_leaves) != len(u_leaves):
+        return None
+    # (eagerly the structures too: the params' leaves are then flattened by treedef, which
+    # partition's labels are remembered by, PerLeaf; a flat dict's treedef is one object)
+    if not torch.compiler.is_compiling() and p_def is not treedef and p_def != treedef:
         return None
     return u_leaves, p_leaves, lambda leaves: tree_unflatten(treedef, leaves), treedef
 
