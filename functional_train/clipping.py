@@ -19,6 +19,7 @@ from .engine import elementwise as E
 from .engine import native
 from .engine.scalars import scalar_program
 from .engine.view import prepare
+from .leaves import DTYPE
 from .spec import attach_spec
 from .transforms import stateless_elementwise
 from .tree import first_device
@@ -55,6 +56,9 @@ class ClipByGlobalNormState(NamedTuple):
     global_norm: torch.Tensor
 
 
+_F32 = frozenset({torch.float32})
+
+
 def _local_norm_terms(b, norm_type: float):
     """Per-leaf local terms, the kind of their reduction ('sum' of |g|^p, or 'max'), and the
     dtype the norm is given in where the terms are wider than that (else ``None``).
@@ -77,7 +81,11 @@ def _local_norm_terms(b, norm_type: float):
         if squares is None:
             squares = native.local_sum_squares(g, b.needed)
         if squares is not None:
-            f32 = all([x.dtype == torch.float32 for x in g])  # (a list: traced too)
+            f32 = (
+                all([x.dtype == torch.float32 for x in g])  # (a list: dynamo traces it)
+                if torch.compiler.is_compiling()
+                else set(map(DTYPE, g)) <= _F32
+            )
             return squares, "sum", torch.float32 if f32 else None
     norms = foreach.norm(g, norm_type) if g else []
     if norms and all(n.dtype == norms[0].dtype for n in norms):  # one vector, three ops

@@ -401,10 +401,16 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         inner = inner_restrict(tree_unflatten(treedef, _select(leaves, on)))
         return [bool(a) and bool(b) for a, b in zip(on, inner)]
 
+    last: list = [None, None]  # (the flags list seen last, its keys: one list per layout)
+
     def static(params):
         on = on_of(params)
         if inner_static is None:
-            return [bool(k) for k in on] if torch.compiler.is_compiling() else list(map(bool, on))
+            if torch.compiler.is_compiling():
+                return [bool(k) for k in on]
+            if last[0] is not on:
+                last[:] = on, list(map(bool, on))
+            return last[1]
         leaves, treedef = tree_flatten(params)
         inner = inner_static(tree_unflatten(treedef, _select(leaves, on)))
         return [_pack_key(bool(k), ik) for k, ik in zip(on, inner)]

@@ -852,12 +852,24 @@ class _Where:
     """The leaves a restricted part acts on (see ``Elementwise.restrict``), as positions in
     the view's ``active`` list (a list, and a set for :func:`_bounds`)."""
 
-    __slots__ = ("positions", "of", "index")
+    __slots__ = ("positions", "of", "index", "_active")
 
     def __init__(self, positions: list):
         self.positions = positions
         self.of = frozenset(positions)
         self.index: torch.Tensor | None = None  # (for sums of squares, made once)
+        self._active: tuple = (None, None)  # (a view's active list, its entries here)
+
+    def of_active(self, active: list) -> list:
+        """The entries of ``active`` (a view's active leaves) at :attr:`positions`: one list
+        object per ``active`` list object (eagerly; a plan's, made once per layout)."""
+        if torch.compiler.is_compiling():
+            return [active[j] for j in self.positions]
+        last, mine = self._active
+        if last is not active:
+            mine = [active[j] for j in self.positions]
+            self._active = (active, mine)
+        return mine
 
     def index_on(self, device) -> torch.Tensor:
         """:attr:`positions` as an index tensor on ``device`` (made once per device in a

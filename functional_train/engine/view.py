@@ -137,8 +137,7 @@ class Prepared:
             None if x is None else where.rows(x)
             for x in (self.sum_squares, self.params_sum_squares)
         )
-        active = [self.active[j] for j in where.positions]
-        return self._derived(self.locals, active, self.needed, sums)
+        return self._derived(self.locals, where.of_active(self.active), self.needed, sums)
 
     def tree(self) -> Any:
         """The current values as a tree of the caller's kind (DTensors rewrapped in ``specs``)."""
@@ -279,7 +278,10 @@ class Prepared:
             ):
                 return tree  # an all-None field
             if len(self.active) == len(old):  # (every leaf active: the new leaves in order)
-                return unflatten_like(tree, self.treedef, wraps_like(new_active, old))
+                new = wraps_like(new_active, old)
+                if all(map(operator.is_, new, old)):  # (a donated step wrote every leaf)
+                    return tree
+                return unflatten_like(tree, self.treedef, new)
         elif all(x is None for x in old) and all(v is None for v in new_active):
             return tree  # an all-None field (dynamo cannot rebuild a dict of constants)
         leaves = list(old)
