@@ -4,6 +4,9 @@ with the numbers of the same per-leaf definitions run leaf by leaf in torch (tol
 tests/test_fused.py) and of the wrappers' general paths.
 """
 
+import gc
+import weakref
+
 import optree
 import pytest
 import torch
@@ -580,6 +583,113 @@ def test_partition_of_multi_steps_keeps_each_labels_counters(monkeypatch):
     p, s = _run(tx, params, grads, "pure")
     assert int(s.inner_states["decay"].gradient_step) == STEPS // 3
     assert int(s.inner_states["none"].gradient_step) == STEPS // 2
+
+
+def _commuted_of(tx) -> combine._Commuted:
+    """The ``_Commuted`` form ``partition`` took for ``tx`` (its update's closure)."""
+    found = [
+        c.cell_contents
+        for c in tx.update.__closure__ or ()
+        if isinstance(c.cell_contents, combine._Commuted)
+    ]
+    assert len(found) == 1
+    return found[0]
+
+
+def _changed(state, change: str):
+    """``state`` (a partition of two ``multi_steps``' state, mid-cycle) changed as a user or a
+    checkpoint loader may change it between steps: an accumulator replaced in its dict
+    (``"acc"``), flags loaded in place (``"seen"``), one label's counter loaded in place
+    (``"mini_step"``)."""
+    none = state.inner_states["none"]
+    if change == "acc":
+        none.acc_grads["b"] = none.acc_grads["b"] * 3.0
+    elif change == "seen":
+        for f in state.inner_states["decay"].seen:
+            f.zero_()
+    elif change == "mini_step":
+        none.mini_step.fill_(0)
+    return state
+
+
+@pytest.mark.parametrize("change", [None, "acc", "seen", "mini_step"])
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+def test_partition_of_multi_steps_recalls_the_state_it_returned(mode, change, monkeypatch):
+    """The commuted form recalls the merged state of the state it returned last (no
+    conversion: ``combine._Last``) on every call but the first, with the labels' own
+    transforms' numbers bit for bit; a state changed between two steps (an accumulator
+    replaced in its dict, flags or a counter loaded in place) is converted again (or, labels
+    whose counters differ, run by the labels' own transforms), with their numbers too."""
+    params, grads = _problem(torch.float64)
+    with monkeypatch.context() as m:  # (the labels' own transforms)
+        m.setattr(combine._Commuted, "of", classmethod(lambda cls, *a: None))
+        ref_tx = _groups_of_multi_steps()
+    tx = _groups_of_multi_steps()
+    recalled: list = []  # (per step, whether each recall gave the merged state)
+    real = combine._Last.recall
+    monkeypatch.setattr(
+        combine._Last,
+        "recall",
+        lambda self, *a: recalled[-1].append(real(self, *a)) or recalled[-1][-1],
+    )
+    state, ref_state = tx.init(params), ref_tx.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    ref = {k: v.clone() for k, v in params.items()}
+    for t, g in enumerate(grads):
+        if change is not None and t == 4:  # (mid-cycle: a micro-step after the first)
+            state, ref_state = _changed(state, change), _changed(ref_state, change)
+        recalled.append([])
+        p, state = step_by_mode(tx, {k: v.clone() for k, v in g.items()}, state, p, mode)
+        ref, ref_state = step_by_mode(ref_tx, dict(g), ref_state, ref, "update")
+    _same_run((p, state), (ref, ref_state))
+    hits = [[r is not None for r in step] for step in recalled]
+    assert hits[0] == [], hits  # (nothing returned yet)
+    for t, step in enumerate(hits[1:], 1):
+        if change is None or t < 4:
+            assert step and all(step), hits
+    if change is not None:
+        assert hits[4] and not any(hits[4]), hits  # (the changed state: converted again)
+    if change in ("acc", "seen"):
+        assert all(hits[6]), hits  # (then recalled again)
+
+
+def test_partition_of_multi_steps_record_goes_with_its_state():
+    """What the commuted form keeps of the state it returned last (``combine._Last``: the
+    merged state, Adam's moments in it) goes once its user drops that state: nothing of an
+    optimizer state outlives its user's last reference through the transform."""
+    params, grads = _problem(torch.float64)
+    tx = _groups_of_multi_steps()
+    commuted = _commuted_of(tx)
+    p, state = dict(params), tx.init(params)
+    for g in grads[:5]:
+        p, state = ft.step(tx, g, state, p, donate=True)
+    assert commuted._last is not None and commuted._last.merged is not None
+    moment = weakref.ref(state.inner_states["decay"].inner_state[1][0].mu["w"])
+    acc = weakref.ref(state.inner_states["none"].acc_grads["b"])
+    gc.collect()
+    gc.disable()  # (no cycle collection needed: the record holds no cycle)
+    try:
+        del state
+        assert commuted._last is None
+    finally:
+        gc.enable()
+    assert moment() is None and acc() is None
+    # pure steps: the record of one step goes with the next (no old state kept alive, by
+    # reference counts alone: no cycle collection)
+    p, state = dict(params), tx.init(params)
+    olds = []
+    gc.collect()
+    gc.disable()
+    try:
+        for g in grads[:5]:  # (floating leaves: the flags' blocks are reused, _FlagBlocks)
+            leaves = ft.tree.tree_flatten(state)[0]
+            olds.append([weakref.ref(x) for x in leaves if x is not None and x.is_floating_point()])
+            p, state = ft.step(tx, g, state, p)
+        del leaves
+        now = {id(x) for x in ft.tree.tree_flatten(state)[0]}
+        assert all(r() is None or id(r()) in now for refs in olds for r in refs)
+    finally:
+        gc.enable()
 
 
 def test_multi_steps_partial_cycles_fall_back():
