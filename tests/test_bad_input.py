@@ -252,6 +252,23 @@ def test_named_chain_state_with_wrong_names():
         tx.update(grads(), {"clip": state["clip"], "other": state["opt"]}, p)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_partition_state_leaf_of_another_shape_names_the_leaf(donate):
+    """A label's state leaf of another shape inside ``partition`` (its transform's state:
+    ``None`` outside the label's leaves, checked by whole lists on plain tensors) is refused,
+    naming the leaf and both shapes, as outside a partition."""
+    tx = ft.partition(
+        {"x": ft.adamw(0.01), "y": ft.adamw(0.01, weight_decay=0.0)},
+        {"a": "x", "b": "y", "c": {"d": "y"}},
+    )
+    p = params()
+    state = tx.init(p)
+    p, state = ft.step(tx, grads(), state, p)  # (the shapes checked once: then the memo)
+    state.inner_states["x"][0].mu["a"] = torch.zeros(3, 2)
+    with pytest.raises(ValueError, match=r"'a' has shape \(2, 3\).*mu leaf has shape \(3, 2\)"):
+        ft.step(tx, grads(), state, p, donate=donate)
+
+
 def test_state_for_a_different_tree():
     p = params()
     other = dict(params(), z=torch.ones(2))

@@ -121,6 +121,7 @@ def to_local(x: Any) -> Any:
 _PLAIN = {torch.Tensor, type(None)}
 _LOCAL = operator.attrgetter("_local_tensor")
 _ONLY_DTENSOR = {DTensor}
+_DTENSOR_AND_NONE = {DTensor, type(None)}
 
 
 def to_locals(xs) -> list:
@@ -132,6 +133,8 @@ def to_locals(xs) -> list:
         return list(xs)
     if kinds == _ONLY_DTENSOR:  # (every leaf a DTensor: one C loop)
         return list(map(_LOCAL, xs))
+    if kinds == _DTENSOR_AND_NONE:  # (a restricted part's state: half the time of getattr's)
+        return [None if x is None else x._local_tensor for x in xs]
     # (DTensors among other leaves: a DTensor's own attribute, else the leaf; one C loop)
     return list(map(getattr, xs, itertools.repeat("_local_tensor"), xs))
 

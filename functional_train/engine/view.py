@@ -37,6 +37,7 @@ __all__ = ["Prepared", "prepare", "leaf_paths"]
 
 _SPEC = operator.attrgetter("_spec")
 _DTENSOR_OR_NONE = {DTensor, type(None)}
+_TENSOR_OR_NONE = {torch.Tensor, type(None)}
 
 
 def _state_shapes_memo() -> Memo:  # (a plan's state trees whose leaves have its shapes)
@@ -222,6 +223,18 @@ class Prepared:
             ):
                 shaped.put(None, (leaves,), True)
                 return list(leaves)
+            if kinds == _TENSOR_OR_NONE and self._plain:
+                # (a restricted part's state, None outside its leaves: the others' shapes,
+                # the updates' there, by C loops)
+                kept, held = present_of(leaves)
+                memo_ = self.plan.memo
+                want = memo_.get(("shapes at", kept))
+                if want is None:
+                    want = memo_[("shapes at", kept)] = list(
+                        itertools.compress(self.plan.shapes, kept)
+                    )
+                if list(map(SHAPE, held)) == want:
+                    return list(leaves)
         # the DTensorSpec objects already checked, per leaf (states keep their spec objects from
         # step to step, so the layout is checked once per layout, not per step)
         # (not under torch.compile: reading x._spec there makes dynamo guard on the spec
