@@ -550,9 +550,7 @@ def zero_nans() -> GradientTransformation:
         else:
             sq = leaf_squares(b)
         found = _is_nan(b.leaf_totals_vector(b.active, sq))[0].unbind()
-        flags: list = [None] * len(b.locals)
-        for i, f in zip(b.active, found):
-            flags[i] = f
+        flags = b.every_leaf(found)
         old = optree.tree_leaves(state.found_nan, none_is_leaf=True)
         if len(old) != len(flags):
             raise ValueError(
@@ -693,11 +691,9 @@ def dynamic_loss_scale(
         b = prepare(updates, params, mesh, name=where, view=True)
         (inv,) = _unscale_factor(state.scale)
         g = [b.locals[i] for i in b.active]
-        unscaled: list = [None] * len(b.locals)
         # (the float32 factor would promote 0-dim low-precision leaves: keep their dtype)
-        for i, x in zip(b.active, L.cast_like(foreach.mul(g, inv.to(g[0].device)), g) if g else []):
-            unscaled[i] = x
-        b = b.with_locals(unscaled)
+        unscaled = L.cast_like(foreach.mul(g, inv.to(g[0].device)), g) if g else []
+        b = b.with_locals(b.every_leaf(unscaled))
         finite, new_updates, new_inner = _run_checked(
             inner, clip_norm, b, state.inner_state, params, extra, state.scale.device
         )

@@ -560,7 +560,7 @@ def run(
     def view_of(k: int):
         """Part ``k``'s view of the current updates (but for a ``through`` part's sums)."""
         part = parts[k]
-        view = b.with_locals(_scatter(b, u)) if k > 0 and part.reduces else b
+        view = b.with_locals(b.every_leaf(u)) if k > 0 and part.reduces else b
         if k in through:  # (the sums of the updates as the part before gives them)
             view.sum_squares = ctx.pop(SUM_SQUARES, None)
             if view.sum_squares is None:
@@ -1020,13 +1020,6 @@ def _spread(values: list, positions: list, u: list) -> list:
     for j, x in zip(positions, values):
         out[j] = x
     return out
-
-
-def _scatter(b, active_values):
-    full = [None] * len(b.locals)
-    for i, v in zip(b.active, active_values):
-        full[i] = v
-    return full
 
 
 def _execute(

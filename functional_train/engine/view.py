@@ -155,13 +155,19 @@ class Prepared:
             self.treedef, [wrap(loc, s) for loc, s in zip(new_locals, self.specs)]
         )
 
+    def every_leaf(self, active_values: Sequence[Any]) -> list:
+        """One value per leaf from one per ``active`` leaf (``None`` for the others)."""
+        if len(active_values) == len(self.locals):  # (every leaf active: in their order)
+            return list(active_values)
+        full: list = [None] * len(self.locals)
+        for i, v in zip(self.active, active_values):
+            full[i] = v
+        return full
+
     def rebuild_active(self, active_locals: Sequence[Any]) -> Any:
         """Like :meth:`rebuild` from values for the ``active`` leaves only (others stay
         ``None``)."""
-        full: list = [None] * len(self.locals)
-        for i, v in zip(self.active, active_locals):
-            full[i] = v
-        return self.rebuild(full)
+        return self.rebuild(self.every_leaf(active_locals))
 
     def replicas(self, i: int, within: frozenset | None = None) -> int:
         """How many ranks hold the same values of leaf ``i`` (cached in the plan)."""
