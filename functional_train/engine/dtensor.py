@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
+    "DTENSOR_OR_NONE",
+    "TENSOR_OR_NONE",
     "Spec",
     "spec_of",
     "to_local",
@@ -118,10 +120,12 @@ def to_local(x: Any) -> Any:
     return x
 
 
-_PLAIN = {torch.Tensor, type(None)}
+# the element types of a list of plain tensors (or DTensors) where some leaves are absent (a
+# restricted part's state: None outside its leaves), for whole-list checks by type sets
+TENSOR_OR_NONE = frozenset({torch.Tensor, type(None)})
+DTENSOR_OR_NONE = frozenset({DTensor, type(None)})
 _LOCAL = operator.attrgetter("_local_tensor")
 _ONLY_DTENSOR = {DTensor}
-_DTENSOR_AND_NONE = {DTensor, type(None)}
 
 
 def to_locals(xs) -> list:
@@ -129,11 +133,11 @@ def to_locals(xs) -> list:
     if torch.compiler.is_compiling():
         return [x.to_local() if isinstance(x, DTensor) else x for x in xs]
     kinds = set(map(type, xs))
-    if kinds <= _PLAIN:  # (plain tensors: whole-list C loops)
+    if kinds <= TENSOR_OR_NONE:  # (plain tensors: whole-list C loops)
         return list(xs)
     if kinds == _ONLY_DTENSOR:  # (every leaf a DTensor: one C loop)
         return list(map(_LOCAL, xs))
-    if kinds == _DTENSOR_AND_NONE:  # (a restricted part's state: half the time of getattr's)
+    if kinds == DTENSOR_OR_NONE:  # (a restricted part's state: half the time of getattr's)
         return [None if x is None else x._local_tensor for x in xs]
     # (DTensors among other leaves: a DTensor's own attribute, else the leaf; one C loop)
     return list(map(getattr, xs, itertools.repeat("_local_tensor"), xs))
@@ -171,7 +175,7 @@ def wraps_like(locals_, likes) -> list:
     if torch.compiler.is_compiling():
         return [wrap_like(x, like) for x, like in zip(locals_, likes)]
     kinds = set(map(type, likes))
-    if kinds <= _PLAIN:  # (plain tensors: whole-list C loops)
+    if kinds <= TENSOR_OR_NONE:  # (plain tensors: whole-list C loops)
         return list(locals_)
     if kinds == _ONLY_DTENSOR and all(map(operator.is_, locals_, map(_LOCAL, likes))):
         return list(likes)  # (every shard the DTensor's own: C loops)

@@ -26,7 +26,7 @@ from ..leaves import DEVICE, DTYPE, SHAPE
 from ..mesh import Mesh
 from ..tree import format_path
 from .collectives import all_reduce_buckets, groups_over
-from .dtensor import Spec, spec_of, to_local, wrap, wrap_like
+from .dtensor import DTENSOR_OR_NONE, Spec, spec_of, to_local, wrap, wrap_like
 from .layout import World
 from .metadata import Memo
 
@@ -407,14 +407,13 @@ def by_layout(what: Any, lists: Sequence[Sequence[Any]], compute: Callable[[], A
     kinds = [set(map(type, xs)) for xs in lists]
     if all(k == _ONLY_DTENSOR for k in kinds):
         return by_specs(what, lists, compute)
-    if set().union(*kinds) == _DTENSOR_AND_NONE:
+    if set().union(*kinds) == DTENSOR_OR_NONE:
         masks, present = zip(*map(present_of, lists))
         return by_specs((what, masks), present, compute)
     return compute()
 
 
 _ONLY_DTENSOR = {DTensor}
-_DTENSOR_AND_NONE = {DTensor, type(None)}
 
 
 def present_of(xs: Sequence[Any]) -> tuple[tuple, list]:
@@ -463,7 +462,7 @@ def all_on_data_axis(pleaves: Sequence[Any], axis: str | None) -> bool:
 
 
 def _on_axis(pleaves: Sequence[Any], axis: str | None) -> bool:
-    if not torch.compiler.is_compiling() and set(map(type, pleaves)) <= {DTensor, type(None)}:
+    if not torch.compiler.is_compiling() and set(map(type, pleaves)) <= DTENSOR_OR_NONE:
         # (C loops over the leaves, the names read once per mesh: this runs every step)
         present = itertools.compress(pleaves, map(operator.is_not, pleaves, _NONES))
         meshes = list(map(_SPEC_MESH, present))

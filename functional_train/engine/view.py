@@ -25,7 +25,7 @@ from ..leaves import SHAPE
 from ..mesh import Mesh
 from ..tree import flatten_as, format_path, tree_flatten, tree_unflatten, unflatten_like
 from .collectives import all_reduce, all_reduce_buckets, all_reduce_start, per_rank
-from .dtensor import spec_of, to_locals, wrap, wraps_like
+from .dtensor import DTENSOR_OR_NONE, TENSOR_OR_NONE, spec_of, to_locals, wrap, wraps_like
 from .layout import region, statistic_shape
 from .metadata import Memo
 from .plan import Plan, agree_presence, describe, plan_for, present_of, same_layout
@@ -36,8 +36,6 @@ __all__ = ["Prepared", "prepare", "leaf_paths"]
 
 
 _SPEC = operator.attrgetter("_spec")
-_DTENSOR_OR_NONE = {DTensor, type(None)}
-_TENSOR_OR_NONE = {torch.Tensor, type(None)}
 
 
 def _state_shapes_memo() -> Memo:  # (a plan's state trees whose leaves have its shapes)
@@ -229,7 +227,7 @@ class Prepared:
             ):
                 shaped.put(None, (leaves,), True)
                 return list(leaves)
-            if kinds == _TENSOR_OR_NONE and self._plain:
+            if kinds == TENSOR_OR_NONE and self._plain:
                 # (a restricted part's state, None outside its leaves: the others' shapes,
                 # the updates' there, by C loops)
                 kept, held = present_of(leaves)
@@ -248,7 +246,7 @@ class Prepared:
         memo = not torch.compiler.is_compiling()
         checked = self.plan.memo.setdefault(("state specs", what), {}) if memo else {}
         kinds = set(map(type, leaves)) if memo else set()
-        every = memo and len(self.active) == n and DTensor in kinds and kinds <= _DTENSOR_OR_NONE
+        every = memo and len(self.active) == n and DTensor in kinds and kinds <= DTENSOR_OR_NONE
         if every:
             # (every leaf an active DTensor, or None: a restricted part's state outside its
             # leaves; where they are and the spec objects checked last, C loops)
