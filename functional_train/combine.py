@@ -654,6 +654,13 @@ class _Commuted:
         self._flags: list = [None, None]  # (the merged flags made last, their values)
         self._last: _Last | None = None  # (the state returned last: see _Last)
 
+    def __getstate__(self) -> dict:
+        """Pickled and copied without the record of the state returned last (a state's, not
+        the transform's; it holds weak references, which do not pickle)."""
+        out = dict(self.__dict__)
+        out["_last"] = None
+        return out
+
     @classmethod
     def of(cls, names, transforms, param_labels, labels_of) -> _Commuted | None:
         """The commuted form where every transform is a ``multi_steps`` without

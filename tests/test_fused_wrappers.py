@@ -4,6 +4,7 @@ with the numbers of the same per-leaf definitions run leaf by leaf in torch (tol
 tests/test_fused.py) and of the wrappers' general paths.
 """
 
+import copy
 import gc
 import weakref
 
@@ -690,6 +691,26 @@ def test_partition_of_multi_steps_record_goes_with_its_state():
         assert all(r() is None or id(r()) in now for refs in olds for r in refs)
     finally:
         gc.enable()
+
+
+def test_partition_of_multi_steps_pickles_after_steps():
+    """The transform pickles after steps (cloudpickle, as ``TorchOptimizer`` and its users
+    do): without the record of the state returned last (a state's, which the copy would not
+    recall, and whose weak references do not pickle); the copy steps as the original. (A
+    ``copy.deepcopy`` of a transform shares its functions, so their record: it recalls only
+    the states the record names.)"""
+    cloudpickle = pytest.importorskip("cloudpickle")
+    params, grads = _problem(torch.float64)
+    tx = _groups_of_multi_steps()
+    p, state = dict(params), tx.init(params)
+    for g in grads[:4]:
+        p, state = ft.step(tx, g, state, p)
+    assert _commuted_of(tx)._last is not None
+    other = cloudpickle.loads(cloudpickle.dumps(tx))
+    assert _commuted_of(other)._last is None
+    got = ft.step(other, grads[4], copy.deepcopy(state), p)
+    want = ft.step(tx, grads[4], copy.deepcopy(state), p)
+    _same_run(got, want)
 
 
 def test_multi_steps_partial_cycles_fall_back():
