@@ -699,11 +699,6 @@ class _Commuted:
         ):
             return None
         states = [state.inner_states[n] for n in self.names]
-        last = self._last
-        if last is not None and A.plain_mode():
-            got = last.recall(states, updates, params, mesh, check_reduced)
-            if got is not None:
-                return got
         if not all(type(s) is A.MultiStepsState and not s.skip_state for s in states):
             return None
         first = states[0]
@@ -723,12 +718,17 @@ class _Commuted:
         seens = [A.seen_values(s.seen) for s in states]
         if any(len(v) != len(g) for v in seens):
             return None
+        plain = A.plain_mode()
+        last = self._last
+        if plain and last is not None:  # (the state returned last: its merged state, see _Last)
+            got = last.recall(states, flat, accs, seens)
+            if got is not None:
+                return got
         layout = self.layout(params, (pl, treedef))
         # (a label's accumulators and flags outside its leaves: None and 0, as its init made
         # them)
         if any(map(layout.holds_outside, range(len(states)), accs, seens)):
             return None
-        plain = A.plain_mode()
         merged = A.MultiStepsState(
             first.mini_step,
             first.gradient_step,
@@ -888,39 +888,27 @@ class _Last:
             return None
         return cls(owner, at, out, merged, layout, treedef, accs, vals)
 
-    def recall(self, states: list, updates, params, mesh, check_reduced: bool) -> tuple | None:
-        """:meth:`_Commuted.state_in`'s result for ``states`` (the labels' states) where they
-        are the ones recorded, else ``None``."""
+    def recall(self, states: list, flat: tuple, accs: list, seens: list) -> tuple | None:
+        """:meth:`_Commuted.state_in`'s result for ``states`` (the labels' states, checked
+        there as for a conversion; ``flat``: :func:`_flat_pair`; ``accs``, ``seens``: each
+        label's accumulators' leaves and flag values) where they are the ones recorded, else
+        ``None``."""
         anchor = self.anchor()
-        if anchor is None or len(states) != len(self.fields):
+        if anchor is None or flat[3] is not self.treedef or len(states) != len(self.fields):
             return None
         for k, (s, f) in enumerate(zip(states, self.fields)):
             if (
-                type(s) is not A.MultiStepsState
-                or s.mini_step is not (anchor if k == self.at else f[0])
+                s.mini_step is not (anchor if k == self.at else f[0])
                 or s.gradient_step is not f[1]
                 or s.inner_state is not f[2]
                 or s.acc_grads is not f[3]
                 or s.seen is not f[4]
-                or s.skip_state
             ):
                 return None
-        k = int(states[0].mini_step)  # (the documented host reads, as state_in's)
-        if any(int(s.mini_step) != k for s in states[1:]):
+        if seens != self.vals or not all(
+            all(map(operator.is_, leaves, mine)) for leaves, mine in zip(accs, self.accs)
+        ):
             return None
-        flat = _flat_pair(updates, params)
-        if flat is None or flat[3] is not self.treedef:
-            return None
-        g, pl, _, treedef = flat
-        if check_reduced and mesh is not None and not A.gradients_reduced(treedef, g, pl, mesh):
-            return None
-        for s, mine, values in zip(states, self.accs, self.vals):
-            try:
-                leaves = flatten_as(s.acc_grads, treedef, "", "")
-            except ValueError:
-                return None
-            if not all(map(operator.is_, leaves, mine)) or A.seen_values(s.seen) != values:
-                return None
         return self.merged, self.layout, flat, self.vals
 
 

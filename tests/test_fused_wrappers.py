@@ -648,8 +648,10 @@ def test_partition_of_multi_steps_recalls_the_state_it_returned(mode, change, mo
     for t, step in enumerate(hits[1:], 1):
         if change is None or t < 4:
             assert step and all(step), hits
-    if change is not None:
+    if change in ("acc", "seen"):
         assert hits[4] and not any(hits[4]), hits  # (the changed state: converted again)
+    if change == "mini_step":  # (labels' counters differ: refused before the record is asked)
+        assert hits[4] == [], hits
     if change in ("acc", "seen"):
         assert all(hits[6]), hits  # (then recalled again)
 
