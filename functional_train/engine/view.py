@@ -231,12 +231,10 @@ class Prepared:
                 # (a restricted part's state, None outside its leaves: the others' shapes,
                 # the updates' there, by C loops)
                 kept, held = present_of(leaves)
-                memo_ = self.plan.memo
-                want = memo_.get(("shapes at", kept))
+                key = ("shapes at", kept)
+                want = self.plan.memo.get(key)
                 if want is None:
-                    want = memo_[("shapes at", kept)] = list(
-                        itertools.compress(self.plan.shapes, kept)
-                    )
+                    want = self.plan.memo[key] = list(itertools.compress(self.plan.shapes, kept))
                 if list(map(SHAPE, held)) == want:
                     return list(leaves)
         # the DTensorSpec objects already checked, per leaf (states keep their spec objects from
