@@ -251,13 +251,18 @@ def test_half_conversions_round_as_torch(dtype, device):
     assert torch.equal(got[~want.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
 
 
+@pytest.mark.parametrize("target", ["native", "baseline"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_streamed_results_equal_stored_ones(dtype, monkeypatch):
+def test_streamed_results_equal_stored_ones(dtype, target, monkeypatch):
     """Fresh results of a large call are written with non-temporal stores, a block at a time
     from a buffer in L1 (``fuse.STREAM_MIN_BYTES``, lowered here to stream every call): the
     same bits as ordinary stores, for leaves of every size around the block (empty, shorter
     than a block, a block and one more, odd tails), destinations aligned or not, and a pure
-    ``ft.step`` equals the donated one bit for bit."""
+    ``ft.step`` equals the donated one bit for bit. ``baseline``: the kernel compiled for the
+    compiler's default target instead of this CPU (x86-64 without AVX: the stores a plain
+    copy, as on CPUs without AVX)."""
+    if target == "baseline":
+        monkeypatch.setattr(fuse, "_CFLAGS", [f for f in fuse._CFLAGS if f != "-march=native"])
     g = torch.Generator().manual_seed(0)
     sizes = [0, 1, 5, 127, 128, 129, 300, 1000, 4099]
 
@@ -268,6 +273,7 @@ def test_streamed_results_equal_stored_ones(dtype, monkeypatch):
 
     sc = fuse.scalar_pointers([0.9])
     k = fuse.kernel_for(fn, (dtype, dtype), sc[1])
+    assert k is not None, "the stage did not compile"
     ins = [[torch.randn(n, generator=g).to(dtype) for n in sizes] for _ in range(2)]
     ins[1] = [x.abs() for x in ins[1]]
     stored = [[torch.empty(n, dtype=dtype) for n in sizes] for _ in range(2)]

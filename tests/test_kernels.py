@@ -3,6 +3,9 @@
 (functional_train/engine/kernels.py): their numbers, and a clean fallback where compiling
 fails."""
 
+import concurrent.futures
+import ctypes
+
 import pytest
 import torch
 
@@ -192,6 +195,26 @@ def test_native_fallback_when_the_compiler_is_missing(monkeypatch, tmp_path):
     _step_warns_and_equals_the_chain("native sums of squares are off")
     assert not native.available(torch.float32)
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_concurrent_builds_compile_once(monkeypatch, tmp_path):
+    """Callers that ask for the same library at once (threads here; ranks and test workers
+    alike) run the compiler once: the others wait on its lock and load its file, and no lock
+    file is left beside it."""
+    calls = tmp_path / "calls"
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\necho x >> {calls}\nsleep 0.5\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
+    source = b"long ft_answer(void) { return 42; }\n"
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        paths = list(
+            pool.map(lambda _: native.build_library(source, "t", ["-shared", "-fPIC"]), range(4))
+        )
+    assert len(set(paths)) == 1 and calls.read_text() == "x\n"
+    assert ctypes.CDLL(str(paths[0])).ft_answer() == 42
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [paths[0].name]
 
 
 CONFIGS_8BIT = {

@@ -226,19 +226,28 @@ static inline uint16_t ft_sf16(float x) {  /* round to nearest even, as c10::Hal
 /* non-temporal stores: whole cache lines written without first reading them (write allocate),
    for results in fresh memory; the head and tail that do not fill an aligned 32 bytes copied */
 #define FT_BLOCK 128
-#if defined(__AVX__)
-#include <immintrin.h>
+#if defined(__AVX__) && (defined(__GNUC__) || defined(__clang__))
+/* the compilers' own builtins, which <immintrin.h>'s _mm256_stream_si256 and _mm_sfence wrap
+   (that header takes longer to parse than the rest of a stage) */
+typedef long long ft_v4di __attribute__((vector_size(32)));
+static inline void ft_nt32(char *d, const char *s) {
+  ft_v4di v; __builtin_memcpy(&v, s, 32);
+#if defined(__clang__)
+  __builtin_nontemporal_store(v, (ft_v4di *)d);
+#else
+  __builtin_ia32_movntdq256((ft_v4di *)d, v);
+#endif
+}
 static inline void ft_stream(void *dst, const void *src, int64_t bytes) {
   char *d = (char *)dst; const char *s = (const char *)src;
   while (bytes > 0 && ((uintptr_t)d & 31)) { *d++ = *s++; bytes--; }
-  for (; bytes >= 32; bytes -= 32, d += 32, s += 32)
-    _mm256_stream_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)s));
+  for (; bytes >= 32; bytes -= 32, d += 32, s += 32) ft_nt32(d, s);
   while (bytes > 0) { *d++ = *s++; bytes--; }
 }
-#define FT_FENCE() _mm_sfence()
+#define FT_FENCE() __builtin_ia32_sfence()
 #else
 static inline void ft_stream(void *dst, const void *src, int64_t bytes) {
-  __builtin_memcpy(dst, src, (size_t)bytes);
+  __builtin_memcpy(dst, src, (__SIZE_TYPE__)bytes);
 }
 #define FT_FENCE() ((void)0)
 #endif

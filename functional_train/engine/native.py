@@ -33,6 +33,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
+
 from ..autograd import traced
 from .pool import all_in_one_order, const_data_ptr, in_one_order
 
@@ -115,7 +120,9 @@ def build_library(source: bytes, prefix: str, flags: list) -> Path:
     """The shared library of the C ``source`` compiled with ``flags``: built on first use with
     the system compiler (:func:`_compiler`) into the cache directory (:func:`cache_dir`)
     under ``<prefix>-<key>.so``, ``key`` a hash of the source, the compiler, the flags and the
-    CPU; later calls and processes reuse the file.
+    CPU; later calls and processes reuse the file. Processes that ask for the same library
+    at once (ranks, test workers) build it once: the others wait on a file lock beside it
+    (``fcntl.flock``, where the platform has it).
 
     Raises:
         CompileError: the compiler rejected the source.
@@ -129,7 +136,22 @@ def build_library(source: bytes, prefix: str, flags: list) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    # private names, then an atomic rename: concurrent processes (ranks) may build it too
+    # one build per library: concurrent processes (ranks, test workers) wait for the one that
+    # holds the lock, then find its file (the lock file goes once the library is in place:
+    # every holder checks for the library after taking it)
+    lock_path = path.with_suffix(".lock")
+    with open(lock_path, "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            _compile(cc, source, flags, path)
+            lock_path.unlink(missing_ok=True)
+    return path
+
+
+def _compile(cc: str, source: bytes, flags: list, path: Path) -> None:
+    # private names, then an atomic rename (where no lock is available, concurrent builds
+    # each write their own)
     fd, src = tempfile.mkstemp(suffix=".c", dir=path.parent)
     with os.fdopen(fd, "wb") as f:
         f.write(source)
@@ -149,7 +171,6 @@ def build_library(source: bytes, prefix: str, flags: list) -> Path:
         for f in (tmp, src):
             if os.path.exists(f):
                 os.unlink(f)
-    return path
 
 
 def _build() -> ctypes.CDLL:
