@@ -33,14 +33,14 @@ How it runs:
   kernel by address (:func:`scalar_pointers`: a 0-dim CPU tensor's own memory), so no value is
   read on the host. The source is compiled with the system C compiler
   (:func:`.native.build_library`) into ``$FT_CACHE_DIR`` under a name keyed by the source, about
-  0.1 s once per machine; later processes load it. Half-precision leaves are loaded into
-  ``float``, computed there and rounded to nearest even once, where a result is stored or the
-  stage converts to the half dtype (ATen's ``opmath``, as torch's fused optimizer kernels and
-  inductor compute; the stage run by torch rounds every operation instead). Their conversions
-  are written as integer operations, which the compiler vectorises (it does not vectorise
-  ``_Float16`` conversions), exact against torch's bit for bit. Under ``torch.compile`` the
-  kernel runs inside the opaque operator ``functional_train::fused_stage``
-  (:mod:`.elementwise`).
+  0.1 s once per machine (concurrent processes build it once); later processes load it.
+  Half-precision leaves are loaded into ``float``, computed there and rounded to nearest even
+  once, where a result is stored or the stage converts to the half dtype (ATen's ``opmath``, as
+  torch's fused optimizer kernels and inductor compute; the stage run by torch rounds every
+  operation instead). Their conversions are written as integer operations, which the compiler
+  vectorises (it does not vectorise ``_Float16`` conversions), exact against torch's bit for
+  bit. Under ``torch.compile`` the kernel runs inside the opaque operator
+  ``functional_train::fused_stage`` (:mod:`.elementwise`).
 * **CUDA leaves** (where Triton is importable): the same traced graph written as a Triton
   kernel, one launch per call (:mod:`.fuse_triton`; :func:`kernel_for` with ``device_type
   "cuda"``).
