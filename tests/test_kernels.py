@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import functional_train as ft
-from functional_train.engine import kernels, native
+from functional_train.engine import fuse, kernels, native
 
 
 @pytest.fixture
@@ -153,6 +153,45 @@ def test_native_sums_with_nans_zeroed(native_on, dtype, monkeypatch):
     monkeypatch.setattr(native, "ENABLED", False)
     fallback = native.sums_of_squares(ys, zeroed=True)
     torch.testing.assert_close(fallback.nan_to_num(-1.0), both.nan_to_num(-1.0), rtol=1e-13, atol=0)
+
+
+_X86_AVX2_FMA = {"avx2", "fma"} <= set(native._cpu().split())
+
+
+@pytest.mark.skipif(not _X86_AVX2_FMA, reason="compares this CPU's AVX2 sums with its plain C ones")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_sums_are_the_same_bits_without_avx2(native_on, dtype, monkeypatch, tmp_path):
+    """``_sumsq.h`` adds in the same order on every machine with fused multiply-adds: the
+    native sums (plain and NaN-zeroed) and a generated stage's sums of its results, compiled
+    without AVX2 (``-mno-avx2``: its 16 lanes in plain C, as on CPUs without AVX2 and on ARM),
+    are the bits of this CPU's AVX2 ones, at every length around a chunk of 16."""
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(n, generator=g, dtype=dtype) * 3 for n in (0, 1, 15, 16, 17, 47, 4099)]
+    xs[5][[3, 40]] = float("nan")
+
+    sc = fuse.scalar_pointers([0.5])
+
+    def sums():
+        def fn(ins, sc):  # (a new function: a kernel of its own, built with the flags now)
+            return (ins[0] * sc[0],)
+
+        k = fuse.kernel_for(fn, (dtype,), sc[1], sumsq=True)
+        assert k is not None, "the stage did not compile"
+        out, stage = [torch.empty_like(x) for x in xs], torch.empty(len(xs), dtype=torch.float64)
+        k([xs], [out], sc[0], sums=stage)
+        return native.sum_squares(xs, zeroed=True), stage
+
+    want = sums()
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_CFLAGS", [*native._CFLAGS, "-mno-avx2"])
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(fuse, "_CFLAGS", [*fuse._CFLAGS, "-mno-avx2"])
+    got = sums()
+    assert native._lib is not None and len(list(tmp_path.glob("*.so"))) == 2
+    for a, b in zip(got, want):
+        assert torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0))
+    assert [bool(v) for v in want[0][: len(xs)].isnan()] == [bool(x.isnan().any()) for x in xs]
 
 
 def test_clip_norm_native_and_foreach_agree(monkeypatch):

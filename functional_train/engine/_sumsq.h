@@ -3,13 +3,17 @@
  * Part of functional_train: the one definition of the clip's sums, used by ``_kernels.c``
  * (``ft_sumsq``, on tensors in memory) and by the stages ``fuse.py`` generates (a stage that
  * writes the updates a clip then reads sums them block by block as it writes them), so that
- * both give the same bits. The order of the additions depends only on the tensor's length:
- * with AVX2 and FMA, 16 interleaved lanes (four 256-bit accumulators) over every whole chunk
- * of 16 elements, added as ((a0 + a1) + (a2 + a3)) and then the four lanes as
- * ((l0 + l1) + (l2 + l3)); then the remaining elements one by one. Elsewhere every element one
- * by one. The square of a float32 is exact in float64; every step is a correctly rounded fused
- * multiply-add where the machine has one. Compile without floating-point contraction
- * (-ffp-contract=off): the fused multiply-adds are the explicit ones.
+ * both give the same bits. The order of the additions depends only on the tensor's length,
+ * and is the same on every machine: 16 interleaved lanes (lane j takes the elements whose index
+ * is j modulo 16) over every whole chunk of 16 elements; the lanes added as
+ * ((a[j] + a[4 + j]) + (a[8 + j] + a[12 + j])) for j < 4 and those four as
+ * ((l0 + l1) + (l2 + l3)); then the remaining elements one by one. With AVX2 and FMA the
+ * lanes are four 256-bit accumulators (a0 holding lanes 0 to 3, ...); elsewhere 16 doubles in
+ * plain C, which the compiler vectorises as it can (on x86 without AVX2: 2.1x the serial
+ * loop's speed that session 54 replaced, whose order differed). The square of a float32 is
+ * exact in float64; every step is a correctly rounded fused multiply-add where the machine has
+ * one (where it has none, a product and a sum: other bits). Compile without floating-point
+ * contraction (-ffp-contract=off): the fused multiply-adds are the explicit ones.
  *
  * Use: ft_sq_init(&s); ft_sq_chunks_f32(&s, x, m) over consecutive pieces of the tensor, each
  * a whole number of chunks of 16 but the last (whose own remainder it leaves); then
@@ -69,21 +73,29 @@ FT_SQ_ALWAYS double ft_sq_total(const ft_sq *s) {
     return (l[0] + l[1]) + (l[2] + l[3]);
 }
 #else
-typedef struct { double total; } ft_sq;
+#define FT_SQ_LANES 16
+typedef struct { double a[FT_SQ_LANES]; } ft_sq;
 
-FT_SQ_ALWAYS void ft_sq_init(ft_sq *s) { s->total = 0.0; }
+FT_SQ_ALWAYS void ft_sq_init(ft_sq *s) {
+    for (int j = 0; j < FT_SQ_LANES; j++) s->a[j] = 0.0;
+}
 
 #define FT_SQ_CHUNKS(T, SUF)                                                                    \
 FT_SQ_ALWAYS void ft_sq_chunks_##SUF(ft_sq *s, const T *x, int64_t n) {                         \
-    double total = s->total;                                                                    \
-    for (int64_t i = 0; i < (n & ~(int64_t)15); i++)                                            \
-        total = FT_SQ_FMA((double)x[i], (double)x[i], total);                                   \
-    s->total = total;                                                                           \
+    ft_sq a = *s; /* (a local: the accumulators stay in registers) */                          \
+    for (int64_t i = 0; i + FT_SQ_LANES <= n; i += FT_SQ_LANES)                                 \
+        for (int j = 0; j < FT_SQ_LANES; j++)                                                   \
+            a.a[j] = FT_SQ_FMA((double)x[i + j], (double)x[i + j], a.a[j]);                     \
+    *s = a;                                                                                     \
 }
 FT_SQ_CHUNKS(float, f32)
 FT_SQ_CHUNKS(double, f64)
 
-FT_SQ_ALWAYS double ft_sq_total(const ft_sq *s) { return s->total; }
+FT_SQ_ALWAYS double ft_sq_total(const ft_sq *s) {
+    double l[4];
+    for (int j = 0; j < 4; j++) l[j] = (s->a[j] + s->a[4 + j]) + (s->a[8 + j] + s->a[12 + j]);
+    return (l[0] + l[1]) + (l[2] + l[3]);
+}
 #endif
 
 #define FT_SQ_END(T, SUF)                                                                       \
@@ -134,14 +146,15 @@ FT_SQ_ALWAYS void ft_sq2_chunks_f64(ft_sq *s, ft_sq *z, const double *x, int64_t
 #else
 #define FT_SQ2_CHUNKS(T, SUF)                                                                   \
 FT_SQ_ALWAYS void ft_sq2_chunks_##SUF(ft_sq *s, ft_sq *z, const T *x, int64_t n) {              \
-    double total = s->total, zeroed = z->total;                                                 \
-    for (int64_t i = 0; i < (n & ~(int64_t)15); i++) {                                          \
-        const double v = (double)x[i], y = v == v ? v : 0.0;                                    \
-        total = FT_SQ_FMA(v, v, total);                                                         \
-        zeroed = FT_SQ_FMA(y, y, zeroed);                                                       \
-    }                                                                                           \
-    s->total = total;                                                                           \
-    z->total = zeroed;                                                                          \
+    ft_sq a = *s, b = *z;                                                                       \
+    for (int64_t i = 0; i + FT_SQ_LANES <= n; i += FT_SQ_LANES)                                 \
+        for (int j = 0; j < FT_SQ_LANES; j++) {                                                 \
+            const double v = (double)x[i + j], y = v == v ? v : 0.0;                            \
+            a.a[j] = FT_SQ_FMA(v, v, a.a[j]);                                                   \
+            b.a[j] = FT_SQ_FMA(y, y, b.a[j]);                                                   \
+        }                                                                                       \
+    *s = a;                                                                                     \
+    *z = b;                                                                                     \
 }
 FT_SQ2_CHUNKS(float, f32)
 FT_SQ2_CHUNKS(double, f64)
