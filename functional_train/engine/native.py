@@ -2,10 +2,11 @@
 C sources into shared libraries (:func:`build_library`; the generated stages of :mod:`.fuse`
 use it too).
 
-``_kernels.c`` (next to this file) sums each tensor's squares in float64 on 256-bit vectors
-(AVX2 with FMA; elsewhere a plain C loop), in an order that depends only on the tensor's
-length (``_sumsq.h``, which a generated stage uses too where it sums the updates it
-writes). The source is compiled on first use with the system C compiler (``$CC``, else
+``_kernels.c`` (next to this file) sums each tensor's squares in float64 in 16 interleaved
+lanes (256-bit vectors with AVX2 and FMA; elsewhere plain C, which the compiler vectorises as
+it can), in an order that depends only on the tensor's length and is the same on every machine
+with fused multiply-adds (``_sumsq.h``, which a generated stage uses too where it sums the
+updates it writes). The source is compiled on first use with the system C compiler (``$CC``, else
 ``cc``, else Python's; ``-O3 -march=native -ffp-contract=off``) into ``$FT_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/functional_train``, else ``~/.cache/functional_train``) under a name keyed
 by the source, the compiler, the flags and the CPU, once per machine; later processes load the
