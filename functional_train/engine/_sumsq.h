@@ -10,10 +10,11 @@
  * ((l0 + l1) + (l2 + l3)); then the remaining elements one by one. With AVX2 and FMA the
  * lanes are four 256-bit accumulators (a0 holding lanes 0 to 3, ...); elsewhere 16 doubles in
  * plain C, which the compiler vectorises as it can (on x86 without AVX2: 2.1x the speed of
- * the serial loop session 54 replaced for float32, 1.5x for float64; its order differed). The square of a float32 is
- * exact in float64; every step is a correctly rounded fused multiply-add where the machine has
- * one (where it has none, a product and a sum: other bits). Compile without floating-point
- * contraction (-ffp-contract=off): the fused multiply-adds are the explicit ones.
+ * the serial loop session 54 replaced for float32, 1.5x for float64; its order differed).
+ * The square of a float32 is exact in float64; every step is a correctly rounded fused
+ * multiply-add where the machine has one (where it has none, a product and a sum: other
+ * bits). Compile without floating-point contraction (-ffp-contract=off): the fused
+ * multiply-adds are the explicit ones.
  *
  * Use: ft_sq_init(&s); ft_sq_chunks_f32(&s, x, m) over consecutive pieces of the tensor, each
  * a whole number of chunks of 16 but the last (whose own remainder it leaves); then
