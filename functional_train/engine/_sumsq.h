@@ -21,8 +21,7 @@
  * ft_sq_end_f32(&s, the last n % 16 elements, n % 16).
  */
 #include <stdint.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if defined(__AVX2__) && defined(__FMA__) && (defined(__GNUC__) || defined(__clang__))
 #define FT_SQ_VECTOR 1
 #else
 #define FT_SQ_VECTOR 0
@@ -37,40 +36,59 @@
 #endif
 
 #if FT_SQ_VECTOR
-typedef struct { __m256d a0, a1, a2, a3; } ft_sq;
+/* 256-bit vectors in the compilers' vector extensions, not <immintrin.h>'s intrinsics (the
+   same instructions: vcvtps2pd, vfmadd231pd, vaddpd, vcmppd, vandpd; that header takes
+   longer to parse than the rest of a generated stage) */
+typedef double ft_sq_v4d __attribute__((vector_size(32)));
+typedef float ft_sq_v4f __attribute__((vector_size(16)));
+typedef long long ft_sq_v4l __attribute__((vector_size(32)));
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_elementwise_fma)
+#define FT_SQ_VFMA(a, b, c) __builtin_elementwise_fma(a, b, c)
+#endif
+#endif
+#ifndef FT_SQ_VFMA
+#define FT_SQ_VFMA(a, b, c) __builtin_ia32_vfmaddpd256(a, b, c)
+#endif
+typedef struct { ft_sq_v4d a0, a1, a2, a3; } ft_sq;
+
+/* four elements from x, as doubles (exact) */
+FT_SQ_ALWAYS ft_sq_v4d ft_sq_load_f32(const float *x) {
+    ft_sq_v4f v;
+    __builtin_memcpy(&v, x, sizeof v);
+#if defined(__clang__)
+    return __builtin_convertvector(v, ft_sq_v4d);
+#else /* (GCC splits __builtin_convertvector into two 128-bit conversions) */
+    return __builtin_ia32_cvtps2pd256(v);
+#endif
+}
+FT_SQ_ALWAYS ft_sq_v4d ft_sq_load_f64(const double *x) {
+    ft_sq_v4d v;
+    __builtin_memcpy(&v, x, sizeof v);
+    return v;
+}
 
 FT_SQ_ALWAYS void ft_sq_init(ft_sq *s) {
-    s->a0 = s->a1 = s->a2 = s->a3 = _mm256_setzero_pd();
+    const ft_sq_v4d zero = {0.0, 0.0, 0.0, 0.0};
+    s->a0 = s->a1 = s->a2 = s->a3 = zero;
 }
 
-FT_SQ_ALWAYS void ft_sq_chunks_f32(ft_sq *s, const float *x, int64_t n) {
-    __m256d a0 = s->a0, a1 = s->a1, a2 = s->a2, a3 = s->a3;
-    for (int64_t i = 0; i + 16 <= n; i += 16) {
-        const __m256 u = _mm256_loadu_ps(x + i), w = _mm256_loadu_ps(x + i + 8);
-        const __m256d u0 = _mm256_cvtps_pd(_mm256_castps256_ps128(u)),
-                      u1 = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)),
-                      w0 = _mm256_cvtps_pd(_mm256_castps256_ps128(w)),
-                      w1 = _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1));
-        a0 = _mm256_fmadd_pd(u0, u0, a0); a1 = _mm256_fmadd_pd(u1, u1, a1);
-        a2 = _mm256_fmadd_pd(w0, w0, a2); a3 = _mm256_fmadd_pd(w1, w1, a3);
-    }
-    s->a0 = a0; s->a1 = a1; s->a2 = a2; s->a3 = a3;
+#define FT_SQ_CHUNKS(T, SUF)                                                                    \
+FT_SQ_ALWAYS void ft_sq_chunks_##SUF(ft_sq *s, const T *x, int64_t n) {                         \
+    ft_sq_v4d a0 = s->a0, a1 = s->a1, a2 = s->a2, a3 = s->a3;                                   \
+    for (int64_t i = 0; i + 16 <= n; i += 16) {                                                 \
+        const ft_sq_v4d u0 = ft_sq_load_##SUF(x + i), u1 = ft_sq_load_##SUF(x + i + 4),         \
+                        w0 = ft_sq_load_##SUF(x + i + 8), w1 = ft_sq_load_##SUF(x + i + 12);    \
+        a0 = FT_SQ_VFMA(u0, u0, a0); a1 = FT_SQ_VFMA(u1, u1, a1);                               \
+        a2 = FT_SQ_VFMA(w0, w0, a2); a3 = FT_SQ_VFMA(w1, w1, a3);                               \
+    }                                                                                           \
+    s->a0 = a0; s->a1 = a1; s->a2 = a2; s->a3 = a3;                                             \
 }
-
-FT_SQ_ALWAYS void ft_sq_chunks_f64(ft_sq *s, const double *x, int64_t n) {
-    __m256d a0 = s->a0, a1 = s->a1, a2 = s->a2, a3 = s->a3;
-    for (int64_t i = 0; i + 16 <= n; i += 16) {
-        const __m256d u0 = _mm256_loadu_pd(x + i), u1 = _mm256_loadu_pd(x + i + 4),
-                      w0 = _mm256_loadu_pd(x + i + 8), w1 = _mm256_loadu_pd(x + i + 12);
-        a0 = _mm256_fmadd_pd(u0, u0, a0); a1 = _mm256_fmadd_pd(u1, u1, a1);
-        a2 = _mm256_fmadd_pd(w0, w0, a2); a3 = _mm256_fmadd_pd(w1, w1, a3);
-    }
-    s->a0 = a0; s->a1 = a1; s->a2 = a2; s->a3 = a3;
-}
+FT_SQ_CHUNKS(float, f32)
+FT_SQ_CHUNKS(double, f64)
 
 FT_SQ_ALWAYS double ft_sq_total(const ft_sq *s) {
-    double l[4];
-    _mm256_storeu_pd(l, _mm256_add_pd(_mm256_add_pd(s->a0, s->a1), _mm256_add_pd(s->a2, s->a3)));
+    const ft_sq_v4d l = (s->a0 + s->a1) + (s->a2 + s->a3);
     return (l[0] + l[1]) + (l[2] + l[3]);
 }
 #else
@@ -114,36 +132,29 @@ FT_SQ_END(double, f64)
  * sums that say which tensors hold a NaN. Use: ft_sq_init both; ft_sq2_chunks_f32(&s, &z, x,
  * m) as ft_sq_chunks_f32; then ft_sq_end_f32(&s, ...) and ft_sq_end_nz_f32(&z, ...). */
 #if FT_SQ_VECTOR
-#define FT_SQ_NZ(v) _mm256_and_pd((v), _mm256_cmp_pd((v), (v), _CMP_ORD_Q))
+/* v with its NaNs made +0: the bits ANDed with the mask of v == v */
+#define FT_SQ_NZ(v) ((ft_sq_v4d)((ft_sq_v4l)(v) & (ft_sq_v4l)((v) == (v))))
 
 /* One chunk's four vectors of squares added to s's lanes and their NaN-zeroed ones to z's. */
-FT_SQ_ALWAYS void ft_sq2_add(ft_sq *s, ft_sq *z, __m256d u0, __m256d u1, __m256d w0, __m256d w1) {
-    s->a0 = _mm256_fmadd_pd(u0, u0, s->a0); s->a1 = _mm256_fmadd_pd(u1, u1, s->a1);
-    s->a2 = _mm256_fmadd_pd(w0, w0, s->a2); s->a3 = _mm256_fmadd_pd(w1, w1, s->a3);
+FT_SQ_ALWAYS void ft_sq2_add(ft_sq *s, ft_sq *z, ft_sq_v4d u0, ft_sq_v4d u1, ft_sq_v4d w0,
+                             ft_sq_v4d w1) {
+    s->a0 = FT_SQ_VFMA(u0, u0, s->a0); s->a1 = FT_SQ_VFMA(u1, u1, s->a1);
+    s->a2 = FT_SQ_VFMA(w0, w0, s->a2); s->a3 = FT_SQ_VFMA(w1, w1, s->a3);
     u0 = FT_SQ_NZ(u0); u1 = FT_SQ_NZ(u1); w0 = FT_SQ_NZ(w0); w1 = FT_SQ_NZ(w1);
-    z->a0 = _mm256_fmadd_pd(u0, u0, z->a0); z->a1 = _mm256_fmadd_pd(u1, u1, z->a1);
-    z->a2 = _mm256_fmadd_pd(w0, w0, z->a2); z->a3 = _mm256_fmadd_pd(w1, w1, z->a3);
+    z->a0 = FT_SQ_VFMA(u0, u0, z->a0); z->a1 = FT_SQ_VFMA(u1, u1, z->a1);
+    z->a2 = FT_SQ_VFMA(w0, w0, z->a2); z->a3 = FT_SQ_VFMA(w1, w1, z->a3);
 }
 
-FT_SQ_ALWAYS void ft_sq2_chunks_f32(ft_sq *s, ft_sq *z, const float *x, int64_t n) {
-    ft_sq a = *s, b = *z; /* (locals: the accumulators stay in registers) */
-    for (int64_t i = 0; i + 16 <= n; i += 16) {
-        const __m256 u = _mm256_loadu_ps(x + i), w = _mm256_loadu_ps(x + i + 8);
-        ft_sq2_add(&a, &b, _mm256_cvtps_pd(_mm256_castps256_ps128(u)),
-                   _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1)),
-                   _mm256_cvtps_pd(_mm256_castps256_ps128(w)),
-                   _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
-    }
-    *s = a; *z = b;
+#define FT_SQ2_CHUNKS(T, SUF)                                                                   \
+FT_SQ_ALWAYS void ft_sq2_chunks_##SUF(ft_sq *s, ft_sq *z, const T *x, int64_t n) {              \
+    ft_sq a = *s, b = *z; /* (locals: the accumulators stay in registers) */                   \
+    for (int64_t i = 0; i + 16 <= n; i += 16)                                                   \
+        ft_sq2_add(&a, &b, ft_sq_load_##SUF(x + i), ft_sq_load_##SUF(x + i + 4),                \
+                   ft_sq_load_##SUF(x + i + 8), ft_sq_load_##SUF(x + i + 12));                  \
+    *s = a; *z = b;                                                                             \
 }
-
-FT_SQ_ALWAYS void ft_sq2_chunks_f64(ft_sq *s, ft_sq *z, const double *x, int64_t n) {
-    ft_sq a = *s, b = *z;
-    for (int64_t i = 0; i + 16 <= n; i += 16)
-        ft_sq2_add(&a, &b, _mm256_loadu_pd(x + i), _mm256_loadu_pd(x + i + 4),
-                   _mm256_loadu_pd(x + i + 8), _mm256_loadu_pd(x + i + 12));
-    *s = a; *z = b;
-}
+FT_SQ2_CHUNKS(float, f32)
+FT_SQ2_CHUNKS(double, f64)
 #else
 #define FT_SQ2_CHUNKS(T, SUF)                                                                   \
 FT_SQ_ALWAYS void ft_sq2_chunks_##SUF(ft_sq *s, ft_sq *z, const T *x, int64_t n) {              \
