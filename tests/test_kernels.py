@@ -5,6 +5,7 @@ fails."""
 
 import concurrent.futures
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -259,6 +260,28 @@ def test_concurrent_builds_compile_once(monkeypatch, tmp_path):
     assert len(set(paths)) == 1 and calls.read_text() == "x\n"
     assert ctypes.CDLL(str(paths[0])).ft_answer() == 42
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [paths[0].name]
+
+
+def test_a_caller_that_finds_the_library_built_under_the_lock_leaves_no_lock(monkeypatch, tmp_path):
+    """A caller that missed the library at its first check, and took the lock after the
+    builder had removed its lock file (so made a fresh one), finds the library, compiles
+    nothing and removes that lock file too."""
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path / "cache"))
+    source = b"long ft_answer(void) { return 42; }\n"
+    built = native.build_library(source, "t", ["-shared", "-fPIC"])
+    monkeypatch.setattr(native, "_compile", lambda *a: pytest.fail("compiled again"))
+    real_exists, misses = Path.exists, [built]
+
+    def exists(self, **kw):  # (the first check misses the library: the builder not yet done)
+        if self == built and misses:
+            misses.pop()
+            return False
+        return real_exists(self, **kw)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    assert native.build_library(source, "t", ["-shared", "-fPIC"]) == built and not misses
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [built.name]
 
 
 CONFIGS_8BIT = {

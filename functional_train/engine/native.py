@@ -138,15 +138,16 @@ def build_library(source: bytes, prefix: str, flags: list) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # one build per library: concurrent processes (ranks, test workers) wait for the one that
-    # holds the lock, then find its file (the lock file goes once the library is in place:
-    # every holder checks for the library after taking it)
+    # holds the lock, then find its file. Every holder that finds the library in place removes
+    # the lock file: a process that came after the builder removed it made a fresh one
+    # (holders check for the library after taking the lock, so none builds twice)
     lock_path = path.with_suffix(".lock")
     with open(lock_path, "a") as lock:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
             _compile(cc, source, flags, path)
-            lock_path.unlink(missing_ok=True)
+        lock_path.unlink(missing_ok=True)
     return path
 
 
