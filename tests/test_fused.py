@@ -219,6 +219,95 @@ def test_triton_writer_writes_every_generated_stage(dtype, monkeypatch):
             assert source.count("tl.store(") == len(out_dtypes)
 
 
+def _graph_ops(graph) -> list:
+    """A graph as ``(op, target, args, kwargs, dtype and shape)`` per node, nodes numbered."""
+    number: dict = {}
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return ("node", number[a])
+        if isinstance(a, torch.device):  # (the 3-element tensors' device: CPU either way)
+            return "device"
+        return a
+
+    ops = []
+    for node in graph.nodes:
+        number[node] = len(number)
+        val = node.meta.get("val")
+        val = (val.dtype, tuple(val.shape)) if isinstance(val, torch.Tensor) else None
+        if node.op == "placeholder":
+            ops.append(("placeholder", val))
+            continue
+        args, kwargs = optree.tree_map(arg, (node.args, node.kwargs), none_is_leaf=True)
+        ops.append((node.op, str(node.target), args, kwargs, val))
+    return ops
+
+
+@pytest.mark.parametrize("below_autograd", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trace_records_the_graph_make_fx_records(dtype, below_autograd, monkeypatch):
+    """``fuse.trace`` records a stage's ATen operations with a dispatch mode on small real
+    tensors; for every stage of the chains above (every mode), the graph is the one
+    ``make_fx`` (fake tensors) records, operation for operation: targets, arguments, dtypes and
+    shapes (the factories' results included, which torch's binding would hand back detached
+    from a mode that kept them). ``below_autograd``: traced as inside a custom operator (the
+    compiled step's ``fused_stage``), where composite operations reach the mode whole."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    stages: dict = {}
+    real = fuse.kernel_for
+
+    def spy(fn, in_dtypes, scalar_dtypes, n_per_leaf=0, device_type="cpu", sumsq=False, **kw):
+        stages[(fn, in_dtypes, scalar_dtypes, n_per_leaf, tuple(kw.get("vectors", ())))] = 1
+        return real(fn, in_dtypes, scalar_dtypes, n_per_leaf, device_type, sumsq, **kw)
+
+    monkeypatch.setattr(fuse, "kernel_for", spy)
+    params, grads = _problem(dtype)
+    for name in sorted(CHAINS):
+        for mode in ("update", "pure", "donate"):
+            _run(CHAINS[name](), params, grads, mode)
+    assert len(stages) >= 10
+    below = torch._C._AutoDispatchBelowAutograd if below_autograd else contextlib.nullcontext
+    for fn, in_dtypes, scalar_dtypes, n_per_leaf, vectors in stages:
+        with below():
+            graph = fuse.trace(fn, in_dtypes, scalar_dtypes, n_per_leaf, vectors)
+        first = len(in_dtypes) - n_per_leaf
+        vec = (*([True] * first), *(vectors or [False] * n_per_leaf))
+        ins = [torch.zeros(3 if v else (), dtype=d) for v, d in zip(vec, in_dtypes)]
+        scs = [torch.ones((), dtype=d) for d in scalar_dtypes]
+
+        def flat(*args, fn=fn, n=first + n_per_leaf):
+            return tuple(fn(args[:n], args[n:]))
+
+        with torch.no_grad(), below():
+            want = make_fx(flat, tracing_mode="fake")(*ins, *scs).graph
+        assert _graph_ops(graph) == _graph_ops(want), fn
+
+
+def test_a_stage_that_reads_a_value_or_a_captured_tensor_runs_leaf_by_leaf(monkeypatch):
+    """A user's primitive that captures a tensor (no input of the stage) or branches on a
+    tensor's value (a host read) cannot be generated: the trace says so (``Unsupported``),
+    the stage runs leaf by leaf in torch, and the numbers are the definition's."""
+    scale = torch.tensor(0.5, dtype=torch.float64)
+
+    def captured(u, p):
+        return u * scale
+
+    def branches(u, p):
+        return u * 0.5 if bool((u.abs() < 1e3).all()) else u
+
+    for leaf in (captured, branches):
+        with pytest.raises(fuse.Unsupported):
+            fuse.trace(lambda ins, sc, leaf=leaf: (leaf(ins[0], None),), (torch.float64,), (), 0)
+        params, grads = _problem(torch.float64)
+        seen = kernel_calls(monkeypatch)
+        tx = ft.chain(ft.elementwise(leaf, name=leaf.__name__), ft.scale(-0.1))
+        got, _ = _run(tx, params, grads, "pure")
+        assert not seen, "the stage runs leaf by leaf"
+        want = {k: v - 0.1 * 0.5 * sum(g[k] for g in grads) for k, v in params.items()}
+        params_close(got, want, params, torch.float64)
+
+
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_conversions_round_as_torch(dtype, device):
     """The generated conversions: every half value to float exactly; floats (a sample of bit

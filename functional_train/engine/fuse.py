@@ -18,10 +18,11 @@ signature, which :mod:`.elementwise` calls on lists of leaves.
 How it runs:
 
 * **CPU, float32 / float64 / bfloat16 / float16 leaves.** The stage is traced once per signature
-  (its function and the dtypes of its inputs and scalars) with
-  ``torch.fx.experimental.proxy_tensor.make_fx`` (fake tensors, about 35 ms) into ATen
-  operations; each operation becomes one line of C inside a single loop over the elements of a
-  leaf, which the C compiler vectorises (``-O3 -march=native -fopenmp-simd``). No floating-point
+  (its function and the dtypes of its inputs and scalars) into ATen operations, recorded by a
+  ``TorchDispatchMode`` as it runs on 3-element CPU tensors (:func:`trace`, about 1 ms: the
+  graph ``make_fx`` records, at a tenth of its cost); each operation becomes one line of C
+  inside a single loop over the elements of a leaf, which the C compiler vectorises
+  (``-O3 -march=native -fopenmp-simd``). No floating-point
   contraction beyond the fused multiply-adds ATen's own CPU kernels use (``add`` with ``alpha``,
   ``addcmul``, ``lerp``), and IEEE's correctly rounded division and square root: the results
   equal the stage run by torch to float rounding (torch's float32 ``sqrt`` on CPU is not always
@@ -61,10 +62,13 @@ import ctypes
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import optree
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
 
 from . import native
 from .pool import const_data_ptr
@@ -272,10 +276,8 @@ class Lowering:
     #: the dtypes a value may have in the writer's language, with their names there
     TYPES: dict = {}
 
-    def __init__(
-        self, gm: torch.fx.GraphModule, n_inputs: int, n_per_leaf: int, vectors: tuple = ()
-    ):
-        self.gm = gm
+    def __init__(self, graph: torch.fx.Graph, n_inputs: int, n_per_leaf: int, vectors: tuple = ()):
+        self.graph = graph
         self.n_inputs = n_inputs
         self.n_per_leaf = n_per_leaf  # the last inputs: one value per leaf (0-dim)
         # (of those, the ones read per element after all: see kernel_for's ``vectors``)
@@ -346,8 +348,8 @@ class Lowering:
     def enter(self, node, args, vec: bool) -> None:
         """Called before a node is lowered (the C writer places values by level)."""
 
-    def lower_graph(self, gm: torch.fx.GraphModule) -> list:
-        """Lower every operation of ``gm`` (its placeholders named already); its results,
+    def lower_graph(self) -> list:
+        """Lower every operation of the graph (its placeholders named already); its results,
         each a leaf-shaped value (one computed from scalars only, ``zeros_like(x)``, is
         written to every element).
 
@@ -355,7 +357,7 @@ class Lowering:
             Unsupported: an operation or result the writer does not write.
         """
         outputs: list = []
-        for node in gm.graph.nodes:
+        for node in self.graph.nodes:
             if node.op == "placeholder":
                 continue
             if node.op == "output":
@@ -512,13 +514,13 @@ class _Writer(Lowering):
 
     def __init__(
         self,
-        gm: torch.fx.GraphModule,
+        graph: torch.fx.Graph,
         n_inputs: int,
         n_scalars: int,
         n_per_leaf: int,
         vectors: tuple = (),
     ):
-        super().__init__(gm, n_inputs, n_per_leaf, vectors)
+        super().__init__(graph, n_inputs, n_per_leaf, vectors)
         self.n_scalars = n_scalars
         self.pre: list = []  # scalar-only lines, once per call
         self.mid: list = []  # lines of per-leaf values, once per leaf
@@ -569,7 +571,7 @@ class _Writer(Lowering):
         apply) whose sums of squares it writes too, into a pointer after that one, summed
         from each block as it was read (the same bits as well)."""
         outputs = []
-        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != self.n_inputs + self.n_scalars:
             raise Unsupported("unexpected placeholders")
         in_dtypes = []
@@ -591,7 +593,7 @@ class _Writer(Lowering):
             if compute_dtype(val.dtype) not in _CTYPE:
                 raise Unsupported(f"dtype {val.dtype}")
             self.dtypes[node] = compute_dtype(val.dtype)
-        outputs = self.lower_graph(self.gm)
+        outputs = self.lower_graph()
         out_dtypes = [o.meta["val"].dtype for o in outputs]
         nin, nout = self.n_inputs, len(outputs)
         if sumsq and (not outputs or out_dtypes[0] not in _SUMSQ):
@@ -752,24 +754,74 @@ def common_dtype(args) -> torch.dtype:
 TRACE_NUMEL = 3  # the leaves a stage is traced on: 1-D, of this many elements
 
 
-def trace(fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int, vectors: tuple = ()):
-    from torch.fx.experimental.proxy_tensor import make_fx
+class _Recorder(TorchDispatchMode):
+    """Records the ATen operations a stage runs on small real CPU tensors into an FX graph:
+    one ``call_function`` node per operation, ``meta["val"]`` a meta tensor of its result's
+    dtype and shape (what the writers read). The operations are those ``make_fx`` records:
+    the ones that reach the Python dispatch key, a composite one decomposed there as autograd
+    would have (where it arrives whole: inside a custom operator), at a tenth of its cost
+    (no proxies, no fake tensors). A tensor no operation of the trace made (a constant the
+    stage captured), an operation on a Python value of a tensor (a host read, ``bool()``),
+    or a result that is not one tensor is :class:`Unsupported`. Results are held by weak
+    references: torch's binding hands a factory's result back detached (one more operation)
+    where the mode still holds it."""
 
+    def __init__(self, graph: torch.fx.Graph):
+        super().__init__()
+        self.graph = graph
+        self.nodes: dict[int, tuple[weakref.ref, torch.fx.Node]] = {}
+
+    def add(self, x: torch.Tensor, node: torch.fx.Node) -> None:
+        node.meta["val"] = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        self.nodes[id(x)] = (weakref.ref(x), node)
+
+    def node(self, x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        got = self.nodes.get(id(x))
+        if got is None or got[0]() is not x:
+            raise Unsupported("a tensor the stage did not compute from its inputs")
+        return got[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # (a composite operation that reaches this key without autograd's decomposition, as
+        # inside a custom operator: decomposed here, as make_fx does)
+        if autograd_would_have_decomposed(func, optree.tree_leaves((args, kwargs))):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        node_args = optree.tree_map(self.node, args, none_is_leaf=True)
+        node_kwargs = optree.tree_map(self.node, kwargs, none_is_leaf=True)
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise Unsupported(f"{func}: a result that is not one tensor")
+        self.add(out, self.graph.call_function(func, node_args, node_kwargs))
+        return out
+
+
+def trace(
+    fn: Callable, in_dtypes, scalar_dtypes, n_per_leaf: int, vectors: tuple = ()
+) -> torch.fx.Graph:
+    """The graph of ATen operations ``fn`` runs (:class:`_Recorder`): its placeholders the
+    inputs (leaf-shaped ones 1-D of :data:`TRACE_NUMEL` elements, per-leaf ones 0-dim unless
+    ``vectors`` marks them), then the scalars (0-dim); its output the results."""
     first_per_leaf = len(in_dtypes) - n_per_leaf
     vectors = tuple(vectors) or (False,) * n_per_leaf
-    ins = tuple(
-        torch.zeros(
-            TRACE_NUMEL if k < first_per_leaf or vectors[k - first_per_leaf] else (), dtype=d
-        )
-        for k, d in enumerate(in_dtypes)
-    )
-    scs = tuple(torch.ones((), dtype=d) for d in scalar_dtypes)
-
-    def flat(*args):
-        return tuple(fn(args[: len(ins)], args[len(ins) :]))
-
-    with torch.no_grad():
-        return make_fx(flat, tracing_mode="fake")(*ins, *scs)
+    graph = torch.fx.Graph()
+    rec = _Recorder(graph)
+    args = []
+    for k, d in enumerate((*in_dtypes, *scalar_dtypes)):
+        vec = k < first_per_leaf or (k < len(in_dtypes) and vectors[k - first_per_leaf])
+        x = torch.zeros(TRACE_NUMEL, dtype=d) if vec else torch.ones((), dtype=d)
+        rec.add(x, graph.placeholder(f"a{k}"))
+        args.append(x)
+    n = len(in_dtypes)
+    with torch.no_grad(), rec:
+        outs = tuple(fn(tuple(args[:n]), tuple(args[n:])))
+    graph.output(tuple(rec.node(o) for o in outs))
+    return graph
 
 
 def _build(source: str) -> ctypes.CDLL:
@@ -804,8 +856,8 @@ class Kernel:
         vectors: tuple = (),
         sum_in: int | None = None,
     ):
-        gm = trace(fn, in_dtypes, scalar_dtypes, n_per_leaf, vectors)
-        w = _Writer(gm, len(in_dtypes), len(scalar_dtypes), n_per_leaf, vectors)
+        graph = trace(fn, in_dtypes, scalar_dtypes, n_per_leaf, vectors)
+        w = _Writer(graph, len(in_dtypes), len(scalar_dtypes), n_per_leaf, vectors)
         self.source, (_, out_dtypes) = w.source("ft_stage", sumsq, sum_in)
         self.sumsq = sumsq
         self.sum_in = sum_in

@@ -1,8 +1,8 @@
 """Fused elementwise passes on CUDA: one generated Triton kernel per stage.
 
 The CUDA counterpart of :mod:`.fuse`'s C kernels. The stage (a per-leaf function of plain
-tensor operations, see :mod:`.fuse`) is traced once per signature with ``make_fx`` into ATen
-operations, as for the C kernels (:func:`.fuse.trace`); each operation becomes one line of a
+tensor operations, see :mod:`.fuse`) is traced once per signature into ATen operations, as
+for the C kernels (:func:`.fuse.trace`); each operation becomes one line of a
 Triton kernel (the lowering is :class:`.fuse.Lowering`'s, shared with the C writer; this module
 supplies the Triton dialect), which :func:`triton.jit` compiles for the GPU at its first launch
 (Triton caches the binary in ``~/.triton``; the generated source is written to
@@ -119,13 +119,13 @@ class _Writer(Lowering):
 
     def __init__(
         self,
-        gm: torch.fx.GraphModule,
+        graph: torch.fx.Graph,
         n_inputs: int,
         scalar_kinds,
         n_per_leaf: int,
         indexed: bool = False,
     ):
-        super().__init__(gm, n_inputs, n_per_leaf, (indexed,) * n_per_leaf if indexed else ())
+        super().__init__(graph, n_inputs, n_per_leaf, (indexed,) * n_per_leaf if indexed else ())
         # (every per-leaf input read per element through its leaf's index triple: by_rows)
         self.indexed = indexed
         self.scalar_kinds = scalar_kinds  # per scalar: (dtype, read through an address)
@@ -203,7 +203,7 @@ class _Writer(Lowering):
         return f"tl.where({small}, {w}, {w} - {self.one(dtype)})"
 
     def source(self, fn_name: str) -> tuple[str, list]:
-        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         n_sc = len(self.scalar_kinds)
         if len(placeholders) != self.n_inputs + n_sc:
             raise Unsupported("unexpected placeholders")
@@ -224,7 +224,7 @@ class _Writer(Lowering):
             if compute_dtype(d) not in _TL:
                 raise Unsupported(f"dtype {d}")
             self.dtypes[node] = compute_dtype(d)
-        outputs = self.lower_graph(self.gm)
+        outputs = self.lower_graph()
         out_dtypes = [o.meta["val"].dtype for o in outputs]
         for d in out_dtypes:
             if d not in _LEAF_DTYPES:
@@ -354,8 +354,8 @@ def source_of(
         Unsupported: an operation or dtype the writer does not write.
     """
     vectors = (True,) * n_per_leaf if indexed else ()
-    gm = trace(fn, in_dtypes, tuple(d for d, _ in scalar_kinds), n_per_leaf, vectors)
-    writer = _Writer(gm, len(in_dtypes), scalar_kinds, n_per_leaf, indexed)
+    graph = trace(fn, in_dtypes, tuple(d for d, _ in scalar_kinds), n_per_leaf, vectors)
+    writer = _Writer(graph, len(in_dtypes), scalar_kinds, n_per_leaf, indexed)
     source, out_dtypes = writer.source("ft_stage")
     if "libdevice." in source:
         source = source.replace(
