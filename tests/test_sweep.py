@@ -332,30 +332,31 @@ _SHARDED_CASES = sharded_cases(
 
 def _all_plain_case() -> ShardedCase:
     """An explicit example every transform gets: every leaf a plain tensor (no DTensor to find
-    the mesh from, only the ``Mesh`` passed to update), sizes uneven over the mesh (2,)."""
+    the mesh from, only the ``Mesh`` passed to update), sizes uneven over the mesh (2,), one
+    leaf in a list (``blk.seq``: a placements tree holds a list there too)."""
     gen = torch.Generator().manual_seed(3)
 
     def tree():
         return {
             "w0": torch.randn(3, generator=gen),
-            "blk": {"w1": torch.randn(2, 3, generator=gen)},
+            "blk": {"w1": torch.randn(2, 3, generator=gen), "seq": [torch.randn(5, generator=gen)]},
         }
 
     return ShardedCase(
         params=tree(),
         grads_per_step=[tree(), tree()],
         mesh_shape=(2,),
-        placements={"w0": None, "blk": {"w1": None}},
-        leaves=[("w0", (3,), torch.float32, None), ("blk.w1", (2, 3), torch.float32, None)],
+        placements={"w0": None, "blk": {"w1": None, "seq": [None]}},
+        leaves=[
+            ("w0", (3,), torch.float32, None),
+            ("blk.w1", (2, 3), torch.float32, None),
+            ("blk.seq.0", (5,), torch.float32, None),
+        ],
         seed=3,
         grad_rank=None,
         grad_scale=1.0,
         frozen=None,
     )
-
-
-def _is_placements(x) -> bool:
-    return x is None or (isinstance(x, (list, tuple)) and not hasattr(x, "_fields"))
 
 
 @pytest.mark.parametrize("name", cases("sharded"))
@@ -380,12 +381,9 @@ def test_sharded(name):
             finite=True,
             **case,
         )
-        if name in reg.NEEDS_A_DTENSOR and all(
-            p is None
-            for p in optree.tree_leaves(
-                case["placements"], none_is_leaf=True, is_leaf=_is_placements
-            )
-        ):
+        # (every leaf plain, read from the case's per-leaf list: a walk of the placements
+        # tree cannot tell a list of leaves, ``blk.seq``, from one leaf's placements)
+        if name in reg.NEEDS_A_DTENSOR and all(pl is None for *_, pl in case.leaves):
             with pytest.raises(ValueError, match=reg.NEEDS_A_DTENSOR[name]):
                 run()
             return
