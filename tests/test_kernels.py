@@ -224,6 +224,44 @@ def test_clip_norm_native_and_foreach_agree(monkeypatch):
         assert ((p1[k] - p0[k]).abs() <= 1e-5 * change + 6 * eps * p0[k].abs()).all(), k
 
 
+@pytest.mark.parametrize("how", ["update", "step"])
+def test_native_sums_of_plain_leaves_under_simulated_ranks(native_on, how):
+    """Plain (not DTensor) leaves under ``testing.simulate``, whose ``LocalTensorMode`` makes
+    every new tensor a simulated rank's: the native sums allocate outside the mode (before,
+    their own buffer was the mode's, without a data pointer, and ``clip_by_global_norm`` and
+    ``zero_nans`` raised a RuntimeError), and three steps give every rank the plain run's
+    parameters bit for bit."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    from functional_train.testing import simulate
+
+    tx = ft.chain(ft.zero_nans(), ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1))
+    p0 = _tree(torch.float32)
+    grads = [_gradients_and_inputs(i, p0, None)[0] for i in range(3)]
+
+    def run():
+        p, s = p0, tx.init(p0)
+        for g in grads:
+            if how == "update":
+                u, s = tx.update(g, s, p)
+                p = ft.apply_updates(p, u)
+            else:
+                p, s = ft.step(tx, g, s, p)
+        return p
+
+    want = run()
+    with simulate(2):
+        sums = native.sum_squares(list(p0.values()))
+        got = run()
+    assert type(sums) is torch.Tensor
+    assert torch.equal(sums, native.sum_squares(list(p0.values())))
+    for k, x in got.items():
+        ranks = list(x._local_tensors.values()) if isinstance(x, LocalTensor) else [x]
+        assert len(ranks) in (1, 2)
+        for r in ranks:
+            assert torch.equal(r, want[k]), k
+
+
 def test_native_fallback_when_the_compiler_is_missing(monkeypatch, tmp_path):
     """Where the C compiler is missing (or fails), the clip's norm warns once and torch sums
     the squares, with the primitives' numbers."""

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 try:
     import fcntl
@@ -228,13 +229,24 @@ def sum_squares(xs: Sequence[torch.Tensor], zeroed: bool = False) -> torch.Tenso
     :func:`.pool.in_one_order`) where it lies; one with gaps or overlaps (a slice) is copied
     first, contiguous, one at a time. So a sum depends only on its tensor's values in memory
     order (the logical order's sum to float64 rounding), not on where it lies in memory (see
-    ``ft_sumsq`` in ``_kernels.c``), nor on a dispatch mode (the tensors themselves must be
-    plain). One call per dtype, on the calling thread."""
+    ``ft_sumsq`` in ``_kernels.c``), nor on a dispatch mode: the tensors themselves must be
+    plain, and under a mode (``LocalTensorMode``'s simulated ranks, a user's) the sums' own
+    buffers and copies are made outside it, plain tensors the kernels can read (the mode's
+    would be its tensors: a simulated rank's, without data pointers), and so is the result.
+    One call per dtype, on the calling thread."""
     if not xs or set(map(type, xs)) != {torch.Tensor} or not all(map(_IS_CPU, xs)):
         return None
     dtypes = set(map(_DTYPE_OF, xs))
     if not dtypes <= _DTYPES.keys() or not all(map(available, dtypes)):
         return None
+    if torch._C._len_torch_dispatch_stack():
+        with _disable_current_modes():
+            return _sums_of(xs, dtypes, zeroed)
+    return _sums_of(xs, dtypes, zeroed)
+
+
+def _sums_of(xs: Sequence[torch.Tensor], dtypes: set, zeroed: bool) -> torch.Tensor:
+    """:func:`sum_squares` of tensors that qualify, of the ``dtypes``."""
     if all_in_one_order(xs):
         return _sums(xs, dtypes, zeroed)
     # one with gaps copied first, one at a time (summed while the copy is in the caches, and
