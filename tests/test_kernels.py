@@ -224,18 +224,39 @@ def test_clip_norm_native_and_foreach_agree(monkeypatch):
         assert ((p1[k] - p0[k]).abs() <= 1e-5 * change + 6 * eps * p0[k].abs()).all(), k
 
 
+def _multi_steps_groups():
+    def group(p):
+        return {k: "a" if v.ndim >= 2 else "b" for k, v in p.items()}
+
+    clipped = ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1))
+    return ft.partition(
+        {"a": ft.multi_steps(clipped, 2), "b": ft.multi_steps(ft.sgd(0.1, momentum=0.9), 2)},
+        group,
+    )
+
+
+_SIMULATED = {
+    "zero_nans": lambda: ft.chain(
+        ft.zero_nans(), ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1)
+    ),
+    "multi_steps_groups": _multi_steps_groups,
+}
+
+
+@pytest.mark.parametrize("name", list(_SIMULATED))
 @pytest.mark.parametrize("how", ["update", "step"])
-def test_native_sums_of_plain_leaves_under_simulated_ranks(native_on, how):
+def test_kernels_take_plain_leaves_under_simulated_ranks(native_on, how, name):
     """Plain (not DTensor) leaves under ``testing.simulate``, whose ``LocalTensorMode`` makes
-    every new tensor a simulated rank's: the native sums allocate outside the mode (before,
-    their own buffer was the mode's, without a data pointer, and ``clip_by_global_norm`` and
-    ``zero_nans`` raised a RuntimeError), and three steps give every rank the plain run's
-    parameters bit for bit."""
+    every new tensor a simulated rank's: the native sums and the generated stages make their
+    buffers and results outside the mode (before, they were the mode's, without a data
+    pointer: ``clip_by_global_norm``, ``zero_nans`` and a ``partition`` of ``multi_steps``
+    raised a RuntimeError), and three steps give every rank the plain run's parameters bit
+    for bit."""
     from torch.distributed._local_tensor import LocalTensor
 
     from functional_train.testing import simulate
 
-    tx = ft.chain(ft.zero_nans(), ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=0.1))
+    tx = _SIMULATED[name]()
     p0 = _tree(torch.float32)
     grads = [_gradients_and_inputs(i, p0, None)[0] for i in range(3)]
 

@@ -2110,7 +2110,14 @@ def _run_kernel(
     (``kernel.sumsq``) appends their sums to ``sums``, then those of the input it sums too
     (``kernel.sum_in``). ``rows``: the inputs' kinds, for a call
     by rows (:meth:`.fuse.Kernel.by_rows`). ``strided``: leaves in one memory order that is
-    not contiguous (:data:`STRIDED`): fresh results are made in it."""
+    not contiguous (:data:`STRIDED`): fresh results are made in it. Under a dispatch mode its
+    results are made outside it, plain (:func:`.native.outside_dispatch_modes`)."""
+    outside = native.outside_dispatch_modes()
+    if outside is not None:
+        with outside:
+            return _run_kernel(
+                kernel, ins, idx, outs, sc, apply, take, dst, dtypes, sums, rows, strided
+            )
     whole = len(idx) == len(ins[0])  # (every leaf: the common case, lists as they are)
     cols = [list(lst) for lst in ins] if whole else [[lst[j] for j in idx] for lst in ins]
     n_out = len(outs)

@@ -239,10 +239,20 @@ def sum_squares(xs: Sequence[torch.Tensor], zeroed: bool = False) -> torch.Tenso
     dtypes = set(map(_DTYPE_OF, xs))
     if not dtypes <= _DTYPES.keys() or not all(map(available, dtypes)):
         return None
-    if torch._C._len_torch_dispatch_stack():
-        with _disable_current_modes():
+    outside = outside_dispatch_modes()
+    if outside is not None:
+        with outside:
             return _sums_of(xs, dtypes, zeroed)
     return _sums_of(xs, dtypes, zeroed)
+
+
+def outside_dispatch_modes():
+    """Where a ``TorchDispatchMode`` is active (``LocalTensorMode``'s simulated ranks, a
+    user's), a context with none (the current ones set aside for its span), in which a
+    native or generated kernel's own buffers, results and copies are made as plain tensors
+    it can read and write (the mode's would be its own tensors: a simulated rank's have no
+    data pointer); else ``None`` (the caller runs as it is: nothing to set aside)."""
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else None
 
 
 def _sums_of(xs: Sequence[torch.Tensor], dtypes: set, zeroed: bool) -> torch.Tensor:

@@ -98,6 +98,15 @@ def simulate(world_size: int) -> Iterator[Any]:
     group of another size exists) and enters ``LocalTensorMode``: inside, every tensor op runs
     once per simulated rank and collectives compute their exact results. Yields the mode.
 
+    Give the transforms DTensors or simulated tensors (:func:`local_tensor`, :func:`replicated`)
+    inside it, not plain tensors made outside it: ``LocalTensorMode`` (torch 2.13) runs an
+    in-place operation on a plain tensor with a simulated operand once per rank on the same
+    tensor (``x.mul_(y)`` multiplies ``x`` by ``y`` twice on 2 ranks), so a stateful
+    transform on plain leaves, whose state holds simulated tensors from its second step, is
+    silently wrong there (``scale_by_factored_rms``' unfactored leaves). The library's native
+    and generated kernels do take plain leaves there (their own buffers are made outside the
+    mode, :func:`functional_train.engine.native.outside_dispatch_modes`).
+
     Raises:
         RuntimeError: a real (non-fake) process group is already initialised.
     """
