@@ -1561,6 +1561,7 @@ def _present(flat: list, absent: list) -> list:
 
 @_stage_op.register_fake
 def _(parts, layout, keys, flat, scalars, needed=None):
+    parts, layout, keys = ([int(x) for x in xs] for xs in (parts, layout, keys))
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
     out = _fake_results(stage, counts, keys, u, p, fields, scalars)
     if layout[4]:
