@@ -1209,6 +1209,20 @@ def _all_in_place(parts: tuple, layout: tuple, enc: tuple, in_dtypes: tuple, sc_
     return True
 
 
+def _plain(flat: list) -> list:
+    """A stage operator's inputs as plain tensors: inductor hands a compiled
+    ``TorchOptimizer.step`` the optimizer's ``nn.Parameter`` objects themselves (the graph's
+    ``p.detach()`` is a no-op to it), which the generated kernels do not take (they run on plain
+    tensors without autograd): each such input detached (the same memory, so a donated stage
+    still writes the parameter). A C loop over the types where every input is plain."""
+    if set(map(type, flat)) <= _PLAIN_TYPES:
+        return flat
+    return [x if x is None else x.detach() for x in flat]
+
+
+_PLAIN_TYPES = {torch.Tensor, type(None)}
+
+
 def _unflat(parts, layout, enc, flat):
     apply, drop_u, has_p, n_fields = layout[:4]
     counts = tuple(layout[5:])
@@ -1265,7 +1279,7 @@ def _stage_op(
     result is the new updates' per-leaf sums of squares (a float64 vector: :func:`_op_sums`,
     ``needed`` as there); ``sums`` 2: the parameters' after them (twice as long)."""
     enc = keys
-    stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
+    stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, _plain(flat))
     # results from a pool of the operator's own, by stage (see .pool: a buffer is reused only
     # when nothing else holds it), so that a compiled step's results take no page faults
     take = _op_pool.take
@@ -1415,7 +1429,7 @@ def _stage_op_donated(
     inputs (``flat`` holds the present ones only: the inputs are ``flat`` with ``None``
     inserted there). Returns the new updates' sums of squares as ``fused_stage`` does where
     ``layout`` asks for them (and the parameters' after them), else an empty float64 vector."""
-    stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, _present(flat, absent))
+    stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, _present(_plain(flat), absent))
     want = bool(layout[4])
     ps = p if layout[4] == 2 else None
     if _idle(stage, counts, scalars, keys):
@@ -1581,6 +1595,14 @@ def _result_dtypes(stage, counts, keys, u, p, fields, scalars) -> list:
             sig = (tuple(None if x is None else x.dtype for x in ins), keys[j])
             hit = dtypes_of.get(sig)
             if hit is None:
+                # (a 0-dim leaf as one element, as the kernels take it: with 0-dim float64
+                # scalars torch's promotion would give a 0-dim leaf's results float64; the
+                # per-leaf scalars after the fields stay 0-dim, as the kernels read them)
+                first = len(ins) - stage.n_per_leaf
+                ins = tuple(
+                    x if x is None or r >= first or x.dim() else x.reshape(1)
+                    for r, x in enumerate(ins)
+                )
                 res = _function(stage, counts, keys[j])(ins, tuple(scalars))
                 hit = dtypes_of[sig] = tuple(None if x is None else x.dtype for x in res)
             per_leaf.append(hit)
