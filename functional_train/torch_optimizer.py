@@ -940,7 +940,11 @@ class TorchOptimizer(torch.optim.Optimizer):
         """Each group's values (as torch's schedulers left them) into its hyperparameters
         (checked by ``set_hyperparams`` as the alias checks them); the groups' fixed flags
         unchanged."""
-        state = self._ft_state
+        self._ft_state = self._synced(self._ft_state)
+
+    def _synced(self, state):
+        """``state`` with each group's values in its hyperparameters (see
+        :meth:`_sync_hyperparams`; pure)."""
         for gi, (group, g) in enumerate(zip(self.param_groups, self._groups)):
             for k, v in g.flags.items():
                 if group.get(k, v) != v:
@@ -972,7 +976,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                         ) from one
                 raise type(e)(f"TorchOptimizer: param_groups[{gi}]: {e}") from e
             state = _replace_at(state, g.hyper_path, new)
-        self._ft_state = state
+        return state
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -983,25 +987,36 @@ class TorchOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         tensors = self._params
-        self._sync_hyperparams()
+        # (read once, and under torch.compile never assigned: dynamo did not always give a
+        # later read of the attribute the value assigned in the same traced call)
+        held = self._ft_state
+        state = self._synced(held)
         if all(p.grad is None for p in tensors):
+            self._ft_state = state
             return loss  # (torch.optim's steps skip parameters without a gradient: a no-op)
         params = self._params_tree(tensors)
         grads = {n: p.grad for n, p in zip(self._names, tensors)}
         from .step import step as ft_step
 
-        old_state = self._ft_state
-        new, self._ft_state = ft_step(
-            self._tx, grads, old_state, params, mesh=self._mesh, donate=True
-        )
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            # (inductor, torch 2.13: where a custom operator writes a graph input in place,
+            # an elementwise value computed from that input before it, which the graph then
+            # copies into another input, can be recomputed after the write, from the new
+            # contents: the copies below are such. So the step gets a copy of the gradients,
+            # the one input the transforms' statistics are computed from; the parameters and
+            # the moments are still written in place)
+            grads = {n: None if g is None else g.clone() for n, g in grads.items()}
+        new, new_state = ft_step(self._tx, grads, state, params, mesh=self._mesh, donate=True)
+        if compiling:
             # dynamo takes an optimizer's tensors as static (as torch.optim updates its state
             # in place): a graph that assigned new state tensors would read the old ones at
-            # the next call. Write the new state into the old tensors instead.
-            for o, x in zip(optree.tree_leaves(old_state), optree.tree_leaves(self._ft_state)):
+            # the next call. Write the new state into the held tensors instead.
+            for o, x in zip(optree.tree_leaves(held), optree.tree_leaves(new_state)):
                 if isinstance(o, torch.Tensor) and o is not x:
                     o.copy_(x)
-            self._ft_state = old_state
+        else:
+            self._ft_state = new_state
         for n, p in zip(self._names, tensors):
             x = new[n]
             if x is not params[n]:

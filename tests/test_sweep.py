@@ -997,6 +997,62 @@ def test_compile(name):
         torch._dynamo.reset()
 
 
+def _torch_optimizer_steps(name: str, compiled: bool) -> list:
+    """Per step of a ``TorchOptimizer`` over ``nn.Parameter`` leaves (its ``step()``, or that
+    compiled by inductor): its parameters and its state's tensors, copied."""
+    params, grads = problem(scale=3.0)
+    tensors = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    tx = reg.COMPILED_BUILDERS[name][0]() if name in reg.COMPILED_BUILDERS else build(name)
+    opt = ft.TorchOptimizer(tensors.items(), tx)
+    step = torch.compile(opt.step) if compiled else opt.step
+    out = []
+    for g in grads:
+        for k, p in tensors.items():
+            p.grad = g[k].clone()
+        step()
+        out.append(
+            (
+                {k: p.detach().clone() for k, p in tensors.items()},
+                [x.clone() for x in optree.tree_leaves(opt._ft_state)],
+            )
+        )
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", cases("torch_optimizer_compile"))
+def test_torch_optimizer_compile(name):
+    """``torch.compile(TorchOptimizer.step)`` with inductor (the way torch.optim's optimizers
+    are compiled) gives the eager ``step()``'s parameters and state over 3 steps, to float32
+    rounding: torch's compiled code outside the library's stages (statistics, Newton-Schulz)
+    may round otherwise. The compiled step writes the new state into the old tensors (dynamo
+    takes an optimizer's tensors as static); session 57 found it silently wrong around
+    ``multi_steps`` (no update ever applied), ``adafactor`` and ``came`` (an inductor
+    reordering), and Muon's AdamW leaves (a fake kernel's dtypes), none of which the sweep's
+    other properties compiled."""
+    torch._dynamo.reset()
+    try:
+        want = _torch_optimizer_steps(name, False)
+        got = _torch_optimizer_steps(name, True)
+    finally:
+        torch._dynamo.reset()
+    params0 = problem(scale=3.0)[0]
+    for t, ((pw, sw), (pg, sg)) in enumerate(zip(want, got)):
+        for k in pw:  # (the parameter change, relative)
+            torch.testing.assert_close(
+                pg[k] - params0[k],
+                pw[k] - params0[k],
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m, k=k, t=t: f"step {t}: parameter '{k}': {m}",
+            )
+        assert len(sg) == len(sw), f"step {t}: the state has {len(sg)} leaves, not {len(sw)}"
+        for i, (a, b) in enumerate(zip(sg, sw)):
+            torch.testing.assert_close(
+                a, b, rtol=1e-4, atol=1e-6, msg=lambda m, i=i, t=t: f"step {t}: state leaf {i}: {m}"
+            )
+
+
 # =============================================================================================
 # the step counter past 2**31
 # =============================================================================================
