@@ -1300,6 +1300,41 @@ def _stage_op(
         ins, dst = _inputs(stage, u, p, fields)
         held = _held([x for d in dst for x in ins[d] if x is not None])
         return [*held, _op_sums(needed, u, None, len(u), ps)] if want else held
+    j = (
+        _held_from(stage, counts, scalars, keys)
+        if LAZY_CLONES and not unused and not want
+        else None
+    )
+    if j is not None and _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars):
+        # (the first j parts' fields computed; the parameters and the other fields, as they
+        # are, lazy clones)
+        (sub, sub_counts, sub_keys, sub_p, sub_fields, n_sc), n_written = _prefix(
+            stage, counts, keys, p, fields, j
+        )
+        if not any(x is None for lst in sub_fields for x in lst):
+            with torch.no_grad():
+                written = _execute_local(
+                    sub,
+                    sub_counts,
+                    u,
+                    sub_p,
+                    sub_fields,
+                    list(scalars[:n_sc]),
+                    sub_keys,
+                    None,
+                    kinds,
+                )
+            ins, dst = _inputs(stage, u, p, fields)
+            first_field = 1 + (p is not None)
+            kept = [d for d in dst if not first_field <= d < first_field + n_written]
+            as_they_are = iter(_held([x for d in kept for x in ins[d]]))
+            outs = [
+                written[d - first_field]
+                if first_field <= d < first_field + n_written
+                else [next(as_they_are) for _ in ins[d]]
+                for d in dst
+            ]
+            return _fresh_results(outs, flat)
     if unused:
         stage = _stage_of(stage.parts, False, True)
     taken: list | None = [] if want and not unused else None
@@ -1311,6 +1346,15 @@ def _stage_op(
         sums = _op_sums(needed, None if unused else outs[0], taken, len(u), ps)
     if unused:  # (the updates' buffers, as they are: read by no one)
         outs = [kinds("discarded", u), *outs]
+    results = _fresh_results(outs, flat)
+    if want:
+        results.append(sums)
+    return results
+
+
+def _fresh_results(outs: list, flat: list) -> list:
+    """A stage operator's results, result after result, leaf after leaf (``outs``: a list
+    per result), as the operator may return them."""
     # (an operator's result may be neither an input nor another result: a leaf function's
     # update that is its new state, as trace's, run in torch, is copied; and it is
     # contiguous, as the fake results are: a result made like a transposed update, as Muon's
@@ -1335,8 +1379,6 @@ def _stage_op(
                 seen.add(id(x))
                 fresh.append(x)
         results = fresh
-    if want:
-        results.append(sums)
     return results
 
 
@@ -1434,6 +1476,30 @@ def _stage_op_donated(
     ps = p if layout[4] == 2 else None
     if _idle(stage, counts, scalars, keys):
         return _op_sums(needed, u, None, len(u), ps) if want else _NO_SUMS.new_empty(0)
+    j = None if want else _held_from(stage, counts, scalars, keys)
+    if j is not None:  # (the first j parts' fields over their inputs; the rest as they are)
+        (sub, sub_counts, sub_keys, sub_p, sub_fields, n_sc), _ = _prefix(
+            stage, counts, keys, p, fields, j
+        )
+        with torch.no_grad():
+            outs = _execute_local(
+                sub,
+                sub_counts,
+                u,
+                sub_p,
+                sub_fields,
+                list(scalars[:n_sc]),
+                sub_keys,
+                "donate",
+                None,
+            )
+        ins, dst = _inputs(sub, u, sub_p, sub_fields)
+        for r, lst in enumerate(outs):
+            for i, x in enumerate(lst):
+                d = ins[dst[r]][i]
+                if x is not None and x is not d:
+                    d.copy_(x)  # (as below)
+        return _NO_SUMS.new_empty(0)
     unused = _discarded(stage, counts, scalars, keys)
     if unused:  # (its fields only: the updates over nothing)
         stage = _stage_of(stage.parts, False, True)
@@ -1485,6 +1551,55 @@ def _idle(stage, counts, scalars, keys) -> bool:
         return False
     flags = _guards_of(stage, counts, keys)[0]
     return flags is not None and not any(bool(scalars[i]) for i in flags)
+
+
+def _held_from(stage, counts, scalars, keys) -> int | None:
+    """Where a stage that is not idle (:func:`_idle`) leaves every buffer after its first
+    ``j`` parts as it was, that ``j``, read from the flags as :func:`_idle` reads them: the
+    parts from ``j`` on each guarded (``HOLDS`` or ``ZEROES``) with its flag false, and the
+    last zeroing the updates where they meet the parameters (or the stage writing no
+    updates). Its first ``j`` parts' updates are then used by no one, and only their fields
+    are written: a compiled ``multi_steps`` non-final micro-step of a chain without a
+    reduction (its accumulation and the inner transform in one stage) makes its one pass
+    over the gradients and the accumulators, not over the parameters and the inner state
+    too. ``None`` otherwise, and for a stage holding restricted parts (``masked`` /
+    ``partition``'s, whose guards hold per leaf)."""
+    parts = stage.parts
+    if not (stage.apply or stage.drop_u) or len(parts) < 2:
+        return None
+    if not stage.drop_u and parts[-1].guard != ZEROES:
+        return None
+    if any(part.restrict is not None for part in parts):
+        return None
+    ends = list(itertools.accumulate(counts))
+    j = len(parts)
+    while j > 1:
+        part = parts[j - 1]
+        if part.guard not in (HOLDS, ZEROES) or not counts[j - 1] or bool(scalars[ends[j - 1] - 1]):
+            break
+        j -= 1
+    return None if j == len(parts) else j
+
+
+def _prefix(stage, counts, keys, p, fields, j: int) -> tuple:
+    """The arguments of :func:`_execute_local` for the first ``j`` parts of ``stage`` writing
+    their fields only (see :func:`_held_from`): ``(stage, counts, keys, p, fields, scalar
+    count)``, and the number of the stage's state fields they write."""
+    parts = stage.parts[:j]
+    sub = _stage_of(parts, False, True)
+    n_fields = sum(part.n_fields for part in parts)
+    n_all = sum(part.n_fields for part in stage.parts)
+    n_per_leaf = sum(len(part.leaf_scalars) for part in parts)
+    sub_fields = fields[:n_fields] + fields[n_all : n_all + n_per_leaf]
+    sub_keys = [None if k is None else k[:j] for k in keys]
+    return (
+        sub,
+        counts[:j],
+        sub_keys,
+        p if sub.params else None,
+        sub_fields,
+        sum(counts[:j]),
+    ), n_fields
 
 
 def _discarded(stage, counts, scalars, keys) -> bool:
