@@ -452,9 +452,10 @@ COMPILE_GRAPH_BREAKS: dict[str, str] = {
 NEEDS_A_DTENSOR: dict[str, str] = {"zero_redundancy": "pass the mesh at construction"}
 
 _GALORE_COMPILED = (
-    "torch.compile(ft.step) of galore_adamw after an eager step in the same process raises "
-    "ValueError('length mismatch: [2, 5]') in dynamo's optree polyfill (a dict node's "
-    "unflatten given two-element metadata); found by this property in session 58, not fixed"
+    "torch.compile of galore_adamw raises ValueError('length mismatch') (a README Known "
+    "limitation: its projector-refresh counter is read on the host, a graph break, after "
+    "which torch 2.13's dynamo rebuilds the partition's optree treespec with the wrong number "
+    "of children); not fixed"
 )
 KNOWN_BUGS: dict[tuple[str, str], str] = {
     ("partition[inject]", "torch_optimizer_compile"): "a scheduled learning rate's value in "

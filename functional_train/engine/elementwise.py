@@ -1217,7 +1217,7 @@ def _plain(flat: list) -> list:
     still writes the parameter). A C loop over the types where every input is plain."""
     if set(map(type, flat)) <= _PLAIN_TYPES:
         return flat
-    return [x if x is None else x.detach() for x in flat]
+    return [x if x is None or type(x) is torch.Tensor else x.detach() for x in flat]
 
 
 _PLAIN_TYPES = {torch.Tensor, type(None)}
