@@ -1305,36 +1305,26 @@ def _stage_op(
         if LAZY_CLONES and not unused and not want
         else None
     )
-    if j is not None and _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars):
+    run = (
+        _run_prefix(stage, counts, keys, u, p, fields, scalars, j, None, kinds)
+        if j is not None and _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars)
+        else None
+    )
+    if run is not None:
         # (the first j parts' fields computed; the parameters and the other fields, as they
         # are, lazy clones)
-        (sub, sub_counts, sub_keys, sub_p, sub_fields, n_sc), n_written = _prefix(
-            stage, counts, keys, p, fields, j
-        )
-        if not any(x is None for lst in sub_fields for x in lst):
-            with torch.no_grad():
-                written = _execute_local(
-                    sub,
-                    sub_counts,
-                    u,
-                    sub_p,
-                    sub_fields,
-                    list(scalars[:n_sc]),
-                    sub_keys,
-                    None,
-                    kinds,
-                )
-            ins, dst = _inputs(stage, u, p, fields)
-            first_field = 1 + (p is not None)
-            kept = [d for d in dst if not first_field <= d < first_field + n_written]
-            as_they_are = iter(_held([x for d in kept for x in ins[d]]))
-            outs = [
-                written[d - first_field]
-                if first_field <= d < first_field + n_written
-                else [next(as_they_are) for _ in ins[d]]
-                for d in dst
-            ]
-            return _fresh_results(outs, flat)
+        written, _, n_written = run
+        ins, dst = _inputs(stage, u, p, fields)
+        first_field = 1 + (p is not None)
+        kept = [d for d in dst if not first_field <= d < first_field + n_written]
+        as_they_are = iter(_held([x for d in kept for x in ins[d]]))
+        outs = [
+            written[d - first_field]
+            if first_field <= d < first_field + n_written
+            else [next(as_they_are) for _ in ins[d]]
+            for d in dst
+        ]
+        return _fresh_results(outs, flat)
     if unused:
         stage = _stage_of(stage.parts, False, True)
     taken: list | None = [] if want and not unused else None
@@ -1477,23 +1467,13 @@ def _stage_op_donated(
     if _idle(stage, counts, scalars, keys):
         return _op_sums(needed, u, None, len(u), ps) if want else _NO_SUMS.new_empty(0)
     j = None if want else _held_from(stage, counts, scalars, keys)
-    if j is not None:  # (the first j parts' fields over their inputs; the rest as they are)
-        (sub, sub_counts, sub_keys, sub_p, sub_fields, n_sc), _ = _prefix(
-            stage, counts, keys, p, fields, j
-        )
-        with torch.no_grad():
-            outs = _execute_local(
-                sub,
-                sub_counts,
-                u,
-                sub_p,
-                sub_fields,
-                list(scalars[:n_sc]),
-                sub_keys,
-                "donate",
-                None,
-            )
-        ins, dst = _inputs(sub, u, sub_p, sub_fields)
+    run = (
+        None
+        if j is None
+        else _run_prefix(stage, counts, keys, u, p, fields, scalars, j, "donate", None)
+    )
+    if run is not None:  # (the first j parts' fields over their inputs; the rest as they are)
+        outs, (ins, dst), _ = run
         for r, lst in enumerate(outs):
             for i, x in enumerate(lst):
                 d = ins[dst[r]][i]
@@ -1581,25 +1561,33 @@ def _held_from(stage, counts, scalars, keys) -> int | None:
     return None if j == len(parts) else j
 
 
-def _prefix(stage, counts, keys, p, fields, j: int) -> tuple:
-    """The arguments of :func:`_execute_local` for the first ``j`` parts of ``stage`` writing
-    their fields only (see :func:`_held_from`): ``(stage, counts, keys, p, fields, scalar
-    count)``, and the number of the stage's state fields they write."""
+def _run_prefix(stage, counts, keys, u, p, fields, scalars, j: int, apply, take):
+    """The first ``j`` parts of ``stage`` writing their fields only (see :func:`_held_from`;
+    ``apply`` and ``take`` as :func:`_execute_local`'s): ``(their results, (their inputs,
+    the inputs the results replace), the number of the stage's state fields they write)``,
+    or ``None`` where one of their state leaves is absent (the stage then runs whole)."""
     parts = stage.parts[:j]
     sub = _stage_of(parts, False, True)
     n_fields = sum(part.n_fields for part in parts)
     n_all = sum(part.n_fields for part in stage.parts)
     n_per_leaf = sum(len(part.leaf_scalars) for part in parts)
     sub_fields = fields[:n_fields] + fields[n_all : n_all + n_per_leaf]
-    sub_keys = [None if k is None else k[:j] for k in keys]
-    return (
-        sub,
-        counts[:j],
-        sub_keys,
-        p if sub.params else None,
-        sub_fields,
-        sum(counts[:j]),
-    ), n_fields
+    if any(x is None for lst in sub_fields for x in lst):
+        return None
+    sub_p = p if sub.params else None
+    with torch.no_grad():
+        outs = _execute_local(
+            sub,
+            counts[:j],
+            u,
+            sub_p,
+            sub_fields,
+            list(scalars[: sum(counts[:j])]),
+            [None if k is None else k[:j] for k in keys],
+            apply,
+            take,
+        )
+    return outs, _inputs(sub, u, sub_p, sub_fields), n_fields
 
 
 def _discarded(stage, counts, scalars, keys) -> bool:
