@@ -484,7 +484,7 @@ _MUON_INDUCTOR = (
     "matmuls (1e-4 of the parameters after one step); the float64 Newton-Schulz is the same code"
 )
 COMPILED_BUILDERS: dict[str, tuple[Callable[[], ft.GradientTransformation], str]] = {
-    "muon": (lambda: ft.muon(1e-2, weight_decay=0.1, ns_dtype=torch.float64), _MUON_INDUCTOR),
+    "muon": (FUNC_BUILDERS["muon"][0], _MUON_INDUCTOR),
 }
 
 # The transforms that refuse to be differentiated (torch.func.grad / jvp, ft.differentiable()),

@@ -1026,10 +1026,10 @@ def test_torch_optimizer_compile(name):
     are compiled) gives the eager ``step()``'s parameters and state over 3 steps, to float32
     rounding: torch's compiled code outside the library's stages (statistics, Newton-Schulz)
     may round otherwise. The compiled step writes the new state into the old tensors (dynamo
-    takes an optimizer's tensors as static); session 57 found it silently wrong around
-    ``multi_steps`` (no update ever applied), ``adafactor`` and ``came`` (an inductor
-    reordering), and Muon's AdamW leaves (a fake kernel's dtypes), none of which the sweep's
-    other properties compiled."""
+    takes an optimizer's tensors as static). It was silently wrong around ``multi_steps`` (no
+    update ever applied; found in session 57), and, found by this property in session 58,
+    around ``adafactor`` and ``came`` (an inductor reordering) and on Muon's AdamW leaves (a
+    fake kernel's dtypes), none of which the sweep's other properties compiled."""
     torch._dynamo.reset()
     try:
         want = _torch_optimizer_steps(name, False)
