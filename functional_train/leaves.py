@@ -21,6 +21,7 @@ __all__ = [
     "as_real",
     "as_complex",
     "on_device",
+    "copy_into",
     "CPU",
     "SHAPE",
     "DTYPE",
@@ -106,3 +107,15 @@ def on_device(xs, device: torch.device) -> bool:
         index = torch.cuda.current_device() if device.index is None else device.index
         return all(map(_IS_CUDA, xs)) and set(map(_GET_DEVICE, xs)) <= {index}
     return all(x.device == device for x in xs)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, a 0-dim ``dst`` through a 1-element view of it. Torch 2.13 under
+    ``torch.compile`` (aot_eager, inductor) loses a ``copy_`` or ``fill_`` into a 0-dim float64
+    CPU graph input (dynamo tracks such an input's value as a number, which a restarted
+    analysis then specializes), where a write through a view of it is kept: a compiled
+    ``TorchOptimizer.step`` recorded a scheduled learning rate's first value only."""
+    if dst.dim() == 0:
+        dst.view(1).copy_(src.reshape(1))
+    else:
+        dst.copy_(src)

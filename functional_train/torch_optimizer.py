@@ -13,7 +13,9 @@ import optree
 import torch
 
 from .base import GradientTransformation, chain
+from .engine.elementwise import read_only_updates
 from .hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
+from .leaves import copy_into
 from .spec import transform_spec
 from .tree import field_paths, tree_flatten, tree_unflatten
 
@@ -1000,27 +1002,30 @@ class TorchOptimizer(torch.optim.Optimizer):
 
         compiling = torch.compiler.is_compiling()
         if compiling:
-            # (inductor, torch 2.13: where a custom operator writes a graph input in place,
-            # an elementwise value computed from that input before it, which the graph then
-            # copies into another input, can be recomputed after the write, from the new
-            # contents: the copies below are such. So the step gets a copy of the gradients,
-            # the one input the transforms' statistics are computed from; the parameters and
-            # the moments are still written in place)
-            grads = {n: None if g is None else g.clone() for n, g in grads.items()}
-        new, new_state = ft_step(self._tx, grads, state, params, mesh=self._mesh, donate=True)
+            # (the gradients read only: the copies below meet an inductor fault where the
+            # step's stage operator writes them, see elementwise.read_only_updates)
+            previous = read_only_updates(True)
+            try:
+                new, new_state = ft_step(
+                    self._tx, grads, state, params, mesh=self._mesh, donate=True
+                )
+            finally:
+                read_only_updates(previous)
+        else:
+            new, new_state = ft_step(self._tx, grads, state, params, mesh=self._mesh, donate=True)
         if compiling:
             # dynamo takes an optimizer's tensors as static (as torch.optim updates its state
             # in place): a graph that assigned new state tensors would read the old ones at
             # the next call. Write the new state into the held tensors instead.
             for o, x in zip(optree.tree_leaves(held), optree.tree_leaves(new_state)):
                 if isinstance(o, torch.Tensor) and o is not x:
-                    o.copy_(x)
+                    copy_into(o, x)
         else:
             self._ft_state = new_state
         for n, p in zip(self._names, tensors):
             x = new[n]
             if x is not params[n]:
-                p.copy_(x)
+                copy_into(p, x)
         return loss
 
     def state_dict(self) -> dict:

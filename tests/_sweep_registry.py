@@ -458,10 +458,6 @@ _GALORE_COMPILED = (
     "of children); not fixed"
 )
 KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("partition[inject]", "torch_optimizer_compile"): "a scheduled learning rate's value in "
-    "the state (InjectHyperparamsState.hyperparams) stays the group's after the first step "
-    "under aot_eager / inductor (the parameters are right; the eager backend records it); "
-    "found by this property in session 58, not fixed",
     ("galore_adamw", "torch_optimizer_compile"): _GALORE_COMPILED,
     ("galore_adamw[8bit]", "torch_optimizer_compile"): _GALORE_COMPILED,
 }

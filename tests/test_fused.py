@@ -618,8 +618,9 @@ def test_stage_operators_go_straight_to_their_function(donate, monkeypatch):
         assert torch.equal(pc[k], want[k]), k
     args = list(calls[-1])
     calls.clear()
-    flat = args[3]
-    args[3] = [flat[0].detach().requires_grad_(True), *flat[1:]]
+    at = 4 if donate else 3  # (the donated operator's list of inputs it writes)
+    flat = args[at]
+    args[at] = [flat[0].detach().requires_grad_(True), *flat[1:]]
     opov = getattr(torch.ops.functional_train, "fused_stage_donated" if donate else "fused_stage")
     if not donate:
         with torch.enable_grad():
@@ -634,7 +635,7 @@ def test_stage_operators_go_straight_to_their_function(donate, monkeypatch):
                 return [fake(y) for y in x]
             return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
 
-        opov.default(*[fake(a) for a in [*args[:3], flat, *args[4:]]])
+        opov.default(*[fake(a) for a in [*args[:at], flat, *args[at + 1 :]]])
     assert not calls  # (down the dispatcher to the fake kernel)
 
 

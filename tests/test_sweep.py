@@ -1010,6 +1010,9 @@ def _torch_optimizer_steps(name: str, compiled: bool) -> list:
         for k, p in tensors.items():
             p.grad = g[k].clone()
         step()
+        if compiled:  # (read only there: see elementwise.read_only_updates)
+            for k, p in tensors.items():
+                assert torch.equal(p.grad, g[k]), f"the compiled step wrote '{k}'.grad"
         out.append(
             (
                 {k: p.detach().clone() for k, p in tensors.items()},
@@ -1029,7 +1032,9 @@ def test_torch_optimizer_compile(name):
     takes an optimizer's tensors as static). It was silently wrong around ``multi_steps`` (no
     update ever applied; found in session 57), and, found by this property in session 58,
     around ``adafactor`` and ``came`` (an inductor reordering) and on Muon's AdamW leaves (a
-    fake kernel's dtypes), none of which the sweep's other properties compiled."""
+    fake kernel's dtypes), none of which the sweep's other properties compiled. The compiled
+    step leaves ``.grad`` as it was: since session 59 the step reads the gradients only
+    (``elementwise.read_only_updates``), where session 58 gave it a copy of them."""
     torch._dynamo.reset()
     try:
         want = _torch_optimizer_steps(name, False)

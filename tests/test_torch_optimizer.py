@@ -324,8 +324,10 @@ def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile(name):
     learning rate without recompiling, in one graph (every injected hyperparameter, the
     defaults included, is read as a tensor), and its parameters equal the eager optimizer's
     (float lr) to float rounding (the compiled step writes the new state into the old
-    tensors: dynamo takes an optimizer's tensors as static). The tensor survives
-    ``state_dict`` / ``load_state_dict``."""
+    tensors: dynamo takes an optimizer's tensors as static), and so do the hyperparameters
+    its state records (until session 59 the compiled step's record kept the first learning
+    rate: torch lost its write into the 0-dim float64 tensor, see ``leaves.copy_into``). The
+    tensor survives ``state_dict`` / ``load_state_dict``."""
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
     build, backend = COMPILED_ALIASES[name]
 
@@ -355,14 +357,44 @@ def test_compiled_step_with_a_tensor_learning_rate_does_not_recompile(name):
     # skipping the scheduler's wrapper around step (as for torch.optim.AdamW)
     assert counters["stats"]["unique_graphs"] == 1
     assert all("lr_scheduler.py" in reason for reason in counters["graph_break"])
-    _, eager, eager_lrs = run(1e-2, False)
+    eager_opt, eager, eager_lrs = run(1e-2, False)
     assert lrs == pytest.approx(eager_lrs) and lrs[-1] == pytest.approx(1e-2 / 6)
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    recorded = ft.get_hyperparams(opt._ft_state)
+    assert set(recorded) == set(ft.get_hyperparams(eager_opt._ft_state))
+    for k, v in ft.get_hyperparams(eager_opt._ft_state).items():
+        assert float(recorded[k]) == pytest.approx(float(v), rel=1e-6), k
+    assert float(recorded["learning_rate"]) == pytest.approx(1e-2 / 5)  # (the last step's)
     sd = opt.state_dict()
     opt.load_state_dict(sd)
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 / 6)
+
+
+def test_copy_into_writes_a_0dim_float64_input_under_compile():
+    """``leaves.copy_into`` (the compiled ``TorchOptimizer.step``'s write of its new state)
+    writes a 0-dim float64 CPU graph input under aot_eager, every call: torch 2.13 loses a
+    plain ``copy_`` there, which kept a compiled step's recorded learning rate at its first
+    value. Other shapes as ``copy_``."""
+    from functional_train.leaves import copy_into
+
+    lr = torch.tensor(0.01, dtype=torch.float64)
+    w = torch.zeros(2, 3)
+
+    def f(x):
+        copy_into(lr, x * 2)
+        copy_into(w, (x * 3).float().expand(2, 3))
+
+    torch._dynamo.reset()
+    try:
+        g = torch.compile(f, backend="aot_eager", fullgraph=True)
+        for i in range(3):
+            g(torch.tensor(float(i + 1), dtype=torch.float64))
+            assert lr.item() == 2.0 * (i + 1)
+            assert torch.equal(w, torch.full((2, 3), 3.0 * (i + 1)))
+    finally:
+        torch._dynamo.reset()
 
 
 def test_galore_adamw_is_one_group_a_scheduler_drives():

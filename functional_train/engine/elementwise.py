@@ -112,7 +112,8 @@ over the inputs (donated) or into fresh buffers (pure). Complex leaves are viewe
 a pure run (``apply="pure"``) writes every stage's results into fresh buffers (the plan's pool,
 one kind per stage and result); a donated run (``apply="donate"``) writes them over their
 inputs: the last stage's new parameters over the parameters, every stage's new fields over the
-old fields, and an intermediate stage's updates over the updates (the gradients, donated too).
+old fields, and an intermediate stage's updates over the updates (the gradients, donated too;
+under ``torch.compile`` into new buffers: see ``fused_stage_donated``).
 
 The spec is attached to a transform's ``update`` function by :func:`register` and read back by
 :func:`spec_of_transform` / :func:`fusable_of`: the typed protocol between transforms and the
@@ -140,7 +141,7 @@ import optree
 import torch
 
 from ..autograd import traced
-from ..leaves import CPU, DTYPE, on_device
+from ..leaves import CPU, DTYPE, copy_into, on_device
 from ..spec import attach_spec, transform_spec
 from . import fuse, native
 from .collectives import coalesced
@@ -1061,6 +1062,25 @@ def _execute(
 # inductor.
 
 
+# Whether a compiled donated step's stages that write their updates write them into new
+# buffers, the gradients read only (see ``fused_stage_donated``): set by a compiled
+# ``TorchOptimizer.step`` (:func:`read_only_updates`), whose copies of its new state into
+# the held tensors meet the inductor fault described there; elsewhere over the gradients
+# (new buffers cost a compiled ``multi_steps`` cycle on the benchmark tree 9%, and
+# ``chain(clip, lamb)`` 13%: allocated every step).
+_READ_ONLY_UPDATES = [False]
+
+
+def read_only_updates(flag: bool) -> bool:
+    """Under ``torch.compile``, from now on whether a donated step's stages that write their
+    updates leave the gradients as they are and write them into new buffers (``False``, the
+    default: over the gradients, as the eager donated step does). Returns the previous value
+    (to set back). Read while dynamo traces: a constant of the graph."""
+    previous = _READ_ONLY_UPDATES[0]
+    _READ_ONLY_UPDATES[0] = flag
+    return previous
+
+
 def _opaque(u, p, fields, scalars) -> bool:
     """Whether a compiled stage runs as the operator: eager-capable CPU tensors, kernels on,
     nothing recorded for autograd."""
@@ -1150,12 +1170,22 @@ def _compiled(
         # every result over the input it replaces, by the operator itself: no copies
         # (a mutated list takes no None: the present tensors, and where the absent state
         # leaves stand, which the operator puts back as None)
-        absent = [i for i, x in enumerate(flat) if x is None]
-        present = [x for x in flat if x is not None] if absent else flat
-        taken = _stage_op_donated(idents, layout, enc, present, absent, sc, needed)
+        # (the updates read only where asked, see read_only_updates; then a stage that writes
+        # them writes them into new buffers)
+        read_only = _READ_ONLY_UPDATES[0]
+        rest = flat[n:] if read_only else flat
+        absent = [i for i, x in enumerate(rest) if x is None]
+        present = [x for x in rest if x is not None] if absent else rest
+        writes_u = read_only and dst and dst[0] == 0
+        u_out = [torch.empty_like(x) for x in u] if writes_u else []
+        ro = list(u) if read_only else []
+        taken = _stage_op_donated(idents, layout, enc, ro, present, u_out, absent, sc, needed)
         if want:
             sums.extend(_split_sums(taken, n))
-        return [list(ins[d]) for d in dst]
+        outs = [list(ins[d]) for d in dst]
+        if u_out:
+            outs[0] = u_out
+        return outs
     res = _stage_op(idents, layout, enc, flat, sc, needed)
     if want:
         sums.extend(_split_sums(res[-1], n))
@@ -1169,7 +1199,7 @@ def _compiled(
         for r, d in enumerate(dst):
             for x, y in zip(ins[d], outs[r]):
                 if x is not None and x.dtype == y.dtype:
-                    x.copy_(y)  # the results over their inputs, as the eager donated step
+                    copy_into(x, y)  # the results over their inputs, as the eager donated step
     return outs
 
 
@@ -1444,27 +1474,41 @@ def _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars) -> bool:
     return hit
 
 
-@torch.library.custom_op("functional_train::fused_stage_donated", mutates_args=("flat",))
+@torch.library.custom_op("functional_train::fused_stage_donated", mutates_args=("flat", "u_out"))
 def _stage_op_donated(
     parts: list[int],
     layout: list[int],
     keys: list[int],
+    u: list[torch.Tensor],
     flat: list[torch.Tensor],
+    u_out: list[torch.Tensor],
     absent: list[int],
     scalars: list[torch.Tensor],
     needed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``functional_train::fused_stage`` for a donated step whose results all have the dtypes
     of the inputs they replace (see :func:`_inputs`): each written over its input, as the
-    eager donated step writes it. Under ``torch.compile`` inductor runs it on the step's
-    inputs themselves (no copies). ``absent``: the positions of absent state leaves in the
-    inputs (``flat`` holds the present ones only: the inputs are ``flat`` with ``None``
-    inserted there). Returns the new updates' sums of squares as ``fused_stage`` does where
-    ``layout`` asks for them (and the parameters' after them), else an empty float64 vector."""
-    stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, _present(_plain(flat), absent))
+    eager donated step writes it. Under ``torch.compile``
+    inductor runs it on the step's inputs themselves (no copies). ``flat``: the updates (the
+    gradients at the first stage), the parameters (if any) and the state fields' leaves,
+    without the absent ones (``absent``: their positions there; the operator puts ``None``
+    back). With :func:`read_only_updates`, the updates are ``u`` instead, read only (``flat``
+    without them), and a stage that writes updates (one that does not apply them) writes them
+    into ``u_out``, new buffers of their layout (``u`` and ``u_out`` are empty otherwise).
+    (Inductor, torch 2.13: where a custom operator wrote a graph input in place, an
+    elementwise value the graph computed from that input before the write and then copied
+    into another input, as a compiled ``TorchOptimizer.step`` copies its new state back, was
+    recomputed after the write, from the new contents: Adafactor's and CAME's unfactored
+    second moments, computed from the gradients, came out wrong when this operator wrote its
+    updates over them.) Returns the new updates' sums of squares as ``fused_stage`` does
+    where ``layout`` asks for them (and the parameters' after them), else an empty float64
+    vector."""
+    stage, counts, keys, u, p, fields = _unflat(
+        parts, layout, keys, list(u) + _present(_plain(flat), absent)
+    )
     want = bool(layout[4])
     ps = p if layout[4] == 2 else None
-    if _idle(stage, counts, scalars, keys):
+    if _idle(stage, counts, scalars, keys):  # (a stage that applies, or writes no updates)
         return _op_sums(needed, u, None, len(u), ps) if want else _NO_SUMS.new_empty(0)
     j = None if want else _held_from(stage, counts, scalars, keys)
     run = (
@@ -1474,11 +1518,7 @@ def _stage_op_donated(
     )
     if run is not None:  # (the first j parts' fields over their inputs; the rest as they are)
         outs, (ins, dst), _ = run
-        for r, lst in enumerate(outs):
-            for i, x in enumerate(lst):
-                d = ins[dst[r]][i]
-                if x is not None and x is not d:
-                    d.copy_(x)  # (as below)
+        _written(outs, ins, dst)
         return _NO_SUMS.new_empty(0)
     unused = _discarded(stage, counts, scalars, keys)
     if unused:  # (its fields only: the updates over nothing)
@@ -1486,7 +1526,18 @@ def _stage_op_donated(
     taken: list | None = [] if want and not unused else None
     with torch.no_grad():
         outs = _execute_local(
-            stage, counts, u, p, fields, list(scalars), keys, "donate", None, taken, ps is not None
+            stage,
+            counts,
+            u,
+            p,
+            fields,
+            list(scalars),
+            keys,
+            "donate",
+            None,
+            taken,
+            ps is not None,
+            u_out or None,
         )
     sums = (
         _op_sums(needed, None if unused else outs[0], taken, len(u), ps)
@@ -1494,28 +1545,37 @@ def _stage_op_donated(
         else _NO_SUMS.new_empty(0)
     )
     ins, dst = _inputs(stage, u, p, fields)
-    for r, lst in enumerate(outs):
-        for j, x in enumerate(lst):
-            d = ins[dst[r]][j]
-            if x is not None and x is not d:
-                d.copy_(x)  # (the eager step's fallback, leaf by leaf in torch: fresh results)
+    if u_out and not unused:
+        ins[0] = u_out
+    _written(outs, ins, dst)
     return sums
+
+
+def _written(outs: list, ins: list, dst: list) -> None:
+    """A donated stage operator's results ``outs`` over the inputs they replace
+    (``ins[dst[r]]``), where they are not already (the eager step's fallback, leaf by leaf in
+    torch, makes fresh results)."""
+    for r, lst in enumerate(outs):
+        for i, x in enumerate(lst):
+            d = ins[dst[r]][i]
+            if x is not None and x is not d:
+                d.copy_(x)
 
 
 _NO_SUMS = torch.empty(0, dtype=torch.float64)
 
 
 @_stage_op_donated.register_fake
-def _(parts, layout, keys, flat, absent, scalars, needed=None):
+def _(parts, layout, keys, u, flat, u_out, absent, scalars, needed=None):
     if not layout[4]:
         return torch.empty(0, dtype=torch.float64)
-    n = (len(flat) + len(absent)) // (1 + layout[2] + layout[3])
+    n = len(u) or (len(flat) + len(absent)) // (1 + layout[2] + layout[3])
     return torch.empty(n * layout[4], dtype=torch.float64)
 
 
 # (the operators' own kernels, registered over custom_op's: see .operators)
 register_kernels(_stage_op)
-register_kernels(_stage_op_donated, mutated=(3,))
+register_kernels(_stage_op_donated, mutated=(4, 5))
 
 
 def _idle(stage, counts, scalars, keys) -> bool:
@@ -1793,7 +1853,11 @@ def _inputs(stage, u, p, fields) -> tuple[list, list]:
     return ins, dst
 
 
-def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums=None, psums=False):
+def _execute_local(
+    stage, counts, u, p, fields, scalars, keys, apply, take, sums=None, psums=False, u_out=None
+):
+    """:func:`_execute` on this process's tensors. ``u_out``: with ``apply="donate"``, the
+    buffers a stage that writes updates writes them into (``None``: over ``u``)."""
     n = len(u)
     n_out = len(fields) - stage.n_per_leaf + (0 if stage.drop_u else 1)
     if n == 0:
@@ -1901,6 +1965,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
                     got,
                     rows,
                     strided,
+                    u_out,
                 ):
                     if taken is not None:
                         taken = taken + [(idx, got)] if got else None
@@ -1914,7 +1979,7 @@ def _execute_local(stage, counts, u, p, fields, scalars, keys, apply, take, sums
         if apply == "donate":  # the results into the donated buffers
             for j in idx:
                 for r in range(n_out):
-                    d = ins[dst[r]][j]
+                    d = ins[dst[r]][j] if dst[r] or u_out is None else u_out[j]
                     if d is not None and outs[r][j] is not d and outs[r][j].dtype == d.dtype:
                         d.copy_(outs[r][j])
                         outs[r][j] = d
@@ -2228,7 +2293,19 @@ def _function(stage, counts, key):
 
 
 def _run_kernel(
-    kernel, ins, idx, outs, sc, apply, take, dst, dtypes, sums=None, rows=None, strided=False
+    kernel,
+    ins,
+    idx,
+    outs,
+    sc,
+    apply,
+    take,
+    dst,
+    dtypes,
+    sums=None,
+    rows=None,
+    strided=False,
+    u_out=None,
 ) -> bool:
     """One kernel call on the leaves ``idx``; ``False`` where its results cannot be written
     as asked. ``dtypes``: the group's, one per input list (every leaf of the group has it).
@@ -2236,22 +2313,28 @@ def _run_kernel(
     (``kernel.sumsq``) appends their sums to ``sums``, then those of the input it sums too
     (``kernel.sum_in``). ``rows``: the inputs' kinds, for a call
     by rows (:meth:`.fuse.Kernel.by_rows`). ``strided``: leaves in one memory order that is
-    not contiguous (:data:`STRIDED`): fresh results are made in it. Under a dispatch mode its
-    results are made outside it, plain (:func:`.native.outside_dispatch_modes`)."""
+    not contiguous (:data:`STRIDED`): fresh results are made in it. ``u_out``: where a donated
+    call's updates go (every leaf's buffer; ``None``: over the updates). Under a dispatch
+    mode its results are made outside it, plain (:func:`.native.outside_dispatch_modes`)."""
     outside = native.outside_dispatch_modes()
     if outside is not None:
         with outside:
             return _run_kernel(
-                kernel, ins, idx, outs, sc, apply, take, dst, dtypes, sums, rows, strided
+                kernel, ins, idx, outs, sc, apply, take, dst, dtypes, sums, rows, strided, u_out
             )
     whole = len(idx) == len(ins[0])  # (every leaf: the common case, lists as they are)
     cols = [list(lst) for lst in ins] if whole else [[lst[j] for j in idx] for lst in ins]
     n_out = len(outs)
     if apply == "donate":
-        # each result over its input; one of another dtype (a stage whose updates widen:
-        # bfloat16 gradients into float32 sums) into fresh buffers
+        # each result over its input (the updates into ``u_out`` where given); one of another
+        # dtype (a stage whose updates widen: bfloat16 gradients into float32 sums) into
+        # fresh buffers
         res = [
-            cols[dst[r]] if dtypes[dst[r]] == d else [_fresh(x, d) for x in cols[0]]
+            [_fresh(x, d) for x in cols[0]]
+            if dtypes[dst[r]] != d
+            else cols[dst[r]]
+            if dst[r] or u_out is None
+            else (list(u_out) if whole else [u_out[j] for j in idx])
             for r, d in enumerate(kernel.out_dtypes)
         ]
     elif strided:  # (in the leaves' memory order: the pool's, where the dtype is theirs)
