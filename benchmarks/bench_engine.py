@@ -40,6 +40,8 @@ The GPT-like tree has 13,650,176 float32 parameters in 122 leaves: ``embed`` 409
      kernels that its fused operator shares with the eager pure step; ``--cold-cache`` gives
      it an empty inductor cache (a temporary TORCHINDUCTOR_CACHE_DIR), so that the printed
      time is a first compile's, not one served from an earlier run's cache
+  9. with --compile: torch.compile(opt.step) of 7's optimizer (as torch.optim's steps are
+     compiled; its ratio to 7 is printed too)
 
 plus floor lines: the time to move 8 x 4 bytes per parameter (read the gradient for the norm,
 read gradient, parameter and both moments, write parameter and both moments) at the bandwidth of
@@ -240,6 +242,17 @@ class TorchOptimizerSys(TorchOptim):
 
     def step(self):
         self.opt.step()
+
+
+class CompiledTorchOptimizerSys(TorchOptimizerSys):
+    """torch.compile(opt.step) of a TorchOptimizerSys's optimizer (inductor)."""
+
+    def __init__(self, name, params0, grads0, tx):
+        super().__init__(name, params0, grads0, tx)
+        self.compiled = torch.compile(self.opt.step)
+
+    def step(self):
+        self.compiled()
 
 
 class PureLoop:
@@ -451,6 +464,7 @@ def part_a(args):
         u, s = tx.update(g, s, p)
         return ft.apply_updates(p, u), s
 
+    opt_names = ("ft.TorchOptimizer(chain(clip, adamw)).step()", "torch.compile(opt.step) of 7")
     systems += [
         PureLoop("functional_train eager tx.update + ft.apply_updates", eager, tx, params0, grads0),
         PureLoop(
@@ -463,15 +477,14 @@ def part_a(args):
         PureLoop(
             step_label(True), lambda g, s, p: FT_STEP(tx, g, s, p, donate=True), tx, params0, grads0
         ),
-        TorchOptimizerSys(
-            "ft.TorchOptimizer(chain(clip, adamw)).step()", params0, grads0, make_tx()
-        ),
+        TorchOptimizerSys(opt_names[0], params0, grads0, make_tx()),
     ]
     compiled_name = None
     if args.compile:  # second, before the eager ft.step builds the kernels they share
         compiled_name = "torch.compile(ft.step, fullgraph=True), pure"
         fn = torch.compile(lambda g, s, p: FT_STEP(tx, g, s, p), fullgraph=True)
         systems.insert(1, PureLoop(compiled_name, fn, tx, params0, grads0))
+        systems.append(CompiledTorchOptimizerSys(opt_names[1], params0, grads0, make_tx()))
 
     n_triad = 1 << 25
     triad = []
@@ -496,6 +509,9 @@ def part_a(args):
             f"  {compiled_name}: warm-up calls (compilation in the first) "
             + ", ".join(f"{t:.2f} s" for t in warm[compiled_name])
         )
+    if args.compile and times.get(opt_names[1]):
+        ratio = statistics.median(times[opt_names[1]]) / statistics.median(times[opt_names[0]])
+        print(f"  {opt_names[1]}: {ratio:.2f}x the eager opt.step() (medians)")
     return checks
 
 
