@@ -1001,18 +1001,14 @@ class TorchOptimizer(torch.optim.Optimizer):
         from .step import step as ft_step
 
         compiling = torch.compiler.is_compiling()
-        if compiling:
-            # (the gradients read only: the copies below meet an inductor fault where the
-            # step's stage operator writes them, see elementwise.read_only_updates)
-            previous = read_only_updates(True)
-            try:
-                new, new_state = ft_step(
-                    self._tx, grads, state, params, mesh=self._mesh, donate=True
-                )
-            finally:
-                read_only_updates(previous)
-        else:
+        # (compiled, the gradients read only: the copies below meet an inductor fault where
+        # the step's stage operator writes them, see elementwise.read_only_updates; the flag
+        # is read by compiled stages only)
+        previous = read_only_updates(compiling)
+        try:
             new, new_state = ft_step(self._tx, grads, state, params, mesh=self._mesh, donate=True)
+        finally:
+            read_only_updates(previous)
         if compiling:
             # dynamo takes an optimizer's tensors as static (as torch.optim updates its state
             # in place): a graph that assigned new state tensors would read the old ones at

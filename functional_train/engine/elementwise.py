@@ -1488,8 +1488,8 @@ def _stage_op_donated(
 ) -> torch.Tensor:
     """``functional_train::fused_stage`` for a donated step whose results all have the dtypes
     of the inputs they replace (see :func:`_inputs`): each written over its input, as the
-    eager donated step writes it. Under ``torch.compile``
-    inductor runs it on the step's inputs themselves (no copies). ``flat``: the updates (the
+    eager donated step writes it. Under ``torch.compile`` inductor runs it on the step's
+    inputs themselves (no copies). ``flat``: the updates (the
     gradients at the first stage), the parameters (if any) and the state fields' leaves,
     without the absent ones (``absent``: their positions there; the operator puts ``None``
     back). With :func:`read_only_updates`, the updates are ``u`` instead, read only (``flat``
