@@ -4,6 +4,8 @@ underscore names"), read from the sources' import statements with ``ast``."""
 import ast
 from pathlib import Path
 
+import networkx as nx
+
 PACKAGE = Path(__file__).parent.parent / "functional_train"
 
 
@@ -48,38 +50,11 @@ def _imports(mods: dict[str, Path]):
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one node (Tarjan's algorithm)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
+    """The strongly connected components of more than one module (networkx, a dependency of
+    torch), each sorted."""
+    graph = nx.DiGraph([(v, w) for v, ws in edges.items() for w in ws])
+    graph.add_nodes_from(edges)
+    return sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -88,10 +63,10 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_no_import_circle_among_the_modules():
-    """No two modules import each other, directly or through others, at their top level (a
-    package's ``__init__`` re-exporting its modules is left out: it imports, nothing imports
-    from it inside the package's layers). An import inside a function runs when it is called
-    and may close a circle on purpose; it is not counted."""
+    """No two modules import each other, directly or through others, at their top level. A
+    package's ``__init__`` is left out: it re-exports its modules, so every module importing
+    from it would close a circle through it. An import inside a function runs when it is
+    called and may close a circle on purpose; it is not counted."""
     mods = _modules()
     packages = {name for name, path in mods.items() if path.name == "__init__.py"}
     edges: dict[str, set[str]] = {name: set() for name in mods if name not in packages}
