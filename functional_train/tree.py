@@ -90,8 +90,45 @@ def _up_to(treedef, tree: PyTree) -> list | None:
 
 
 def tree_unflatten(treedef, leaves: Sequence[Any]) -> PyTree:
-    """Inverse of :func:`tree_flatten`."""
+    """Inverse of :func:`tree_flatten`. Under ``torch.compile``, a treedef dynamo built (its
+    Python stand-in for optree's ``PyTreeSpec``) is unflattened by :func:`_traced_unflatten`."""
+    if torch.compiler.is_compiling() and type(treedef) is not optree.PyTreeSpec:
+        return _traced_unflatten(treedef, list(leaves))
     return optree.tree_unflatten(treedef, list(leaves))
+
+
+def _traced_unflatten(treedef, leaves: list) -> PyTree:
+    """``leaves`` unflattened into ``treedef``, a treespec built by dynamo's pytree polyfill
+    (``torch._dynamo.polyfills.pytree.PyTreeSpec``), node by node: each dict node from the
+    polyfill's metadata (its keys in insertion order and sorted), every other node by its own
+    unflatten function.
+
+    Works around torch 2.13's dynamo: the polyfill keeps, for a dict node, that metadata
+    beside optree's own dict unflatten function (it substitutes its own only where it traces
+    the call by name); where the treespec outlives a graph break (a transform that reads a
+    value on the host, e.g. ``galore``'s refresh counter or a user's ``.item()``, inside
+    ``partition``), the resumed frame calls optree's function with the polyfill's metadata,
+    and ``ValueError: length mismatch`` is raised.
+
+    Raises:
+        ValueError: ``leaves`` not as many as ``treedef``'s leaves.
+    """
+    if len(leaves) != treedef.num_leaves:
+        raise ValueError(f"{len(leaves)} leaves given to a treedef of {treedef.num_leaves}")
+    it = iter(leaves)
+
+    def build(node):
+        if node.is_leaf():
+            return next(it)
+        children = [build(c) for c in node.children()]
+        meta = node._metadata
+        if node.type is dict and isinstance(meta, tuple):
+            original, ordered = meta
+            by_key = dict(zip(ordered, children))
+            return {k: by_key[k] for k in original}
+        return node._unflatten_func(meta, children)
+
+    return build(treedef)
 
 
 def format_path(path: tuple) -> str:

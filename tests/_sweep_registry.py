@@ -451,16 +451,10 @@ COMPILE_GRAPH_BREAKS: dict[str, str] = {
 # (zero_redundancy: init sees no mesh, so update refuses to mix a whole-leaf state with shards)
 NEEDS_A_DTENSOR: dict[str, str] = {"zero_redundancy": "pass the mesh at construction"}
 
-_GALORE_COMPILED = (
-    "torch.compile of galore_adamw raises ValueError('length mismatch') (a README Known "
-    "limitation: its projector-refresh counter is read on the host, a graph break, after "
-    "which torch 2.13's dynamo rebuilds the partition's optree treespec with the wrong number "
-    "of children); not fixed"
-)
-KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("galore_adamw", "torch_optimizer_compile"): _GALORE_COMPILED,
-    ("galore_adamw[8bit]", "torch_optimizer_compile"): _GALORE_COMPILED,
-}
+# (empty since session 62: galore_adamw's torch_optimizer_compile cases, listed here since the
+# property was written in session 58, pass since tree.tree_unflatten works around dynamo's
+# treespecs that cross a graph break)
+KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 # The vmap and grad properties build these instead of the registry's builder, for the reason
 # given (name -> (builder, reason)).

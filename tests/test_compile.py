@@ -1,6 +1,7 @@
 """The whole update + apply step is traceable by torch.compile (fullgraph) and gives eager's
 numbers (plain tensors, one process)."""
 
+import optree
 import pytest
 import torch
 
@@ -125,6 +126,85 @@ def test_flat_dict_leaves_is_optrees_order():
             assert (out[k] is None) == (tree[k] is None)
             if tree[k] is not None:
                 assert torch.equal(out[k], tree[k] + 1)
+
+
+def _host_reading_transform() -> ft.GradientTransformation:
+    """A user's own transform written optax-style, without the library's engine: it scales
+    the updates by ``1 + n / 2``, ``n`` its step count read on the host (``.item()`` of a
+    tensor the step computes: a graph break under ``torch.compile``)."""
+
+    def init_fn(params):
+        return {"n": torch.zeros((), dtype=torch.int64)}
+
+    def update_fn(updates, state, params=None, **extra):
+        n = state["n"] + 1
+        c = 1.0 + 0.5 * float((n - 1).item())
+        scaled = optree.tree_map(lambda u: None if u is None else u * c, updates, none_is_leaf=True)
+        return scaled, {"n": n}
+
+    return ft.GradientTransformation(init_fn, update_fn)
+
+
+_GRAPH_BREAKING = {
+    "chain": lambda: ft.chain(
+        ft.clip_by_global_norm(1.0), _host_reading_transform(), ft.adamw(1e-2)
+    ),
+    "masked": lambda: ft.chain(
+        ft.masked(_host_reading_transform(), {"w": True, "b": False, "v": True}), ft.adamw(1e-2)
+    ),
+    "partition": lambda: ft.partition(
+        {"x": ft.chain(_host_reading_transform(), ft.adamw(1e-2)), "y": ft.sgd(0.1)},
+        {"w": "x", "b": "y", "v": "x"},
+    ),
+    "multi_steps": lambda: ft.multi_steps(ft.chain(_host_reading_transform(), ft.adamw(1e-2)), 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", sorted(_GRAPH_BREAKING))
+def test_graph_break_inside_a_chain_compiles(wrapper):
+    """A user's transform that breaks the graph (a value read on the host) inside ``chain``,
+    ``masked``, ``partition`` or ``multi_steps``: ``torch.compile`` of ``update`` and of the
+    donated ``ft.step`` (dynamo's ``eager`` backend; more than one graph, so the break is
+    there) gives eager's parameters and state bit for bit over 3 steps. Until session 62 every
+    one of these ``update`` calls, and ``ft.step`` of ``partition`` and ``multi_steps``,
+    raised ``ValueError: length mismatch``: a treespec dynamo built before the break was
+    unflattened after it by optree's dict function (``tree._traced_unflatten``)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"w": (4, 3), "b": (3,), "v": (2, 5)}
+    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen) for k, s in shapes.items()} for _ in range(3)]
+    tx = _GRAPH_BREAKING[wrapper]()
+
+    def by_update(g, s, p):
+        updates, s = tx.update(g, s, p)
+        return ft.apply_updates(p, updates), s
+
+    def by_step(g, s, p):
+        return ft.step(tx, g, s, p, donate=True)
+
+    for fn in (by_update, by_step):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=backend)
+        runs = []
+        for f in (fn, compiled):
+            p = {k: v.clone() for k, v in params.items()}
+            s = tx.init(p)
+            for g in grads:
+                p, s = f({k: v.clone() for k, v in g.items()}, s, p)
+            runs.append(optree.tree_leaves((p, s), none_is_leaf=True))
+        assert len(graphs) > 1, f"{fn.__name__}: no graph break"
+        want, got = runs
+        assert len(got) == len(want)
+        for a, b in zip(want, got):
+            assert (a is None and b is None) or torch.equal(a, b), fn.__name__
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow
