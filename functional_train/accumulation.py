@@ -55,10 +55,10 @@ from .mesh import Mesh
 from .spec import MicroSteps, attach_spec
 from .tree import (
     flatten_as,
-    format_path,
     leaves_of,
     state_zeros_like,
     tree_flatten,
+    tree_paths,
     tree_unflatten,
     tree_zeros_like,
 )
@@ -194,7 +194,7 @@ def multi_steps(
             )
             if bool(skip):  # the micro-step is dropped: zero updates, nothing accumulated
                 return (_zeros_for(updates, params), state._replace(skip_state=skip_state))
-        paths_raw, g, treedef = optree.tree_flatten_with_path(updates, none_is_leaf=True)
+        g, treedef = tree_flatten(updates)  # (the paths only where an error names one)
         g = detached(g)  # no graph into the accumulators (see functional_train.autograd)
         acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
         if params is not None:  # the result is unused: the call validates params' structure
@@ -202,7 +202,7 @@ def multi_steps(
         for i, (x, a) in enumerate(zip(g, acc)):
             if x is not None and a is not None and tuple(x.shape) != tuple(a.shape):
                 raise ValueError(
-                    f"multi_steps: update leaf '{format_path(paths_raw[i])}' has shape "
+                    f"multi_steps: update leaf '{tree_paths(updates)[i]}' has shape "
                     f"{tuple(x.shape)}, expected {tuple(a.shape)}"
                 )
         k = int(host_value(state.mini_step, _MINI))  # CPU counter: a host read without device
@@ -219,14 +219,14 @@ def multi_steps(
                 continue
             if not (x.dtype.is_floating_point or x.dtype.is_complex):
                 raise TypeError(
-                    f"multi_steps: update leaf '{format_path(paths_raw[i])}' has "
+                    f"multi_steps: update leaf '{tree_paths(updates)[i]}' has "
                     f"dtype {x.dtype}; "
                     f"gradients must be floating point (give integer or bool "
                     f"parameters a None gradient)"
                 )
             if seen[i] and spec_of(x) is not spec_of(acc[i]) and spec_of(x) != spec_of(acc[i]):
                 raise ValueError(
-                    f"multi_steps: update leaf '{format_path(paths_raw[i])}' has the layout "
+                    f"multi_steps: update leaf '{tree_paths(updates)[i]}' has the layout "
                     f"{describe(x)} on this micro-step but {describe(acc[i])} on an earlier "
                     f"one of the cycle; the gradients of one cycle must keep one layout"
                 )

@@ -17,7 +17,7 @@ from .engine.elementwise import read_only_updates
 from .hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from .leaves import copy_into
 from .spec import transform_spec
-from .tree import field_paths, tree_flatten, tree_unflatten
+from .tree import field_paths, leaves_of, tree_flatten, tree_unflatten
 
 __all__ = ["TorchOptimizer"]
 
@@ -1013,7 +1013,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             # dynamo takes an optimizer's tensors as static (as torch.optim updates its state
             # in place): a graph that assigned new state tensors would read the old ones at
             # the next call. Write the new state into the held tensors instead.
-            for o, x in zip(optree.tree_leaves(held), optree.tree_leaves(new_state)):
+            for o, x in zip(leaves_of(held), leaves_of(new_state)):
                 if isinstance(o, torch.Tensor) and o is not x:
                     copy_into(o, x)
         else:

@@ -8,6 +8,7 @@ import optree
 import pytest
 import torch
 
+import functional_train as ft
 from functional_train.tree import flatten_as, tree_flatten, tree_unflatten
 
 
@@ -85,3 +86,58 @@ def test_flatten_as_takes_the_same_structure():
     want = optree.tree_flatten({"w": torch.zeros(1), "b": None}, none_is_leaf=True)[0]
     assert [x is None for x in got] == [x is None for x in want]
     assert len(got) == 2
+
+
+class _UsersState(collections.namedtuple("_UsersState", ["mu", "count"])):
+    """A NamedTuple of a user's (optree flattens it by field; the traced walk leaves it to
+    optree)."""
+
+
+TRACED_TREES = {
+    **TREES,
+    "states": (
+        ft.ScaleByAdamState(
+            torch.zeros((), dtype=torch.int64), _dict(["w", "b"]), _dict(["w", "b"])
+        ),
+        ft.EmptyState(),
+        [_UsersState(_dict(["z", "y"], none=("y",)), torch.ones(()))],
+    ),
+    "int_keys": {1: torch.ones(1), 0: torch.zeros(1)},
+    "none": None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRACED_TREES))
+def test_traced_flattening_equals_optree(name):
+    """The flattening the library traces under ``torch.compile`` (``tree._traced_leaves``, a
+    walk of the built-in containers and the library's states; ``tree._traced_unflatten``,
+    node by node) gives optree's leaves, the same objects in its order, eagerly; compiled
+    (``fullgraph``), ``leaves_of`` and ``tree_flatten`` + ``tree_unflatten`` give them and the
+    tree back, dicts in their own key order."""
+    from functional_train.tree import _traced_leaves, leaves_of
+
+    tree = TRACED_TREES[name]
+    want = optree.tree_leaves(tree, none_is_leaf=True)
+    got = _traced_leaves(tree)
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+
+    def both(t):
+        leaves, td = tree_flatten(t)
+        return leaves_of(t), tree_unflatten(
+            td, [x + 1 if isinstance(x, torch.Tensor) else x for x in leaves]
+        )
+
+    torch._dynamo.reset()  # (one code object, a new tree each case: no recompile limit)
+    leaves, back = torch.compile(both, backend="eager", fullgraph=True)(tree)
+    assert len(leaves) == len(want)
+    for a, b in zip(leaves, want):
+        assert (a is None and b is None) or (isinstance(b, float) and a == b) or torch.equal(a, b)
+    assert optree.tree_structure(back, none_is_leaf=True) == optree.tree_structure(
+        tree, none_is_leaf=True
+    )
+    for a, b in zip(optree.tree_leaves(back, none_is_leaf=True), want):
+        assert (
+            (a is None and b is None) or (isinstance(b, float) and a == b) or torch.equal(a, b + 1)
+        )
+    if isinstance(tree, dict):
+        assert list(back) == list(tree)
