@@ -168,7 +168,7 @@ def multi_steps(
             gradient_step=gradient_step,
             inner_state=inner.init(params),
             acc_grads=state_zeros_like(params, acc_dtype),
-            seen=_BLOCKS.make(0, len(tree_flatten(params)[0])),
+            seen=_BLOCKS.make(0, len(leaves_of(params))),
             skip_state=skip_state,
         )
 

@@ -266,8 +266,8 @@ def _partition(
             return out
         updates, mesh, treedef = _materialized(updates, params, mesh, "partition")
         labels = labels_of(params)
-        u_leaves = tree_flatten(updates)[0]
-        p_leaves = tree_flatten(params)[0]
+        u_leaves = leaves_of(updates)
+        p_leaves = leaves_of(params)
         out = list(u_leaves)
         new_states = {}
         for n in names:
@@ -279,7 +279,7 @@ def _partition(
                 mesh=mesh,
                 **extra,
             )
-            for i, (k, x) in enumerate(zip(keep, tree_flatten(new)[0])):
+            for i, (k, x) in enumerate(zip(keep, leaves_of(new))):
                 if k:
                     out[i] = x
         return tree_unflatten(treedef, out), PartitionState(new_states)
@@ -355,15 +355,15 @@ def masked(
             raise ValueError("masked needs params: call update(updates, state, params)")
         updates, mesh, treedef = _materialized(updates, params, mesh, "masked")
         keep = keep_of(params)
-        u_leaves = tree_flatten(updates)[0]
+        u_leaves = leaves_of(updates)
         new, inner_state = inner.update(
             tree_unflatten(treedef, _select(u_leaves, keep)),
             state.inner_state,
-            tree_unflatten(treedef, _select(tree_flatten(params)[0], keep)),
+            tree_unflatten(treedef, _select(leaves_of(params), keep)),
             mesh=mesh,
             **extra,
         )
-        out = [x if k else u for x, u, k in zip(tree_flatten(new)[0], u_leaves, keep)]
+        out = [x if k else u for x, u, k in zip(leaves_of(new), u_leaves, keep)]
         return tree_unflatten(treedef, out), MaskedState(inner_state)
 
     inner_fus = E.fusable_of(inner)

@@ -80,7 +80,9 @@ from .transforms import (
 from .tree import (
     PyTree,
     contiguous_stride,
+    first_device,
     flatten_as,
+    leaves_of,
     tree_flatten,
     tree_paths,
     tree_unflatten,
@@ -706,9 +708,7 @@ def _decay_after_update(
         )
 
     def init_fn(params):
-        return ScaleByScheduleState(
-            torch.zeros((), dtype=torch.int64, device=_first_device(params))
-        )
+        return ScaleByScheduleState(torch.zeros((), dtype=torch.int64, device=first_device(params)))
 
     def prologue(state, b):
         check_state(state, ScaleByScheduleState, where)
@@ -719,11 +719,6 @@ def _decay_after_update(
 
     spec = E.Elementwise(where, leaf, prologue, E.no_fields, 0, needs_params=True)
     return elementwise_transform(spec, init_fn)
-
-
-def _first_device(tree: PyTree) -> torch.device:
-    leaves, _ = tree_flatten(tree)
-    return next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
 _LABELS = ("galore", "decay", "no_decay")
@@ -905,7 +900,7 @@ def _skip_when_empty(tx: GradientTransformation) -> GradientTransformation:
     empty list of leaves)."""
 
     def update_fn(updates, state, params=None, *, mesh=None, **extra):
-        if all(x is None for x in tree_flatten(updates)[0]):
+        if all(x is None for x in leaves_of(updates)):
             return updates, state
         return tx.update(updates, state, params, mesh=mesh, **extra)
 

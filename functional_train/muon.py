@@ -68,7 +68,14 @@ from .transforms import (
     scale_by_learning_rate,
     zero_count,
 )
-from .tree import PyTree, state_zeros_like, tree_flatten, tree_paths, tree_unflatten
+from .tree import (
+    PyTree,
+    leaves_of,
+    state_zeros_like,
+    tree_flatten,
+    tree_paths,
+    tree_unflatten,
+)
 
 __all__ = [
     "ScaleByMuonState",
@@ -296,7 +303,7 @@ class _LeafDimensionNumbers:
                     f"scale_by_muon: weight_dimension_numbers leaf '{tree_paths(tree)[i]}' must "
                     f"be a MuonDimensionNumbers or None, got {type(v).__name__}"
                 )
-        leaves = tree_flatten(tree)[0]
+        leaves = leaves_of(tree)
         return [_default_dimension_numbers(x) if v is None else v for v, x in zip(values, leaves)]
 
     def of(self, treedef, leaves: Sequence) -> list | MuonDimensionNumbers:

@@ -62,7 +62,7 @@ from .quantization import (
 )
 from .spec import transform_spec
 from .transforms import ScaleByScheduleState
-from .tree import flatten_as, tree_flatten, tree_unflatten
+from .tree import flatten_as, leaves_of, tree_unflatten
 
 __all__ = ["fused_adafactor_step", "fused_came_step", "fused_galore_step", "fused_adam8bit_step"]
 
@@ -333,7 +333,7 @@ def fused_galore_step(
                 state.inner_states[name],
                 tree_unflatten(treedef, [pl[i] if k else None for i, k in enumerate(keep)]),
             )
-            for i, (k, x) in enumerate(zip(keep, tree_flatten(new)[0])):
+            for i, (k, x) in enumerate(zip(keep, leaves_of(new))):
                 if k and x is not None and b.locals[i] is not None:
                     upd[i] = x
         if upd:
@@ -454,7 +454,7 @@ def fused_adam8bit_step(
             zip(*(pool.take(f"adam8bit.{k}", [x[k] for x in ins]) for k in (0, 2, 3, 4, 5)))
         )
     mset = set(mine)
-    rest = [x if k not in mset else None for k, x in enumerate(tree_flatten(grads)[0])]
+    rest = [x if k not in mset else None for k, x in enumerate(leaves_of(grads))]
     with torch.no_grad():
         ok = kernels.adam8bit(
             ins,
@@ -488,7 +488,7 @@ def fused_adam8bit_step(
         new_fields[f] = tree_unflatten(treedef, leaves)
     states = list(new_state)
     states[fused.adam_index] = ns._replace(**new_fields)
-    p_leaves = tree_flatten(new_params)[0]
+    p_leaves = leaves_of(new_params)
     for i, o in zip(mine, outs):
         p_leaves[i] = requires_grad_like(o[0], pl[i])
     return tree_unflatten(treedef, p_leaves), tuple(states)

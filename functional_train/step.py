@@ -508,7 +508,7 @@ def _spec_first(params) -> bool:
     README); every other chain runs its generated Triton stages (:mod:`.engine.fuse_triton`)."""
     if not SPEC_FIRST:
         return False
-    leaves, _ = tree_flatten(params)
+    leaves = leaves_of(params)
     if not torch.compiler.is_compiling():  # (C loops: this runs for every step)
         present = [x for x in leaves if x is not None]
         try:
@@ -749,8 +749,8 @@ def _unaliased(result: tuple, inputs: tuple) -> tuple:
         if not _walk(new, old, pairs, whole):
             # (another structure, or nodes the walk leaves to optree: every leaf; what the
             # walk collected before it stopped is right as well)
-            pairs[0].extend(tree_flatten(new)[0])
-            pairs[1].extend(tree_flatten(old)[0])
+            pairs[0].extend(leaves_of(new))
+            pairs[1].extend(leaves_of(old))
     # (a tensor of the inputs anywhere in them: the same object, or a DTensor over the same
     # local shard; by identity, so a state that moves or swaps its tensors is covered too)
     ids = set(map(id, to_locals(pairs[1])))
@@ -827,7 +827,7 @@ def _tensors_into(tree: PyTree, out: list) -> bool:
             for x in xs:
                 _tensors_into(x, out)
     else:  # (a node of another kind: optree's leaves)
-        out.extend(x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor))
+        out.extend(x for x in leaves_of(tree) if isinstance(x, torch.Tensor))
     return True
 
 

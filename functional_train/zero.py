@@ -29,7 +29,7 @@ from .engine.plan import agree_presence, data_mean, plan_for
 from .engine.view import leaf_paths, mesh_coordinates
 from .mesh import Mesh
 from .spec import attach_spec
-from .tree import contiguous_stride, flatten_as, tree_flatten, tree_unflatten
+from .tree import contiguous_stride, flatten_as, leaves_of, tree_flatten, tree_unflatten
 
 __all__ = ["zero_redundancy", "ZeroRedundancyState"]
 
@@ -353,7 +353,7 @@ def zero_redundancy(
         )
 
     def init_fn(params):
-        leaves, _ = tree_flatten(params)
+        leaves = leaves_of(params)
         root = _root_of(None, leaves, device_mesh)
         views = _views(leaves, leaf_paths(params), root, axis)
         return ZeroRedundancyState(inner.init(view_tree(params, views)))
@@ -501,7 +501,7 @@ def zero_redundancy(
             inner, z.grads, state.inner_state, z.params, z.mesh, donate, extra
         )
         nz = flatten_as(new_zp, z.treedef, "zero_redundancy's inner parameters", "the params")
-        gl = tree_flatten(z.grads)[0]
+        gl = leaves_of(z.grads)
         pl = list(z.p)
         active = [i for i, x in enumerate(gl) if x is not None]
         ga = [i for i in active if z.views[i].dim is not None]
