@@ -47,7 +47,7 @@ from .transforms import (
     scale_by_learning_rate,
     times,
 )
-from .tree import state_dtype, state_zeros_like, tree_paths
+from .tree import state_dtype, state_zeros_like, tree_paths, tree_unflatten
 
 __all__ = ["scale_by_came", "ScaleByCameState", "came"]
 
@@ -233,8 +233,8 @@ def scale_by_came(
             s.v_col,
             s.v,
             state_zeros_like(params),
-            optree.tree_unflatten(treedef, rows),
-            optree.tree_unflatten(treedef, cols),
+            tree_unflatten(treedef, rows),
+            tree_unflatten(treedef, cols),
         )
 
     def confidence_prologue(state, b):

@@ -491,9 +491,9 @@ def scale_by_factored_rms(
                 vs.append(state_zeros_like(x, v_dtype))
         return ScaleByFactoredRmsState(
             zero_count(params),
-            optree.tree_unflatten(treedef, rows),
-            optree.tree_unflatten(treedef, cols),
-            optree.tree_unflatten(treedef, vs),
+            tree_unflatten(treedef, rows),
+            tree_unflatten(treedef, cols),
+            tree_unflatten(treedef, vs),
         )
 
     def prologue(state, b):

@@ -41,12 +41,12 @@ def tree_flatten(tree: PyTree):
     order (``dict(model.named_parameters())``, the gradients and states shaped like it), takes
     the treedef of that call and ``flatten_up_to`` (a lookup per key, where optree's flatten
     sorts the keys every call: about 4 us against 28 us at 122 leaves); the same leaves and
-    treedef either way. Under ``torch.compile`` such a dict (any keys seen before or not) is
-    flattened by :func:`_traced_flat_dict`. Everything else is optree's."""
+    treedef either way. Under ``torch.compile`` a flat dict of string keys (seen before or
+    not) gets a :class:`FlatDictDef`. Everything else is optree's."""
     if torch.compiler.is_compiling():
         leaves = flat_dict_leaves(tree)
         if leaves is not None:
-            return leaves, _traced_flat_dict(tree)
+            return leaves, FlatDictDef(tuple(tree))
         return optree.tree_flatten(tree, none_is_leaf=True)
     cacheable = type(tree) is dict
     key = tuple(tree) if cacheable else None
@@ -66,15 +66,77 @@ def tree_flatten(tree: PyTree):
 _DICT_DEFS: dict = {}  # a flat dict's keys in insertion order -> its treedef
 
 
-def _traced_flat_dict(tree: dict):
-    """The treedef of a flat dict (string keys, tensor or ``None`` values: what
-    :func:`flat_dict_leaves` takes) built by optree's ``treespec_dict`` of one leaf treedef,
-    for code ``torch.compile`` traces: the treedef ``optree.tree_flatten`` gives, where
-    dynamo's run of that flatten builds a treedef object per leaf and looks each leaf's type
-    up in optree's registry (about 41,000 traced bytecodes and 3 s for a dict of 122 leaves;
-    this, about 1,000)."""
-    leaf = optree.treespec_leaf(none_is_leaf=True)
-    return optree.treespec_dict({k: leaf for k in tree}, none_is_leaf=True)
+class FlatDictDef:
+    """The treedef :func:`tree_flatten` gives under ``torch.compile`` for a flat dict (string
+    keys, tensor or ``None`` values: what :func:`flat_dict_leaves` takes): its keys in
+    insertion order (``keys``) and sorted (``sorted_keys``, the leaves' order, as optree
+    orders a dict). It answers ``num_leaves``, ``num_nodes``, ``type``, ``paths`` and
+    ``entries`` itself, and :func:`tree_unflatten` and :func:`flatten_as` take it; any other
+    attribute of optree's ``PyTreeSpec`` (``flatten_up_to``, ``children``, comparison with
+    one) comes from the equal optree treedef, built on first use by :meth:`optree_def`.
+
+    Why: dynamo runs optree as Python, and building a dict treedef there makes a treespec
+    object per key (about 2,700 traced bytecodes for 7 keys, 17,000 for the 122 of the
+    benchmark tree; each ``tree_flatten`` of a step's trees built one); this class takes 71
+    for 7 keys."""
+
+    __slots__ = ("keys", "sorted_keys", "num_leaves", "_optree")
+    type = dict
+
+    def __init__(self, keys: tuple):
+        self.keys = keys
+        self.sorted_keys = tuple(sorted(keys))
+        self.num_leaves = len(keys)
+        self._optree = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_leaves + 1
+
+    def unflatten(self, leaves: Sequence[Any]) -> dict:
+        """The dict of ``leaves`` (in ``sorted_keys`` order) under ``keys``' order.
+
+        Raises:
+            ValueError: not ``num_leaves`` leaves."""
+        leaves = list(leaves)
+        if len(leaves) != self.num_leaves:
+            raise ValueError(f"{len(leaves)} leaves given to a treedef of {self.num_leaves}")
+        by_key = {k: x for k, x in zip(self.sorted_keys, leaves)}
+        return {k: by_key[k] for k in self.keys}
+
+    def paths(self) -> list:
+        """Each leaf's path, optree's ``PyTreeSpec.paths``: ``[(key,), ...]``, sorted keys."""
+        return [(k,) for k in self.sorted_keys]
+
+    def entries(self) -> list:
+        """The root's child keys, optree's ``PyTreeSpec.entries``: the sorted keys."""
+        return list(self.sorted_keys)
+
+    def optree_def(self):
+        """The equal ``optree.PyTreeSpec`` (made once)."""
+        if self._optree is None:
+            leaf = optree.treespec_leaf(none_is_leaf=True)
+            self._optree = optree.treespec_dict({k: leaf for k in self.keys}, none_is_leaf=True)
+        return self._optree
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_optree":
+            raise AttributeError(name)
+        return getattr(self.optree_def(), name)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, FlatDictDef):
+            return self.sorted_keys == other.sorted_keys
+        return self.optree_def() == other
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.sorted_keys)
+
+    def __repr__(self) -> str:
+        return f"FlatDictDef({self.keys!r})"
 
 
 _NONE_TYPE = type(None)
@@ -110,7 +172,10 @@ def _up_to(treedef, tree: PyTree) -> list | None:
 
 def tree_unflatten(treedef, leaves: Sequence[Any]) -> PyTree:
     """Inverse of :func:`tree_flatten`. Under ``torch.compile``, a treedef dynamo built (its
-    Python stand-in for optree's ``PyTreeSpec``) is unflattened by :func:`_traced_unflatten`."""
+    Python stand-in for optree's ``PyTreeSpec``) is unflattened by :func:`_traced_unflatten`;
+    a :class:`FlatDictDef` by its own ``unflatten``."""
+    if type(treedef) is FlatDictDef:
+        return treedef.unflatten(leaves)
     if torch.compiler.is_compiling() and type(treedef) is not optree.PyTreeSpec:
         return _traced_unflatten(treedef, list(leaves))
     return optree.tree_unflatten(treedef, list(leaves))
@@ -260,7 +325,7 @@ def flat_dict_leaves(tree: PyTree, treedef=None) -> list | None:
     for k in tree:
         if type(k) is not str:
             return None
-    leaves = [tree[k] for k in sorted(tree)]
+    leaves = list(map(tree.__getitem__, sorted(tree)))  # (no comprehension frame to trace)
     if treedef is not None and len(leaves) == treedef.num_leaves == treedef.num_nodes - 1:
         return leaves
     for x in leaves:

@@ -141,3 +141,53 @@ def test_traced_flattening_equals_optree(name):
         )
     if isinstance(tree, dict):
         assert list(back) == list(tree)
+
+
+def test_flat_dict_def_stands_for_optrees_treedef():
+    """``FlatDictDef`` (what ``tree_flatten`` gives a flat dict under ``torch.compile``) is
+    equal to optree's treedef of the dict either way round and not to another's; it unflattens
+    the leaves of optree's (sorted-key) order into the dict's own key order; what it does not
+    answer itself comes from optree's treedef; eager ``flatten_as`` takes it (code after a
+    graph break runs eagerly with the treedefs the traced part made)."""
+    from functional_train.tree import FlatDictDef
+
+    tree = _dict(["w", "b", "a"], none=("b",))
+    leaves, want = optree.tree_flatten(tree, none_is_leaf=True)
+    td = FlatDictDef(tuple(tree))
+    assert td == want and want == td and not td != want and not want != td
+    assert td == FlatDictDef(("a", "b", "w")) and hash(td) == hash(FlatDictDef(("a", "w", "b")))
+    other = optree.tree_structure(_dict(["w", "c"]), none_is_leaf=True)
+    assert td != other and other != td and td != FlatDictDef(("w", "c"))
+    assert (td.num_leaves, td.num_nodes, td.type) == (want.num_leaves, want.num_nodes, dict)
+    assert td.paths() == want.paths() and td.entries() == want.entries()
+    back = tree_unflatten(td, leaves)
+    assert list(back) == ["w", "b", "a"] and all(back[k] is tree[k] for k in tree)
+    got = flatten_as({"a": torch.ones(2), "w": torch.ones(1), "b": None}, td, "state")
+    assert [None if x is None else tuple(x.shape) for x in got] == [(2,), None, (1,)]
+    with pytest.raises(ValueError, match="does not have the structure of params"):
+        flatten_as({"a": torch.ones(2), "w": torch.ones(1)}, td, "state")
+    with pytest.raises(ValueError, match="2 leaves given to a treedef of 3"):
+        tree_unflatten(td, leaves[:2])
+    assert tree_unflatten(FlatDictDef(()), []) == {}
+
+
+def test_compiled_tree_flatten_of_a_flat_dict_builds_no_optree_treedef():
+    """Under ``torch.compile`` a flat dict's treedef is a ``FlatDictDef`` (dynamo would run
+    optree's treespec construction as Python: a treespec object per key), and the round trip
+    gives the dict back in its key order; an empty dict too."""
+    from functional_train.tree import FlatDictDef
+
+    seen = []
+
+    def f(t):
+        leaves, td = tree_flatten(t)
+        seen.append(type(td))
+        return tree_unflatten(td, [None if x is None else x * 2 for x in leaves])
+
+    tree = _dict(["w", "b", "a"], none=("b",))
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="eager", fullgraph=True)(tree)
+    assert seen == [FlatDictDef] and list(out) == ["w", "b", "a"] and out["b"] is None
+    assert torch.equal(out["w"], tree["w"] * 2) and torch.equal(out["a"], tree["a"] * 2)
+    torch._dynamo.reset()
+    assert torch.compile(f, backend="eager", fullgraph=True)({}) == {}
