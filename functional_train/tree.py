@@ -201,8 +201,7 @@ def _traced_unflatten(treedef, leaves: list) -> PyTree:
         raise ValueError(f"{len(leaves)} leaves given to a treedef of {treedef.num_leaves}")
     meta = treedef._metadata
     if treedef.type is dict and isinstance(meta, tuple) and treedef.num_nodes == len(leaves) + 1:
-        by_key = dict(zip(meta[1], leaves))  # (a flat dict: no node to walk)
-        return {k: by_key[k] for k in meta[0]}
+        return FlatDictDef(tuple(meta[0])).unflatten(leaves)  # (a flat dict: no node to walk)
     it = iter(leaves)
 
     def build(node):
@@ -320,11 +319,8 @@ def flat_dict_leaves(tree: PyTree, treedef=None) -> list | None:
     looked at (dynamo traces that loop too: about 40 ms per 122-leaf tree)."""
     if type(tree) is not dict:
         return None
-    # (loops, not all() over a generator: dynamo resumes a generator at a cost of its own,
-    # about 0.5 ms per item)
-    for k in tree:
-        if type(k) is not str:
-            return None
+    if not _str_keys(tree):
+        return None
     leaves = list(map(tree.__getitem__, sorted(tree)))  # (no comprehension frame to trace)
     if treedef is not None and len(leaves) == treedef.num_leaves == treedef.num_nodes - 1:
         return leaves
@@ -334,12 +330,22 @@ def flat_dict_leaves(tree: PyTree, treedef=None) -> list | None:
     return leaves
 
 
+def _str_keys(d: dict) -> bool:
+    """Every key of ``d`` a ``str`` (sortable together, as optree sorts a dict's keys). A
+    loop, not ``all()`` over a generator: dynamo resumes a generator at a cost of its own,
+    about 0.5 ms per item."""
+    for k in d:
+        if type(k) is not str:
+            return False
+    return True
+
+
 def leaves_of(tree: PyTree) -> list:
     """``tree``'s leaves (``None`` leaves included), by :func:`flat_dict_leaves` under
     ``torch.compile`` where it takes the tree, else by :func:`_traced_leaves` there; eagerly
     a dict's by :func:`tree_flatten` (its treedef remembered by the keys), the rest by optree.
     Where only the leaves are wanted, this and not ``tree_flatten(tree)[0]``: under compile
-    building a treedef is traced too (about 1,000 bytecodes a flat dict of 7 leaves)."""
+    building a treedef is traced too."""
     if torch.compiler.is_compiling():
         leaves = flat_dict_leaves(tree)
         if leaves is not None:
@@ -369,15 +375,9 @@ def _traced_leaves(tree: PyTree) -> list:
         if t is tuple or t is list or _own_namedtuple(t):
             stack.extend(x[::-1])
             continue
-        if t is dict:
-            keys = list(x)
-            plain = True
-            for k in keys:
-                if type(k) is not str:
-                    plain = False
-            if plain:
-                stack.extend([x[k] for k in sorted(keys, reverse=True)])
-                continue
+        if t is dict and _str_keys(x):
+            stack.extend([x[k] for k in sorted(x, reverse=True)])
+            continue
         out.extend(optree.tree_leaves(x, none_is_leaf=True))
     return out
 
@@ -396,8 +396,7 @@ def unflatten_like(tree: PyTree, treedef, leaves: Sequence[Any]) -> PyTree:
     structure: for a dict :func:`flat_dict_leaves` takes, a dict in ``tree``'s key order
     built by indexing (see there; under ``torch.compile`` only)."""
     if torch.compiler.is_compiling() and flat_dict_leaves(tree, treedef) is not None:
-        by_key = dict(zip(sorted(tree), leaves))
-        return {k: by_key[k] for k in tree}
+        return FlatDictDef(tuple(tree)).unflatten(leaves)
     return tree_unflatten(treedef, leaves)
 
 
