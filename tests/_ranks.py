@@ -117,6 +117,14 @@ class RankPool:
         return "".join(f"--- log of rank {r} ---\n{_log_tail(logs[r])}\n" for r in ranks)
 
     @property
+    def threads(self) -> int:
+        """The most threads a rank has (0 where ``/proc`` is not there to count them)."""
+        try:
+            return max(len(os.listdir(f"/proc/{p.pid}/task")) for p in self._procs)
+        except OSError:
+            return 0
+
+    @property
     def alive(self) -> bool:
         return all(p.poll() is None for p in self._procs)
 
@@ -148,6 +156,17 @@ class Ranks:
     def __init__(self):
         self._pools: dict[int, RankPool] = {}
 
+    # Every process group a job makes (a device mesh's dims, a test's sub-group) keeps gloo
+    # threads (a TCP loop and workers) that wake while the pool idles. At ~200 threads per
+    # rank (the 4-rank pool after the main job's pipeline tests) the idle pool slowed the
+    # processes the other pytest worker started: tests/test_resume.py's two 4-process runs of
+    # the main job took 250-325 s in the full suite, 35 s alone; one such run beside an idle
+    # pool of 185 threads a rank and two busy processes, 101 s (25 s with those two and no
+    # pool). Destroying a job's groups is not enough (DTensor's sharding cache keeps specs
+    # whose meshes, equal to the next job's, name them), so a pool whose ranks have more
+    # threads than this after a job is closed then (the next job starts a new one: ~8 s).
+    MAX_THREADS = 48
+
     def run(self, world: int, target: str, *args, **kw) -> list:
         pool = self._pools.get(world)
         if pool is None or not pool.alive:
@@ -155,10 +174,13 @@ class Ranks:
                 pool.close(kill=True)
             pool = self._pools[world] = RankPool(world)
         try:
-            return pool.run(target, *args, **kw)
+            result = pool.run(target, *args, **kw)
         except RankError:
             self._pools.pop(world, None)
             raise
+        if pool.threads > self.MAX_THREADS:
+            self._pools.pop(world).close()
+        return result
 
     def close(self) -> None:
         for pool in self._pools.values():
