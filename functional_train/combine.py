@@ -126,7 +126,7 @@ class PerLeaf:
         """The values for ``params``; ``flat``: ``(leaves, treedef)`` of ``params`` where the
         caller flattened them already (eagerly: not flattened again)."""
         if torch.compiler.is_compiling():
-            leaves = leaves_of(params)  # (a dict of tensors by its values)
+            leaves = leaves_of(params) if flat is None else flat[0]
             sig = tuple(None if x is None else tuple(x.shape) for x in leaves)
             hit = self._seen.get(sig)
             if hit is None or hit is self._AMBIGUOUS:
