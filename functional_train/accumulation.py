@@ -55,6 +55,7 @@ from .mesh import Mesh
 from .spec import MicroSteps, attach_spec
 from .tree import (
     flatten_as,
+    indexed,
     leaves_of,
     state_zeros_like,
     tree_flatten,
@@ -199,7 +200,7 @@ def multi_steps(
         acc = flatten_as(state.acc_grads, treedef, "MultiStepsState.acc_grads", "the updates")
         if params is not None:  # the result is unused: the call validates params' structure
             flatten_as(params, treedef, "params", "the updates")
-        for i, (x, a) in enumerate(zip(g, acc)):
+        for i, x, a in indexed(g, acc):
             if x is not None and a is not None and tuple(x.shape) != tuple(a.shape):
                 raise ValueError(
                     f"multi_steps: update leaf '{tree_paths(updates)[i]}' has shape "
@@ -214,7 +215,7 @@ def multi_steps(
                 f"{len(g)} leaves; the state comes from another tree"
             )
         active, fresh = [], []  # leaves with a gradient now; of those, the first in the cycle
-        for i, x in enumerate(g):
+        for i, x in indexed(g):
             if x is None or acc[i] is None:
                 continue
             if not (x.dtype.is_floating_point or x.dtype.is_complex):
@@ -266,7 +267,7 @@ def multi_steps(
             )
         # the final micro-step: every leaf with a gradient in the cycle gets the mean, a
         # None gradient now counting as zero; the accumulators are cleared
-        cycle = [i for i, f in enumerate(new_seen) if f and acc[i] is not None]
+        cycle = [i for i, f in indexed(new_seen) if f and acc[i] is not None]
         summed = [to_local(new_acc[i]) for i in cycle]
         specs = [spec_of(new_acc[i]) for i in cycle]
         active = cycle

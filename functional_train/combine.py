@@ -29,6 +29,7 @@ from .tree import (
     flat_dict_leaves,
     flatten_as,
     format_path,
+    indexed,
     leaves_of,
     tree_flatten,
     tree_paths,
@@ -279,7 +280,7 @@ def _partition(
                 mesh=mesh,
                 **extra,
             )
-            for i, (k, x) in enumerate(zip(keep, leaves_of(new))):
+            for i, k, x in indexed(keep, leaves_of(new)):
                 if k:
                     out[i] = x
         return tree_unflatten(treedef, out), PartitionState(new_states)

@@ -7,7 +7,7 @@ leaves. Paths are rendered as dotted strings (``layers.0.attn.wq``) in error mes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -316,9 +316,10 @@ def flat_dict_leaves(tree: PyTree, treedef=None) -> list | None:
     per node (0.3 to 0.6 s of tracing per flattened 122-leaf tree), and a dict's values in
     a loop cost a fraction of that. Where ``treedef``, the structure the caller holds ``tree``
     to, is a flat dict's of as many leaves (one node and a leaf per key), the values are not
-    looked at; else they are by builtins dynamo runs without tracing bytecode per value
-    (``all(map(torch.is_tensor, ...))``: 98 traced bytecodes a call at 7 leaves, 673 at 122,
-    where a loop took 225 and 2,985)."""
+    looked at; else they are by ``all(map(torch.is_tensor, ...))`` where none is ``None``
+    (dynamo's ``all`` traces a few bytecodes a value: this function traced 98 bytecodes a call
+    at 7 leaves and 673 at 122, where its loops over the keys and the values took 225 and
+    2,985)."""
     if type(tree) is not dict:
         return None
     keys = _sorted_str_keys(tree)
@@ -347,6 +348,14 @@ def _sorted_str_keys(d: dict) -> list | None:
     except TypeError:  # (keys of types that do not compare: optree's own order)
         return None
     return keys if not keys or type(keys[0]) is str else None
+
+
+def indexed(first: Sequence, *rest: Iterable) -> Iterator[tuple]:
+    """``(i, first[i], rest[0][i], ...)``: ``enumerate(zip(first, *rest))`` flattened, for
+    loops ``torch.compile`` traces. It is ``zip(range(len(first)), first, *rest)``, which dynamo
+    runs natively, where it runs ``enumerate`` as a Python generator: a 7-item comprehension
+    over ``enumerate`` traced 202 bytecodes, over this 104."""
+    return zip(range(len(first)), first, *rest)
 
 
 def leaves_of(tree: PyTree) -> list:

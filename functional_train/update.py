@@ -18,7 +18,7 @@ from .engine.dtensor import spec_of, to_local, wraps_like
 from .engine.metadata import Memo
 from .engine.plan import describe
 from .leaves import DTYPE, SHAPE
-from .tree import flatten_as, format_path, tree_flatten, tree_unflatten
+from .tree import flatten_as, format_path, indexed, tree_flatten, tree_unflatten
 
 __all__ = ["apply_updates", "params_like"]
 
@@ -35,7 +35,7 @@ def paired_locals(params: Any, updates: Any):
     u = flatten_as(updates, treedef, "updates", "params")
     if _plain_pairs(p, u):
         return treedef, p, list(range(len(p))), p, u
-    idx = [i for i, (x, d) in enumerate(zip(p, u)) if x is not None and d is not None]
+    idx = [i for i, x, d in indexed(p, u) if x is not None and d is not None]
     ul = []
 
     def path(i):

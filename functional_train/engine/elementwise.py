@@ -143,6 +143,7 @@ import torch
 from ..autograd import traced
 from ..leaves import CPU, DTYPE, copy_into, on_device
 from ..spec import attach_spec, transform_spec
+from ..tree import indexed
 from . import fuse, native
 from .collectives import coalesced
 from .dtensor import to_local, wrap_like
@@ -906,7 +907,7 @@ def _positions(b, on: Sequence) -> _Where | None:
             return hit[1]
     act = b.active
     flags = on if len(on) == len(act) else [on[i] for i in act]
-    positions = [j for j, f in enumerate(flags) if f]
+    positions = [j for j, f in indexed(flags) if f]
     out = None if len(positions) == len(act) else _Where(positions)
     if memo is not None:
         memo[key] = (on, out)  # (holding on: its id is not reused while the entry lives)

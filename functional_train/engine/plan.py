@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..leaves import DEVICE, DTYPE, SHAPE
 from ..mesh import Mesh
-from ..tree import format_path
+from ..tree import format_path, indexed
 from .collectives import all_reduce_buckets, groups_over
 from .dtensor import DTENSOR_OR_NONE, Spec, spec_of, to_local, wrap, wrap_like
 from .layout import World
@@ -171,9 +171,9 @@ class Plan:
         self.memo: dict = {}  # values derived from the layout on first use (replica counts, ...)
         self.paths = [format_path(p) for p in treedef.paths()]
         paths = self.paths
-        for i, u in enumerate(leaves):
+        for i, u in indexed(leaves):
             _check_leaf(paths[i], u, None if pleaves is None else pleaves[i], pleaves is not None)
-        self.active = [i for i, x in enumerate(leaves) if x is not None]
+        self.active = [i for i, x in indexed(leaves) if x is not None]
         # the update leaves' (global) shapes: every call of this plan has them (its key)
         self.shapes = [None if x is None else x.shape for x in leaves]
         self.param_specs: list[Spec | None] | None = (
