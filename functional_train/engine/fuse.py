@@ -481,11 +481,11 @@ class Lowering:
         raise Unsupported(node.format_node())
 
 
-MAX_SWITCHES = 2  # (the flags a leaf's loops are specialised for: 2 ** this copies of them)
+MAX_SWITCHES = 2  # (the flags a leaf's loop is specialised for: 2 ** this copies of it)
 
 
 def unswitched(section: list, switches: list) -> list:
-    """The lines ``section`` (a leaf's loops) once per value of each flag of ``switches``
+    """The lines ``section`` (a leaf's loop) once per value of each flag of ``switches``
     (``(name, C type)``): ``if (f) { const _Bool f = 1; ... } else { const _Bool f = 0; ... }``,
     the flag shadowed by its constant value, so that the C compiler keeps each copy's side of
     the flag's selects only, and drops the loads only the other side reads (a compiled
@@ -678,29 +678,29 @@ class _Writer(Lowering):
                 ]
             return out
 
-        # the leaf's loops (ordinary stores, then streamed), once per combination of the
-        # flags the body selects by (at most MAX_SWITCHES of them; see unswitched)
+        # the leaf's loop, once per combination of the flags the body selects by (at most
+        # MAX_SWITCHES of them; see unswitched). One loop over blocks serves both stores:
+        # ordinary stores write the results in place (one block of the whole leaf, or of
+        # FT_BLOCK where the block's squares are summed while it is in L1); streamed ones
+        # compute each block into a buffer in L1, then write it out with non-temporal stores
+        # (no read of the destination's lines: see ft_stream). (Two loops, one per kind of
+        # store, took the C compiler twice as long: it vectorises each.)
         head, lines = lines, []
-        lines.append("    if (!stream) {")
-        if sq is None:
-            lines += loop("n", "i", "q{j}", "      ")
-        else:  # (by blocks, each summed while it is in L1)
-            lines.append("    for (int64_t i0 = 0; i0 < n; i0 += FT_BLOCK) {")
-            lines.append("      const int64_t m = n - i0 < FT_BLOCK ? n - i0 : FT_BLOCK;")
-            lines += loop("m", "i0 + i", "(q{j} + i0)", "      ")
-            lines += summed("(q0 + i0)")
-            lines.append("    }")
-        lines.append("      continue;")
-        lines.append("    }")
-        # streamed: each block of results computed into a buffer in L1, then written out with
-        # non-temporal stores (no read of the destination's lines: see ft_stream)
-        lines.append("    for (int64_t i0 = 0; i0 < n; i0 += FT_BLOCK) {")
-        lines.append("      const int64_t m = n - i0 < FT_BLOCK ? n - i0 : FT_BLOCK;")
-        lines += loop("m", "i0 + i", "b{j}", "      ")
+        block = "FT_BLOCK" if sq is not None else "(stream ? FT_BLOCK : n)"
+        lines.append(f"    const int64_t bs = {block};")
+        lines.append("    for (int64_t i0 = 0; i0 < n; i0 += bs) {")
+        lines.append("      const int64_t m = n - i0 < bs ? n - i0 : bs;")
+        for j, d in enumerate(out_dtypes):
+            t = _storage(d)
+            lines.append(f"      {t} *d{j} = stream ? b{j} : q{j} + i0;")
+        lines += loop("m", "i0 + i", "d{j}", "      ")
         if sq is not None:
-            lines += summed("b0")
-        for j in range(nout):
-            lines.append(f"      ft_stream(q{j} + i0, b{j}, m * (int64_t)sizeof(*q{j}));")
+            lines += summed("d0")
+        if nout:
+            lines.append("      if (stream) {")
+            for j in range(nout):
+                lines.append(f"        ft_stream(q{j} + i0, b{j}, m * (int64_t)sizeof(*q{j}));")
+            lines.append("      }")
         lines.append("    }")
         switches = list(self.switches.items())
         lines = head + unswitched(lines, switches if len(switches) <= MAX_SWITCHES else [])
