@@ -436,6 +436,14 @@ HOST_COUNTER_READS: dict[str, str] = {
     "inject_hyperparams)",
 }
 
+
+def host_reads_allowed(name: str) -> bool:
+    """Whether ``name`` (or the transform it is an entry of) may read a documented CPU counter
+    on the host (``HOST_COUNTER_READS``): where it does, a compiled step has one graph per
+    branch it takes."""
+    return name in HOST_COUNTER_READS or base_name(name) in HOST_COUNTER_READS
+
+
 # Transforms that torch.compile only with graph breaks (compiled with fullgraph=False; the
 # compile property still requires eager's numbers): none so far, every transform that compiles
 # at all traces as ONE graph.

@@ -927,10 +927,6 @@ def documented_host_counters(state: Any) -> list:
     return out
 
 
-def host_reads_allowed(name: str) -> bool:
-    return name in reg.HOST_COUNTER_READS or reg.base_name(name) in reg.HOST_COUNTER_READS
-
-
 @pytest.mark.parametrize("name", cases("no_host_sync"))
 def test_no_host_sync(name):
     tx = build(name)
@@ -938,12 +934,12 @@ def test_no_host_sync(name):
     state = tx.init(params)
     allowed_reads = 0
     for g in grads:
-        allowed = documented_host_counters(state) if host_reads_allowed(name) else []
+        allowed = documented_host_counters(state) if reg.host_reads_allowed(name) else []
         with NoHostSync(allowed) as mode:
             u, state = tx.update(g, state, params)
         allowed_reads += mode.allowed_reads
         params = ft.apply_updates(params, u)
-    if host_reads_allowed(name):
+    if reg.host_reads_allowed(name):
         assert allowed_reads > 0, "the registry allows counter reads this transform never does"
 
 
