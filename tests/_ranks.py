@@ -151,7 +151,9 @@ class RankPool:
 
 
 class Ranks:
-    """One :class:`RankPool` per world size, started on first use and kept for the session."""
+    """One :class:`RankPool` per world size, started on first use and kept for the session
+    (those of at most ``MAX_KEPT_WORLD`` ranks, while their ranks hold at most ``MAX_THREADS``
+    threads after a job; the others are closed after it)."""
 
     def __init__(self):
         self._pools: dict[int, RankPool] = {}
@@ -166,6 +168,11 @@ class Ranks:
     # whose meshes, equal to the next job's, name them), so a pool whose ranks have more
     # threads than this after a job is closed then (the next job starts a new one: ~8 s).
     MAX_THREADS = 48
+    # Idle ranks cost even without a leak: each of the 8-rank pool's, at 16 threads, took about
+    # 0.6% of a core while it waited (gloo's loops), 5% for the pool, for the rest of the
+    # suite; one test uses a pool that large, so pools of more ranks than this are closed
+    # after their job.
+    MAX_KEPT_WORLD = 4
 
     def run(self, world: int, target: str, *args, **kw) -> list:
         pool = self._pools.get(world)
@@ -178,7 +185,7 @@ class Ranks:
         except RankError:
             self._pools.pop(world, None)
             raise
-        if pool.threads > self.MAX_THREADS:
+        if world > self.MAX_KEPT_WORLD or pool.threads > self.MAX_THREADS:
             self._pools.pop(world).close()
         return result
 
