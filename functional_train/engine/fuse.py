@@ -684,7 +684,8 @@ class _Writer(Lowering):
         # FT_BLOCK where the block's squares are summed while it is in L1); streamed ones
         # compute each block into a buffer in L1, then write it out with non-temporal stores
         # (no read of the destination's lines: see ft_stream). (Two loops, one per kind of
-        # store, took the C compiler twice as long: it vectorises each.)
+        # store, had the C compiler vectorise the body twice: the sweep's 430 stages took 53 s
+        # to build, 45 s with one loop.)
         head, lines = lines, []
         block = "FT_BLOCK" if sq is not None else "(stream ? FT_BLOCK : n)"
         lines.append(f"    const int64_t bs = {block};")
