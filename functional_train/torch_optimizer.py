@@ -980,6 +980,21 @@ class TorchOptimizer(torch.optim.Optimizer):
             state = _replace_at(state, g.hyper_path, new)
         return state
 
+    def _ft_step(self, grads: dict, state: Any, params: dict, compiling: bool) -> tuple:
+        """``ft.step`` donated, under ``torch.compile`` with the gradients read only (the
+        copies in ``step`` meet an inductor fault where the step's stage operator writes them,
+        see ``elementwise.read_only_updates``; the flag is read by compiled stages only).
+        (A function of its own: a graph break inside a ``try`` block makes dynamo run the
+        rest of its frame eagerly, and ``step``'s write-back would then compile one frame per
+        leaf's dtype and rank.)"""
+        from .step import step as ft_step
+
+        previous = read_only_updates(compiling)
+        try:
+            return ft_step(self._tx, grads, state, params, mesh=self._mesh, donate=True)
+        finally:
+            read_only_updates(previous)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step on the parameters' ``.grad`` (the closure, when given, is called
@@ -998,17 +1013,8 @@ class TorchOptimizer(torch.optim.Optimizer):
             return loss  # (torch.optim's steps skip parameters without a gradient: a no-op)
         params = self._params_tree(tensors)
         grads = {n: p.grad for n, p in zip(self._names, tensors)}
-        from .step import step as ft_step
-
         compiling = torch.compiler.is_compiling()
-        # (compiled, the gradients read only: the copies below meet an inductor fault where
-        # the step's stage operator writes them, see elementwise.read_only_updates; the flag
-        # is read by compiled stages only)
-        previous = read_only_updates(compiling)
-        try:
-            new, new_state = ft_step(self._tx, grads, state, params, mesh=self._mesh, donate=True)
-        finally:
-            read_only_updates(previous)
+        new, new_state = self._ft_step(grads, state, params, compiling)
         if compiling:
             # dynamo takes an optimizer's tensors as static (as torch.optim updates its state
             # in place): a graph that assigned new state tensors would read the old ones at
