@@ -172,8 +172,11 @@ def wraps_like(locals_, likes) -> list:
     """:func:`wrap_like` of every pair (one compile check for the whole list). Eagerly a
     DTensor whose own local shard is the new local (a donated step wrote into it, or left it
     as it was) is given back as it is: the same object, spec and shard, no new DTensor."""
-    if torch.compiler.is_compiling():
-        return [wrap_like(x, like) for x, like in zip(locals_, likes)]
+    if torch.compiler.is_compiling():  # (plain leaves without a call: dynamo traces each)
+        return [
+            wrap_like(x, like) if isinstance(like, DTensor) else x
+            for x, like in zip(locals_, likes)
+        ]
     kinds = set(map(type, likes))
     if kinds <= TENSOR_OR_NONE:  # (plain tensors: whole-list C loops)
         return list(locals_)

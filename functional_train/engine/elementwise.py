@@ -641,11 +641,8 @@ def run(
         psums = sums is not None and p_loc is not None and parts[hi].reads_params_sum_squares
         if all(k is None for k in keys):  # (checked once: dynamo traces every loop)
             leaf_keys: list = [None] * len(act)
-        elif torch.compiler.is_compiling():
-            leaf_keys = [tuple(None if k is None else k[j] for k in keys) for j in range(len(act))]
-        else:  # (a C loop: this runs for every stage of every step)
-            na = len(act)  # (a repeat per absent key: one iterator each)
-            leaf_keys = list(zip(*(itertools.repeat(None, na) if k is None else k for k in keys)))
+        else:
+            leaf_keys = list(_leaf_keys(keys, len(act)))
         ins = fields + per_leaf
         # (an intermediate stage of restricted parts only: the leaves none of them acts on
         # pass through it as they are, no pass over them; the sums of squares the next part
@@ -914,25 +911,38 @@ def _positions(b, on: Sequence) -> _Where | None:
     return out
 
 
+@assume_constant_result  # (static keys: dynamo calls it once, untraced)
+def _leaf_keys(keys: list, n: int) -> tuple:
+    """Per leaf (``n`` of them), the tuple of the parts' static keys (a part's ``None``: each
+    leaf's ``None``): one C loop eagerly (this runs for every stage of every step)."""
+    return tuple(zip(*(itertools.repeat(None, n) if k is None else k for k in keys)))
+
+
 def _bounds(parts: tuple, where: list, through: frozenset = frozenset()) -> list:
     """Where the stages of ``parts`` start (and ``len(parts)``): at every reducing part, but
     for one restricted to leaves no earlier part of the current stage acts on (its
     prologue reads the stage's inputs there, which are its own inputs), and for one in
     ``through`` (:func:`_through`: it reads the sums of squares the part before it gives)."""
-    bounds = [0]
+    reduces = tuple(part.reduces for part in parts)
+    return list(_bounds_of(reduces, tuple(None if w is None else w.of for w in where), through))
+
+
+@assume_constant_result  # (static: dynamo calls it once, untraced, where
+def _bounds_of(reduces: tuple, of: tuple, through: frozenset) -> tuple:  # its set loops
+    """:func:`_bounds` of the parts' ``reduces`` flags and leaf sets (``None``: every leaf)."""
+    bounds = [0]  # (ran as Python: 42,000 traced bytecodes for a partition of 122 leaves)
     touched: frozenset | None = frozenset()  # (None: every leaf)
-    for k, part in enumerate(parts):
-        w = where[k]
+    for k, w in enumerate(of):
         if (
             k
-            and part.reduces
+            and reduces[k]
             and k not in through
-            and (touched is None or w is None or not touched.isdisjoint(w.of))
+            and (touched is None or w is None or not touched.isdisjoint(w))
         ):
             bounds.append(k)
             touched = frozenset()
-        touched = None if touched is None or w is None else touched | w.of
-    return [*bounds, len(parts)]
+        touched = None if touched is None or w is None else touched | w
+    return (*bounds, len(of))
 
 
 # the run context's key for Elementwise.sums_through (a string, as context_key's, which it
@@ -1117,6 +1127,14 @@ def _encode_key(k) -> int:
     raise TypeError(f"a compiled stage takes static keys None, bool or int, got {k!r}")
 
 
+@assume_constant_result  # (a function of static keys: dynamo calls it
+def _encoded_keys(keys: tuple, n: int, m: int) -> tuple:  # once, untraced, a constant)
+    """Every leaf's static keys, leaf by leaf, part by part, in the operator's encoding."""
+    return tuple(
+        _encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)
+    )
+
+
 def _needed(part: Elementwise, ctx: dict):
     """Under ``torch.compile``, whether the values of ``part``'s reductions are used at all:
     the flags it runs under (``Elementwise.flags``), and-ed, a 0-dim bool tensor; ``None``
@@ -1145,9 +1163,7 @@ def _compiled(
     if all(k is None for k in keys):
         enc = []  # no static keys
     else:
-        enc = [
-            _encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)
-        ]
+        enc = list(_encoded_keys(tuple(keys), n, m))
     # (the operator also returns the updates' sums of squares, and with psums the
     # parameters' after them: layout[4] vectors)
     want = 0 if sums is None else 1 + bool(psums and p is not None)
