@@ -86,23 +86,29 @@ def describe(x: Any) -> str:
     return "None" if x is None else type(x).__name__
 
 
-def _check_leaf(path: str, u: Any, p: Any, has_params: bool) -> None:
+def _check_leaf(plan: Plan, i: int, u: Any, p: Any, has_params: bool) -> None:
+    """Leaf ``i`` of a call's updates (``u``) and params (``p``), checked; the error names
+    its path (formatted then only: dynamo traces these checks per leaf)."""
     if u is not None and not isinstance(u, torch.Tensor):
+        path = plan.paths[i]
         raise TypeError(
             f"update leaf '{path}' must be a torch.Tensor, DTensor or None, got {type(u).__name__}"
         )
     if p is not None and not isinstance(p, torch.Tensor):
+        path = plan.paths[i]
         raise TypeError(
             f"params leaf '{path}' must be a torch.Tensor, DTensor or None, got {type(p).__name__}"
         )
     if u is None:
         return
     if not (u.dtype.is_floating_point or u.dtype.is_complex):
+        path = plan.paths[i]
         raise TypeError(
             f"update leaf '{path}' has dtype {u.dtype}; gradients and updates must "
             f"be floating point (give integer and bool parameters a None gradient)"
         )
     if has_params and p is None:
+        path = plan.paths[i]
         raise ValueError(
             f"params leaf '{path}' is None but its update leaf is not; give a "
             f"frozen or absent parameter a None update too"
@@ -110,12 +116,14 @@ def _check_leaf(path: str, u: Any, p: Any, has_params: bool) -> None:
     if p is None:
         return
     if tuple(u.shape) != tuple(p.shape):
+        path = plan.paths[i]
         raise ValueError(
             f"update leaf '{path}' has shape {tuple(u.shape)}, "
             f"expected the parameter's shape {tuple(p.shape)}"
         )
     if isinstance(p, DTensor):
         if any(isinstance(pl, Partial) for pl in p.placements):
+            path = plan.paths[i]
             raise ValueError(
                 f"params leaf '{path}' has Partial placements {tuple(p.placements)}; "
                 f"parameters must be Shard or Replicate (only gradients can be "
@@ -149,7 +157,7 @@ class Plan:
 
     __slots__ = (
         "treedef",
-        "paths",
+        "_paths",
         "world",
         "mesh",
         "active",
@@ -169,10 +177,9 @@ class Plan:
     ):
         self.treedef = treedef
         self.memo: dict = {}  # values derived from the layout on first use (replica counts, ...)
-        self.paths = [format_path(p) for p in treedef.paths()]
-        paths = self.paths
+        self._paths: list | None = None  # (see paths)
         for i, u in indexed(leaves):
-            _check_leaf(paths[i], u, None if pleaves is None else pleaves[i], pleaves is not None)
+            _check_leaf(self, i, u, None if pleaves is None else pleaves[i], pleaves is not None)
         self.active = [i for i, x in indexed(leaves) if x is not None]
         # the update leaves' (global) shapes: every call of this plan has them (its key)
         self.shapes = [None if x is None else x.shape for x in leaves]
@@ -192,6 +199,7 @@ class Plan:
             self.mesh = mesh
             self.specs: list[Spec | None] = [None] * len(leaves)
             return
+        paths = self.paths
         labels = [f"update leaf '{p}'" for p in paths]
         if pleaves:
             labels = [f"params leaf '{p}'" for p in paths] + labels
@@ -233,6 +241,15 @@ class Plan:
                 if s is None or ps is None or not same_layout(s, ps):
                     self.relayout.append(i)
                     self.specs[i] = ps
+
+    @property
+    def paths(self) -> list:
+        """The dotted leaf paths, formatted on first use (an error's message, a sharded
+        layout's checks): under ``torch.compile`` dynamo traces the formatting of every
+        leaf's path, which a step that raises nothing never reads."""
+        if self._paths is None:
+            self._paths = [format_path(p) for p in self.treedef.paths()]
+        return self._paths
 
     def materialize(self, leaves: list, pleaves: list | None) -> list:
         """Reduce unreduced gradients into the placements of their parameters (new list).
