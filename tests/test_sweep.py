@@ -1004,25 +1004,21 @@ def _torch_optimizer_steps(name: str, compiled: bool) -> list:
     # (the recompile limit fails the test, where torch would warn and run the frame eagerly:
     # a graph break left the write-back's per-leaf frames compiled once per dtype and rank
     # until session 65)
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        return _run_torch_optimizer(opt, tensors, grads, step, compiled)
-
-
-def _run_torch_optimizer(opt, tensors: dict, grads: list, step, compiled: bool) -> list:
     out = []
-    for g in grads:
-        for k, p in tensors.items():
-            p.grad = g[k].clone()
-        step()
-        if compiled:  # (read only there: see elementwise.read_only_updates)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for g in grads:
             for k, p in tensors.items():
-                assert torch.equal(p.grad, g[k]), f"the compiled step wrote '{k}'.grad"
-        out.append(
-            (
-                {k: p.detach().clone() for k, p in tensors.items()},
-                [x.clone() for x in optree.tree_leaves(opt._ft_state)],
+                p.grad = g[k].clone()
+            step()
+            if compiled:  # (read only there: see elementwise.read_only_updates)
+                for k, p in tensors.items():
+                    assert torch.equal(p.grad, g[k]), f"the compiled step wrote '{k}'.grad"
+            out.append(
+                (
+                    {k: p.detach().clone() for k, p in tensors.items()},
+                    [x.clone() for x in optree.tree_leaves(opt._ft_state)],
+                )
             )
-        )
     return out
 
 
