@@ -90,42 +90,38 @@ def _check_leaf(plan: Plan, i: int, u: Any, p: Any, has_params: bool) -> None:
     """Leaf ``i`` of a call's updates (``u``) and params (``p``), checked; the error names
     its path (formatted then only: dynamo traces these checks per leaf)."""
     if u is not None and not isinstance(u, torch.Tensor):
-        path = plan.paths[i]
         raise TypeError(
-            f"update leaf '{path}' must be a torch.Tensor, DTensor or None, got {type(u).__name__}"
+            f"update leaf '{plan.paths[i]}' must be a torch.Tensor, DTensor or None, "
+            f"got {type(u).__name__}"
         )
     if p is not None and not isinstance(p, torch.Tensor):
-        path = plan.paths[i]
         raise TypeError(
-            f"params leaf '{path}' must be a torch.Tensor, DTensor or None, got {type(p).__name__}"
+            f"params leaf '{plan.paths[i]}' must be a torch.Tensor, DTensor or None, "
+            f"got {type(p).__name__}"
         )
     if u is None:
         return
     if not (u.dtype.is_floating_point or u.dtype.is_complex):
-        path = plan.paths[i]
         raise TypeError(
-            f"update leaf '{path}' has dtype {u.dtype}; gradients and updates must "
+            f"update leaf '{plan.paths[i]}' has dtype {u.dtype}; gradients and updates must "
             f"be floating point (give integer and bool parameters a None gradient)"
         )
     if has_params and p is None:
-        path = plan.paths[i]
         raise ValueError(
-            f"params leaf '{path}' is None but its update leaf is not; give a "
+            f"params leaf '{plan.paths[i]}' is None but its update leaf is not; give a "
             f"frozen or absent parameter a None update too"
         )
     if p is None:
         return
     if tuple(u.shape) != tuple(p.shape):
-        path = plan.paths[i]
         raise ValueError(
-            f"update leaf '{path}' has shape {tuple(u.shape)}, "
+            f"update leaf '{plan.paths[i]}' has shape {tuple(u.shape)}, "
             f"expected the parameter's shape {tuple(p.shape)}"
         )
     if isinstance(p, DTensor):
         if any(isinstance(pl, Partial) for pl in p.placements):
-            path = plan.paths[i]
             raise ValueError(
-                f"params leaf '{path}' has Partial placements {tuple(p.placements)}; "
+                f"params leaf '{plan.paths[i]}' has Partial placements {tuple(p.placements)}; "
                 f"parameters must be Shard or Replicate (only gradients can be "
                 f"Partial)"
             )
