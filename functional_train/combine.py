@@ -20,6 +20,7 @@ from . import accumulation as A
 from .autograd import traced
 from .base import GradientTransformation, declare, run_fused
 from .engine import elementwise as E
+from .engine.metadata import MemoDict, MemoList
 from .engine.owners import assume_constant_result
 from .engine.plan import by_layout
 from .engine.view import prepare
@@ -121,8 +122,10 @@ class PerLeaf:
     _AMBIGUOUS = object()
 
     def __init__(self, resolve: Callable[[PyTree], list], name: str):
-        self._resolve, self._name, self._seen, self._eager = resolve, name, {}, {}
-        self._last: tuple | None = None  # (treedef, shapes, values) of the last eager call
+        self._resolve, self._name = resolve, name
+        self._seen, self._eager = MemoDict(), MemoDict()
+        self._last = MemoList((None, None, None))  # (treedef, shapes, values): the last
+        # eager call's
 
     def __call__(self, params, flat: tuple | None = None) -> list:
         """The values for ``params``; ``flat``: ``(leaves, treedef)`` of ``params`` where the
@@ -149,7 +152,7 @@ class PerLeaf:
         # shapes remembered per spec objects, one tuple object for them)
         sig = by_layout("PerLeaf shapes", (leaves,), lambda: _shapes(leaves))
         last = self._last
-        if last is not None and last[0] is treedef and last[1] is sig:
+        if last[0] is treedef and last[1] is sig:
             values = last[2]  # (the params of the last call's structure and specs: no hashing)
         else:
             key = (treedef, sig)
@@ -158,7 +161,7 @@ class PerLeaf:
                 values = self._eager[key] = self._resolve(params)
                 prev = self._seen.get(sig)
                 self._seen[sig] = values if prev is None or prev == values else self._AMBIGUOUS
-            self._last = (treedef, sig, values)
+            last[:] = treedef, sig, values
         if memo is not None:
             memo[self] = (params, values)
         return values
@@ -412,7 +415,7 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         inner = inner_restrict(tree_unflatten(treedef, _select(leaves, on)))
         return [bool(a) and bool(b) for a, b in zip(on, inner)]
 
-    last: list = [None, None]  # (the flags list seen last, its keys: one list per layout)
+    last = MemoList((None, None))  # (the flags list seen last, its keys: one list per layout)
 
     def static(params):
         on = on_of(params)
@@ -530,7 +533,7 @@ class _PartitionFormer:
         self.names = names
 
         def on(n):
-            last: list = [None, None]  # (the labels seen last and their flags: one list
+            last = MemoList((None, None))  # (the labels seen last and their flags: one list
             # object per layout, which the engine's memos key on)
 
             def of(params):
@@ -659,8 +662,8 @@ class _Commuted:
         self.names = names
         self.merged = merged
         self.labels_of = labels_of
-        self._layout: list = [None, None]  # (the labels seen last, their _Layout)
-        self._flags: list = [None, None]  # (the merged flags made last, their values)
+        self._layout = MemoList((None, None))  # (the labels seen last, their _Layout)
+        self._flags = MemoList((None, None))  # (the merged flags made last, their values)
         self._last: _Last | None = None  # (the state returned last: see _Last)
 
     def __getstate__(self) -> dict:

@@ -79,6 +79,11 @@ class _Cell:
     def __repr__(self) -> str:
         return f"<injected {self.name}>"
 
+    def __reduce__(self):
+        # (pickled and copied without its value: the last update's, read during an update
+        # only, and set by each)
+        return _Cell, (self.name,)
+
 
 def value_of(x: Any) -> Any:
     """A hyperparameter's value at this update: ``x`` itself for a number; for one injected

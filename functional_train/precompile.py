@@ -30,6 +30,7 @@ import optree
 import torch
 
 from .base import GradientTransformation
+from .engine.metadata import MEMOS
 from .step import step as _step_function
 from .tree import tree_paths
 
@@ -73,16 +74,21 @@ def _signature(tree: Any) -> str:
 
 
 def _fingerprint_bytes(obj: Any) -> bytes:
-    """``obj``'s ``cloudpickle`` bytes, the same in every process: a set's elements in order
-    of their ``repr`` (a set of strings iterates in an order of the process's hash seed), a
-    plain tensor as its dtype, shape, device and bytes (torch pickles its storage's
-    address)."""
+    """``obj``'s ``cloudpickle`` bytes, the same in every process and whatever ``obj`` has
+    been used for: a set's elements in order of their ``repr`` (a set of strings iterates in
+    an order of the process's hash seed), a plain tensor as its dtype, shape, device and
+    bytes (torch pickles its storage's address), and what a transform remembers between
+    calls (:data:`~.engine.metadata.MEMOS`: answers that follow from the transform and its
+    inputs, such as the labels a ``partition`` resolved for a params tree) as its type
+    alone."""
     import io
 
     import cloudpickle
 
     class Fingerprinter(cloudpickle.Pickler):
         def persistent_id(self, x):  # (called for every object, sets included)
+            if isinstance(x, MEMOS):
+                return ("memo", type(x).__name__)
             if type(x) in (set, frozenset):
                 return (type(x).__name__, tuple(sorted(x, key=repr)))
             if type(x) in (torch.Tensor, torch.nn.Parameter):
@@ -112,8 +118,8 @@ class PrecompiledStep:
         self._tx = tx
         self.cache_dir = pathlib.Path(cache_dir)
         self.donate = bool(donate)
-        self._fingerprint()  # (refused here, before any step, where it cannot be taken)
-        self._key: str | None = None
+        self._key = self._fingerprint()  # (refused here, before any step, where it cannot
+        # be taken; what the transform remembers later is not in it)
         self._globals = {
             "__name__": __name__,
             "__builtins__": builtins,
@@ -145,10 +151,7 @@ class PrecompiledStep:
     def path_for(self, grads, state, params) -> pathlib.Path:
         """The files' name for these inputs (without the variant's ``-N.pt2``: a step
         whose guards fail on other values, as galore_adamw's at its projector refreshes, is
-        saved again as the next variant). The transform's part is taken at the first call
-        (after ``init``, which may fill a mask's cache)."""
-        if self._key is None:
-            self._key = self._fingerprint()
+        saved again as the next variant)."""
         sig = hashlib.sha256(_signature((grads, state, params)).encode()).hexdigest()
         return self.cache_dir / f"ft-step-{self._key[:24]}-{sig[:16]}"
 
@@ -258,8 +261,10 @@ def precompiled_step(
     elementwise parts by the numbers a process gives them as it builds transforms; those
     numbers are in the fingerprint, so a process loads the file when it builds its
     transforms in the same order as the one that saved it (the same training script), and
-    compiles again otherwise. The fingerprint is taken at the first call (``tx.init`` fills
-    a mask's per-tree cache first).
+    compiles again otherwise. What a transform remembers between calls (the labels a mask
+    or ``partition`` resolved per params tree, the flags it made from them) is not in the
+    fingerprint: the file is found whatever the transform was used for before (``init``
+    called again, eager steps).
 
     Args:
         tx: the transform.

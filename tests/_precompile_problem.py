@@ -1,8 +1,8 @@
 """The problem tests/test_precompile.py steps, built alike by the test and by the process it
-starts (``python tests/_precompile_problem.py CACHE_DIR OUT [KIND]``: loads the precompiled
-step from CACHE_DIR, runs it, saves the results and its counters to OUT, KIND as
-:func:`make`'s; ``... path CACHE_DIR LR DONATE SHAPE``: prints the file it would load for
-that learning rate, donate and last leaf shape)."""
+starts (``python tests/_precompile_problem.py CACHE_DIR OUT [KIND [used]]``: loads the
+precompiled step from CACHE_DIR, runs it, saves the results and its counters to OUT, KIND as
+:func:`make`'s; ``used``: the transform used eagerly first; ``... path CACHE_DIR LR DONATE
+SHAPE``: prints the file it would load for that learning rate, donate and last leaf shape)."""
 
 import sys
 
@@ -63,9 +63,13 @@ if __name__ == "__main__":
         tx, params, grads = make(lr, shapes=((16, 8), (8,), last))
         f = ft.precompiled_step(tx, sys.argv[2], donate=donate)
         print(f.path_for(grads[0], tx.init(params), params))
-    else:
+    else:  # CACHE_DIR OUT [KIND [used]]: "used": the transform used eagerly first
         cache_dir, out = sys.argv[1], sys.argv[2]
         tx, params, grads = make(kind=sys.argv[3] if len(sys.argv) > 3 else "schedule")
+        if sys.argv[4:] == ["used"]:  # (init twice, a cycle of eager steps: what it
+            # remembers grows)
+            tx.init(params)
+            run(lambda g, s, p: ft.step(tx, g, s, p), tx, params, grads[:2])
         f = ft.precompiled_step(tx, cache_dir)
         p, s = run(f, tx, params, grads)
         torch.save({"params": p, "compiled": f.compiled, "loaded": f.loaded}, out)

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+import _sweep_registry as reg
 import functional_train as ft
 from _precompile_problem import make, run, transforms
 
@@ -64,6 +65,36 @@ def test_fingerprints_do_not_depend_on_the_hash_seed():
     assert outs[0] == outs[1] == outs[2]
 
 
+@pytest.mark.parametrize("name", sorted(reg.all_entries()))
+def test_fingerprint_is_what_the_transform_is_not_what_it_remembers(name):
+    """Every registered transform's fingerprint (which names its saved step's file) is the
+    same before ``init`` and after ``init`` again, an eager update, pure and donated steps
+    and a step on a tree of other shapes: what a transform remembers between calls is left
+    out (a partition's or a mask's labels per params tree, the flags made from them, an
+    injected hyperparameter's last value). Before session 66 16 of them changed, and a
+    process that had used its transform first compiled the step again."""
+    from functional_train.precompile import _fingerprint_bytes
+
+    tx = reg.all_entries()[name]()
+    before = _fingerprint_bytes(tx)
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"a": (16, 8), "b": (8,), "c": (4, 3), "d": (6, 6)}
+    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen) for k, s in shapes.items()} for _ in range(3)]
+    tx.update(grads[0], tx.init(params), params)
+    state, p = tx.init(params), dict(params)
+    for i, g in enumerate(grads):
+        p, state = ft.step(tx, dict(g), state, p, donate=i == 2)
+    other = {"x": torch.randn(5, 7, generator=gen), "y": torch.randn(3, generator=gen)}
+    ft.step(
+        tx,
+        {k: torch.randn(v.shape, generator=gen) for k, v in other.items()},
+        tx.init(other),
+        other,
+    )
+    assert _fingerprint_bytes(tx) == before
+
+
 def test_bad_transforms_are_refused(tmp_path):
     with pytest.raises(TypeError, match="GradientTransformation"):
         ft.precompiled_step(lambda g, s, p: None, tmp_path)
@@ -96,10 +127,12 @@ def test_tensor_subclasses_are_refused_before_compiling(tmp_path):
 @pytest.mark.parametrize("kind", ["schedule", "inject"])
 def test_saved_step_is_loaded_by_another_process_and_matches_eager(tmp_path, kind):
     """A fresh process compiles and saves the step; a second one, building the same
-    transform, loads it; both give eager ``ft.step``'s numbers. (Processes of their own: the
-    file is named by the parts' numbers, which depend on what a process built before.)
-    ``inject``: the schedule given to ``inject_hyperparams(adamw)`` (its step failed to load
-    before session 45: the loader could not rebuild a guard on a dict in its closures)."""
+    transform and using it eagerly first (``init`` twice, a cycle of eager steps), loads it;
+    both give eager ``ft.step``'s numbers. (Processes of their own: the file is named by the
+    parts' numbers, which depend on what a process built before.) ``inject``: the schedule
+    given to ``inject_hyperparams(adamw)`` (its step failed to load before session 45: the
+    loader could not rebuild a guard on a dict in its closures; and before session 66 after
+    eager steps, whose last learning rate its fingerprint held)."""
     here = pathlib.Path(__file__).parent
     results = []
     for i in range(2):
@@ -110,6 +143,7 @@ def test_saved_step_is_loaded_by_another_process_and_matches_eager(tmp_path, kin
             str(tmp_path / "c"),
             str(out),
             kind,
+            *(["used"] if i else []),
         ]
         subprocess.run(cmd, check=True, cwd=here)
         results.append(torch.load(out))

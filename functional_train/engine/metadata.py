@@ -21,6 +21,12 @@ and the caller answers as before.
 Eager only: under ``torch.compile`` the callers do not ask (dynamo does not trace the C++
 call, and guards its inputs itself). Where this torch has no ``TensorGuards`` of the form used
 here (checked once at import), :data:`ENABLED` is false and nothing is remembered.
+
+A transform remembers answers of its own between calls too (the labels a ``partition``
+resolved for a params tree, the flags it made from them last): it keeps them in a
+:class:`MemoList` or a :class:`MemoDict`, so that what it remembers is told apart from what it
+is. :data:`MEMOS` names the memo types, which ``precompiled_step``'s fingerprint of a
+transform leaves out: a transform is the same transform before and after it has been used.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 
 from ..autograd import traced
 
-__all__ = ["Memo", "ENABLED", "guards_of"]
+__all__ = ["Memo", "MemoDict", "MemoList", "MEMOS", "ENABLED", "guards_of"]
 
 
 def _find_guards() -> Any:
@@ -147,3 +153,21 @@ class Memo:
 
     def clear(self) -> None:
         self.entries.clear()
+
+
+class MemoList(list):
+    """A list a transform keeps answers in between calls (see the module's docstring): what
+    it holds follows from the transform and the inputs it was asked about. A list in every
+    other way (pickled and copied with its contents)."""
+
+    __slots__ = ()
+
+
+class MemoDict(dict):
+    """A dict a transform keeps answers in between calls; see :class:`MemoList`."""
+
+    __slots__ = ()
+
+
+# (the types whose contents are what a transform remembers, not what it is)
+MEMOS = (Memo, MemoList, MemoDict)
