@@ -123,7 +123,11 @@ class PerLeaf:
 
     def __init__(self, resolve: Callable[[PyTree], list], name: str):
         self._resolve, self._name = resolve, name
-        self._seen, self._eager = MemoDict(), MemoDict()
+        # (the labels by shapes, read under compile: a plain dict of literal keys, which
+        # dynamo guards by the keys read, kept in a memo list; a dict subclass it guards by its
+        # key order, through a source a precompiled step's loader cannot rebuild)
+        self._seen: MemoList = MemoList([{}])
+        self._eager = MemoDict()
         self._last = MemoList((None, None, None))  # (treedef, shapes, values): the last
         # eager call's
 
@@ -134,7 +138,7 @@ class PerLeaf:
             leaves = leaves_of(params) if flat is None else flat[0]
             # (torch.Size keys, as eagerly: a tuple call per leaf cost dynamo 1.5x the bytecodes)
             sig = tuple([None if x is None else x.shape for x in leaves])
-            hit = self._seen.get(sig)
+            hit = self._seen[0].get(sig)
             if hit is None or hit is self._AMBIGUOUS:
                 raise RuntimeError(
                     f"{self._name}: under torch.compile the labels come from an eager call: "
@@ -159,8 +163,9 @@ class PerLeaf:
             values = self._eager.get(key)
             if values is None:
                 values = self._eager[key] = self._resolve(params)
-                prev = self._seen.get(sig)
-                self._seen[sig] = values if prev is None or prev == values else self._AMBIGUOUS
+                seen = self._seen[0]
+                prev = seen.get(sig)
+                seen[sig] = values if prev is None or prev == values else self._AMBIGUOUS
             last[:] = treedef, sig, values
         if memo is not None:
             memo[self] = (params, values)

@@ -1,7 +1,8 @@
 """The problem tests/test_precompile.py steps, built alike by the test and by the process it
-starts (``python tests/_precompile_problem.py CACHE_DIR OUT [KIND [used]]``: loads the
-precompiled step from CACHE_DIR, runs it, saves the results and its counters to OUT, KIND as
-:func:`make`'s; ``used``: the transform used eagerly first; ``... path CACHE_DIR LR DONATE
+starts (``python tests/_precompile_problem.py CACHE_DIR OUT KINDS [used]``: per kind of
+the comma-separated KINDS (:func:`make`'s), in that order, loads the precompiled step from
+CACHE_DIR (or compiles and saves it), runs it, and saves the results and its counters to OUT,
+a dict by kind; ``used``: each transform used eagerly first; ``... path CACHE_DIR LR DONATE
 SHAPE``: prints the file it would load for that learning rate, donate and last leaf shape)."""
 
 import sys
@@ -12,16 +13,25 @@ import functional_train as ft
 
 
 def make(lr=1e-2, shapes=((16, 8), (8,), (4, 3)), kind="schedule"):
-    """``kind``: ``"schedule"`` (adamw given a schedule) or ``"inject"`` (optax's idiom:
-    ``inject_hyperparams(adamw)`` given it)."""
+    """``kind``: ``"schedule"`` (adamw given a schedule), ``"inject"`` (optax's idiom:
+    ``inject_hyperparams(adamw)`` given it), ``"masked"`` (adamw given it and
+    ``mask=decay_mask``) or ``"partition"`` (adamw given it for the matrices, sgd for the
+    rest, by a labelling function)."""
     gen = torch.Generator().manual_seed(0)
     params = {f"p{i}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(5)]
     schedule = ft.schedules.warmup_cosine_decay_schedule(0.0, lr, 1, 10)
-    adamw = ft.adamw if kind == "schedule" else ft.inject_hyperparams(ft.adamw)
-    tx = ft.multi_steps(
-        ft.chain(ft.clip_by_global_norm(1.0), adamw(schedule, weight_decay=0.1)), every_k=2
-    )
+    adamw = ft.inject_hyperparams(ft.adamw) if kind == "inject" else ft.adamw
+    if kind == "masked":
+        inner = ft.adamw(schedule, weight_decay=0.1, mask=ft.decay_mask)
+    elif kind == "partition":
+        inner = ft.partition(
+            {"matrix": ft.adamw(schedule, weight_decay=0.1), "other": ft.sgd(schedule, 0.9)},
+            lambda p: {k: "matrix" if v.ndim > 1 else "other" for k, v in p.items()},
+        )
+    else:
+        inner = adamw(schedule, weight_decay=0.1)
+    tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), inner), every_k=2)
     return tx, params, grads
 
 
@@ -63,13 +73,16 @@ if __name__ == "__main__":
         tx, params, grads = make(lr, shapes=((16, 8), (8,), last))
         f = ft.precompiled_step(tx, sys.argv[2], donate=donate)
         print(f.path_for(grads[0], tx.init(params), params))
-    else:  # CACHE_DIR OUT [KIND [used]]: "used": the transform used eagerly first
+    else:  # CACHE_DIR OUT KINDS [used]: "used": each transform used eagerly first
         cache_dir, out = sys.argv[1], sys.argv[2]
-        tx, params, grads = make(kind=sys.argv[3] if len(sys.argv) > 3 else "schedule")
-        if sys.argv[4:] == ["used"]:  # (init twice, a cycle of eager steps: what it
-            # remembers grows)
-            tx.init(params)
-            run(lambda g, s, p: ft.step(tx, g, s, p), tx, params, grads[:2])
-        f = ft.precompiled_step(tx, cache_dir)
-        p, s = run(f, tx, params, grads)
-        torch.save({"params": p, "compiled": f.compiled, "loaded": f.loaded}, out)
+        results = {}
+        for kind in sys.argv[3].split(","):
+            tx, params, grads = make(kind=kind)
+            if sys.argv[4:] == ["used"]:  # (init twice, a cycle of eager steps: what it
+                # remembers grows)
+                tx.init(params)
+                run(lambda g, s, p: ft.step(tx, g, s, p), tx, params, grads[:2])
+            f = ft.precompiled_step(tx, cache_dir)
+            p, s = run(f, tx, params, grads)
+            results[kind] = {"params": p, "compiled": f.compiled, "loaded": f.loaded}
+        torch.save(results, out)

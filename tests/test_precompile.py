@@ -123,16 +123,21 @@ def test_tensor_subclasses_are_refused_before_compiling(tmp_path):
     assert f.compiled == 0 and not list(tmp_path.iterdir())
 
 
+KINDS = ("schedule", "inject", "masked", "partition")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["schedule", "inject"])
-def test_saved_step_is_loaded_by_another_process_and_matches_eager(tmp_path, kind):
-    """A fresh process compiles and saves the step; a second one, building the same
-    transform and using it eagerly first (``init`` twice, a cycle of eager steps), loads it;
-    both give eager ``ft.step``'s numbers. (Processes of their own: the file is named by the
-    parts' numbers, which depend on what a process built before.) ``inject``: the schedule
-    given to ``inject_hyperparams(adamw)`` (its step failed to load before session 45: the
-    loader could not rebuild a guard on a dict in its closures; and before session 66 after
-    eager steps, whose last learning rate its fingerprint held)."""
+def test_saved_steps_are_loaded_by_another_process_and_match_eager(tmp_path):
+    """A fresh process compiles and saves the step of each kind of transform; a second one,
+    building the same transforms in the same order and using each eagerly first (``init``
+    twice, a cycle of eager steps), loads them; both give eager ``ft.step``'s numbers.
+    (Processes of their own: a file is named by the parts' numbers, which depend on what a
+    process built before.) ``inject``: the schedule given to ``inject_hyperparams(adamw)``
+    (its step failed to load before session 45: the loader could not rebuild a guard on a
+    dict in its closures; and before session 66 after eager steps, whose last learning rate
+    its fingerprint held). ``masked``, ``partition``: a mask and a labelling function (their
+    steps failed to load in session 66: the loader could not rebuild dynamo's guard on the
+    key order of the dict subclass the resolved labels were read from under compile)."""
     here = pathlib.Path(__file__).parent
     results = []
     for i in range(2):
@@ -142,19 +147,23 @@ def test_saved_step_is_loaded_by_another_process_and_matches_eager(tmp_path, kin
             str(here / "_precompile_problem.py"),
             str(tmp_path / "c"),
             str(out),
-            kind,
+            ",".join(KINDS),
             *(["used"] if i else []),
         ]
         subprocess.run(cmd, check=True, cwd=here)
         results.append(torch.load(out))
-    assert [(r["compiled"], r["loaded"]) for r in results] == [(1, 0), (0, 1)]
-    tx, params, grads = make(kind=kind)
-    pe, se = run(eager(tx), tx, params, grads)
-    assert int(se.mini_step) == 1
-    for k in params:  # (five steps: two multi_steps cycles and a half, a warm-up schedule)
-        assert not torch.equal(pe[k], params[k])
-        for r in results:
-            torch.testing.assert_close(r["params"][k], pe[k], rtol=1e-6, atol=1e-7)
+    for kind in KINDS:
+        counts = [(r[kind]["compiled"], r[kind]["loaded"]) for r in results]
+        assert counts == [(1, 0), (0, 1)], f"{kind}: (compiled, loaded) per process {counts}"
+        tx, params, grads = make(kind=kind)
+        pe, se = run(eager(tx), tx, params, grads)
+        assert int(se.mini_step) == 1
+        for k in params:  # (five steps: two multi_steps cycles and a half, a warm-up schedule)
+            assert not torch.equal(pe[k], params[k])
+            for r in results:
+                torch.testing.assert_close(
+                    r[kind]["params"][k], pe[k], rtol=1e-6, atol=1e-7, msg=f"{kind}: {k}"
+                )
 
 
 @pytest.mark.slow
