@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -193,7 +194,11 @@ def test_another_transform_or_new_shapes_compile_again(tmp_path):
 def test_transforms_precompile_and_match_eager(name, tmp_path):
     """aot_compile takes each transform's step (it raised where dynamo restarts its analysis
     for a float made constant: adafactor, lamb, inject_hyperparams; muon's tall matrix gave a
-    transposed result), and three steps match eager ``ft.step``'s parameter changes."""
+    transposed result), and three steps match eager ``ft.step``'s parameter changes. A second
+    ``precompiled_step`` of the transform loads every saved step and gives the same numbers:
+    torch rebuilds the saved guards' objects from its own pickle of them, and a guard it
+    cannot rebuild (the masked step's in session 66: the key order of a dict subclass reached
+    through a spec) made it compile again."""
     tx = transforms()[name]
     gen = torch.Generator().manual_seed(0)
     shapes = {"w": (16, 8), "b": (8,), "ln.weight": (8,), "tall": (32, 16)}
@@ -206,6 +211,13 @@ def test_transforms_precompile_and_match_eager(name, tmp_path):
     assert f.compiled == len(list(tmp_path.glob("*.pt2"))) >= 1
     for k in params:
         torch.testing.assert_close(p[k] - params[k], pe[k] - params[k], rtol=1e-4, atol=1e-6)
+    f2 = ft.precompiled_step(tx, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (a step that could not be loaded)
+        p2, _ = run(f2, tx, params, grads)
+    assert (f2.compiled, f2.loaded) == (0, f.compiled)
+    for k in params:
+        assert torch.equal(p2[k], p[k]), k
 
 
 @pytest.mark.slow
