@@ -21,7 +21,6 @@ def make(lr=1e-2, shapes=((16, 8), (8,), (4, 3)), kind="schedule"):
     params = {f"p{i}": torch.randn(s, generator=gen) for i, s in enumerate(shapes)}
     grads = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in range(5)]
     schedule = ft.schedules.warmup_cosine_decay_schedule(0.0, lr, 1, 10)
-    adamw = ft.inject_hyperparams(ft.adamw) if kind == "inject" else ft.adamw
     if kind == "masked":
         inner = ft.adamw(schedule, weight_decay=0.1, mask=ft.decay_mask)
     elif kind == "partition":
@@ -30,6 +29,7 @@ def make(lr=1e-2, shapes=((16, 8), (8,), (4, 3)), kind="schedule"):
             lambda p: {k: "matrix" if v.ndim > 1 else "other" for k, v in p.items()},
         )
     else:
+        adamw = ft.inject_hyperparams(ft.adamw) if kind == "inject" else ft.adamw
         inner = adamw(schedule, weight_decay=0.1)
     tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), inner), every_k=2)
     return tx, params, grads

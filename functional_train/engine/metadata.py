@@ -164,7 +164,12 @@ class MemoList(list):
 
 
 class MemoDict(dict):
-    """A dict a transform keeps answers in between calls; see :class:`MemoList`."""
+    """A dict a transform keeps answers in between calls; see :class:`MemoList`. Eager code
+    only: dynamo guards the key order of a dict subclass it reads, and a precompiled step's
+    loader cannot rebuild that guard where the dict is reached through a transform's spec
+    (torch rebuilds functions without their ``__dict__``); answers read under
+    ``torch.compile`` go in a plain dict of constant keys held in a :class:`MemoList`
+    (``combine.PerLeaf``)."""
 
     __slots__ = ()
 
