@@ -34,17 +34,21 @@ def test_host_scalars_travel_by_value():
         (torch.int64, False),
         (torch.bool, False),
     )
-    assert list(slots) == [_bits(0.9), _bits(3.0), _bits(float(torch.tensor(1e-3))), 7, 1]
-    assert keep == []
+    assert list(slots.values) == [_bits(0.9), _bits(3.0), _bits(float(torch.tensor(1e-3))), 7, 1]
+    assert slots.pointers == () and keep == []
 
 
 def test_device_scalars_travel_by_address():
-    """A 0-dim tensor on the leaves' device goes by its address (kept alive for the call);
-    one that cannot be read so gives ``None``: the stage then runs leaf by leaf."""
+    """A 0-dim tensor on the leaves' device goes by its address, as an argument of the kernel
+    (not in the table, whose slots are the host scalars': a donated step's table stays the
+    same when such a scalar is a new tensor each step); one that cannot be read so gives
+    ``None``: the stage then runs leaf by leaf."""
     cpu = torch.device("cpu")  # (the leaves' device stands in for a GPU here)
     x = torch.tensor(2.5, dtype=torch.float64)
-    slots, kinds, keep = fuse_triton.scalar_slots([x], cpu)
-    assert kinds == ((torch.float64, True),) and list(slots) == [x.data_ptr()] and keep == [x]
+    slots, kinds, keep = fuse_triton.scalar_slots([0.5, x, 3], cpu)
+    assert kinds == ((torch.float64, False), (torch.float64, True), (torch.float64, False))
+    assert list(slots.values) == [_bits(0.5), _bits(3.0)] and slots.pointers == (x,)
+    assert keep == [x]
     assert fuse_triton.scalar_slots([torch.ones(2)], CUDA) is None  # not 0-dim
     assert fuse_triton.scalar_slots([torch.ones(1)], CUDA) is None
     assert fuse_triton.scalar_slots([torch.tensor(1.0, requires_grad=True)], CUDA) is None

@@ -1285,6 +1285,54 @@ def test_triton_stages_under_the_interpreter(name, mode, monkeypatch):
     _states_close(got_state, want_state, torch.float32, twice=True)
 
 
+@pytest.mark.parametrize("name", ["clip_adamw", "primitives"])
+def test_donated_steps_copy_their_address_tables_once(name, monkeypatch):
+    """A donated step's address tables are the same every step (its leaves' addresses do not
+    change), so a CUDA stage copies each to the device once: its device scalars (the clip
+    factor, the bias corrections: new 0-dim tensors each step) are the kernel's pointer
+    arguments, not slots of the table. Under Triton's interpreter: no table is made after
+    the first step; the numbers those of the same steps with the kernels off."""
+    from functional_train.engine import fuse_triton
+
+    make = {
+        "clip_adamw": _clip_adamw,
+        "primitives": lambda: ft.chain(
+            ft.clip_by_global_norm(1.0),
+            ft.scale_by_adam(),
+            ft.add_decayed_weights(0.1),
+            ft.scale_by_learning_rate(1e-2),
+        ),
+    }[name]
+    params, grads = _problem(torch.float32)
+
+    def run():
+        tx, g = make(), grads[0]  # (the same gradients' memory every step)
+        state, p = tx.init(params), {k: v.clone() for k, v in params.items()}
+        per_step = []
+        for _ in range(4):
+            p, state = ft.step(tx, g, state, p, donate=True)
+            per_step.append(len(made))
+        return p, per_step
+
+    made: list = []
+    monkeypatch.setattr(fuse, "ENABLED", False)
+    want, _ = run()
+    monkeypatch.setattr(fuse, "ENABLED", True)
+    _triton_interpreted(monkeypatch)
+    monkeypatch.setattr(fuse_triton, "_tables", {})
+    real = fuse_triton._table
+
+    def table(tab, device):
+        if (tab.tobytes(), device) not in fuse_triton._tables:
+            made.append(len(tab))
+        return real(tab, device)
+
+    monkeypatch.setattr(fuse_triton, "_table", table)
+    got, per_step = run()
+    assert per_step[0] > 0 and per_step == [per_step[0]] * 4, per_step
+    params_close(got, want, params, torch.float32, twice=True)
+
+
 _ZERO_NANS_AROUND = {
     "apply_if_finite": lambda inner: ft.apply_if_finite(inner, 5),
     "multi_steps": lambda inner: ft.multi_steps(inner, 2),

@@ -16,8 +16,10 @@ and the host scalars (Python numbers, 0-dim CPU tensors: values, not addresses) 
 ``int64`` tensor (a few kB), kept on the device per content (a donated step's is copied once)
 and otherwise copied through pinned memory, asynchronously; the block table is cached per set
 of leaf sizes. A 0-dim tensor on the leaves' device (a clip factor, a bias correction, a
-scheduled learning rate) is read by the kernel through its address, so a stage's scalars never
-synchronise the host. No collectives (a stage is local; the engine issues a step's).
+scheduled learning rate) is an argument of the kernel, a pointer it reads, so a stage's
+scalars never synchronise the host, and the table does not change when they are new
+tensors at each step (as they are: in the table, their addresses made every donated step
+copy a new one). No collectives (a stage is local; the engine issues a step's).
 
 A stage whose per-leaf values are vectors broadcast against their leaves (the factored second
 moment's value per row, ``(..., n, 1)``, and per column, ``(..., 1, m)``) is written
@@ -54,6 +56,7 @@ import struct
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -62,7 +65,15 @@ from . import native
 from .fuse import BINARY, Lowering, Unsupported, compute_dtype, trace
 from .pool import all_in_one_order
 
-__all__ = ["available", "TritonKernel", "scalar_slots", "source_of", "sum_squares", "BLOCK"]
+__all__ = [
+    "available",
+    "Scalars",
+    "TritonKernel",
+    "scalar_slots",
+    "source_of",
+    "sum_squares",
+    "BLOCK",
+]
 
 # elements per program instance (``FT_TRITON_BLOCK``: a power of two, for measuring)
 BLOCK = int(os.environ.get("FT_TRITON_BLOCK", "1024"))
@@ -233,6 +244,10 @@ class _Writer(Lowering):
         # a leaf's row of the table: its addresses, its numel, then (indexed) an index triple
         # (a, b, c) per per-leaf input, which reads element (offs // a) * b + offs % c
         nr = nin + nout + 1 + (3 * self.n_per_leaf if self.indexed else 0)
+        names = [f"p{k}" for k, (_, a) in enumerate(self.scalar_kinds) if a]
+        pointers = "".join(f"{p}, " for p in names)
+        # (a scalar may be a view at any offset, a vector's element: no kernel per alignment)
+        jit = f"@triton.jit(do_not_specialize={names})" if names else "@triton.jit"
         src = [
             "import triton",
             "import triton.language as tl",
@@ -240,18 +255,20 @@ class _Writer(Lowering):
             *self.consts,
             "",
             "",
-            "@triton.jit",
-            f"def {fn_name}(tab, blocks, sc_off, BLOCK: tl.constexpr):",
+            jit,
+            f"def {fn_name}(tab, blocks, sc_off, {pointers}BLOCK: tl.constexpr):",
             "    pid = tl.program_id(0)",
             "    leaf = tl.load(blocks + 2 * pid)",
             "    offs = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)",
             f"    row = tab + leaf * {nr}",
             f"    mask = offs < tl.load(row + {nin + nout})",
         ]
+        j = 0  # (the host scalars' slots in the table, in order)
         for k, (d, by_address) in enumerate(self.scalar_kinds):
-            slot = f"tl.load(tab + sc_off + {k})"
-            if by_address:
-                x = f"tl.load({slot}.to(tl.pointer_type({_storage_tl(d)})))"
+            slot = f"tl.load(tab + sc_off + {j})"
+            j += not by_address
+            if by_address:  # (an argument of its own: a pointer)
+                x = f"tl.load(p{k}.to(tl.pointer_type({_storage_tl(d)})))"
                 if d == torch.bool:
                     x = f"({x} != 0)"
                 elif compute_dtype(d) != d:  # (a half-precision scalar: computed in float)
@@ -393,8 +410,9 @@ def _table(tab: array.array, device: torch.device) -> torch.Tensor:
 
 class TritonKernel:
     """A stage compiled for one signature, called like :class:`.fuse.Kernel` on lists of CUDA
-    leaves; ``scalars``: :func:`scalar_slots`' values. It does not sum its updates' squares
-    (``sumsq`` is false: the clip's sums run as their own launches, :func:`sum_squares`)."""
+    leaves; ``scalars``: :func:`scalar_slots`' slots (a :class:`Scalars`). It does not sum its
+    updates' squares (``sumsq`` is false: the clip's sums run as their own launches,
+    :func:`sum_squares`)."""
 
     __slots__ = ("fn", "n_inputs", "n_outputs", "n_per_leaf", "out_dtypes", "source", "_checked")
     sumsq = False
@@ -453,7 +471,8 @@ class TritonKernel:
         tab[base - 1 :: nr] = array.array("q", numels)
         for t in range(3 * self.n_per_leaf):  # (indexed: each leaf's index triples)
             tab[base + t :: nr] = triples[t :: 3 * self.n_per_leaf]
-        tab.extend(scalars)
+        values, pointers = scalars
+        tab.extend(values)
         device = first[0].device
         index = first[0].get_device()
         for lst in outputs:  # (an engine bug otherwise: the kernel would write another device)
@@ -468,10 +487,10 @@ class TritonKernel:
         other = device.type == "cuda" and torch.cuda.current_device() != index
         with torch.cuda.device(device) if other else contextlib.nullcontext():
             if self._checked:
-                self.fn[(nblocks,)](t, blocks, n * nr, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+                self.fn[(nblocks,)](t, blocks, n * nr, *pointers, BLOCK=BLOCK, num_warps=_NUM_WARPS)
                 return True
             try:  # the first launch compiles
-                self.fn[(nblocks,)](t, blocks, n * nr, BLOCK=BLOCK, num_warps=_NUM_WARPS)
+                self.fn[(nblocks,)](t, blocks, n * nr, *pointers, BLOCK=BLOCK, num_warps=_NUM_WARPS)
             except Exception as e:
                 self._checked = None
                 warnings.warn(
@@ -613,13 +632,23 @@ def _firsts(numels: tuple) -> array.array:
 _DTYPE = torch.Tensor.dtype.__get__
 
 
+class Scalars(NamedTuple):
+    """A :class:`TritonKernel` call's scalars: the host ones' ``int64`` slots of the table
+    (``values``) and the device ones, each the kernel's argument (``pointers``)."""
+
+    values: array.array
+    pointers: tuple
+
+
 def scalar_slots(scalars: Sequence, device: torch.device) -> tuple | None:
-    """``(slots, kinds, keep)`` for a :class:`TritonKernel` call on ``device``: per scalar an
-    ``int64`` slot (a 0-dim tensor on ``device``: its address, read by the kernel; a Python
-    number or 0-dim CPU tensor: its value, a float's as float64 bits) and its kind
-    ``(dtype, by address)`` for the kernel's signature; ``keep`` holds what must stay alive
-    through the call. ``None`` where a scalar cannot be passed so (a tensor of more than one
-    element, on another device, or one autograd records)."""
+    """``(slots, kinds, keep)`` for a :class:`TritonKernel` call on ``device``: ``slots`` a
+    :class:`Scalars`: a Python number or 0-dim CPU tensor as an ``int64`` slot of the table
+    (its value, a float's as float64 bits), a 0-dim tensor on ``device`` as an argument of
+    the kernel (a pointer: read by the kernel; not in the table, which a donated step then
+    keeps on the device from step to step, though such tensors are new each step); per
+    scalar its kind ``(dtype, by address)`` for the kernel's signature; ``keep`` holds what
+    must stay alive through the call. ``None`` where a scalar cannot be passed so (a tensor
+    of more than one element, on another device, or one autograd records)."""
     slots = array.array("q")
     kinds = []
     keep: list = []
@@ -631,7 +660,6 @@ def scalar_slots(scalars: Sequence, device: torch.device) -> tuple | None:
                 return None
             if x.device == device:
                 keep.append(x)
-                slots.append(x.data_ptr())
                 kinds.append((x.dtype, True))
                 continue
             if not x.is_cpu:
@@ -645,4 +673,4 @@ def scalar_slots(scalars: Sequence, device: torch.device) -> tuple | None:
         else:
             slots.append(int(v))
         kinds.append((d, False))
-    return slots, tuple(kinds), keep
+    return Scalars(slots, tuple(keep)), tuple(kinds), keep
