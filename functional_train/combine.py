@@ -23,6 +23,7 @@ from .engine import elementwise as E
 from .engine.metadata import MemoDict, MemoList
 from .engine.owners import assume_constant_result
 from .engine.plan import by_layout
+from .engine.scalars import sharing_schedules
 from .engine.view import prepare
 from .leaves import SHAPE
 from .spec import Partitioned, attach_spec, transform_spec
@@ -282,6 +283,10 @@ def _partition(
         if out is not None:  # (the fused form: the same parts ft.step runs)
             return out
         updates, mesh, treedef = _materialized(updates, params, mesh, "partition")
+        return by_labels(updates, state, params, mesh, treedef, extra)
+
+    @sharing_schedules  # (param groups injecting one schedule evaluate it once a step)
+    def by_labels(updates, state, params, mesh, treedef, extra):
         labels = labels_of(params)
         u_leaves = leaves_of(updates)
         p_leaves = leaves_of(params)
@@ -1039,7 +1044,7 @@ def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], li
             return dataclasses.replace(fus, zero_updates=True)
         return build([E.zeros_written(f) for f in picked])
 
-    return E.Switch(choose, traced_parts)
+    return E.Switch(sharing_schedules(choose), traced_parts)
 
 
 def _masked_switch(switch: E.Switch, keep_of: Callable[[PyTree], list]) -> E.Switch:

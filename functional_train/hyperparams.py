@@ -46,7 +46,10 @@ class InjectHyperparamsState(NamedTuple):
 
     Attributes:
         count: updates so far (0-dim int64 CPU tensor), the schedules' argument (a schedule's
-            value is computed and kept on the CPU: no device synchronisation).
+            value is computed and kept on the CPU: no device synchronisation). Eagerly, inside
+            a :func:`~functional_train.partition` it is read on the host (a CPU read: no
+            device synchronisation), so that param groups injecting the same schedule
+            evaluate it once per update.
         hyperparams: ``name -> 0-dim float64 CPU tensor``: the value the last update used (at
             init, the value the first will use unless changed). Set them between updates with
             :func:`set_hyperparams` (or, as in optax, ``state.hyperparams[name] = value``);
@@ -122,6 +125,14 @@ def _as_value(v: Any) -> torch.Tensor:
     function of its input, on its device)."""
     if V.is_traced(v):
         return v.to(torch.float64).reshape(())
+    if (
+        type(v) is torch.Tensor
+        and v.dtype == torch.float64
+        and v.device.type == "cpu"
+        and v.dim() == 0
+        and not torch._C._functorch.is_functorch_wrapped_tensor(v)
+    ):
+        return v  # (a schedule's value: already so)
     return torch.as_tensor(v, dtype=torch.float64).detach().to("cpu").reshape(())
 
 

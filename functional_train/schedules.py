@@ -40,6 +40,8 @@ Schedule = Callable[[object], torch.Tensor]
 
 
 def _count(count) -> torch.Tensor:
+    if isinstance(count, torch.Tensor) and count.dtype == torch.float64:
+        return count  # (a schedule calling another: converted once)
     return torch.as_tensor(count).to(torch.float64)
 
 
@@ -275,7 +277,9 @@ def cosine_decay_schedule(
     def schedule(count):
         c = torch.clamp(_count(count), 0.0, float(decay_steps))
         cosine = 0.5 * (1.0 + torch.cos(math.pi * c / decay_steps))
-        return init_value * ((1.0 - alpha) * cosine.pow(exponent) + alpha)
+        if exponent != 1.0:  # (x ** 1 is x: the same bits without the operator)
+            cosine = cosine.pow(exponent)
+        return init_value * ((1.0 - alpha) * cosine + alpha)
 
     return schedule
 

@@ -425,7 +425,9 @@ HOST_COUNTER_READS: dict[str, str] = {
     "inject_hyperparams[tensors]": "InjectHyperparamsState.hyperparams (float64 CPU tensors) are "
     "read as floats eagerly (no device synchronisation; a compiled "
     "step takes them as tensors; documented in value_of)",
-    "partition[inject]": "InjectHyperparamsState.hyperparams, as inject_hyperparams[tensors]",
+    "partition[inject]": "InjectHyperparamsState.hyperparams, as inject_hyperparams[tensors], "
+    "and its count, by which the groups share a schedule's value (documented in "
+    "InjectHyperparamsState's docstring)",
     "partition[multi_steps]": "MultiStepsState.mini_step and .seen of each label's multi_steps, "
     "as multi_steps",
     "dynamic_loss_scale[inject]": "InjectHyperparamsState.hyperparams, as "

@@ -173,6 +173,51 @@ def test_injected_schedule_is_evaluated_and_logged():
         assert torch.equal(p[k], want[k])
 
 
+@pytest.mark.parametrize("path", ["fused", "general"])
+@pytest.mark.parametrize("mode", ["update", "pure", "donate"])
+def test_param_groups_injecting_one_schedule_evaluate_it_once_a_step(path, mode, monkeypatch):
+    """A partition whose groups inject the same schedule (TorchOptimizer's param groups with
+    a scheduler, written the optax way) evaluates it once per step, and each group's state
+    holds the value as its own tensor: the numbers bit for bit those of groups with schedules
+    of their own, evaluated per group."""
+    if path == "general":
+        general_updates(monkeypatch)
+    params, grads = _problem(steps=5)
+    base = ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 5, 1e-3)
+    calls = []
+
+    def sched(count):
+        calls.append(int(count))
+        return base(count)
+
+    def groups(s1, s2):
+        inject = ft.inject_hyperparams(ft.adamw)
+        return ft.partition(
+            {
+                "a": inject(learning_rate=s1, weight_decay=0.1),
+                "b": inject(learning_rate=s2, b1=0.8),
+            },
+            {"w": "a", "v": "b", "b": "b"},
+        )
+
+    def run(tx):
+        state, p = tx.init(params), {k: v.clone() for k, v in params.items()}
+        calls.clear()  # (init reads the schedules' first values)
+        for g in grads:
+            p, state = step_by_mode(tx, {k: v.clone() for k, v in g.items()}, state, p, mode)
+        return p, state
+
+    p, state = run(groups(sched, sched))
+    assert calls == list(range(len(grads)))  # once a step, not once a group
+    want, want_state = run(groups(base, lambda c: base(c)))
+    for k in params:
+        assert torch.equal(p[k], want[k]), k
+    got_lr = [s.hyperparams["learning_rate"] for s in state.inner_states.values()]
+    want_lr = [s.hyperparams["learning_rate"] for s in want_state.inner_states.values()]
+    assert [float(x) for x in got_lr] == [float(x) for x in want_lr] == [float(base(4))] * 2
+    assert got_lr[0].data_ptr() != got_lr[1].data_ptr()  # (each group's own tensor)
+
+
 @pytest.mark.slow
 def test_compiled_step_does_not_recompile_when_the_learning_rate_changes():
     torch._dynamo.reset()

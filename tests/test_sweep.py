@@ -916,6 +916,7 @@ def documented_host_counters(state: Any) -> list:
             out.append(node.count)
         elif isinstance(node, ft.InjectHyperparamsState):
             out.extend(v for k, v in node.hyperparams.items() if k != "learning_rate")
+            out.append(node.count)  # (read inside a partition: its groups share schedules)
         if isinstance(node, dict):
             for x in node.values():
                 visit(x)

@@ -33,6 +33,7 @@ Reference: ``torch.library.custom_op`` (torch's "custom operators" guide).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import types
 import weakref
@@ -51,6 +52,7 @@ __all__ = [
     "scalar_program",
     "schedule_numbers",
     "schedule_value",
+    "sharing_schedules",
 ]
 
 ENABLED = True  # (False: traced as they are, for inductor; read when dynamo traces)
@@ -247,7 +249,15 @@ def counted(count: torch.Tensor, schedules, numbers: tuple) -> tuple:
     ``functional_train::scalars`` call); another callable (an injected hyperparameter's
     cell, a ``functools.partial``) is called as it is."""
     named = [n for n in numbers if n is not None]
-    new, *values = _counted(count, *named)
+    shared = _SHARED.get() if named and not torch.compiler.is_compiling() else None
+    key = None if shared is None else _shared_key(count, named)
+    hit = None if key is None else shared.get(key)
+    if hit is not None:  # (a transform beside this one read these schedules at this count)
+        new, *values = (count + 1, *(v.clone() for v in hit))
+    else:
+        new, *values = _counted(count, *named)
+        if key is not None:
+            shared[key] = tuple(values)
     it = iter(values)
     return (
         new,
@@ -256,6 +266,60 @@ def counted(count: torch.Tensor, schedules, numbers: tuple) -> tuple:
             for f, n in zip(schedules, numbers)
         ),
     )
+
+
+# ((the count's value, the schedules), their values at it) while a combinator runs its
+# transforms side by side (:func:`sharing_schedules`: a partition's param groups, each with
+# inject_hyperparams of the same schedule, evaluate it once per step). Schedules are functions
+# of the count (optax's contract), so the values are the same tensors' clones, bit for bit.
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "functional_train_shared_schedules", default=None
+)
+
+
+def sharing_schedules(fn: Callable) -> Callable:
+    """``fn`` (a combinator's update, which runs its transforms side by side), during whose
+    eager calls :func:`counted` evaluates each schedule once per count value: a second
+    transform holding the same schedule function at the same (CPU) count gets a clone of the
+    first one's value. Under ``torch.compile`` ``fn`` itself (the values are traced there)."""
+
+    def shared(*args, **kwargs):
+        token = _share()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _unshare(token)
+
+    return shared
+
+
+# (module-level, so that a pickled transform, whose closures cloudpickle writes by value,
+# names these functions rather than holding the context variable)
+def _share():
+    if torch.compiler.is_compiling() or _SHARED.get() is not None:
+        return None
+    return _SHARED.set({})
+
+
+def _unshare(token) -> None:
+    if token is not None:
+        _SHARED.reset(token)
+
+
+def _shared_key(count: torch.Tensor, named: list) -> tuple | None:
+    """The key of :func:`counted`'s schedules ``named`` (numbers) at ``count`` among the shared
+    values, or ``None`` where the count is not read: not a plain CPU int64 tensor (on a device,
+    reading it would wait for the device), or one that ``torch.func`` transforms or autograd
+    records."""
+    if (
+        type(count) is not torch.Tensor
+        or count.device.type != "cpu"
+        or count.dtype != torch.int64
+        or count.requires_grad
+        or torch._C._functorch.is_functorch_wrapped_tensor(count)
+    ):
+        return None
+    return (int(count), *(function_of(n) for n in named))
 
 
 @scalar_program
