@@ -2,7 +2,8 @@
 # The checks and benchmarks a session runs on a lent CUDA machine (the device tool), as one
 # script: the environment, the device-generic tests on CUDA, and bench_compose on CUDA.
 # Usage there: bash benchmarks/device_checks.sh [step ...]
-# (steps: env tests compose compose-block prof tprof compose-compile)
+# (steps: env tests compose compose-block prof tprof compose-compile; T_TESTS and T_COMPILE
+# set those steps' time limits in seconds)
 # Logs go to $OUT (or /tmp/device_checks when OUT is unset); each step has its own time limit.
 # The machine's python3 holds a CUDA torch; optree travels as a wheel in .whl (see the
 # device tool's README), installed into /tmp/site.
@@ -37,7 +38,7 @@ print("triton:", fuse_triton.available(p["w"].device),
       "kernels:", [type(k).__name__ for k in fuse._kernels.values()])' 2>&1 | tail -20
       ;;
     tests)
-      timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider --device cuda \
+      timeout ${T_TESTS:-180} python3 -m pytest -q -n 8 -p no:cacheprovider --device cuda \
         tests/test_fused.py tests/test_fused_wrappers.py tests/test_bad_input.py 2>&1 | tee "$OUT/tests_cuda.log" | tail -40
       ;;
     compose)
@@ -60,7 +61,7 @@ print("triton:", fuse_triton.available(p["w"].device),
         --rows "${ROWS:-primitives,multi_steps}" 2>&1 | tee "$OUT/tprof_cuda.txt" | tail -80
       ;;
     compose-compile)
-      timeout 240 python3 benchmarks/bench_compose.py --device cuda --rounds 5 --compile \
+      timeout ${T_COMPILE:-240} python3 benchmarks/bench_compose.py --device cuda --rounds 5 --compile \
         --rows "${ROWS:-primitives}" 2>&1 | tee "$OUT/bench_compose_cuda_compile.txt" | tail -30
       ;;
     *) echo "unknown step $s";;
