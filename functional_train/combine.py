@@ -222,6 +222,11 @@ def partition(
     converted each call (each label's ``gradient_step`` its own; labels whose ``mini_step``
     differ run as their own transforms).
 
+    Param groups that inject the same schedule (:func:`inject_hyperparams` of one schedule
+    function in each label) evaluate it once per update, eagerly: each label's count is
+    read on the host (a CPU tensor: no device synchronisation) and a label whose count and
+    schedule match an earlier one's takes a clone of its value, the same bits.
+
     Raises:
         ValueError: a leaf label with no transform (naming the leaf path), a labels tree that
             is neither the params' structure nor a prefix of it (naming the path).
