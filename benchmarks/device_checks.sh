@@ -3,7 +3,8 @@
 # script: the environment, the device-generic tests on CUDA, and bench_compose on CUDA.
 # Usage there: bash benchmarks/device_checks.sh [step ...]
 # (steps: env tests compose compose-block prof tprof compose-compile; T_TESTS and T_COMPILE
-# set those steps' time limits in seconds)
+# set those steps' time limits in seconds, ROWS and ROUNDS the rows and rounds of compose).
+# Run every benchmark through this script there: it puts the checkout on PYTHONPATH.
 # Logs go to $OUT (or /tmp/device_checks when OUT is unset); each step has its own time limit.
 # The machine's python3 holds a CUDA torch; optree travels as a wheel in .whl (see the
 # device tool's README), installed into /tmp/site.
@@ -41,9 +42,9 @@ print("triton:", fuse_triton.available(p["w"].device),
       timeout ${T_TESTS:-180} python3 -m pytest -q -n 8 -p no:cacheprovider --device cuda \
         tests/test_fused.py tests/test_fused_wrappers.py tests/test_bad_input.py 2>&1 | tee "$OUT/tests_cuda.log" | tail -40
       ;;
-    compose)
-      timeout 240 python3 benchmarks/bench_compose.py --device cuda --rounds 7 2>&1 \
-        | tee "$OUT/bench_compose_cuda.txt" | tail -45
+    compose)  # ROWS: a comma-separated subset of the rows (default: every row)
+      timeout 240 python3 benchmarks/bench_compose.py --device cuda --rounds "${ROUNDS:-7}" \
+        ${ROWS:+--rows "$ROWS"} 2>&1 | tee "$OUT/bench_compose_cuda.txt" | tail -45
       ;;
     compose-block)  # the generated kernels' block size, on two rows
       for b in ${BLOCKS:-4096}; do
@@ -60,7 +61,11 @@ print("triton:", fuse_triton.available(p["w"].device),
       timeout 150 python3 benchmarks/profile_step.py --device cuda --tool torch \
         --rows "${ROWS:-primitives,multi_steps}" 2>&1 | tee "$OUT/tprof_cuda.txt" | tail -80
       ;;
-    compose-compile)
+    compose-compile)  # (torch >= 2.13: older dynamo does not trace the step)
+      if ! python3 -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 13))'; then
+        echo "compose-compile: skipped, torch $(python3 -c 'import torch; print(torch.__version__)') < 2.13"
+        continue
+      fi
       timeout ${T_COMPILE:-240} python3 benchmarks/bench_compose.py --device cuda --rounds 5 --compile \
         --rows "${ROWS:-primitives}" 2>&1 | tee "$OUT/bench_compose_cuda_compile.txt" | tail -30
       ;;
