@@ -126,7 +126,8 @@ def _as_value(v: Any) -> torch.Tensor:
     if V.is_traced(v):
         return v.to(torch.float64).reshape(())
     if (
-        type(v) is torch.Tensor
+        not torch.compiler.is_compiling()  # (dynamo does not trace the functorch query)
+        and type(v) is torch.Tensor
         and v.dtype == torch.float64
         and v.device.type == "cpu"
         and v.dim() == 0
