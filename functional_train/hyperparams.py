@@ -125,16 +125,23 @@ def _as_value(v: Any) -> torch.Tensor:
     function of its input, on its device)."""
     if V.is_traced(v):
         return v.to(torch.float64).reshape(())
+    return torch.as_tensor(v, dtype=torch.float64).detach().to("cpu").reshape(())
+
+
+def _scheduled_value(v: Any) -> torch.Tensor:
+    """:func:`_as_value` of a schedule's value at this update, a new tensor: as it is where it
+    is already one (eagerly, a plain 0-dim float64 CPU tensor: no operator a step)."""
     if (
         not torch.compiler.is_compiling()  # (dynamo does not trace the functorch query)
         and type(v) is torch.Tensor
         and v.dtype == torch.float64
         and v.device.type == "cpu"
         and v.dim() == 0
+        and not v.requires_grad
         and not torch._C._functorch.is_functorch_wrapped_tensor(v)
     ):
-        return v  # (a schedule's value: already so)
-    return torch.as_tensor(v, dtype=torch.float64).detach().to("cpu").reshape(())
+        return v
+    return _as_value(v)
 
 
 def _host_read_error(name: str, where: str) -> str:
@@ -417,7 +424,7 @@ def inject_hyperparams(
                         _check_learning_rate(v, where)
                     hp[n] = _as_value(v)
             count, *values = counted(state.count, schedule_fns, numbers)
-            hp.update(zip(schedule_names, map(_as_value, values)))
+            hp.update(zip(schedule_names, map(_scheduled_value, values)))
             set_cells(hp)
             if (
                 checked_names
