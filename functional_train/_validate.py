@@ -89,6 +89,22 @@ def is_traced(x: Any, *, batched: bool = True) -> bool:
     return False
 
 
+def plain_cpu(x: Any, dtype: torch.dtype) -> bool:
+    """Eagerly, whether ``x`` is a plain 0-dim CPU tensor of ``dtype`` that neither autograd
+    records nor a ``torch.func`` transform wraps: one that can be read on the host without a
+    device synchronisation, or kept as it is. ``False`` under ``torch.compile`` (dynamo does
+    not trace the functorch query)."""
+    return (
+        not torch.compiler.is_compiling()
+        and type(x) is torch.Tensor
+        and x.dtype == dtype
+        and x.device.type == "cpu"
+        and x.dim() == 0
+        and not x.requires_grad
+        and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+    )
+
+
 def base_values(x: torch.Tensor) -> list:
     """The numbers behind a traced tensor (every batch element of a ``vmap`` one), read from
     the plain tensor under its ``torch.func`` wrappers, without recording anything."""

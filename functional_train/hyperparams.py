@@ -131,17 +131,7 @@ def _as_value(v: Any) -> torch.Tensor:
 def _scheduled_value(v: Any) -> torch.Tensor:
     """:func:`_as_value` of a schedule's value at this update, a new tensor: as it is where it
     is already one (eagerly, a plain 0-dim float64 CPU tensor: no operator a step)."""
-    if (
-        not torch.compiler.is_compiling()  # (dynamo does not trace the functorch query)
-        and type(v) is torch.Tensor
-        and v.dtype == torch.float64
-        and v.device.type == "cpu"
-        and v.dim() == 0
-        and not v.requires_grad
-        and not torch._C._functorch.is_functorch_wrapped_tensor(v)
-    ):
-        return v
-    return _as_value(v)
+    return v if V.plain_cpu(v, torch.float64) else _as_value(v)
 
 
 def _host_read_error(name: str, where: str) -> str:

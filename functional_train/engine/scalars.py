@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._validate import plain_cpu
 from .operators import register_kernels
 from .owners import assume_constant_result
 
@@ -253,7 +254,8 @@ def counted(count: torch.Tensor, schedules, numbers: tuple) -> tuple:
     key = None if shared is None else _shared_key(count, named)
     hit = None if key is None else shared.get(key)
     if hit is not None:  # (a transform beside this one read these schedules at this count)
-        new, *values = (count + 1, *(v.clone() for v in hit))
+        (new,) = _counted(count)
+        values = [v.clone() for v in hit]
     else:
         new, *values = _counted(count, *named)
         if key is not None:
@@ -310,14 +312,8 @@ def _shared_key(count: torch.Tensor, named: list) -> tuple | None:
     """The key of :func:`counted`'s schedules ``named`` (numbers) at ``count`` among the shared
     values, or ``None`` where the count is not read: not a plain CPU int64 tensor (on a device,
     reading it would wait for the device), or one that ``torch.func`` transforms or autograd
-    records."""
-    if (
-        type(count) is not torch.Tensor
-        or count.device.type != "cpu"
-        or count.dtype != torch.int64
-        or count.requires_grad
-        or torch._C._functorch.is_functorch_wrapped_tensor(count)
-    ):
+    records (:func:`~functional_train._validate.plain_cpu`)."""
+    if not plain_cpu(count, torch.int64):
         return None
     return (int(count), *(function_of(n) for n in named))
 
