@@ -194,4 +194,7 @@ def requires_grad_like(new: Any, old: Any) -> Any:
         and not traced()
     ):
         new.requires_grad_(True)
+        from .engine.metadata import forget_verified  # (its metadata changed in place)
+
+        forget_verified()
     return new

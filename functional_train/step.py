@@ -45,6 +45,7 @@ from .came import FusedCame
 from .clipping import ClipByGlobalNormState, clip_factor, global_norm_of, global_norm_start
 from .engine import elementwise as E
 from .engine.dtensor import to_local, to_locals, wrap_like, wraps_like
+from .engine.metadata import verifying
 from .engine.pool import Pool, of_plan
 from .engine.scalars import scalar_program, schedule_value
 from .engine.view import Prepared, per_leaf_view, prepare
@@ -721,7 +722,8 @@ def step(
         raise TypeError(f"step: tx must be a GradientTransformation, got {type(tx).__name__}")
     if donate:
         grads, state, params = aliasing.claimed((grads, state, params), _copy)
-    out = _step(tx, grads, state, params, mesh, donate, extra)
+    with verifying():  # (a list's metadata checked once a step, see engine.metadata)
+        out = _step(tx, grads, state, params, mesh, donate, extra)
     return out if donate else _unaliased(out, (params, state))
 
 

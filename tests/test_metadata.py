@@ -169,3 +169,87 @@ def test_other_layouts_after_remembered_ones(donate):
     for k in got:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
         assert not torch.equal(got[k], params[k])
+
+
+class _Counting:
+    """TensorGuards that count their checks (a wrapper: the class takes no subclasses)."""
+
+    checks = 0
+
+    def __init__(self, *xs, **kw):
+        self.guards = metadata._GUARDS_CLASS(*xs, **kw)
+
+    def check(self, *xs):
+        _Counting.checks += 1
+        return self.guards.check(*xs)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    """Guards that count their checks, every memo emptied first (their guards are others)."""
+    import gc
+
+    for memo in [m for m in gc.get_objects() if isinstance(m, Memo)]:
+        memo.clear()
+    monkeypatch.setattr(metadata, "_CANONICAL", {})
+    monkeypatch.setattr(metadata, "_GUARDS", _Counting)
+    _Counting.checks = 0
+    yield _Counting
+    for memo in [m for m in gc.get_objects() if isinstance(m, Memo)]:
+        memo.clear()
+
+
+def test_lists_of_one_metadata_share_guards_and_are_checked_once_a_step(counting):
+    xs, ys = _leaves(), _leaves()
+    one, two = Memo(), Memo()
+    one.put("k", [xs, ys], "both")
+    two.put("k", [xs], "one")
+    assert one.entries["k"][0][1][0] is one.entries["k"][0][1][1] is two.entries["k"][0][1][0]
+    counting.checks = 0
+    for _ in range(2):  # (outside a step: every list checked at every get)
+        assert one.get("k", [xs, ys]) == "both" and two.get("k", [xs]) == "one"
+    assert counting.checks == 6
+    counting.checks = 0
+    with metadata.verifying():  # (a step: each list of tensors once)
+        for _ in range(2):
+            assert one.get("k", [xs, ys]) == "both" and two.get("k", [list(xs)]) == "one"
+        assert counting.checks == 2
+        zs = [xs[0], xs[1], torch.randn(2, 3, 2)]  # (another tensor: checked)
+        assert two.get("k", [zs]) == "one" and counting.checks == 3
+        # (metadata changed in place, as requires_grad_like does, which forgets the checks)
+        xs[2].requires_grad_()
+        metadata.forget_verified()
+        assert two.get("k", [xs]) is None
+    assert metadata._VERIFIED.get() is None
+
+
+def test_checks_in_a_scope_under_torch_func_and_inference_mode_are_not_remembered(counting):
+    xs = _leaves()
+    memo = Memo()
+    memo.put("k", [xs], "answer")
+    with metadata.verifying():
+        assert memo.get("k", [xs]) == "answer"  # (remembered)
+        with torch.inference_mode():
+            assert memo.get("k", [xs]) is None  # (checked: other dispatch keys)
+
+        def asked(y):
+            # (checked again, and they fail there: the dispatch keys are vmap's; the
+            # scope's record of them would have said they pass)
+            assert memo.get("k", [xs]) is None
+            return y
+
+        counting.checks = 0
+        torch.func.vmap(asked)(torch.randn(2, 3))
+        assert counting.checks == 1
+
+
+def test_a_multi_steps_micro_step_checks_each_list_once(counting):
+    """A non-final micro-step asks four memos of its gradients, accumulators and parameters
+    (all of one metadata here): one guards object, one check per list of tensors."""
+    tx, params, grads = _problem()
+    params, state = _run(tx, grads, params, 4, donate=True)  # (the answers remembered)
+    counting.checks = 0
+    g = {k: x.clone() for k, x in grads[4].items()}
+    params, state = ft.step(tx, g, state, params, donate=True)
+    assert 1 <= counting.checks <= 3
+    assert int(state.mini_step) == 1

@@ -31,14 +31,26 @@ transform leaves out: a transform is the same transform before and after it has 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import contextlib
+import contextvars
+import operator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ..autograd import traced
 
-__all__ = ["Memo", "MemoDict", "MemoList", "MEMOS", "ENABLED", "guards_of"]
+__all__ = [
+    "Memo",
+    "MemoDict",
+    "MemoList",
+    "MEMOS",
+    "ENABLED",
+    "forget_verified",
+    "guards_of",
+    "verifying",
+]
 
 
 def _find_guards() -> Any:
@@ -73,6 +85,7 @@ def _make(cls: Any, xs: Sequence[torch.Tensor]) -> Any:
 
 
 _GUARDS = _find_guards()
+_GUARDS_CLASS = _GUARDS  # (the class found, whatever tests put in _GUARDS)
 ENABLED = _GUARDS is not None
 
 
@@ -93,6 +106,75 @@ def guards_of(xs: Sequence[Any]) -> Any:
     if _GUARDS is None or not _guardable(xs):
         return None
     return _make(_GUARDS, xs)
+
+
+# Guards shared by the memos: a list's guards are those of an earlier list of the same
+# metadata where one is remembered (the latest first, a few per length), so that the memos a
+# step consults for its gradients, accumulators and parameters (often all of one metadata)
+# hold one guards object for them, which :func:`verifying` checks once a list a step.
+_CANONICAL: dict[int, list] = {}
+_CANONICAL_PER_LENGTH = 8
+
+
+def _canonical(xs: Sequence[torch.Tensor]) -> Any:
+    found = _CANONICAL.setdefault(len(xs), [])
+    for g in found:
+        if g.check(*xs):
+            return g
+    g = _make(_GUARDS, xs)
+    found.insert(0, g)
+    del found[_CANONICAL_PER_LENGTH:]
+    return g
+
+
+# (within verifying(): per guards object, (the guards, the lists of tensors they passed))
+_VERIFIED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "functional_train_verified", default=None
+)
+
+
+def _passes(g: Any, xs: Sequence[Any], verified: dict) -> bool:
+    """``g.check(*xs)``, remembered for the step: a list of the very tensors a check passed
+    for earlier in it passes (their identity compared, a C loop, about a third of a check;
+    the tensors held, so that no other tensor takes their ids)."""
+    held = verified.get(id(g))
+    if held is not None:
+        for seen in held[1]:
+            if len(seen) == len(xs) and all(map(operator.is_, seen, xs)):
+                return True
+    if not g.check(*xs):
+        return False
+    if held is None:
+        held = verified[id(g)] = (g, [])
+    held[1].append(tuple(xs))
+    return True
+
+
+@contextlib.contextmanager
+def verifying() -> Iterator[None]:
+    """A scope (one eager ``ft.step``) within which a list of tensors that passed a memo's
+    guards passes them again without a check while it holds the same tensor objects: no
+    tensor's metadata changes in place within a step (the one place the library changes
+    one, :func:`~functional_train.autograd.requires_grad_like`, calls
+    :func:`forget_verified`). Checks under ``torch.func`` transforms and
+    ``torch.inference_mode`` (other dispatch keys) are not remembered. Nothing under
+    ``torch.compile``; nested scopes share the outer one."""
+    if torch.compiler.is_compiling() or _VERIFIED.get() is not None:
+        yield
+        return
+    token = _VERIFIED.set({})
+    try:
+        yield
+    finally:
+        _VERIFIED.reset(token)
+
+
+def forget_verified() -> None:
+    """Forget what the current :func:`verifying` scope has checked (a tensor's metadata
+    changed in place)."""
+    verified = _VERIFIED.get()
+    if verified is not None:
+        verified.clear()
 
 
 class Memo:
@@ -121,9 +203,15 @@ class Memo:
         if not found:
             return None
         lens = tuple(map(len, lists))
+        verified = _VERIFIED.get()
+        if verified is not None and (traced() or torch.is_inference_mode_enabled()):
+            verified = None  # (other dispatch keys than the step's: checked)
         for entry in found:
             n, guards, answer = entry
-            if n == lens and all(g.check(*xs) for g, xs in zip(guards, lists)):
+            if n == lens and all(
+                g.check(*xs) if verified is None else _passes(g, xs, verified)
+                for g, xs in zip(guards, lists)
+            ):
                 if entry is not found[0]:  # (the latest first)
                     found.remove(entry)
                     found.insert(0, entry)
@@ -142,7 +230,7 @@ class Memo:
             return
         if not all(map(_guardable, lists)):
             return
-        guards = [_make(_GUARDS, xs) for xs in lists]
+        guards = [_canonical(xs) for xs in lists]
         found = self.entries.get(key)
         if found is None:
             if len(self.entries) >= self.keys:
