@@ -913,9 +913,15 @@ class Kernel:
             k = self.n_sums
             width = len(roles) + k
             ptrs = array.array("q", [0]) * (n * width)
+            taken: dict = {}  # (id of a list whose addresses are in: its column)
             for r in range(len(roles) - 1, -1, -1):
+                column = taken.get(id(roles[r]))
+                if column is not None:  # (an input written in place: its result's list)
+                    ptrs[r::width] = ptrs[column::width]
+                    continue
                 addr = const_data_ptr if r < n_in else _PTR
                 ptrs[r::width] = array.array("q", map(addr, roles[r]))
+                taken[id(roles[r])] = r
             if sums is not None:
                 assert sums.dtype == torch.float64 and sums.numel() == n * k
                 assert sums.is_contiguous()

@@ -466,8 +466,14 @@ class TritonKernel:
         nr = base + 3 * self.n_per_leaf
         numels = tuple(map(torch.Tensor.numel, first))
         tab = array.array("q", [0]) * (n * nr)
+        taken: dict = {}  # (id of a list whose addresses are in: its column)
         for r, lst in enumerate(roles):
+            column = taken.get(id(lst))
+            if column is not None:  # (a result written in place: its input's list)
+                tab[r::nr] = tab[column::nr]
+                continue
             tab[r::nr] = array.array("q", map(torch.Tensor.data_ptr, lst))
+            taken[id(lst)] = r
         tab[base - 1 :: nr] = array.array("q", numels)
         for t in range(3 * self.n_per_leaf):  # (indexed: each leaf's index triples)
             tab[base + t :: nr] = triples[t :: 3 * self.n_per_leaf]
