@@ -2,7 +2,7 @@
 # The checks and benchmarks a session runs on a lent CUDA machine (the device tool), as one
 # script: the environment, the device-generic tests on CUDA, and bench_compose on CUDA.
 # Usage there: bash benchmarks/device_checks.sh [step ...]
-# (steps: env tests compose compose-block prof tprof compose-compile; T_TESTS and T_COMPILE
+# (steps: env tests compose compose-block prof tprof positions compose-compile; T_TESTS and T_COMPILE
 # set those steps' time limits in seconds, ROWS and ROUNDS the rows and rounds of compose).
 # Run every benchmark through this script there: it puts the checkout on PYTHONPATH.
 # Logs go to $OUT (or /tmp/device_checks when OUT is unset); each step has its own time limit.
@@ -60,6 +60,10 @@ print("triton:", fuse_triton.available(p["w"].device),
     tprof)  # torch.profiler of donated steps (launches, copies, synchronisations)
       timeout 150 python3 benchmarks/profile_step.py --device cuda --tool torch \
         --rows "${ROWS:-primitives,multi_steps}" 2>&1 | tee "$OUT/tprof_cuda.txt" | tail -80
+      ;;
+    positions)  # host time and time to a synchronisation per call position, tables copied
+      timeout 150 python3 benchmarks/profile_step.py --device cuda --tool positions \
+        --rows "${ROWS:-multi_steps,primitives}" 2>&1 | tee "$OUT/positions_cuda.txt" | tail -40
       ;;
     compose-compile)  # (torch >= 2.13: older dynamo does not trace the step)
       if ! python3 -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 13))'; then
