@@ -189,14 +189,17 @@ def counting(monkeypatch):
     """Guards that count their checks, every memo emptied first (their guards are others)."""
     import gc
 
-    for memo in [m for m in gc.get_objects() if isinstance(m, Memo)]:
-        memo.clear()
+    # (by exact type: isinstance of a dead weak proxy among gc's objects raises)
+    def clear():
+        for memo in [m for m in gc.get_objects() if type(m) is Memo]:
+            memo.clear()
+
+    clear()
     monkeypatch.setattr(metadata, "_CANONICAL", {})
     monkeypatch.setattr(metadata, "_GUARDS", _Counting)
     _Counting.checks = 0
     yield _Counting
-    for memo in [m for m in gc.get_objects() if isinstance(m, Memo)]:
-        memo.clear()
+    clear()
 
 
 def test_lists_of_one_metadata_share_guards_and_are_checked_once_a_step(counting):
