@@ -555,7 +555,10 @@ def _fused_micro_steps(inner_spec: E.Fusable | E.Switch, every_k: int) -> E.Swit
             if not len(g) == len(acc) == len(pl) == len(state.seen):
                 return None
             held = _leaves_held(g, acc, pl)
-            if held is None or not _alike(*held):
+            # (no leaf held: a partition's group without leaves, stepped by the traced form
+            # too, whose counter is a tensor; the general path would read it on the host,
+            # and the graph would be specialised on the cycle's position: a recompile)
+            if held is None or (held[0] and not _alike(*held)):
                 return None
             return traced_choice(updates, state, params, mesh)
         g, treedef = tree_flatten(updates)

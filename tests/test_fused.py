@@ -1084,6 +1084,40 @@ def test_inductor_multi_steps_compiles_once(donate):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("donate", [False, True])
+def test_inductor_partition_of_multi_steps_with_an_empty_group_compiles_once(donate):
+    """A ``partition`` of ``multi_steps`` groups one of which holds no leaf (``decay_mask`` on
+    a model without biases): that group takes the traced form too, whose counter is a
+    tensor, so the graph is not specialised on the cycle's position (the general path read
+    the empty group's counter on the host, and the first final micro-step recompiled)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    params, grads = _problem()
+
+    def group(wd):
+        return ft.multi_steps(
+            ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2, weight_decay=wd)), 2
+        )
+
+    tx = ft.partition({"decay": group(0.1), "no_decay": group(0.0)}, {k: "decay" for k in params})
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda g, s, p: ft.step(tx, g, s, p, donate=donate), backend=counter, fullgraph=True
+    )
+    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    for g in grads:  # (two cycles)
+        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+    assert counter.frame_count == 1
+    want, want_state = _run(tx, params, grads, "donate" if donate else "pure")
+    for k in params:
+        assert torch.equal(pc[k], want[k]), k
+    assert int(sc.inner_states["no_decay"].mini_step) == int(
+        want_state.inner_states["no_decay"].mini_step
+    )
+
+
+@pytest.mark.slow
 def test_compiled_donated_step_writes_its_inputs():
     """Under inductor, a compiled donated step runs the operator on the step's own inputs: no
     buffer of a leaf's size is allocated and nothing is copied back (a copy of every leaf

@@ -224,7 +224,9 @@ def positions_index(positions: str, device: torch.device) -> torch.Tensor:
 
 
 def _index(positions: str, device: torch.device) -> torch.Tensor:
-    return torch.tensor([int(i) for i in positions.split(",")], dtype=torch.long, device=device)
+    # (no position: "", an empty index, a partition's group without leaves)
+    ints = [int(i) for i in positions.split(",")] if positions else []
+    return torch.tensor(ints, dtype=torch.long, device=device)
 
 
 def schedule_value(schedule: Callable, count: torch.Tensor) -> torch.Tensor:
