@@ -70,7 +70,7 @@ def _local_norm_terms(b, norm_type: float):
     ``torch.compile`` through an opaque operator, so a compiled norm is the eager one); on
     CUDA the generated Triton sums (:func:`~functional_train.engine.fuse_triton.sum_squares`);
     everything else takes ``torch._foreach_norm``."""
-    g = [b.locals[i] for i in b.active]
+    g = b.at(b.locals)
     if math.isinf(norm_type):
         # _foreach_norm has no identity for inf on empty shards (uneven sharding): pad one zero.
         return [torch.cat([x.reshape(-1), x.new_zeros(1)]).abs().max() for x in g], "max", None

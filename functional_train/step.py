@@ -610,7 +610,7 @@ def _run_spec_on(fus, b, state, params, donate):
     """:func:`_run_spec` on the prepared view ``b`` (its parameters ``params``)."""
     # (the view's detached locals: plain tensors, where nn.Parameter leaves would keep the
     # generated kernels from taking them; in place, they write the parameters' memory)
-    p_loc = [b.params[i] for i in b.active]
+    p_loc = b.at(b.params)
     take = None if donate else of_plan(b.plan, "pool", Pool).take
     with torch.no_grad():
         new, new_state = E.run(

@@ -527,7 +527,7 @@ def run(
 
     # (an intermediate stage's updates, read by the next stage only, into the plan's scratch)
     scratch = None if take is None else of_plan(b.plan, "pool", Pool).scratch
-    u = [b.locals[i] for i in act]
+    u = b.at(b.locals)
     given = None  # the updates' sums of squares from the stage that wrote them
     given_p = None  # (and the parameters', where it read them and the next part asked)
     given_on: frozenset | None = None  # (the positions where they were summed; None: all)
@@ -608,8 +608,7 @@ def run(
                 counts.append(len(sc))
                 trees_of[k] = part.fields(states[k])
                 for tree, what in trees_of[k]:
-                    every = b.state_locals(tree, what)
-                    fields.append([every[i] for i in act])
+                    fields.append(b.at(b.state_locals(tree, what)))
                 if part.static is not None:
                     if params is None:
                         raise ValueError(f"{part.name}: needs params (update(..., params))")

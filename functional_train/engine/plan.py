@@ -157,6 +157,7 @@ class Plan:
         "world",
         "mesh",
         "active",
+        "every_active",
         "shapes",
         "specs",
         "data_rounds",
@@ -177,6 +178,8 @@ class Plan:
         for i, u in indexed(leaves):
             _check_leaf(self, i, u, None if pleaves is None else pleaves[i], pleaves is not None)
         self.active = [i for i, x in indexed(leaves) if x is not None]
+        # (every leaf active: ``active`` is every position in order, see Prepared.at)
+        self.every_active = len(self.active) == len(leaves)
         # the update leaves' (global) shapes: every call of this plan has them (its key)
         self.shapes = [None if x is None else x.shape for x in leaves]
         self.param_specs: list[Spec | None] | None = (

@@ -116,6 +116,17 @@ class Prepared:
         out.sum_squares, out.params_sum_squares = sums
         return out
 
+    def at(self, xs: Sequence[Any]) -> list:
+        """``[xs[i] for i in self.active]`` (``xs``: one value per leaf of the tree): a copy
+        of ``xs`` where the view's active leaves are the plan's and every leaf is active."""
+        if (
+            self.active is self.plan.active
+            and self.plan.every_active
+            and len(xs) == len(self.active)
+        ):
+            return list(xs)
+        return [xs[i] for i in self.active]
+
     def with_locals(self, new_locals: Sequence[Any]) -> Prepared:
         """The same view with other local values (one per leaf, ``None`` allowed)."""
         return self._derived(list(new_locals), self.active)
