@@ -1063,24 +1063,36 @@ def test_inductor_multi_steps_compiles_once(donate):
     come back as distinct tensors. Inductor merged 122 copies of one flag into one output
     tensor, dynamo then guarded against the state's duplicate tensors, and the second call
     recompiled (7 s on the benchmark tree)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     params, grads = _problem()
     tx = ft.multi_steps(ft.chain(ft.clip_by_global_norm(0.5), ft.adamw(1e-2)), 2)
+
+    def distinct_flags(sc):
+        ids = [id(f) for f in sc.seen]
+        assert len(set(ids)) == len(ids)
+
+    _compiled_once(tx, params, grads, donate, distinct_flags)
+
+
+def _compiled_once(tx, params, grads, donate, each=lambda state: None):
+    """``tx`` stepped on ``grads`` (two cycles of a 2-step ``multi_steps``) by a step compiled
+    by inductor: one graph, and the parameters of the eager step bit for bit; ``each(state)``
+    after every compiled call. Returns both states, compiled and eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     counter = CompileCounterWithBackend("inductor")
     torch._dynamo.reset()
     step = torch.compile(
         lambda g, s, p: ft.step(tx, g, s, p, donate=donate), backend=counter, fullgraph=True
     )
     pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
-    for g in grads:  # (two cycles)
+    for g in grads:
         pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
-        ids = [id(f) for f in sc.seen]
-        assert len(set(ids)) == len(ids)
+        each(sc)
     assert counter.frame_count == 1
-    want, _ = _run(tx, params, grads, "donate" if donate else "pure")
+    want, want_state = _run(tx, params, grads, "donate" if donate else "pure")
     for k in params:
         assert torch.equal(pc[k], want[k]), k
+    return sc, want_state
 
 
 @pytest.mark.slow
@@ -1090,8 +1102,6 @@ def test_inductor_partition_of_multi_steps_with_an_empty_group_compiles_once(don
     a model without biases): that group takes the traced form too, whose counter is a
     tensor, so the graph is not specialised on the cycle's position (the general path read
     the empty group's counter on the host, and the first final micro-step recompiled)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     params, grads = _problem()
 
     def group(wd):
@@ -1100,18 +1110,7 @@ def test_inductor_partition_of_multi_steps_with_an_empty_group_compiles_once(don
         )
 
     tx = ft.partition({"decay": group(0.1), "no_decay": group(0.0)}, {k: "decay" for k in params})
-    counter = CompileCounterWithBackend("inductor")
-    torch._dynamo.reset()
-    step = torch.compile(
-        lambda g, s, p: ft.step(tx, g, s, p, donate=donate), backend=counter, fullgraph=True
-    )
-    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
-    for g in grads:  # (two cycles)
-        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
-    assert counter.frame_count == 1
-    want, want_state = _run(tx, params, grads, "donate" if donate else "pure")
-    for k in params:
-        assert torch.equal(pc[k], want[k]), k
+    sc, want_state = _compiled_once(tx, params, grads, donate)
     assert int(sc.inner_states["no_decay"].mini_step) == int(
         want_state.inner_states["no_decay"].mini_step
     )
