@@ -256,3 +256,16 @@ def test_a_multi_steps_micro_step_checks_each_list_once(counting):
     params, state = ft.step(tx, g, state, params, donate=True)
     assert 1 <= counting.checks <= 3
     assert int(state.mini_step) == 1
+
+
+def test_shared_guards_are_bounded(counting, monkeypatch):
+    """At most ``_CANONICAL_PER_LENGTH`` shared guards per list length and
+    ``_CANONICAL_LENGTHS`` lengths (the oldest go; a memo keeps the guards it holds)."""
+    monkeypatch.setattr(metadata, "_CANONICAL_LENGTHS", 3)
+    memo = Memo(per_key=64, keys=64)
+    for n in range(1, 6):
+        for m in range(1, 11):
+            memo.put((n, m), [[torch.randn(m) for _ in range(n)]], (n, m))
+    assert list(metadata._CANONICAL) == [3, 4, 5]
+    assert all(len(v) == metadata._CANONICAL_PER_LENGTH for v in metadata._CANONICAL.values())
+    assert memo.get((1, 1), [[torch.randn(1)]]) == (1, 1)  # (its own guards still)

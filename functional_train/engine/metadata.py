@@ -114,10 +114,15 @@ def guards_of(xs: Sequence[Any]) -> Any:
 # hold one guards object for them, which :func:`verifying` checks once a list a step.
 _CANONICAL: dict[int, list] = {}
 _CANONICAL_PER_LENGTH = 8
+_CANONICAL_LENGTHS = 64  # (then the oldest length's go: the memos keep their own)
 
 
 def _canonical(xs: Sequence[torch.Tensor]) -> Any:
-    found = _CANONICAL.setdefault(len(xs), [])
+    found = _CANONICAL.get(len(xs))
+    if found is None:
+        if len(_CANONICAL) >= _CANONICAL_LENGTHS:
+            del _CANONICAL[next(iter(_CANONICAL))]
+        found = _CANONICAL[len(xs)] = []
     for g in found:
         if g.check(*xs):
             return g
