@@ -93,41 +93,30 @@ def positions(row: str, dev: torch.device, cycles: int, sync) -> None:
     """``--tool positions`` for one row (see the module docstring)."""
     from functional_train.engine import fuse_triton
 
-    copied = [0]
-    real = fuse_triton._table
-
-    def table(tab, device):  # (a table not on the device yet is copied there)
-        copied[0] += (tab.tobytes(), device) not in fuse_triton._tables
-        return real(tab, device)
-
-    fuse_triton._table = table
-    try:
-        params0, grads = bc.problem(be.gpt_shapes(), row, dev)
-        tx = bc.make_tx(row)
-        p = {k: v.clone() for k, v in params0.items()}
-        s = tx.init(p)
-        k = len(grads)
-        host: list = [[] for _ in range(k)]
-        done: list = [[] for _ in range(k)]
-        tables = [0] * k
-        for c in range(cycles + 3):  # (3 cycles first, untimed)
-            fresh = [be.clone_tree(g) for g in grads]
+    params0, grads = bc.problem(be.gpt_shapes(), row, dev)
+    tx = bc.make_tx(row)
+    p = {k: v.clone() for k, v in params0.items()}
+    s = tx.init(p)
+    k = len(grads)
+    host: list = [[] for _ in range(k)]
+    done: list = [[] for _ in range(k)]
+    tables = [0] * k
+    for c in range(cycles + 3):  # (3 cycles first, untimed)
+        fresh = [be.clone_tree(g) for g in grads]
+        sync()
+        for i in range(k):
+            g = fresh.pop(0)
+            before = fuse_triton.tables_copied
+            t0 = time.perf_counter()
+            p, s = ft.step(tx, g, s, p, donate=True)
+            t1 = time.perf_counter()
             sync()
-            for i in range(k):
-                g = fresh.pop(0)
-                before = copied[0]
-                t0 = time.perf_counter()
-                p, s = ft.step(tx, g, s, p, donate=True)
-                t1 = time.perf_counter()
-                sync()
-                t2 = time.perf_counter()
-                del g  # (freed after the timings: on the CPU a large free unmaps pages)
-                if c >= 3:
-                    host[i].append(t1 - t0)
-                    done[i].append(t2 - t0)
-                    tables[i] += copied[0] - before
-    finally:
-        fuse_triton._table = real
+            t2 = time.perf_counter()
+            del g  # (freed after the timings: on the CPU a large free unmaps pages)
+            if c >= 3:
+                host[i].append(t1 - t0)
+                done[i].append(t2 - t0)
+                tables[i] += fuse_triton.tables_copied - before
 
     def ms(xs: list) -> str:
         return f"{statistics.median(xs) * 1e3:.3f}"

@@ -385,6 +385,9 @@ def source_of(
 
 _tables: dict = {}  # (the table's bytes, device) -> the table on the device, newest last
 _TABLES_MAX = 64
+# how many tables this process has copied to a device (a table not kept there yet): read by
+# tests and benchmarks/profile_step.py, per step or per call
+tables_copied = 0
 
 
 def _table(tab: array.array, device: torch.device) -> torch.Tensor:
@@ -392,9 +395,11 @@ def _table(tab: array.array, device: torch.device) -> torch.Tensor:
     step) is copied once and kept; a new one goes through pinned memory, so the copy is
     asynchronous (from pageable memory, CUDA synchronises the stream first: the host would
     wait for all the work queued before it, every stage)."""
+    global tables_copied
     key = (tab.tobytes(), device)
     hit = _tables.pop(key, None)
     if hit is None:
+        tables_copied += 1
         src = torch.frombuffer(tab, dtype=torch.int64)
         if device.type == "cuda":
             host = torch.empty(len(tab), dtype=torch.int64, pin_memory=True)
