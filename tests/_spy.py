@@ -9,9 +9,11 @@ from functional_train.engine import fuse, fuse_triton
 def kernel_calls(monkeypatch) -> list:
     """A list that receives ``(kernel, number of leaves)`` for every call of a generated
     kernel (``functional_train.engine.fuse.Kernel``, C, called or run by rows;
-    ``fuse_triton.TritonKernel``, CUDA) for the rest of the test."""
+    ``fuse_triton.TritonKernel``, CUDA; ``fuse.ForeachKernel``, a CUDA stage that is exactly
+    one of torch's foreach operations, and the generated kernel it calls where it is not)
+    for the rest of the test."""
     seen: list = []
-    for cls in (fuse.Kernel, fuse_triton.TritonKernel):
+    for cls in (fuse.Kernel, fuse_triton.TritonKernel, fuse.ForeachKernel):
 
         def spy(self, inputs, outputs, scalars, *, _real=cls.__call__, **kw):
             seen.append((self, len(inputs[0])))

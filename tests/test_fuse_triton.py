@@ -113,3 +113,89 @@ def test_sums_of_squares_under_the_interpreter(dtype, monkeypatch):
     assert torch.isnan(got[1]) and torch.isinf(got[2]) and got[0] == 0
     fin = torch.isfinite(want)
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-12, atol=0)
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "fn, in_dtypes, n_per_leaf, want",
+    [
+        (lambda i, s: (i[1] + i[0],), (F32, F32), 0, ("add", 1, 0)),  # multi_steps' sum
+        (lambda i, s: (i[0] + i[1],), (BF16, BF16), 0, ("add", 0, 1)),
+        (lambda i, s: (i[0].to(F32),), (F32, F32), 0, ("copy", 0)),  # a cycle's first
+        (lambda i, s: (i[0].clone(),), (F32,), 0, ("copy", 0)),
+        (lambda i, s: (i[1],), (F32, F32), 0, ("copy", 1)),
+        (lambda i, s: (i[1] + i[0].to(F32),), (BF16, F32), 0, None),  # a conversion, then add
+        (lambda i, s: (i[0].to(F32),), (BF16, F32), 0, None),
+        (lambda i, s: (torch.add(i[1], i[0], alpha=2.0),), (F32, F32), 0, None),
+        (lambda i, s: (i[1] + 2 * i[0],), (F32, F32), 0, None),
+        (lambda i, s: (i[0] + s[0],), (F32,), 0, None),  # a scalar
+        (lambda i, s: (i[0] + i[1],), (F32, F32), 1, None),  # a per-leaf value
+        (lambda i, s: (i[0] + i[1], i[1]), (F32, F32), 0, None),  # two results
+        (lambda i, s: (i[0] - i[1],), (F32, F32), 0, None),
+    ],
+)
+def test_exact_foreach_stages(fn, in_dtypes, n_per_leaf, want):
+    """A traced stage that is exactly one of torch's foreach operations (an in-place sum of
+    two leaf-shaped inputs of one dtype; a copy of one to its own dtype) is told apart from
+    every other stage (a conversion, an ``alpha``, a scalar or per-leaf operand, a second
+    result, another operation)."""
+    graph = fuse.trace(fn, in_dtypes, (F32,), n_per_leaf)
+    assert fuse.exact_foreach(graph, in_dtypes, n_per_leaf) == want
+
+
+def test_foreach_kernel_writes_as_the_stage():
+    """A :class:`fuse.ForeachKernel` called as the engine calls a donated stage (the result
+    list is the input it replaces) writes ``acc + g`` over ``acc`` with ``torch._foreach_add_``
+    bit for bit as torch adds, and a copy into any buffers; a sum into fresh buffers goes to
+    the generated kernel, made only then. Leaves of several shapes, one empty."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 5), (7,), (0,), (2, 3, 4)]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    accs = [torch.randn(s, generator=g) for s in shapes]
+    want = [a + x for a, x in zip(accs, grads)]
+    made = []
+
+    def inner():
+        made.append(True)
+
+        def kernel(ins, outs, sc, fresh=False):
+            for x, a, o in zip(*ins, outs[0]):
+                torch.add(a, x, out=o)
+            return True
+
+        return kernel
+
+    add = fuse.ForeachKernel(("add", 1, 0), (F32, F32), inner)
+    assert add.out_dtypes == (F32,) and not add.sumsq
+    ins = [list(grads), list(accs)]
+    assert add(ins, [ins[1]], None) is True
+    assert not made and all(torch.equal(a, w) for a, w in zip(accs, want))
+    fresh = [torch.empty(s) for s in shapes]
+    add([grads, accs], [fresh], None)
+    assert made and all(torch.equal(f, a + x) for f, a, x in zip(fresh, accs, grads))
+    copy = fuse.ForeachKernel(("copy", 0), (F32, F32), inner)
+    into = [torch.empty(s) for s in shapes]
+    assert copy([grads, into], [into], None) is True
+    assert all(torch.equal(a, x) for a, x in zip(into, grads))
+
+
+def test_cuda_stages_that_are_foreach_operations():
+    """``kernel_for`` on CUDA gives a :class:`fuse.ForeachKernel` for a stage that is exactly
+    one foreach operation (its generated kernel made only if a call needs it) and the Triton
+    kernel for any other; the C kernel on CPU either way."""
+
+    def accumulate(ins, sc):
+        return (ins[1] + ins[0],)
+
+    def scaled(ins, sc):
+        return (ins[1] + ins[0] * sc[0],)
+
+    kinds = ((F32, False),)
+    k = fuse.kernel_for(accumulate, (F32, F32), kinds, 0, "cuda")
+    assert isinstance(k, fuse.ForeachKernel) and k.op == ("add", 1, 0) and k._inner is None
+    assert isinstance(fuse.kernel_for(accumulate, (F32, F32), (F32,), 0, "cpu"), fuse.Kernel)
+    pytest.importorskip("triton")
+    triton = fuse.kernel_for(scaled, (F32, F32), kinds, 0, "cuda")
+    assert isinstance(triton, fuse_triton.TritonKernel)

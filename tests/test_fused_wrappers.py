@@ -194,6 +194,56 @@ def test_multi_steps_fused_equals_its_general_path(name, mode, dtype, monkeypatc
     _states_close(got_state, want_state, dtype)
 
 
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_multi_steps_accumulates_by_torch_foreach_on_cuda(interpreted, monkeypatch, device):
+    """A donated ``multi_steps`` micro-step that does not end its cycle is one stage, the
+    accumulation (the cycle's first: a copy): on CUDA it runs as ``torch._foreach_add_`` /
+    ``torch._foreach_copy_`` over the accumulators (no generated kernel, no address table);
+    on CPU as the C kernel, and as on CUDA where the CPU leaves take the CUDA stages
+    (``interpreted``: the other stages' Triton kernels under Triton's interpreter). The
+    parameters and state equal the steps with the kernels off."""
+    from functional_train.engine import fuse_triton
+
+    if not kernels_run_on(device) or (interpreted and device.type != "cpu"):
+        pytest.skip(f"no generated kernels on {device}, or the interpreter off the CPU")
+    make, _, _ = CASES["multi_steps_clip"]
+    params, grads = _problem(torch.float32, device=device)
+    monkeypatch.setattr(fuse, "ENABLED", False)
+    want, want_state = _run(make(), params, grads, "donate")
+    monkeypatch.setattr(fuse, "ENABLED", True)
+    as_cuda = device.type == "cuda" or interpreted
+    if interpreted:
+        _triton_interpreted(monkeypatch)
+    calls: list = []
+    for name in ("_foreach_add_", "_foreach_copy_"):
+        real = getattr(torch, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, spy)
+    seen = kernel_calls(monkeypatch)
+    tx = make()
+    state, p = tx.init(params), {k: v.clone() for k, v in params.items()}
+    for i, g in enumerate(grads):
+        del seen[:], calls[:]
+        tables = fuse_triton.tables_copied
+        final = int(state.mini_step) + 1 == 3
+        p, state = ft.step(tx, {n: v.clone() for n, v in g.items()}, state, p, donate=True)
+        if final:
+            continue
+        assert len(seen) == 1, (i, seen)
+        if as_cuda:
+            assert isinstance(seen[0][0], fuse.ForeachKernel), i
+            assert calls == ["_foreach_copy_" if i % 3 == 0 else "_foreach_add_"], (i, calls)
+            assert fuse_triton.tables_copied == tables, i
+        else:
+            assert isinstance(seen[0][0], fuse.Kernel) and not calls, i
+    params_close(p, want, params, torch.float32, twice=interpreted)
+    _states_close(state, want_state, torch.float32, twice=interpreted)
+
+
 @pytest.mark.parametrize("mode", ["update", "pure", "donate"])
 def test_multi_steps_fused_on_fsdp_dtensors(mode, monkeypatch):
     """FSDP-style parameters (``Shard(0)`` over the data axis, 2 simulated ranks, uneven
@@ -1276,7 +1326,11 @@ def test_triton_stages_under_the_interpreter(name, mode, monkeypatch):
     seen = kernel_calls(monkeypatch)
     got, got_state = _run(make(), params, grads, mode)
     triton = [k for k, _ in seen if isinstance(k, fuse_triton.TritonKernel)]
-    assert triton and len(triton) == len(seen), name
+    foreach = [k for k, _ in seen if isinstance(k, fuse.ForeachKernel)]
+    assert triton and len(triton) + len(foreach) == len(seen), name
+    # (multi_steps' accumulation and the copy that starts a cycle: torch's foreach operations,
+    # the sum of a pure step into fresh buffers by the generated kernel)
+    assert {k.op[0] for k in foreach} == ({"add", "copy"} if "multi_steps" in name else set())
     if name in ("adafactor_momentum", "factored_primitives", "partition_factored", "came"):
         assert any(k.n_per_leaf for k in triton), name  # (the factored update: by rows)
     if name == "apply_if_finite_ema":  # (its inf was skipped: every parameter finite)
