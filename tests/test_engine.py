@@ -119,6 +119,8 @@ def test_layout_checks_remembered_per_spec_objects():
         wide = {k: shard(v.full_tensor().double(), mesh, v.placements) for k, v in b.items()}
         p3 = engine_plan.plan_for(treedef, list(wide.values()), xs, None)
         assert p3 is not p1
+        engine_plan.cache_clear()  # (every plan forgotten: the last call's too)
+        assert engine_plan.plan_for(treedef, list(wide.values()), xs, None) is not p3
 
 
 def test_layout_with_absent_leaves_remembered_per_spec_objects(monkeypatch):

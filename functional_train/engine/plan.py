@@ -45,6 +45,7 @@ def cache_clear() -> None:
     _PLANS.clear()
     _BY_METADATA.clear()
     _BY_SPECS.clear()
+    _LAST_BY_SPECS.clear()
 
 
 def _leaf_key(x: Any) -> Any:
