@@ -143,36 +143,72 @@ def _find_empty_strided_cpu() -> Callable | None:
 
 
 _EMPTY_STRIDED_CPU = _find_empty_strided_cpu()
-# (per list of contiguous CPU tensors, by their exact metadata: the sizes, strides and dtypes
-# to allocate new ones with; see .metadata)
+# (per list of contiguous CPU or CUDA tensors, by their exact metadata: the allocator, and the
+# sizes, strides and dtypes to allocate new ones with; see .metadata)
 _EMPTY_BY_METADATA = Memo(per_key=8)
+_EMPTY_STRIDED_CUDA: list = []  # (inductor's CUDA allocator, once checked: see _cuda_allocator)
+
+
+def _cuda_allocator(x: torch.Tensor) -> Callable | None:
+    """inductor's allocator of CUDA tensors (``torch._C._dynamo.guards._empty_strided_cuda``:
+    sizes, strides and dtype in, a tensor on the *current* CUDA device out, without the
+    dispatcher's trip of ``torch.empty_like``, which took about 2.4 us a tensor on the host of
+    a lent GPU), where this torch has it in the form used here and ``x``'s device is the
+    current one (checked on a first use: importing the library initialises no CUDA)."""
+    if not _EMPTY_STRIDED_CUDA:
+        fn = None
+        try:
+            from torch._C._dynamo.guards import _empty_strided_cuda as fn
+
+            t = fn((2, 3), (3, 1), torch.bfloat16)
+            ok = t.shape == (2, 3) and t.stride() == (3, 1) and t.dtype == torch.bfloat16
+            ok = ok and t.is_cuda and not t.requires_grad and type(t) is torch.Tensor
+        except Exception:
+            ok = False
+        _EMPTY_STRIDED_CUDA.append(fn if ok else None)
+    fn = _EMPTY_STRIDED_CUDA[0]
+    if fn is None or x.get_device() != torch.cuda.current_device():
+        return None
+    return fn
 
 
 def empties_like(like: Sequence[torch.Tensor]) -> list:
     """New tensors like those of ``like`` (:func:`_empty_like`'s: contiguous, or in a
-    ``like``'s memory order where it lies in one without gaps). Contiguous plain CPU tensors
-    by inductor's allocator, with the sizes, strides and dtypes remembered by the list's
-    exact metadata (one check of the list, where each tensor's attributes would be read)."""
-    if _EMPTY_STRIDED_CPU is not None:
-        recipe = _EMPTY_BY_METADATA.get(len(like), (like,))
-        if recipe is not None:
-            return list(map(_EMPTY_STRIDED_CPU, *recipe))
+    ``like``'s memory order where it lies in one without gaps). Contiguous plain CPU tensors,
+    and CUDA ones on the current device, by inductor's allocators, with the sizes, strides
+    and dtypes remembered by the list's exact metadata (one check of the list, where each
+    tensor's attributes would be read)."""
+    recipe = _EMPTY_BY_METADATA.get(len(like), (like,))
+    if recipe is not None:
+        new = list(map(*recipe))
+        # (the CUDA allocator's results are on the current device: still the list's, or the
+        # list's made anew below)
+        if (
+            recipe[0] is _EMPTY_STRIDED_CPU
+            or not new
+            or new[0].get_device() == like[0].get_device()
+        ):
+            return new
     if not all(map(_contiguous, like)):
         return list(map(_empty_like, like))
-    if (
-        _EMPTY_STRIDED_CPU is None
-        or not like
-        or set(map(type, like)) != {torch.Tensor}
-        or not on_device(like, CPU)
-    ):
+    if not like or set(map(type, like)) != {torch.Tensor}:
+        return list(map(torch.empty_like, like))
+    if on_device(like, CPU):
+        fn = _EMPTY_STRIDED_CPU
+    elif on_device(like, like[0].device) and like[0].is_cuda:
+        fn = _cuda_allocator(like[0])
+    else:
+        fn = None
+    if fn is None:
         return list(map(torch.empty_like, like))
     recipe = (
+        fn,
         list(map(tuple, map(SHAPE, like))),
         list(map(torch.Tensor.stride, like)),
         list(map(DTYPE, like)),
     )
     _EMPTY_BY_METADATA.put(len(like), (like,), recipe)
-    return list(map(_EMPTY_STRIDED_CPU, *recipe))
+    return list(map(*recipe))
 
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
