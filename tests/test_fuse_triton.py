@@ -148,8 +148,9 @@ def test_exact_foreach_stages(fn, in_dtypes, n_per_leaf, want):
 def test_foreach_kernel_writes_as_the_stage():
     """A :class:`fuse.ForeachKernel` called as the engine calls a donated stage (the result
     list is the input it replaces) writes ``acc + g`` over ``acc`` with ``torch._foreach_add_``
-    bit for bit as torch adds, and a copy into any buffers; a sum into fresh buffers goes to
-    the generated kernel, made only then. Leaves of several shapes, one empty."""
+    bit for bit as torch adds, and a copy into any buffers; a sum into buffers given goes to
+    the generated kernel, made only then; fresh sums come from ``torch._foreach_add``
+    (:meth:`~fuse.ForeachKernel.results`). Leaves of several shapes, one empty."""
     g = torch.Generator().manual_seed(0)
     shapes = [(3, 5), (7,), (0,), (2, 3, 4)]
     grads = [torch.randn(s, generator=g) for s in shapes]
@@ -179,6 +180,11 @@ def test_foreach_kernel_writes_as_the_stage():
     into = [torch.empty(s) for s in shapes]
     assert copy([grads, into], [into], None) is True
     assert all(torch.equal(a, x) for a, x in zip(into, grads))
+    # (fresh results made by torch's foreach operation itself: a sum; a copy takes buffers)
+    (sums,) = add.results([grads, accs])
+    assert all(torch.equal(s, a + x) for s, a, x in zip(sums, accs, grads))
+    assert not any(s is a or s.data_ptr() == a.data_ptr() for s, a in zip(sums, accs) if a.numel())
+    assert copy.results([grads, into]) is None
 
 
 def test_cuda_stages_that_are_foreach_operations():

@@ -194,14 +194,17 @@ def test_multi_steps_fused_equals_its_general_path(name, mode, dtype, monkeypatc
     _states_close(got_state, want_state, dtype)
 
 
+@pytest.mark.parametrize("mode", ["donate", "pure"])
 @pytest.mark.parametrize("interpreted", [False, True])
-def test_multi_steps_accumulates_by_torch_foreach_on_cuda(interpreted, monkeypatch, device):
-    """A donated ``multi_steps`` micro-step that does not end its cycle is one stage, the
-    accumulation (the cycle's first: a copy): on CUDA it runs as ``torch._foreach_add_`` /
-    ``torch._foreach_copy_`` over the accumulators (no generated kernel, no address table);
-    on CPU as the C kernel, and as on CUDA where the CPU leaves take the CUDA stages
-    (``interpreted``: the other stages' Triton kernels under Triton's interpreter). The
-    parameters and state equal the steps with the kernels off."""
+def test_multi_steps_accumulates_by_torch_foreach_on_cuda(interpreted, mode, monkeypatch, device):
+    """A ``multi_steps`` micro-step that does not end its cycle is one stage, the
+    accumulation (the cycle's first: a copy): on CUDA it runs as torch's foreach operations
+    (donated: ``torch._foreach_add_`` / ``torch._foreach_copy_`` over the accumulators; pure:
+    ``torch._foreach_add``, which makes the new accumulators, / ``_foreach_copy_`` into new
+    buffers), no generated kernel launched, no address table copied; on CPU as the C kernel,
+    and as on CUDA where the CPU leaves take the CUDA stages (``interpreted``: the other
+    stages' Triton kernels under Triton's interpreter). The parameters and state equal the
+    steps with the kernels off."""
     from functional_train.engine import fuse_triton
 
     if not kernels_run_on(device) or (interpreted and device.type != "cpu"):
@@ -209,13 +212,13 @@ def test_multi_steps_accumulates_by_torch_foreach_on_cuda(interpreted, monkeypat
     make, _, _ = CASES["multi_steps_clip"]
     params, grads = _problem(torch.float32, device=device)
     monkeypatch.setattr(fuse, "ENABLED", False)
-    want, want_state = _run(make(), params, grads, "donate")
+    want, want_state = _run(make(), params, grads, mode)
     monkeypatch.setattr(fuse, "ENABLED", True)
     as_cuda = device.type == "cuda" or interpreted
     if interpreted:
         _triton_interpreted(monkeypatch)
     calls: list = []
-    for name in ("_foreach_add_", "_foreach_copy_"):
+    for name in ("_foreach_add_", "_foreach_add", "_foreach_copy_"):
         real = getattr(torch, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -230,13 +233,14 @@ def test_multi_steps_accumulates_by_torch_foreach_on_cuda(interpreted, monkeypat
         del seen[:], calls[:]
         tables = fuse_triton.tables_copied
         final = int(state.mini_step) + 1 == 3
-        p, state = ft.step(tx, {n: v.clone() for n, v in g.items()}, state, p, donate=True)
+        p, state = step_by_mode(tx, {n: v.clone() for n, v in g.items()}, state, p, mode)
         if final:
             continue
         assert len(seen) == 1, (i, seen)
         if as_cuda:
+            add = "_foreach_add_" if mode == "donate" else "_foreach_add"
             assert isinstance(seen[0][0], fuse.ForeachKernel), i
-            assert calls == ["_foreach_copy_" if i % 3 == 0 else "_foreach_add_"], (i, calls)
+            assert calls == ["_foreach_copy_" if i % 3 == 0 else add], (i, calls)
             assert fuse_triton.tables_copied == tables, i
         else:
             assert isinstance(seen[0][0], fuse.Kernel) and not calls, i

@@ -2341,7 +2341,13 @@ def _run_kernel(
     whole = len(idx) == len(ins[0])  # (every leaf: the common case, lists as they are)
     cols = [list(lst) for lst in ins] if whole else [[lst[j] for j in idx] for lst in ins]
     n_out = len(outs)
-    if apply == "donate":
+    made = None
+    if apply != "donate" and not strided and type(kernel) is fuse.ForeachKernel:
+        # (a sum into new tensors torch's foreach operation makes: no buffers taken first)
+        made = kernel.results(cols)
+    if made is not None:
+        res = made
+    elif apply == "donate":
         # each result over its input (the updates into ``u_out`` where given); one of another
         # dtype (a stage whose updates widen: bfloat16 gradients into float32 sums) into
         # fresh buffers
@@ -2374,7 +2380,9 @@ def _run_kernel(
     # are not: streaming is right there too, the block is read before it is written, but slower)
     fresh = apply != "donate" and not any(x[0] is y[0] for x in res for y in cols)
     squares = torch.empty(len(idx) * kernel.n_sums, dtype=torch.float64) if kernel.sumsq else None
-    if rows is not None:
+    if made is not None:
+        pass  # (written already)
+    elif rows is not None:
         if kernel.by_rows(cols, res, sc, rows, fresh=fresh) is False:  # (as below)
             return False
     elif squares is None:

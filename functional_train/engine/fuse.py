@@ -923,6 +923,14 @@ class ForeachKernel:
     def by_rows(self, inputs, outputs, scalars, kinds, fresh: bool = False):
         return self.inner().by_rows(inputs, outputs, scalars, kinds, fresh=fresh)
 
+    def results(self, inputs) -> list | None:
+        """The stage's results in new tensors that torch's foreach operation makes itself
+        (``torch._foreach_add``: a sum; on CUDA from the caching allocator), for a call whose
+        results are fresh: ``[results]``, or ``None`` for a copy (made into buffers given)."""
+        if self.op[0] != "add":
+            return None
+        return [torch._foreach_add(inputs[self.op[1]], inputs[self.op[2]])]
+
 
 def _build(source: str) -> ctypes.CDLL:
     path = native.build_library(source.encode(), "stage", _CFLAGS)
