@@ -156,12 +156,10 @@ read.
 Part B (--dtensor): FSDP2-style DTensors on 2 gloo ranks (spawned on a free port of 127.0.0.1
 with bench_engine's helper, or torchrun's ranks), 1 thread per rank, the GPT-like tree
 (``--tree small``: bench_engine's small-leaf tree, 534,336 parameters in 242 leaves), every
-parameter leaf ``distribute_tensor(t, mesh, [Shard(0)])`` on a 1-D "dp" mesh and every
-gradient its shard wrapped with its parameter's ``DTensorSpec`` object, as FSDP2 makes
-gradients (``--grad-specs own``: ``distribute_tensor``'s, a spec object of its own, as before
-session 70; the library remembers layouts by spec objects, so the two differ in its host
-time where a ``multi_steps`` cycle steps through four sets of gradients), functional_train
-given ``mesh=ft.Mesh(device_mesh, data_axis="dp")``. The rows as above; the
+parameter and gradient leaf ``distribute_tensor(t, mesh, [Shard(0)])`` on a 1-D "dp" mesh,
+the parameters ``nn.Parameter``s holding them (as FSDP2's ``fully_shard`` makes a model's;
+plain DTensors before session 70, which hid the cost of detaching them each step),
+functional_train given ``mesh=ft.Mesh(device_mesh, data_axis="dp")``. The rows as above; the
 baseline is (b), the torch code for the row's math with AdamW(foreach) on nn.Parameter(DTensor)
 (torch's fused AdamW is not the baseline there, as in bench_engine's Part B), then (c), (d), (e).
 A unit's time is the slowest rank's; rank 0 prints. No compiled system in Part B.
@@ -170,7 +168,7 @@ A unit's time is the slowest rank's; rank 0 prints. No compiled system in Part B
                                        [--device cpu|cuda] [--compile [--cold-cache]]
                                        [--dtype float32|bfloat16] [--tree gpt|small|conv]
     python benchmarks/bench_compose.py --dtensor [--rounds 7] [--warmup 2] [--rows a,b]
-                                       [--tree gpt|small] [--grad-specs param|own]
+                                       [--tree gpt|small]
     python benchmarks/bench_compose.py --host [--rounds 9] [--rows a,b]
 
 (Run with ``PYTHONPATH`` naming the checkout whose functional_train is to be measured; the header
@@ -481,10 +479,15 @@ class TorchCode:
 
 class FtLoop(be.PureLoop):
     """A functional_train step run as a training loop, ``params, state = fn(grads, state,
-    params)``, once per gradient tree of the unit (k of them for multi_steps)."""
+    params)``, once per gradient tree of the unit (k of them for multi_steps). ``parameters``:
+    the parameters are ``nn.Parameter``s, as a model's (FSDP2's ``fully_shard`` makes each one
+    an ``nn.Parameter`` holding a DTensor)."""
 
-    def __init__(self, name, fn, tx, params0, grads, device, k):
+    def __init__(self, name, fn, tx, params0, grads, device, k, parameters=False):
         super().__init__(name, fn, tx, params0, grads[:k])
+        if parameters:
+            self.p = {n: torch.nn.Parameter(v.clone()) for n, v in params0.items()}
+            self.s = tx.init(self.p)
         self.device = device
 
     def prepare(self):
@@ -508,7 +511,7 @@ class FtLoop(be.PureLoop):
         return [be.local(v) for v in ema.values()]
 
 
-def ft_systems(row, tx, params0, grads, device, mesh=None, compiled=False):
+def ft_systems(row, tx, params0, grads, device, mesh=None, compiled=False, parameters=False):
     k = EVERY_K if row in CYCLE_ROWS else 1
 
     def eager(g, s, p):
@@ -524,6 +527,7 @@ def ft_systems(row, tx, params0, grads, device, mesh=None, compiled=False):
             grads,
             device,
             k,
+            parameters,
         ),
         FtLoop(
             "(d) ft.step(donate=False), pure",
@@ -533,8 +537,11 @@ def ft_systems(row, tx, params0, grads, device, mesh=None, compiled=False):
             grads,
             device,
             k,
+            parameters,
         ),
-        FtLoop("(e) eager tx.update + apply_updates", eager, tx, params0, grads, device, k),
+        FtLoop(
+            "(e) eager tx.update + apply_updates", eager, tx, params0, grads, device, k, parameters
+        ),
     ]
     if compiled:
         from torch._dynamo.testing import CompileCounterWithBackend
@@ -844,9 +851,7 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
 
     p_full, g_full = problem(shapes, row, device)
     params0 = {k: distribute_tensor(v, dm, [Shard(0)]) for k, v in p_full.items()}
-    grads = [
-        {k: fsdp_gradient(v, params0[k], args.grad_specs) for k, v in g.items()} for g in g_full
-    ]
+    grads = [{k: distribute_tensor(v, dm, [Shard(0)]) for k, v in g.items()} for g in g_full]
     del p_full, g_full
     tx = make_tx(row)
     ref = TorchCode(
@@ -857,7 +862,7 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
         device,
         fused=False,
     )
-    systems = [ref] + ft_systems(row, tx, params0, grads, device, mesh=fmesh)
+    systems = [ref] + ft_systems(row, tx, params0, grads, device, mesh=fmesh, parameters=True)
     times, faults, _ = be.run_rounds(
         systems,
         args.rounds,
@@ -881,22 +886,6 @@ def dtensor_row(row, shapes, dm, fmesh, args, device, reduce_max, log):
         {},
     )
     log(text, flush=True)
-
-
-def fsdp_gradient(g, param, specs: str = "param"):
-    """The DTensor gradient of ``param`` (a ``Shard(0)`` DTensor) holding the global values
-    ``g``, as FSDP2's ``fully_shard`` makes it: its local shard wrapped with the parameter's own
-    ``DTensorSpec`` object (``FSDPParam.to_sharded_dtensor``, torch's private constructor, as
-    FSDP2 calls it), the same object every step and micro-step. ``specs="own"``:
-    ``distribute_tensor``'s DTensor, with a spec object of its own (what this benchmark made
-    before session 70)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    d = distribute_tensor(g, param.device_mesh, param.placements)
-    if specs == "own":
-        return d
-    assert d._spec == param._spec
-    return DTensor(d.to_local(), param._spec, requires_grad=False)
 
 
 def dtensor_worker(rank, args, rows, world, port):
@@ -955,13 +944,6 @@ def main():
         "--host", action="store_true", help="instead: host time per leaf (tiny-leaf trees)"
     )
     ap.add_argument("--world", type=int, default=2, help="Part B: ranks to spawn")
-    ap.add_argument(
-        "--grad-specs",
-        default="param",
-        choices=["param", "own"],
-        help="Part B: each gradient DTensor holds its parameter's DTensorSpec object, as FSDP2 "
-        "makes gradients (default), or one of its own (distribute_tensor's; before session 70)",
-    )
     ap.add_argument(
         "--tree",
         default="gpt",

@@ -675,7 +675,8 @@ def prepare(
         _refuse_dtensors(updates if params is None else params, leaves, pleaves, name)
     leaves = detached(leaves)  # no graph into the states (see functional_train.autograd)
     if pleaves is not None:
-        pleaves = detached(pleaves)
+        # (a DTensor parameter is read for its layout, its local shard detached below)
+        pleaves = detached(pleaves, dtensors=False)
     if mesh is not None and mesh.pending_data_reduction and not torch.compiler.is_compiling():
         # ranks may differ in which gradients are None: agree first (one small all-reduce)
         leaves = agree_presence(leaves, pleaves, treedef, mesh)
@@ -684,7 +685,7 @@ def prepare(
         return Prepared(plan, leaves, leaves, pleaves, view)
     leaves = plan.materialize(leaves, pleaves)
     locs = to_locals(leaves)
-    plocs = None if pleaves is None else to_locals(pleaves)
+    plocs = None if pleaves is None else detached(to_locals(pleaves))
     return Prepared(plan, leaves, locs, plocs, view)
 
 
