@@ -159,8 +159,13 @@ def detached(leaves: list, *, dtensors: bool = True) -> list:
         kinds = set(map(type, leaves))
         if kinds <= _DTENSOR_OR_NONE:
             return leaves
-        if DTensor in kinds:
-            return [x if type(x) is DTensor else y for x, y in zip(leaves, detached(leaves))]
+        if DTensor in kinds:  # (the others detached as below)
+            return [
+                x.detach()
+                if type(x) is not DTensor and isinstance(x, torch.Tensor) and x.requires_grad
+                else x
+                for x in leaves
+            ]
     if _none_requires_grad(leaves):
         return leaves
     if not any([isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]):

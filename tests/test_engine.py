@@ -132,6 +132,10 @@ def test_dtensor_parameters_read_by_their_local_shards(monkeypatch):
         x = shard(torch.randn(4, 3), mesh, [Shard(0)])
         odd = DTensor.from_local(x._local_tensor.requires_grad_(), mesh, [Shard(0)])
         assert detached([odd], dtensors=False)[0] is odd
+        gain = torch.nn.Parameter(torch.randn(3))  # (a plain parameter beside: detached)
+        mixed = detached([odd, gain, None], dtensors=False)
+        assert mixed[0] is odd and mixed[2] is None
+        assert not mixed[1].requires_grad and torch.equal(mixed[1], gain.detach())
         (loc,) = prepare({"w": x}, {"w": odd}, fmesh).params
         assert not loc.requires_grad and torch.equal(loc, odd._local_tensor.detach())
 
