@@ -155,22 +155,19 @@ def detached(leaves: list, *, dtensors: bool = True) -> list:
     and every parameter of an FSDP2 model requires grad)."""
     if _MODE[0] or traced():
         return leaves
-    if not dtensors and not torch.compiler.is_compiling():
-        kinds = set(map(type, leaves))
-        if kinds <= _DTENSOR_OR_NONE:
-            return leaves
-        if DTensor in kinds:  # (the others detached as below)
-            return [
-                x.detach()
-                if type(x) is not DTensor and isinstance(x, torch.Tensor) and x.requires_grad
-                else x
-                for x in leaves
-            ]
+    keep = not dtensors and not torch.compiler.is_compiling()  # (DTensors as they are)
+    if keep and set(map(type, leaves)) <= _DTENSOR_OR_NONE:
+        return leaves
     if _none_requires_grad(leaves):
         return leaves
     if not any([isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]):
         return leaves  # (a list, not a generator: dynamo resumes a generator per item)
-    return [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in leaves]
+    return [
+        x.detach()
+        if isinstance(x, torch.Tensor) and x.requires_grad and not (keep and type(x) is DTensor)
+        else x
+        for x in leaves
+    ]
 
 
 _DTENSOR_OR_NONE = frozenset({DTensor, type(None)})
