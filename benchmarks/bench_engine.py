@@ -53,7 +53,9 @@ traffic pattern of an in-place optimizer (the first floor can be beaten by in-pl
 Part B (--dtensor): FSDP2-style DTensors on 2 gloo ranks (spawned by this script on a free port
 of 127.0.0.1, or the ranks of torchrun when RANK is set), 1 thread per rank. Every parameter and
 gradient leaf is ``distribute_tensor(t, mesh, [Shard(0)])`` on ``init_device_mesh("cpu", (2,),
-mesh_dim_names=("dp",))``; functional_train gets ``mesh=ft.Mesh(device_mesh, data_axis="dp")``.
+mesh_dim_names=("dp",))``, each parameter an ``nn.Parameter`` holding its DTensor, as FSDP2's
+``fully_shard`` makes a model's (plain DTensors before session 70); functional_train gets
+``mesh=ft.Mesh(device_mesh, data_axis="dp")``.
 Two trees: the GPT-like tree above, and a small-leaf tree of 534,336 parameters in 242 leaves
 (121 linear layers, weight 64 x 68 and bias 64). Systems: torch.optim.AdamW(foreach=True) +
 clip_grad_norm_(foreach=True) on nn.Parameter(DTensor) with DTensor .grad (baseline),
@@ -256,11 +258,15 @@ class CompiledTorchOptimizerSys(TorchOptimizerSys):
 
 
 class PureLoop:
-    """A pure step run as a training loop: ``params, state = fn(grads, state, params)``."""
+    """A pure step run as a training loop: ``params, state = fn(grads, state, params)``.
+    ``parameters``: the parameters are ``nn.Parameter``s, as a model's (FSDP2's
+    ``fully_shard`` makes each one an ``nn.Parameter`` holding a DTensor)."""
 
-    def __init__(self, name, fn, tx, params0, grads0):
+    def __init__(self, name, fn, tx, params0, grads0, parameters=False):
         self.name, self.fn = name, fn
         self.p = clone_tree(params0)
+        if parameters:
+            self.p = {k: torch.nn.Parameter(v) for k, v in self.p.items()}
         self.s = tx.init(self.p)
         self.gsrc = grads0
         self.g = None
@@ -588,6 +594,7 @@ def dtensor_worker(rank, args, world, port):
                     tx,
                     params0,
                     grads0,
+                    parameters=True,
                 ),
                 PureLoop(
                     step_label(False),
@@ -595,6 +602,7 @@ def dtensor_worker(rank, args, world, port):
                     tx,
                     params0,
                     grads0,
+                    parameters=True,
                 ),
                 PureLoop(
                     step_label(True),
@@ -602,6 +610,7 @@ def dtensor_worker(rank, args, world, port):
                     tx,
                     params0,
                     grads0,
+                    parameters=True,
                 ),
             ]
             times, faults, _ = run_rounds(
