@@ -124,25 +124,26 @@ def all_in_one_order(xs: Sequence[torch.Tensor]) -> bool:
     return all(map(torch.Tensor.is_contiguous, xs)) or all(map(in_one_order, xs))
 
 
-def _find_empty_strided_cpu() -> Callable | None:
-    """inductor's allocator of CPU tensors (``torch._C._dynamo.guards._empty_strided_cpu``:
+def _inductor_allocator(name: str, device_type: str) -> Callable | None:
+    """inductor's allocator of new tensors on ``device_type`` (``torch._C._dynamo.guards.<name>``:
     sizes, strides and dtype in, a new tensor out, without the dispatcher's trip that
-    ``torch.empty_like`` makes: 0.45 against 0.8 us a tensor on a 2-core AMD EPYC), where this
-    torch has it in the form used here (checked once, at import; a private function)."""
+    ``torch.empty_like`` makes: on CPU 0.45 against 0.8 us a tensor on a 2-core AMD EPYC),
+    where this torch has it in the form used here (a private function: checked by making one
+    tensor with it); ``None`` otherwise."""
     try:
-        from torch._C._dynamo.guards import _empty_strided_cpu as fn
-    except ImportError:
-        return None
-    try:
+        from torch._C._dynamo import guards
+
+        fn = getattr(guards, name)
         t = fn((2, 3), (3, 1), torch.bfloat16)
         ok = t.shape == (2, 3) and t.stride() == (3, 1) and t.dtype == torch.bfloat16
-        ok = ok and t.is_cpu and not t.requires_grad and type(t) is torch.Tensor
+        ok = ok and t.device.type == device_type and not t.requires_grad
+        ok = ok and type(t) is torch.Tensor
     except Exception:
         return None
     return fn if ok else None
 
 
-_EMPTY_STRIDED_CPU = _find_empty_strided_cpu()
+_EMPTY_STRIDED_CPU = _inductor_allocator("_empty_strided_cpu", "cpu")  # (at import)
 # (per list of contiguous CPU or CUDA tensors, by their exact metadata: the allocator, and the
 # sizes, strides and dtypes to allocate new ones with; see .metadata)
 _EMPTY_BY_METADATA = Memo(per_key=8)
@@ -156,16 +157,7 @@ def _cuda_allocator(x: torch.Tensor) -> Callable | None:
     a lent GPU), where this torch has it in the form used here and ``x``'s device is the
     current one (checked on a first use: importing the library initialises no CUDA)."""
     if not _EMPTY_STRIDED_CUDA:
-        fn = None
-        try:
-            from torch._C._dynamo.guards import _empty_strided_cuda as fn
-
-            t = fn((2, 3), (3, 1), torch.bfloat16)
-            ok = t.shape == (2, 3) and t.stride() == (3, 1) and t.dtype == torch.bfloat16
-            ok = ok and t.is_cuda and not t.requires_grad and type(t) is torch.Tensor
-        except Exception:
-            ok = False
-        _EMPTY_STRIDED_CUDA.append(fn if ok else None)
+        _EMPTY_STRIDED_CUDA.append(_inductor_allocator("_empty_strided_cuda", "cuda"))
     fn = _EMPTY_STRIDED_CUDA[0]
     if fn is None or x.get_device() != torch.cuda.current_device():
         return None
