@@ -5,6 +5,10 @@ fails."""
 
 import concurrent.futures
 import ctypes
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -323,6 +327,81 @@ def test_concurrent_builds_compile_once(monkeypatch, tmp_path):
     assert len(set(paths)) == 1 and calls.read_text() == "x\n"
     assert ctypes.CDLL(str(paths[0])).ft_answer() == 42
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [paths[0].name]
+
+
+def test_sanitizer_flags(monkeypatch, tmp_path):
+    """``FT_SANITIZE`` builds the libraries with the sanitizer (their loads call its checks)
+    under cache keys of their own, beside the plain builds; a malformed value is refused,
+    naming the variable."""
+    monkeypatch.setenv("FT_CACHE_DIR", str(tmp_path))
+    source = b"float ft_at(const float *x, long i) { return x[i]; }\n"
+    flags = ["-O1", "-shared", "-fPIC"]
+    monkeypatch.delenv("FT_SANITIZE", raising=False)
+    assert native.sanitizer_flags() == []
+    plain = native.build_library(source, "t", flags)
+    monkeypatch.setenv("FT_SANITIZE", "address")
+    assert native.sanitizer_flags() == ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
+    checked = native.build_library(source, "t", flags)
+    assert checked != plain and plain.exists()
+    assert b"__asan_report_load4" in checked.read_bytes()
+    assert b"__asan" not in plain.read_bytes()
+    monkeypatch.setenv("FT_SANITIZE", "address -shared")
+    with pytest.raises(ValueError, match="FT_SANITIZE='address -shared'"):
+        native.build_library(source, "t", flags)
+
+
+def _runtime(cc: str, name: str) -> str | None:
+    """The path of the compiler's ``name`` runtime library, or ``None`` where it has none."""
+    out = subprocess.run(
+        [*cc.split(), f"-print-file-name={name}"], capture_output=True, text=True
+    ).stdout.strip()
+    return out if os.path.isabs(out) and os.path.exists(out) else None
+
+
+@pytest.mark.slow
+def test_sanitized_kernels_report_an_out_of_bounds_write(tmp_path):
+    """The README's AddressSanitizer recipe catches what it is for: in a process started as
+    the README starts the test suite under it, a library built with ``FT_SANITIZE=address``
+    that writes one float past the end of a torch tensor is stopped with a
+    heap-buffer-overflow report; the same write inside the tensor runs."""
+    cc = native._compiler()
+    asan, cxx = _runtime(cc, "libasan.so"), _runtime(cc, "libstdc++.so")
+    if asan is None or cxx is None:
+        pytest.skip(f"{cc} has no AddressSanitizer runtime")
+    script = tmp_path / "oob.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import ctypes, sys, torch
+            from functional_train.engine import native
+            path = native.build_library(
+                b"void ft_put(float *x, long i) { x[i] = 1.0f; }\\n", "oob", ["-shared", "-fPIC"]
+            )
+            put = ctypes.CDLL(str(path)).ft_put
+            x = torch.zeros(1000)
+            put(ctypes.c_void_p(x.data_ptr()), ctypes.c_long(int(sys.argv[1])))
+            print("written", float(x.sum()))
+            """
+        )
+    )
+    env = dict(
+        os.environ,
+        FT_SANITIZE="address",
+        FT_CACHE_DIR=str(tmp_path / "cache"),
+        LD_PRELOAD=f"{asan} {cxx}",
+        ASAN_OPTIONS="detect_leaks=0:verify_asan_link_order=0",
+    )
+
+    def run(i):
+        return subprocess.run(
+            [sys.executable, str(script), str(i)], env=env, capture_output=True, text=True
+        )
+
+    inside = run(999)
+    assert inside.returncode == 0 and "written 1.0" in inside.stdout, inside.stderr[-2000:]
+    past = run(1000)
+    assert past.returncode != 0 and "written" not in past.stdout
+    assert "heap-buffer-overflow" in past.stderr and "ft_put" in past.stderr, past.stderr[-2000:]
 
 
 def test_a_caller_that_finds_the_library_built_under_the_lock_leaves_no_lock(monkeypatch, tmp_path):

@@ -12,7 +12,8 @@ updates it writes). The source is compiled on first use with the system C compil
 by the source, the compiler, the flags and the CPU, once per machine; later processes load the
 cached library. Where that fails (no compiler, a read-only cache) it warns once and torch sums
 the squares instead. ``FT_NATIVE_KERNELS=0`` in the environment, or ``ENABLED = False`` here,
-turns it off.
+turns it off. ``FT_SANITIZE=address`` builds it, and every generated stage, with
+AddressSanitizer (:func:`sanitizer_flags`: a developer's check of the kernels' reads and writes).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "ENABLED",
     "available",
     "build_library",
+    "sanitizer_flags",
     "sum_squares",
     "sum_squares_op",
     "local_sum_squares",
@@ -114,6 +116,31 @@ def _compiler() -> str:
     return "cc"
 
 
+def sanitizer_flags() -> list:
+    """The compiler flags ``FT_SANITIZE`` asks for: a comma-separated list of the compiler's
+    sanitizers (``address``, ``undefined``, ...), given to ``-fsanitize=`` with ``-g`` and
+    frame pointers kept, for every library :func:`build_library` builds (the native sums and
+    the generated stages; the flags are part of a library's cache key, so sanitized and
+    plain builds do not mix). A developer's check that the kernels read and write within
+    their tensors: the process must load the sanitizer's runtime first (the README's "Tests"
+    gives the command). Empty where it is unset.
+
+    Raises:
+        ValueError: ``FT_SANITIZE`` holds anything but names of letters, digits and ``-``,
+            separated by commas.
+    """
+    value = os.environ.get("FT_SANITIZE", "").strip()
+    if not value:
+        return []
+    names = value.split(",")
+    if not all(n and n.replace("-", "").isalnum() for n in names):
+        raise ValueError(
+            f"FT_SANITIZE={value!r}: expected sanitizer names separated by commas, "
+            "such as 'address' or 'address,undefined'"
+        )
+    return [f"-fsanitize={value}", "-fno-omit-frame-pointer", "-g"]
+
+
 class CompileError(RuntimeError):
     """The C compiler rejected a source."""
 
@@ -121,16 +148,19 @@ class CompileError(RuntimeError):
 def build_library(source: bytes, prefix: str, flags: list) -> Path:
     """The shared library of the C ``source`` compiled with ``flags``: built on first use with
     the system compiler (:func:`_compiler`) into the cache directory (:func:`cache_dir`)
-    under ``<prefix>-<key>.so``, ``key`` a hash of the source, the compiler, the flags and the
-    CPU; later calls and processes reuse the file. Processes that ask for the same library
-    at once (ranks, test workers) build it once: the others wait on a file lock beside it
-    (``fcntl.flock``, where the platform has it).
+    under ``<prefix>-<key>.so``, ``key`` a hash of the source, the compiler, the flags (with
+    :func:`sanitizer_flags`' after them) and the CPU; later calls and processes reuse the
+    file. Processes that ask for the same library at once (ranks, test workers) build it
+    once: the others wait on a file lock beside it (``fcntl.flock``, where the platform has
+    it).
 
     Raises:
         CompileError: the compiler rejected the source.
         OSError: no compiler, an unwritable cache directory.
+        ValueError: a malformed ``FT_SANITIZE`` (:func:`sanitizer_flags`).
     """
     cc = _compiler()
+    flags = [*flags, *sanitizer_flags()]
     key = hashlib.sha256(
         b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu().encode()])
     ).hexdigest()[:24]
