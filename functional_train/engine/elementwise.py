@@ -1127,11 +1127,38 @@ def _encode_key(k) -> int:
 
 
 @assume_constant_result  # (a function of static keys: dynamo calls it
-def _encoded_keys(keys: tuple, n: int, m: int) -> tuple:  # once, untraced, a constant)
-    """Every leaf's static keys, leaf by leaf, part by part, in the operator's encoding."""
-    return tuple(
-        _encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)
+def _encoded_keys(keys: tuple, n: int, m: int) -> str:  # once, untraced, a constant)
+    """Every leaf's static keys, leaf by leaf, part by part, in the operator's encoding:
+    their numbers (:func:`_encode_key`) as text, comma-separated. Text, not a list of ints:
+    the dispatcher converts each element of a list argument on every call, to its boxed
+    values and back to Python's for the operator's kernel (a 122-leaf stage of 9 parts,
+    1,098 numbers: about 0.1 ms a call), and a string once."""
+    return ",".join(
+        str(_encode_key(None if keys[j] is None else keys[j][i]))
+        for j in range(n)
+        for i in range(m)
     )
+
+
+@assume_constant_result  # (positions known while dynamo traces: a constant of the graph)
+def _positions_text(positions: tuple) -> str:
+    """``positions`` (ints) as the stage operators take them: comma-separated text (see
+    :func:`_encoded_keys`); read back by :func:`_positions_of`."""
+    return ",".join(map(str, positions))
+
+
+_POSITIONS: dict = {}
+
+
+def _positions_of(text: str) -> list:
+    """The ints :func:`_positions_text` wrote, remembered per text (the same constant every
+    call of a graph)."""
+    hit = _POSITIONS.get(text)
+    if hit is None:
+        if len(_POSITIONS) >= 64:
+            _POSITIONS.clear()
+        hit = _POSITIONS[text] = [int(x) for x in text.split(",")] if text else []
+    return hit
 
 
 def _needed(part: Elementwise, ctx: dict):
@@ -1159,10 +1186,7 @@ def _compiled(
         made = iter(_as_tensors(u[0], *numbers))
         sc = [x if isinstance(x, torch.Tensor) else next(made) for x in scalars]
     m = len(stage.parts)
-    if all(k is None for k in keys):
-        enc = []  # no static keys
-    else:
-        enc = list(_encoded_keys(tuple(keys), n, m))
+    enc = "" if all(k is None for k in keys) else _encoded_keys(tuple(keys), n, m)
     # (the operator also returns the updates' sums of squares, and with psums the
     # parameters' after them: layout[4] vectors)
     want = 0 if sums is None else 1 + bool(psums and p is not None)
@@ -1179,7 +1203,7 @@ def _compiled(
     if apply == "donate" and _all_in_place(
         tuple(idents),
         tuple(layout),
-        tuple(enc),
+        enc,
         tuple(map(_dtypes_or_none, ins)),
         tuple(x.dtype for x in sc),
     ):
@@ -1195,7 +1219,8 @@ def _compiled(
         writes_u = read_only and dst and dst[0] == 0
         u_out = [torch.empty_like(x) for x in u] if writes_u else []
         ro = list(u) if read_only else []
-        taken = _stage_op_donated(idents, layout, enc, ro, present, u_out, absent, sc, needed)
+        holes = _positions_text(tuple(absent)) if absent else ""
+        taken = _stage_op_donated(idents, layout, enc, ro, present, u_out, holes, sc, needed)
         if want:
             sums.extend(_split_sums(taken, n))
         outs = [list(ins[d]) for d in dst]
@@ -1226,7 +1251,7 @@ def _as_tensors(like: torch.Tensor, *numbers) -> tuple:
 
 
 @assume_constant_result
-def _all_in_place(parts: tuple, layout: tuple, enc: tuple, in_dtypes: tuple, sc_dtypes: tuple):
+def _all_in_place(parts: tuple, layout: tuple, enc: str, in_dtypes: tuple, sc_dtypes: tuple):
     """Whether every result of the stage has the dtype of the input it replaces when donated
     (then ``functional_train::fused_stage_donated`` writes them all in place), from
     :func:`_result_dtypes` on 1-element meta tensors (the scalars 0-dim, as in the step: a
@@ -1243,7 +1268,7 @@ def _all_in_place(parts: tuple, layout: tuple, enc: tuple, in_dtypes: tuple, sc_
         for r, lst in enumerate(in_dtypes)
     ]
     stage, counts, keys, u, p, fields = _unflat(
-        list(parts), list(layout), list(enc), [x for lst in metas for x in lst]
+        list(parts), list(layout), enc, [x for lst in metas for x in lst]
     )
     scalars = [torch.empty((), dtype=d, device="meta") for d in sc_dtypes]
     ins, dst = _inputs(stage, u, p, fields)
@@ -1286,14 +1311,16 @@ def _unflat(parts, layout, enc, flat):
 _DECODED: dict = {}
 
 
-def _decoded(enc: list, n: int, m: int) -> list:
-    """The leaves' static keys from a compiled stage's encoding (:func:`_encode_key`, part by
-    part, leaf after leaf), remembered per encoding (the same every call of a graph)."""
-    key = (n, m, tuple(enc))
+def _decoded(text: str, n: int, m: int) -> list:
+    """The leaves' static keys from a compiled stage's encoding (:func:`_encoded_keys`: the
+    numbers of :func:`_encode_key`, part by part, leaf after leaf), remembered per encoding
+    (the same every call of a graph)."""
+    key = (n, m, text)
     hit = _DECODED.get(key)
     if hit is None:
         if len(_DECODED) >= 64:
             _DECODED.clear()
+        enc = [int(x) for x in text.split(",")]
         hit = _DECODED[key] = [
             None
             if all(e == _NONE_KEY for e in enc[j * m : (j + 1) * m])
@@ -1308,7 +1335,7 @@ def _decoded(enc: list, n: int, m: int) -> list:
 def _stage_op(
     parts: list[int],
     layout: list[int],
-    keys: list[int],
+    keys: str,
     flat: list[torch.Tensor | None],
     scalars: list[torch.Tensor],
     needed: torch.Tensor | None = None,
@@ -1321,7 +1348,8 @@ def _stage_op(
     (copy-on-write, :func:`.pool.lazy_clones`: no pass), and updates no one uses
     (:func:`_discarded`) are not computed (their results are buffers of the right shape and
     dtype, as they are). ``layout``: ``(apply, drop_u, has_p, n_fields, sums, *counts)``;
-    ``keys``: the leaves' static keys, part by part, leaf after leaf. With ``sums`` the last
+    ``keys``: the leaves' static keys, part by part, leaf after leaf, as text
+    (:func:`_encoded_keys`; empty where every key is ``None``). With ``sums`` the last
     result is the new updates' per-leaf sums of squares (a float64 vector: :func:`_op_sums`,
     ``needed`` as there); ``sums`` 2: the parameters' after them (twice as long)."""
     enc = keys
@@ -1478,7 +1506,7 @@ def _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars) -> bool:
     key = (
         tuple(parts),
         tuple(layout),
-        tuple(enc),
+        enc,
         tuple(map(_dtypes_or_none, ins)),
         tuple(x.dtype for x in scalars),
     )
@@ -1494,23 +1522,24 @@ def _same_dtypes(parts, layout, enc, stage, u, p, fields, scalars) -> bool:
 def _stage_op_donated(
     parts: list[int],
     layout: list[int],
-    keys: list[int],
+    keys: str,
     u: list[torch.Tensor],
     flat: list[torch.Tensor],
     u_out: list[torch.Tensor],
-    absent: list[int],
+    absent: str,
     scalars: list[torch.Tensor],
     needed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``functional_train::fused_stage`` for a donated step whose results all have the dtypes
     of the inputs they replace (see :func:`_inputs`): each written over its input, as the
     eager donated step writes it. Under ``torch.compile`` inductor runs it on the step's
-    inputs themselves (no copies). ``flat``: the updates (the
-    gradients at the first stage), the parameters (if any) and the state fields' leaves,
-    without the absent ones (``absent``: their positions there; the operator puts ``None``
-    back). With :func:`read_only_updates`, the updates are ``u`` instead, read only (``flat``
-    without them), and a stage that writes updates (one that does not apply them) writes them
-    into ``u_out``, new buffers of their layout (``u`` and ``u_out`` are empty otherwise).
+    inputs themselves (no copies). ``flat``: the updates (the gradients at the first stage),
+    the parameters (if any) and the state fields' leaves, without the absent ones
+    (``absent``: their positions there, as text, :func:`_positions_text`; the operator puts
+    ``None`` back). With :func:`read_only_updates`, the updates are ``u`` instead, read only
+    (``flat`` without them), and a stage that writes updates (one that does not apply them)
+    writes them into ``u_out``, new buffers of their layout (``u`` and ``u_out`` are empty
+    otherwise).
     (Inductor, torch 2.13: where a custom operator wrote a graph input in place, an
     elementwise value the graph computed from that input before the write and then copied
     into another input, as a compiled ``TorchOptimizer.step`` copies its new state back, was
@@ -1520,7 +1549,7 @@ def _stage_op_donated(
     where ``layout`` asks for them (and the parameters' after them), else an empty float64
     vector."""
     stage, counts, keys, u, p, fields = _unflat(
-        parts, layout, keys, list(u) + _present(_plain(flat), absent)
+        parts, layout, keys, list(u) + _present(_plain(flat), _positions_of(absent))
     )
     want = bool(layout[4])
     ps = p if layout[4] == 2 else None
@@ -1585,7 +1614,7 @@ _NO_SUMS = torch.empty(0, dtype=torch.float64)
 def _(parts, layout, keys, u, flat, u_out, absent, scalars, needed=None):
     if not layout[4]:
         return torch.empty(0, dtype=torch.float64)
-    n = len(u) or (len(flat) + len(absent)) // (1 + layout[2] + layout[3])
+    n = len(u) or (len(flat) + len(_positions_of(absent))) // (1 + layout[2] + layout[3])
     return torch.empty(n * layout[4], dtype=torch.float64)
 
 
@@ -1754,7 +1783,7 @@ def _present(flat: list, absent: list) -> list:
 
 @_stage_op.register_fake
 def _(parts, layout, keys, flat, scalars, needed=None):
-    parts, layout, keys = ([int(x) for x in xs] for xs in (parts, layout, keys))
+    parts, layout = ([int(x) for x in xs] for xs in (parts, layout))
     stage, counts, keys, u, p, fields = _unflat(parts, layout, keys, flat)
     out = _fake_results(stage, counts, keys, u, p, fields, scalars)
     if layout[4]:
