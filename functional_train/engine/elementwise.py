@@ -1549,7 +1549,7 @@ def _stage_op_donated(
     where ``layout`` asks for them (and the parameters' after them), else an empty float64
     vector."""
     stage, counts, keys, u, p, fields = _unflat(
-        parts, layout, keys, list(u) + _present(_plain(flat), _positions_of(absent))
+        parts, layout, keys, list(u) + _present(_plain(flat), absent)
     )
     want = bool(layout[4])
     ps = p if layout[4] == 2 else None
@@ -1599,8 +1599,11 @@ def _stage_op_donated(
 def _written(outs: list, ins: list, dst: list) -> None:
     """A donated stage operator's results ``outs`` over the inputs they replace
     (``ins[dst[r]]``), where they are not already (the eager step's fallback, leaf by leaf in
-    torch, makes fresh results)."""
+    torch, makes fresh results; the kernels write in place: a C loop finds each such list
+    done)."""
     for r, lst in enumerate(outs):
+        if all(map(operator.is_, lst, ins[dst[r]])):
+            continue
         for i, x in enumerate(lst):
             d = ins[dst[r]][i]
             if x is not None and x is not d:
@@ -1771,14 +1774,26 @@ _GUARDS: dict = {}
 _ONE_LEAF: dict = {}  # (counts -> the keys an unrestricted stage's rule is read with)
 
 
-def _present(flat: list, absent: list) -> list:
-    """The inputs of ``fused_stage_donated``: ``flat`` with ``None`` at ``absent``."""
+def _present(flat: list, absent: str) -> list:
+    """The inputs of ``fused_stage_donated``: ``flat`` with ``None`` at the positions
+    ``absent`` (text, :func:`_positions_text`): one gather by an index remembered per text
+    and length (a ``None`` after ``flat``'s items stands for each absent one)."""
     if not absent:
         return flat
-    out = list(flat)
-    for i in absent:  # (ascending: each at its final position)
-        out.insert(i, None)
-    return out
+    n = len(flat)
+    hit = _GATHERS.get((absent, n))
+    if hit is None:
+        holes = set(_positions_of(absent))
+        taken = iter(range(n))
+        if len(_GATHERS) >= 64:
+            _GATHERS.clear()
+        hit = _GATHERS[(absent, n)] = [
+            n if i in holes else next(taken) for i in range(n + len(holes))
+        ]
+    return list(map([*flat, None].__getitem__, hit))
+
+
+_GATHERS: dict = {}
 
 
 @_stage_op.register_fake
@@ -2252,10 +2267,12 @@ def _dtypes_of(ins: list):
                 return None
             dtypes.append(x.dtype)
         return tuple(dtypes)
+    # (every list's types first: a later list holding an absent leaf, None, fails the call
+    # before the earlier lists' other checks are made)
+    if any(set(map(type, lst)) != _TENSOR for lst in ins):
+        return None
     dtypes = []
     for lst in ins:
-        if set(map(type, lst)) != {torch.Tensor}:
-            return None
         ds = set(map(DTYPE, lst))
         if (
             len(ds) != 1
