@@ -1133,31 +1133,32 @@ def _encoded_keys(keys: tuple, n: int, m: int) -> str:  # once, untraced, a cons
     the dispatcher converts each element of a list argument on every call, to its boxed
     values and back to Python's for the operator's kernel (a 122-leaf stage of 9 parts,
     1,098 numbers: about 0.1 ms a call), and a string once."""
-    return ",".join(
-        str(_encode_key(None if keys[j] is None else keys[j][i]))
-        for j in range(n)
-        for i in range(m)
+    return _ints_text(
+        tuple(
+            _encode_key(None if keys[j] is None else keys[j][i]) for j in range(n) for i in range(m)
+        )
     )
 
 
-@assume_constant_result  # (positions known while dynamo traces: a constant of the graph)
-def _positions_text(positions: tuple) -> str:
-    """``positions`` (ints) as the stage operators take them: comma-separated text (see
-    :func:`_encoded_keys`); read back by :func:`_positions_of`."""
-    return ",".join(map(str, positions))
+@assume_constant_result  # (ints known while dynamo traces: a constant of the graph)
+def _ints_text(ints: tuple) -> str:
+    """``ints`` as the stage operators take a list of them (the keys, the absent leaves'
+    positions): comma-separated text (see :func:`_encoded_keys`); read back by
+    :func:`_ints_of`."""
+    return ",".join(map(str, ints))
 
 
-_POSITIONS: dict = {}
+_INTS: dict = {}
 
 
-def _positions_of(text: str) -> list:
-    """The ints :func:`_positions_text` wrote, remembered per text (the same constant every
-    call of a graph)."""
-    hit = _POSITIONS.get(text)
+def _ints_of(text: str) -> list:
+    """The ints :func:`_ints_text` wrote, remembered per text (the same constant every call
+    of a graph)."""
+    hit = _INTS.get(text)
     if hit is None:
-        if len(_POSITIONS) >= 64:
-            _POSITIONS.clear()
-        hit = _POSITIONS[text] = [int(x) for x in text.split(",")] if text else []
+        if len(_INTS) >= 64:
+            _INTS.clear()
+        hit = _INTS[text] = [int(x) for x in text.split(",")] if text else []
     return hit
 
 
@@ -1219,7 +1220,7 @@ def _compiled(
         writes_u = read_only and dst and dst[0] == 0
         u_out = [torch.empty_like(x) for x in u] if writes_u else []
         ro = list(u) if read_only else []
-        holes = _positions_text(tuple(absent)) if absent else ""
+        holes = _ints_text(tuple(absent)) if absent else ""
         taken = _stage_op_donated(idents, layout, enc, ro, present, u_out, holes, sc, needed)
         if want:
             sums.extend(_split_sums(taken, n))
@@ -1320,7 +1321,7 @@ def _decoded(text: str, n: int, m: int) -> list:
     if hit is None:
         if len(_DECODED) >= 64:
             _DECODED.clear()
-        enc = [int(x) for x in text.split(",")]
+        enc = _ints_of(text)
         hit = _DECODED[key] = [
             None
             if all(e == _NONE_KEY for e in enc[j * m : (j + 1) * m])
@@ -1535,7 +1536,7 @@ def _stage_op_donated(
     eager donated step writes it. Under ``torch.compile`` inductor runs it on the step's
     inputs themselves (no copies). ``flat``: the updates (the gradients at the first stage),
     the parameters (if any) and the state fields' leaves, without the absent ones
-    (``absent``: their positions there, as text, :func:`_positions_text`; the operator puts
+    (``absent``: their positions there, as text, :func:`_ints_text`; the operator puts
     ``None`` back). With :func:`read_only_updates`, the updates are ``u`` instead, read only
     (``flat`` without them), and a stage that writes updates (one that does not apply them)
     writes them into ``u_out``, new buffers of their layout (``u`` and ``u_out`` are empty
@@ -1617,7 +1618,7 @@ _NO_SUMS = torch.empty(0, dtype=torch.float64)
 def _(parts, layout, keys, u, flat, u_out, absent, scalars, needed=None):
     if not layout[4]:
         return torch.empty(0, dtype=torch.float64)
-    n = len(u) or (len(flat) + len(_positions_of(absent))) // (1 + layout[2] + layout[3])
+    n = len(u) or (len(flat) + len(_ints_of(absent))) // (1 + layout[2] + layout[3])
     return torch.empty(n * layout[4], dtype=torch.float64)
 
 
@@ -1776,14 +1777,14 @@ _ONE_LEAF: dict = {}  # (counts -> the keys an unrestricted stage's rule is read
 
 def _present(flat: list, absent: str) -> list:
     """The inputs of ``fused_stage_donated``: ``flat`` with ``None`` at the positions
-    ``absent`` (text, :func:`_positions_text`): one gather by an index remembered per text
+    ``absent`` (text, :func:`_ints_text`): one gather by an index remembered per text
     and length (a ``None`` after ``flat``'s items stands for each absent one)."""
     if not absent:
         return flat
     n = len(flat)
     hit = _GATHERS.get((absent, n))
     if hit is None:
-        holes = set(_positions_of(absent))
+        holes = set(_ints_of(absent))
         taken = iter(range(n))
         if len(_GATHERS) >= 64:
             _GATHERS.clear()
