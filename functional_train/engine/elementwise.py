@@ -147,7 +147,7 @@ from ..tree import indexed
 from . import fuse, native
 from .collectives import coalesced
 from .dtensor import to_local, wrap_like
-from .metadata import Memo
+from .metadata import Memo, dict_scope
 from .operators import register_kernels
 from .owners import assume_constant_result
 from .pool import LAZY_CLONES, Pool, empties_like, in_one_order, lazy_clones, of_plan
@@ -766,20 +766,12 @@ def statics_memo() -> dict | None:
     return _STATICS_MEMO.get()
 
 
-@contextlib.contextmanager
-def statics_for_step():
+def statics_for_step() -> contextlib.AbstractContextManager:
     """One :func:`statics_memo` dict for a whole eager step (``ft.step``: its Switch's
     choice and its :func:`run`, which both ask a ``partition``'s labels of the same params:
     one flatten of them per step), where none is set already; nothing under
-    ``torch.compile``."""
-    if torch.compiler.is_compiling() or _STATICS_MEMO.get() is not None:
-        yield
-        return
-    token = _STATICS_MEMO.set({})
-    try:
-        yield
-    finally:
-        _STATICS_MEMO.reset(token)
+    ``torch.compile`` (:func:`~.metadata.dict_scope`)."""
+    return dict_scope(_STATICS_MEMO)
 
 
 def _call_static(static: Callable, params: Any, memo: dict):

@@ -156,22 +156,29 @@ def _passes(g: Any, xs: Sequence[Any], verified: dict) -> bool:
 
 
 @contextlib.contextmanager
-def verifying() -> Iterator[None]:
+def dict_scope(var: contextvars.ContextVar) -> Iterator[None]:
+    """A scope in which ``var`` holds a dict of its own, where it holds none already (nested
+    scopes share the outer one's); nothing under ``torch.compile`` (``var`` stays ``None``:
+    a traced step remembers nothing between its operations)."""
+    if torch.compiler.is_compiling() or var.get() is not None:
+        yield
+        return
+    token = var.set({})
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def verifying() -> contextlib.AbstractContextManager:
     """A scope (one eager ``ft.step``) within which a list of tensors that passed a memo's
     guards passes them again without a check while it holds the same tensor objects: no
     tensor's metadata changes in place within a step (the one place the library changes
     one, :func:`~functional_train.autograd.requires_grad_like`, calls
     :func:`forget_verified`). Checks under ``torch.func`` transforms and
     ``torch.inference_mode`` (other dispatch keys) are not remembered. Nothing under
-    ``torch.compile``; nested scopes share the outer one."""
-    if torch.compiler.is_compiling() or _VERIFIED.get() is not None:
-        yield
-        return
-    token = _VERIFIED.set({})
-    try:
-        yield
-    finally:
-        _VERIFIED.reset(token)
+    ``torch.compile``; nested scopes share the outer one (:func:`dict_scope`)."""
+    return dict_scope(_VERIFIED)
 
 
 def forget_verified() -> None:
