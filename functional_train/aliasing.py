@@ -8,7 +8,8 @@ a dict by ``id`` because a tensor's ``==`` is elementwise):
   parameters and inner state) as it is, as optax returns an unchanged array, and records its
   local shard here. The caller's older trees hold it too, so a donated ``ft.step`` copies a
   shared tensor before writing into it (:func:`claimed`): one copy, the first time it is
-  donated. No work while no shared tensor is alive.
+  donated. No work while no shared tensor is alive, and while none is in the donated trees
+  a walk of their containers that looks their tensors up (no flatten).
 * **known zeros**: the zero updates of a ``multi_steps`` micro-step that is not the cycle's
   last are ``torch.zeros((), dtype).expand(shape)`` (no memory; writing into one raises, as
   for any expanded tensor), recorded here, and ``apply_updates`` leaves a parameter whose
@@ -27,10 +28,11 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 
 from .autograd import traced
-from .engine.dtensor import to_local, to_locals
+from .engine.dtensor import TENSOR_OR_NONE, to_local, to_locals
 from .engine.metadata import Memo
 from .leaves import DEVICE, DTYPE, SHAPE
 from .tree import tree_flatten, tree_unflatten
@@ -142,6 +144,12 @@ def claimed(trees: tuple, copy) -> tuple:
         _sweep()
         if not _SHARED:
             return trees
+    # (first whether any record is of these trees at all, by their tensors' ids: no flatten,
+    # which sorts every dict's keys; the records of another system's trees, a pure step's
+    # stepped beside this one, made the flatten below cost a donated `multi_steps` micro-step
+    # more than the rest of its host time)
+    if not any(map(_may_hold_record, trees)):
+        return trees
     out = []
     for tree in trees:
         leaves, treedef = tree_flatten(tree)
@@ -150,6 +158,32 @@ def claimed(trees: tuple, copy) -> tuple:
             leaves[k] = copy(leaves[k])
         out.append(tree_unflatten(treedef, leaves) if hits else tree)
     return tuple(out)
+
+
+def _may_hold_record(tree: Any) -> bool:
+    """Whether some tensor leaf's local shard in ``tree`` may be recorded: its ``id`` is a
+    key of the records (``False`` is certain; ``True`` may be a tensor gone whose ``id`` a
+    new one took, which :func:`_recorded` tells apart). Plain dicts, lists, tuples and named
+    tuples are walked here, a container of plain tensors by whole-list C loops; any other
+    node (a registered pytree class, a dict subclass) by optree's leaves, as
+    :func:`~functional_train.tree.tree_flatten` takes it apart."""
+    kind = type(tree)
+    if (
+        kind is dict
+        or kind is list
+        or kind is tuple
+        or (isinstance(tree, tuple) and hasattr(kind, "_fields"))
+    ):
+        values = tree.values() if kind is dict else tree
+        if set(map(type, values)) <= TENSOR_OR_NONE:
+            return not _SHARED.keys().isdisjoint(map(id, values))
+        return any(map(_may_hold_record, values))
+    if isinstance(tree, torch.Tensor):
+        return id(to_local(tree)) in _SHARED
+    if tree is None:
+        return False
+    leaves = to_locals(optree.tree_leaves(tree, none_is_leaf=True))
+    return not _SHARED.keys().isdisjoint(map(id, leaves))
 
 
 def known_zeros(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -259,6 +259,69 @@ def test_a_shared_tensor_is_copied_once():
     assert all(p3[k] is p2[k] for k in SHAPES)
 
 
+class _Pair(NamedTuple):
+    a: object
+    b: object
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["dict", "list", "tuple", "namedtuple", "ordered_dict", "defaultdict", "deque", "deep"],
+)
+def test_claimed_finds_a_shared_tensor_wherever_it_is(where):
+    """``claimed`` finds a recorded tensor in every kind of node a state may hold (its first
+    check walks plain containers itself and hands other nodes to optree), among other
+    tensors, and copies it: the copy in the tree it returns, the tensor itself untouched
+    (``defaultdict`` and ``deque``: nodes of optree's that the check hands to optree)."""
+    from functional_train import aliasing
+
+    x, other = torch.ones(3), torch.zeros(2)
+    aliasing.mark_shared(x)
+    tree = {
+        "dict": {"a": other, "b": x, "c": None},
+        "list": [other, None, x],
+        "tuple": (other, x),
+        "namedtuple": _Pair(other, x),
+        "ordered_dict": collections.OrderedDict(a=other, b=x),
+        "defaultdict": collections.defaultdict(list, a=other, b=x),
+        "deque": collections.deque([other, x]),
+        "deep": {"s": (_Pair(None, [other, {"k": x}]),)},
+    }[where]
+    got = aliasing.claimed((tree,), torch.clone)[0]
+    leaves = optree.tree_leaves(got, none_is_leaf=True)
+    assert not any(leaf is x for leaf in leaves) and any(leaf is other for leaf in leaves)
+    assert any(isinstance(v, torch.Tensor) and torch.equal(v, x) and v is not x for v in leaves)
+    assert aliasing.claimed(({"a": other, "b": [None, other]},), torch.clone)[0]["a"] is other
+
+
+def test_claimed_does_not_flatten_trees_without_a_shared_tensor(monkeypatch):
+    """While another system's pure steps keep records alive (its unchanged leaves, shared),
+    a donated ``multi_steps`` step whose trees hold none of them is not flattened for them
+    (each flatten sorted every dict's keys: more than the rest of a micro-step's host time
+    on a partition of two labels), and its steps stay exact."""
+    from functional_train import aliasing
+
+    def make():
+        return ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2)), every_k=2)
+
+    tx, other_tx = make(), make()
+    p, q = _tree(0), _tree(0)
+    s, t = tx.init(p), other_tx.init(q)
+    ref_p, ref_s = _clone(p), tx.init(p)
+    flattened = []
+    real = aliasing.tree_flatten
+    monkeypatch.setattr(aliasing, "tree_flatten", lambda x: flattened.append(1) or real(x))
+    for k in range(4):
+        q, t = ft.step(other_tx, _tree(10 + k), t, q)  # (pure: records its unchanged leaves)
+        assert aliasing._SHARED
+        p, s = ft.step(tx, _tree(10 + k), s, p, donate=True)
+        u, ref_s = tx.update(_tree(10 + k), ref_s, ref_p)
+        ref_p = ft.apply_updates(ref_p, u)
+    assert flattened == []
+    for key in SHAPES:
+        torch.testing.assert_close(p[key], ref_p[key], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd_momentum", "lamb"])
 def test_on_dtensors(name):
     """The same on DTensor leaves (2 simulated ranks, sharded and replicated): after a pure
