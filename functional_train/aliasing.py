@@ -32,7 +32,7 @@ import optree
 import torch
 
 from .autograd import traced
-from .engine.dtensor import TENSOR_OR_NONE, to_local, to_locals
+from .engine.dtensor import DTENSOR_OR_NONE, TENSOR_OR_NONE, to_local, to_locals
 from .engine.metadata import Memo
 from .leaves import DEVICE, DTYPE, SHAPE
 from .tree import tree_flatten, tree_unflatten
@@ -175,8 +175,11 @@ def _may_hold_record(tree: Any) -> bool:
         or (isinstance(tree, tuple) and hasattr(kind, "_fields"))
     ):
         values = tree.values() if kind is dict else tree
-        if set(map(type, values)) <= TENSOR_OR_NONE:
+        kinds = set(map(type, values))
+        if kinds <= TENSOR_OR_NONE:
             return not _SHARED.keys().isdisjoint(map(id, values))
+        if kinds <= DTENSOR_OR_NONE:  # (their local shards, one C loop)
+            return not _SHARED.keys().isdisjoint(map(id, to_locals(list(values))))
         return any(map(_may_hold_record, values))
     if isinstance(tree, torch.Tensor):
         return id(to_local(tree)) in _SHARED
