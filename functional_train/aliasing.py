@@ -32,7 +32,7 @@ import optree
 import torch
 
 from .autograd import traced
-from .engine.dtensor import DTENSOR_OR_NONE, TENSOR_OR_NONE, to_local, to_locals
+from .engine.dtensor import TENSOR_OR_NONE, to_local, to_locals
 from .engine.metadata import Memo
 from .leaves import DEVICE, DTYPE, SHAPE
 from .tree import tree_flatten, tree_unflatten
@@ -160,6 +160,9 @@ def claimed(trees: tuple, copy) -> tuple:
     return tuple(out)
 
 
+_NONE_TYPE = type(None)
+
+
 def _may_hold_record(tree: Any) -> bool:
     """Whether some tensor leaf's local shard in ``tree`` may be recorded: its ``id`` is a
     key of the records (``False`` is certain; ``True`` may be a tensor gone whose ``id`` a
@@ -178,7 +181,9 @@ def _may_hold_record(tree: Any) -> bool:
         kinds = set(map(type, values))
         if kinds <= TENSOR_OR_NONE:
             return not _SHARED.keys().isdisjoint(map(id, values))
-        if kinds <= DTENSOR_OR_NONE:  # (their local shards, one C loop)
+        if all(k is _NONE_TYPE or issubclass(k, torch.Tensor) for k in kinds):
+            # (DTensors, nn.Parameters holding them, other tensor types: their local shards
+            # by one C loop)
             return not _SHARED.keys().isdisjoint(map(id, to_locals(list(values))))
         return any(map(_may_hold_record, values))
     if isinstance(tree, torch.Tensor):

@@ -266,7 +266,17 @@ class _Pair(NamedTuple):
 
 @pytest.mark.parametrize(
     "where",
-    ["dict", "list", "tuple", "namedtuple", "ordered_dict", "defaultdict", "deque", "deep"],
+    [
+        "dict",
+        "list",
+        "tuple",
+        "namedtuple",
+        "ordered_dict",
+        "defaultdict",
+        "deque",
+        "deep",
+        "parameters",
+    ],
 )
 def test_claimed_finds_a_shared_tensor_wherever_it_is(where):
     """``claimed`` finds a recorded tensor in every kind of node a state may hold (its first
@@ -276,6 +286,8 @@ def test_claimed_finds_a_shared_tensor_wherever_it_is(where):
     from functional_train import aliasing
 
     x, other = torch.ones(3), torch.zeros(2)
+    if where == "parameters":  # (a container of a tensor subclass: see test_on_dtensors too)
+        x, other = torch.nn.Parameter(x), torch.nn.Parameter(other)
     aliasing.mark_shared(x)
     tree = {
         "dict": {"a": other, "b": x, "c": None},
@@ -286,8 +298,9 @@ def test_claimed_finds_a_shared_tensor_wherever_it_is(where):
         "defaultdict": collections.defaultdict(list, a=other, b=x),
         "deque": collections.deque([other, x]),
         "deep": {"s": (_Pair(None, [other, {"k": x}]),)},
+        "parameters": {"a": other, "b": x},
     }[where]
-    got = aliasing.claimed((tree,), torch.clone)[0]
+    got = aliasing.claimed((tree,), lambda t: t.detach().clone())[0]
     leaves = optree.tree_leaves(got, none_is_leaf=True)
     assert not any(leaf is x for leaf in leaves) and any(leaf is other for leaf in leaves)
     assert any(isinstance(v, torch.Tensor) and torch.equal(v, x) and v is not x for v in leaves)
