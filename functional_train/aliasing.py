@@ -35,7 +35,7 @@ from .autograd import traced
 from .engine.dtensor import TENSOR_OR_NONE, to_local, to_locals
 from .engine.metadata import Memo
 from .leaves import DEVICE, DTYPE, SHAPE
-from .tree import tree_flatten, tree_unflatten
+from .tree import plain_node, tensors_or_none, tree_flatten, tree_unflatten
 
 __all__ = [
     "mark_shared",
@@ -160,31 +160,20 @@ def claimed(trees: tuple, copy) -> tuple:
     return tuple(out)
 
 
-_NONE_TYPE = type(None)
-
-
 def _may_hold_record(tree: Any) -> bool:
     """Whether some tensor leaf's local shard in ``tree`` may be recorded: its ``id`` is a
     key of the records (``False`` is certain; ``True`` may be a tensor gone whose ``id`` a
-    new one took, which :func:`_recorded` tells apart). Plain dicts, lists, tuples and named
-    tuples are walked here, a container of plain tensors by whole-list C loops; any other
-    node (a registered pytree class, a dict subclass) by optree's leaves, as
+    new one took, which :func:`_recorded` tells apart). The nodes the library walks itself
+    (:func:`~functional_train.tree.plain_node`) are walked here, a node of tensors (of any
+    kind: their local shards) by whole-list C loops; any other node by optree's leaves, as
     :func:`~functional_train.tree.tree_flatten` takes it apart."""
     kind = type(tree)
-    if (
-        kind is dict
-        or kind is list
-        or kind is tuple
-        or (isinstance(tree, tuple) and hasattr(kind, "_fields"))
-    ):
+    if plain_node(kind):
         values = tree.values() if kind is dict else tree
-        kinds = set(map(type, values))
-        if kinds <= TENSOR_OR_NONE:
+        if set(map(type, values)) <= TENSOR_OR_NONE:  # (plain tensors: their own ids)
             return not _SHARED.keys().isdisjoint(map(id, values))
-        if all(k is _NONE_TYPE or issubclass(k, torch.Tensor) for k in kinds):
-            # (DTensors, nn.Parameters holding them, other tensor types: their local shards
-            # by one C loop)
-            return not _SHARED.keys().isdisjoint(map(id, to_locals(list(values))))
+        if tensors_or_none(values):  # (DTensors, nn.Parameters holding them: local shards)
+            return not _SHARED.keys().isdisjoint(map(id, to_locals(values)))
         return any(map(_may_hold_record, values))
     if isinstance(tree, torch.Tensor):
         return id(to_local(tree)) in _SHARED

@@ -34,7 +34,6 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 from torch.utils import _pytree
 
@@ -67,6 +66,7 @@ from .tree import (
     PyTree,
     flatten_as,
     leaves_of,
+    plain_node,
     tensors_or_none,
     tree_flatten,
     tree_unflatten,
@@ -775,12 +775,6 @@ _NONES = itertools.repeat(None)
 _CONSTANTS = frozenset({int, float, bool, complex, str, bytes})
 
 
-def _walked(kind: type) -> bool:
-    """Whether :func:`_walk` takes a node of this type apart itself: a dict, list or tuple,
-    or a NamedTuple (the states), each of which optree flattens as a node."""
-    return kind is dict or kind is list or kind is tuple or optree.is_namedtuple_class(kind)
-
-
 def _walk(new: PyTree, old: PyTree, pairs: list, whole: list) -> bool:
     """For :func:`_unaliased`: into ``pairs`` the leaves of ``new`` and ``old`` that the walk
     reaches (``pairs[0]``, ``pairs[1]``), into ``whole`` the tensors of each subtree of ``new``
@@ -796,7 +790,7 @@ def _walk(new: PyTree, old: PyTree, pairs: list, whole: list) -> bool:
         if type(old) is not dict or new.keys() != old.keys():
             return False
         ns, os_ = list(new.values()), list(map(old.__getitem__, new))
-    elif _walked(kind):
+    elif plain_node(kind):
         if type(old) is not kind or len(new) != len(old):
             return False
         ns, os_ = new, old
@@ -821,7 +815,7 @@ def _tensors_into(tree: PyTree, out: list) -> bool:
         out.append(tree)
     elif tree is None or kind in _CONSTANTS:
         pass
-    elif _walked(kind):
+    elif plain_node(kind):
         xs = tree.values() if kind is dict else tree
         if tensors_or_none(xs):  # (tensors or None: one C extend; the caller drops the None)
             out.extend(xs)

@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "tree_flatten",
     "tensors_or_none",
+    "plain_node",
     "tree_unflatten",
     "tree_paths",
     "tree_zeros_like",
@@ -141,6 +142,15 @@ class FlatDictDef:
 
 _NONE_TYPE = type(None)
 _PLAIN_LEAF_TYPES = {torch.Tensor, _NONE_TYPE}
+
+
+def plain_node(kind: type) -> bool:
+    """Whether a node of this type is one the library's tree walks take apart themselves
+    (a ``dict``, ``list`` or ``tuple``, not a subclass, or a NamedTuple: the states), each of
+    which optree flattens as a node, its children in the same order (a dict's in insertion
+    order: a walk that pairs or collects leaves, not one that lists them in optree's order).
+    Any other node (a dict subclass, a ``deque``, a registered class) is optree's to flatten."""
+    return kind is dict or kind is list or kind is tuple or optree.is_namedtuple_class(kind)
 
 
 def tensors_or_none(leaves: Iterable[Any]) -> bool:
