@@ -28,14 +28,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import optree
 import torch
 
 from .autograd import traced
-from .engine.dtensor import TENSOR_OR_NONE, to_local, to_locals
+from .engine.dtensor import to_local, to_locals
 from .engine.metadata import Memo
 from .leaves import DEVICE, DTYPE, SHAPE
-from .tree import plain_node, tensors_or_none, tree_flatten, tree_unflatten
+from .tree import tensors_into, tree_flatten, tree_unflatten
 
 __all__ = [
     "mark_shared",
@@ -148,7 +147,7 @@ def claimed(trees: tuple, copy) -> tuple:
     # which sorts every dict's keys; the records of another system's trees, a pure step's
     # stepped beside this one, made the flatten below cost a donated `multi_steps` micro-step
     # more than the rest of its host time)
-    if not any(map(_may_hold_record, trees)):
+    if not _may_hold_record(trees):
         return trees
     out = []
     for tree in trees:
@@ -160,27 +159,15 @@ def claimed(trees: tuple, copy) -> tuple:
     return tuple(out)
 
 
-def _may_hold_record(tree: Any) -> bool:
-    """Whether some tensor leaf's local shard in ``tree`` may be recorded: its ``id`` is a
-    key of the records (``False`` is certain; ``True`` may be a tensor gone whose ``id`` a
-    new one took, which :func:`_recorded` tells apart). The nodes the library walks itself
-    (:func:`~functional_train.tree.plain_node`) are walked here, a node of tensors (of any
-    kind: their local shards) by whole-list C loops; any other node by optree's leaves, as
-    :func:`~functional_train.tree.tree_flatten` takes it apart."""
-    kind = type(tree)
-    if plain_node(kind):
-        values = tree.values() if kind is dict else tree
-        if set(map(type, values)) <= TENSOR_OR_NONE:  # (plain tensors: their own ids)
-            return not _SHARED.keys().isdisjoint(map(id, values))
-        if tensors_or_none(values):  # (DTensors, nn.Parameters holding them: local shards)
-            return not _SHARED.keys().isdisjoint(map(id, to_locals(values)))
-        return any(map(_may_hold_record, values))
-    if isinstance(tree, torch.Tensor):
-        return id(to_local(tree)) in _SHARED
-    if tree is None:
-        return False
-    leaves = to_locals(optree.tree_leaves(tree, none_is_leaf=True))
-    return not _SHARED.keys().isdisjoint(map(id, leaves))
+def _may_hold_record(trees: tuple) -> bool:
+    """Whether some tensor of ``trees`` may be recorded: its local shard's ``id`` is a key of
+    the records (``False`` is certain; ``True`` may be a tensor gone whose ``id`` a new one
+    took, which :func:`_recorded` tells apart). The tensors are collected without a flatten
+    (:func:`~functional_train.tree.tensors_into`)."""
+    tensors: list = []
+    for tree in trees:
+        tensors_into(tree, tensors)
+    return not _SHARED.keys().isdisjoint(map(id, to_locals(tensors)))
 
 
 def known_zeros(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

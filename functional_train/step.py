@@ -63,10 +63,12 @@ from .quantization import FusedAdam8bit
 from .spec import transform_spec
 from .transforms import ScaleByAdamState, ScaleByAmsgradState, ScaleByScheduleState, TraceState
 from .tree import (
+    CONSTANT_TYPES,
     PyTree,
     flatten_as,
     leaves_of,
     plain_node,
+    tensors_into,
     tensors_or_none,
     tree_flatten,
     tree_unflatten,
@@ -772,7 +774,6 @@ def _unaliased(result: tuple, inputs: tuple) -> tuple:
 
 _LEAF_KINDS = (torch.Tensor, type(None))
 _NONES = itertools.repeat(None)
-_CONSTANTS = frozenset({int, float, bool, complex, str, bytes})
 
 
 def _walk(new: PyTree, old: PyTree, pairs: list, whole: list) -> bool:
@@ -784,7 +785,7 @@ def _walk(new: PyTree, old: PyTree, pairs: list, whole: list) -> bool:
     ~0.25 us a leaf on each side); ``False`` where the structures differ or a node is one the
     walk leaves to optree (the caller then adds every leaf of both trees)."""
     if new is old:
-        return _tensors_into(new, whole)
+        return tensors_into(new, whole)
     kind = type(new)
     if kind is dict:
         if type(old) is not dict or new.keys() != old.keys():
@@ -799,32 +800,12 @@ def _walk(new: PyTree, old: PyTree, pairs: list, whole: list) -> bool:
         pairs[1].append(old)
         return True
     else:  # (constants in both: nothing to record; anything else: optree's)
-        return kind in _CONSTANTS and type(old) in _CONSTANTS
+        return kind in CONSTANT_TYPES and type(old) in CONSTANT_TYPES
     if tensors_or_none(ns) and tensors_or_none(os_):
         pairs[0].extend(ns)
         pairs[1].extend(os_)
         return True
     return all(map(_walk, ns, os_, itertools.repeat(pairs), itertools.repeat(whole)))
-
-
-def _tensors_into(tree: PyTree, out: list) -> bool:
-    """Append ``tree``'s tensor leaves to ``out`` (in no particular order: they are recorded,
-    not paired); ``True``."""
-    kind = type(tree)
-    if issubclass(kind, torch.Tensor):
-        out.append(tree)
-    elif tree is None or kind in _CONSTANTS:
-        pass
-    elif plain_node(kind):
-        xs = tree.values() if kind is dict else tree
-        if tensors_or_none(xs):  # (tensors or None: one C extend; the caller drops the None)
-            out.extend(xs)
-        else:
-            for x in xs:
-                _tensors_into(x, out)
-    else:  # (a node of another kind: optree's leaves)
-        out.extend(x for x in leaves_of(tree) if isinstance(x, torch.Tensor))
-    return True
 
 
 def _unaliased_traced(new: PyTree, old: PyTree) -> PyTree:

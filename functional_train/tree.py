@@ -17,6 +17,8 @@ __all__ = [
     "tree_flatten",
     "tensors_or_none",
     "plain_node",
+    "tensors_into",
+    "CONSTANT_TYPES",
     "tree_unflatten",
     "tree_paths",
     "tree_zeros_like",
@@ -151,6 +153,33 @@ def plain_node(kind: type) -> bool:
     order: a walk that pairs or collects leaves, not one that lists them in optree's order).
     Any other node (a dict subclass, a ``deque``, a registered class) is optree's to flatten."""
     return kind is dict or kind is list or kind is tuple or optree.is_namedtuple_class(kind)
+
+
+#: Leaf types of a state that hold no tensor (a walk passes them by).
+CONSTANT_TYPES = frozenset({int, float, bool, complex, str, bytes})
+
+
+def tensors_into(tree: PyTree, out: list) -> bool:
+    """Append ``tree``'s tensor leaves (of any tensor type) to ``out`` without flattening it
+    (in no particular order, and ``None`` among them where a node of tensors holds ``None``:
+    for a caller that records or looks tensors up, not one that pairs them); ``True``. The
+    :func:`plain_node` nodes walked here, a node of tensors by one C ``extend``; any other
+    node by its leaves (:func:`leaves_of`, optree's)."""
+    kind = type(tree)
+    if issubclass(kind, torch.Tensor):
+        out.append(tree)
+    elif tree is None or kind in CONSTANT_TYPES:
+        pass
+    elif plain_node(kind):
+        xs = tree.values() if kind is dict else tree
+        if tensors_or_none(xs):
+            out.extend(xs)
+        else:
+            for x in xs:
+                tensors_into(x, out)
+    else:
+        out.extend(x for x in leaves_of(tree) if isinstance(x, torch.Tensor))
+    return True
 
 
 def tensors_or_none(leaves: Iterable[Any]) -> bool:
