@@ -997,6 +997,9 @@ def _chosen_on(
     updates written out (:func:`~.engine.elementwise.zeros_written`; as chosen where not
     ``written``), or ``None``. Eagerly by ``switch.choose_leaves`` where it has one (the
     trees not built)."""
+    if not switch.reads_trees:
+        f = switch.choose(None, state, None, mesh)
+        return f if f is None or not written else E.zeros_written(f)
     u_leaves, p_leaves, rebuild, treedef = flat
     u, p = _select(u_leaves, keep), _select(p_leaves, keep)
     if switch.choose_leaves is not None and treedef is not None:
@@ -1035,7 +1038,7 @@ def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], li
         picked = []
         for i, (n, spec) in enumerate(zip(names, specs)):
             if isinstance(spec, E.Switch):
-                keep = [lab == n for lab in labels]
+                keep = [lab == n for lab in labels] if spec.reads_trees else []
                 spec = _chosen_on(spec, keep, flat, state.inner_states[n], mesh, False)
                 if spec is None or (compiling and len(spec.parts) != len(traced[i])):
                     return None

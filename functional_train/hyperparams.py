@@ -589,7 +589,7 @@ def _fused_form(resolve, set_cells, traceable: bool, first) -> E.Switch:
     # (under torch.compile the inner transform is the one built at construction: its parts)
     fus = E.fusable_of(first)
     fixed = traceable and fus is not None and not fus.zero_updates
-    return E.Switch(choose, (setter, *fus.parts) if fixed else None)
+    return E.Switch(choose, (setter, *fus.parts) if fixed else None, reads_trees=False)
 
 
 class _Values(NamedTuple):

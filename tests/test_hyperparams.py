@@ -218,6 +218,49 @@ def test_param_groups_injecting_one_schedule_evaluate_it_once_a_step(path, mode,
     assert got_lr[0].data_ptr() != got_lr[1].data_ptr()  # (each group's own tensor)
 
 
+@pytest.mark.parametrize("mode", ["pure", "donate"])
+def test_param_groups_choose_their_fused_form_without_building_trees(mode, monkeypatch):
+    """``inject_hyperparams`` chooses its fused form from its state alone
+    (``Switch.reads_trees``), so a ``partition`` of injected groups (TorchOptimizer's param
+    groups with a scheduler) builds no tree of each group's updates and parameters to choose
+    it (four ``tree_unflatten`` calls a step, ~6% of a donated step's host time on 244 tiny
+    leaves), and steps as ``update`` + ``apply_updates`` does."""
+    from functional_train import combine
+
+    params, grads = _problem(steps=3)
+    sched = ft.schedules.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 5, 1e-3)
+    inject = ft.inject_hyperparams(ft.adamw)
+    tx = ft.chain(
+        ft.clip_by_global_norm(1.0),
+        ft.partition(
+            {
+                "a": inject(learning_rate=sched, weight_decay=0.1),
+                "b": inject(learning_rate=sched, weight_decay=0.0),
+            },
+            {"w": "a", "v": "b", "b": "b"},
+        ),
+    )
+    want, want_state = _run(tx, params, grads, "update")
+    built, fused = [], []
+    real = combine.tree_unflatten
+    monkeypatch.setattr(combine, "tree_unflatten", lambda *a: built.append(1) or real(*a))
+    step_module = sys.modules["functional_train.step"]
+    run = step_module._run_spec
+    monkeypatch.setattr(step_module, "_run_spec", lambda *a: fused.append(1) or run(*a))
+    got_state, got = tx.init(params), {k: v.clone() for k, v in params.items()}
+    built.clear()  # (init builds each group's parameters)
+    for g in grads:
+        got, got_state = step_by_mode(
+            tx, {k: v.clone() for k, v in g.items()}, got_state, got, mode
+        )
+    assert not built
+    assert len(fused) == len(grads)  # (every step the fused stages)
+    for k in params:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
+    for a, b in zip(optree.tree_leaves(got_state), optree.tree_leaves(want_state)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.slow
 def test_compiled_step_does_not_recompile_when_the_learning_rate_changes():
     torch._dynamo.reset()

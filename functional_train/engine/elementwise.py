@@ -236,11 +236,15 @@ class Switch:
     ``choose_leaves(treedef, updates, state, params, mesh)``, ``updates`` and ``params``
     lists flattened by ``treedef`` (``None`` where a combinator's transform does not see a
     leaf): ``masked`` and ``partition``, which hold their leaves flat, call it eagerly rather
-    than build each transform's trees for ``choose`` to flatten again."""
+    than build each transform's trees for ``choose`` to flatten again.
+    ``reads_trees``: ``False`` where ``choose`` reads its state (and mesh) only, never the
+    updates or params (``inject_hyperparams``): a combinator then passes ``None`` for them
+    rather than build a transform's trees for nothing."""
 
     choose: Callable
     traced_parts: tuple | None = None
     choose_leaves: Callable | None = None
+    reads_trees: bool = True
 
 
 def register(update_fn: Callable, spec: Elementwise | Fusable | Switch) -> Callable:
