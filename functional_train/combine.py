@@ -1009,7 +1009,7 @@ def _chosen_on(
     return f if f is None or not written else E.zeros_written(f)
 
 
-def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], list]) -> E.Switch:
+def _partition_switch(names: list, specs: list, labels_of: PerLeaf) -> E.Switch:
     """``partition``'s :class:`~.engine.elementwise.Switch` when some of its transforms have
     one: per call, each of those chooses on its own leaves, and the chosen Fusables are
     combined as :func:`_partition_fusable` combines fixed ones. Under ``torch.compile`` only
@@ -1034,7 +1034,8 @@ def _partition_switch(names: list, specs: list, labels_of: Callable[[PyTree], li
         flat = _flat_pair(updates, params)
         if flat is None:
             return None
-        labels = labels_of(params)
+        # (eagerly the params' leaves and treedef of _flat_pair: not flattened again)
+        labels = labels_of(params, None if flat[3] is None else (flat[1], flat[3]))
         picked = []
         for i, (n, spec) in enumerate(zip(names, specs)):
             if isinstance(spec, E.Switch):
