@@ -224,7 +224,8 @@ def test_param_groups_choose_their_fused_form_without_building_trees(mode, monke
     (``Switch.reads_trees``), so a ``partition`` of injected groups (TorchOptimizer's param
     groups with a scheduler) builds no tree of each group's updates and parameters to choose
     it (four ``tree_unflatten`` calls a step, ~6% of a donated step's host time on 244 tiny
-    leaves), and steps as ``update`` + ``apply_updates`` does."""
+    leaves), and flattens the parameters once a step to choose it (its labels read from those
+    leaves); and steps as ``update`` + ``apply_updates`` does."""
     from functional_train import combine
 
     params, grads = _problem(steps=3)
@@ -241,18 +242,23 @@ def test_param_groups_choose_their_fused_form_without_building_trees(mode, monke
         ),
     )
     want, want_state = _run(tx, params, grads, "update")
-    built, fused = [], []
+    built, fused, flattened = [], [], []
     real = combine.tree_unflatten
     monkeypatch.setattr(combine, "tree_unflatten", lambda *a: built.append(1) or real(*a))
+    flatten = combine.tree_flatten
+    monkeypatch.setattr(combine, "tree_flatten", lambda t: flattened.append(t) or flatten(t))
     step_module = sys.modules["functional_train.step"]
     run = step_module._run_spec
     monkeypatch.setattr(step_module, "_run_spec", lambda *a: fused.append(1) or run(*a))
     got_state, got = tx.init(params), {k: v.clone() for k, v in params.items()}
     built.clear()  # (init builds each group's parameters)
     for g in grads:
+        flattened.clear()
+        p = got
         got, got_state = step_by_mode(
             tx, {k: v.clone() for k, v in g.items()}, got_state, got, mode
         )
+        assert sum(t is p for t in flattened) == 1
     assert not built
     assert len(fused) == len(grads)  # (every step the fused stages)
     for k in params:
