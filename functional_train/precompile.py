@@ -29,6 +29,7 @@ from typing import Any
 import optree
 import torch
 
+from . import aliasing
 from .base import GradientTransformation
 from .engine.metadata import MEMOS
 from .step import step as _step_function
@@ -157,6 +158,12 @@ class PrecompiledStep:
 
     def __call__(self, grads, state, params):
         args = (grads, state, params)
+        if self.donate:
+            # (eagerly, as ft.step's donated step does: the compiled step cannot read the
+            # records, so a tensor an eager pure step handed back as it was, still held by
+            # the caller's older trees, is copied here before the step writes it; nothing
+            # to do while no record is alive)
+            args = aliasing.claimed(args, torch.Tensor.clone)
         for fn in self._steps:
             if fn.guard_check(*args):
                 return fn(*args)
@@ -249,7 +256,11 @@ def precompiled_step(
     ``torch.compile(fullgraph=True).aot_compile`` (inductor; as long as
     ``torch.compile(ft.step)``'s first call) and saves it there. Later calls check the
     saved step's guards and run it. Hyper-parameters computed in the step (schedules,
-    ``inject_hyperparams``' state) change without compiling again.
+    ``inject_hyperparams``' state) change without compiling again. Donated, a call first
+    copies the tensors an eager pure ``ft.step`` handed back as they were (recorded as
+    shared, see ``ft.step``), as the eager donated step does, so that donating such a result
+    cannot write into the trees the caller still holds (``torch.compile(ft.step)`` cannot:
+    its graph does not read the records).
 
     The file's name holds a fingerprint of everything the saved step was compiled from and
     its guards do not check: ``tx`` (its ``cloudpickle`` bytes, sets in a fixed order and

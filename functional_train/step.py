@@ -683,8 +683,10 @@ def step(
             unchanged array, and recorded as shared: a later donated step copies it before
             writing, so donating the result (or the inputs) to a later step cannot write into
             the trees the caller still holds (under ``torch.compile`` and ``torch.func``
-            transforms such a leaf is copied instead). Do not modify the results in place
-            yourself. ``True``: the buffers of
+            transforms such a leaf is copied instead; a donated ``torch.compile`` of this
+            step cannot read the records: do not donate an eager pure step's result to it,
+            or donate through ``precompiled_step``, which copies first). Do not modify the
+            results in place yourself. ``True``: the buffers of
             ``params``, ``state`` AND ``grads`` may be reused for the results (JAX's
             ``donate_argnums``); the caller must not use the old trees afterwards (in a loop,
             ``params, state = ft.step(tx, grads, state, params, donate=True)``). Gradients

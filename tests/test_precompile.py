@@ -8,6 +8,7 @@ import sys
 import threading
 import warnings
 
+import optree
 import pytest
 import torch
 
@@ -236,3 +237,29 @@ def test_steps_of_two_transforms_in_one_process(tmp_path):
         pe, _ = run(eager(tx), tx, params, grads)
         for k in params:
             torch.testing.assert_close(p[k] - params[k], pe[k] - params[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_donated_step_copies_what_an_eager_pure_step_handed_back(tmp_path):
+    """A donated precompiled step given an eager pure step's result copies first what that
+    step handed back as it was (a ``None`` gradient's parameter and momentum, recorded as
+    shared), as the eager donated step does: the caller's older trees keep their values (the
+    compiled graph cannot read the records; before, it wrote into them). Its numbers are the
+    eager step's."""
+    tx = ft.sgd(0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+    p0 = {"a": torch.randn(3, 2, generator=gen), "m": torch.randn(4, generator=gen)}
+    s0 = ft.step(tx, {k: torch.ones_like(v) for k, v in p0.items()}, tx.init(p0), p0)[1]
+    p1, s1 = ft.step(tx, {"a": torch.randn(3, 2, generator=gen), "m": None}, s0, p0)
+    assert p1["m"] is p0["m"]  # (handed back as it was)
+    before = [x.clone() for x in (p0["m"], *[v for v in optree.tree_leaves(s0) if v.numel() == 4])]
+    g = {"a": torch.randn(3, 2, generator=gen), "m": torch.randn(4, generator=gen)}
+    want, want_state = ft.step(tx, {k: v.clone() for k, v in g.items()}, s1, p1)
+    step = ft.precompiled_step(tx, tmp_path, donate=True)
+    got, got_state = step(g, s1, p1)
+    after = [p0["m"], *[v for v in optree.tree_leaves(s0) if v.numel() == 4]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    for k in p0:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
+    for a, b in zip(optree.tree_leaves(got_state), optree.tree_leaves(want_state)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
