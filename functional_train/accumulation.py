@@ -653,6 +653,13 @@ def _in_dtypes_of(updates: Any, treedef: Any, g: list) -> Any:
     accumulators' (float32 for bfloat16 gradients); every micro-step returns updates in the
     gradients' dtypes."""
     out = flatten_as(updates, treedef, "multi_steps' inner updates", "the updates")
+    if not torch.compiler.is_compiling():  # (dynamo does not trace attrgetter)
+        try:  # (every leaf a tensor, the common case: C loops, where the pairs' Python loop
+            # below took ~5% of an update + apply_updates micro-step's host time, 244 leaves)
+            if list(map(DTYPE, out)) == list(map(DTYPE, g)):
+                return updates
+        except AttributeError:  # (a None leaf)
+            pass
     if not any(o is not None and x is not None and o.dtype != x.dtype for o, x in zip(out, g)):
         return updates
     return tree_unflatten(
