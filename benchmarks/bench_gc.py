@@ -25,6 +25,7 @@ clones, as a backward pass makes; their allocations count for the collector, as 
 pass's do).
 
     python benchmarks/bench_gc.py [--rows adamw,multi_steps] [--tree tiny|gpt] [--repeats 3]
+                                  [--device cpu|cuda]
 
 The systems and rows are ``bench_compose.py``'s: (b) the torch code (foreach AdamW), (c) a
 donated ``ft.step``, (d) a pure one, (e) ``tx.update`` + ``ft.apply_updates``; ``--tree
@@ -46,7 +47,7 @@ import time
 SETTINGS = ("on", "frozen", "off")
 
 
-def _systems(row: str, tree: str):
+def _systems(row: str, tree: str, device_name: str):
     import torch
 
     import bench_compose as bc
@@ -54,7 +55,7 @@ def _systems(row: str, tree: str):
 
     torch.set_num_threads(1)
     shapes = bc.tiny_shapes(244) if tree == "tiny" else be.gpt_shapes()
-    device = torch.device("cpu")
+    device = torch.device(device_name)
     params0, grads = bc.problem(shapes, row, device)
     tx = bc.make_tx(row)
     ref = bc.TorchCode(bc.ref_name(row), row, params0, grads, device, fused=False)
@@ -63,7 +64,7 @@ def _systems(row: str, tree: str):
 
 def _child(args) -> None:
     """One system's loop under one setting; prints a JSON line of its unit times."""
-    system = _systems(args.row, args.tree)[args.system]
+    system = _systems(args.row, args.tree, args.device)[args.system]
     for _ in range(args.warmup):
         system.prepare()
         system.step()
@@ -91,6 +92,7 @@ def _run(args, row: str, index: int, setting: str) -> dict:
         "--child",
         f"--row={row}",
         f"--tree={args.tree}",
+        f"--device={args.device}",
         f"--system={index}",
         f"--setting={setting}",
         f"--cycles={args.cycles}",
@@ -104,6 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="adamw,multi_steps")
     ap.add_argument("--tree", choices=("tiny", "gpt"), default="tiny")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cycles", type=int, default=0, help="units timed (0: 1500 tiny, 400 gpt)")
     ap.add_argument("--warmup", type=int, default=10)
@@ -121,9 +124,9 @@ def main() -> None:
 
     print(f"command: python benchmarks/bench_gc.py {' '.join(sys.argv[1:])}")
     print(
-        f"torch {torch.__version__}; CPU, 1 thread; tree {args.tree}; each system in a process "
-        f"of its own, {args.repeats} per system and setting, alternated; {args.cycles} units "
-        f"timed after {args.warmup}; medians of the processes' figures"
+        f"torch {torch.__version__}; {args.device}, 1 thread; tree {args.tree}; each system in "
+        f"a process of its own, {args.repeats} per system and setting, alternated; "
+        f"{args.cycles} units timed after {args.warmup}; medians of the processes' figures"
     )
     n_systems = 4
     for row in args.rows.split(","):

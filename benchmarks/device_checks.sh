@@ -2,7 +2,7 @@
 # The checks and benchmarks a session runs on a lent CUDA machine (the device tool), as one
 # script: the environment, the device-generic tests on CUDA, and bench_compose on CUDA.
 # Usage there: bash benchmarks/device_checks.sh [step ...]
-# (steps: env tests compose compose-block prof tprof positions compose-compile; T_TESTS and T_COMPILE
+# (steps: env tests compose compose-block prof tprof positions compose-compile gc; T_TESTS and T_COMPILE
 # set those steps' time limits in seconds, ROWS and ROUNDS the rows and rounds of compose).
 # Run every benchmark through this script there: it puts the checkout on PYTHONPATH.
 # Logs go to $OUT (or /tmp/device_checks when OUT is unset); each step has its own time limit.
@@ -72,6 +72,10 @@ print("triton:", fuse_triton.available(p["w"].device),
       fi
       timeout ${T_COMPILE:-240} python3 benchmarks/bench_compose.py --device cuda --rounds 5 --compile \
         --rows "${ROWS:-primitives}" 2>&1 | tee "$OUT/bench_compose_cuda_compile.txt" | tail -30
+      ;;
+    gc)  # Python's garbage collector on / frozen / off in a loop, each system its own process
+      timeout 300 python3 benchmarks/bench_gc.py --device cuda --repeats 1 --cycles 600 \
+        --rows "${ROWS:-multi_steps}" 2>&1 | tee "$OUT/bench_gc_cuda.txt" | tail -12
       ;;
     *) echo "unknown step $s";;
   esac
