@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -55,10 +56,15 @@ __all__ = [
 # ``multi_steps`` micro-step hands back ~1,000 leaves of a 244-leaf tree as they were, ~730 of
 # them new tensors each cycle, the last micro-step's results; a reference with a callback of
 # its own each, made one at a time, cost about 0.9 us a tensor, 6% of such a cycle's host time.)
+# Threads: the writers (marks, drops, sweeps) hold ``_WRITING``; a reader (a donated step's
+# :func:`claimed`) takes no lock and never misses a live record: a sweep binds a new dict
+# rather than emptying this one and filling it again.
 _SHARED: dict = {}
+_WRITING = threading.RLock()  # (reentrant: a collection inside a sweep may run anything)
 _SWEEP_AT = [4096]
 _GONE = [0]
 _CALL = weakref.ref.__call__  # (a reference's object, or None: C calls in a map)
+_NONES = itertools.repeat(None)
 
 
 class _Absent:
@@ -74,17 +80,15 @@ def _gone(ref: weakref.ref) -> None:
 
 
 def _sweep() -> None:
-    """Drop the entries whose tensor is gone."""
+    """Drop the entries whose tensor is gone (the caller holds ``_WRITING``): a new dict of
+    the others, bound in one step (a reader holding the old one still finds every record)."""
+    global _SHARED
     _GONE[0] = 0
     if _SHARED:
-        keys = list(_SHARED)
-        alive = list(map(operator.is_not, map(_CALL, _SHARED.values()), itertools.repeat(None)))
+        keys, refs = list(_SHARED), list(_SHARED.values())  # (in one order: no other writer)
+        alive = list(map(operator.is_not, map(_CALL, refs), _NONES))
         if not all(alive):
-            kept = dict(
-                zip(itertools.compress(keys, alive), itertools.compress(_SHARED.values(), alive))
-            )
-            _SHARED.clear()
-            _SHARED.update(kept)
+            _SHARED = dict(zip(itertools.compress(keys, alive), itertools.compress(refs, alive)))
     _SWEEP_AT[0] = 2 * len(_SHARED) + 4096
 
 
@@ -110,13 +114,14 @@ def mark_shared_locals(locals_: list) -> None:
     one pass: a lookup each, an entry for those not recorded yet (a ``multi_steps`` cycle
     marks the same ones again) that have elements (an empty tensor is never written).
     Whole-list C loops."""
-    new = list(itertools.compress(locals_, map(operator.not_, _recorded(locals_))))
-    if new and set(map(type, new)) == {torch.Tensor}:
-        new = list(itertools.compress(new, map(torch.Tensor.numel, new)))
-    if new:
-        _SHARED.update(zip(map(id, new), map(weakref.ref, new, itertools.repeat(_gone))))
-        if len(_SHARED) > _SWEEP_AT[0]:
-            _sweep()
+    with _WRITING:
+        new = list(itertools.compress(locals_, map(operator.not_, _recorded(locals_))))
+        if new and set(map(type, new)) == {torch.Tensor}:
+            new = list(itertools.compress(new, map(torch.Tensor.numel, new)))
+        if new:
+            _SHARED.update(zip(map(id, new), map(weakref.ref, new, itertools.repeat(_gone))))
+            if len(_SHARED) > _SWEEP_AT[0]:
+                _sweep()
 
 
 def forget_shared(locals_: tuple | list) -> None:
@@ -124,8 +129,9 @@ def forget_shared(locals_: tuple | list) -> None:
     the library holds any more, before the library writes them again (reused buffers: a
     record would have a donated step copy them for nothing)."""
     if _SHARED:
-        for key in map(id, locals_):
-            _SHARED.pop(key, None)
+        with _WRITING:
+            for key in map(id, locals_):
+                _SHARED.pop(key, None)
 
 
 def is_shared(x: torch.Tensor) -> bool:
@@ -140,7 +146,8 @@ def claimed(trees: tuple, copy) -> tuple:
     if not recording() or not _SHARED:
         return trees
     if _GONE[0]:  # (records of tensors gone: after pure steps whose results were dropped)
-        _sweep()
+        with _WRITING:
+            _sweep()
         if not _SHARED:
             return trees
     # (first whether any record is of these trees at all, by their tensors' ids: no flatten,
