@@ -22,6 +22,7 @@ import functools
 import itertools
 import operator
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -838,6 +839,7 @@ class _FlagBlocks:
 
     def __init__(self):
         self._blocks: dict[int, tuple] = {}  # id(tuple of flags) -> (that tuple, its buffer)
+        self._lock = threading.Lock()
         self._free = tuple(self._counts(self.new(0, 2)))  # (a block nothing else holds)
 
     @staticmethod
@@ -869,26 +871,27 @@ class _FlagBlocks:
         block's where one is free."""
         if not plain_mode() or n == 0:
             return self.new(v, n)[0]
-        for entry in list(self._blocks.values()):
-            if len(entry[0]) == n and self._is_free(entry):
-                if isinstance(v, list):  # (by an array: torch.tensor parses a list's
-                    # elements one by one, 19 us for 242 flags where this takes 5)
-                    entry[1].copy_(torch.frombuffer(array.array("q", v), dtype=torch.int64))
-                else:
-                    entry[1].fill_(v)
-                forget_shared(entry[0])  # (records of its last life: see .aliasing)
+        with self._lock:  # (threads: from the check that nothing holds a block to its return)
+            for entry in list(self._blocks.values()):
+                if len(entry[0]) == n and self._is_free(entry):
+                    if isinstance(v, list):  # (by an array: torch.tensor parses a list's
+                        # elements one by one, 19 us for 242 flags where this takes 5)
+                        entry[1].copy_(torch.frombuffer(array.array("q", v), dtype=torch.int64))
+                    else:
+                        entry[1].fill_(v)
+                    forget_shared(entry[0])  # (records of its last life: see .aliasing)
+                    return entry[0]
+            entry = self.new(v, n)
+            base = entry[1]  # (not under `with torch.device(...)` or `torch.inference_mode()`)
+            if type(base) is not torch.Tensor or not base.is_cpu or base.is_inference():
                 return entry[0]
-        entry = self.new(v, n)
-        base = entry[1]  # (not under `with torch.device(...)` or `torch.inference_mode()`)
-        if type(base) is not torch.Tensor or not base.is_cpu or base.is_inference():
+            if len(self._blocks) >= self.LIMIT:  # (the free ones forgotten)
+                for key, held in list(self._blocks.items()):
+                    if self._is_free(held):
+                        del self._blocks[key]
+            if len(self._blocks) < self.LIMIT:
+                self._blocks[id(entry[0])] = entry
             return entry[0]
-        if len(self._blocks) >= self.LIMIT:  # (the free ones forgotten)
-            for key, held in list(self._blocks.items()):
-                if self._is_free(held):
-                    del self._blocks[key]
-        if len(self._blocks) < self.LIMIT:
-            self._blocks[id(entry[0])] = entry
-        return entry[0]
 
     def with_ones(self, flags: tuple, at: set) -> tuple:
         """New flags: ``flags``' values, 1 at the positions ``at``. A block where ``flags``

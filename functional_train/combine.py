@@ -20,7 +20,7 @@ from . import accumulation as A
 from .autograd import traced
 from .base import GradientTransformation, declare, run_fused
 from .engine import elementwise as E
-from .engine.metadata import MemoDict, MemoList
+from .engine.metadata import MemoDict, MemoList, remembered
 from .engine.owners import assume_constant_result
 from .engine.plan import by_layout
 from .engine.scalars import sharing_schedules
@@ -156,10 +156,9 @@ class PerLeaf:
         # (a DTensor's shape read is 0.17 us, a whole-list pass 40 us at 242 leaves: the
         # shapes remembered per spec objects, one tuple object for them)
         sig = by_layout("PerLeaf shapes", (leaves,), lambda: _shapes(leaves))
-        last = self._last
-        if last[0] is treedef and last[1] is sig:
-            values = last[2]  # (the params of the last call's structure and specs: no hashing)
-        else:
+        last_treedef, last_sig, values = self._last  # (one unpacking: atomic, see remembered)
+        if last_treedef is not treedef or last_sig is not sig:  # (else the params of the last
+            # call's structure and specs: no hashing)
             key = (treedef, sig)
             values = self._eager.get(key)
             if values is None:
@@ -167,7 +166,7 @@ class PerLeaf:
                 seen = self._seen[0]
                 prev = seen.get(sig)
                 seen[sig] = values if prev is None or prev == values else self._AMBIGUOUS
-            last[:] = treedef, sig, values
+            self._last[:] = treedef, sig, values
         if memo is not None:
             memo[self] = (params, values)
         return values
@@ -437,9 +436,7 @@ def _restricted(part: E.Elementwise, on_of: Callable[[PyTree], list], where: str
         if inner_static is None:
             if torch.compiler.is_compiling():
                 return [bool(k) for k in on]
-            if last[0] is not on:
-                last[:] = on, list(map(bool, on))
-            return last[1]
+            return remembered(last, on, lambda: list(map(bool, on)))
         leaves, treedef = tree_flatten(params)
         inner = inner_static(tree_unflatten(treedef, _select(leaves, on)))
         return [_pack_key(bool(k), ik) for k, ik in zip(on, inner)]
@@ -555,9 +552,7 @@ class _PartitionFormer:
                 labels = labels_of(params)
                 if torch.compiler.is_compiling():  # (dynamo: a list, not a map of an operator)
                     return list(_equal_to(labels, n))
-                if last[0] is not labels:
-                    last[:] = labels, list(map(operator.eq, labels, repeat(n)))
-                return last[1]
+                return remembered(last, labels, lambda: list(map(operator.eq, labels, repeat(n))))
 
             return of
 
@@ -706,9 +701,7 @@ class _Commuted:
         """The labels' :class:`_Layout` (remembered per labels list; ``flat``: the params'
         ``(leaves, treedef)``, see :class:`PerLeaf`)."""
         labels = self.labels_of(params, flat)
-        if self._layout[0] is not labels:
-            self._layout[:] = labels, _Layout(self.names, labels)
-        return self._layout[1]
+        return remembered(self._layout, labels, lambda: _Layout(self.names, labels))
 
     def state_in(self, updates, state, params, mesh, check_reduced: bool = True) -> tuple | None:
         """``(the merged multi_steps' state, the labels' layout, _flat_pair(updates,
@@ -773,10 +766,11 @@ class _Commuted:
     def flags(self, values: list) -> tuple:
         """Merged flags holding ``values``: those made last where they still hold them (no
         transform writes flags in place: ``multi_steps`` makes new ones), else new ones."""
-        last, held = self._flags
+        last, held = self._flags  # (one unpacking: atomic, see remembered)
         if held != values or A.seen_values(last) != values:
-            self._flags[:] = A.new_flags(values), values
-        return self._flags[0]
+            last = A.new_flags(values)
+            self._flags[:] = last, values
+        return last
 
     def state_out(self, new: A.MultiStepsState, merged: A.MultiStepsState, layout, olds, state):
         """The partition's state for the merged ``multi_steps``' new state ``new`` (from

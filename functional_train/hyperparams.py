@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -65,19 +66,36 @@ class InjectHyperparamsState(NamedTuple):
 class _Cell:
     """What the factory receives for a natively injected hyperparameter: a schedule (for
     ``learning_rate``) returning the tensor the current update set (the factory's own count is
-    ignored), or a placeholder its transforms read with :func:`value_of` (the others)."""
+    ignored), or a placeholder its transforms read with :func:`value_of` (the others).
 
-    __slots__ = ("name", "value")
+    The value is each thread's own eagerly (threads stepping one transform at once each read
+    their own update's), and one attribute, which dynamo follows, under ``torch.compile``."""
+
+    __slots__ = ("name", "traced", "local")
     injected = True  # _validate passes it through: its values are checked by inject_hyperparams
 
     def __init__(self, name: str):
-        self.name, self.value = name, None
+        self.name, self.traced = name, None
+        # (not made while dynamo traces, which cannot: then on the first eager update)
+        self.local = None if torch.compiler.is_compiling() else threading.local()
+
+    def set(self, value: Any) -> None:
+        if torch.compiler.is_compiling():
+            self.traced = value
+            return
+        if self.local is None:
+            self.local = threading.local()
+        self.local.value = value
 
     def __call__(self, count=None):
         del count
-        if self.value is None:
+        if torch.compiler.is_compiling():
+            value = self.traced
+        else:
+            value = getattr(self.local, "value", None)  # (None: no local, or none set)
+        if value is None:
             raise RuntimeError(f"inject_hyperparams: '{self.name}' read outside an update")
-        return self.value
+        return value
 
     def __repr__(self) -> str:
         return f"<injected {self.name}>"
@@ -386,7 +404,7 @@ def inject_hyperparams(
 
         def set_cells(hp: dict) -> None:
             for n, cell in named_cells:
-                cell.value = hp[n]
+                cell.set(hp[n])
 
         def resolve(state):
             """``(inner transform, hyperparams of this update, new count)``, with the cells

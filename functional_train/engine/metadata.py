@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import operator
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "MemoDict",
     "MemoList",
     "MEMOS",
+    "remembered",
     "ENABLED",
     "forget_verified",
     "guards_of",
@@ -198,7 +199,9 @@ class Memo:
     ``lists`` (a sequence of lists of tensors), else ``None``; ``put(key, lists, answer)``
     remembers ``answer`` (not ``None``) where every list is of plain tensors (or
     ``nn.Parameter`` ones). At most
-    ``per_key`` answers a key (the latest first) and ``keys`` keys (the oldest go)."""
+    ``per_key`` answers a key (the latest first) and ``keys`` keys (the oldest go). A key's
+    list of answers is replaced whole, never changed in place: a thread reading it while
+    another puts or reorders meets one list or the other."""
 
     __slots__ = ("entries", "per_key", "keys")
 
@@ -224,9 +227,9 @@ class Memo:
                 g.check(*xs) if verified is None else _passes(g, xs, verified)
                 for g, xs in zip(guards, lists)
             ):
-                if entry is not found[0]:  # (the latest first)
-                    found.remove(entry)
-                    found.insert(0, entry)
+                if entry is not found[0]:  # (the latest first: a new list, bound whole, as
+                    # another thread may be reading this one)
+                    self.entries[key] = [entry, *(e for e in found if e is not entry)]
                 return answer
         return None
 
@@ -244,12 +247,13 @@ class Memo:
             return
         guards = [_canonical(xs) for xs in lists]
         found = self.entries.get(key)
-        if found is None:
-            if len(self.entries) >= self.keys:
+        if found is None and len(self.entries) >= self.keys:
+            try:
                 del self.entries[next(iter(self.entries))]
-            found = self.entries[key] = []
-        found.insert(0, (tuple(map(len, lists)), tuple(guards), answer))
-        del found[self.per_key :]
+            except (KeyError, RuntimeError, StopIteration):  # (another thread's put evicted it)
+                pass
+        entry = (tuple(map(len, lists)), tuple(guards), answer)
+        self.entries[key] = [entry, *(found or ())][: self.per_key]  # (a new list: see get)
 
     def clear(self) -> None:
         self.entries.clear()
@@ -276,3 +280,15 @@ class MemoDict(dict):
 
 # (the types whose contents are what a transform remembers, not what it is)
 MEMOS = (Memo, MemoList, MemoDict)
+
+
+def remembered(last: MemoList, key: Any, make: Callable[[], Any]) -> Any:
+    """The answer for ``key`` (by identity) that ``last`` (a ``MemoList`` of ``[key, answer]``)
+    holds where ``key`` was the last asked about, else ``make()``'s, then held. Read with one
+    unpacking and replaced with one slice assignment, each atomic: a thread stepping beside
+    another never reads the other's answer for its own key."""
+    held, answer = last
+    if held is not key:
+        answer = make()
+        last[:] = key, answer
+    return answer

@@ -20,6 +20,7 @@ dropped (as a caching allocator would), and nothing when the plan is evicted
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -69,6 +70,10 @@ LAZY_CLONES = _LAZY_CLONE is not None  # (torch's copy-on-write clones: torch 2.
 _COW_CLONES: dict = {}
 _MAX_COW_ADDRESSES = 4096  # (then the entries of addresses no clone reads any more go)
 _ref = weakref.ref
+# (held by :meth:`Pool.take` from its check that nothing holds a set to the aliases it hands
+# out: steps of one plan in two threads never get one set; one lock for every pool, as a
+# pool may be made while dynamo traces, which cannot make one)
+_TAKING = threading.Lock()
 
 
 def lazy_clones(xs: Sequence[torch.Tensor]) -> list | None:
@@ -220,14 +225,17 @@ def _same_order(buf: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 class Pool:
-    """Sets of result buffers of one plan, by kind (``"params"``, ``"mu"``, ...)."""
+    """Sets of result buffers of one plan, by kind (``"params"``, ``"mu"``, ...). Steps of
+    one plan in several threads at once each get buffers of their own: a set is taken under
+    a lock (from the check that nothing holds it to the aliases that then do), and each
+    thread has its own scratch sets."""
 
     __slots__ = ("sets", "pooled", "scratches")
 
     def __init__(self):
         self.sets: dict = {}
         self.pooled: dict = {}  # kind -> whether its leaves are large enough to pool
-        self.scratches: dict = {}  # kind -> the one set of :meth:`scratch`
+        self.scratches: dict = {}  # (kind, thread) -> the set of :meth:`scratch`
 
     def take(self, kind: str, like: Sequence[torch.Tensor]) -> list:
         """Fresh tensors with the shapes, dtypes and devices of ``like``, contiguous, or in the
@@ -248,35 +256,39 @@ class Pool:
         # (a set: its buffers, with their shapes, dtypes and whether all are contiguous, read
         # when it was made: they never change, the buffers are handed out as detached aliases;
         # whole-list C loops, the use counts last)
-        sets = self.sets.setdefault(kind, [])
         shapes = list(map(SHAPE, like))
         dtypes = list(map(DTYPE, like))
-        for bufs, b_shapes, b_dtypes, b_contiguous in sets:
-            if (
-                b_shapes == shapes
-                and b_dtypes == dtypes
-                and (b_contiguous if contiguous else all(map(_same_order, bufs, like)))
-                and all(map(_free, bufs))
-            ):
-                return list(map(_DETACH, bufs))
-        bufs = list(map(_empty_like, like))
-        sets.append((bufs, shapes, dtypes, all(map(_contiguous, bufs))))
-        if len(sets) > GENERATIONS:
-            del sets[0]
-        return list(map(_DETACH, bufs))
+        with _TAKING:
+            sets = self.sets.setdefault(kind, [])
+            for bufs, b_shapes, b_dtypes, b_contiguous in sets:
+                if (
+                    b_shapes == shapes
+                    and b_dtypes == dtypes
+                    and (b_contiguous if contiguous else all(map(_same_order, bufs, like)))
+                    and all(map(_free, bufs))
+                ):
+                    return list(map(_DETACH, bufs))
+            bufs = list(map(_empty_like, like))
+            sets.append((bufs, shapes, dtypes, all(map(_contiguous, bufs))))
+            if len(sets) > GENERATIONS:
+                del sets[0]
+            return list(map(_DETACH, bufs))
 
     def scratch(self, kind: str, like: Sequence[torch.Tensor]) -> list:
         """Buffers with the shapes, dtypes and devices of ``like`` for work that never leaves
         the step (their contents are garbage afterwards: the gradients the fused kernels
-        unscale in place): one set per kind, made once and reused without use-count checks,
-        since nothing outside the step ever sees them."""
+        unscale in place): one set per kind and thread (by ``threading.get_ident``: a thread
+        gone leaves its set to the next thread given its identifier, or until the plan is
+        evicted), made once and reused without use-count checks, since nothing outside the
+        step ever sees them."""
         # (the set, with the shapes, dtypes and devices it was made for: whole-list C loops)
         meta = [list(map(SHAPE, like)), list(map(DTYPE, like)), list(map(DEVICE, like))]
-        hit = self.scratches.get(kind)
+        key = (kind, threading.get_ident())
+        hit = self.scratches.get(key)
         if hit is not None and hit[1] == meta:
             return list(hit[0])
         bufs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
-        self.scratches[kind] = (bufs, meta)
+        self.scratches[key] = (bufs, meta)
         return list(bufs)
 
 
@@ -290,15 +302,16 @@ def of_plan(plan, key: str, cls):
 
 
 class Scratch:
-    """Temporaries of one plan reused leaf after leaf: one flat buffer per slot, dtype and
-    device, grown to the largest leaf asked for. A step that finishes each leaf before reading
-    the next (``ft.step``'s fused Adafactor) makes its leaf-sized temporaries here, so that it
-    neither takes page faults for them nor leaves the malloc heap's top free to be trimmed."""
+    """Temporaries of one plan reused leaf after leaf: one flat buffer per slot, dtype, device
+    and thread (as :meth:`Pool.scratch`), grown to the largest leaf asked for. A step that
+    finishes each leaf before reading the next (``ft.step``'s fused Adafactor) makes its
+    leaf-sized temporaries here, so that it neither takes page faults for them nor leaves the
+    malloc heap's top free to be trimmed."""
 
     __slots__ = ("bufs",)
 
     def __init__(self):
-        self.bufs: dict = {}
+        self.bufs: dict = {}  # (slot, dtype, device, thread) -> its buffer
 
     def view(
         self, slot: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device
@@ -310,7 +323,7 @@ class Scratch:
         n = 1
         for d in shape:
             n *= d
-        key = (slot, dtype, device)
+        key = (slot, dtype, device, threading.get_ident())
         buf = self.bufs.get(key)
         if buf is None or buf.numel() < n:
             buf = self.bufs[key] = torch.empty(n, dtype=dtype, device=device)
