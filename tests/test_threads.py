@@ -5,8 +5,8 @@ they may share one transform object. The library keeps things between steps (a p
 result buffers and its scratch buffers, ``multi_steps``' flag blocks, the values
 ``inject_hyperparams`` hands its inner transform, the answers its combinators remember last,
 the records of shared tensors): each must give a thread its own. Before they did, 18 to 25 of
-the 108 cases below gave other threads' numbers in a run (pure steps of pooled trees, and
-donated GaLore, CAME and Adafactor), silently.
+the 108 ``ft.step`` cases below gave other threads' numbers in a run (pure steps of pooled
+trees, and donated GaLore, CAME and Adafactor), silently.
 """
 
 from __future__ import annotations
@@ -26,33 +26,38 @@ SHAPES = {"a": (128, 160), "b": (160, 128), "c": (96, 200)}
 THREADS, STEPS = 4, 6
 
 
-def _run(tx, seed: int, donate: bool, device: torch.device, out: dict) -> None:
+def _run(tx, seed: int, mode: str, device: torch.device, out: dict) -> None:
     gen = torch.Generator().manual_seed(seed)
     params = {n: torch.randn(s, generator=gen).to(device) for n, s in SHAPES.items()}
     state = tx.init(params)
     for k in range(STEPS):
         g = torch.Generator().manual_seed(1000 * seed + k)
         grads = {n: torch.randn(s, generator=g).to(device) for n, s in SHAPES.items()}
-        params, state = ft.step(tx, grads, state, params, donate=donate)
+        if mode == "update":
+            updates, state = tx.update(grads, state, params)
+            params = ft.apply_updates(params, updates)
+        else:
+            params, state = ft.step(tx, grads, state, params, donate=mode == "donated")
     out[seed] = params
 
 
-@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("mode", ["pure", "donated", "update"])
 @pytest.mark.parametrize("name", sorted(reg.all_entries()))
-def test_threads_stepping_one_transform_get_their_own_results(name, donate, device):
-    """``THREADS`` threads step one transform object on their own params and gradients, the
-    interpreter switching threads every 10 us: each thread's params after ``STEPS`` steps are
-    bitwise those of the same steps run one thread after another."""
+def test_threads_stepping_one_transform_get_their_own_results(name, mode, device):
+    """``THREADS`` threads step one transform object on their own params and gradients (by
+    ``ft.step``, pure or donated, or by ``update`` + ``apply_updates``), the interpreter
+    switching threads every 10 us: each thread's params after ``STEPS`` steps are bitwise
+    those of the same steps run one thread after another."""
     tx = reg.all_entries()[name]()
     want: dict = {}
     for seed in range(THREADS):
-        _run(tx, seed, donate, device, want)
+        _run(tx, seed, mode, device, want)
     got: dict = {}
     errors: list = []
 
     def target(seed):
         try:
-            _run(tx, seed, donate, device, got)
+            _run(tx, seed, mode, device, got)
         except Exception as e:  # (reported below, with the thread's seed)
             errors.append((seed, e))
 
