@@ -86,8 +86,9 @@ def lazy_clones(xs: Sequence[torch.Tensor]) -> list | None:
         return None
     cs = list(map(_LAZY_CLONE, xs))
     if len(_COW_CLONES) >= _MAX_COW_ADDRESSES:  # (addresses whose clones are all gone)
-        for gone in [k for k, r in _COW_CLONES.items() if r() is None]:
-            del _COW_CLONES[gone]
+        # (a copy of the items, and pop: another thread may change the dict meanwhile)
+        for gone in [k for k, r in list(_COW_CLONES.items()) if r() is None]:
+            _COW_CLONES.pop(gone, None)
     # (whole-list C loops: a Python loop over the clones was 2 us a tensor)
     _COW_CLONES.update(zip(map(const_data_ptr, cs), map(_ref, cs)))
     return cs
