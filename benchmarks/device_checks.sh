@@ -2,7 +2,7 @@
 # The checks and benchmarks a session runs on a lent CUDA machine (the device tool), as one
 # script: the environment, the device-generic tests on CUDA, and bench_compose on CUDA.
 # Usage there: bash benchmarks/device_checks.sh [step ...]
-# (steps: env tests compose compose-block prof tprof positions compose-compile gc; T_TESTS and T_COMPILE
+# (steps: env tests compose compose-block prof tprof positions compose-compile gc; T_TESTS, T_THREADS and T_COMPILE
 # set those steps' time limits in seconds, ROWS and ROUNDS the rows and rounds of compose).
 # Run every benchmark through this script there: it puts the checkout on PYTHONPATH.
 # Logs go to $OUT (or /tmp/device_checks when OUT is unset); each step has its own time limit.
@@ -41,6 +41,9 @@ print("triton:", fuse_triton.available(p["w"].device),
     tests)
       timeout ${T_TESTS:-180} python3 -m pytest -q -n 8 -p no:cacheprovider --device cuda \
         tests/test_fused.py tests/test_fused_wrappers.py tests/test_bad_input.py 2>&1 | tee "$OUT/tests_cuda.log" | tail -40
+      # (steps in threads: CUDA's caching allocator, not the pool, makes a pure step's results)
+      timeout ${T_THREADS:-180} python3 -m pytest -q -n 8 -p no:cacheprovider --device cuda \
+        tests/test_threads.py 2>&1 | tee "$OUT/tests_threads_cuda.log" | tail -20
       ;;
     compose)  # ROWS: a comma-separated subset of the rows (default: every row)
       timeout 240 python3 benchmarks/bench_compose.py --device cuda --rounds "${ROUNDS:-7}" \
