@@ -264,6 +264,51 @@ def test_scalar_program_is_one_operator_with_fresh_results():
     assert torch.equal(w.grad, torch.full((2,), 3.0))
 
 
+_GATED_RUNS: list = []
+
+
+def _gated_body(x, k: float):
+    _GATED_RUNS.append(k)
+    return x * k, (x * k).sum().to(torch.float64)
+
+
+def test_gated_scalar_program_returns_zeros_without_running_where_its_flag_is_false():
+    """``engine.scalars.gated``: a scalar program called under ``torch.compile`` while a flag
+    is given takes it as one more input; its real call where the flag is false returns zeros
+    of its results' shapes and dtypes (those of its first call, which runs the function)
+    without running the function, and runs it where the flag is true. Eagerly, and with no
+    flag, the function runs as it is."""
+    from functional_train.engine import scalars as S
+
+    program = S.scalar_program(_gated_body)
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    _GATED_RUNS.clear()
+    y, t = S.gated(torch.tensor(False), program, x, 2.0)  # (eagerly: the function)
+    assert torch.equal(y, x * 2.0) and _GATED_RUNS == [2.0]
+
+    def f(x, flag):
+        return S.gated(flag, program, x, 3.0) + program(x, 4.0)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+    _GATED_RUNS.clear()
+    off, on = torch.tensor(False), torch.tensor(True)
+    # (the first call, whose tracing runs the functions on fake tensors, and whose real call
+    # runs the gated one: its results' shapes)
+    y, t, y4, _ = cf(x, off)
+    assert torch.equal(y, x * 3.0) and float(t) == 63.0 and torch.equal(y4, x * 4.0)
+    _GATED_RUNS.clear()
+    for flag, runs in ((off, 0), (on, 1), (off, 1), (off, 1), (on, 2)):
+        y, t, y4, _ = cf(x, flag)
+        assert _GATED_RUNS.count(3.0) == runs
+        assert y.shape == (2, 3) and y.dtype == torch.float32
+        assert t.shape == () and t.dtype == torch.float64
+        assert torch.equal(y, x * 3.0 if flag else torch.zeros(2, 3))
+        assert float(t) == (63.0 if flag else 0.0)
+        assert torch.equal(y4, x * 4.0)  # (not gated)
+    assert _GATED_RUNS.count(4.0) == 5
+
+
 def test_positions_index_made_once_for_real_calls():
     """``engine.scalars.positions_index``: a program's leaf positions (text) as an index
     tensor, one per text and device for the operator's real calls (every step; a parse and a

@@ -815,6 +815,63 @@ def test_compiled_step_leaves_inductor_no_arithmetic(name, donate):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["multi_steps", "apply_if_finite"])
+def test_compiled_guarded_parts_skip_their_scalar_programs_where_their_flag_is_false(
+    wrapper, monkeypatch
+):
+    """A compiled step's guarded parts (``multi_steps``' inner parts, used on the cycle's last
+    micro-step only; ``apply_if_finite``'s, on a finite step only) run their scalar programs
+    (Adam's next count and bias corrections, ``multi_steps``' clip factor, the stage's
+    hyperparameters as tensors) only where their flag holds, as the eager step does: a real
+    call where it is false returns zeros without running the function (but the first, which
+    learns their shapes). The parameters are the eager step's bit for bit."""
+    from functional_train.engine import scalars as S
+
+    real = S._call
+    runs: list = []
+
+    def counting(name, template, xs):  # (the functions' real runs, not the fake ones)
+        if not S._faking():
+            runs.append(name.rsplit(".", 1)[-1])
+        return real(name, template, xs)
+
+    monkeypatch.setattr(S, "_call", counting)
+    inner = ft.chain(ft.clip_by_global_norm(1.0), ft.adamw(1e-2, weight_decay=0.1))
+    skipped = ["_adam_next", "_as_tensors"]
+    if wrapper == "multi_steps":
+        tx, n, used = ft.multi_steps(inner, every_k=3), 9, [False, False, True] * 3
+        skipped.append("_clip_factor")
+    else:  # (the clip's factor comes before the flag, which reads the clip's norm)
+        tx, n, used = ft.apply_if_finite(inner, max_consecutive_errors=5), 6, [True] * 6
+        used[1] = used[2] = used[4] = False  # (non-finite gradients on these steps)
+    params, _ = _problem()
+    g0 = torch.Generator().manual_seed(1)
+    grads = [
+        {k: torch.randn(v.shape, generator=g0) * 0.1 for k, v in params.items()} for _ in range(n)
+    ]
+    for t, ok in enumerate(used):
+        if not ok and wrapper == "apply_if_finite":
+            grads[t]["w"][3, 4] = float("nan")
+    torch._dynamo.reset()
+    step = torch.compile(lambda g, s, p: ft.step(tx, g, s, p), fullgraph=True)
+    pc, sc = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    pe, se = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    first_off = None
+    for t, g in enumerate(grads):
+        runs.clear()
+        pc, sc = step({k: v.clone() for k, v in g.items()}, sc, pc)
+        pe, se = ft.step(tx, {k: v.clone() for k, v in g.items()}, se, pe)
+        for k in params:
+            assert torch.equal(pc[k], pe[k]), (t, k)
+        if first_off is None and not used[t]:
+            first_off = t
+            continue  # (the first call where the flag is false learns the results' shapes)
+        for name in skipped:
+            assert runs.count(name) == (1 if used[t] else 0), (t, name, runs)
+    assert first_off is not None
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("donate", [False, True])
 def test_compiled_step_runs_the_stage_operator(donate):
     """``torch.compile(ft.step, fullgraph=True)`` of a chain of primitives with a schedule:

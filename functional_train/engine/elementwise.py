@@ -151,7 +151,7 @@ from .metadata import Memo, dict_scope
 from .operators import register_kernels
 from .owners import assume_constant_result
 from .pool import LAZY_CLONES, Pool, empties_like, in_one_order, lazy_clones, of_plan
-from .scalars import positions_index, scalar_program
+from .scalars import gated, positions_index, scalar_program
 
 __all__ = [
     "Elementwise",
@@ -561,6 +561,7 @@ def run(
     trees_of: list = [None] * len(parts)
     new_fields: list = [None] * len(parts)
     ctx: dict = {}  # the run context (see the module's docstring)
+    compiling = torch.compiler.is_compiling()
     drop = spec.zero_updates  # (the updates are zeros: the last stage does not write them)
 
     def view_of(k: int):
@@ -590,6 +591,7 @@ def run(
         fields: list = []
         per_leaf: list = []
         keys: list = []
+        numbers_on: tuple | None = None  # (compiled: the flags every part's numbers run under)
         # (two or more parts' collectives issued together, before their prologues: starts)
         ahead = _ahead(parts, lo, hi, through, view_of, b.world)
         token = None if ahead is None else _STARTED.set(ahead[1])
@@ -608,6 +610,9 @@ def run(
                     if where[k] is not None:
                         own = [_spread(x, where[k].positions, u) for x in own]
                     per_leaf.extend(own)
+                if compiling and not all(isinstance(x, torch.Tensor) for x in sc):
+                    on = part.flags if numbers_on is None else numbers_on
+                    numbers_on = tuple(f for f in on if f in part.flags)
                 scalars.extend(sc)
                 counts.append(len(sc))
                 trees_of[k] = part.fields(states[k])
@@ -632,6 +637,9 @@ def run(
         sums: list | None = [] if not last and parts[hi].reads_sum_squares else None
         # (compiled: whether they are used at all, read when the stage runs)
         needed = _needed(parts[hi], ctx) if sums is not None else None
+        # (compiled: the stage's numbers, made tensors by a scalar program, used only where
+        # a flag every part taking them runs under holds: the program gated by it)
+        gate = ctx.get(numbers_on[0]) if numbers_on else None
         p_loc = None
         if stage.apply:
             p_loc = list(params_locals or ())
@@ -674,6 +682,7 @@ def run(
             sums,
             needed,
             psums,
+            gate,
         )
         if run_on is not None:
             outs = [_put(x, run_on.positions, base) for x, base in zip(outs, [u, *fields])]
@@ -1030,7 +1039,19 @@ def _spread(values: list, positions: list, u: list) -> list:
 
 
 def _execute(
-    stage, counts, u, p, fields, scalars, keys, apply, take, sums=None, needed=None, psums=False
+    stage,
+    counts,
+    u,
+    p,
+    fields,
+    scalars,
+    keys,
+    apply,
+    take,
+    sums=None,
+    needed=None,
+    psums=False,
+    gate=None,
 ):
     """The stage on lists of leaves: ``[updates or new params, *new fields]`` (lists; without
     the first for ``stage.drop_u``). ``apply="donate"``: the results over their inputs.
@@ -1042,12 +1063,16 @@ def _execute(
     when it runs, is false); nothing is appended otherwise. ``psums``: then the parameters'
     ``p`` sums of squares too, a second vector, where the kernel took them as it read them
     (see ``Elementwise.reads_params_sum_squares``), and always by a compiled stage.
+    ``gate``: compiled, a 0-dim bool tensor where the stage's Python numbers among
+    ``scalars`` are read only where it is true (see :func:`~.scalars.gated`).
 
     Ranks simulated in one process (``torch.distributed._local_tensor.LocalTensor``: a tensor
     holding one tensor per rank) run rank by rank on their own tensors, through the same
     kernels a real rank runs, so that a simulated run gives a real one's numbers."""
     if torch.compiler.is_compiling() and _opaque(u, p, fields, scalars):
-        return _compiled(stage, counts, u, p, fields, scalars, keys, apply, sums, needed, psums)
+        return _compiled(
+            stage, counts, u, p, fields, scalars, keys, apply, sums, needed, psums, gate
+        )
     ranks = _simulated_ranks(u, p, fields, scalars)
     if ranks is not None:
         return _per_rank(ranks, stage, counts, u, p, fields, scalars, keys, apply)
@@ -1173,14 +1198,25 @@ def _needed(part: Elementwise, ctx: dict):
 
 
 def _compiled(
-    stage, counts, u, p, fields, scalars, keys, apply, sums=None, needed=None, psums=False
+    stage,
+    counts,
+    u,
+    p,
+    fields,
+    scalars,
+    keys,
+    apply,
+    sums=None,
+    needed=None,
+    psums=False,
+    gate=None,
 ):
     n = len(u)
     flat = list(u) + (list(p) if p is not None else []) + [x for f in fields for x in f]
     numbers = [x for x in scalars if not isinstance(x, torch.Tensor)]
     sc = list(scalars)
     if numbers:  # (as 0-dim float64 tensors, made by an operator: see .scalars)
-        made = iter(_as_tensors(u[0], *numbers))
+        made = iter(gated(gate, _as_tensors, u[0], *numbers))
         sc = [x if isinstance(x, torch.Tensor) else next(made) for x in scalars]
     m = len(stage.parts)
     enc = "" if all(k is None for k in keys) else _encoded_keys(tuple(keys), n, m)
@@ -2672,9 +2708,10 @@ def guarded(part: Elementwise, key: str, wrapper: str) -> Elementwise:
 
     def prologue(state, b, ctx):
         ok = ctx[key]
-        # (its reductions' values are used only where the flag holds: b.needed)
-        sc, fin = call_prologue(part, state, b.needed_if(ok) if part.reduces else b, ctx)
-        return (*sc, ok), lambda trees: select_state(ok, fin(trees), state, trees)
+        # (its reductions' values are used only where the flag holds: b.needed; so are its
+        # scalar programs' results, gated by it under torch.compile)
+        sc, fin = gated(ok, call_prologue, part, state, b.needed_if(ok) if part.reduces else b, ctx)
+        return (*sc, ok), lambda trees: select_state(ok, gated(ok, fin, trees), state, trees)
 
     def leaf(u, p, s, h, k):
         ok = h[-1] != 0

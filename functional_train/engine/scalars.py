@@ -28,6 +28,14 @@ graph, which a process loading a precompiled step reads as the one that compiled
 function among the constants (a schedule) is passed as the number :func:`function_number`
 gave it when its transform was built.
 
+A program called while a part's prologue runs under a flag (:func:`gated`: ``multi_steps``'
+compiled micro-steps, whose inner parts only matter on the cycle's last; ``apply_if_finite``'s
+inner parts, only on a finite step) takes the flag as one more input; where its real call
+finds the flag false, its results are discarded by the part's selects, and it returns zeros
+of their shapes and dtypes (those of its first call, which runs the function) without running
+the function: a compiled non-final micro-step skips its inner parts' arithmetic (Adam's bias
+corrections, the clip factor, ...), as the eager one does.
+
 Reference: ``torch.library.custom_op`` (torch's "custom operators" guide).
 """
 
@@ -49,6 +57,7 @@ __all__ = [
     "counted",
     "function_number",
     "function_of",
+    "gated",
     "positions_index",
     "scalar_program",
     "schedule_numbers",
@@ -61,6 +70,7 @@ ENABLED = True  # (False: traced as they are, for inductor; read when dynamo tra
 _FUNCTIONS: dict[str, Callable] = {}  # (the decorated functions, by their qualified names)
 _DECODED: dict[str, tuple] = {}  # (a program's text: its function's name, arguments' template)
 _TENSOR = ("tensor",)  # (a template's mark for a tensor argument; a constant's: ("c", value))
+_GATE = ("gate",)  # (a template's last mark where the program is gated: its flag, a tensor)
 _FUNCTIONS_GIVEN: list = []  # (weak references to the functions given to function_number)
 
 
@@ -105,6 +115,8 @@ def _decode(text: str):
     kind, rest = text[0], text[1:]
     if kind == "T":
         return _TENSOR
+    if kind == "G":
+        return _GATE
     if kind == "N":
         return ("c", None)
     if kind == "B":
@@ -123,7 +135,13 @@ def _program(name: str, template: tuple) -> str:
     """The program's text: the function's qualified name ``name`` and the constant arguments
     of ``template``, ``|``-separated (called by dynamo while it traces: a constant of the
     graph; in another process, which loads a precompiled step, the same text)."""
-    return "|".join([name, *("T" if len(c) == 1 else _encode(c[1]) for c in template)])
+    marks = {_TENSOR: "T", _GATE: "G"}
+    return "|".join([name, *(marks[c] if len(c) == 1 else _encode(c[1]) for c in template)])
+
+
+# (a gated program's results' shapes and dtypes, per program text and its inputs' shapes and
+# dtypes: what it returns where its flag is false; bounded)
+_SHAPES: dict = {}
 
 
 def _run(program: str, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -132,6 +150,34 @@ def _run(program: str, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         name, *args = program.split("|")
         hit = _DECODED[program] = (name, tuple(map(_decode, args)))
     name, template = hit
+    if template and template[-1] is _GATE:
+        *xs, flag = xs
+        template = template[:-1]
+        if not _faking():
+            key = (program, *((x.shape, x.dtype) for x in xs))
+            shapes = _SHAPES.get(key)
+            if shapes is not None and not flag.item():  # (a CPU tensor: no synchronisation)
+                return [torch.zeros(shape, dtype=dtype, device=d) for shape, dtype, d in shapes]
+            out = _call(name, template, xs)
+            if shapes is None:
+                if len(_SHAPES) >= 1024:
+                    _SHAPES.clear()
+                _SHAPES[key] = [(x.shape, x.dtype, x.device) for x in out]
+            return out
+    return _call(name, template, xs)
+
+
+def _faking() -> bool:
+    """Whether a fake tensor mode is on (the operator's fake kernel, or dynamo tracing)."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    )
+
+
+def _call(name: str, template: tuple, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The function ``name`` on the arguments ``template`` gives (``xs`` its tensors), its
+    results fresh tensors."""
     it = iter(xs)
     out = _FUNCTIONS[name](*[next(it) if len(c) == 1 else c[1] for c in template])
     res = []
@@ -194,9 +240,33 @@ def scalar_program(fn: Callable[..., tuple]) -> Callable[..., tuple]:
         if not _opaque(tensors) or not all(isinstance(a, _ARGUMENTS) for a in args):
             return fn(*args)
         template = tuple(_TENSOR if isinstance(a, torch.Tensor) else ("c", a) for a in args)
+        flag = _FLAG
+        if flag is not None and _opaque([flag]):
+            template, tensors = (*template, _GATE), [*tensors, flag]
         return tuple(_scalars_op(_program(name, template), tensors))
 
     return call
+
+
+# (while dynamo traces a prologue under a flag, :func:`gated`: the flag; dynamo tracks the
+# stores as side effects, so that a compiled call leaves it None)
+_FLAG: torch.Tensor | None = None
+
+
+def gated(flag: torch.Tensor | None, fn: Callable, *args):
+    """``fn(*args)``, the scalar programs it calls under ``torch.compile`` gated by ``flag``
+    (a 0-dim bool tensor: their results are used only where it is true, as a guarded part's
+    prologue's are; see the module's docstring; ``None``: not gated, inside a gated call
+    too). Eagerly ``fn(*args)`` as it is."""
+    global _FLAG
+    if not torch.compiler.is_compiling():
+        return fn(*args)
+    outer = _FLAG
+    _FLAG = flag
+    try:
+        return fn(*args)
+    finally:
+        _FLAG = outer
 
 
 # (positions text, device) -> its index tensor, for the operator's real calls; bounded
