@@ -153,16 +153,16 @@ def _run(program: str, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     if template and template[-1] is _GATE:
         *xs, flag = xs
         template = template[:-1]
-        if not _faking():
+        # (a CPU tensor: read without a synchronisation)
+        if not _faking() and not flag.item():
             key = (program, *((x.shape, x.dtype) for x in xs))
             shapes = _SHAPES.get(key)
-            if shapes is not None and not flag.item():  # (a CPU tensor: no synchronisation)
+            if shapes is not None:
                 return [torch.zeros(shape, dtype=dtype, device=d) for shape, dtype, d in shapes]
             out = _call(name, template, xs)
-            if shapes is None:
-                if len(_SHAPES) >= 1024:
-                    _SHAPES.clear()
-                _SHAPES[key] = [(x.shape, x.dtype, x.device) for x in out]
+            if len(_SHAPES) >= 1024:
+                _SHAPES.clear()
+            _SHAPES[key] = [(x.shape, x.dtype, x.device) for x in out]
             return out
     return _call(name, template, xs)
 
