@@ -87,6 +87,13 @@ Rows (``--rows`` picks a subset by name), one chain each, ``clip = clip_by_globa
                    here: the math is then the plain step's), the per-leaf flags kept
                    torch code: torch.nan_to_num_(g, nan=0.0, posinf=inf, neginf=-inf) per
                    gradient (no flags), clip, AdamW(foreach) step
+  sgd_primitives   chain(clip, add_decayed_weights(0.1), trace(0.9, nesterov=True),
+                   scale_by_learning_rate(1e-2)): SGD with Nesterov momentum and (coupled)
+                   weight decay written from primitives, in torch's order (the decay before
+                   the momentum)
+                   torch code: clip_grad_norm_(foreach) + SGD(lr=1e-2, momentum=0.9,
+                   nesterov=True, weight_decay=0.1, foreach) (its first step's buffer is the
+                   gradient itself, as trace's from zeros)
   lamb             chain(clip, lamb(1e-3, 0.9, 0.999, 1e-6, weight_decay=0.1)): a per-leaf trust
                    ratio from per-leaf norms, between two elementwise passes
                    torch code: clip + LAMB in torch._foreach operations (TorchCode.lamb_step:
@@ -205,6 +212,7 @@ LAMB_EPS = 1e-6  # lamb's default (optax's, Colossal-AI's)
 MAX_ERRORS = 5
 LOSS_SCALE = 2.0**16  # GradScaler's default
 WARMUP_STEPS, DECAY_STEPS = 3, 12
+SGD_LR, MOMENTUM = 1e-2, 0.9
 ROWS = [
     "adamw",
     "primitives",
@@ -221,6 +229,7 @@ ROWS = [
     "inject_groups",
     "loss_scale",
     "zero_nans",
+    "sgd_primitives",
     "lamb",
 ]
 # the math of two param groups
@@ -237,7 +246,7 @@ CYCLE_ROWS = ("multi_steps", "multi_steps_groups")
 # the rows whose groups are each clipped by their own norm
 GROUP_CLIP_ROWS = ("partition_clips", "multi_steps_groups")
 # the baseline (a) is not the row's math
-OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "inject", "loss_scale", "lamb")
+OTHER_MATH_ROWS = (*MASKED_ROWS, "schedule", "inject", "loss_scale", "lamb", "sgd_primitives")
 RTOL = 1e-5
 
 
@@ -319,12 +328,21 @@ def make_tx(row):
         return ft.chain(ft.zero_nans(), clip(), ft.adamw(LR, weight_decay=WD))
     if row == "lamb":
         return ft.chain(clip(), ft.lamb(LR, *BETAS, LAMB_EPS, weight_decay=WD))
+    if row == "sgd_primitives":
+        return ft.chain(
+            clip(),
+            ft.add_decayed_weights(WD),
+            ft.trace(MOMENTUM, nesterov=True),
+            ft.scale_by_learning_rate(SGD_LR),
+        )
     raise ValueError(f"unknown row {row!r}; rows: {', '.join(ROWS)}")
 
 
 def ref_name(row):
     if row == "loss_scale":
         return "(b) torch code, GradScaler + AdamW(foreach)"
+    if row == "sgd_primitives":
+        return "(b) torch code, SGD(nesterov, foreach)"
     return "(b) torch code, " + ("LAMB (foreach)" if row == "lamb" else "AdamW(foreach)")
 
 
@@ -358,7 +376,14 @@ class TorchCode:
                     "weight_decay": 0.0,
                 },
             ]
-        self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kind)
+        if self.row == "sgd_primitives":
+            self.opt: torch.optim.Optimizer = torch.optim.SGD(
+                groups, lr=SGD_LR, momentum=MOMENTUM, nesterov=True, weight_decay=WD, **kind
+            )
+        else:
+            self.opt = torch.optim.AdamW(
+                groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kind
+            )
         self.scaler = None
         if self.row == "loss_scale":
             self.scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE)
@@ -841,6 +866,8 @@ def describe(row):
         "loss_scale": "dynamic_loss_scale(chain(clip, adamw), init_scale=2**16)",
         "zero_nans": "chain(zero_nans(), clip, adamw)",
         "lamb": f"chain(clip, lamb({LR}, weight_decay={WD}))",
+        "sgd_primitives": f"chain(clip, add_decayed_weights({WD}), trace({MOMENTUM}, "
+        f"nesterov=True), scale_by_learning_rate({SGD_LR}))",
     }[row]
 
 
