@@ -41,10 +41,12 @@ Aliases and their references (the configurations of the reference tests in ``tes
                 dim here is a multiple of 256, so the blocks coincide)
 
 Per alias the three systems (reference, ft pure, ft donate) start from the same parameters and
-run interleaved, round by round, each once per round in that order (``bench_engine.run_rounds``:
-gc off, a system that raises is dropped with a note): ``--warmup`` (default 1) untimed rounds,
-then ``--rounds`` (default 5) timed ones; the ft systems run as a training loop (``params, state
-= ft.step(...)``, the results feed the next round). The default run of all eight aliases takes
+run interleaved, round by round, each once per round, each round in an order of its own
+(``bench_engine.run_rounds``: a seeded shuffle; gc off, a system that raises is dropped with a
+note):
+``--warmup`` (default 1) untimed rounds, then ``--rounds`` (default 5) timed ones; the ft
+systems run as a training loop (``params, state = ft.step(...)``, the results feed the next
+round). The default run of all eight aliases takes
 about 35 s on 2 shared cores (the longest adamw8bit: bitsandbytes 0.50.2's step ~0.27 s, ft's
 ~0.2 s through its compiled kernel, which compiles on ft's first step).
 GaLore's first step computes the SVD of every projected gradient (galore-torch and ft alike; the

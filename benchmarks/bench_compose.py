@@ -116,10 +116,10 @@ Systems per row:
   (e) eager      updates, state = tx.update(grads, state, params);
                  params = ft.apply_updates(params, updates)
   (f) compiled   with --compile: torch.compile(lambda g, s, p: ft.step(tx, g, s, p),
-                 fullgraph=True), pure, run second in each round (before the eager ft.step, as
-                 in bench_engine); its ratio to (d), the eager step of its kind, and its warm-up
-                 units (the first one compiles) and the number of graphs inductor compiled
-                 for it over all rounds (1: no recompile) are printed below the table;
+                 fullgraph=True), pure (every round runs the systems in an order of its
+                 own: bench_engine.run_rounds); its ratio to (d), the eager step of its kind, and
+                 its warm-up units (the first one compiles) and the number of graphs inductor
+                 compiled for it over all rounds (1: no recompile) are printed below the table;
   (g) compiled   with --compile: the same with donate=True, after (f); its ratio to (c) and
       donated    its warm-up units below the table. torch._dynamo.reset() before each row;
                  ``--cold-cache`` gives the process an empty inductor cache (a temporary
@@ -989,7 +989,9 @@ def main():
         print("command: " + shlex.join(["python"] + sys.argv))
         print(
             f"torch {torch.__version__}; {args.rounds} timed rounds after {args.warmup} warm-up, "
-            f"systems interleaved per round; median over rounds; functional_train from "
+            f"systems interleaved per round, each round in its own shuffled order; "
+            f"median over rounds; "
+            f"functional_train from "
             f"{Path(ft.__file__).parent}"
         )
     if args.dtensor:

@@ -4,7 +4,9 @@ against torch.optim, optax under jax.jit and a memory-bandwidth floor.
 Every system runs the same problem: ``clip_by_global_norm(1.0)`` then AdamW (lr 1e-3, betas
 (0.9, 0.999), eps 1e-8, weight decay 0.1), float32, from the same initial parameters with the
 same gradients (random, ~1e-2 scale). Systems are interleaved round by round in one process
-(each round runs every system once, in order, after ``--warmup`` untimed rounds); the table gives
+(each round runs every system once, after ``--warmup`` untimed rounds, in an order of its own:
+a shuffle seeded by the round's number, so that no system always runs after the same other
+one, see ``run_rounds``); the table gives
 the median ms/step over ``--rounds`` rounds (and the minimum), the ratio of the median to the
 first (baseline) system, the median number of minor page faults during one step (``faults``:
 4 KiB pages the kernel had to map and zero, part of the time; glibc malloc hands large freed
@@ -76,6 +78,7 @@ import contextlib
 import gc
 import math
 import os
+import random
 import shlex
 import socket
 import statistics
@@ -347,9 +350,16 @@ def minor_faults():
 
 
 def run_rounds(systems, rounds, warmup, barrier=None, reduce_max=None, extra=None, log=print):
-    """Runs every system once per round, in order; returns {name: [seconds per timed round]},
+    """Runs every system once per round; returns {name: [seconds per timed round]},
     {name: [minor page faults per timed round]} and {name: [seconds per warm-up round]}. A system
-    that raises is dropped with a note (one process only)."""
+    that raises is dropped with a note (one process only).
+
+    Round ``r`` runs the systems in the order ``random.Random(r)`` shuffles them into (the same
+    on every rank): what ran just before a system moves its time, whatever the system (session
+    75: on the GPT-like tree any functional_train step run right after torch's fused AdamW took
+    1 to 1.5 ms more than the same step run after another functional_train step, ~15%), so one
+    order for every round favours some systems over others; rotating it would not help (each
+    system would still follow the same one)."""
     times = {s.name: [] for s in systems}
     faults = {s.name: [] for s in systems}
     warm = {s.name: [] for s in systems}
@@ -359,7 +369,9 @@ def run_rounds(systems, rounds, warmup, barrier=None, reduce_max=None, extra=Non
     try:
         for r in range(warmup + rounds):
             gc.collect()
-            for s in list(alive):
+            order = list(alive)
+            random.Random(r).shuffle(order)
+            for s in order:
                 s.prepare()
                 if barrier is not None:
                     barrier()
@@ -672,7 +684,8 @@ def main():
         print("command: " + shlex.join(["python"] + sys.argv) + where)
         print(
             f"torch {torch.__version__}; {args.rounds} timed rounds after {args.warmup} warm-up, "
-            f"systems interleaved per round; median over rounds"
+            f"systems interleaved per round, each round in its own shuffled order; "
+            f"median over rounds"
         )
         if STEP_IS_FALLBACK:
             print(
