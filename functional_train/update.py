@@ -16,7 +16,7 @@ from .autograd import is_differentiable, requires_grads_like
 from .engine import elementwise as E
 from .engine.dtensor import spec_of, to_local, wraps_like
 from .engine.metadata import Memo
-from .engine.plan import describe
+from .engine.plan import describe, plan_for
 from .leaves import DTYPE, SHAPE
 from .tree import flatten_as, format_path, indexed, tree_flatten, tree_unflatten
 
@@ -158,7 +158,9 @@ def apply_updates(params: Any, updates: Any) -> Any:
     if torch.compiler.is_compiling() or list(map(DTYPE, ul)) != list(map(DTYPE, pl)):
         ul = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(ul, pl)]
     record = is_differentiable()
-    new = None if record or not idx else E.apply_locals(pl, ul)
+    # (every leaf updated: the results from the pool of the leaves' plan, see apply_locals)
+    plan = (lambda: plan_for(treedef, ul, pl, None)) if len(idx) == len(p) else None
+    new = None if record or not idx else E.apply_locals(pl, ul, plan)
     if new is None:
         with contextlib.nullcontext() if record else torch.no_grad():
             new = foreach.add(pl, ul) if idx else []

@@ -442,6 +442,48 @@ def test_pure_step_reuses_only_dropped_results(monkeypatch):
     torch.testing.assert_close(params["w"], ref_p["w"], rtol=0, atol=0)
 
 
+def test_apply_updates_reuses_only_dropped_results(monkeypatch):
+    """``apply_updates``' new parameters come from the pool of the leaves' plan, as a pure
+    step's results: in a loop ``params = apply_updates(params, updates)`` the parameters of two
+    calls ago, once dropped, are reused (no fresh pages per call), and parameters the caller
+    still holds (the tensor, a view of it, an ``nn.Parameter``'s tree) are never written; the
+    values are ``params + updates`` exactly. (Small leaves are pooled here.)"""
+    from functional_train.engine import pool
+
+    monkeypatch.setattr(pool, "MIN_MEAN_BYTES", 0)
+    ft.engine.plan.cache_clear()
+    torch.manual_seed(0)
+    params = {"w": torch.randn(6, 5), "b": torch.randn(5)}
+    updates = [{"w": torch.randn(6, 5), "b": torch.randn(5)} for _ in range(7)]
+    ptrs = []
+    for u in updates[:4]:
+        want = {k: params[k] + u[k] for k in params}
+        params = ft.apply_updates(params, u)
+        ptrs.append(params["w"].data_ptr())
+        for k in params:
+            assert torch.equal(params[k], want[k])
+    assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[0] != ptrs[1]
+    kept = params
+    kept_view = params["w"][1:]
+    snapshot = {k: v.clone() for k, v in kept.items()}
+    for u in updates[4:]:
+        want = {k: params[k] + u[k] for k in params}
+        params = ft.apply_updates(params, u)
+        for k in params:
+            assert torch.equal(params[k], want[k])
+    for k in kept:
+        assert torch.equal(kept[k], snapshot[k])
+    assert torch.equal(kept_view, snapshot["w"][1:])
+    # (parameters that require grad: new leaves that require grad, from the pool too)
+    leaves = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    for u in updates[:3]:
+        want = {k: leaves[k].detach() + u[k] for k in leaves}
+        leaves = ft.apply_updates(leaves, u)
+        for k in leaves:
+            assert leaves[k].requires_grad and leaves[k].is_leaf
+            assert torch.equal(leaves[k].detach(), want[k])
+
+
 def test_pooled_buffer_with_a_live_lazy_clone_is_not_taken(monkeypatch):
     """``pool.lazy_clones`` records the latest clone of each data address: a pooled buffer
     that clone reads is not handed out again while it lives (writing the buffer would copy

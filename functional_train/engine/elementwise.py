@@ -145,6 +145,7 @@ from ..leaves import CPU, DTYPE, copy_into, on_device
 from ..spec import attach_spec, transform_spec
 from ..tree import indexed
 from . import fuse, native
+from . import pool as pools
 from .collectives import coalesced
 from .dtensor import to_local, wrap_like
 from .metadata import Memo, dict_scope
@@ -798,14 +799,19 @@ def _call_static(static: Callable, params: Any, memo: dict):
 
 
 _TENSOR = {torch.Tensor}
+_NBYTES = operator.attrgetter("nbytes")
 
 
-def apply_locals(p: list, u: list) -> list | None:
+def apply_locals(p: list, u: list, plan: Callable[[], Any] | None = None) -> list | None:
     """``p + u`` leaf by leaf (``apply_updates``' arithmetic: the last stage's ``p + u`` of
     :class:`_Stage`) for plain CPU tensors of equal shapes, through the generated kernels: fresh
-    results, written with non-temporal stores where large (see :mod:`.fuse`). ``None`` where
-    they do not run here (autograd recording, ``torch.compile``, a ``torch.func`` transform, the
-    kernels off, another device or tensor type): the caller adds them itself."""
+    results, written with non-temporal stores where large (see :mod:`.fuse`); where ``plan()``
+    gives the leaves' plan, from its pool (:mod:`.pool`: buffers the caller has dropped, as a
+    pure step's results; new ones take page faults where the allocator has handed freed
+    memory back), but for leaves too small to be pooled (asked before the plan, whose lookup
+    costs ~30 us at 244 leaves). ``None`` where they do not run here (autograd recording,
+    ``torch.compile``, a ``torch.func`` transform, the kernels off, another device or tensor
+    type): the caller adds them itself."""
     if (
         not p
         or not fuse.ENABLED
@@ -818,7 +824,14 @@ def apply_locals(p: list, u: list) -> list | None:
         return None
     stage = _stage_of((), True)
     n = len(p)
-    return _execute_local(stage, (), list(u), list(p), [], [], [None] * n, "pure", None)[0]
+    take = None
+    if plan is not None and sum(map(_NBYTES, p)) >= pools.MIN_MEAN_BYTES * n:
+        pool_take = of_plan(plan(), "pool", Pool).take
+
+        def take(kind, like):
+            return pool_take("apply:" + kind, like)
+
+    return _execute_local(stage, (), list(u), list(p), [], [], [None] * n, "pure", take)[0]
 
 
 def _stage_take(take, scratch, lo: int, final: bool):
