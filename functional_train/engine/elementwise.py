@@ -524,11 +524,7 @@ def run(
     if take is None and apply is None and not torch.compiler.is_compiling():
         # update's results from the plan's pool too (see .pool: reused once the caller has
         # dropped them, so that fresh results take no page faults)
-        # (kinds of their own: a pure step over the same tree keeps its sets)
-        pool_take = of_plan(b.plan, "pool", Pool).take
-
-        def take(kind, like):
-            return pool_take("update:" + kind, like)
+        take = of_plan(b.plan, "pool", Pool).taking("update:")
 
     # (an intermediate stage's updates, read by the next stage only, into the plan's scratch)
     scratch = None if take is None else of_plan(b.plan, "pool", Pool).scratch
@@ -826,11 +822,7 @@ def apply_locals(p: list, u: list, plan: Callable[[], Any] | None = None) -> lis
     n = len(p)
     take = None
     if plan is not None and sum(map(_NBYTES, p)) >= pools.MIN_MEAN_BYTES * n:
-        pool_take = of_plan(plan(), "pool", Pool).take
-
-        def take(kind, like):
-            return pool_take("apply:" + kind, like)
-
+        take = of_plan(plan(), "pool", Pool).taking("apply:")
     return _execute_local(stage, (), list(u), list(p), [], [], [None] * n, "pure", take)[0]
 
 

@@ -275,6 +275,16 @@ class Pool:
                 del sets[0]
             return list(map(_DETACH, bufs))
 
+    def taking(self, prefix: str) -> Callable[[str, Sequence[torch.Tensor]], list]:
+        """:meth:`take` under kinds of their own, ``prefix`` before each (``update``'s and
+        ``apply_updates``' results: a pure step over the same tree keeps its sets)."""
+        take = self.take
+
+        def prefixed(kind: str, like: Sequence[torch.Tensor]) -> list:
+            return take(prefix + kind, like)
+
+        return prefixed
+
     def scratch(self, kind: str, like: Sequence[torch.Tensor]) -> list:
         """Buffers with the shapes, dtypes and devices of ``like`` for work that never leaves
         the step (their contents are garbage afterwards: the gradients the fused kernels

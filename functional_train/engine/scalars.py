@@ -71,6 +71,7 @@ _FUNCTIONS: dict[str, Callable] = {}  # (the decorated functions, by their quali
 _DECODED: dict[str, tuple] = {}  # (a program's text: its function's name, arguments' template)
 _TENSOR = ("tensor",)  # (a template's mark for a tensor argument; a constant's: ("c", value))
 _GATE = ("gate",)  # (a template's last mark where the program is gated: its flag, a tensor)
+_MARKS = {_TENSOR: "T", _GATE: "G"}  # (their letters in a program's text, see _decode)
 _FUNCTIONS_GIVEN: list = []  # (weak references to the functions given to function_number)
 
 
@@ -135,8 +136,7 @@ def _program(name: str, template: tuple) -> str:
     """The program's text: the function's qualified name ``name`` and the constant arguments
     of ``template``, ``|``-separated (called by dynamo while it traces: a constant of the
     graph; in another process, which loads a precompiled step, the same text)."""
-    marks = {_TENSOR: "T", _GATE: "G"}
-    return "|".join([name, *(marks[c] if len(c) == 1 else _encode(c[1]) for c in template)])
+    return "|".join([name, *(_MARKS[c] if len(c) == 1 else _encode(c[1]) for c in template)])
 
 
 # (a gated program's results' shapes and dtypes, per program text and its inputs' shapes and
@@ -279,10 +279,7 @@ def positions_index(positions: str, device: torch.device) -> torch.Tensor:
     written). Made once per text and device for the operator's real calls, which run every
     step (parsing and building it took about 0.1 ms a call at 121 positions); a new one
     under a fake tensor mode (the operator's fake kernel) or while dynamo traces."""
-    if (
-        torch.compiler.is_compiling()
-        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-    ):
+    if _faking():
         return _index(positions, device)
     key = (positions, device)
     hit = _INDICES.get(key)
