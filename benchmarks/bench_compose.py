@@ -516,16 +516,16 @@ class FtLoop(be.PureLoop):
         self.device = device
 
     def prepare(self):
-        self.g = None  # free last unit's gradients before writing new ones
+        self.g = None
+        self.spent.clear()  # (free last unit's gradients before writing new ones)
         self.g = [be.clone_tree(g) for g in self.gsrc]
         sync(self.device)
 
     def step(self):
         gs, self.g = self.g, None
-        while gs:
-            g = gs.pop(0)
+        for g in gs:  # (held in self.spent until prepare: see PureLoop)
             self.p, self.s = self.fn(g, self.s, self.p)
-            del g
+        self.spent.append(gs)
         sync(self.device)
 
     def averaged(self):

