@@ -128,6 +128,7 @@ class KernelClock:
 
     def __init__(self):
         self.total = 0.0
+        self.depth = 0  # (a kernel called inside another is counted once, in the outer)
         for owner, name in (
             (fuse.Kernel, "__call__"),
             (fuse.ForeachKernel, "__call__"),
@@ -138,10 +139,13 @@ class KernelClock:
     def _timed(self, fn):
         def timed(*args, **kwargs):
             t = time.perf_counter()
+            self.depth += 1
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total += time.perf_counter() - t
+                self.depth -= 1
+                if not self.depth:
+                    self.total += time.perf_counter() - t
 
         return timed
 
@@ -159,9 +163,8 @@ class KernelClock:
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    """The tensors of ``tree``, each once (a state may hold one tensor in two fields: a graph
-    takes it as one input, where a list holding it twice makes AOT take the aliasing inputs'
-    slow path)."""
+    """The tensors of ``tree``, each once (a state may hold one tensor in two fields: a
+    compiled step takes it as one input)."""
     return list(
         {id(x): x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)}.values()
     )
