@@ -180,13 +180,12 @@ def row_floor(row, rounds, warmup, evict, clock, log=print):
     # (update + apply_updates: no compiled kind)
     fts = [clock.clocked(s) for s in fts if "update" not in s.name]
     params = be.clone_tree(params0)
-    # (the donated operator is declared to mutate the leaves a donated step writes in place,
-    # the state's and parameters' arrays; their 0-dim values, counters and flags, are read
-    # like the gradients: the step's scalar programs make them anew. Declared mutated, a
-    # bool or float64 0-dim input made AOT's wrapper take ~2.5 ms more a call)
+    # (the donated operator is declared to mutate what a donated step writes in place, the
+    # state's and parameters' arrays; their 0-dim values, counters and flags, are read like
+    # the gradients: the step's scalar programs make them anew. The arrays are copies, written
+    # memory as a step's state is; (b)'s page faults, where it takes them, come with or
+    # without the copies and with or without the 0-dim values declared mutated)
     state_and_params = _tensors((tx.init(params), params))
-    # (copies: written memory, as a step's state is; a state just made may lie in pages the
-    # kernel has not mapped yet, which a compiled call's handling of them then faults in)
     sp = [x.clone() for x in state_and_params if x.dim() > 0]
     g = _tensors(grads[0]) + [x for x in state_and_params if x.dim() == 0]
     floors = [
