@@ -41,6 +41,12 @@ torch's share and the floor are overstated there. Where torch's share is above 0
 compiled step meets the target only with less host work of its own than the eager step; where
 the floor is, not at all.
 
+The same (a) and (b) once more with the state flat: the parameters and gradients as they are,
+the state's arrays one 1-d buffer per dtype and its 0-dim values one vector per dtype (as many
+elements): torch's share if the library kept optimizer state in flat buffers whose leaves
+were views of them, as apex's multi-tensor optimizers and FSDP's flat parameters do. Not
+built (the optax-style state holds a tensor per leaf); this says what it would buy.
+
 Printed per row: the tensors a call takes, torch's cost per call by kind, and per kind the
 eager and compiled units (with their kernels' time), the compiled unit's ratio to the eager
 one, torch's share and the floor; at the end, a table of them. 1 thread (``--threads``), CPU.
@@ -104,6 +110,23 @@ def _donated(state_and_params, grads):
 
 def _pure(state_and_params, grads):
     return _touch_pure(state_and_params, grads)
+
+
+def _donated_flat(state_and_params, grads):  # (a code object of its own: a cache of its own)
+    _touch_donated(state_and_params, grads)
+
+
+def _pure_flat(state_and_params, grads):
+    return _touch_pure(state_and_params, grads)
+
+
+def _flat(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``xs`` as one 1-d buffer per dtype, holding as many elements (the what-if of a state
+    kept in flat buffers: the leaves would be views of these, not inputs of their own)."""
+    by_dtype: dict = {}
+    for x in xs:
+        by_dtype.setdefault(x.dtype, []).append(x.reshape(-1))
+    return [torch.cat(group) for group in by_dtype.values()]
 
 
 class FloorCall:
@@ -188,20 +211,42 @@ def row_floor(row, rounds, warmup, evict, clock, log=print):
     state_and_params = _tensors((tx.init(params), params))
     sp = [x.clone() for x in state_and_params if x.dim() > 0]
     g = _tensors(grads[0]) + [x for x in state_and_params if x.dim() == 0]
+    # (the what-if of a state in flat buffers: the parameters and gradients as they are, the
+    # state's arrays one buffer per dtype, its 0-dim values one vector per dtype)
+    p_ids = {id(x) for x in _tensors(params)}
+    state = _tensors(tx.init(params))
+    sp_flat = [x.clone() for x in _tensors(params)]
+    sp_flat += _flat([x for x in state if x.dim() > 0 and id(x) not in p_ids])
+    g_flat = _tensors(grads[0]) + _flat([x for x in state if x.dim() == 0])
     floors = [
         FloorCall("(a) direct", _touch, sp, g, evict),
         FloorCall("(b) compiled, donated", torch.compile(_donated, fullgraph=True), sp, g, evict),
         FloorCall("(b) compiled, pure", torch.compile(_pure, fullgraph=True), sp, g, evict),
+        FloorCall("(a) direct, state flat", _touch, sp_flat, g_flat, evict),
+        FloorCall(
+            "(b) compiled, donated, state flat",
+            torch.compile(_donated_flat, fullgraph=True),
+            sp_flat,
+            g_flat,
+            evict,
+        ),
+        FloorCall(
+            "(b) compiled, pure, state flat",
+            torch.compile(_pure_flat, fullgraph=True),
+            sp_flat,
+            g_flat,
+            evict,
+        ),
     ]
     times, faults, _ = be.run_rounds(fts + floors, rounds, warmup, log=log)
     ms = {n: statistics.median(v) * 1e3 for n, v in times.items()}
     kernel_ms = {s.name: statistics.median(s.kernel[-rounds:]) * 1e3 for s in fts}
     by_name = {s.name: s for s in fts}
     direct = ms["(a) direct"]
-    n = len(sp) + len(g)
+    n, n_flat = len(sp) + len(g), len(sp_flat) + len(g_flat)
     unit = f"a cycle of {k} calls" if k > 1 else "one call"
     log(f"\nrow {row} ({unit}): {bc.describe(row)}")
-    out = {"row": row, "tensors": n}
+    out = {"row": row, "tensors": n, "tensors_flat": n_flat}
     for kind, eager_name, compiled_name in (
         ("donated", "(c) ft.step(donate=True)", bc.COMPILED_DONATED),
         ("pure", "(d) ft.step(donate=False), pure", bc.COMPILED_PURE),
@@ -211,7 +256,8 @@ def row_floor(row, rounds, warmup, evict, clock, log=print):
         eager, compiled = ms[eager_name], ms[compiled_name]
         kernels = kernel_ms[eager_name]
         share, floor = k * cost / eager, (kernels + k * cost) / eager
-        out[kind] = (cost, compiled / eager, share, floor, b_faults)
+        cost_flat = ms[f"{b_name}, state flat"] - ms["(a) direct, state flat"]
+        out[kind] = (cost, compiled / eager, share, floor, b_faults, k * cost_flat / eager)
         # (both took the same steps with the same gradients: the compiled step is the eager one)
         diff = max(
             float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
@@ -223,7 +269,8 @@ def row_floor(row, rounds, warmup, evict, clock, log=print):
             f"eager unit {eager:.2f} ms ({kernels:.2f} in kernels), compiled {compiled:.2f} ms "
             f"({kernel_ms[compiled_name]:.2f} in kernels) = {compiled / eager:.2f}x eager; "
             f"torch's share {share:.2f}; floor {floor:.2f}x; compiled parameters against "
-            f"eager's: largest relative difference {diff:.1e}"
+            f"eager's: largest relative difference {diff:.1e}; the state flat ({n_flat} "
+            f"tensors): +{cost_flat:.2f} ms a call, torch's share {k * cost_flat / eager:.2f}"
         )
     return out
 
@@ -261,15 +308,17 @@ def main():
     summary = [row_floor(row, args.rounds, args.warmup, evict, clock) for row in rows]
     print(
         "\n| row | tensors a call | torch per compiled call, donated / pure (ms) | compiled "
-        "donated x eager (torch's share, floor) | compiled pure x eager (torch's share, floor) |"
+        "donated x eager (torch's share, floor) | compiled pure x eager (torch's share, floor) "
+        "| the state flat: tensors a call, torch's share donated / pure |"
     )
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for s in summary:
         d, p = s["donated"], s["pure"]
         print(
             f"| {s['row']} | {s['tensors']} | {d[0]:.2f} / {p[0]:.2f}{_faulted(d, p)} | "
             f"{d[1]:.2f} (+{d[2]:.2f}, "
-            f"{d[3]:.2f}) | {p[1]:.2f} (+{p[2]:.2f}, {p[3]:.2f}) |"
+            f"{d[3]:.2f}) | {p[1]:.2f} (+{p[2]:.2f}, {p[3]:.2f}) | {s['tensors_flat']}, "
+            f"{d[5]:.2f} / {p[5]:.2f} |"
         )
 
 
