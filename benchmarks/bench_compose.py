@@ -143,9 +143,9 @@ the torch code's own difference from the replay (on a leaf that starts at zero t
 code's rounding is a large share of the leaf's largest value: ResNet-18's normalisation
 weights under SGD, about 2e-5, where functional_train's results are within 2e-7 of the
 replay). The replay excuses nothing: in the ``multi_steps`` rows every float32 system, the
-torch code included, is about 2.5e-5 from it (where four gradients nearly cancel, their
-float32 sum decides the sign of Adam's step), so a system off the torch code fails there as
-before. ``--dtype
+torch code included, is about 2.5e-5 from it on the small-leaf tree (float32 sums of four
+gradients, read by Adam's normalised step; not looked into further), so a system off the
+torch code fails there as before. ``--dtype
 bfloat16`` casts the parameters and gradients (made in float32) to bfloat16 for every system,
 torch's included; the bound is then 4 units in bfloat16's last place (the generated kernels
 round each result once, torch's foreach code every operation). Not float16: torch.optim's
