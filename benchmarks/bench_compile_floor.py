@@ -208,13 +208,14 @@ def row_floor(row, rounds, warmup, evict, clock, log=print):
     # the gradients: the step's scalar programs make them anew. The arrays are copies, written
     # memory as a step's state is; (b)'s page faults, where it takes them, come with or
     # without the copies and with or without the 0-dim values declared mutated)
-    state_and_params = _tensors((tx.init(params), params))
+    init = tx.init(params)
+    state_and_params = _tensors((init, params))
     sp = [x.clone() for x in state_and_params if x.dim() > 0]
     g = _tensors(grads[0]) + [x for x in state_and_params if x.dim() == 0]
     # (the what-if of a state in flat buffers: the parameters and gradients as they are, the
     # state's arrays one buffer per dtype, its 0-dim values one vector per dtype)
     p_ids = {id(x) for x in _tensors(params)}
-    state = _tensors(tx.init(params))
+    state = _tensors(init)
     sp_flat = [x.clone() for x in _tensors(params)]
     sp_flat += _flat([x for x in state if x.dim() > 0 and id(x) not in p_ids])
     g_flat = _tensors(grads[0]) + _flat([x for x in state if x.dim() == 0])
