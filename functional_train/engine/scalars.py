@@ -72,6 +72,7 @@ _DECODED: dict[str, tuple] = {}  # (a program's text: its function's name, argum
 _TENSOR = ("tensor",)  # (a template's mark for a tensor argument; a constant's: ("c", value))
 _GATE = ("gate",)  # (a template's last mark where the program is gated: its flag, a tensor)
 _MARKS = {_TENSOR: "T", _GATE: "G"}  # (their letters in a program's text, see _decode)
+_MARKED = {letter: mark for mark, letter in _MARKS.items()}  # (_decode's: the same letters)
 _FUNCTIONS_GIVEN: list = []  # (weak references to the functions given to function_number)
 
 
@@ -114,10 +115,8 @@ def _encode(value) -> str:
 
 def _decode(text: str):
     kind, rest = text[0], text[1:]
-    if kind == "T":
-        return _TENSOR
-    if kind == "G":
-        return _GATE
+    if kind in _MARKED:
+        return _MARKED[kind]
     if kind == "N":
         return ("c", None)
     if kind == "B":
