@@ -525,10 +525,11 @@ class FtLoop(be.PureLoop):
             self.s = tx.init(self.p)
         self.device = device
 
+    def fresh_gradients(self):
+        return [be.clone_tree(g) for g in self.gsrc]
+
     def prepare(self):
-        self.g = None
-        self.spent.clear()  # (free last unit's gradients before writing new ones)
-        self.g = [be.clone_tree(g) for g in self.gsrc]
+        super().prepare()
         sync(self.device)
 
     def step(self):

@@ -285,7 +285,11 @@ class PureLoop:
     def prepare(self):
         self.g = None
         self.spent.clear()  # (free last unit's gradients before writing new ones)
-        self.g = clone_tree(self.gsrc)
+        self.g = self.fresh_gradients()
+
+    def fresh_gradients(self):
+        """The next unit's gradients, new buffers (a donated step may write into them)."""
+        return clone_tree(self.gsrc)
 
     def step(self):
         g, self.g = self.g, None
